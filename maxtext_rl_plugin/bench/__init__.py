@@ -1,0 +1,1 @@
+"""Benchmarks: python -m maxtext_rl_plugin.bench {rewards,rollout,reshard}."""

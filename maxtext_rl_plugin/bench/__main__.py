@@ -1,0 +1,27 @@
+"""`python -m maxtext_rl_plugin.bench <name> [args]`: run one benchmark module's `main(argv)`.
+
+Each benchmark measures the plugin and its baseline side by side in one run and ends with one JSON
+line of results, so ratios are comparable on whatever machine runs it.
+"""
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "rewards": "maxtext_rl_plugin.bench.rewards",
+    "rollout": "maxtext_rl_plugin.bench.rollout",
+    "reshard": "maxtext_rl_plugin.bench.reshard",
+}
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  if not argv or argv[0] not in BENCHMARKS:
+    print(f"usage: python -m maxtext_rl_plugin.bench {{{','.join(BENCHMARKS)}}} [--help]", file=sys.stderr)
+    return 2
+  module = importlib.import_module(BENCHMARKS[argv[0]])
+  return module.main(argv[1:]) or 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

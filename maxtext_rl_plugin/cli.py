@@ -1,0 +1,48 @@
+"""`maxtext-rl` console script: one front door to the plugin's commands.
+
+  maxtext-rl train <config.yml> [key=value ...]   (= python -m maxtext_rl_plugin.train_rl)
+  maxtext-rl score --input IN.jsonl --output OUT.jsonl
+  maxtext-rl bench {rewards,rollout,reshard} ...
+  maxtext-rl launch {xpk,xpk-delete,xpk-list,ray} ...
+  maxtext-rl list                                  (registered configs, rewards, engines)
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv=None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if not argv or argv[0] in ("-h", "--help", "help"):
+    print(__doc__)
+    return 0 if argv else 2
+  cmd, rest = argv[0], argv[1:]
+  if cmd == "train":
+    from maxtext_rl_plugin import train_rl  # pylint: disable=import-outside-toplevel
+
+    return train_rl.main(rest)
+  if cmd == "score":
+    from maxtext_rl_plugin.rewards import __main__ as score  # pylint: disable=import-outside-toplevel
+
+    return score.main(["score", *rest])
+  if cmd == "bench":
+    from maxtext_rl_plugin.bench import __main__ as bench  # pylint: disable=import-outside-toplevel
+
+    return bench.main(rest)
+  if cmd == "launch":
+    from maxtext_rl_plugin.launch import __main__ as launch  # pylint: disable=import-outside-toplevel
+
+    return launch.main(rest)
+  if cmd == "list":
+    from maxtext_rl_plugin import registry  # pylint: disable=import-outside-toplevel
+
+    for group, names in registry.describe().items():
+      print(f"{group}: {', '.join(names) or '(none)'}")
+    return 0
+  print(f"error: unknown command '{cmd}' (expected train, score, bench, launch or list)", file=sys.stderr)
+  return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

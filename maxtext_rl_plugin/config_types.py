@@ -1,0 +1,96 @@
+"""The plugin's configuration schema: MaxText's `types.RLConfig` plus the plugin's own keys.
+
+We extend rather than fork: `PluginRLConfig` subclasses MaxText 0.2.5's pydantic `RLConfig`, so
+every key of MaxText's `post_train/rl.yml` keeps its meaning, validation and flat-key routing
+(`loss_algo=gspo-token` on the command line lands in `rl.loss_algo`). Plugin keys are grouped by
+the module that reads them; each has a description, which docs/config_reference.md is generated
+from (`python -m maxtext_rl_plugin.config_doc`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from maxtext.configs import types
+from pydantic import BaseModel, Field
+
+
+class PluginRL(types.RL):
+  """`rl:` block: MaxText's RL keys, with GRPO-group validation and the plugin's loss/sync keys."""
+
+  num_generations: int = Field(
+      2, ge=2, description="Responses sampled per prompt (G in the GRPO paper); >= 2 so a group has a variance."
+  )
+  kl_estimator: Literal["k1", "k3"] = Field(
+      "k3",
+      description=(
+          "KL(pi || pi_ref) estimator in the loss: 'k3' = exp(r) - r - 1 with r = logp_ref - logp (the GRPO paper's, "
+          "unbiased and >= 0); 'k1' = logp - logp_ref (Tunix 0.1.7's default 'kl')."
+      ),
+  )
+  advantage_norm: Literal["group_std", "none"] = Field(
+      "group_std",
+      description="Group advantage: (r - mean_g) / (std_g + 1e-6) with ddof=1 ('group_std', GRPO) or r - mean_g ('none', Dr.GRPO).",
+  )
+  verify_weight_sync: Literal["off", "first", "every_n"] = Field(
+      "first",
+      description="Check after a trainer->sampler weight sync that the sampler holds the new weights: never, on the first sync, or every `verify_weight_sync_every` syncs.",
+  )
+  verify_weight_sync_every: int = Field(10, ge=1, description="Period (in syncs) of the check when verify_weight_sync=every_n.")
+
+
+class PluginKeys(BaseModel):
+  """Top-level keys the plugin adds (flat, like MaxText's)."""
+
+  # --- CLI ---
+  print_config: bool = Field(False, description="Print the resolved configuration as YAML and exit without training.")
+
+  # --- rollout engine (maxtext_rl_plugin.rollout) ---
+  rollout_engine: Literal["auto", "embedded", "vllm"] = Field(
+      "auto",
+      description=(
+          "'embedded': the plugin's JAX KV-cache engine on MaxText's model code (CPU/GPU/TPU); 'vllm': vLLM-TPU "
+          "(needs the [tpu] extra); 'auto': vllm on a TPU/Pathways backend when vllm is importable, else embedded."
+      ),
+  )
+  rollout_prefill_buckets: list[int] = Field(
+      [32, 64, 128, 256, 512, 1024, 2048],
+      description="Prompt lengths are padded up to the next bucket so the engine compiles once per bucket, not per step.",
+  )
+  rollout_batch_buckets: list[int] = Field(
+      [1, 2, 4, 8, 16, 32, 64, 128, 256],
+      description="Rollout batch sizes are padded up to the next bucket (same reason as rollout_prefill_buckets).",
+  )
+  stop_token_ids: list[int] = Field([], description="Extra token ids that end a completion, besides the tokenizer's EOS.")
+
+  # --- data (maxtext_rl_plugin.data) ---
+  train_data_path: str = Field("", description="Local JSONL or Parquet file(s) of GSM8K-style rows (question, answer '... #### N'); overrides dataset_name for training.")
+  eval_data_path: str = Field("", description="Local JSONL or Parquet file(s) for evaluation; overrides eval_dataset_name.")
+  synthetic_seed: int = Field(1234, description="Seed of the built-in synthetic arithmetic problem generator (dataset_name=synthetic).")
+  synthetic_num_eval: int = Field(256, ge=1, description="Size of the held-out synthetic eval split (disjoint from training problems).")
+  synthetic_min_steps: int = Field(1, ge=1, description="Fewest arithmetic operations in a synthetic problem.")
+  synthetic_max_steps: int = Field(2, ge=1, description="Most arithmetic operations in a synthetic problem.")
+  synthetic_max_value: int = Field(20, ge=2, description="Largest operand in a synthetic problem.")
+  use_chat_template: bool = Field(True, description="Build prompts with the tokenizer's chat template (else the plain template of data_template_path).")
+
+  # --- rewards (maxtext_rl_plugin.rewards) ---
+  reward_item_timeout_seconds: float = Field(
+      2.0, gt=0, description="Per-completion timeout for the math_verify fallback; a completion that exceeds it scores as wrong."
+  )
+
+  # --- resharding (maxtext_rl_plugin.resharding) ---
+  reshard_donate: bool = Field(True, description="Donate the sampler's old weight buffers during a sync where the backend supports donation.")
+
+  # --- training loop (maxtext_rl_plugin.trainer) ---
+  sft_warmup_steps: int = Field(0, ge=0, description="Supervised warm-start steps on gold solutions before RL (0 = off); checkpointed so a rerun skips it.")
+  sft_learning_rate: float = Field(1e-3, gt=0, description="Learning rate of the SFT warm start.")
+  sft_batch_size: int = Field(16, ge=1, description="Batch size of the SFT warm start.")
+  eval_before_training: bool = Field(True, description="Greedy eval on the eval split before the first RL step (logged at step 0).")
+  eval_after_training: bool = Field(True, description="Greedy eval after the last RL step.")
+  write_plot: bool = Field(True, description="Write reward/accuracy-per-step PNG (summary.png) into the run directory at the end.")
+
+
+class PluginRLConfig(PluginKeys, types.RLConfig):
+  """MaxText's RLConfig + the plugin's keys; passed to pyconfig as `config_class`."""
+
+  rl: PluginRL = Field(default_factory=PluginRL, description="RL algorithm configuration (GRPO/GSPO).")

@@ -1,0 +1,53 @@
+"""User-facing errors: one line, no traceback.
+
+Anything the user can fix by changing a command line, a yml, a data file or a path raises a
+subclass of `UserError`. Entry points catch it and print `error: <message>` and exit 2, so a
+configuration mistake never surfaces as a traceback from deep inside JAX or pydantic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+
+
+class UserError(Exception):
+  """A mistake the user can fix; the message is one line naming the key/file/row."""
+
+  exit_code = 2
+
+  def __str__(self) -> str:
+    # Keep it to one line whatever the caller passed.
+    return " ".join(str(self.args[0] if self.args else "").split())
+
+
+class ConfigError(UserError):
+  """Unknown key, wrong type, invalid value or missing yml."""
+
+
+class DataError(UserError):
+  """A data file is missing, unreadable or has no usable rows."""
+
+
+class CheckpointError(UserError):
+  """A checkpoint path is missing or not a checkpoint."""
+
+
+class MissingExtraError(UserError):
+  """An optional dependency (an `extras_require` group) is not installed."""
+
+  def __init__(self, feature: str, module: str, extra: str):
+    super().__init__(
+        f"{feature} needs the '{module}' package, which is not installed; "
+        f"install it with: pip install 'maxtext-rl-plugin[{extra}]'"
+    )
+
+
+@contextlib.contextmanager
+def exit_on_user_error():
+  """Turn a `UserError` raised inside the block into `error: ...` on stderr and exit 2."""
+  try:
+    yield
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(e.exit_code)

@@ -1,0 +1,1 @@
+"""Cluster launchers: XPK create-pathways and Ray JaxTrainer."""

@@ -1,0 +1,1 @@
+"""Rollout engines: the embedded JAX KV-cache engine and the vLLM-TPU adapter."""

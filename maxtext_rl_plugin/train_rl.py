@@ -1,0 +1,43 @@
+"""`python -m maxtext_rl_plugin.train_rl <config.yml> [key=value ...]`: GRPO/GSPO on a MaxText model.
+
+The argv contract is MaxText's `train_rl`: first the yml (a path, or the name of a shipped config such
+as `configs/rl.yml`), then pyconfig `key=value` overrides. `print_config=true` prints the resolved
+configuration and exits. Configuration and input mistakes end with one `error: ...` line, exit 2.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Sequence
+
+from maxtext_rl_plugin.errors import exit_on_user_error
+
+
+def _quiet_third_party_logs() -> None:
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+  os.environ.setdefault("GRAIN_LOG_LEVEL", "error")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  """Entry point; `argv` excludes the program name (defaults to sys.argv[1:])."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv and argv[0] in ("-h", "--help"):
+    print(__doc__)
+    return 0
+  _quiet_third_party_logs()
+  with exit_on_user_error():
+    from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+
+    config = config_lib.load_config(argv)
+    if config.print_config:
+      sys.stdout.write(config_lib.dump_yaml(config))
+      return 0
+    from maxtext_rl_plugin import trainer  # pylint: disable=import-outside-toplevel
+
+    trainer.run(config, argv)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

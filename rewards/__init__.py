@@ -1,0 +1,1 @@
+"""GSM8K reward functions, answer extraction and the offline scoring CLI."""
