@@ -1,1 +1,49 @@
-"""GSM8K reward functions, answer extraction and the offline scoring CLI."""
+"""GSM8K reward functions, answer extraction and verification, and the offline `score` CLI.
+
+Installed as `maxtext_rl_plugin.rewards` (setup.cfg maps the top-level rewards/ directory into the
+package). Public API:
+
+* `reward_fns_from_config(config)` -> Tunix reward functions (`fn(prompts, completions, answer, **kw)`);
+* `score(completion, gold, config=None)` / `score_batch(...)` -> `ScoreResult` (correct, reward,
+  extracted, rule, format_ok, partial);
+* `extract_answer(text)` -> (value | None, rule); `is_correct(pred, gold)` -> bool;
+* `python -m maxtext_rl_plugin.rewards score --input IN.jsonl --output OUT.jsonl`.
+"""
+
+from maxtext_rl_plugin.rewards.extraction import RULES, extract, extract_answer, normalize_answer, parse_gold, to_number
+from maxtext_rl_plugin.rewards.gsm8k import (
+    DEFAULT_STACK,
+    RewardConfig,
+    ScoreResult,
+    check_answer,
+    check_numbers,
+    match_format_approximately,
+    match_format_exactly,
+    score,
+    score_batch,
+)
+from maxtext_rl_plugin.rewards.loader import RewardFn, reward_fns_from_config
+from maxtext_rl_plugin.rewards.verify import fast_verdict, is_correct, verify_batch
+
+__all__ = [
+    "DEFAULT_STACK",
+    "RULES",
+    "RewardConfig",
+    "RewardFn",
+    "ScoreResult",
+    "check_answer",
+    "check_numbers",
+    "extract",
+    "extract_answer",
+    "fast_verdict",
+    "is_correct",
+    "match_format_approximately",
+    "match_format_exactly",
+    "normalize_answer",
+    "parse_gold",
+    "reward_fns_from_config",
+    "score",
+    "score_batch",
+    "to_number",
+    "verify_batch",
+]

@@ -1,0 +1,333 @@
+"""Answer extraction and number normalization for GSM8K-style completions.
+
+Everything here is pure Python with linear-time scans (`str.rfind`, regexes with bounded quantifiers),
+because it runs on every completion of every RL step and must not stall on adversarial text
+(100 KB of braces, thousands of unclosed tags). MaxText's `utils_rl.extract_answer` only looks inside
+`<answer>` tags or `\\boxed{}`; models that answer in any other style score zero there. Here each
+completion goes through an ordered list of rules and the rule that fired is recorded, so a reward
+curve can be read together with *how* answers were found.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from fractions import Fraction
+from typing import Optional
+
+# Rule names, in priority order (recorded in ScoreResult.rule and the score CLI's output).
+RULE_ANSWER_TAG = "answer_tag"
+RULE_BOXED = "boxed"
+RULE_HASH = "hash"
+RULE_ANSWER_IS = "answer_is"
+RULE_A_COLON = "a_colon"
+RULE_LAST_NUMBER = "last_number"
+RULE_NONE = "none"
+RULES = (RULE_ANSWER_TAG, RULE_BOXED, RULE_HASH, RULE_ANSWER_IS, RULE_A_COLON, RULE_LAST_NUMBER, RULE_NONE)
+
+DEFAULT_SOLUTION_START = "<answer>"
+DEFAULT_SOLUTION_END = "</answer>"
+
+# A number as written in text: optional sign (only when not glued to a preceding word/number, so the
+# '-' of "5-3" is an operator), thousands separators, decimals.
+_NUM = r"(?:(?<![\w)\].])[-\u2212])?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?:(?<![\w)\].])[-\u2212])?\.\d+"
+_NUM_RE = re.compile(_NUM)
+_HASH_RE = re.compile(r"####[ \t]{0,16}\$?[ \t]{0,4}(" + _NUM + ")")
+_ANSWER_IS_RE = re.compile(
+    r"answer(?:[ \t]{1,4}is|[ \t]{0,4}:|[ \t]{1,4}=)[ \t]{0,8}(?:\*\*)?[ \t]{0,4}\\?\$?[ \t]{0,4}(?:\\boxed\{)?(" + _NUM + ")",
+    re.IGNORECASE,
+)
+_A_COLON_RE = re.compile(r"(?:^|\n)[ \t]{0,8}(?:\*\*)?A(?:\*\*)?[ \t]{0,4}:[ \t]{0,8}\\?\$?[ \t]{0,4}(" + _NUM + ")")
+_BRACE_RE = re.compile(r"[{}]")
+_BOXED = "\\boxed"
+_MATH_CHARS = frozenset("\\^{}()*/+=<>|[]_")
+
+# Longest extracted answer we try to interpret; anything longer is not a GSM8K answer and would only
+# feed math_verify a parsing problem.
+MAX_ANSWER_CHARS = 1000
+
+# Canonical numeric forms accepted without math_verify.
+_PLAIN_NUM_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|-?\.\d+")
+_FRACTION_RE = re.compile(r"(-?\d+)\s{0,4}/\s{0,4}(-?\d+)")
+_LATEX_FRAC_RE = re.compile(r"(-?)\\[dt]?frac\{\s{0,4}(-?\d+)\s{0,4}\}\{\s{0,4}(-?\d+)\s{0,4}\}")
+_TEXT_CMD_RE = re.compile(r"\\(?:text|mathrm|textbf|mbox|mathbf)\{([^{}]{0,64})\}")
+_STRIP_TOKENS = ("\\$", "$", "\\%", "%", "\\!", "\\,", "\\;", "\\ ", "^\\circ", "^{\\circ}", "\u00b0", "**", "\\left", "\\right")
+_UNIT_WORD_RE = re.compile(r"^(-?[\d.,/]+)\s{0,4}[a-zA-Z][a-zA-Z ]{0,40}\.?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Extraction:
+  """What `extract_answer` found: the answer text (None if nothing), the rule, and the raw tag body."""
+
+  value: Optional[str]
+  rule: str
+  raw: Optional[str] = None  # the unstripped text the value came from (answer tag body), for whitespace rewards
+
+
+def _clean(text: str) -> str:
+  """Strip decoration around a value: `$`, `%`, `\\text{units}`, `\\(`...`\\)`, a trailing period."""
+  s = text.strip()
+  if not s:
+    return s
+  if "\\" in s or "{" in s:
+    s = _TEXT_CMD_RE.sub(r" \1", s)
+    for a, b in (("\\(", ""), ("\\)", ""), ("\\[", ""), ("\\]", "")):
+      s = s.replace(a, b)
+  for tok in _STRIP_TOKENS:
+    if tok in s:
+      s = s.replace(tok, "")
+  s = s.strip().rstrip(".").strip()
+  if len(s) >= 2 and s[0] == "{" and s[-1] == "}":
+    s = s[1:-1].strip()
+  return s.replace("\u2212", "-")
+
+
+def to_number(text: Optional[str]) -> Optional[Fraction]:
+  """Exact value of a plainly written number ("1,234", "$18.00", "-3.5", "3/4", "\\frac{3}{4}", "25%").
+
+  Returns None for anything that needs a math parser (expressions, sets, words); those go to
+  math_verify. Exact `Fraction`s, so "72.00" == "72" and "0.5" == "1/2" without float error.
+  """
+  if text is None:
+    return None
+  return _to_number_cached(text) if len(text) <= 256 else None
+
+
+@functools.lru_cache(maxsize=65536)
+def _to_number_cached(text: str) -> Optional[Fraction]:
+  s = _clean(text)
+  if not s:
+    return None
+  if s[0] == "+":
+    s = s[1:]
+  if _PLAIN_NUM_RE.fullmatch(s):
+    try:
+      return Fraction(s.replace(",", "").rstrip("."))
+    except (ValueError, ZeroDivisionError):
+      return None
+  m = _FRACTION_RE.fullmatch(s) or None
+  if m:
+    den = int(m.group(2))
+    return Fraction(int(m.group(1)), den) if den else None
+  m = _LATEX_FRAC_RE.fullmatch(s)
+  if m:
+    den = int(m.group(3))
+    if not den:
+      return None
+    v = Fraction(int(m.group(2)), den)
+    return -v if m.group(1) else v
+  m = _UNIT_WORD_RE.fullmatch(s)  # "18 dollars", "3.5 hours"
+  if m and m.group(1) != s:
+    return _to_number_cached(m.group(1))
+  return None
+
+
+def format_number(value: Fraction) -> str:
+  """Canonical text of a number: "72", "-3.5", "1/3" (non-terminating decimals stay fractions)."""
+  if value.denominator == 1:
+    return str(value.numerator)
+  den = value.denominator
+  while den % 2 == 0:
+    den //= 2
+  while den % 5 == 0:
+    den //= 5
+  if den != 1:
+    return f"{value.numerator}/{value.denominator}"
+  # Terminating decimal: exact digits, no float rounding.
+  sign = "-" if value < 0 else ""
+  v = abs(value)
+  whole = v.numerator // v.denominator
+  frac = v - whole
+  digits = ""
+  while frac:
+    frac *= 10
+    d = frac.numerator // frac.denominator
+    digits += str(d)
+    frac -= d
+  return f"{sign}{whole}.{digits}"
+
+
+def normalize_answer(text: Optional[str]) -> Optional[str]:
+  """Canonical string of an answer: the number's canonical text, else the cleaned text (None if empty)."""
+  if text is None:
+    return None
+  v = to_number(text)
+  if v is not None:
+    return format_number(v)
+  s = _clean(text)
+  return s or None
+
+
+def parse_gold(text, numeric_only: bool = True) -> Optional[str]:
+  """Gold answer of a GSM8K row: the value after the last `#### `, else the whole text if it is one value.
+
+  Parsed once per row at load time; returns the canonical string ("1,200" -> "1200", "$18.00" -> "18")
+  or None when there is no usable answer (the row is then skipped and counted by the data loader).
+  `numeric_only=False` also keeps a short non-numeric answer ("\\frac{\\pi}{2}"), for the score CLI.
+  """
+  if text is None:
+    return None
+  if isinstance(text, (int, float)) and not isinstance(text, bool):
+    text = str(text)
+  if not isinstance(text, str):
+    return None
+  if "####" in text:
+    tail = text.rsplit("####", 1)[1].strip()
+    if not tail:
+      return None
+    first_line = tail.splitlines()[0].strip()
+    v = to_number(first_line)
+    if v is None:
+      m = _NUM_RE.search(first_line)
+      v = to_number(m.group(0)) if m else None
+    if v is not None:
+      return format_number(v)
+    return None if numeric_only or len(first_line) > 64 else first_line
+  s = text.strip()
+  if not s or len(s) > MAX_ANSWER_CHARS:
+    return None
+  v = to_number(s)
+  if v is not None:
+    return format_number(v)
+  # A bare non-numeric answer (e.g. "\\frac{\\pi}{2}") is kept only if asked for and a single short line.
+  return None if numeric_only or "\n" in s or len(s) > 64 else s
+
+
+def last_balanced_boxed(text: str) -> Optional[str]:
+  """Content of the `\\boxed{...}` whose closing brace comes last; linear in len(text).
+
+  One pass over the braces with a stack (MaxText's fixed version of the same idea): unclosed boxes are
+  ignored, nested braces inside a box are kept.
+  """
+  if _BOXED not in text:
+    return None
+  best = None
+  best_end = -1
+  stack: list[int] = []
+  for m in _BRACE_RE.finditer(text):
+    i = m.start()
+    if text[i] == "{":
+      stack.append(i)
+    elif stack:
+      op = stack.pop()
+      if i > best_end and op >= 6 and text.startswith(_BOXED, op - 6):
+        best, best_end = (op + 1, i), i
+  if best is None:
+    return None
+  return text[best[0] : best[1]].strip()
+
+
+def last_tag_block(text: str, start: str, end: str) -> Optional[str]:
+  """Body of the last complete `start ... end` block (the nearest `start` before the last `end`)."""
+  j = text.rfind(end)
+  if j < 0:
+    return None
+  # If the last `end` has no `start` before it, no earlier `end` has one either.
+  i = text.rfind(start, 0, j)
+  return text[i + len(start) : j] if i >= 0 else None
+
+
+def _last_match(regex: re.Pattern, text: str) -> Optional[str]:
+  last = None
+  for m in regex.finditer(text):
+    last = m
+  return last.group(1) if last else None
+
+
+def _value_from_body(body: str) -> str:
+  """The answer inside an `<answer>` body: a boxed value, the body if it is one value, or its last number."""
+  boxed = last_balanced_boxed(body)
+  if boxed is not None:
+    body = boxed
+  s = body.strip()
+  if to_number(s) is not None or len(s) > MAX_ANSWER_CHARS:
+    return s
+  if "=" in s:  # "3 * 6 = 18"
+    rhs = s.rsplit("=", 1)[1].strip()
+    if to_number(rhs) is not None:
+      return rhs
+  nums = _NUM_RE.findall(s)
+  # Words around numbers ("18 dollars", "12 then 15 apples") -> the last number; math stays whole
+  # ("\\sqrt{64}", "2^3") for math_verify.
+  if nums and not any(c in _MATH_CHARS for c in s):
+    return nums[-1].rstrip(",")
+  return s
+
+
+def extract_answer(text: str, solution_start: str = DEFAULT_SOLUTION_START, solution_end: str = DEFAULT_SOLUTION_END) -> tuple[Optional[str], str]:
+  """(answer text or None, rule that fired) for any model's completion.
+
+  Rules, first that applies wins: the last `<answer>...</answer>` block (tokens configurable; a
+  `\\boxed{}` or a single number inside it is taken), the last balanced `\\boxed{}`, the last `#### N`,
+  the last "the answer is N" / "Answer: N", the last line "A: N", and finally the last number.
+  """
+  e = extract(text, solution_start, solution_end)
+  return e.value, e.rule
+
+
+def extract(text: str, solution_start: str = DEFAULT_SOLUTION_START, solution_end: str = DEFAULT_SOLUTION_END) -> Extraction:
+  """`extract_answer` with the raw tag body kept (see `Extraction`)."""
+  if not isinstance(text, str) or not text:
+    return Extraction(None, RULE_NONE)
+  body = last_tag_block(text, solution_start, solution_end) if solution_start and solution_end else None
+  if body is not None and body.strip():
+    return Extraction(_value_from_body(body), RULE_ANSWER_TAG, body)
+  boxed = last_balanced_boxed(text)
+  if boxed:
+    return Extraction(_value_from_body(boxed), RULE_BOXED, boxed)
+  if "####" in text:
+    v = _last_match(_HASH_RE, text)
+    if v is not None:
+      return Extraction(v, RULE_HASH)
+  lower_has_answer = "nswer" in text or "NSWER" in text
+  if lower_has_answer:
+    v = _last_match(_ANSWER_IS_RE, text)
+    if v is not None:
+      return Extraction(v, RULE_ANSWER_IS)
+  if "A" in text and ":" in text:
+    v = _last_match(_A_COLON_RE, text)
+    if v is not None:
+      return Extraction(v, RULE_A_COLON)
+  v = last_number(text)
+  if v is not None:
+    return Extraction(v, RULE_LAST_NUMBER)
+  return Extraction(None, RULE_NONE)
+
+
+def last_number(text: str) -> Optional[str]:
+  """The last number written in `text` (scans the tail first, so long completions cost little)."""
+  n = len(text)
+  window = 512
+  while True:
+    lo = max(0, n - window)
+    # Back off to a non-number character so a number is never cut in half at the window edge.
+    while lo > 0 and (text[lo - 1].isdigit() or text[lo - 1] in ",.-\u2212"):
+      lo -= 1
+    found = None
+    for m in _NUM_RE.finditer(text, lo):
+      found = m.group(0)
+    if found is not None or lo == 0:
+      return found.rstrip(",") if found else None
+    window *= 8
+
+
+def match_format_exact(text: str, reasoning_start: str, reasoning_end: str, solution_start: str, solution_end: str, reasoning_start_in_prompt: bool = False) -> bool:
+  """True iff MaxText's format regex `RS.*?RE.*?SS(.+?)SE` (DOTALL) would match, in linear time.
+
+  Earliest occurrences are optimal for this ordered-subsequence pattern, so four `str.find`s decide
+  it exactly without the regex's quadratic backtracking on text with many unclosed tags.
+  """
+  pos = 0
+  if not reasoning_start_in_prompt:
+    i = text.find(reasoning_start)
+    if i < 0:
+      return False
+    pos = i + len(reasoning_start)
+  j = text.find(reasoning_end, pos)
+  if j < 0:
+    return False
+  k = text.find(solution_start, j + len(reasoning_end))
+  if k < 0:
+    return False
+  return text.find(solution_end, k + len(solution_start) + 1) >= 0

@@ -1,0 +1,226 @@
+"""The GSM8K reward stack MaxText users know, on the plugin's extraction and verification.
+
+`match_format_exactly`, `match_format_approximately` and `check_answer` keep the names, config keys
+(`reward_*`, `penalty_*`, `*_token`) and calling convention of MaxText 0.2.5's `utils_rl` (they accept
+`tmvp_config=`), so a MaxText recipe's numbers carry over. What differs, and why:
+
+* answers are found by the ordered rules of `extract.py` (not only inside `<answer>`/`\\boxed{}`), so a
+  model that writes "#### 18" or "The answer is 18" is graded on its answer; formatting is rewarded by
+  the two format functions, not by zeroing the answer reward;
+* numbers are compared exactly in-process; math_verify only sees what is not a plain number, in
+  killable workers with a per-item deadline (`verify.py`);
+* partial credit: a wrong numeric answer within 10% of the gold earns `reward_ratio_guess_to_answer_high`,
+  within 20% `reward_ratio_guess_to_answer_low` (the bands of MaxText's/Tunix's GSM8K recipes and of
+  MaxText's `check_correctness`), anything else `penalty_incorrect_answer`; no answer at all earns
+  `penalty_incorrect_format`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any, Optional, Sequence
+
+from maxtext_rl_plugin.rewards import extraction as ex
+from maxtext_rl_plugin.rewards import verify
+
+_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardConfig:
+  """The reward keys of a MaxText/plugin config, as a small picklable value (defaults: MaxText's rl.yml)."""
+
+  reasoning_start_token: str = "<reasoning>"
+  reasoning_end_token: str = "</reasoning>"
+  solution_start_token: str = "<answer>"
+  solution_end_token: str = "</answer>"
+  reasoning_start_token_in_prompt: bool = False
+  reward_exact_answer: float = 1.0
+  reward_white_space_format_match: float = 1.0
+  reward_exact_format_match: float = 0.1
+  reward_partial_format_match: float = 0.0
+  reward_ratio_guess_to_answer_high: float = 0.0
+  reward_ratio_guess_to_answer_low: float = 0.0
+  penalty_incorrect_format: float = 0.0
+  penalty_incorrect_answer: float = 0.0
+  reward_item_timeout_seconds: float = verify.DEFAULT_TIMEOUT_SECONDS
+  math_verify_num_procs: Optional[int] = None
+
+  @classmethod
+  def of(cls, config: Any = None) -> "RewardConfig":
+    """From a MaxText HyperParameters / pydantic config / RewardConfig / None (defaults)."""
+    if config is None:
+      return _DEFAULT
+    if isinstance(config, cls):
+      return config
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+      v = getattr(config, f.name, None)
+      if v is not None:
+        kwargs[f.name] = v
+    return cls(**kwargs)
+
+
+_DEFAULT = RewardConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreResult:
+  """One completion graded against one gold answer.
+
+  `reward` is what the default stack (the three functions below) sums to; `partial` is MaxText's
+  partial correctness (within 10% of the gold, or correct).
+  """
+
+  correct: bool
+  reward: float
+  extracted: Optional[str]
+  rule: str
+  format_ok: bool
+  partial: bool
+  format_reward: float = 0.0
+  answer_reward: float = 0.0
+
+  def to_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def format_exact_ok(completion: str, rc: RewardConfig) -> bool:
+  return ex.match_format_exact(
+      completion,
+      rc.reasoning_start_token,
+      rc.reasoning_end_token,
+      rc.solution_start_token,
+      rc.solution_end_token,
+      rc.reasoning_start_token_in_prompt,
+  )
+
+
+def _approx_score(c: str, rc: RewardConfig) -> float:
+  good, bad = rc.reward_partial_format_match, rc.penalty_incorrect_format
+  s = good if (rc.reasoning_start_token_in_prompt or c.count(rc.reasoning_start_token) == 1) else bad
+  s += good if c.count(rc.reasoning_end_token) == 1 else bad
+  s += good if c.count(rc.solution_start_token) == 1 else bad
+  s += good if c.count(rc.solution_end_token) == 1 else bad
+  return s
+
+
+def match_format_exactly(prompts: Sequence[str], completions: Sequence[str], tmvp_config: Any = None, **kwargs: Any) -> list[float]:
+  """`reward_exact_format_match` when the completion has `<reasoning>..</reasoning>..<answer>X</answer>`."""
+  del prompts, kwargs
+  rc = RewardConfig.of(tmvp_config)
+  w = rc.reward_exact_format_match
+  return [w if isinstance(c, str) and format_exact_ok(c, rc) else 0.0 for c in completions]
+
+
+def match_format_approximately(prompts: Sequence[str], completions: Sequence[str], tmvp_config: Any = None, **kwargs: Any) -> list[float]:
+  """Per tag seen exactly once `reward_partial_format_match`, else `penalty_incorrect_format` (MaxText's)."""
+  del prompts, kwargs
+  rc = RewardConfig.of(tmvp_config)
+  return [_approx_score(c if isinstance(c, str) else "", rc) for c in completions]
+
+
+@functools.lru_cache(maxsize=65536)
+def gold_alternatives(gold: Any) -> tuple[str, ...]:
+  """Acceptable answers for a gold: a bare value, a GSM8K solution ending in `#### N`, or MaxText's
+  JSON-encoded list of acceptable answers (`'["72", "72"]'`)."""
+  if not isinstance(gold, str):
+    g = ex.parse_gold(gold, numeric_only=False)
+    return (g,) if g is not None else ()
+  s = gold.strip()
+  if s.startswith("[") and s.endswith("]"):
+    try:
+      items = json.loads(s)
+      if isinstance(items, list):
+        return tuple(dict.fromkeys(a for a in (ex.parse_gold(str(i), numeric_only=False) for i in items) if a))
+    except ValueError:
+      pass
+  g = ex.parse_gold(s, numeric_only=False)
+  return (g,) if g is not None else ()
+
+
+def _ratio_band(pred: Optional[str], golds: tuple[str, ...]) -> int:
+  """2 if the prediction is within 10% of a gold number, 1 if within 20%, else 0."""
+  p = ex.to_number(pred)
+  if p is None:
+    return 0
+  best = 0
+  for g in golds:
+    gv = ex.to_number(g)
+    if gv is None:
+      continue
+    r = (float(p) + _EPS) / (float(gv) + _EPS)
+    if 0.9 <= r <= 1.1:
+      return 2
+    if 0.8 <= r <= 1.2:
+      best = 1
+  return best
+
+
+def _grade(completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig) -> list[tuple[ex.Extraction, bool, float, bool]]:
+  """(extraction, correct, answer reward, partial) per completion; slow verifications run in parallel."""
+  exts = [ex.extract(c, rc.solution_start_token, rc.solution_end_token) if isinstance(c, str) else ex.Extraction(None, ex.RULE_NONE) for c in completions]
+  golds = [gold_alternatives(a) for a in answers]
+  pairs, owners = [], []
+  for i, (e, g) in enumerate(zip(exts, golds)):
+    if e.value is not None:
+      for alt in g:
+        pairs.append((e.value, alt))
+        owners.append(i)
+  verdicts = verify.verify_batch(pairs, rc.reward_item_timeout_seconds, rc.math_verify_num_procs)
+  correct = [False] * len(completions)
+  for i, v in zip(owners, verdicts):
+    correct[i] = correct[i] or v
+  out = []
+  for e, g, ok in zip(exts, golds, correct):
+    if e.value is None:
+      out.append((e, False, rc.penalty_incorrect_format, False))
+    elif ok:
+      raw = e.raw
+      ws_only = raw is not None and raw != raw.strip() and raw.strip() in g
+      out.append((e, True, rc.reward_white_space_format_match if ws_only else rc.reward_exact_answer, True))
+    else:
+      band = _ratio_band(e.value, g)
+      r = (rc.penalty_incorrect_answer, rc.reward_ratio_guess_to_answer_low, rc.reward_ratio_guess_to_answer_high)[band]
+      out.append((e, False, r, band == 2))
+  return out
+
+
+def check_answer(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any] = (), tmvp_config: Any = None, **kwargs: Any) -> list[float]:
+  """Answer correctness with partial credit and penalties (see module docstring); MaxText's `check_numbers` role."""
+  del prompts, kwargs
+  if len(answer) != len(completions):
+    raise ValueError(f"check_answer: got {len(answer)} answers for {len(completions)} completions")
+  return [g[2] for g in _grade(completions, answer, RewardConfig.of(tmvp_config))]
+
+
+# MaxText's name for the same role, so `reward_functions=check_numbers` keeps working.
+check_numbers = check_answer
+
+BUILTIN_REWARD_FNS = {
+    "match_format_exactly": match_format_exactly,
+    "match_format_approximately": match_format_approximately,
+    "check_answer": check_answer,
+    "check_numbers": check_answer,
+}
+DEFAULT_STACK = ("match_format_exactly", "match_format_approximately", "check_answer")
+
+
+def score_batch(completions: Sequence[str], golds: Sequence[Any], config: Any = None) -> list[ScoreResult]:
+  """Grade many completions at once (the slow path runs in parallel); per-completion eval metrics."""
+  rc = RewardConfig.of(config)
+  graded = _grade(completions, golds, rc)
+  out = []
+  for c, (e, ok, answer_r, partial) in zip(completions, graded):
+    c = c if isinstance(c, str) else ""
+    fmt = format_exact_ok(c, rc)
+    format_r = (rc.reward_exact_format_match if fmt else 0.0) + _approx_score(c, rc)
+    out.append(ScoreResult(ok, format_r + answer_r, e.value, e.rule, fmt, partial, format_r, answer_r))
+  return out
+
+
+def score(completion: str, gold: Any, config: Any = None) -> ScoreResult:
+  """Grade one completion against a gold (bare value or GSM8K solution ending in `#### N`)."""
+  return score_batch([completion], [gold], config)[0]

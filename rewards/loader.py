@@ -1,0 +1,180 @@
+"""Build the reward-function list the trainer hands to Tunix, from config keys.
+
+* default: the GSM8K stack `match_format_exactly`, `match_format_approximately`, `check_answer`;
+* `reward_functions=a,b` (comma-separated): these names instead, looked up in `reward_functions_path`
+  (a .py file) when set, then in the `maxtext_rl_plugin.reward_functions` entry-point group (other
+  installed packages can register there), then among the built-ins (`check_numbers` is MaxText's
+  name for `check_answer`).
+
+Tunix calls `fn(prompts=..., completions=..., **batch_columns)` and uses `fn.__name__` as the metric
+name. Functions written for MaxText take `tmvp_config` as well; that is detected from the signature
+and the config is bound. A signature that cannot work is rejected at start-up, not at step 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import inspect
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from absl import logging
+
+from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.rewards import gsm8k
+
+# Arguments the trainer supplies (Tunix passes the batch's extra columns as keyword arguments).
+SUPPLIED_ARGS = ("prompts", "completions", "answer", "question", "mode", "tmvp_config")
+TUNIX_SIGNATURE = "fn(prompts, completions, answer, **kwargs) -> list[float]"
+MAXTEXT_SIGNATURE = "fn(prompts, completions, tmvp_config, **kwargs) -> list[float]"
+
+
+class RewardFn:
+  """A reward function bound to its config: picklable (no closure), keeps the wrapped `__name__`.
+
+  Checks what the function returns (one number per completion) so a broken user function fails with
+  its name in the message instead of a shape error inside the advantage computation.
+  """
+
+  def __init__(self, fn: Callable, config: Any = None, pass_config: bool = False, source: str = "built-in"):
+    functools.update_wrapper(self, fn)
+    self.fn = fn
+    self.config = config
+    self.pass_config = pass_config
+    self.source = source
+
+  def __call__(self, prompts: Sequence[str], completions: Sequence[str], **kwargs: Any) -> list[float]:
+    if self.pass_config:
+      kwargs["tmvp_config"] = self.config
+    out = self.fn(prompts=prompts, completions=completions, **kwargs)
+    try:
+      values = [float(v) for v in out]
+    except (TypeError, ValueError):
+      raise ConfigError(
+          f"reward function '{self.__name__}' ({self.source}) must return a list of numbers, got {type(out).__name__}"
+      ) from None
+    if len(values) != len(completions):
+      raise ConfigError(
+          f"reward function '{self.__name__}' ({self.source}) returned {len(values)} values for {len(completions)} completions"
+      )
+    return values
+
+  def __repr__(self) -> str:
+    return f"RewardFn({self.__name__} from {self.source})"
+
+
+def check_signature(fn: Any, name: str, source: str) -> bool:
+  """Validate a reward function's signature; returns whether it wants `tmvp_config` (MaxText style)."""
+  if not callable(fn):
+    raise ConfigError(f"reward_functions: '{name}' in {source} is a {type(fn).__name__}, not a function")
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False  # builtins / C callables: trust them
+  kinds = {p.kind for p in params.values()}
+  has_var_kw = inspect.Parameter.VAR_KEYWORD in kinds
+  expected = f"expected {TUNIX_SIGNATURE} or {MAXTEXT_SIGNATURE}"
+  sig = f"({', '.join(str(p) for p in params.values())})"
+  for needed in ("prompts", "completions"):
+    p = params.get(needed)
+    if p is None or p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL):
+      raise ConfigError(f"reward_functions: '{name}' in {source} has signature {sig}; {expected}")
+  if not has_var_kw:
+    raise ConfigError(
+        f"reward_functions: '{name}' in {source} has signature {sig} without **kwargs (the trainer passes the batch's "
+        f"columns such as answer and question); {expected}"
+    )
+  missing = [
+      p.name
+      for p in params.values()
+      if p.default is inspect.Parameter.empty
+      and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+      and p.name not in SUPPLIED_ARGS
+  ]
+  if missing:
+    raise ConfigError(
+        f"reward_functions: '{name}' in {source} requires {', '.join(missing)}, which the trainer does not supply "
+        f"(it passes {', '.join(SUPPLIED_ARGS)}); {expected}"
+    )
+  return "tmvp_config" in params
+
+
+def _load_user_module(path: str):
+  if not os.path.isfile(path):
+    raise ConfigError(f"reward_functions_path='{path}': file not found")
+  stem = os.path.splitext(os.path.basename(path))[0]
+  mod_name = f"_maxtext_rl_user_rewards_{''.join(c if c.isalnum() else '_' for c in stem)}"
+  spec = importlib.util.spec_from_file_location(mod_name, os.path.abspath(path))
+  if spec is None or spec.loader is None:
+    raise ConfigError(f"reward_functions_path='{path}': not an importable Python file")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[mod_name] = module  # so the functions pickle by reference
+  try:
+    spec.loader.exec_module(module)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    sys.modules.pop(mod_name, None)
+    raise ConfigError(f"reward_functions_path='{path}': importing it failed: {type(e).__name__}: {e}") from None
+  return module
+
+
+def _registered(name: str):
+  try:
+    from maxtext_rl_plugin import registry  # pylint: disable=import-outside-toplevel
+
+    eps = registry.entry_points("reward_functions")
+  except Exception:  # pylint: disable=broad-exception-caught
+    return None
+  ep = eps.get(name)
+  if ep is None:
+    return None
+  try:
+    return ep.load(), f"entry point {ep.value}"
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    raise ConfigError(f"reward_functions: entry point '{name}' ({ep.value}) failed to load: {e}") from None
+
+
+def resolve(names: Sequence[str], path: str = "") -> list[tuple[str, Callable, str]]:
+  """(name, function, where-it-came-from) for each name; ConfigError naming the first missing one."""
+  module = _load_user_module(path) if path else None
+  out = []
+  for name in names:
+    if module is not None and hasattr(module, name):
+      out.append((name, getattr(module, name), f"reward_functions_path='{path}'"))
+      continue
+    reg = _registered(name)
+    if reg is not None:
+      out.append((name, reg[0], reg[1]))
+      continue
+    if name in gsm8k.BUILTIN_REWARD_FNS:
+      out.append((name, gsm8k.BUILTIN_REWARD_FNS[name], "built-in"))
+      continue
+    defined = sorted(
+        k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_") and v.__module__ == module.__name__
+    ) if module is not None else []
+    where = f"'{path}' (defines: {', '.join(defined) or 'no functions'})" if module is not None else "the built-ins"
+    raise ConfigError(
+        f"reward_functions: '{name}' is not defined in {where}; built-ins: {', '.join(sorted(gsm8k.BUILTIN_REWARD_FNS))}"
+    )
+  return out
+
+
+def reward_fns_from_config(config: Any) -> list[Callable]:
+  """Tunix-compatible reward functions `fn(prompts, completions, answer, **kwargs) -> list[float]`."""
+  names_raw = (getattr(config, "reward_functions", "") or "").strip()
+  path = (getattr(config, "reward_functions_path", "") or "").strip()
+  if path and not names_raw:
+    raise ConfigError(f"reward_functions_path='{path}' is set but reward_functions is empty; name the functions to use (comma-separated)")
+  names = [n.strip() for n in names_raw.split(",") if n.strip()] or list(gsm8k.DEFAULT_STACK)
+  if len(set(names)) != len(names):
+    raise ConfigError(f"reward_functions='{names_raw}' lists a function twice")
+  rc = gsm8k.RewardConfig.of(config)
+  fns = []
+  for name, fn, source in resolve(names, path):
+    wants_config = check_signature(fn, name, source)
+    builtin = fn in gsm8k.BUILTIN_REWARD_FNS.values()
+    # Built-ins get the small RewardConfig (cheap to pickle); user functions get the whole config.
+    fns.append(RewardFn(fn, rc if builtin else config, pass_config=wants_config, source=source))
+  logging.info("reward functions: %s", ", ".join(f"{f.__name__} ({f.source})" for f in fns))
+  return fns
