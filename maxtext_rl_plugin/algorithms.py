@@ -1,0 +1,410 @@
+r"""Policy loss (GRPO, GSPO-token), group advantages and KL estimators, wired into Tunix 0.1.7's learner.
+
+Notation: B completions, T completion positions, m_{i,t} in {0,1} the completion mask, n_i = sum_t m_{i,t},
+lp = log pi_theta(o_{i,t} | q, o_{i,<t}) (`per_token_logps`), lp_old (the sampling policy), lp_ref (the
+frozen reference), A_i the (sequence-level) advantage, eps_lo = `epsilon`, eps_hi = `epsilon_high`.
+
+GRPO (Shao et al. 2024, DeepSeekMath eq. 21; asymmetric "clip-higher" from DAPO, Yu et al. 2025):
+    r_{i,t} = exp(lp - lp_old)
+    L_{i,t} = -( min(r_{i,t} A_i, clip(r_{i,t}, 1 - eps_lo, 1 + eps_hi) A_i) - beta * KL_{i,t} )
+
+GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7 and its GSPO-token variant eq. 13):
+    s_i       = exp( (1/n_i) sum_t m_{i,t} (lp - lp_old) )                  (length-normalised sequence ratio)
+    s_{i,t}   = sg[s_i] * exp(lp_{i,t} - sg[lp_{i,t}])                       (numerically s_i; d/dlp_t = s_i)
+    L_{i,t}   = -( min(s_{i,t} A_i, clip(s_{i,t}, 1 - eps_lo, 1 + eps_hi) A_i) - beta * KL_{i,t} )
+  With per-sequence advantages and `sequence-mean-token-mean` aggregation, the gradient of GSPO-token equals the
+  gradient of sequence-level GSPO,  -(1/B) sum_i min(s_i A_i, clip(s_i, ...) A_i): every token of sequence i
+  receives -A_i s_i / (B n_i) unless the sequence is clipped. The paper's clip ranges are ~1e-4 (3e-4 / 4e-4),
+  not GRPO's 0.2: the sequence ratio is a geometric mean, so set `rl.grpo_epsilon` accordingly.
+
+KL estimators (Schulman, "Approximating KL divergence"), d = lp_ref - lp:
+    k1 = lp - lp_ref = -d                      (Tunix 0.1.7's default `kl_loss_mode="kl"`)
+    k3 = exp(d) - d - 1  >= 0                   (DeepSeekMath's; Tunix's "low_var_kl")
+  As a *loss* k1's gradient is the constant beta per token (it pushes every sampled token's log-prob down equally),
+  while k3's gradient beta (1 - pi_ref/pi) pulls towards the reference; k3 is the default.
+
+Aggregation of L_{i,t} (`loss_agg_mode`; rows with n_i = 0 are excluded from the row count B'):
+    token-mean                  sum_{i,t} m L / sum_{i,t} m                       (DAPO)
+    sequence-mean-token-mean    (1/B') sum_i (1/n_i) sum_t m L                    (GRPO / GSPO papers)
+    sequence-mean               (1/B') sum_i sum_t m L                            (Tunix's "seq-mean-token-sum")
+    sequence-mean-token-scale   (1/B') sum_i (1/T) sum_t m L                      (Dr. GRPO, Liu et al. 2025)
+  MaxText 0.2.5 accepts `sequence-mean` in `rl.loss_agg_mode`, but Tunix 0.1.7's `aggregate_loss` has no such mode
+  and raises; here it is the sum-over-tokens/mean-over-sequences reading above.
+
+Group advantages (`group_advantages`), contiguous groups of G = num_generations completions per prompt:
+    group_std:  A_i = (R_i - mean_g R) / (std_g(R, ddof=1) + 1e-6)        (GRPO; Tunix's "grpo" estimator)
+    none:       A_i =  R_i - mean_g R                                     (Dr. GRPO; Tunix's "drgrpo")
+
+EOS policy: the completion mask the trainer passes covers the tokens *up to and including* the first EOS/stop token
+(the plugin trains the stop token, so the policy learns when to stop); everything after it is padding. Padded
+positions get exactly zero gradient and may hold any value (even NaN/-inf), as they are replaced before any
+arithmetic. Note that Tunix's learner builds the mask as `completion_ids != pad_id`, so the rollout engine must keep
+the EOS token in the completion and `pad_id` must differ from `eos_id`.
+
+Numerical guards (no effect in any sane regime): log-ratios and KL log-differences are clamped to +-20 (ratios
+within [2e-9, 4.9e8]) so one runaway token cannot overflow exp() and poison the step with inf/NaN.
+
+Differences from Tunix 0.1.7's `grpo_loss_fn` (tunix/rl/algo_core.py), which this module replaces in the learner:
+  * `epsilon_high` is a real config field (Tunix reads it with `hasattr`, and `GRPOConfig` has none, so the clip is
+    always symmetric there); the KL estimator is chosen explicitly (Tunix's default is k1).
+  * GSPO: Tunix clamps the token log-ratio to [-20, 20] *before* the sequence mean and the final log-ratio to <= 10,
+    which zeroes the gradient of a sequence whose ratio exceeds e^10; here the clamp is on the stop-gradient
+    sequence part only, so the gradient always follows the paper.
+  * beta == 0 ignores the reference entirely (no KL metric), matching the learner, which then computes no ref
+    log-probs. Dual-clip (`epsilon_c`) and sampler importance weights are not supported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+from absl import logging
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tunix.rl import common as tunix_common
+from tunix.rl import function_registry
+from tunix.rl.grpo import grpo_learner
+
+from maxtext_rl_plugin.errors import ConfigError
+
+LOSS_ALGOS = ("grpo", "gspo-token")
+KL_ESTIMATORS = ("k1", "k3")
+LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean", "sequence-mean-token-scale")
+ADVANTAGE_NORMS = ("group_std", "none")
+
+# Names under which the plugin registers itself in Tunix's function registry.
+POLICY_LOSS_FN_NAME = "maxtext_rl_plugin"
+ADVANTAGE_ESTIMATOR_NAMES = {norm: f"maxtext_rl_plugin/{norm}" for norm in ADVANTAGE_NORMS}
+
+_LOG_RATIO_CLAMP = 20.0
+_ADV_STD_EPS = 1e-6
+# Tunix's `kl_loss_mode` spelling of each estimator (kept consistent on the config for anything reading it).
+_TUNIX_KL_MODE = {"k1": "kl", "k3": "low_var_kl"}
+
+
+def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+  if value not in choices:
+    raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def kl_estimate(per_token_logps: jax.Array, ref_per_token_logps: jax.Array, estimator: str = "k3") -> jax.Array:
+  """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (see module docstring)."""
+  _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
+  d = jnp.clip(ref_per_token_logps - per_token_logps, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+  if estimator == "k1":
+    return -d
+  return jnp.exp(d) - d - 1.0
+
+
+def aggregate(per_token: jax.Array, completion_mask: jax.Array, loss_agg_mode: str) -> jax.Array:
+  """Reduce a masked [B, T] per-token quantity to a scalar with one of `LOSS_AGG_MODES`."""
+  _check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+  mask = completion_mask.astype(per_token.dtype)
+  masked = jnp.where(mask > 0, per_token, 0.0)
+  if loss_agg_mode == "token-mean":
+    return masked.sum() / jnp.maximum(mask.sum(), 1.0)
+  lengths = mask.sum(axis=-1)
+  rows = jnp.maximum((lengths > 0).sum(), 1).astype(per_token.dtype)
+  seq_sum = masked.sum(axis=-1)
+  if loss_agg_mode == "sequence-mean-token-mean":
+    return (seq_sum / jnp.maximum(lengths, 1.0)).sum() / rows
+  if loss_agg_mode == "sequence-mean":
+    return seq_sum.sum() / rows
+  return (seq_sum / per_token.shape[-1]).sum() / rows  # sequence-mean-token-scale
+
+
+def _token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+  return jnp.where(mask > 0, x, 0.0).sum() / jnp.maximum(mask.sum(), 1.0)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("loss_algo", "epsilon", "epsilon_high", "beta", "kl_estimator", "loss_agg_mode")
+)
+def policy_loss(
+    per_token_logps: jax.Array,
+    old_per_token_logps: jax.Array | None,
+    ref_per_token_logps: jax.Array | None,
+    advantages: jax.Array,
+    completion_mask: jax.Array,
+    *,
+    loss_algo: str = "grpo",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    kl_estimator: str = "k3",
+    loss_agg_mode: str = "sequence-mean-token-mean",
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The clipped GRPO / GSPO-token loss (to minimise) and its diagnostics; formulas in the module docstring.
+
+  Args:
+    per_token_logps: [B, T] log-probs of the sampled tokens under the policy being trained (differentiated).
+    old_per_token_logps: [B, T] log-probs under the sampling policy, or None for on-policy (ratio == 1 in value,
+      as Tunix does when num_iterations == 1).
+    ref_per_token_logps: [B, T] reference log-probs; unused (may be None) when beta == 0.
+    advantages: [B] per-completion advantages ([B, T] per-token advantages are accepted for `grpo`).
+    completion_mask: [B, T] 1 for trained tokens (up to and including EOS), 0 for padding.
+    loss_algo, epsilon, epsilon_high, beta, kl_estimator, loss_agg_mode: static hyperparameters;
+      epsilon_high=None means epsilon (symmetric clip).
+
+  Returns:
+    (loss, aux): scalar float32 loss and float32 scalars `pg_loss`, `kl_loss`, `kl` (token mean of the KL
+    estimate), `ppo_kl` (token mean of lp_old - lp), `ratio_mean/min/max`, `clip_fraction_low/high`,
+    `clip_fraction` (tokens whose clipped branch is active, i.e. that get no policy gradient), `pg_clipfrac` (the
+    same, under the key Tunix's learner logs) and, for gspo-token, `seq_ratio_mean` and `seq_clip_fraction` over
+    non-empty sequences.
+  """
+  _check_choice("loss_algo", loss_algo, LOSS_ALGOS)
+  _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+  _check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+  eps_lo = float(epsilon)
+  eps_hi = eps_lo if epsilon_high is None else float(epsilon_high)
+
+  mask = completion_mask.astype(jnp.float32)
+  valid = mask > 0
+  # Padded positions may hold garbage: replace them *before* any arithmetic so neither values nor gradients see it.
+  logp = jnp.where(valid, per_token_logps.astype(jnp.float32), 0.0)
+  if old_per_token_logps is None:
+    old = jax.lax.stop_gradient(logp)
+  else:
+    old = jnp.where(valid, jax.lax.stop_gradient(old_per_token_logps).astype(jnp.float32), 0.0)
+  adv = jax.lax.stop_gradient(advantages).astype(jnp.float32)
+  if adv.ndim == 1:
+    adv = adv[:, None]
+  elif loss_algo == "gspo-token":
+    raise ValueError("gspo-token needs per-sequence advantages of shape [B]; got per-token advantages")
+
+  log_ratio = logp - old
+  aux: dict[str, jax.Array] = {"ppo_kl": _token_mean(-log_ratio, mask)}
+  if loss_algo == "grpo":
+    token_log_ratio = jnp.clip(log_ratio, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+  else:
+    lengths = mask.sum(axis=-1)
+    seq_log_ratio = (log_ratio * mask).sum(axis=-1) / jnp.maximum(lengths, 1.0)
+    seq_log_ratio = jnp.clip(jax.lax.stop_gradient(seq_log_ratio), -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    token_log_ratio = seq_log_ratio[:, None] + (logp - jax.lax.stop_gradient(logp))
+  ratio = jnp.exp(token_log_ratio)
+  surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - eps_lo, 1.0 + eps_hi) * adv)
+  per_token_loss = -surrogate
+  pg_loss = aggregate(per_token_loss, mask, loss_agg_mode)
+
+  kl_loss = jnp.float32(0.0)
+  kl_mean = jnp.float32(0.0)
+  if beta != 0.0:
+    if ref_per_token_logps is None:
+      raise ValueError("beta != 0 needs ref_per_token_logps")
+    ref = jnp.where(valid, jax.lax.stop_gradient(ref_per_token_logps).astype(jnp.float32), 0.0)
+    kl = kl_estimate(logp, ref, kl_estimator)
+    kl_loss = aggregate(kl, mask, loss_agg_mode)
+    kl_mean = _token_mean(kl, mask)
+    per_token_loss = per_token_loss + beta * kl
+  loss = aggregate(per_token_loss, mask, loss_agg_mode)
+
+  r = jax.lax.stop_gradient(ratio)
+  a = jnp.broadcast_to(adv, r.shape)
+  clipped_low = (a < 0) & (r < 1.0 - eps_lo)
+  clipped_high = (a > 0) & (r > 1.0 + eps_hi)
+  aux.update({
+      "pg_loss": pg_loss,
+      "kl_loss": kl_loss,
+      "kl": kl_mean,
+      "ratio_mean": _token_mean(r, mask),
+      "ratio_min": jnp.min(jnp.where(valid, r, jnp.inf)),
+      "ratio_max": jnp.max(jnp.where(valid, r, -jnp.inf)),
+      "clip_fraction_low": _token_mean(clipped_low.astype(jnp.float32), mask),
+      "clip_fraction_high": _token_mean(clipped_high.astype(jnp.float32), mask),
+      "clip_fraction": _token_mean((clipped_low | clipped_high).astype(jnp.float32), mask),
+  })
+  aux["pg_clipfrac"] = aux["clip_fraction"]
+  if loss_algo == "gspo-token":
+    nonempty = (mask.sum(axis=-1) > 0).astype(jnp.float32)
+    n_rows = jnp.maximum(nonempty.sum(), 1.0)
+    s = jnp.exp(seq_log_ratio)
+    a_seq = adv[:, 0]
+    seq_clipped = ((a_seq < 0) & (s < 1.0 - eps_lo)) | ((a_seq > 0) & (s > 1.0 + eps_hi))
+    aux["seq_ratio_mean"] = (s * nonempty).sum() / n_rows
+    aux["seq_clip_fraction"] = (seq_clipped.astype(jnp.float32) * nonempty).sum() / n_rows
+  aux = {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in aux.items()}
+  return loss.astype(jnp.float32), aux
+
+
+def group_advantages(rewards: Any, num_generations: int, norm: str = "group_std") -> Any:
+  """Group-relative advantages over contiguous groups of `num_generations` completions of the same prompt.
+
+  Works on NumPy (host rewards, as Tunix's learner passes them) and on JAX arrays (jit-able); returns the same kind.
+  A group with identical rewards gets all-zero advantages (it carries no learning signal).
+  """
+  _check_choice("advantage norm", norm, ADVANTAGE_NORMS)
+  xp = jnp if isinstance(rewards, jax.Array) else np
+  r = xp.asarray(rewards)
+  if not xp.issubdtype(r.dtype, xp.floating):
+    r = r.astype(xp.float32)
+  if num_generations < 2 or r.ndim != 1 or r.shape[0] % num_generations:
+    raise ValueError(
+        f"rewards must be 1-D with a length divisible by num_generations >= 2; got shape {r.shape}, "
+        f"num_generations={num_generations}"
+    )
+  groups = r.reshape(-1, num_generations)
+  centered = groups - groups.mean(axis=1, keepdims=True)
+  if norm == "group_std":
+    centered = centered / (groups.std(axis=1, ddof=1, keepdims=True) + _ADV_STD_EPS)
+  return centered.reshape(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Tunix wiring
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(kw_only=True)
+class PluginGrpoConfig(grpo_learner.GRPOConfig):
+  """Tunix `GRPOConfig` whose learner computes the loss with this module's `policy_loss` and `group_advantages`.
+
+  `GRPOLearner.__init__` looks the loss up by `policy_loss_fn` in Tunix's function registry and the advantage by
+  `advantage_estimator`; the defaults below name the functions `register_with_tunix` registers (done on
+  construction, so a config can never name an unregistered function).
+  """
+
+  policy_loss_fn: str = POLICY_LOSS_FN_NAME
+  advantage_estimator: str = ADVANTAGE_ESTIMATOR_NAMES["group_std"]
+  epsilon_high: float | None = None
+  kl_estimator: str = "k3"
+  kl_loss_mode: str = "low_var_kl"
+  loss_agg_mode: str = "sequence-mean-token-mean"
+  # Token entropy of the policy (a metric only, no gradient); costs one [B, T, vocab] softmax per step.
+  compute_entropy: bool = True
+
+  def __post_init__(self):
+    super().__post_init__()
+    _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+    _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+    if self.epsilon_high is None:
+      self.epsilon_high = self.epsilon
+    if not 0.0 <= self.epsilon <= 1.0 or self.epsilon_high < 0.0:
+      raise ValueError(f"need 0 <= epsilon <= 1 and epsilon_high >= 0; got {self.epsilon}, {self.epsilon_high}")
+    if self.beta < 0.0:
+      raise ValueError(f"beta must be >= 0; got {self.beta}")
+    self.kl_loss_mode = _TUNIX_KL_MODE[self.kl_estimator]
+    register_with_tunix()
+
+
+def tunix_policy_loss_fn(
+    model: nnx.Module,
+    train_example: Any,
+    algo_config: PluginGrpoConfig,
+    pad_id: int,
+    eos_id: int,
+    **unused_kwargs: Any,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Tunix policy-loss entry point (registered as `POLICY_LOSS_FN_NAME`): model forward, then `policy_loss`.
+
+  Same contract as Tunix's `grpo_loss_fn`: the learner calls it inside the trainer's jitted, differentiated step
+  with the actor model, a `TrainExample` and its algo config.
+  """
+  if getattr(train_example, "sampler_is_weights", None) is not None:
+    raise NotImplementedError("sampler importance weights are not supported by the plugin's policy loss")
+  compute_entropy = getattr(algo_config, "compute_entropy", True)
+  graphdef, state = nnx.split(model)
+  per_token_logps, logits = tunix_common.compute_per_token_logps(
+      graphdef,
+      state,
+      prompt_tokens=train_example.prompt_ids,
+      completion_tokens=train_example.completion_ids,
+      pad_id=pad_id,
+      eos_id=eos_id,
+      stop_gradient=False,
+      return_logits=True,
+      segment_ids=getattr(train_example, "segment_ids", None),
+      segment_positions=getattr(train_example, "segment_positions", None),
+      temperature=getattr(algo_config, "temperature", 1.0),
+  )
+  beta = float(algo_config.beta)
+  loss, aux = policy_loss(
+      per_token_logps,
+      train_example.old_per_token_logps,
+      train_example.ref_per_token_logps if beta != 0.0 else None,
+      train_example.advantages,
+      train_example.completion_mask,
+      loss_algo=algo_config.loss_algo,
+      epsilon=float(algo_config.epsilon),
+      epsilon_high=None if algo_config.epsilon_high is None else float(algo_config.epsilon_high),
+      beta=beta,
+      kl_estimator=getattr(algo_config, "kl_estimator", "k3"),
+      loss_agg_mode=algo_config.loss_agg_mode,
+  )
+  if compute_entropy:
+    entropy = tunix_common.compute_entropy_from_logits(jax.lax.stop_gradient(logits))
+    aux["entropy"] = _token_mean(entropy.astype(jnp.float32), train_example.completion_mask.astype(jnp.float32))
+  return loss, aux
+
+
+def _advantage_estimator(norm: str) -> Callable[..., Any]:
+  def estimator(rewards: Any, num_generations: int, **unused_kwargs: Any) -> Any:
+    return group_advantages(rewards, num_generations, norm)
+
+  estimator.__name__ = f"group_advantages_{norm}"
+  return estimator
+
+
+_ADVANTAGE_ESTIMATORS = {norm: _advantage_estimator(norm) for norm in ADVANTAGE_NORMS}
+
+
+def register_with_tunix() -> None:
+  """Register the policy loss and advantage estimators in Tunix's default function registry (idempotent)."""
+  registry = function_registry.default_registry
+  wanted = [("policy_loss_fn", POLICY_LOSS_FN_NAME, tunix_policy_loss_fn)]
+  wanted += [("advantage_estimator", ADVANTAGE_ESTIMATOR_NAMES[n], fn) for n, fn in _ADVANTAGE_ESTIMATORS.items()]
+  for category, name, fn in wanted:
+    try:
+      if registry.get(category, name) is fn:
+        continue
+    except LookupError:
+      pass
+    registry.register(category, name)(fn)
+    logging.info("Registered %s '%s' with Tunix", category, name)
+
+
+def rl_metrics_to_log(algo_config: PluginGrpoConfig) -> dict[str, Callable[[Any], Any]]:
+  """Aux keys of `tunix_policy_loss_fn` to hand to `actor_trainer.with_rl_metrics_to_log` (the learner logs only
+  `kl` and `pg_clipfrac` by default); each is averaged over the steps of a logging window."""
+  keys = ["kl", "pg_clipfrac", "pg_loss", "kl_loss", "ppo_kl", "ratio_mean", "ratio_min", "ratio_max",
+          "clip_fraction_low", "clip_fraction_high"]
+  if algo_config.loss_algo == "gspo-token":
+    keys += ["seq_ratio_mean", "seq_clip_fraction"]
+  if getattr(algo_config, "compute_entropy", True):
+    keys.append("entropy")
+  return {k: np.mean for k in keys}
+
+
+def tunix_algo_config(config: Any, **overrides: Any) -> PluginGrpoConfig:
+  """Map the plugin's MaxText config (`config.rl.*`) to the Tunix algo config the learner is built with.
+
+  Raises `ConfigError` naming the key for values the loss cannot use.
+  """
+  rl = config.rl
+  epsilon = float(rl.grpo_epsilon)
+  epsilon_high = None if rl.epsilon_high is None else float(rl.epsilon_high)
+  if not 0.0 <= epsilon <= 1.0:
+    raise ConfigError(f"rl.grpo_epsilon={epsilon}: expected a clip range in [0, 1]")
+  if epsilon_high is not None and epsilon_high < 0.0:
+    raise ConfigError(f"rl.epsilon_high={epsilon_high}: expected >= 0 (or null for rl.grpo_epsilon)")
+  if float(rl.grpo_beta) < 0.0:
+    raise ConfigError(f"rl.grpo_beta={rl.grpo_beta}: expected >= 0 (0 disables the KL term and the reference model)")
+  if rl.loss_agg_mode not in LOSS_AGG_MODES:
+    raise ConfigError(f"rl.loss_agg_mode={rl.loss_agg_mode!r}: expected one of {', '.join(LOSS_AGG_MODES)}")
+  kwargs = dict(
+      num_generations=int(rl.num_generations),
+      num_iterations=int(rl.num_iterations),
+      beta=float(rl.grpo_beta),
+      epsilon=epsilon,
+      epsilon_high=epsilon_high,
+      loss_algo=rl.loss_algo,
+      loss_agg_mode=rl.loss_agg_mode,
+      kl_estimator=rl.kl_estimator,
+      advantage_estimator=ADVANTAGE_ESTIMATOR_NAMES[rl.advantage_norm],
+  )
+  kwargs.update(overrides)
+  return PluginGrpoConfig(**kwargs)
