@@ -1,0 +1,130 @@
+"""Run observability: TensorBoard scalars, MaxText's `metrics_file` JSONL and a console progress line.
+
+One writer for every number a run produces, so TensorBoard, the JSONL file and the console agree.
+Tunix's own trainer metrics (loss, grad norm, KL, clip fraction) reach us through a Tunix
+`MetricsLogger` custom backend (`TunixTee`), not by reaching into Tunix internals.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Mapping
+
+import numpy as np
+
+
+def _scalar(value: Any) -> float | None:
+  try:
+    v = float(np.asarray(value).mean())
+  except (TypeError, ValueError):
+    return None
+  return v if math.isfinite(v) else None
+
+
+def format_duration(seconds: float) -> str:
+  seconds = max(0, int(round(seconds)))
+  h, rem = divmod(seconds, 3600)
+  m, s = divmod(rem, 60)
+  return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
+
+
+class TunixTee:
+  """A Tunix/metrax `LoggingBackend` that keeps the latest value of every Tunix scalar.
+
+  Tunix logs through `jax.monitoring` events named `<prefix>/<mode>/<name>` (e.g. `actor/train/loss`).
+  The trainer drains them after each step with `drain()`.
+  """
+
+  def __init__(self, prefixes=("actor/", "rollout/", "global/", "rewards/", "completions/")):
+    self._prefixes = prefixes
+    self._latest: dict[str, list[float]] = {}
+
+  def log_scalar(self, event: str, value, **kwargs):  # metrax LoggingBackend protocol
+    del kwargs
+    if not event.startswith(self._prefixes):
+      return
+    v = _scalar(value)
+    if v is not None:
+      self._latest.setdefault(event, []).append(v)
+
+  def drain(self) -> dict[str, float]:
+    out = {k: float(np.mean(v)) for k, v in self._latest.items()}
+    self._latest.clear()
+    return out
+
+  def close(self):
+    pass
+
+
+class RunLogger:
+  """Writes per-step and eval metrics to TensorBoard, `metrics_file` and the console."""
+
+  def __init__(self, tensorboard_dir: str, metrics_file: str | None, total_steps: int, start_step: int = 0):
+    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+
+    os.makedirs(tensorboard_dir, exist_ok=True)
+    self.tensorboard_dir = tensorboard_dir
+    self._tb = SummaryWriter(logdir=tensorboard_dir, flush_secs=10)
+    self._metrics_file = metrics_file
+    if metrics_file:
+      os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+    self.total_steps = total_steps
+    self._start_step = start_step
+    self._t0 = time.time()
+    self.history: list[dict[str, Any]] = []
+
+  def _write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    record: dict[str, Any] = {"step": int(step)}
+    for k, v in metrics.items():
+      s = _scalar(v)
+      if s is None:
+        continue
+      record[k] = s
+      self._tb.add_scalar(k, s, int(step))
+    if self._metrics_file:
+      with open(self._metrics_file, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    self.history.append(record)
+    return record
+
+  def log_step(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Log one RL step (counted from 1) and print the progress line."""
+    rec = self._write(step, metrics)
+    done = step - self._start_step
+    elapsed = time.time() - self._t0
+    eta = elapsed / done * (self.total_steps - step) if done > 0 else float("nan")
+    parts = [f"step {step}/{self.total_steps}"]
+    if "reward/mean" in rec:
+      parts.append(f"reward {rec['reward/mean']:.3f}±{rec.get('reward/std', 0.0):.2f}")
+    if "accuracy" in rec:
+      parts.append(f"acc {100 * rec['accuracy']:.1f}%")
+    if "kl" in rec:
+      parts.append(f"kl {rec['kl']:.4f}")
+    if "perf/tokens_per_s" in rec:
+      parts.append(f"{rec['perf/tokens_per_s']:.0f} tok/s")
+    if "perf/step_s" in rec:
+      parts.append(f"{rec['perf/step_s']:.1f}s/step")
+    parts.append(f"ETA {format_duration(eta) if math.isfinite(eta) else '?'}")
+    print(" | ".join(parts), flush=True)
+    return rec
+
+  def log_eval(self, step: int, metrics: Mapping[str, Any], label: str = "eval") -> dict[str, Any]:
+    rec = self._write(step, {f"eval/{k}" if not k.startswith("eval/") else k: v for k, v in metrics.items()})
+    shown = ", ".join(
+        f"{k.split('/', 1)[1]} {100 * v:.1f}%" if "accuracy" in k else f"{k.split('/', 1)[1]} {v:.3f}"
+        for k, v in rec.items()
+        if k != "step"
+    )
+    print(f"[{label} @ step {step}] {shown}", flush=True)
+    return rec
+
+  def note(self, message: str) -> None:
+    print(message, file=sys.stdout, flush=True)
+
+  def close(self) -> None:
+    self._tb.flush()
+    self._tb.close()

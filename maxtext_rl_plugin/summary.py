@@ -1,0 +1,74 @@
+"""End-of-run summary: a before/after table on the console and a reward/accuracy plot (summary.png)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+
+def _fmt(v, pct=False) -> str:
+  if v is None:
+    return "-"
+  return f"{100 * v:.1f}%" if pct else f"{v:.3f}"
+
+
+def table(summary: dict[str, Any]) -> str:
+  before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
+  rows = [("eval accuracy", "accuracy", True), ("format accuracy", "format_accuracy", True),
+          ("partial accuracy", "partial_accuracy", True), ("mean reward", "reward_mean", False)]
+  lines = [f"{'metric':<18}{'before RL':>12}{'after RL':>12}{'change':>12}", "-" * 54]
+  for label, key, pct in rows:
+    b, a = before.get(key), after.get(key)
+    delta = None if a is None or b is None else a - b
+    d = "-" if delta is None else (f"{100 * delta:+.1f} pts" if pct else f"{delta:+.3f}")
+    lines.append(f"{label:<18}{_fmt(b, pct):>12}{_fmt(a, pct):>12}{d:>12}")
+  n = before.get("num_examples") or after.get("num_examples")
+  if n:
+    lines.append(f"(greedy decoding on {int(n)} held-out examples)")
+  return "\n".join(lines)
+
+
+def plot(summary: dict[str, Any], path: str) -> str | None:
+  """Reward and accuracy per RL step (with eval points) as a PNG; None when matplotlib is missing."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return None
+  hist = [r for r in summary.get("history", []) if "reward/mean" in r]
+  evals = [r for r in summary.get("history", []) if "eval/accuracy" in r]
+  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+  steps = [r["step"] for r in hist]
+  ax1.plot(steps, [r["reward/mean"] for r in hist], label="train reward (mean)")
+  ax1.set_xlabel("RL step")
+  ax1.set_ylabel("reward")
+  ax1.grid(alpha=0.3)
+  ax1.legend()
+  if any("accuracy" in r for r in hist):
+    ax2.plot(steps, [100 * r.get("accuracy", float("nan")) for r in hist], label="train accuracy (sampled)", alpha=0.7)
+  if evals:
+    ax2.plot([r["step"] for r in evals], [100 * r["eval/accuracy"] for r in evals], "o-", label="eval accuracy (greedy)")
+  ax2.set_xlabel("RL step")
+  ax2.set_ylabel("accuracy (%)")
+  ax2.grid(alpha=0.3)
+  ax2.legend()
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def report(config, summary: dict[str, Any]) -> None:
+  print("\n" + table(summary), flush=True)
+  if config.write_plot:
+    png = plot(summary, os.path.join(summary["run_dir"], "summary.png"))
+    if png:
+      summary["plot"] = png
+      print(f"plot: {png}", flush=True)
+  print(f"TensorBoard logs: {summary.get('tensorboard_dir')}  (tensorboard --logdir {summary.get('tensorboard_dir')})",
+        flush=True)
+  if config.metrics_file:
+    print(f"metrics file: {config.metrics_file}", flush=True)
