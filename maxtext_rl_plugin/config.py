@@ -48,6 +48,43 @@ def resolve_yml(path: str) -> str:
   raise ConfigError(f"config file '{path}' not found (nor a shipped config '{name}' in {configs_dir()})")
 
 
+def _resolve_base(path: str, base: str) -> str:
+  """Where `base_config: <base>` of `path` points: next to it, else a shipped plugin config, else MaxText's."""
+  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
+
+  if os.path.isabs(base):
+    return base
+  for d in (os.path.dirname(path), configs_dir(), MAXTEXT_CONFIGS_DIR):
+    cand = os.path.join(d, base)
+    if os.path.isfile(cand):
+      return cand
+  return os.path.join(os.path.dirname(path), base)
+
+
+def _materialize_yml(yml: str) -> str:
+  """A user yml whose `base_config` names a shipped plugin config (e.g. `rl.yml`) is copied to a temp file
+  with that base made absolute, because MaxText resolves bases only next to the file or in its own configs."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+
+  import omegaconf  # pylint: disable=import-outside-toplevel
+
+  try:
+    cfg = omegaconf.OmegaConf.load(yml)
+  except Exception:  # pylint: disable=broad-exception-caught  (reported by the caller with the file name)
+    return yml
+  base = cfg.get("base_config")
+  if not base or os.path.isabs(base) or os.path.isfile(os.path.join(os.path.dirname(yml), base)):
+    return yml
+  resolved = _resolve_base(yml, base)
+  if not resolved.startswith(configs_dir() + os.sep):
+    return yml
+  cfg["base_config"] = resolved
+  fd, tmp = tempfile.mkstemp(prefix=os.path.basename(yml).rsplit(".", 1)[0] + "-", suffix=".yml")
+  with os.fdopen(fd, "w", encoding="utf-8") as f:
+    f.write(omegaconf.OmegaConf.to_yaml(cfg))
+  return tmp
+
+
 @functools.cache
 def _config_class():
   from maxtext_rl_plugin.config_types import PluginRLConfig  # pylint: disable=import-outside-toplevel
@@ -210,8 +247,7 @@ def _model_file_overrides(yml: str, raw: dict, overrides: list[str]) -> dict[str
     base = cfg.get("base_config")
     if not base:
       break
-    cand = os.path.join(os.path.dirname(path), base)
-    path = cand if os.path.isfile(cand) else os.path.join(MAXTEXT_CONFIGS_DIR, base)
+    path = _resolve_base(path, base)
   model_keys = omegaconf.OmegaConf.load(model_file).keys()
   return {k: own[k] for k in model_keys if k in own and k not in cli}
 
@@ -224,16 +260,17 @@ def load_pydantic(argv: Sequence[str]):
 
   if not argv:
     raise ConfigError("usage: python -m maxtext_rl_plugin.train_rl <config.yml> [key=value ...]")
-  yml = resolve_yml(argv[0])
+  given = resolve_yml(argv[0])
+  yml = _materialize_yml(given)
   cls = _config_class()
   overrides = _parse_overrides(argv[1:], cls)
   try:
     raw = omegaconf.OmegaConf.to_container(pyconfig._load_config(yml), resolve=False)  # pylint: disable=protected-access
   except FileNotFoundError as e:
-    raise ConfigError(f"config file '{e.filename}' (base_config of '{yml}') not found") from None
+    raise ConfigError(f"config file '{e.filename}' (base_config of '{given}') not found") from None
   except Exception as e:  # pylint: disable=broad-exception-caught  (yaml/omegaconf parse errors)
-    raise ConfigError(f"config file '{yml}' is not valid YAML: {str(e).splitlines()[0]}") from None
-  _check_yml_keys(raw, f"in {yml}", cls)
+    raise ConfigError(f"config file '{given}' is not valid YAML: {str(e).splitlines()[0]}") from None
+  _check_yml_keys(raw, f"in {given}", cls)
   cli = dict(a.split("=", 1) for a in overrides)
   _check_model_name(str(cli.get("model_name", raw.get("model_name", "default"))))
   overrides = _resolve_tokenizer_path(overrides, raw)
@@ -275,7 +312,7 @@ def canonical_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
   import omegaconf  # pylint: disable=import-outside-toplevel
   from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
 
-  yml = resolve_yml(argv[0])
+  yml = _materialize_yml(resolve_yml(argv[0]))
   overrides = _parse_overrides(argv[1:], _config_class())
   raw = omegaconf.OmegaConf.to_container(pyconfig._load_config(yml), resolve=False)  # pylint: disable=protected-access
   overrides = _resolve_tokenizer_path(overrides, raw)

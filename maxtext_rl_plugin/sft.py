@@ -1,0 +1,111 @@
+"""Supervised warm start before RL (`sft_warmup_steps=N`).
+
+RL can only sharpen behaviour the policy already samples: a random-init or base model that never emits
+the answer format gets zero reward everywhere and zero advantage. A short SFT phase on reference
+solutions (the data module's `format_target`) puts it where GRPO has signal. It is a small optax loop
+on the same MaxText model (next-token cross-entropy on completion tokens only, stop token included),
+checkpointed with Orbax under `<run>/checkpoints/sft/` so a rerun of the same command skips it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from absl import logging
+import numpy as np
+
+from maxtext_rl_plugin.metrics import format_duration
+
+
+def _tokenize_batch(examples, tokenizer, config, length: int):
+  """Right-padded [prompt + target + eos] rows and a loss mask over the target and eos tokens."""
+  from maxtext_rl_plugin import data  # pylint: disable=import-outside-toplevel
+
+  pad = tokenizer.pad_token_id
+  tokens = np.full((len(examples), length), pad, dtype=np.int32)
+  mask = np.zeros((len(examples), length), dtype=np.float32)
+  for i, ex in enumerate(examples):
+    p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
+    t = tokenizer(data.format_target(ex, config), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    row = (p + t)[:length]
+    tokens[i, : len(row)] = row
+    # position j predicts token j+1: supervise predictions of target tokens only.
+    start, end = len(p) - 1, min(len(p) + len(t), length) - 1
+    mask[i, start:end] = 1.0
+  return tokens, mask
+
+
+def _checkpointer(path: str):
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+  return ocp.CheckpointManager(
+      path,
+      item_names=("params", "meta"),
+      options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True, enable_async_checkpointing=False),
+  )
+
+
+def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dict:
+  """Train `model` in place for `config.sft_warmup_steps` steps, or restore the finished warm start."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import optax  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from flax.linen import partitioning as nn_partitioning  # pylint: disable=import-outside-toplevel
+
+  steps = config.sft_warmup_steps
+  ckpt_dir = os.path.join(os.path.abspath(run_dir), "checkpoints", "sft")
+  manager = _checkpointer(ckpt_dir)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  if manager.latest_step() == steps:
+    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+    restored = manager.restore(steps, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract),
+                                                              meta=ocp.args.JsonRestore()))
+    nnx.update(model, restored.params)
+    manager.close()
+    print(f"SFT warm start: restored {steps} steps from {ckpt_dir} (skipping)", flush=True)
+    return dict(restored.meta)
+
+  length = config.max_target_length
+  schedule = optax.warmup_cosine_decay_schedule(0.0, config.sft_learning_rate, max(1, steps // 10), steps,
+                                                config.sft_learning_rate * 0.1)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
+  opt_state = tx.init(params)
+
+  def loss_fn(p, tokens, mask):
+    m = nnx.merge(graphdef, p, rest)
+    positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+    logits, _ = m(tokens, positions, None, None)
+    logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)[..., 0]
+    return jnp.sum(nll * mask[:, :-1]) / jnp.maximum(jnp.sum(mask[:, :-1]), 1.0)
+
+  @jax.jit
+  def train_step(p, o, tokens, mask):
+    loss, grads = jax.value_and_grad(loss_fn)(p, tokens, mask)
+    updates, o = tx.update(grads, o, p)
+    return optax.apply_updates(p, updates), o, loss
+
+  t0 = time.time()
+  losses = []
+  batches = train_split.batches(config.sft_batch_size, start_batch=0, seed=config.data_shuffle_seed + 7919)
+  with mesh, nn_partitioning.axis_rules(config.logical_axis_rules):
+    for step in range(1, steps + 1):
+      tokens, mask = _tokenize_batch(next(batches), tokenizer, config, length)
+      params, opt_state, loss = train_step(params, opt_state, jnp.asarray(tokens), jnp.asarray(mask))
+      losses.append(float(loss))
+      if step == 1 or step % max(1, steps // 10) == 0 or step == steps:
+        el = time.time() - t0
+        print(f"SFT warm start step {step}/{steps} | loss {np.mean(losses[-10:]):.3f} | "
+              f"ETA {format_duration(el / step * (steps - step))}", flush=True)
+  nnx.update(model, params)
+  meta = {"steps": steps, "final_loss": float(np.mean(losses[-10:])), "seconds": time.time() - t0}
+  manager.save(steps, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)),
+               force=True)
+  manager.wait_until_finished()
+  manager.close()
+  logging.info("SFT warm start done: %s", json.dumps(meta))
+  return meta
