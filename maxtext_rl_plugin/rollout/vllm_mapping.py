@@ -1,0 +1,282 @@
+"""MaxText trainer parameters -> vLLM (Hugging Face checkpoint layout) parameters, on device.
+
+vLLM loads a model by its Hugging Face checkpoint names and layouts (`model.layers.3.self_attn.q_proj.weight`
+as `[heads * head_dim, hidden]`). The trainer holds MaxText's layout instead: scanned layers stacked on
+`param_scan_axis`, attention kernels as `[embed, heads, head_dim]`, Llama's query pre-scaled by
+1/sqrt(head_dim) and its RoPE dimensions interleaved. This module bridges the two in two steps:
+
+1. `map_maxtext_to_vllm`: MaxText tree -> flat `{hf_name: array}`. Names, per-layer unstacking and the
+   transforms are MaxText's own export tables (`checkpoint_conversion.utils.param_mapping.PARAM_MAPPING`
+   / `HOOK_FNS`, target shapes from `hf_shape.HF_SHAPE`), the ones `to_huggingface.py` uses; we only
+   apply them with jax ops instead of NumPy so the weights never leave the accelerator during a sync.
+2. `to_engine_state`: `{hf_name: array}` -> the leaves of the engine's own weight tree. vLLM-TPU's JAX
+   models name the same tensors `...q_proj.kernel` in `[in, ...out]` layout (the naming rule MaxText's
+   `integration.tunix.utils.VllmWeightMapping` also encodes); engines that keep HF names (torchax) get
+   the HF layout unchanged. Every engine parameter must be written: a sampler left with any of vLLM's
+   dummy-initialised weights would silently sample garbage.
+
+Supported: dense Qwen3 (`qwen3-*`) and Llama 3.1 (`llama3.1-*`), scanned or unscanned layers.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+
+from maxtext_rl_plugin.errors import ConfigError
+
+SUPPORTED_FAMILIES = ("qwen3-", "llama3.1-")
+# Qwen3 variants whose layers are not the dense Qwen3 decoder this mapping covers.
+_UNSUPPORTED_QWEN3 = ("qwen3-next", "qwen3-vl", "qwen3-omni", "qwen3-coder", "qwen3-30b", "qwen3-235b")
+
+
+def check_supported(model_name: str) -> None:
+  """Raise a one-line ConfigError unless the vLLM weight mapping covers `model_name`."""
+  from maxtext.checkpoint_conversion.utils import param_mapping  # pylint: disable=import-outside-toplevel
+
+  ok = (
+      model_name.startswith(SUPPORTED_FAMILIES)
+      and not model_name.startswith(_UNSUPPORTED_QWEN3)
+      and model_name in param_mapping.PARAM_MAPPING
+  )
+  if not ok:
+    raise ConfigError(
+        f"invalid value for 'model_name'='{model_name}' with rollout_engine=vllm: the MaxText->vLLM weight mapping "
+        "covers dense Qwen3 (qwen3-0.6b ... qwen3-32b) and Llama 3.1 (llama3.1-8b/70b/405b)"
+    )
+
+
+def _path_str(path) -> str:
+  parts = []
+  for k in path:
+    key = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
+    parts.append(str(key))
+  return ".".join(parts)
+
+
+def flatten_params(tree: Any) -> dict[str, Any]:
+  """`{dotted.path: array}` for an nnx.State / nested dict of parameters (nnx Variable wrappers unwrapped)."""
+  if hasattr(tree, "to_pure_dict"):
+    tree = tree.to_pure_dict()
+  flat = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    name = _path_str(path)
+    if name.endswith(".value"):
+      name = name[: -len(".value")]
+    flat[name] = getattr(leaf, "value", leaf)
+  return flat
+
+
+def _maxtext_key(name: str) -> str:
+  """'base.decoder.layers.mlp.wi_0.kernel' -> 'params-decoder-layers-mlp-wi_0-kernel' (PARAM_MAPPING's keys)."""
+  if name.startswith("base."):
+    name = name[len("base.") :]
+  return "params-" + name.replace(".", "-")
+
+
+def hf_config_from_params(params: Any, model_name: str) -> dict[str, Any]:
+  """The HF config fields the mapping needs, read off the parameter shapes (works for shrunk test models)."""
+  check_supported(model_name)
+  flat = {_maxtext_key(k): v for k, v in flatten_params(params).items()}
+  try:
+    vocab, hidden = flat["params-token_embedder-embedding"].shape
+  except KeyError:
+    raise ValueError("not a MaxText decoder parameter tree: no token_embedder.embedding") from None
+  scanned = "params-decoder-layers-self_attention-query-kernel" in flat
+  if scanned:
+    q = flat["params-decoder-layers-self_attention-query-kernel"]  # [embed, layers, heads, head_dim]
+    k = flat["params-decoder-layers-self_attention-key-kernel"]
+    wi = flat["params-decoder-layers-mlp-wi_0-kernel"]  # [embed, layers, mlp]
+    n_layers, n_heads, head_dim, n_kv, inter = q.shape[1], q.shape[2], q.shape[3], k.shape[2], wi.shape[2]
+  else:
+    n_layers = len({m.group(1) for m in (re.match(r"params-decoder-layers_(\d+)-", key) for key in flat) if m})
+    q = flat["params-decoder-layers_0-self_attention-query-kernel"]  # [embed, heads, head_dim]
+    k = flat["params-decoder-layers_0-self_attention-key-kernel"]
+    inter = flat["params-decoder-layers_0-mlp-wi_0-kernel"].shape[1]
+    n_heads, head_dim, n_kv = q.shape[1], q.shape[2], k.shape[1]
+  return {
+      "vocab_size": int(vocab),
+      "hidden_size": int(hidden),
+      "num_hidden_layers": int(n_layers),
+      "num_attention_heads": int(n_heads),
+      "num_key_value_heads": int(n_kv),
+      "head_dim": int(head_dim),
+      "intermediate_size": int(inter),
+      "tie_word_embeddings": "params-decoder-logits_dense-kernel" not in flat,
+      "scan_layers": scanned,
+  }
+
+
+def hf_config_from_maxtext(config: Any) -> dict[str, Any]:
+  """The same HF config fields from a MaxText config (used for vLLM's `hf_overrides` on shrunk models)."""
+  return {
+      "vocab_size": int(config.vocab_size),
+      "hidden_size": int(config.emb_dim),
+      "num_hidden_layers": int(config.num_decoder_layers),
+      "num_attention_heads": int(config.num_query_heads),
+      "num_key_value_heads": int(config.num_kv_heads),
+      "head_dim": int(config.head_dim),
+      "intermediate_size": int(config.mlp_dim),
+      "tie_word_embeddings": bool(config.logits_via_embedding),
+  }
+
+
+def vllm_param_shapes(model_name: str, hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+  """The inverse spec: every vLLM (HF checkpoint) parameter name -> shape, from MaxText's HF_SHAPE tables."""
+  from maxtext.checkpoint_conversion.utils.hf_shape import HF_SHAPE  # pylint: disable=import-outside-toplevel
+
+  check_supported(model_name)
+  shapes = {k: tuple(v) for k, v in HF_SHAPE[model_name](dict(hf_config)).items()}
+  if hf_config.get("tie_word_embeddings"):
+    shapes.pop("lm_head.weight", None)  # vLLM reuses embed_tokens; tied checkpoints have no lm_head
+  return shapes
+
+
+class _HookConfig:
+  """The two MaxText config fields `process_maxtext_param`-style unstacking reads."""
+
+  def __init__(self, scan_layers: bool, param_scan_axis: int):
+    self.scan_layers = scan_layers
+    self.param_scan_axis = param_scan_axis
+
+
+def map_maxtext_to_vllm(
+    params_tree: Any,
+    model_name: str,
+    hf_config: Mapping[str, Any] | None = None,
+    *,
+    param_scan_axis: int = 1,
+) -> dict[str, jax.Array]:
+  """MaxText parameters (`nnx.state(adapter, nnx.Param)` or `{'base': ...}` dict) -> `{hf_name: array}`.
+
+  Scanned layers are unstacked along `param_scan_axis`; kernels are transposed/reshaped to HF's
+  `[out, in]`, Llama's query is un-scaled and both q/k RoPE halves de-interleaved, with MaxText's own
+  hook functions. Arrays stay on their devices (jax ops only); dtypes are preserved.
+  """
+  from maxtext.checkpoint_conversion.utils import param_mapping  # pylint: disable=import-outside-toplevel
+  from maxtext.checkpoint_conversion.utils.hf_shape import HF_SHAPE  # pylint: disable=import-outside-toplevel
+
+  check_supported(model_name)
+  hf_cfg = dict(hf_config) if hf_config is not None else hf_config_from_params(params_tree, model_name)
+  scanned = hf_cfg.get("scan_layers", True)
+  flat = {_maxtext_key(k): v for k, v in flatten_params(params_tree).items()}
+  name_map = param_mapping.PARAM_MAPPING[model_name](hf_cfg, None, scanned)
+  hooks = param_mapping.HOOK_FNS[model_name](hf_cfg, None, scanned, saving_to_hf=True)
+  shapes = HF_SHAPE[model_name](hf_cfg)
+
+  out: dict[str, jax.Array] = {}
+  unknown = sorted(k for k in flat if k not in name_map)
+  if unknown:
+    raise ValueError(f"{len(unknown)} trainer parameters have no vLLM mapping for {model_name}, e.g. {unknown[:3]}")
+  for mt_key, weight in flat.items():
+    targets = name_map[mt_key]
+    hook = hooks.get(mt_key)
+    if isinstance(targets, str):
+      _emit(out, targets, weight, hook, shapes)
+      continue
+    if targets and isinstance(targets[0], list):
+      raise ValueError(f"{mt_key}: expert-stacked (MoE) parameters are not supported by the vLLM mapping")
+    axis = param_scan_axis if weight.ndim > param_scan_axis else 0
+    if weight.shape[axis] != len(targets):
+      raise ValueError(f"{mt_key}: {weight.shape[axis]} stacked layers on axis {axis}, expected {len(targets)}")
+    for i, hf_name in enumerate(targets):
+      _emit(out, hf_name, jax.lax.index_in_dim(weight, i, axis=axis, keepdims=False), hook, shapes)
+  return out
+
+
+def _emit(out: dict, hf_name: str, weight, hook, shapes: Mapping[str, Any]) -> None:
+  from maxtext.checkpoint_conversion.utils.utils import apply_hook_fns  # pylint: disable=import-outside-toplevel
+
+  if hf_name in out:
+    raise ValueError(f"two trainer parameters map to the same vLLM parameter {hf_name}")
+  target = tuple(shapes[hf_name])
+  dtype = weight.dtype
+  weight = apply_hook_fns(weight, target, hook)
+  out[hf_name] = jnp.reshape(weight, target).astype(dtype)
+
+
+# ---------------------------------------------------------------- engine side
+
+
+def engine_name_candidates(hf_name: str) -> list[tuple[str, str]]:
+  """Names an engine may give the HF tensor `hf_name`, each with its layout ('hf' or 'jax').
+
+  'hf': the engine keeps HF checkpoint names/layouts (vLLM torch models via torchax).
+  'jax': vLLM-TPU's flax models (`model.layers.N.self_attn.q_proj.kernel` in `[in, ...out]`,
+  norms `.scale`, `model.embed.embedding`, `model.lm_head` as `[hidden, vocab]`), the rule of MaxText's
+  `VllmWeightMapping._correct_hf_wildcard_name`.
+  """
+  cands = [(hf_name, "hf")]
+  if hf_name == "model.embed_tokens.weight":
+    cands += [("model.embed.embedding", "jax"), ("model.embed_tokens.embedding", "jax")]
+  elif hf_name == "lm_head.weight":
+    cands += [("model.lm_head", "jax"), ("lm_head.kernel", "jax")]
+  elif hf_name.endswith("norm.weight"):
+    cands += [(hf_name[: -len("weight")] + "scale", "jax")]
+  elif hf_name.endswith(".weight"):
+    cands += [(hf_name[: -len("weight")] + "kernel", "jax")]
+  return cands
+
+
+def _to_engine_layout(weight, layout: str, dst_shape: tuple[int, ...], name: str):
+  if layout == "jax" and weight.ndim == 2 and not name.endswith(("embedding", "embed_tokens.weight")):
+    weight = weight.T  # HF Linear is [out, in]; flax kernels are [in, ...out]
+  if tuple(weight.shape) != tuple(dst_shape):
+    if math.prod(weight.shape) != math.prod(dst_shape):
+      raise ValueError(f"vLLM parameter {name} has shape {tuple(dst_shape)}, trainer gives {tuple(weight.shape)}")
+    weight = jnp.reshape(weight, dst_shape)  # [in, heads*dim] -> [in, heads, dim] (Einsum kernels)
+  return weight
+
+
+def to_engine_state(
+    hf_weights: Mapping[str, jax.Array], engine_params: Mapping[str, Any]
+) -> tuple[dict[str, jax.Array], dict[str, str]]:
+  """Match `{hf_name: array}` to the engine's flat `{name: array-like}`; returns (new leaves, hf->engine name).
+
+  Raises if any HF tensor finds no engine parameter or any engine parameter is left unwritten.
+  """
+  new: dict[str, jax.Array] = {}
+  names: dict[str, str] = {}
+  missing = []
+  for hf_name, w in hf_weights.items():
+    for cand, layout in engine_name_candidates(hf_name):
+      if cand in engine_params:
+        dst = engine_params[cand]
+        if cand in new:
+          raise ValueError(f"two vLLM tensors map to engine parameter {cand}")
+        new[cand] = _to_engine_layout(w, layout, tuple(dst.shape), cand).astype(dst.dtype)
+        names[hf_name] = cand
+        break
+    else:
+      missing.append(hf_name)
+  if missing:
+    raise ValueError(f"{len(missing)} weights have no parameter in the vLLM model, e.g. {missing[:3]}")
+  unwritten = sorted(set(engine_params) - set(new))
+  if unwritten:
+    raise ValueError(
+        f"{len(unwritten)} vLLM parameters would keep their dummy initialisation, e.g. {unwritten[:3]}"
+    )
+  return new, names
+
+
+def engine_state_setter(state: Any) -> Callable[[Mapping[str, Any]], None]:
+  """A function writing `{dotted name: array}` back into the engine's nested state (nnx.State or dicts)."""
+
+  def _set(values: Mapping[str, Any]) -> None:
+    for name, value in values.items():
+      node = state
+      parts = name.split(".")
+      for p in parts[:-1]:
+        node = node[int(p)] if isinstance(node, (list, tuple)) else node[p if p in node else int(p)]
+      leaf_key = parts[-1] if parts[-1] in node else int(parts[-1])
+      leaf = node[leaf_key]
+      if hasattr(leaf, "value"):
+        leaf.value = value
+      else:
+        node[leaf_key] = value
+
+  return _set
