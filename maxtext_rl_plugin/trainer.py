@@ -201,7 +201,7 @@ def _accuracy_metric(config, recorder: RewardRecorder):
 
   def accuracy(prompts, completions, rewards_, advantages, answer=None, **kwargs):  # Tunix passes rewards=...
     del prompts, rewards_, advantages, kwargs
-    correct = [float(rewards.score(c, a, config).correct) for c, a in zip(completions, answer or [])]
+    correct = [float(r.correct) for r in rewards.score_batch(completions, list(answer or []), config)]
     recorder.values.setdefault("accuracy", []).extend(correct)
     return {"accuracy": (float(np.mean(correct)) if correct else 0.0, np.mean)}
 
@@ -281,13 +281,14 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   timer = PhaseTimer()
   recorder = RewardRecorder(timer)
   algorithms.register_with_tunix()
-  learner_cls = getattr(algorithms, "PluginGrpoLearner", grpo_learner.GrpoLearner)
-  learner = learner_cls(
+  algo_config = algorithms.tunix_algo_config(config)
+  learner = grpo_learner.GrpoLearner(
       rl_cluster=rl_cluster,
-      algo_config=algorithms.tunix_algo_config(config),
+      algo_config=algo_config,
       reward_fns=_reward_functions(config, recorder),
       metric_fns=[_accuracy_metric(config, recorder)],
   )
+  rl_cluster.actor_trainer.with_rl_metrics_to_log(algorithms.rl_metrics_to_log(algo_config))
   # GrpoLearner.train() sets these from the batch size; we drive steps ourselves.
   learner._rollout_micro_batch_size = config.batch_size  # pylint: disable=protected-access
   learner._compute_logps_micro_batch_size = config.batch_size  # pylint: disable=protected-access
@@ -320,7 +321,7 @@ def evaluate(run: RLRun, step: int) -> dict[str, float]:
   for s in range(0, n, bs):
     chunk = examples[s : s + bs]
     out = run.rl_cluster.generate(prompts=[e.prompt for e in chunk], mode=rl_cluster_lib.Mode.EVAL)
-    results.extend(rewards.score(c, e.answer, config) for c, e in zip(out.text, chunk))
+    results.extend(rewards.score_batch(out.text, [e.answer for e in chunk], config))
   run.timer.reset()  # eval time is not a training phase
   metrics = {
       "accuracy": float(np.mean([r.correct for r in results])),
@@ -392,7 +393,7 @@ def _restore(run: RLRun, ckpt, step: int) -> dict:
 def _step_inputs(run: RLRun, step: int) -> tuple[dict, list]:
   config = run.config
   # Batch k (0-based) is a pure function of (seed, k): resuming at step s replays nothing and skips nothing.
-  batch = next(iter(run.train_split.batches(config.batch_size, start_batch=step - 1, seed=config.data_shuffle_seed)))
+  batch = run.train_split.batch(step - 1, config.batch_size)
   g = config.rl.num_generations
   inputs = {
       "prompts": [e.prompt for e in batch for _ in range(g)],
@@ -400,6 +401,13 @@ def _step_inputs(run: RLRun, step: int) -> tuple[dict, list]:
       "question": [e.question for e in batch for _ in range(g)],
   }
   return inputs, batch
+
+
+def _audit_batch(run_dir: str, step: int, batch) -> None:
+  """Append which examples step `step` trained on to `<run>/batches.jsonl` (resume audit trail)."""
+  os.makedirs(run_dir, exist_ok=True)
+  with open(os.path.join(run_dir, "batches.jsonl"), "a", encoding="utf-8") as f:
+    f.write(json.dumps({"step": step, "ids": [e.id for e in batch]}) + "\n")
 
 
 def _step_metrics(run: RLRun, example, phases: dict[str, float], step_seconds: float) -> dict[str, float]:
@@ -474,7 +482,8 @@ def train(run: RLRun) -> dict[str, Any]:
   for step in range(start + 1, total + 1):
     t_step = time.perf_counter()
     run.timer.reset()
-    inputs, _ = _step_inputs(run, step)
+    inputs, batch = _step_inputs(run, step)
+    _audit_batch(run.run_dir, step, batch)
     t = time.perf_counter()
     example = run.learner._generate_and_compute_advantage(inputs)  # pylint: disable=protected-access
     gen_s = time.perf_counter() - t
