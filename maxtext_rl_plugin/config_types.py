@@ -62,6 +62,7 @@ class PluginKeys(BaseModel):
       description="Rollout batch sizes are padded up to the next bucket (same reason as rollout_prefill_buckets).",
   )
   stop_token_ids: list[int] = Field([], description="Extra token ids that end a completion, besides the tokenizer's EOS.")
+  rollout_seed: int = Field(0, description="Seed of rollout sampling; step k samples with a key derived from (rollout_seed, k), so resumed runs sample identically.")
 
   # --- data (maxtext_rl_plugin.data) ---
   train_data_path: str = Field("", description="Local JSONL or Parquet file(s) of GSM8K-style rows (question, answer '... #### N'); overrides dataset_name for training.")

@@ -29,7 +29,7 @@ from maxtext_rl_plugin import models
 from maxtext_rl_plugin.errors import CheckpointError, ConfigError
 
 # Keys whose change makes a checkpoint's data position meaningless: resuming must refuse them.
-_RESUME_INVARIANTS = ("batch_size", "num_generations", "data_shuffle_seed", "dataset", "loss_algo")
+_RESUME_INVARIANTS = ("batch_size", "num_generations", "data_shuffle_seed", "dataset", "loss_algo", "rollout_seed")
 
 
 class PhaseTimer:
@@ -350,7 +350,7 @@ def _meta(config, step: int, extra: dict | None = None) -> dict:
       "dataset": _data_key(config),
       "loss_algo": config.rl.loss_algo,
       "model_name": config.model_name,
-      "rng_seed": int(config.init_weights_seed),
+      "rollout_seed": int(config.rollout_seed),
       **(extra or {}),
   }
 
@@ -401,6 +401,15 @@ def _step_inputs(run: RLRun, step: int) -> tuple[dict, list]:
       "question": [e.question for e in batch for _ in range(g)],
   }
   return inputs, batch
+
+
+def _seed_rollout(run: RLRun, step: int) -> None:
+  """Sampling randomness is a function of (rollout_seed, step), so a resumed run samples what an
+  uninterrupted one would have (the RNG part of the resume state)."""
+  from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=import-outside-toplevel
+
+  rc = run.rl_cluster.cluster_config.rollout_config[rl_cluster_lib.Mode.TRAIN]
+  rc.seed = (int(run.config.rollout_seed) * 1_000_003 + step) % (2**31 - 1)
 
 
 def _audit_batch(run_dir: str, step: int, batch) -> None:
@@ -482,6 +491,7 @@ def train(run: RLRun) -> dict[str, Any]:
   for step in range(start + 1, total + 1):
     t_step = time.perf_counter()
     run.timer.reset()
+    _seed_rollout(run, step)
     inputs, batch = _step_inputs(run, step)
     _audit_batch(run.run_dir, step, batch)
     t = time.perf_counter()
