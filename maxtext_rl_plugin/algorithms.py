@@ -336,8 +336,9 @@ def tunix_policy_loss_fn(
       loss_agg_mode=algo_config.loss_agg_mode,
   )
   if compute_entropy:
-    entropy = tunix_common.compute_entropy_from_logits(jax.lax.stop_gradient(logits))
-    aux["entropy"] = _token_mean(entropy.astype(jnp.float32), train_example.completion_mask.astype(jnp.float32))
+    log_probs = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    aux["entropy"] = _token_mean(entropy, train_example.completion_mask.astype(jnp.float32))
   return loss, aux
 
 
