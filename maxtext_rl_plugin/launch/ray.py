@@ -1,0 +1,253 @@
+"""`launch ray`: run `train_rl` on every worker of Ray Train's `JaxTrainer` (KubeRay on GKE, or any Ray cluster).
+
+This is the pattern of the "JAX, Ray Train and TPU Trillium on GKE" tutorial, with MaxText's `train.main`
+replaced by the plugin's `train_rl.main`: one Ray worker per TPU VM host, `ScalingConfig(use_tpu=True,
+topology=..., accelerator_type=..., resources_per_worker={"TPU": chips})`, and `JaxTrainer` runs the same SPMD
+program on each host (Ray's JAX backend calls `jax.distributed.initialize` on TPU).
+
+On CPU workers Ray's JAX backend does no distributed setup at all (ray 2.60 `_JaxBackend.on_start` returns early
+unless use_tpu/use_gpu), so the worker function does it: rank 0 picks a coordinator address, Ray broadcasts it,
+and every worker calls `jax.distributed.initialize(address, world_size, rank)` with gloo CPU collectives. Workers
+never inherit the submitting shell's `XLA_FLAGS` (a test shell forcing 8 host devices would otherwise give every
+worker 8 devices); `--cpu-devices-per-worker` sets the count explicitly.
+
+`--entry smoke` runs `maxtext_rl_plugin.launch.smoke.grpo_step` instead of train_rl: a seconds-long check that the
+cluster's multi-process JAX (coordinator, collectives) and the plugin's GRPO loss work before a real run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import socket
+import sys
+from typing import Any, Sequence
+
+from absl import logging
+
+from maxtext_rl_plugin import errors
+from maxtext_rl_plugin.launch import xpk as xpk_lib
+
+ENTRIES = ("train_rl", "smoke")
+DEFAULT_CONFIG = xpk_lib.DEFAULT_CONFIG
+# Environment of TPU workers, as in the Ray Train tutorial.
+TPU_WORKER_ENV = {"JAX_PLATFORMS": "tpu", "ENABLE_PJRT_COMPATIBILITY": "true"}
+_FORCE_DEVICES_RE = re.compile(r"--xla_force_host_platform_device_count=\S+")
+
+
+@dataclasses.dataclass
+class RayLaunch:
+  """Everything `JaxTrainer` needs, built and validated on the driver before any worker starts."""
+
+  num_workers: int
+  overrides: list[str]
+  config: str = DEFAULT_CONFIG
+  entry: str = "train_rl"
+  tpu_topology: str | None = None
+  accelerator_type: str | None = None
+  chips_per_worker: int = 4
+  cpus_per_worker: float = 1.0
+  cpu_devices_per_worker: int = 1
+  name: str | None = None
+  storage_path: str | None = None
+  result_dir: str | None = None
+  address: str | None = None
+
+  @property
+  def use_tpu(self) -> bool:
+    return bool(self.tpu_topology or self.accelerator_type)
+
+  def validate(self, *, check_overrides: bool = True) -> None:
+    if self.num_workers < 1:
+      raise xpk_lib.LaunchError(f"--num-workers must be >= 1, got {self.num_workers}")
+    if self.entry not in ENTRIES:
+      raise xpk_lib.LaunchError(f"invalid --entry '{self.entry}': expected one of {', '.join(ENTRIES)}")
+    if self.use_tpu and not (self.tpu_topology and self.accelerator_type):
+      raise xpk_lib.LaunchError("TPU workers need both --tpu-topology (e.g. 4x4) and --accelerator-type (e.g. TPU-V6E)")
+    if self.use_tpu and self.chips_per_worker < 1:
+      raise xpk_lib.LaunchError(f"--chips-per-worker must be >= 1, got {self.chips_per_worker}")
+    if self.cpu_devices_per_worker < 1:
+      raise xpk_lib.LaunchError(f"--cpu-devices-per-worker must be >= 1, got {self.cpu_devices_per_worker}")
+    if self.entry == "train_rl" and check_overrides:
+      xpk_lib.validate_overrides(self.config, self.overrides)
+
+  def run_name(self) -> str:
+    return self.name or xpk_lib._override_value(self.overrides, "run_name") or "maxtext-rl"  # pylint: disable=protected-access
+
+  def scaling_config_kwargs(self) -> dict[str, Any]:
+    if self.use_tpu:
+      return {
+          "num_workers": self.num_workers,
+          "use_tpu": True,
+          "topology": self.tpu_topology,
+          "accelerator_type": self.accelerator_type,
+          "resources_per_worker": {"TPU": self.chips_per_worker},
+          "placement_strategy": "SPREAD",
+      }
+    return {"num_workers": self.num_workers, "use_tpu": False, "resources_per_worker": {"CPU": self.cpus_per_worker}}
+
+  def worker_env(self, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """env_vars of the workers' runtime_env: platform, XLA flags and the HF token passed through."""
+    environ = os.environ if environ is None else environ
+    if self.use_tpu:
+      env = dict(TPU_WORKER_ENV)
+    else:
+      env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": _cpu_xla_flags(environ.get("XLA_FLAGS", ""), self.cpu_devices_per_worker)}
+    env["RAY_TRAIN_V2_ENABLED"] = "1"
+    if environ.get(xpk_lib.SECRET_ENV):
+      env[xpk_lib.SECRET_ENV] = environ[xpk_lib.SECRET_ENV]
+    return env
+
+  def loop_config(self) -> dict[str, Any]:
+    return {
+        "entry": self.entry,
+        "argv": [self.config, *self.overrides],
+        "use_tpu": self.use_tpu,
+        "cpu_devices_per_worker": self.cpu_devices_per_worker,
+        "result_dir": self.result_dir,
+    }
+
+  def describe(self) -> str:
+    """One line that says what would run (secrets redacted), for --dry-run and logs."""
+    env = {k: ("***" if k == xpk_lib.SECRET_ENV else v) for k, v in self.worker_env().items()}
+    return (
+        f"ray JaxTrainer name={self.run_name()} entry={self.entry} scaling={json.dumps(self.scaling_config_kwargs(), sort_keys=True)} "
+        f"worker_env={json.dumps(env, sort_keys=True)} argv={json.dumps(self.loop_config()['argv'])}"
+    )
+
+
+def _cpu_xla_flags(inherited: str, devices: int) -> str:
+  flags = _FORCE_DEVICES_RE.sub("", inherited).split()
+  if devices > 1:
+    flags.append(f"--xla_force_host_platform_device_count={devices}")
+  return " ".join(flags)
+
+
+def _free_port() -> int:
+  with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    s.bind(("", 0))
+    return s.getsockname()[1]
+
+
+def _init_cpu_distributed(cpu_devices: int) -> bool:
+  """jax.distributed on CPU workers (Ray does not); returns True when this call initialised it."""
+  import ray.train  # pylint: disable=import-outside-toplevel
+  from ray.train import collective  # pylint: disable=import-outside-toplevel
+
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = _cpu_xla_flags(os.environ.get("XLA_FLAGS", ""), cpu_devices)
+  import jax  # pylint: disable=import-outside-toplevel
+
+  ctx = ray.train.get_context()
+  rank, world = ctx.get_world_rank(), ctx.get_world_size()
+  if world <= 1 or jax.distributed.is_initialized():
+    return False
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  address = None
+  if rank == 0:
+    import ray.util  # pylint: disable=import-outside-toplevel
+
+    address = f"{ray.util.get_node_ip_address()}:{_free_port()}"
+  address = collective.broadcast_from_rank_zero(address)
+  logging.info("worker %d/%d: jax.distributed.initialize(%s) on CPU (gloo)", rank, world, address)
+  jax.distributed.initialize(coordinator_address=address, num_processes=world, process_id=rank)
+  return True
+
+
+def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
+  """Runs on every Ray worker: distributed JAX setup on CPU, then train_rl (or the smoke GRPO step)."""
+  import ray.train  # pylint: disable=import-outside-toplevel
+
+  initialised = False if loop_config["use_tpu"] else _init_cpu_distributed(loop_config["cpu_devices_per_worker"])
+  try:
+    if loop_config["entry"] == "smoke":
+      from maxtext_rl_plugin.launch import smoke  # pylint: disable=import-outside-toplevel
+
+      metrics = smoke.grpo_step()
+      rank = ray.train.get_context().get_world_rank()
+      if loop_config.get("result_dir"):
+        os.makedirs(loop_config["result_dir"], exist_ok=True)
+        with open(os.path.join(loop_config["result_dir"], f"rank{rank}.json"), "w", encoding="utf-8") as f:
+          json.dump(metrics, f)
+      print(f"[smoke] rank {rank}: {json.dumps(metrics, sort_keys=True)}", flush=True)
+      ray.train.report(metrics)
+      return
+    from maxtext_rl_plugin import train_rl  # pylint: disable=import-outside-toplevel
+
+    try:
+      rc = train_rl.main(list(loop_config["argv"]))
+    except SystemExit as e:  # train_rl turns user errors into exit 2; a worker must raise, not exit
+      rc = e.code
+    if rc:
+      raise RuntimeError(f"train_rl exited with status {rc} on worker {ray.train.get_context().get_world_rank()}")
+  finally:
+    if initialised:
+      import jax  # pylint: disable=import-outside-toplevel
+
+      jax.distributed.shutdown()
+
+
+def build_trainer(launch: RayLaunch):
+  """The `JaxTrainer` for `launch` (constructing it needs no cluster; `fit()` does)."""
+  os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")  # JaxTrainer and ray.train.collective are Train V2 APIs
+  try:
+    from ray.train.v2.api.config import RunConfig, ScalingConfig  # pylint: disable=import-outside-toplevel
+    from ray.train.v2.jax import JaxTrainer  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise errors.MissingExtraError("the Ray launcher", "ray[train]", "launch") from None
+  try:
+    scaling = ScalingConfig(**launch.scaling_config_kwargs())
+  except ValueError as e:
+    raise xpk_lib.LaunchError(f"Ray rejected the scaling config: {' '.join(str(e).split())}") from None
+  run_kwargs: dict[str, Any] = {"name": launch.run_name(), "worker_runtime_env": {"env_vars": launch.worker_env()}}
+  if launch.storage_path:
+    run_kwargs["storage_path"] = launch.storage_path
+  return JaxTrainer(
+      train_loop_per_worker=train_loop_per_worker,
+      train_loop_config=launch.loop_config(),
+      scaling_config=scaling,
+      run_config=RunConfig(**run_kwargs),
+  )
+
+
+def run(launch: RayLaunch, *, dry_run: bool = False) -> int:
+  """Validate, print what runs, and (unless dry_run) connect to Ray and fit. Returns an exit code."""
+  launch.validate()
+  trainer = build_trainer(launch)
+  print(launch.describe(), file=sys.stdout if dry_run else sys.stderr, flush=True)
+  if dry_run:
+    return 0
+  import ray  # pylint: disable=import-outside-toplevel
+
+  ray.init(address=launch.address, ignore_reinit_error=True)
+  try:
+    result = trainer.fit()
+  finally:
+    ray.shutdown()
+  if getattr(result, "error", None):
+    print(f"error: Ray training failed: {result.error}", file=sys.stderr, flush=True)
+    return 1
+  return 0
+
+
+def from_args(args: Any, overrides: Sequence[str]) -> RayLaunch:
+  overrides = list(overrides)
+  if args.name and xpk_lib._override_value(overrides, "run_name") is None:  # pylint: disable=protected-access
+    overrides.append(f"run_name={args.name}")  # a stable run_name is what lets a rerun resume
+  return RayLaunch(
+      num_workers=args.num_workers,
+      overrides=overrides,
+      config=args.config,
+      entry=args.entry,
+      tpu_topology=args.tpu_topology,
+      accelerator_type=args.accelerator_type,
+      chips_per_worker=args.chips_per_worker,
+      cpus_per_worker=args.cpus_per_worker,
+      cpu_devices_per_worker=args.cpu_devices_per_worker,
+      name=args.name,
+      storage_path=args.storage_path,
+      result_dir=args.result_dir,
+      address=args.address,
+  )
