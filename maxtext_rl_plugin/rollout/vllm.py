@@ -1,0 +1,339 @@
+"""vLLM-TPU rollout engine (`rollout_engine=vllm`): a Tunix `BaseRollout` over `vllm.LLM`.
+
+Why our own adapter rather than Tunix's `VllmRollout` or MaxText's `MaxTextVllmRollout`: in the pinned
+stack (google-tunix 0.1.7, maxtext 0.2.5) MaxText's class reads RolloutConfig fields Tunix 0.1.7 does not
+have, and Tunix's sampler imports vLLM at module import, frees the KV cache unconditionally and syncs
+through mapping tables whose engine names it cannot check. This adapter keeps the API surface it touches
+small and explicit (targeted: vllm-tpu 0.32.0 / tpu-inference 0.32.0, the pins in dependencies/):
+
+- `vllm.LLM(**vllm_engine_kwargs(...))`, `vllm.SamplingParams(**...)`, `LLM.generate(prompts=[{"prompt_token_ids":
+  ids}], sampling_params=, use_tqdm=False)` returning `RequestOutput.outputs[0].{token_ids, logprobs}`;
+- weight sync through tpu-inference's weight-update session: `LLM.reset_prefix_cache()`,
+  `LLM.collective_rpc("start_weight_update", kwargs={"free_kv_cache": ...})`, the in-process worker's
+  `get_weights_state()` / `refresh_model_state_leaves()`, `collective_rpc("finish_weight_update")`.
+
+vLLM starts from dummy weights (`load_format="dummy"`); the constructor syncs the trainer's weights before
+returning and `generate` refuses to run until a sync succeeded, so step 0 samples the trainer's policy.
+Completions keep the EOS/stop token that ended them (vLLM's behaviour), so the policy is trained to stop.
+vLLM is imported lazily: without it, constructing the engine raises MissingExtraError (extra `tpu`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, Optional, Sequence, Tuple
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tunix.rl.rollout import base_rollout
+
+from maxtext_rl_plugin.errors import ConfigError, DataError, MissingExtraError
+from maxtext_rl_plugin.rollout import vllm_mapping
+
+TARGET_API = "vllm-tpu==0.32.0, tpu-inference==0.32.0"
+
+
+def import_vllm():
+  """The `vllm` module, or a one-line MissingExtraError naming the extra to install."""
+  try:
+    import vllm  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise MissingExtraError("rollout_engine=vllm", "vllm", "tpu") from None
+  return vllm
+
+
+# ------------------------------------------------------------------------------- config -> vLLM
+
+
+def _as_dict(value: Any, key: str) -> dict:
+  if not value:
+    return {}
+  if isinstance(value, Mapping):
+    return dict(value)
+  if isinstance(value, str):
+    try:
+      parsed = json.loads(value)
+    except json.JSONDecodeError:
+      parsed = None
+    if isinstance(parsed, dict):
+      return parsed
+  raise ConfigError(f"invalid value for '{key}'={value!r}: expected a mapping or a JSON object")
+
+
+def vllm_engine_kwargs(config: Any, num_sampler_devices: int, *, device_ids: Sequence[int] | None = None) -> dict:
+  """The `vllm.LLM(...)` keyword arguments for a plugin config and `num_sampler_devices` rollout chips.
+
+  tp/dp/ep come from `rollout_{tensor,data,expert}_parallelism` (at most one -1, derived from the device
+  count, MaxText's rule); `device_ids` pins vLLM-TPU's mesh to the rollout devices.
+  """
+  from maxtext.utils.model_creation_utils import get_rollout_kwargs_for_parallelism  # pylint: disable=import-outside-toplevel
+
+  try:
+    par = get_rollout_kwargs_for_parallelism(config, num_sampler_devices)
+  except ValueError as e:
+    raise ConfigError(f"rollout parallelism: {str(e).strip().splitlines()[0]}") from None
+  tp, dp, ep = par["tensor_parallel_size"], par["data_parallel_size"], par["expert_parallel_size"]
+
+  strategy = {"expert_parallelism": ep, "enable_dp_attention": bool(config.enable_dp_attention)}
+  if device_ids is not None:
+    strategy["device_indexes"] = [int(i) for i in device_ids]
+  additional = _as_dict(config.vllm_additional_config, "vllm_additional_config")
+  additional.setdefault("sharding", {}).setdefault("sharding_strategy", {}).update(strategy)
+
+  kwargs: dict[str, Any] = {
+      # vLLM reads the architecture (config.json) and tokenizer from the HF id/dir, as MaxText's train_rl does.
+      "model": config.tokenizer_path,
+      "tokenizer": config.tokenizer_path,
+      # Never load checkpoint weights: the trainer's are synced in before the first generate.
+      "load_format": "dummy",
+      "dtype": jnp.dtype(config.weight_dtype).name,
+      "max_model_len": int(config.max_target_length + config.kv_cache_buffer),
+      "gpu_memory_utilization": float(config.hbm_utilization_vllm),
+      "tensor_parallel_size": tp,
+      "data_parallel_size": dp,
+      "enable_expert_parallel": ep > 1 or bool(config.enable_expert_parallel),
+      "async_scheduling": bool(config.async_scheduling),
+      "enable_prefix_caching": bool(config.enable_prefix_caching),
+      # Only the sampled token's log-prob is needed (old-policy log-probs / importance ratios).
+      "max_logprobs": 1,
+      "logprobs_mode": "processed_logprobs",
+      "disable_log_stats": True,
+      "additional_config": additional,
+  }
+  if config.max_num_seqs is not None:
+    kwargs["max_num_seqs"] = int(config.max_num_seqs)
+  if config.max_num_batched_tokens is not None:
+    kwargs["max_num_batched_tokens"] = int(config.max_num_batched_tokens)
+  if config.vllm_block_size is not None:
+    kwargs["block_size"] = int(config.vllm_block_size)
+  if config.vllm_hf_config_path:
+    kwargs["hf_config_path"] = config.vllm_hf_config_path
+  overrides = {}
+  if config.override_model_config:
+    # A shrunk model must get vLLM's model built with the trainer's shapes, not the hub config's.
+    overrides = vllm_mapping.hf_config_from_maxtext(config)
+  overrides.update(_as_dict(config.vllm_hf_overrides, "vllm_hf_overrides"))
+  if overrides:
+    kwargs["hf_overrides"] = overrides
+  return kwargs
+
+
+def sampling_params_kwargs(config: Any, *, greedy: bool = False) -> dict:
+  """`vllm.SamplingParams(...)` keyword arguments from the config's decode/stop keys.
+
+  `greedy` is evaluation's argmax decoding (temperature 0). The tokenizer's EOS is added by the engine.
+  """
+  stop_strings = list(config.stop_strings) if config.stop_strings else None
+  kwargs: dict[str, Any] = {
+      "n": 1,  # Tunix repeats each prompt num_generations times itself
+      "max_tokens": int(config.max_target_length - config.max_prefill_predict_length),
+      "temperature": 0.0 if greedy else float(config.decode_sampling_temperature),
+      "top_p": 1.0 if greedy else float(config.decode_sampling_nucleus_p),
+      "top_k": 0 if greedy else int(config.decode_sampling_top_k),  # 0 disables top-k in vLLM
+      "stop_token_ids": [int(t) for t in config.stop_token_ids],
+      "logprobs": 0,  # the sampled token's log-prob only
+      "skip_special_tokens": True,
+      # Stop strings are matched on text; keep them so the reward functions see the closing tag.
+      "stop": stop_strings,
+      "detokenize": stop_strings is not None,
+      "include_stop_str_in_output": stop_strings is not None,
+  }
+  return kwargs
+
+
+# ------------------------------------------------------------------------------- weight sync
+
+
+def _reshard(tree: dict, shardings: dict, *, chunk_size: Optional[int]) -> dict:
+  """Move mapped weights onto the engine's shardings (the plugin's resharding module when present)."""
+  try:
+    from maxtext_rl_plugin import resharding  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return jax.device_put(tree, shardings)
+  # donate=False: identity-layout leaves can alias the trainer's own buffers.
+  return resharding.reshard(tree, shardings, chunk_size=chunk_size, donate=False)
+
+
+def _driver_worker(llm: Any) -> Any:
+  """The in-process vLLM-TPU worker (VLLM_ENABLE_V1_MULTIPROCESSING=0), as Tunix's sampler reaches it."""
+  return llm.llm_engine.model_executor.driver_worker
+
+
+class VllmRollout(base_rollout.BaseRollout):
+  """Rollouts from vLLM-TPU with trainer->vLLM weight sync; build with `functools.partial(VllmRollout, config=cfg)`."""
+
+  def __init__(
+      self,
+      rollout_actor: Any,
+      tokenizer: Any,
+      mesh: jax.sharding.Mesh,
+      rollout_config: base_rollout.RolloutConfig,
+      *,
+      config: Any = None,
+  ):
+    vllm = import_vllm()
+    if config is None:
+      raise ValueError("VllmRollout needs the plugin config: functools.partial(VllmRollout, config=cfg)")
+    from tunix.generate import tokenizer_adapter  # pylint: disable=import-outside-toplevel
+
+    vllm_mapping.check_supported(config.model_name)
+    self._vllm = vllm
+    self._config = config
+    self._mesh = mesh
+    self._rollout_config = rollout_config
+    self._tokenizer = (
+        tokenizer if isinstance(tokenizer, tokenizer_adapter.TokenizerAdapter) else tokenizer_adapter.TokenizerAdapter(tokenizer)
+    )
+    self.engine_kwargs = vllm_engine_kwargs(
+        config, int(mesh.devices.size), device_ids=[int(i) for i in mesh.device_ids.flatten()]
+    )
+    # In-process engine: the weight sync writes into the worker's arrays directly.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("TPU_BACKEND_TYPE", "jax")
+    if self.engine_kwargs["data_parallel_size"] > 1:
+      os.environ["NEW_MODEL_DESIGN"] = "1"  # vLLM-TPU's DP needs its new model design
+    logging.info("vLLM engine (%s): %s", TARGET_API, self.engine_kwargs)
+    self.llm = vllm.LLM(**self.engine_kwargs)
+    self._synced_versions = 0
+    self._last: Optional[tuple[list[np.ndarray], list[np.ndarray]]] = None
+    # Step 0 samples the trainer's weights, never vLLM's dummy init.
+    self.update_params(_actor_params(rollout_actor))
+
+  # --- BaseRollout -------------------------------------------------------------------------------
+
+  @property
+  def mesh(self) -> jax.sharding.Mesh:
+    return self._mesh
+
+  def generate(self, prompts: list[str], rollout_config: base_rollout.RolloutConfig, **kwargs) -> base_rollout.RolloutOutput:
+    """Sample one completion per prompt; `kwargs` override individual SamplingParams fields."""
+    if self._synced_versions == 0:
+      raise RuntimeError("vLLM holds no trainer weights yet (the initial sync failed); refusing to sample dummy weights")
+    tok = self._tokenizer
+    prompt_ids = [self._encode(p) for p in prompts]
+    longest = max(len(p) for p in prompt_ids)
+    if longest > rollout_config.max_prompt_length:
+      raise DataError(
+          f"a prompt has {longest} tokens, more than max_prefill_predict_length={rollout_config.max_prompt_length}"
+      )
+    params = self._vllm.SamplingParams(**{**self._sampling_kwargs(rollout_config), **kwargs})
+    outputs = self.llm.generate(
+        prompts=[{"prompt_token_ids": ids} for ids in prompt_ids], sampling_params=params, use_tqdm=False
+    )
+    if len(outputs) != len(prompts):
+      raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
+    from tunix.generate import utils as tunix_gen_utils  # pylint: disable=import-outside-toplevel
+
+    texts, tokens, logps = [], [], []
+    for out in outputs:
+      comp = out.outputs[0]
+      ids = np.asarray(list(comp.token_ids), dtype=np.int32)
+      tokens.append(ids)
+      texts.append(tok.decode(ids.tolist(), skip_special_tokens=True))
+      lp = tunix_gen_utils.get_logprobs_from_vllm_output(list(comp.token_ids), comp.logprobs)
+      if len(lp) != len(ids):
+        raise RuntimeError("vLLM returned no per-token log-probs (SamplingParams.logprobs must be set)")
+      logps.append(np.asarray(lp, dtype=np.float32))
+    padded = np.full((len(prompt_ids), rollout_config.max_prompt_length), tok.pad_id(), dtype=np.int32)
+    for i, ids in enumerate(prompt_ids):
+      if ids:
+        padded[i, -len(ids) :] = ids
+    self._last = (tokens, logps)
+    return base_rollout.RolloutOutput(
+        text=texts, logits=None, tokens=tokens, left_padded_prompt_tokens=padded, logprobs=logps
+    )
+
+  def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array) -> jax.Array:
+    """The sampler's log-probs of `completion_tokens` [B, T] from the last `generate` (0 past each completion).
+
+    Rows must be the last generate's completions in order; a mismatch raises instead of misaligning.
+    """
+    del prompt_tokens
+    if self._last is None:
+      raise RuntimeError("get_per_token_logps called before generate")
+    tokens, logps = self._last
+    comp = np.asarray(jax.device_get(completion_tokens))
+    if comp.shape[0] != len(tokens):
+      raise ValueError(f"{comp.shape[0]} completion rows, but the last generate produced {len(tokens)}")
+    out = np.zeros(comp.shape, dtype=np.float32)
+    for i, (ids, lp) in enumerate(zip(tokens, logps)):
+      n = min(len(ids), comp.shape[1])
+      if not np.array_equal(comp[i, :n], ids[:n]):
+        raise ValueError(f"completion row {i} is not the one vLLM sampled; its log-probs are unavailable")
+      out[i, :n] = lp[:n]
+    return jnp.asarray(out)
+
+  def update_params(self, params: Any, filter_types: Optional[Tuple[Any, ...]] = None) -> None:
+    """Map the trainer's MaxText parameters to vLLM's and write them into the engine (all of them)."""
+    if filter_types and any(getattr(t, "__name__", "") == "LoRAParam" for t in filter_types):
+      raise ConfigError("rollout_engine=vllm syncs full weights; LoRA training is not supported with it")
+    cfg = self._config
+    free_kv = bool(cfg.free_kv_cache_during_weight_sync)
+    hf_weights = vllm_mapping.map_maxtext_to_vllm(params, cfg.model_name, param_scan_axis=int(cfg.param_scan_axis))
+    llm = self.llm
+    # The prefix cache is scheduler-side: drop it first, or it serves blocks computed with old weights.
+    llm.reset_prefix_cache()
+    llm.collective_rpc("start_weight_update", kwargs={"free_kv_cache": free_kv})
+    try:
+      worker = _driver_worker(llm)
+      state = worker.get_weights_state()
+      engine_flat = vllm_mapping.flatten_params(state)
+      new, _ = vllm_mapping.to_engine_state(hf_weights, engine_flat)
+      shardings = {k: engine_flat[k].sharding for k in new}
+      new = _reshard(new, shardings, chunk_size=cfg.rl.reshard_chunk_size)
+      old = [engine_flat[k] for k in new]
+      vllm_mapping.engine_state_setter(state)(new)
+      worker.refresh_model_state_leaves()
+      if cfg.reshard_donate:
+        for arr in old:
+          if isinstance(arr, jax.Array) and not arr.is_deleted() and all(arr is not v for v in new.values()):
+            arr.delete()  # free HBM now rather than at the next GC
+    finally:
+      llm.collective_rpc("finish_weight_update")
+    self._synced_versions += 1
+    logging.info("synced %d trainer tensors into vLLM (sync %d, kv cache %s)", len(new), self._synced_versions,
+                 "freed" if free_kv else "kept")
+
+  def pad_id(self) -> int:
+    return self._tokenizer.pad_id()
+
+  def eos_id(self) -> int:
+    return self._tokenizer.eos_id()
+
+  def model(self) -> Any:
+    return None  # vLLM owns its model; Tunix only uses this for CPU offload, which vLLM does not support
+
+  # --- helpers -----------------------------------------------------------------------------------
+
+  def _encode(self, prompt: str) -> list[int]:
+    """Token ids as the tokenizer encodes them, with a doubled leading BOS (chat template + encoder) collapsed."""
+    ids = list(self._tokenizer.encode(prompt))
+    bos = self._tokenizer.bos_id()
+    while bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+      ids = ids[1:]
+    return ids
+
+  def _sampling_kwargs(self, rollout_config: base_rollout.RolloutConfig) -> dict:
+    """Config defaults, with Tunix's per-mode RolloutConfig (train vs. eval) deciding the decode knobs."""
+    greedy = rollout_config.temperature is not None and rollout_config.temperature <= 0
+    kw = sampling_params_kwargs(self._config, greedy=greedy)
+    kw["max_tokens"] = int(rollout_config.max_tokens_to_generate)
+    if not greedy:
+      kw["temperature"] = float(rollout_config.temperature)
+      kw["top_p"] = 1.0 if rollout_config.top_p is None else float(rollout_config.top_p)
+      kw["top_k"] = 0 if rollout_config.top_k in (None, -1) else int(rollout_config.top_k)
+    eos = list(rollout_config.eos_tokens or [self._tokenizer.eos_id()])
+    kw["stop_token_ids"] = sorted(set(int(t) for t in eos + kw["stop_token_ids"]))
+    return kw
+
+
+def _actor_params(rollout_actor: Any) -> Any:
+  """The trainer's parameters: `nnx.state(model, nnx.Param)` for a module, the tree itself otherwise."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  if isinstance(rollout_actor, nnx.Module):
+    return nnx.state(rollout_actor, nnx.Param)
+  return rollout_actor

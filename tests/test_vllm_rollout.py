@@ -1,0 +1,526 @@
+"""vLLM rollout adapter, tested at the narrowest boundary: a fake `vllm` module (LLM, SamplingParams).
+
+The trainer side is real: MaxText's own parameter trees (names, shapes, scan layout) for the tiny Qwen3 of
+configs/cpu_tiny.yml and a llama3.1-8b shrunk the same way, filled with random values. The engine side is a
+fake vLLM-TPU worker whose weight tree has tpu-inference's JAX layout (`q_proj.kernel` [embed, heads, dim],
+...), dummy-initialised, in bfloat16. Expected values are re-derived here with NumPy, not with the mapping.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tunix.rl.rollout import base_rollout
+
+from maxtext_rl_plugin import errors
+from maxtext_rl_plugin.config import load_config
+from maxtext_rl_plugin.rollout import vllm as vllm_mod
+from maxtext_rl_plugin.rollout import vllm_mapping as vm
+
+DUMMY = 7.0  # the fake engine's "dummy init" value
+LLAMA = ["model_name=llama3.1-8b"]
+
+
+def _has_vllm() -> bool:
+  try:
+    import vllm  # pylint: disable=unused-import,import-outside-toplevel
+  except ImportError:
+    return False
+  return True
+
+
+def _trainer_tree(cfg, seed: int = 0) -> dict:
+  """MaxText's real parameter tree for `cfg` (abstract build), filled with random float32 values."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
+
+  _, model = model_creation_utils.create_nnx_abstract_model(cfg, devices=jax.devices()[:1])
+  abstract = nnx.state(model, nnx.Param).to_pure_dict()
+  rng = np.random.default_rng(seed)
+  filled = jax.tree.map(lambda s: jnp.asarray(rng.standard_normal(s.shape).astype(np.float32)), abstract)
+  return {"base": filled}
+
+
+@pytest.fixture(scope="module")
+def qwen():
+  cfg = load_config(["configs/cpu_tiny.yml"])
+  return cfg, _trainer_tree(cfg, 0)
+
+
+@pytest.fixture(scope="module")
+def llama():
+  cfg = load_config(["configs/cpu_tiny.yml", *LLAMA])
+  return cfg, _trainer_tree(cfg, 1)
+
+
+def _np(tree, path):
+  node = tree["base"]
+  for p in path.split("."):
+    node = node[p]
+  return np.asarray(node)
+
+
+# ------------------------------------------------------------------ independent expectations (NumPy)
+
+
+def _rope_deinterleave(x: np.ndarray) -> np.ndarray:
+  """MaxText Llama keeps RoPE pairs interleaved (0,1),(2,3)...; HF puts evens then odds in each head."""
+  return np.concatenate([x[..., ::2], x[..., 1::2]], axis=-1)
+
+
+def expected_hf(tree: dict, llama: bool) -> dict[str, np.ndarray]:
+  """HF-layout tensors re-derived from the MaxText tree with NumPy (scan axis 1)."""
+  q = _np(tree, "decoder.layers.self_attention.query.kernel")  # [D, L, N, H]
+  k = _np(tree, "decoder.layers.self_attention.key.kernel")
+  v = _np(tree, "decoder.layers.self_attention.value.kernel")
+  o = _np(tree, "decoder.layers.self_attention.out.kernel")  # [N, L, H, D]
+  d, n_layers, n_heads, head_dim = q.shape
+  out = {"model.embed_tokens.weight": _np(tree, "token_embedder.embedding"),
+         "model.norm.weight": _np(tree, "decoder.decoder_norm.scale")}
+  if llama:
+    out["lm_head.weight"] = _np(tree, "decoder.logits_dense.kernel").T
+  for i in range(n_layers):
+    qi, ki = q[:, i], k[:, i]
+    if llama:  # undo MaxText's 1/sqrt(head_dim) query pre-scaling, de-interleave RoPE
+      qi = _rope_deinterleave(qi * np.float32(math.sqrt(head_dim)))
+      ki = _rope_deinterleave(ki)
+    p = f"model.layers.{i}."
+    out[p + "self_attn.q_proj.weight"] = qi.reshape(d, -1).T
+    out[p + "self_attn.k_proj.weight"] = ki.reshape(d, -1).T
+    out[p + "self_attn.v_proj.weight"] = v[:, i].reshape(d, -1).T
+    out[p + "self_attn.o_proj.weight"] = o[:, i].reshape(-1, d).T
+    out[p + "mlp.gate_proj.weight"] = _np(tree, "decoder.layers.mlp.wi_0.kernel")[:, i].T
+    out[p + "mlp.up_proj.weight"] = _np(tree, "decoder.layers.mlp.wi_1.kernel")[:, i].T
+    out[p + "mlp.down_proj.weight"] = _np(tree, "decoder.layers.mlp.wo.kernel")[:, i].T
+    out[p + "input_layernorm.weight"] = _np(tree, "decoder.layers.pre_self_attention_layer_norm.scale")[:, i]
+    out[p + "post_attention_layernorm.weight"] = _np(tree, "decoder.layers.post_self_attention_layer_norm.scale")[:, i]
+    if not llama:
+      out[p + "self_attn.q_norm.weight"] = _np(tree, "decoder.layers.self_attention.query_norm.scale")[:, i]
+      out[p + "self_attn.k_norm.weight"] = _np(tree, "decoder.layers.self_attention.key_norm.scale")[:, i]
+  return out
+
+
+def tpu_inference_layout(hf_name: str, hf_shape, hc) -> tuple[str, tuple[int, ...]]:
+  """tpu-inference's flax model (models/jax/llama3.py) name and shape for an HF tensor."""
+  d, n, kv, h, v = hc["hidden_size"], hc["num_attention_heads"], hc["num_key_value_heads"], hc["head_dim"], hc["vocab_size"]
+  if hf_name == "model.embed_tokens.weight":
+    return "model.embed.embedding", (v, d)
+  if hf_name == "lm_head.weight":
+    return "model.lm_head", (d, v)
+  if hf_name.endswith("norm.weight"):
+    return hf_name[: -len("weight")] + "scale", tuple(hf_shape)
+  kernel = hf_name[: -len("weight")] + "kernel"
+  if "q_proj" in hf_name:
+    return kernel, (d, n, h)
+  if "k_proj" in hf_name or "v_proj" in hf_name:
+    return kernel, (d, kv, h)
+  if "o_proj" in hf_name:
+    return kernel, (n, h, d)
+  return kernel, tuple(reversed(hf_shape))  # gate/up [D, F], down [F, D]
+
+
+def fake_engine_state(model_name: str, hc) -> dict:
+  """A nested weight tree like the worker's `get_weights_state()`: dummy-initialised bf16 arrays."""
+  state: dict = {}
+  for hf_name, shape in vm.vllm_param_shapes(model_name, hc).items():
+    name, eshape = tpu_inference_layout(hf_name, shape, hc)
+    node = state
+    parts = name.split(".")
+    for p in parts[:-1]:
+      node = node.setdefault(int(p) if p.isdigit() else p, {})
+    node[parts[-1]] = jnp.full(eshape, DUMMY, dtype=jnp.bfloat16)
+  return state
+
+
+# ------------------------------------------------------------------ the fake vllm module
+
+
+class _Logprob:
+  def __init__(self, logprob: float):
+    self.logprob = logprob
+
+
+class _Completion:
+  def __init__(self, token_ids, logprobs):
+    self.token_ids = token_ids
+    self.logprobs = logprobs
+    self.text = "ignored: the adapter decodes token ids itself"
+
+
+class _RequestOutput:
+  def __init__(self, completion):
+    self.outputs = [completion]
+
+
+class FakeSamplingParams:
+  def __init__(self, **kwargs):
+    self.kwargs = kwargs
+
+
+class FakeWorker:
+  def __init__(self, state, log):
+    self.state = state
+    self.log = log
+
+  def get_weights_state(self):
+    self.log.append(("get_weights_state",))
+    return self.state
+
+  def refresh_model_state_leaves(self):
+    self.log.append(("refresh_model_state_leaves",))
+
+
+def canned_completion(prompt_ids: list[int], eos: int) -> tuple[list[int], list[float]]:
+  """Deterministic per-prompt completion ending in EOS, with distinct log-probs."""
+  first = 100 + len(prompt_ids)
+  ids = [first, first + 1, first + 2, eos][: 2 + len(prompt_ids) % 3]
+  return ids, [-0.25 * (j + 1) - 0.01 * len(prompt_ids) for j in range(len(ids))]
+
+
+def make_fake_vllm(engine_state: dict, eos: int):
+  log: list = []
+
+  class FakeLLM:
+    instances: list = []
+
+    def __init__(self, **kwargs):
+      self.kwargs = kwargs
+      self.env_multiprocessing = __import__("os").environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+      self.worker = FakeWorker(engine_state, log)
+      self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=self.worker))
+      self.session_active = False
+      self.generate_calls: list = []
+      log.append(("LLM",))
+      FakeLLM.instances.append(self)
+
+    def reset_prefix_cache(self):
+      log.append(("reset_prefix_cache",))
+      return True
+
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+      log.append(("collective_rpc", method, dict(kwargs or {})))
+      if method == "start_weight_update":
+        assert not self.session_active
+        self.session_active = True
+      elif method == "finish_weight_update":
+        self.session_active = False
+      return [None]
+
+    def generate(self, prompts, sampling_params=None, *, use_tqdm=True):
+      assert not self.session_active, "generate during a weight update"
+      emb = np.asarray(vm.flatten_params(self.worker.state)["model.embed.embedding"], dtype=np.float32)
+      self.generate_calls.append({"prompts": prompts, "params": sampling_params, "embed_00": float(emb[0, 0])})
+      log.append(("generate",))
+      outs = []
+      for p in prompts:
+        ids, lps = canned_completion(p["prompt_token_ids"], eos)
+        outs.append(_RequestOutput(_Completion(ids, [{t: _Logprob(lp)} for t, lp in zip(ids, lps)])))
+      return outs
+
+  module = types.ModuleType("vllm")
+  module.LLM = FakeLLM
+  module.SamplingParams = FakeSamplingParams
+  return module, log
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen):
+  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+
+  return AutoTokenizer.from_pretrained(qwen[0].tokenizer_path)
+
+
+def _mesh():
+  return jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+
+
+def _rollout_config(cfg, **kw):
+  base = dict(max_tokens_to_generate=int(cfg.max_target_length - cfg.max_prefill_predict_length),
+              max_prompt_length=int(cfg.max_prefill_predict_length), temperature=0.9, top_p=0.95, top_k=20)
+  base.update(kw)
+  return base_rollout.RolloutConfig(**base)
+
+
+def _build(monkeypatch, cfg, tree, tokenizer, engine_state=None):
+  hc = vm.hf_config_from_params(tree, cfg.model_name)
+  state = fake_engine_state(cfg.model_name, hc) if engine_state is None else engine_state
+  module, log = make_fake_vllm(state, tokenizer.eos_token_id)
+  monkeypatch.setitem(sys.modules, "vllm", module)
+  monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+  monkeypatch.setenv("TPU_BACKEND_TYPE", "jax")
+  reshard_calls = []
+
+  def fake_reshard(new, shardings, *, chunk_size):
+    reshard_calls.append((sorted(new), {k: s for k, s in shardings.items()}, chunk_size))
+    return jax.device_put(new, shardings)
+
+  monkeypatch.setattr(vllm_mod, "_reshard", fake_reshard)
+  rollout = vllm_mod.VllmRollout(rollout_actor=tree, tokenizer=tokenizer, mesh=_mesh(),
+                                 rollout_config=_rollout_config(cfg), config=cfg)
+  return rollout, module, log, state, reshard_calls
+
+
+# ------------------------------------------------------------------ tests: missing extra
+
+
+@pytest.mark.skipif(_has_vllm(), reason="vllm is installed here; the missing-extra path needs a machine without it")
+def test_missing_vllm_fails_at_construction_with_one_line(qwen, tokenizer):
+  from maxtext_rl_plugin import registry  # pylint: disable=import-outside-toplevel
+
+  cls = registry.load("rollout_engines", "vllm")
+  assert cls is vllm_mod.VllmRollout
+  with pytest.raises(errors.MissingExtraError) as ei:
+    cls(rollout_actor=qwen[1], tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(qwen[0]),
+        config=qwen[0])
+  msg = str(ei.value)
+  assert "\n" not in msg and "rollout_engine=vllm" in msg and "pip install 'maxtext-rl-plugin[tpu]'" in msg
+  assert ei.value.exit_code == 2
+
+
+# ------------------------------------------------------------------ tests: config -> vLLM
+
+
+def test_engine_kwargs_map_every_rollout_key():
+  cfg = load_config(["configs/cpu_tiny.yml", "rollout_tensor_parallelism=2", "rollout_data_parallelism=-1",
+                     "hbm_utilization_vllm=0.55", "max_num_seqs=64", "max_num_batched_tokens=2048",
+                     "async_scheduling=false", "enable_prefix_caching=true", "vllm_block_size=32",
+                     "free_kv_cache_during_weight_sync=false", "enable_dp_attention=true", "weight_dtype=bfloat16"])
+  kw = vllm_mod.vllm_engine_kwargs(cfg, 8, device_ids=range(8, 16))
+  assert (kw["tensor_parallel_size"], kw["data_parallel_size"], kw["enable_expert_parallel"]) == (2, 4, False)
+  assert kw["gpu_memory_utilization"] == pytest.approx(0.55)
+  assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["block_size"]) == (64, 2048, 32)
+  assert kw["async_scheduling"] is False and kw["enable_prefix_caching"] is True
+  assert kw["load_format"] == "dummy" and kw["dtype"] == "bfloat16"
+  assert kw["max_model_len"] == cfg.max_target_length + cfg.kv_cache_buffer
+  assert kw["model"] == cfg.tokenizer_path and kw["max_logprobs"] == 1
+  strategy = kw["additional_config"]["sharding"]["sharding_strategy"]
+  assert strategy == {"expert_parallelism": 1, "enable_dp_attention": True, "device_indexes": list(range(8, 16))}
+  # A shrunk model: vLLM must build the trainer's shapes, not the hub config's.
+  assert kw["hf_overrides"]["num_hidden_layers"] == 2 and kw["hf_overrides"]["hidden_size"] == 64
+  assert kw["hf_overrides"]["tie_word_embeddings"] is True
+
+  ep = load_config(["configs/cpu_tiny.yml", "rollout_tensor_parallelism=1", "rollout_data_parallelism=2",
+                    "rollout_expert_parallelism=-1"])
+  kw = vllm_mod.vllm_engine_kwargs(ep, 8)
+  assert (kw["tensor_parallel_size"], kw["data_parallel_size"], kw["enable_expert_parallel"]) == (1, 2, True)
+  assert kw["additional_config"]["sharding"]["sharding_strategy"]["expert_parallelism"] == 4
+  assert "max_num_seqs" not in kw and "block_size" not in kw
+
+
+@pytest.mark.parametrize(
+    "argv, devices",
+    [(["rollout_tensor_parallelism=3"], 8),
+     (["rollout_tensor_parallelism=-1", "rollout_data_parallelism=-1"], 8),
+     (["rollout_tensor_parallelism=2", "rollout_data_parallelism=2"], 8)],
+)
+def test_engine_kwargs_bad_parallelism_is_one_line_config_error(argv, devices):
+  cfg = load_config(["configs/cpu_tiny.yml", *argv])
+  with pytest.raises(errors.ConfigError) as ei:
+    vllm_mod.vllm_engine_kwargs(cfg, devices)
+  assert "\n" not in str(ei.value) and "rollout" in str(ei.value)
+
+
+def test_sampling_kwargs_from_config():
+  cfg = load_config(["configs/cpu_tiny.yml", "decode_sampling_temperature=0.7", "decode_sampling_top_k=40",
+                     "decode_sampling_nucleus_p=0.9", "stop_strings=['</answer>']", "stop_token_ids=[11,12]"])
+  kw = vllm_mod.sampling_params_kwargs(cfg)
+  assert (kw["temperature"], kw["top_k"], kw["top_p"]) == (0.7, 40, 0.9)
+  assert kw["max_tokens"] == cfg.max_target_length - cfg.max_prefill_predict_length
+  assert kw["stop"] == ["</answer>"] and kw["include_stop_str_in_output"] and kw["detokenize"]
+  assert kw["stop_token_ids"] == [11, 12] and kw["logprobs"] == 0 and kw["n"] == 1
+  greedy = vllm_mod.sampling_params_kwargs(cfg, greedy=True)
+  assert (greedy["temperature"], greedy["top_k"], greedy["top_p"]) == (0.0, 0, 1.0)
+  plain = vllm_mod.sampling_params_kwargs(load_config(["configs/cpu_tiny.yml"]))
+  assert plain["stop"] is None and plain["detokenize"] is False
+
+
+# ------------------------------------------------------------------ tests: weight mapping
+
+
+@pytest.mark.parametrize("which", ["qwen", "llama"])
+def test_every_trainer_parameter_lands_in_exactly_one_vllm_parameter(which, request):
+  cfg, tree = request.getfixturevalue(which)
+  hc = vm.hf_config_from_params(tree, cfg.model_name)
+  # The shapes read off the tree agree with the config's view of the model.
+  assert {k: hc[k] for k in vm.hf_config_from_maxtext(cfg)} == vm.hf_config_from_maxtext(cfg)
+  out = vm.map_maxtext_to_vllm(tree, cfg.model_name)
+  spec = vm.vllm_param_shapes(cfg.model_name, hc)
+  assert set(out) == set(spec), (set(out) ^ set(spec))
+  assert ("lm_head.weight" in out) == (which == "llama")  # Qwen3-0.6B ties embeddings
+  # Each MaxText leaf fans out into exactly its layers' worth of HF tensors: counts add up, nothing unmapped.
+  flat = vm.flatten_params(tree)
+  fan_out = sum(cfg.num_decoder_layers if ".layers." in k else 1 for k in flat)
+  assert fan_out == len(out)
+  expected = expected_hf(tree, llama=which == "llama")
+  assert set(expected) == set(out)
+  for name, arr in out.items():
+    assert tuple(arr.shape) == spec[name] and arr.dtype == jnp.float32, name
+    np.testing.assert_allclose(np.asarray(arr), expected[name], rtol=1e-6, atol=1e-6, err_msg=name)
+
+
+def test_unscanned_trees_map_to_the_same_names(qwen):
+  cfg = load_config(["configs/cpu_tiny.yml", "scan_layers=false"])
+  tree = _trainer_tree(cfg, 3)
+  assert any("layers_1" in k for k in vm.flatten_params(tree))
+  out = vm.map_maxtext_to_vllm(tree, cfg.model_name)
+  hc = vm.hf_config_from_params(tree, cfg.model_name)
+  assert hc["scan_layers"] is False
+  assert set(out) == set(vm.vllm_param_shapes(cfg.model_name, hc))
+  np.testing.assert_array_equal(
+      np.asarray(out["model.layers.1.mlp.down_proj.weight"]), _np(tree, "decoder.layers_1.mlp.wo.kernel").T
+  )
+
+
+def test_mapping_error_paths(qwen):
+  cfg, tree = qwen
+  with pytest.raises(errors.ConfigError, match="model_name"):
+    vm.map_maxtext_to_vllm(tree, "gemma3-4b")
+  with pytest.raises(errors.ConfigError):
+    vm.check_supported("qwen3-30b-a3b")  # MoE: not covered
+  extra = {"base": {**tree["base"], "mystery": {"kernel": jnp.zeros((2, 2))}}}
+  with pytest.raises(ValueError, match="no vLLM mapping"):
+    vm.map_maxtext_to_vllm(extra, cfg.model_name)
+  hf = vm.map_maxtext_to_vllm(tree, cfg.model_name)
+  hc = vm.hf_config_from_params(tree, cfg.model_name)
+  engine = vm.flatten_params(fake_engine_state(cfg.model_name, hc))
+  with pytest.raises(ValueError, match="no parameter in the vLLM model"):
+    vm.to_engine_state(hf, {k: v for k, v in engine.items() if "q_norm" not in k})
+  with pytest.raises(ValueError, match="dummy initialisation"):
+    vm.to_engine_state(hf, {**engine, "model.layers.0.extra.kernel": jnp.zeros((2,))})
+  bad = dict(engine)
+  bad["model.layers.0.mlp.gate_proj.kernel"] = jnp.zeros((3, 5))
+  with pytest.raises(ValueError, match="shape"):
+    vm.to_engine_state(hf, bad)
+
+
+# ------------------------------------------------------------------ tests: the adapter on a fake engine
+
+
+@pytest.mark.parametrize("which", ["qwen", "llama"])
+def test_step0_syncs_trainer_weights_into_every_engine_parameter(which, request, monkeypatch, tokenizer):
+  cfg, tree = request.getfixturevalue(which)
+  rollout, module, log, state, reshard_calls = _build(monkeypatch, cfg, tree, tokenizer)
+  llm = module.LLM.instances[-1]
+  assert llm.kwargs == vllm_mod.vllm_engine_kwargs(cfg, 1, device_ids=[int(jax.devices()[0].id)])
+  assert llm.env_multiprocessing == "0"
+  names = [e[0] if e[0] != "collective_rpc" else e[1] for e in log]
+  assert names == ["LLM", "reset_prefix_cache", "start_weight_update", "get_weights_state",
+                   "refresh_model_state_leaves", "finish_weight_update"]
+  assert log[2][2] == {"free_kv_cache": True}
+  # Every engine leaf now holds the trainer's value in tpu-inference layout and the engine's dtype.
+  expected = expected_hf(tree, llama=which == "llama")
+  hc = vm.hf_config_from_params(tree, cfg.model_name)
+  engine = vm.flatten_params(state)
+  assert len(reshard_calls) == 1 and reshard_calls[0][0] == sorted(engine)
+  for hf_name, ref in expected.items():
+    name, shape = tpu_inference_layout(hf_name, ref.shape, hc)
+    got = engine[name]
+    assert got.dtype == jnp.bfloat16 and tuple(got.shape) == shape, name
+    want = ref if ref.ndim == 1 or name.endswith("embedding") else ref.T.reshape(shape)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.asarray(want).astype(jnp.bfloat16)), err_msg=name)
+  # In tpu-inference layout, a Qwen3 query kernel is exactly the MaxText layer slice (no hooks for Qwen3).
+  if which == "qwen":
+    np.testing.assert_array_equal(
+        np.asarray(engine["model.layers.1.self_attn.q_proj.kernel"]),
+        np.asarray(jnp.asarray(_np(tree, "decoder.layers.self_attention.query.kernel")[:, 1]).astype(jnp.bfloat16)),
+    )
+
+  # Step 0 samples these weights, not the dummy init.
+  rollout.generate(["Q: 1+1?"], _rollout_config(cfg))
+  assert llm.generate_calls[0]["embed_00"] == pytest.approx(float(expected["model.embed_tokens.weight"][0, 0]), rel=1e-2)
+  assert llm.generate_calls[0]["embed_00"] != DUMMY
+
+
+def test_generate_sampling_params_tokens_and_logprobs(monkeypatch, qwen, tokenizer):
+  cfg = load_config(["configs/cpu_tiny.yml", "stop_token_ids=[13]", "stop_strings=['</answer>']"])
+  tree = qwen[1]
+  rollout, module, _, _, _ = _build(monkeypatch, cfg, tree, tokenizer)
+  llm = module.LLM.instances[-1]
+  prompts = ["What is 2+3?", "A much longer question about apples and oranges, please answer."]
+  out = rollout.generate(prompts, _rollout_config(cfg, temperature=0.8, top_p=0.9, top_k=7))
+  sp = llm.generate_calls[-1]["params"].kwargs
+  eos = tokenizer.eos_token_id
+  assert (sp["temperature"], sp["top_p"], sp["top_k"]) == (0.8, 0.9, 7)
+  assert sp["max_tokens"] == cfg.max_target_length - cfg.max_prefill_predict_length
+  assert sp["stop_token_ids"] == sorted({eos, 13}) and sp["stop"] == ["</answer>"] and sp["logprobs"] == 0
+  sent = [p["prompt_token_ids"] for p in llm.generate_calls[-1]["prompts"]]
+  assert sent == [tokenizer.encode(p) for p in prompts]
+  for i, ids in enumerate(sent):
+    want_ids, want_lp = canned_completion(ids, eos)
+    np.testing.assert_array_equal(out.tokens[i], want_ids)  # EOS kept at the end when vLLM stopped on it
+    np.testing.assert_allclose(out.logprobs[i], want_lp, rtol=1e-6)
+    assert out.text[i] == tokenizer.decode(want_ids, skip_special_tokens=True)
+    row = out.left_padded_prompt_tokens[i]
+    assert row.shape == (cfg.max_prefill_predict_length,)
+    np.testing.assert_array_equal(row[-len(ids):], ids)
+    assert (row[: -len(ids)] == rollout.pad_id()).all()
+  assert rollout.eos_id() == eos and rollout.model() is None
+
+  # Log-prob plumbing: [B, T] aligned with the right-padded completions, 0 past each completion.
+  width = max(len(t) for t in out.tokens) + 2
+  comp = np.full((len(prompts), width), rollout.pad_id(), dtype=np.int32)
+  for i, t in enumerate(out.tokens):
+    comp[i, : len(t)] = t
+  lp = np.asarray(rollout.get_per_token_logps(jnp.asarray(out.left_padded_prompt_tokens), jnp.asarray(comp)))
+  assert lp.shape == comp.shape
+  for i, t in enumerate(out.tokens):
+    np.testing.assert_allclose(lp[i, : len(t)], out.logprobs[i], rtol=1e-6)
+    assert (lp[i, len(t):] == 0).all()
+  comp[1, 0] += 1
+  with pytest.raises(ValueError, match="row 1"):
+    rollout.get_per_token_logps(None, jnp.asarray(comp))
+  with pytest.raises(ValueError, match="completion rows"):
+    rollout.get_per_token_logps(None, jnp.asarray(comp[:1]))
+
+  # Greedy (eval) decoding and over-long prompts.
+  rollout.generate(prompts[:1], _rollout_config(cfg, temperature=0.0))
+  sp = llm.generate_calls[-1]["params"].kwargs
+  assert (sp["temperature"], sp["top_k"], sp["top_p"]) == (0.0, 0, 1.0)
+  with pytest.raises(errors.DataError, match="max_prefill_predict_length"):
+    rollout.generate(["word " * 400], _rollout_config(cfg))
+
+
+def test_weight_sync_keeps_kv_cache_when_configured_and_reaches_new_weights(monkeypatch, qwen, tokenizer):
+  cfg = load_config(["configs/cpu_tiny.yml", "free_kv_cache_during_weight_sync=false", "reshard_chunk_size=4"])
+  rollout, module, log, state, reshard_calls = _build(monkeypatch, cfg, qwen[1], tokenizer)
+  assert [e for e in log if e[:2] == ("collective_rpc", "start_weight_update")][0][2] == {"free_kv_cache": False}
+  assert reshard_calls[-1][2] == 4
+  newer = jax.tree.map(lambda x: x + 1.0, qwen[1])
+  before = len(reshard_calls)
+  rollout.update_params(newer)
+  assert len(reshard_calls) == before + 1
+  engine = vm.flatten_params(state)
+  np.testing.assert_allclose(
+      np.asarray(engine["model.norm.scale"], dtype=np.float32),
+      _np(newer, "decoder.decoder_norm.scale"), rtol=1e-2)
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  with pytest.raises(errors.ConfigError, match="LoRA"):
+    rollout.update_params(newer, (nnx.LoRAParam,))
+
+
+def test_failed_initial_sync_raises_and_closes_the_update_session(monkeypatch, qwen, tokenizer):
+  cfg, tree = qwen
+  hc = vm.hf_config_from_params(tree, cfg.model_name)
+  state = fake_engine_state(cfg.model_name, hc)
+  state["model"]["layers"][0]["self_attn"]["sinks"] = jnp.zeros((4,), jnp.bfloat16)  # a param we cannot fill
+  with pytest.raises(ValueError, match="dummy initialisation"):
+    _build(monkeypatch, cfg, tree, tokenizer, engine_state=state)
+  llm = sys.modules["vllm"].LLM.instances[-1]
+  assert llm.session_active is False and llm.generate_calls == []
+
+
+def test_unsupported_model_fails_before_starting_vllm(monkeypatch, tokenizer):
+  cfg = load_config(["configs/cpu_tiny.yml", "model_name=gemma3-4b"])
+  module, _ = make_fake_vllm({}, 0)
+  monkeypatch.setitem(sys.modules, "vllm", module)
+  with pytest.raises(errors.ConfigError, match="rollout_engine=vllm"):
+    vllm_mod.VllmRollout(rollout_actor={}, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg),
+                         config=cfg)
+  assert module.LLM.instances == []
