@@ -75,6 +75,7 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--storage-path", default=None, help="Ray Train storage (shared across nodes, e.g. /data or gs://)")
   r.add_argument("--result-dir", default=None, help="smoke: write each worker's metrics to <dir>/rank<i>.json")
   r.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
+  r.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray cluster started by the launcher")
   r.add_argument("--dry-run", action="store_true", help="print the JaxTrainer setup and run nothing")
   return p
 

@@ -54,6 +54,7 @@ class RayLaunch:
   storage_path: str | None = None
   result_dir: str | None = None
   address: str | None = None
+  num_cpus: int | None = None
 
   @property
   def use_tpu(self) -> bool:
@@ -221,7 +222,10 @@ def run(launch: RayLaunch, *, dry_run: bool = False) -> int:
     return 0
   import ray  # pylint: disable=import-outside-toplevel
 
-  ray.init(address=launch.address, ignore_reinit_error=True)
+  init_kwargs: dict[str, Any] = {"address": launch.address, "ignore_reinit_error": True}
+  if launch.num_cpus and not launch.address and not os.environ.get("RAY_ADDRESS"):
+    init_kwargs["num_cpus"] = launch.num_cpus  # only meaningful for a local cluster started here
+  ray.init(**init_kwargs)
   try:
     result = trainer.fit()
   finally:
@@ -250,4 +254,5 @@ def from_args(args: Any, overrides: Sequence[str]) -> RayLaunch:
       storage_path=args.storage_path,
       result_dir=args.result_dir,
       address=args.address,
+      num_cpus=args.num_cpus,
   )

@@ -1,0 +1,127 @@
+"""`python -m maxtext_rl_plugin.config_doc > docs/config_reference.md`: the configuration reference, generated.
+
+Every key of the resolved `configs/rl.yml` -- the plugin's own keys and those it inherits from MaxText's
+`post_train/rl.yml` through `base_config` -- with its default (the value the yml chain gives it) and its meaning
+(the pydantic `Field` description from `config_types.PluginRLConfig`, i.e. the plugin's descriptions and MaxText's
+own `types.py` ones). Generated rather than written so the reference cannot drift from the schema and the yml;
+tests/test_docs.py regenerates it and fails when the committed file differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Sequence
+
+REGENERATE = "python -m maxtext_rl_plugin.config_doc > docs/config_reference.md"
+DEFAULT_YML = "configs/rl.yml"
+
+
+def _raw_chain(yml: str) -> tuple[dict[str, Any], dict[str, Any], str]:
+  """(merged yml chain, the plugin file's own keys, the MaxText base file's name) without pydantic post-processing.
+
+  Raw yml values, not `load_pydantic` output: MaxText's post-processing fills machine-dependent values (absolute
+  asset paths, timestamped run names) that would make the generated file differ between machines.
+  """
+  import omegaconf  # pylint: disable=import-outside-toplevel
+  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+
+  path = config_lib.resolve_yml(yml)
+  merged = omegaconf.OmegaConf.to_container(pyconfig._load_config(path), resolve=False)  # pylint: disable=protected-access
+  own = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(path), resolve=False)
+  return merged, own, str(own.get("base_config", ""))
+
+
+def _fmt_value(value: Any) -> str:
+  if value is None:
+    text = "null"
+  elif isinstance(value, str):
+    text = json.dumps(value)
+  else:
+    text = json.dumps(value, separators=(", ", ": "))
+  if len(text) > 80:
+    text = text[:77] + "..."
+  return "`" + text.replace("`", "'") + "`"
+
+
+def _fmt_desc(text: str | None) -> str:
+  return " ".join((text or "").split()).replace("|", "\\|")
+
+
+def rows(yml: str = DEFAULT_YML) -> list[tuple[str, str, str, str]]:
+  """(key, default, meaning, source) for every key of the resolved yml, nested blocks flattened as `rl.key`."""
+  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.config_types import PluginRLConfig  # pylint: disable=import-outside-toplevel
+
+  merged, own, base = _raw_chain(yml)
+  nested = config_lib._nested_models(PluginRLConfig)  # pylint: disable=protected-access
+  plugin_src = os.path.basename(config_lib.resolve_yml(yml))
+  out = []
+  for key, value in merged.items():
+    if key == "base_config":
+      continue
+    if key in nested and isinstance(value, dict):
+      own_block = own.get(key) if isinstance(own.get(key), dict) else {}
+      for inner, inner_value in value.items():
+        field = nested[key].model_fields.get(inner)
+        src = plugin_src if inner in own_block else base
+        out.append((f"{key}.{inner}", _fmt_value(inner_value), _fmt_desc(field.description if field else ""), src))
+      continue
+    field = PluginRLConfig.model_fields.get(key)
+    src = plugin_src if key in own else base
+    out.append((key, _fmt_value(value), _fmt_desc(field.description if field else ""), src))
+  return out
+
+
+def render(yml: str = DEFAULT_YML) -> str:
+  from maxtext_rl_plugin.config_types import PluginRLConfig  # pylint: disable=import-outside-toplevel
+
+  all_rows = rows(yml)
+  _, _, base = _raw_chain(yml)
+  name = os.path.basename(yml)
+  plugin = [r for r in all_rows if r[3] != base]
+  inherited = [r for r in all_rows if r[3] == base]
+  lines = [
+      "# Configuration reference",
+      "",
+      f"<!-- Generated from {yml} and maxtext_rl_plugin/config_types.py; do not edit. Regenerate with: {REGENERATE} -->",
+      "",
+      f"Every key of the resolved `{yml}`: {len(plugin)} set by the plugin's `{name}` and {len(inherited)} inherited",
+      f"from MaxText 0.2.5's `{base}` through `base_config`. *Default* is the value the yml chain gives the key;",
+      "*meaning* is the key's schema description (`maxtext_rl_plugin.config_types.PluginRLConfig`, which extends",
+      "MaxText's `types.RLConfig`). Override any key on the command line as `key=value`; keys of nested blocks as",
+      "`rl.kl_estimator=k1` (keys MaxText also keeps flat, such as `loss_algo`, work either way). Unknown keys and",
+      "invalid values are rejected with one line naming the key, on your machine by the launchers before a job is",
+      "submitted.",
+      "",
+      f"The schema accepts {len(PluginRLConfig.model_fields)} top-level keys in all; those not listed here keep",
+      "MaxText's defaults (`configs/base.yml`, model files under `configs/models/`). `print_config=true` prints every",
+      "resolved value of a run and exits.",
+      "",
+      f"This file is generated: `{REGENERATE}`.",
+      "",
+  ]
+  for title, group in ((f"Plugin keys (`{name}`)", plugin), (f"Inherited from MaxText `{base}`", inherited)):
+    lines += [f"## {title}", "", "| key | default | meaning |", "| --- | --- | --- |"]
+    lines += [f"| `{k}` | {v} | {d} |" for k, v, d, _ in group]
+    lines.append("")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  if argv and argv[0] in ("-h", "--help"):
+    print(__doc__)
+    return 0
+  from maxtext_rl_plugin import errors  # pylint: disable=import-outside-toplevel
+
+  with errors.exit_on_user_error():
+    sys.stdout.write(render(argv[0] if argv else DEFAULT_YML))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
