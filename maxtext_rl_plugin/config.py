@@ -303,7 +303,14 @@ def to_hyperparameters(pc):
   _sync_flat_from_nested(pc)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
-    return pyconfig.HyperParameters(pc)
+    hp = pyconfig.HyperParameters(pc)
+  # RLConfig's validator sets derived values (train_steps, ...) with object.__setattr__, outside the
+  # pydantic fields that HyperParameters dumps; MaxText's RL code reads them, so expose them too.
+  flat = object.__getattribute__(hp, "_flat_config")
+  for k, v in vars(pc).items():
+    if not k.startswith("_"):
+      flat.setdefault(k, v)
+  return hp
 
 
 def canonical_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:

@@ -499,6 +499,9 @@ def train(run: RLRun) -> dict[str, Any]:
     gen_s = time.perf_counter() - t
     t = time.perf_counter()
     run.rl_cluster.update_actor([example], None, skip_jit=False)
+    # Tunix defers writing a step's trainer metrics by one step (to overlap I/O); flush now so this
+    # step's loss/KL/clip fraction are logged with this step.
+    run.rl_cluster.actor_trainer._write_train_metrics()  # pylint: disable=protected-access
     run.timer.add("train", time.perf_counter() - t)
     t = time.perf_counter()
     if run.learner.should_sync_weights:
