@@ -6,7 +6,9 @@ DeepSeekMath eq. 21 / DAPO clip-higher (GRPO) and GSPO eqs. 7 and 13, independen
 
 from __future__ import annotations
 
+import functools
 import statistics
+import types
 from unittest import mock
 
 from flax import nnx
@@ -26,6 +28,7 @@ AGG_MODES = algorithms.LOSS_AGG_MODES
 EPS = {"grpo": (0.2, 0.28), "gspo-token": (0.03, 0.04)}
 LENGTHS = (7, 1, 0, 3, 5, 6)  # includes an empty row (excluded from row counts) and a one-token row
 T = 7
+_STATIC = ("loss_algo", "epsilon", "epsilon_high", "beta", "kl_estimator", "loss_agg_mode")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -123,9 +126,14 @@ def finite_diff(fn, x, mask, h=1e-6):
   return g
 
 
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _value_and_grad(lp, old, ref, adv, mask, **kw):
+  return jax.value_and_grad(lambda x: algorithms.policy_loss(x, old, ref, adv, mask, **kw), has_aux=True)(lp)
+
+
 def jax_loss_and_grad(lp, old, ref, adv, mask, **kw):
-  f = lambda x: algorithms.policy_loss(x, old, ref, adv, mask, **kw)
-  (loss, aux), grad = jax.value_and_grad(f, has_aux=True)(jnp.asarray(lp, jnp.float32))
+  """(loss, d loss / d per_token_logps, aux) of the JAX implementation, one compiled program per static config."""
+  (loss, aux), grad = _value_and_grad(jnp.asarray(lp, jnp.float32), old, ref, adv, mask, **kw)
   return float(loss), np.asarray(grad, np.float64), {k: float(v) for k, v in aux.items()}
 
 
@@ -414,14 +422,13 @@ def test_grpo_learner_uses_plugin_loss(algo, kl, agg):
       completion_mask=jnp.asarray(mask), advantages=jnp.asarray(adv, jnp.float32),
       ref_per_token_logps=jnp.asarray(ref, jnp.float32), old_per_token_logps=jnp.asarray(old, jnp.float32))
 
-  loss, aux = loss_fn(model, example, cfg)
+  (loss, aux), grads = nnx.value_and_grad(lambda m: loss_fn(m, example, cfg), has_aux=True)(model)
   want, _, info = np_policy_loss(lp, old, ref, adv, mask.astype(np.float64), algo=algo, eps=eps, eps_high=eps_high,
                                  beta=0.05, kl=kl, agg=agg)
   np.testing.assert_allclose(float(loss), want, rtol=1e-4, atol=1e-6)
   assert float(aux["pg_clipfrac"]) == pytest.approx(info["lo"] + info["hi"])
   assert set(algorithms.rl_metrics_to_log(cfg)) <= set(aux)
   # Gradients reach the model's parameters and are finite.
-  grads = nnx.grad(lambda m: loss_fn(m, example, cfg)[0])(model)
   leaves = jax.tree.leaves(nnx.state(grads))
   assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
   assert max(float(jnp.max(jnp.abs(g))) for g in leaves) > 0
@@ -441,8 +448,12 @@ def test_tunix_algo_config_maps_rl_keys():
   assert algo.policy_loss_fn == algorithms.POLICY_LOSS_FN_NAME
   assert algo.advantage_estimator == algorithms.ADVANTAGE_ESTIMATOR_NAMES["none"]
 
-  default = algorithms.tunix_algo_config(load_config(["configs/cpu_tiny.yml"]))
+  default_cfg = load_config(["configs/cpu_tiny.yml"])
+  default = algorithms.tunix_algo_config(default_cfg)
+  default_rl = default_cfg.rl.model_dump()
   assert default.epsilon_high == default.epsilon and default.kl_estimator == "k3"
   assert default.kl_loss_mode == "low_var_kl"
-  with pytest.raises(ConfigError, match="rl.grpo_beta"):
-    algorithms.tunix_algo_config(load_config(["configs/cpu_tiny.yml", "rl.grpo_beta=-0.1"]))
+  for key, value in (("grpo_beta", -0.1), ("grpo_epsilon", 1.5), ("epsilon_high", -0.2)):
+    bad = types.SimpleNamespace(rl=types.SimpleNamespace(**{**dict(default_rl), key: value}))
+    with pytest.raises(ConfigError, match=f"rl.{key}="):
+      algorithms.tunix_algo_config(bad)
