@@ -1,0 +1,561 @@
+"""Trainer -> sampler weight sync: Pathways resharding or `jax.device_put`, chunked, with a correctness guard.
+
+In disaggregated RL the trainer owns one device set (e.g. FSDP over half the chips) and the sampler
+another (e.g. tensor parallel over the other half). After every optimizer step the new weights move
+from the trainer layout to the sampler layout. This module is the one place that does it:
+
+* **Backend.** On Pathways (`JAX_PLATFORMS` contains `proxy` and `pathwaysutils` imports) each chunk
+  goes through `pathwaysutils.experimental.reshard.sidechannel_reshard_with_intermediate_sharding`
+  with resharding-plan caching; if only the stable API exists, through
+  `pathwaysutils.reshard.reshard_with_intermediate_sharding`; elsewhere through `jax.device_put`.
+  The path is logged once (`backend_path()`), never chosen silently (Tunix 0.1.7's `reshard_pytree`
+  falls back to `device_put` at debug level).
+  The intermediate-sharding variant only looks for an intermediate layout when it is given *one*
+  source and *one* destination sharding; Tunix and MaxText pass whole pytrees, so it never finds one
+  for them. We therefore call it once per (source sharding, destination sharding) group, which is
+  what lets an FSDP-8 -> TP-4 weight avoid the all-gather.
+* **Chunking** (`rl.reshard_chunk_size` = parameter arrays per chunk, MaxText's meaning): each chunk
+  is moved and waited for before the next one starts, and -- with `reshard_donate` -- the sampler's
+  previous buffers of that chunk are freed as soon as its new buffers are ready, so the sampler
+  holds at most one chunk more than one copy of the weights instead of two full copies.
+* **Guard** (`rl.verify_weight_sync` = off | first | every_n): per-array checksums computed on device
+  on both sides (a wrapping uint32 sum of the bit patterns weighted by an odd, position-dependent
+  weight: any single changed element or bit changes it, and so do permutations) and compared on the
+  host; a mismatch raises `WeightSyncError` naming the first bad parameter path.
+
+`install_into_rl_cluster` plugs this into Tunix's `RLCluster` (see its docstring for why it wraps the
+rollout's `update_params` rather than replacing `RLCluster.sync_weights`).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+import time
+from typing import Any, Callable, Sequence
+
+from absl import logging
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxtext_rl_plugin.errors import ConfigError
+
+PATH_PATHWAYS_EXPERIMENTAL = "pathways_experimental"
+PATH_PATHWAYS = "pathways"
+PATH_DEVICE_PUT = "device_put"
+VERIFY_POLICIES = ("off", "first", "every_n")
+
+PyTree = Any
+Mapping = Callable[[PyTree], PyTree]
+_logged_paths: set[str] = set()
+
+
+class WeightSyncError(RuntimeError):
+  """The sampler does not hold the weights the trainer sent (or the trees do not correspond)."""
+
+
+def identity_mapping(tree: PyTree) -> PyTree:
+  """Trainer tree == sampler tree (the embedded engine runs the same MaxText module)."""
+  return tree
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backend selection
+# ---------------------------------------------------------------------------------------------------
+
+
+def pathways_requested() -> bool:
+  """Whether the process runs on the Pathways proxy backend (`JAX_PLATFORMS=proxy`)."""
+  platforms = os.environ.get("JAX_PLATFORMS", "") + "," + str(jax.config.jax_platforms or "")
+  return "proxy" in platforms
+
+
+def _ensure_pathwaysutils_initialized(pathwaysutils) -> None:
+  # MaxText's entry points call initialize() first thing; a second call is a documented no-op.
+  init_mod = sys.modules.get("pathwaysutils._initialize")
+  if init_mod is not None and getattr(init_mod, "_initialization_count", 1) == 0:
+    logging.warning("pathwaysutils was not initialised; calling pathwaysutils.initialize() before resharding")
+    pathwaysutils.initialize()
+
+
+def backend_path() -> str:
+  """Which resharding path is active: 'pathways_experimental', 'pathways' or 'device_put' (logged once)."""
+  path, why = PATH_DEVICE_PUT, "JAX_PLATFORMS has no 'proxy' (not a Pathways backend)"
+  if pathways_requested():
+    try:
+      import pathwaysutils  # pylint: disable=import-outside-toplevel
+    except ImportError:
+      path, why = PATH_DEVICE_PUT, "JAX_PLATFORMS=proxy but pathwaysutils is not installed (pip install 'maxtext-rl-plugin[tpu]')"
+    else:
+      _ensure_pathwaysutils_initialized(pathwaysutils)
+      try:
+        from pathwaysutils.experimental import reshard as _  # pylint: disable=import-outside-toplevel,unused-import
+
+        path, why = PATH_PATHWAYS_EXPERIMENTAL, "sidechannel reshard with intermediate sharding, cached plans"
+      except ImportError:
+        try:
+          from pathwaysutils import reshard as _  # pylint: disable=import-outside-toplevel,unused-import,reimported
+
+          path, why = PATH_PATHWAYS, "pathwaysutils.experimental.reshard unavailable; IFRT reshard with intermediate sharding"
+        except ImportError:
+          path, why = PATH_DEVICE_PUT, "pathwaysutils has no reshard module"
+  if path not in _logged_paths:
+    _logged_paths.add(path)
+    log = logging.warning if (pathways_requested() and path == PATH_DEVICE_PUT) else logging.info
+    log("weight sync path: %s (%s)", path, why)
+  return path
+
+
+def _group_by_sharding_pair(arrays, shardings):
+  """Indices grouped by (source sharding, destination sharding): one intermediate-sharding search per group."""
+  groups: dict[tuple, list[int]] = collections.defaultdict(list)
+  for i, (x, s) in enumerate(zip(arrays, shardings)):
+    groups[(x.sharding, s)].append(i)
+  return groups
+
+
+def _move(arrays: list, shardings: list, *, donate: bool, path: str) -> list:
+  """Move one chunk of arrays to `shardings` on `path`; returns the new arrays in order."""
+  if path == PATH_DEVICE_PUT:
+    return list(jax.device_put(arrays, shardings, donate=donate))
+  if path == PATH_PATHWAYS_EXPERIMENTAL:
+    from pathwaysutils.experimental import reshard as pw  # pylint: disable=import-outside-toplevel
+
+    def fn(xs, src, dst):
+      return pw.sidechannel_reshard_with_intermediate_sharding(xs, src, dst, donate=donate, cache_resharding_plans=True)
+  else:
+    from pathwaysutils import reshard as pw  # pylint: disable=import-outside-toplevel,reimported
+
+    def fn(xs, src, dst):
+      return pw.reshard_with_intermediate_sharding(xs, src, dst, donate=donate)
+
+  out: list = [None] * len(arrays)
+  for (src, dst), idx in _group_by_sharding_pair(arrays, shardings).items():
+    moved = fn([arrays[i] for i in idx], src, dst)
+    for i, y in zip(idx, moved):
+      out[i] = y
+  return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Trees and shardings
+# ---------------------------------------------------------------------------------------------------
+
+
+def _is_sharding(x) -> bool:
+  return isinstance(x, jax.sharding.Sharding)
+
+
+def _flatten(tree: PyTree):
+  """(paths, leaves, treedef) with Shardings as leaves."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_sharding)
+  return [jax.tree_util.keystr(p) for p, _ in flat], [x for _, x in flat], treedef
+
+
+def _as_sharding(x) -> jax.sharding.Sharding:
+  if _is_sharding(x):
+    return x
+  if hasattr(x, "sharding"):
+    return x.sharding
+  raise TypeError(f"destination leaf of type {type(x).__name__} is neither a Sharding nor an array")
+
+
+def _check_same_structure(src_paths, src_def, dst_paths, dst_def, what: str) -> None:
+  if src_def == dst_def:
+    return
+  for a, b in zip(src_paths, dst_paths):
+    if a != b:
+      raise WeightSyncError(f"{what}: trainer and sampler trees differ at '{a}' vs '{b}' (check the weight mapping)")
+  longer = src_paths[len(dst_paths):] or dst_paths[len(src_paths):]
+  raise WeightSyncError(
+      f"{what}: trainer tree has {len(src_paths)} arrays, sampler tree {len(dst_paths)}"
+      + (f" (first extra: '{longer[0]}')" if longer else "")
+  )
+
+
+def _fit_spec(spec: jax.sharding.PartitionSpec, shape: Sequence[int], mesh) -> jax.sharding.PartitionSpec:
+  """Drop mesh axes that would not divide a dimension (e.g. TP=4 over 2 KV heads -> replicate that dim)."""
+  out = []
+  used: set[str] = set()
+  for d, entry in enumerate(tuple(spec) + (None,) * (len(shape) - len(spec))):
+    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    kept, size = [], 1
+    for ax in axes:
+      n = mesh.shape[ax]
+      if n == 1 or ax in used or shape[d] % (size * n):
+        continue
+      kept.append(ax)
+      size *= n
+      used.add(ax)
+    out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return jax.sharding.PartitionSpec(*out)
+
+
+def logical_shardings(state: PyTree, mesh: jax.sharding.Mesh, rules) -> PyTree:
+  """NamedShardings on `mesh` for an nnx param state, from its logical axes and MaxText `logical_axis_rules`.
+
+  This is how a sampler layout that differs from the trainer's (e.g. TP instead of FSDP) is derived from
+  the same model definition; mesh axes that do not divide a dimension are dropped (replicated) so small
+  models and odd head counts still shard.
+  """
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  logical = nnx.get_partition_spec(state)
+  return _zip_shardings(state, nn.logical_to_mesh(logical, rules), mesh)
+
+
+def _zip_shardings(state: PyTree, mesh_specs: PyTree, mesh) -> PyTree:
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  specs = jax.tree_util.tree_leaves(mesh_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec) or x is None)
+  if len(specs) != len(leaves):
+    raise WeightSyncError(f"logical partition specs ({len(specs)}) do not match the state's arrays ({len(leaves)})")
+  return jax.tree_util.tree_unflatten(
+      treedef,
+      [jax.sharding.NamedSharding(mesh, _fit_spec(s or jax.sharding.PartitionSpec(), x.shape, mesh)) for x, s in zip(leaves, specs)],
+  )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Resharding
+# ---------------------------------------------------------------------------------------------------
+
+
+def _chunks(n: int, chunk_size: int | None) -> list[range]:
+  if chunk_size is None or chunk_size <= 0 or chunk_size >= n:
+    return [range(n)]
+  return [range(i, min(i + chunk_size, n)) for i in range(0, n, chunk_size)]
+
+
+def _release(old, keep: Sequence) -> None:
+  """Free a previous sampler buffer unless it is (aliased to) something still in use."""
+  if not isinstance(old, jax.Array) or old.is_deleted() or any(old is k for k in keep):
+    return
+  old.delete()
+
+
+def reshard(
+    src_tree: PyTree,
+    dst_shardings: PyTree,
+    *,
+    chunk_size: int | None = None,
+    donate: bool = False,
+    release: PyTree | None = None,
+    stats: dict | None = None,
+) -> PyTree:
+  """`src_tree` moved to `dst_shardings` (same structure; leaves Shardings or arrays whose sharding is used).
+
+  `chunk_size`: parameter arrays per chunk (None = all at once); each chunk is waited for before the next.
+  `donate`: donate the *source* buffers (only when the caller no longer needs them, e.g. a cast copy).
+  `release`: the sampler's current arrays (same structure); each chunk's old buffers are deleted once its
+  new ones are ready, which bounds the sampler's peak to one copy plus one chunk.
+  `stats`: if given, filled with `bytes`, `chunks`, `max_chunk_bytes`, `path`.
+  """
+  path = backend_path()
+  src_paths, src, src_def = _flatten(src_tree)
+  dst_paths, dst, dst_def = _flatten(dst_shardings)
+  _check_same_structure(src_paths, src_def, dst_paths, dst_def, "reshard")
+  shardings = [_as_sharding(s) for s in dst]
+  old = None
+  if release is not None:
+    rel_paths, old, rel_def = _flatten(release)
+    _check_same_structure(src_paths, src_def, rel_paths, rel_def, "reshard release")
+  out: list = [None] * len(src)
+  nbytes = [int(getattr(x, "nbytes", 0)) for x in src]
+  chunks = _chunks(len(src), chunk_size)
+  for chunk in chunks:
+    moved = _move([src[i] for i in chunk], [shardings[i] for i in chunk], donate=donate, path=path)
+    jax.block_until_ready(moved)
+    for i, y in zip(chunk, moved):
+      out[i] = y
+      if old is not None:
+        _release(old[i], keep=(src[i], y))
+  if stats is not None:
+    stats.update(
+        bytes=sum(nbytes),
+        chunks=len(chunks),
+        max_chunk_bytes=max((sum(nbytes[i] for i in c) for c in chunks), default=0),
+        path=path,
+    )
+  return jax.tree_util.tree_unflatten(src_def, out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Guard
+# ---------------------------------------------------------------------------------------------------
+
+_GOLDEN = np.uint32(0x9E3779B1)  # odd multiplier: distinct indices get well-mixed, always-odd weights
+_OFFSET = np.uint32(0x7F4A7C15)
+
+
+def _words(x: jax.Array) -> jax.Array:
+  """The array's bit pattern as uint32 words (any dtype), so float equality is bitwise (-0.0 != 0.0, NaNs)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  size = jnp.dtype(x.dtype).itemsize
+  if size == 4:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)
+  if size in (1, 2):
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * size}")).astype(jnp.uint32)
+  if size == 8:
+    return jax.lax.bitcast_convert_type(x, jnp.uint32)  # adds a trailing dim of 2 words
+  raise TypeError(f"unsupported dtype for the weight-sync checksum: {x.dtype}")
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+  """[plain wrapping sum, position-weighted wrapping sum] of the bit pattern, as uint32[2]."""
+  u = _words(x)
+  if u.ndim == 0:
+    u = u.reshape(1)
+  idx = jnp.zeros(u.shape, jnp.uint32)
+  stride = 1
+  for d in reversed(range(u.ndim)):
+    idx = idx + jax.lax.broadcasted_iota(jnp.uint32, u.shape, d) * jnp.uint32(stride % 2**32)
+    stride *= u.shape[d]
+  weight = (idx * _GOLDEN + _OFFSET) | jnp.uint32(1)  # odd => any single changed word changes the sum mod 2^32
+  return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(u * weight, dtype=jnp.uint32)])
+
+
+@jax.jit
+def _checksums_jit(leaves: list) -> jax.Array:
+  return jnp.stack([_checksum(x) for x in leaves]) if leaves else jnp.zeros((0, 2), jnp.uint32)
+
+
+def checksums(tree: PyTree) -> np.ndarray:
+  """uint32[n_arrays, 2] checksums of a tree's arrays, computed on their own devices (one jit per device set)."""
+  _, leaves, _ = _flatten(tree)
+  out = np.zeros((len(leaves), 2), np.uint32)
+  groups: dict[frozenset, list[int]] = collections.defaultdict(list)
+  for i, x in enumerate(leaves):
+    groups[frozenset(x.sharding.device_set)].append(i)
+  # Tunix's sync_weights runs under transfer guards that forbid explicit device->host copies on CPU;
+  # these are 8 bytes per array, read on purpose.
+  with jax.transfer_guard("allow"):
+    for idx in groups.values():
+      out[idx] = np.asarray(jax.device_get(_checksums_jit([leaves[i] for i in idx])))
+  return out
+
+
+def verify(src_tree: PyTree, dst_tree: PyTree, *, dst_shardings: PyTree | None = None) -> None:
+  """Raise `WeightSyncError` naming the first parameter whose sampler copy differs from the trainer's.
+
+  Compares structure, shape, dtype, (if given) the expected destination sharding, then per-array
+  on-device checksums of the bit patterns.
+  """
+  src_paths, src, src_def = _flatten(src_tree)
+  dst_paths, dst, dst_def = _flatten(dst_tree)
+  _check_same_structure(src_paths, src_def, dst_paths, dst_def, "weight sync check")
+  expected = None
+  if dst_shardings is not None:
+    _, expected, _ = _flatten(dst_shardings)
+  for i, (p, a, b) in enumerate(zip(src_paths, src, dst)):
+    if a.shape != b.shape or a.dtype != b.dtype:
+      raise WeightSyncError(f"weight sync check failed at '{p}': trainer {a.dtype}{list(a.shape)} vs sampler {b.dtype}{list(b.shape)}")
+    if expected is not None and not _as_sharding(expected[i]).is_equivalent_to(b.sharding, b.ndim):
+      raise WeightSyncError(f"weight sync check failed at '{p}': sampler array is on {b.sharding}, expected {_as_sharding(expected[i])}")
+  cs, cd = checksums(src), checksums(dst)
+  bad = np.nonzero(np.any(cs != cd, axis=1))[0]
+  if bad.size:
+    i = int(bad[0])
+    raise WeightSyncError(
+        f"weight sync check failed: sampler's '{src_paths[i]}' differs from the trainer's "
+        f"(checksum {cd[i].tolist()} vs {cs[i].tolist()}; {bad.size} of {len(src)} arrays differ)"
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# WeightSync
+# ---------------------------------------------------------------------------------------------------
+
+
+def _config_value(config, name: str, default):
+  rl = getattr(config, "rl", None)
+  for obj in (rl, config):
+    if obj is None:
+      continue
+    try:
+      value = getattr(obj, name)
+    except (AttributeError, KeyError, ValueError):
+      continue
+    return value
+  return default
+
+
+def _is_nnx_module(x) -> bool:
+  try:
+    from flax import nnx  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return False
+  return isinstance(x, nnx.Module)
+
+
+class WeightSync:
+  """Moves trainer weights into the sampler layout after each optimizer step, and checks they arrived.
+
+  `dst` is one of: an nnx sampler model (updated in place; its current buffers are released chunk by chunk
+  when `reshard_donate`), a tree of destination Shardings (or arrays, whose shardings are used), or None
+  (shardings are then derived per call from `current=` or from `mesh`+`rules` and the source's logical
+  axes). `mapping` turns the trainer's param tree into the sampler's (identity for the embedded engine).
+  Options come from `config` (`rl.reshard_chunk_size`, `reshard_donate`, `rl.verify_weight_sync`,
+  `rl.verify_weight_sync_every`); keyword arguments override them.
+  """
+
+  def __init__(
+      self,
+      config=None,
+      dst: Any = None,
+      mapping: Mapping = identity_mapping,
+      *,
+      mesh: jax.sharding.Mesh | None = None,
+      rules=None,
+      chunk_size: int | None | str = "config",
+      release_old: bool | None = None,
+      verify_policy: str | None = None,
+      verify_every: int | None = None,
+  ):
+    self.mapping = mapping
+    self.chunk_size = _config_value(config, "reshard_chunk_size", None) if chunk_size == "config" else chunk_size
+    self.release_old = bool(_config_value(config, "reshard_donate", True) if release_old is None else release_old)
+    self.verify_policy = str(verify_policy or _config_value(config, "verify_weight_sync", "first"))
+    self.verify_every = int(verify_every or _config_value(config, "verify_weight_sync_every", 10))
+    if self.verify_policy not in VERIFY_POLICIES:
+      raise ConfigError(f"invalid value for 'rl.verify_weight_sync'='{self.verify_policy}': expected one of {', '.join(VERIFY_POLICIES)}")
+    if self.chunk_size is not None and int(self.chunk_size) < 1:
+      raise ConfigError(f"invalid value for 'rl.reshard_chunk_size'={self.chunk_size}: expected a positive integer or null")
+    self.chunk_size = None if self.chunk_size is None else int(self.chunk_size)
+    self._model = dst if _is_nnx_module(dst) else None
+    self._dst_shardings = None if (dst is None or self._model is not None) else jax.tree.map(_as_sharding, dst, is_leaf=_is_sharding)
+    self._mesh, self._rules = mesh, rules
+    self.num_syncs = 0
+    self.num_verified = 0
+    self.last_seconds = 0.0
+    self.last_bytes = 0
+    self.last_verify_seconds = 0.0
+    self.last_stats: dict = {}
+    self.path = backend_path()
+
+  def _verify_due(self) -> bool:
+    n = self.num_syncs  # 1-based index of the sync just done
+    if self.verify_policy == "first":
+      return n == 1
+    if self.verify_policy == "every_n":
+      return n == 1 or n % self.verify_every == 0
+    return False
+
+  def _model_state(self):
+    from flax import nnx  # pylint: disable=import-outside-toplevel
+
+    return nnx.state(self._model, nnx.Param)
+
+  def destination(self, mapped: PyTree, current: PyTree | None = None) -> PyTree:
+    """The destination shardings for `mapped` (the mapped trainer tree)."""
+    if current is not None:
+      return jax.tree.map(_as_sharding, current, is_leaf=_is_sharding)
+    if self._model is not None:
+      return jax.tree.map(_as_sharding, self._model_state())
+    if self._dst_shardings is not None:
+      return self._dst_shardings
+    if self._mesh is not None:
+      self._dst_shardings = logical_shardings(mapped, self._mesh, self._rules or ())
+      return self._dst_shardings
+    raise ValueError("WeightSync needs a destination: a sampler model, shardings, current=, or mesh+rules")
+
+  def sync(
+      self,
+      src_params: PyTree,
+      *,
+      current: PyTree | None = None,
+      apply: Callable[[PyTree], PyTree] | None = None,
+  ) -> PyTree:
+    """Reshard `src_params` into the sampler layout, install it, check it per policy; returns the new tree.
+
+    `current`: the sampler's current weights (their shardings are the destination; released chunk by
+    chunk when `reshard_donate`). `apply(new) -> held`: installs the new tree into the sampler and returns
+    what the sampler now holds, which is what the guard compares against the trainer's weights.
+    """
+    mapped = self.mapping(src_params)
+    if current is None and self._model is not None:
+      current = self._model_state()
+    dst_shardings = self.destination(mapped, current)
+    stats: dict = {}
+    t0 = time.perf_counter()
+    new = reshard(
+        mapped,
+        dst_shardings,
+        chunk_size=self.chunk_size,
+        release=current if self.release_old else None,
+        stats=stats,
+    )
+    if apply is not None:
+      held = apply(new)
+    elif self._model is not None:
+      from flax import nnx  # pylint: disable=import-outside-toplevel
+
+      nnx.update(self._model, new)
+      held = self._model_state()
+    else:
+      held = new
+    self.last_seconds = time.perf_counter() - t0
+    self.last_bytes = int(stats.get("bytes", 0))
+    self.last_stats = stats
+    self.num_syncs += 1
+    if self._verify_due():
+      t1 = time.perf_counter()
+      verify(mapped, held, dst_shardings=dst_shardings)
+      self.last_verify_seconds = time.perf_counter() - t1
+      self.num_verified += 1
+      logging.info("weight sync %d verified: %d arrays, %.1f MiB bitwise equal on the sampler (%.3fs sync, %.3fs check)",
+                   self.num_syncs, len(jax.tree.leaves(mapped)), self.last_bytes / 2**20, self.last_seconds,
+                   self.last_verify_seconds)
+    else:
+      logging.debug("weight sync %d: %.1f MiB in %.3fs via %s", self.num_syncs, self.last_bytes / 2**20,
+                    self.last_seconds, stats.get("path"))
+    return held
+
+
+# ---------------------------------------------------------------------------------------------------
+# Tunix RLCluster hook
+# ---------------------------------------------------------------------------------------------------
+
+
+def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
+  """Route Tunix `RLCluster.sync_weights` through `weight_sync`.
+
+  Tunix 0.1.7's `RLCluster.sync_weights` takes the actor's `nnx.Param` state and calls
+  `rl_cluster.rollout.update_params(params, filter_types)`; each rollout engine then reshards with
+  `tunix.rl.reshard.reshard_pytree` (whole tree, silent device_put fallback, no chunking, no check).
+  We wrap that one method on the cluster's rollout *instance*: the params are resharded by
+  `weight_sync` onto the shardings the engine currently holds (freeing the old buffers chunk by chunk),
+  handed to the engine's own `update_params` (whose reshard is then a no-op, since every array is
+  already where it should be), and the guard compares the trainer's weights with what the engine's
+  model holds afterwards -- so a bug in the engine's own update is caught too. `RLCluster.sync_weights`
+  itself stays Tunix's (transfer guards, anchor-policy snapshot, step counter), which is why we do not
+  subclass or replace it.
+  """
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  rollout = rl_cluster.rollout
+  if getattr(rollout, "_maxtext_rl_weight_sync", None) is not None:
+    rollout._maxtext_rl_weight_sync = weight_sync  # pylint: disable=protected-access
+    return
+  original = rollout.update_params
+
+  def update_params(params, filter_types=None):
+    filt = filter_types if filter_types else (nnx.Param,)
+    current = nnx.state(rollout.model(), *filt)
+
+    def apply(new):
+      original(new, filter_types)
+      return nnx.state(rollout.model(), *filt)
+
+    rollout._maxtext_rl_weight_sync.sync(params, current=current, apply=apply)  # pylint: disable=protected-access
+
+  rollout._maxtext_rl_weight_sync = weight_sync  # pylint: disable=protected-access
+  rollout._maxtext_rl_original_update_params = original  # pylint: disable=protected-access
+  rollout.update_params = update_params
+  logging.info("RLCluster weight sync routed through maxtext_rl_plugin.resharding (%s, chunk_size=%s, verify=%s)",
+               weight_sync.path, weight_sync.chunk_size, weight_sync.verify_policy)

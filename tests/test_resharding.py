@@ -1,0 +1,350 @@
+"""Trainer -> sampler weight sync on two disjoint 4-device CPU meshes (8 forced host devices).
+
+Trainer: the tiny MaxText Qwen3 with FSDP=4 on devices 0-3 (MaxText's own disaggregated split);
+sampler: TP=4 on devices 4-7, shardings derived from the same logical axes. References are the
+trainer's own arrays read back to NumPy and compared bit for bit.
+"""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.multidevice
+
+TINY = "configs/cpu_tiny.yml"
+
+
+def _bits(x) -> np.ndarray:
+  a = np.asarray(x)
+  return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+@pytest.fixture(scope="module")
+def env(repo_root):
+  import jax
+
+  if jax.device_count() < 8:
+    pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+  from flax import nnx
+  from jax.sharding import Mesh
+
+  from maxtext_rl_plugin import models, resharding
+
+  rs = models.setup_devices([str(repo_root / TINY), "use_pathways=true", "chips_per_vm=4", "ici_fsdp_parallelism=4"])
+  assert rs.disaggregated and len(rs.trainer_devices) == 4 and len(rs.sampler_devices) == 4
+  model, tmesh = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=0)
+  # The sampler mesh: MaxText's axes, TP=4 instead of FSDP=4, on the sampler's devices.
+  shape = {k: 1 for k in tmesh.axis_names}
+  shape["tensor"] = 4
+  smesh = Mesh(np.array(rs.sampler_devices).reshape([shape[k] for k in tmesh.axis_names]), tmesh.axis_names)
+  state = nnx.state(model, nnx.Param)
+  dst = resharding.logical_shardings(state, smesh, rs.trainer_config.logical_axis_rules)
+  return dict(rs=rs, model=model, tmesh=tmesh, smesh=smesh, dst=dst, config=rs.trainer_config)
+
+
+def _state(model):
+  from flax import nnx
+
+  return nnx.state(model, nnx.Param)
+
+
+def _train_step(env, seed: int) -> float:
+  """One real optimizer step on the trainer mesh (Adam on a next-token loss), jitted once per module."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from flax import nnx
+
+  if "step" not in env:
+    env["opt"] = nnx.Optimizer(env["model"], optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt, tokens):
+      def loss_fn(m):
+        positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
+        logits, _ = m(tokens, positions, None, None)
+        logp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32))
+        return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+      loss, grads = nnx.value_and_grad(loss_fn)(model)
+      opt.update(model, grads)
+      return loss
+
+    env["step"] = step
+  tokens = jax.random.randint(jax.random.PRNGKey(seed), (2, 8), 1, 1000)
+  with env["tmesh"], nn.logical_axis_rules(env["config"].logical_axis_rules):
+    return float(env["step"](env["model"], env["opt"], tokens))
+
+
+def _assert_bitwise_on(src, dst, dst_shardings, devices):
+  import jax
+
+  s_leaves = jax.tree_util.tree_leaves_with_path(src)
+  d_leaves = jax.tree.leaves(dst)
+  e_leaves = jax.tree.leaves(dst_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  assert len(s_leaves) == len(d_leaves) == len(e_leaves) > 0
+  for (path, a), b, e in zip(s_leaves, d_leaves, e_leaves):
+    assert b.sharding.device_set == set(devices), jax.tree_util.keystr(path)
+    assert b.sharding.is_equivalent_to(e, b.ndim), jax.tree_util.keystr(path)
+    np.testing.assert_array_equal(_bits(a), _bits(b), err_msg=jax.tree_util.keystr(path))
+
+
+def test_layouts_really_differ(env):
+  import jax
+
+  src = jax.tree.leaves(_state(env["model"]))
+  dst = jax.tree.leaves(env["dst"], is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  assert not set(src[0].sharding.device_set) & set(dst[0].device_set)
+  differ = [a.sharding.spec != s.spec for a, s in zip(src, dst)]
+  assert sum(differ) >= len(src) // 2  # FSDP vs TP: most weights change partitioning, not just devices
+
+
+def test_sync_after_training_step_is_bitwise_on_sampler_mesh(env):
+  import jax
+
+  from maxtext_rl_plugin import resharding
+
+  before = [np.asarray(x).copy() for x in jax.tree.leaves(_state(env["model"]))]
+  ws = resharding.WeightSync(env["config"], env["dst"], verify_policy="every_n", verify_every=1)
+  first = ws.sync(_state(env["model"]))
+  _train_step(env, seed=0)
+  after = _state(env["model"])
+  changed = [not np.array_equal(b, np.asarray(a)) for b, a in zip(before, jax.tree.leaves(after))]
+  assert sum(changed) >= len(changed) - 1  # the step really moved the weights
+  second = ws.sync(after, current=first)
+  _assert_bitwise_on(after, second, env["dst"], env["rs"].sampler_devices)
+  assert ws.num_syncs == 2 and ws.num_verified == 2
+  assert ws.last_bytes == sum(x.nbytes for x in jax.tree.leaves(after)) and ws.last_seconds > 0
+  assert ws.path == resharding.PATH_DEVICE_PUT
+  # reshard_donate (default true): the sampler's previous buffers were freed, the trainer's were not.
+  assert all(x.is_deleted() for x in jax.tree.leaves(first))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(after))
+
+
+def test_chunked_and_unchunked_agree(env):
+  import jax
+
+  from maxtext_rl_plugin import resharding
+
+  src = _state(env["model"])
+  n = len(jax.tree.leaves(src))
+  stats_all, stats_chunked = {}, {}
+  whole = resharding.reshard(src, env["dst"], stats=stats_all)
+  chunked = resharding.reshard(src, env["dst"], chunk_size=3, stats=stats_chunked)
+  assert stats_all["chunks"] == 1 and stats_chunked["chunks"] == -(-n // 3)
+  assert stats_chunked["max_chunk_bytes"] < stats_all["max_chunk_bytes"] == stats_all["bytes"]
+  assert jax.tree.structure(whole) == jax.tree.structure(chunked) == jax.tree.structure(src)
+  for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(chunked)):
+    assert a.sharding == b.sharding
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+  _assert_bitwise_on(src, chunked, env["dst"], env["rs"].sampler_devices)
+
+
+def _replace_leaf(tree, index, new):
+  import jax
+
+  leaves, treedef = jax.tree.flatten(tree)
+  leaves[index] = new
+  return jax.tree.unflatten(treedef, leaves)
+
+
+@pytest.mark.parametrize("corruption", ["one_bit", "swap"])
+def test_guard_catches_a_corrupted_array(env, corruption):
+  import jax
+
+  from maxtext_rl_plugin import resharding
+
+  src = _state(env["model"])
+  dst = resharding.reshard(src, env["dst"])
+  resharding.verify(src, dst, dst_shardings=env["dst"])  # clean sync passes
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(src)]
+  k = next(i for i, p in enumerate(paths) if "wi_0" in p)
+  leaf = jax.tree.leaves(dst)[k]
+  host = np.asarray(leaf).copy()
+  flat = host.reshape(-1)
+  if corruption == "one_bit":
+    flat.view(np.uint32)[12345] ^= np.uint32(1)  # lowest mantissa bit of one element
+  else:
+    i, j = 7, 7 + host.shape[-1]  # two distinct elements of the same array trade places
+    assert flat[i] != flat[j]
+    flat[i], flat[j] = flat[j], flat[i].copy()
+  bad = _replace_leaf(dst, k, jax.device_put(host, leaf.sharding))
+  with pytest.raises(resharding.WeightSyncError, match=r"wi_0.*1 of \d+ arrays differ"):
+    resharding.verify(src, bad)
+
+
+def test_guard_catches_a_dropped_chunk(env, monkeypatch):
+  import jax
+
+  from maxtext_rl_plugin import resharding
+
+  ws = resharding.WeightSync(env["config"], env["dst"], chunk_size=4, release_old=False, verify_policy="every_n",
+                             verify_every=1)
+  src = _state(env["model"])
+  stale = resharding.reshard(jax.tree.map(lambda x: x * 0.5 + 1, src), env["dst"])  # the sampler's previous weights
+  real_move = resharding._move
+  calls = []
+
+  def lossy_move(arrays, shardings, **kw):  # the third chunk "arrives" with the sampler's old buffers
+    calls.append(len(arrays))
+    out = real_move(arrays, shardings, **kw)
+    if len(calls) == 3:
+      start = 4 * 2
+      out = [jax.tree.leaves(stale)[start + i] for i in range(len(out))]
+    return out
+
+  monkeypatch.setattr(resharding, "_move", lossy_move)
+  with pytest.raises(resharding.WeightSyncError, match="differs from the trainer"):
+    ws.sync(src, current=stale)
+  assert calls[:3] == [4, 4, 4]
+
+
+def test_guard_structure_and_dtype_mismatch(env):
+  import jax
+  import jax.numpy as jnp
+
+  from maxtext_rl_plugin import resharding
+
+  src = _state(env["model"])
+  dst = resharding.reshard(src, env["dst"])
+  leaves = jax.tree.leaves(dst)
+  with pytest.raises(resharding.WeightSyncError, match="bfloat16"):
+    resharding.verify(src, _replace_leaf(dst, 0, leaves[0].astype(jnp.bfloat16)))
+  with pytest.raises(resharding.WeightSyncError, match="trees differ"):
+    resharding.verify(src, leaves[:-1])
+  wrong = jax.tree.map(lambda x: jax.sharding.NamedSharding(env["tmesh"], jax.P()), env["dst"],
+                       is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  with pytest.raises(resharding.WeightSyncError, match="expected"):
+    resharding.verify(src, dst, dst_shardings=wrong)
+
+
+def test_verify_policy_cadence(env, monkeypatch):
+  from maxtext_rl_plugin import resharding
+
+  src = _state(env["model"])
+  seen = []
+  real_verify = resharding.verify
+  monkeypatch.setattr(resharding, "verify", lambda *a, **k: (seen.append(1), real_verify(*a, **k)))
+  counts = {}
+  for policy in ("off", "first", "every_n"):
+    ws = resharding.WeightSync(env["config"], env["dst"], verify_policy=policy, verify_every=2, release_old=False)
+    for _ in range(5):
+      ws.sync(src)
+    counts[policy] = ws.num_verified
+  assert counts == {"off": 0, "first": 1, "every_n": 3}  # every_n: syncs 1, 2, 4
+  assert len(seen) == 4
+  with pytest.raises(resharding.ConfigError, match="verify_weight_sync"):
+    resharding.WeightSync(env["config"], env["dst"], verify_policy="sometimes")
+
+
+def test_config_keys_are_read(env, repo_root):
+  from maxtext_rl_plugin import config as config_lib
+  from maxtext_rl_plugin import resharding
+
+  cfg = config_lib.load_config([str(repo_root / TINY), "rl.reshard_chunk_size=5", "reshard_donate=false",
+                                "rl.verify_weight_sync=every_n", "rl.verify_weight_sync_every=3"])
+  ws = resharding.WeightSync(cfg, env["dst"])
+  assert (ws.chunk_size, ws.release_old, ws.verify_policy, ws.verify_every) == (5, False, "every_n", 3)
+
+
+class _FakePluginExecutable:
+  """Stands in for pathwaysutils.plugin_executable.PluginExecutable (the IFRT proxy program; raises on CPU)."""
+
+  requests: list = []
+  calls: list = []
+
+  def __init__(self, prog_str: str):
+    type(self).requests.append(json.loads(prog_str))
+
+  def call(self, in_arr=(), out_shardings=(), out_avals=(), out_committed=True):
+    import concurrent.futures
+
+    import jax
+
+    type(self).calls.append((len(in_arr), tuple(out_shardings)))
+    fut = concurrent.futures.Future()
+    fut.set_result(None)
+    return list(jax.device_put(list(in_arr), list(out_shardings))), fut
+
+
+def test_pathways_experimental_path_with_faked_plugin_program(env, monkeypatch):
+  import jax
+  from pathwaysutils import plugin_executable
+  from pathwaysutils.experimental import reshard as pw_experimental
+
+  from maxtext_rl_plugin import resharding
+
+  monkeypatch.setenv("JAX_PLATFORMS", "proxy")
+  monkeypatch.setattr(plugin_executable, "PluginExecutable", _FakePluginExecutable)
+  monkeypatch.setattr(resharding, "_logged_paths", set())
+  pw_experimental._get_resharding_plan_cached.cache_clear()
+  _FakePluginExecutable.requests, _FakePluginExecutable.calls = [], []
+  assert resharding.backend_path() == resharding.PATH_PATHWAYS_EXPERIMENTAL
+
+  src = _state(env["model"])
+  n = len(jax.tree.leaves(src))
+  ws = resharding.WeightSync(env["config"], env["dst"], chunk_size=4, release_old=False, verify_policy="first")
+  assert ws.path == resharding.PATH_PATHWAYS_EXPERIMENTAL
+  out = ws.sync(src)
+  _assert_bitwise_on(src, out, env["dst"], env["rs"].sampler_devices)
+  calls = _FakePluginExecutable.calls
+  assert sum(c[0] for c in calls) == n and max(c[0] for c in calls) <= 4  # every array, chunks of <= 4
+  assert len(calls) >= -(-n // 4)
+  sampler_ids = sorted(d.id for d in env["rs"].sampler_devices)
+  for req in _FakePluginExecutable.requests:
+    r = req["reshardRequest"]
+    assert r["donateInput"] is False
+    assert all(sorted(o["devices"]["device_ids"]) == sampler_ids for o in r["outSharding"])
+  expected = jax.tree.leaves(env["dst"], is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  used = [s for c in calls for s in c[1]]
+  assert all(any(u == e for e in expected) for u in used)
+  # Plans are cached: a second sync of the same layout compiles no new reshard program.
+  plans, first_calls = len(_FakePluginExecutable.requests), len(calls)
+  ws.sync(src)
+  assert len(_FakePluginExecutable.requests) == plans and len(calls) == 2 * first_calls
+
+
+def test_pathways_stable_path_when_experimental_missing(env, monkeypatch):
+  import sys
+
+  import jax
+  from pathwaysutils import reshard as pw_reshard
+
+  from maxtext_rl_plugin import resharding
+
+  monkeypatch.setenv("JAX_PLATFORMS", "proxy")
+  import pathwaysutils.experimental
+
+  monkeypatch.setitem(sys.modules, "pathwaysutils.experimental.reshard", None)  # import raises ImportError
+  monkeypatch.delattr(pathwaysutils.experimental, "reshard", raising=False)
+  monkeypatch.setattr(resharding, "_logged_paths", set())
+  seen = []
+
+  def fake_transfer(array_info, *, donate):  # the IFRT RemapArrays boundary (raises on CPU)
+    seen.append((len(array_info["arrays"]), donate))
+    return jax.device_put(array_info["arrays"], array_info["dst_shardings"])
+
+  monkeypatch.setattr(pw_reshard, "_ifrt_jax_array_reshard", fake_transfer)
+  assert resharding.backend_path() == resharding.PATH_PATHWAYS
+  src = _state(env["model"])
+  out = resharding.reshard(src, env["dst"], chunk_size=5)
+  _assert_bitwise_on(src, out, env["dst"], env["rs"].sampler_devices)
+  assert sum(s[0] for s in seen) == len(jax.tree.leaves(src)) and max(s[0] for s in seen) <= 5
+  assert not any(s[1] for s in seen)
+
+
+def test_device_put_path_logged_once(env, monkeypatch, caplog):
+  from absl import logging as absl_logging
+
+  from maxtext_rl_plugin import resharding
+
+  monkeypatch.setattr(resharding, "_logged_paths", set())
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  logged = []
+  monkeypatch.setattr(absl_logging, "info", lambda msg, *a: logged.append(msg % a))
+  assert resharding.backend_path() == resharding.PATH_DEVICE_PUT
+  assert resharding.backend_path() == resharding.PATH_DEVICE_PUT
+  assert [m for m in logged if "weight sync path" in m] == ["weight sync path: device_put (JAX_PLATFORMS has no 'proxy' (not a Pathways backend))"]
