@@ -4,11 +4,11 @@ Notation: B completions, T completion positions, m_{i,t} in {0,1} the completion
 lp = log pi_theta(o_{i,t} | q, o_{i,<t}) (`per_token_logps`), lp_old (the sampling policy), lp_ref (the
 frozen reference), A_i the (sequence-level) advantage, eps_lo = `epsilon`, eps_hi = `epsilon_high`.
 
-GRPO (Shao et al. 2024, DeepSeekMath eq. 21; asymmetric "clip-higher" from DAPO, Yu et al. 2025):
+GRPO (Shao et al. 2024, DeepSeekMath; asymmetric "clip-higher" from DAPO, Yu et al. 2025):
     r_{i,t} = exp(lp - lp_old)
     L_{i,t} = -( min(r_{i,t} A_i, clip(r_{i,t}, 1 - eps_lo, 1 + eps_hi) A_i) - beta * KL_{i,t} )
 
-GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eq. 7 and its GSPO-token variant eq. 13):
+GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", sequence-level and its GSPO-token variant):
     s_i       = exp( (1/n_i) sum_t m_{i,t} (lp - lp_old) )                  (length-normalised sequence ratio)
     s_{i,t}   = sg[s_i] * exp(lp_{i,t} - sg[lp_{i,t}])                       (numerically s_i; d/dlp_t = s_i)
     L_{i,t}   = -( min(s_{i,t} A_i, clip(s_{i,t}, 1 - eps_lo, 1 + eps_hi) A_i) - beta * KL_{i,t} )
@@ -51,7 +51,8 @@ Differences from Tunix 0.1.7's `grpo_loss_fn` (tunix/rl/algo_core.py), which thi
     which zeroes the gradient of a sequence whose ratio exceeds e^10; here the clamp is on the stop-gradient
     sequence part only, so the gradient always follows the paper.
   * beta == 0 ignores the reference entirely (no KL metric), matching the learner, which then computes no ref
-    log-probs. Dual-clip (`epsilon_c`) and sampler importance weights are not supported.
+    log-probs. Dual-clip (`epsilon_c`), sampler importance weights and `kl_clamp_value` are not supported (the
+    +-20 clamp above already bounds k3 by e^20).
 """
 
 from __future__ import annotations

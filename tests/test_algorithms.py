@@ -1,7 +1,8 @@
 """Policy loss, advantages and Tunix wiring, checked against float64 NumPy re-derivations of the papers' objectives.
 
 The references below are written per sequence and per token (loops over the valid tokens only), straight from
-DeepSeekMath eq. 21 / DAPO clip-higher (GRPO) and GSPO eqs. 7 and 13, independently of the vectorised JAX code.
+DeepSeekMath / DAPO clip-higher (GRPO) and the GSPO paper (sequence-level and GSPO-token), independently of the
+vectorised JAX code.
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ def np_policy_loss(lp, old, ref, adv, mask, *, algo, eps, eps_high, beta, kl, ag
 
 
 def np_sequence_gspo(lp, old, ref, adv, mask, *, eps, eps_high, beta, kl):
-  """Sequence-level GSPO (paper eq. 5-7) plus the same KL term, -(1/B') sum_i min(s_i A_i, clip(s_i) A_i)."""
+  """Sequence-level GSPO (the paper's objective) plus the same KL term, -(1/B') sum_i min(s_i A_i, clip(s_i) A_i)."""
   rows = [i for i in range(lp.shape[0]) if mask[i].sum() > 0]
   total = 0.0
   for i in rows:
@@ -384,7 +385,8 @@ def test_register_with_tunix_is_idempotent():
   assert function_registry.get_policy_loss_fn("grpo") is not algorithms.tunix_policy_loss_fn
 
 
-@pytest.mark.parametrize("algo,kl,agg", [("grpo", "k3", "sequence-mean-token-mean"), ("gspo-token", "k1", "token-mean")])
+@pytest.mark.parametrize("algo,kl,agg", [("grpo", "k3", "sequence-mean-token-mean"),
+                                          ("gspo-token", "k1", "token-mean")])
 def test_grpo_learner_uses_plugin_loss(algo, kl, agg):
   """Build Tunix's GRPOLearner with the plugin config; the loss it hands the trainer is ours, on a real model."""
   pad, eos, vocab = 0, 1, 11
