@@ -54,7 +54,8 @@ def test_tpu_trainer_matches_the_ray_tutorial(monkeypatch):
   env = trainer.run_config.worker_runtime_env["env_vars"]
   assert env["JAX_PLATFORMS"] == "tpu" and env["ENABLE_PJRT_COMPATIBILITY"] == "true" and env["HF_TOKEN"] == TOKEN
   assert trainer.train_loop_per_worker is ray_lib.train_loop_per_worker
-  assert trainer.train_loop_config["argv"] == ["configs/rl.yml", "run_name=rayjob-grpo", "base_output_directory=/data/"]
+  assert trainer.train_loop_config["argv"] == ["configs/rl.yml", "run_name=rayjob-grpo", "base_output_directory=/data/",
+                                               "use_pathways=false"]  # multi-controller JAX, not a Pathways client
   assert TOKEN not in launch.describe()
 
 

@@ -72,7 +72,7 @@ class RayLaunch:
     if self.cpu_devices_per_worker < 1:
       raise xpk_lib.LaunchError(f"--cpu-devices-per-worker must be >= 1, got {self.cpu_devices_per_worker}")
     if self.entry == "train_rl" and check_overrides:
-      xpk_lib.validate_overrides(self.config, self.overrides)
+      xpk_lib.validate_overrides(self.config, self.train_argv()[1:])
 
   def run_name(self) -> str:
     return self.name or xpk_lib._override_value(self.overrides, "run_name") or "maxtext-rl"  # pylint: disable=protected-access
@@ -101,10 +101,18 @@ class RayLaunch:
       env[xpk_lib.SECRET_ENV] = environ[xpk_lib.SECRET_ENV]
     return env
 
+  def train_argv(self) -> list[str]:
+    """train_rl's argv on every worker. Ray workers are a multi-controller JAX program (one process per host), not
+    a Pathways client, so `use_pathways=false` is added unless set (MaxText's post_train/rl.yml defaults to true)."""
+    overrides = list(self.overrides)
+    if xpk_lib._override_value(overrides, "use_pathways") is None:  # pylint: disable=protected-access
+      overrides.append("use_pathways=false")
+    return [self.config, *overrides]
+
   def loop_config(self) -> dict[str, Any]:
     return {
         "entry": self.entry,
-        "argv": [self.config, *self.overrides],
+        "argv": self.train_argv(),
         "use_tpu": self.use_tpu,
         "cpu_devices_per_worker": self.cpu_devices_per_worker,
         "result_dir": self.result_dir,
