@@ -1,0 +1,86 @@
+"""Token sampling for the embedded engine: greedy, temperature, top-k, top-p, with the learner's log-probs.
+
+The returned log-prob of a sampled token is `log_softmax(logits / T)[token]` over the *full* vocabulary
+(T = 1 for greedy). That is exactly what the learner recomputes (Tunix divides trainer and reference
+logits by the rollout temperature), so importance ratios start at 1; top-k / top-p only restrict which
+tokens can be drawn, they do not renormalise the reported log-prob.
+
+Which filters run is static (`SamplingSpec`, part of the engine's compile key) so greedy decoding never
+pays for a sort over the 150k-token vocabulary; the temperature and top-p values are traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSpec:
+  """Static shape of the sampler (hashable: part of the compile key)."""
+
+  greedy: bool = True
+  top_k: int = 0  # 0 = off
+  use_top_p: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """User-facing sampling knobs; `spec()` is the static part, `temperature`/`top_p` are traced."""
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  greedy: bool = False
+
+  @classmethod
+  def create(cls, temperature: float | None, top_k: int | None, top_p: float | None, greedy: bool = False):
+    """Normalises the many 'off' spellings (None, 0, -1, p >= 1) used by MaxText and Tunix."""
+    temperature = 1.0 if temperature is None else float(temperature)
+    if temperature <= 0.0:  # Tunix: temperature 0 means greedy.
+      greedy, temperature = True, 1.0
+    top_k = int(top_k) if top_k is not None and int(top_k) > 0 else 0
+    top_p = float(top_p) if top_p is not None and 0.0 < float(top_p) < 1.0 else 1.0
+    return cls(temperature=temperature, top_k=top_k, top_p=top_p, greedy=bool(greedy))
+
+  def spec(self, vocab_size: int) -> SamplingSpec:
+    if self.greedy:
+      return SamplingSpec(greedy=True)
+    top_k = self.top_k if 0 < self.top_k < vocab_size else 0
+    return SamplingSpec(greedy=False, top_k=top_k, use_top_p=self.top_p < 1.0)
+
+
+def _nucleus_mask(sorted_logits: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Keep the smallest prefix of descending-sorted candidates whose probability mass reaches top_p."""
+  probs = jax.nn.softmax(sorted_logits, axis=-1)
+  mass_before = jnp.cumsum(probs, axis=-1) - probs
+  return mass_before < top_p  # the first candidate is always kept
+
+
+def sample(
+    logits: jax.Array, rng: jax.Array, spec: SamplingSpec, temperature: jax.Array, top_p: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+  """Draws one token per row of `logits[B, V]`; returns (tokens[B] int32, logps[B] float32)."""
+  logits = logits.astype(jnp.float32)
+  if spec.greedy:
+    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logps = jax.nn.log_softmax(logits, axis=-1)
+  else:
+    scaled = logits / temperature
+    logps = jax.nn.log_softmax(scaled, axis=-1)
+    if spec.top_k > 0 or spec.use_top_p:
+      if spec.top_k > 0:
+        cand_logits, cand_ids = jax.lax.top_k(scaled, spec.top_k)
+      else:
+        cand_ids = jnp.argsort(-scaled, axis=-1)
+        cand_logits = jnp.take_along_axis(scaled, cand_ids, axis=-1)
+      if spec.use_top_p:
+        cand_logits = jnp.where(_nucleus_mask(cand_logits, top_p), cand_logits, -jnp.inf)
+      choice = jax.random.categorical(rng, cand_logits, axis=-1)
+      tokens = jnp.take_along_axis(cand_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    else:
+      tokens = jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
+  token_logps = jnp.take_along_axis(logps, tokens[:, None], axis=-1)[:, 0]
+  return tokens, token_logps
