@@ -256,8 +256,9 @@ def _build(monkeypatch, cfg, tree, tokenizer, engine_state=None):
   monkeypatch.setenv("TPU_BACKEND_TYPE", "jax")
   reshard_calls = []
 
-  def fake_reshard(new, shardings, *, chunk_size):
-    reshard_calls.append((sorted(new), {k: s for k, s in shardings.items()}, chunk_size))
+  def fake_reshard(new, shardings):
+    assert set(new) == set(shardings)
+    reshard_calls.append(sorted(new))
     return jax.device_put(new, shardings)
 
   monkeypatch.setattr(vllm_mod, "_reshard", fake_reshard)
@@ -313,20 +314,31 @@ def test_engine_kwargs_map_every_rollout_key():
   assert "max_num_seqs" not in kw and "block_size" not in kw
 
 
+class _Override:
+  """A config with some attributes replaced (vllm_engine_kwargs only reads attributes)."""
+
+  def __init__(self, cfg, **kw):
+    self._cfg, self._kw = cfg, kw
+
+  def __getattr__(self, name):
+    return self._kw[name] if name in self._kw else getattr(self._cfg, name)
+
+
 @pytest.mark.parametrize(
-    "argv, devices",
-    [(["rollout_tensor_parallelism=3"], 8),
-     (["rollout_tensor_parallelism=-1", "rollout_data_parallelism=-1"], 8),
-     (["rollout_tensor_parallelism=2", "rollout_data_parallelism=2"], 8)],
+    "tp, dp, ep",
+    [(3, -1, 1),  # 8 devices not divisible by tp
+     (-1, -1, 1),  # two auto-derived sizes
+     (2, 2, 1)],  # product != device count
 )
-def test_engine_kwargs_bad_parallelism_is_one_line_config_error(argv, devices):
-  cfg = load_config(["configs/cpu_tiny.yml", *argv])
+def test_engine_kwargs_bad_parallelism_is_one_line_config_error(qwen, tp, dp, ep):
+  cfg = _Override(qwen[0], rollout_tensor_parallelism=tp, rollout_data_parallelism=dp, rollout_expert_parallelism=ep)
   with pytest.raises(errors.ConfigError) as ei:
-    vllm_mod.vllm_engine_kwargs(cfg, devices)
+    vllm_mod.vllm_engine_kwargs(cfg, 8)
   assert "\n" not in str(ei.value) and "rollout" in str(ei.value)
 
 
 def test_sampling_kwargs_from_config():
+  # Real CLI parsing of the list-valued keys, then the mapping.
   cfg = load_config(["configs/cpu_tiny.yml", "decode_sampling_temperature=0.7", "decode_sampling_top_k=40",
                      "decode_sampling_nucleus_p=0.9", "stop_strings=['</answer>']", "stop_token_ids=[11,12]"])
   kw = vllm_mod.sampling_params_kwargs(cfg)
@@ -336,7 +348,7 @@ def test_sampling_kwargs_from_config():
   assert kw["stop_token_ids"] == [11, 12] and kw["logprobs"] == 0 and kw["n"] == 1
   greedy = vllm_mod.sampling_params_kwargs(cfg, greedy=True)
   assert (greedy["temperature"], greedy["top_k"], greedy["top_p"]) == (0.0, 0, 1.0)
-  plain = vllm_mod.sampling_params_kwargs(load_config(["configs/cpu_tiny.yml"]))
+  plain = vllm_mod.sampling_params_kwargs(_Override(cfg, stop_strings=None))
   assert plain["stop"] is None and plain["detokenize"] is False
 
 
@@ -410,14 +422,15 @@ def test_step0_syncs_trainer_weights_into_every_engine_parameter(which, request,
   assert llm.kwargs == vllm_mod.vllm_engine_kwargs(cfg, 1, device_ids=[int(jax.devices()[0].id)])
   assert llm.env_multiprocessing == "0"
   names = [e[0] if e[0] != "collective_rpc" else e[1] for e in log]
+  # ... and the re-read of verify_weight_sync=first (the default) before the session closes.
   assert names == ["LLM", "reset_prefix_cache", "start_weight_update", "get_weights_state",
-                   "refresh_model_state_leaves", "finish_weight_update"]
+                   "refresh_model_state_leaves", "get_weights_state", "finish_weight_update"]
   assert log[2][2] == {"free_kv_cache": True}
   # Every engine leaf now holds the trainer's value in tpu-inference layout and the engine's dtype.
   expected = expected_hf(tree, llama=which == "llama")
   hc = vm.hf_config_from_params(tree, cfg.model_name)
   engine = vm.flatten_params(state)
-  assert len(reshard_calls) == 1 and reshard_calls[0][0] == sorted(engine)
+  assert len(reshard_calls) == 1 and reshard_calls[0] == sorted(engine)  # one chunk: the whole model
   for hf_name, ref in expected.items():
     name, shape = tpu_inference_layout(hf_name, ref.shape, hc)
     got = engine[name]
@@ -486,23 +499,40 @@ def test_generate_sampling_params_tokens_and_logprobs(monkeypatch, qwen, tokeniz
     rollout.generate(["word " * 400], _rollout_config(cfg))
 
 
-def test_weight_sync_keeps_kv_cache_when_configured_and_reaches_new_weights(monkeypatch, qwen, tokenizer):
+def test_chunked_sync_keeps_kv_cache_when_configured_and_reaches_new_weights(monkeypatch, qwen, tokenizer):
   cfg = load_config(["configs/cpu_tiny.yml", "free_kv_cache_during_weight_sync=false", "reshard_chunk_size=4"])
   rollout, module, log, state, reshard_calls = _build(monkeypatch, cfg, qwen[1], tokenizer)
   assert [e for e in log if e[:2] == ("collective_rpc", "start_weight_update")][0][2] == {"free_kv_cache": False}
-  assert reshard_calls[-1][2] == 4
+  n_leaves = len(vm.flatten_params(qwen[1]))
+  assert len(reshard_calls) == math.ceil(n_leaves / 4) > 1
+  flat_calls = [k for call in reshard_calls for k in call]
+  assert sorted(flat_calls) == sorted(vm.flatten_params(state))  # each engine tensor written exactly once
   newer = jax.tree.map(lambda x: x + 1.0, qwen[1])
-  before = len(reshard_calls)
   rollout.update_params(newer)
-  assert len(reshard_calls) == before + 1
   engine = vm.flatten_params(state)
-  np.testing.assert_allclose(
-      np.asarray(engine["model.norm.scale"], dtype=np.float32),
-      _np(newer, "decoder.decoder_norm.scale"), rtol=1e-2)
+  for hf_name, ref in expected_hf(newer, llama=False).items():
+    if ref.ndim == 1:
+      name = tpu_inference_layout(hf_name, ref.shape, vm.hf_config_from_params(newer, cfg.model_name))[0]
+      np.testing.assert_allclose(np.asarray(engine[name], dtype=np.float32), ref, rtol=1e-2, err_msg=name)
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   with pytest.raises(errors.ConfigError, match="LoRA"):
     rollout.update_params(newer, (nnx.LoRAParam,))
+
+
+def test_sync_that_writes_a_copy_is_caught_and_blocks_sampling(monkeypatch, qwen, tokenizer):
+  """A worker whose get_weights_state() hands out copies: the write never reaches the engine."""
+  cfg, tree = qwen
+  rollout, module, _, state, _ = _build(monkeypatch, cfg, tree, tokenizer)
+  llm = module.LLM.instances[-1]
+  llm.worker.get_weights_state = lambda: jax.tree.map(lambda x: x, fake_engine_state(
+      cfg.model_name, vm.hf_config_from_params(tree, cfg.model_name)))
+  rollout._syncs = 0  # pylint: disable=protected-access  # verify_weight_sync=first checks the next sync
+  with pytest.raises(RuntimeError, match="did not take effect"):
+    rollout.update_params(tree)
+  assert llm.session_active is False  # the update session is closed even on failure
+  with pytest.raises(RuntimeError, match="refusing to sample"):
+    rollout.generate(["hi"], _rollout_config(cfg))
 
 
 def test_failed_initial_sync_raises_and_closes_the_update_session(monkeypatch, qwen, tokenizer):

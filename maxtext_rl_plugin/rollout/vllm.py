@@ -147,14 +147,14 @@ def sampling_params_kwargs(config: Any, *, greedy: bool = False) -> dict:
 # ------------------------------------------------------------------------------- weight sync
 
 
-def _reshard(tree: dict, shardings: dict, *, chunk_size: Optional[int]) -> dict:
+def _reshard(tree: dict, shardings: dict) -> dict:
   """Move mapped weights onto the engine's shardings (the plugin's resharding module when present)."""
   try:
     from maxtext_rl_plugin import resharding  # pylint: disable=import-outside-toplevel
   except ImportError:
     return jax.device_put(tree, shardings)
-  # donate=False: identity-layout leaves can alias the trainer's own buffers.
-  return resharding.reshard(tree, shardings, chunk_size=chunk_size, donate=False)
+  # donate=False: identity-layout leaves can alias the trainer's own buffers. Chunking happens upstream.
+  return resharding.reshard(tree, shardings, chunk_size=None, donate=False)
 
 
 def _driver_worker(llm: Any) -> Any:
@@ -197,7 +197,8 @@ class VllmRollout(base_rollout.BaseRollout):
       os.environ["NEW_MODEL_DESIGN"] = "1"  # vLLM-TPU's DP needs its new model design
     logging.info("vLLM engine (%s): %s", TARGET_API, self.engine_kwargs)
     self.llm = vllm.LLM(**self.engine_kwargs)
-    self._synced_versions = 0
+    self._weights_valid = False
+    self._syncs = 0
     self._last: Optional[tuple[list[np.ndarray], list[np.ndarray]]] = None
     # Step 0 samples the trainer's weights, never vLLM's dummy init.
     self.update_params(_actor_params(rollout_actor))
@@ -210,8 +211,8 @@ class VllmRollout(base_rollout.BaseRollout):
 
   def generate(self, prompts: list[str], rollout_config: base_rollout.RolloutConfig, **kwargs) -> base_rollout.RolloutOutput:
     """Sample one completion per prompt; `kwargs` override individual SamplingParams fields."""
-    if self._synced_versions == 0:
-      raise RuntimeError("vLLM holds no trainer weights yet (the initial sync failed); refusing to sample dummy weights")
+    if not self._weights_valid:
+      raise RuntimeError("vLLM does not hold a complete set of trainer weights (a sync failed); refusing to sample")
     tok = self._tokenizer
     prompt_ids = [self._encode(p) for p in prompts]
     longest = max(len(p) for p in prompt_ids)
@@ -267,13 +268,22 @@ class VllmRollout(base_rollout.BaseRollout):
     return jnp.asarray(out)
 
   def update_params(self, params: Any, filter_types: Optional[Tuple[Any, ...]] = None) -> None:
-    """Map the trainer's MaxText parameters to vLLM's and write them into the engine (all of them)."""
+    """Map the trainer's MaxText parameters to vLLM's and write them into the engine (every one of them).
+
+    Runs inside tpu-inference's weight-update session (KV cache freed or kept per
+    `free_kv_cache_during_weight_sync`), `rl.reshard_chunk_size` MaxText tensors at a time so the
+    HF-layout copies never exceed one chunk. Until a sync completes, `generate` refuses to sample.
+    """
     if filter_types and any(getattr(t, "__name__", "") == "LoRAParam" for t in filter_types):
       raise ConfigError("rollout_engine=vllm syncs full weights; LoRA training is not supported with it")
     cfg = self._config
     free_kv = bool(cfg.free_kv_cache_during_weight_sync)
-    hf_weights = vllm_mapping.map_maxtext_to_vllm(params, cfg.model_name, param_scan_axis=int(cfg.param_scan_axis))
+    flat = vllm_mapping.flatten_params(params)
+    hf_config = vllm_mapping.hf_config_from_params(flat, cfg.model_name)
+    keys = sorted(flat)
+    step = int(cfg.rl.reshard_chunk_size or len(keys))
     llm = self.llm
+    self._weights_valid = False
     # The prefix cache is scheduler-side: drop it first, or it serves blocks computed with old weights.
     llm.reset_prefix_cache()
     llm.collective_rpc("start_weight_update", kwargs={"free_kv_cache": free_kv})
@@ -281,21 +291,37 @@ class VllmRollout(base_rollout.BaseRollout):
       worker = _driver_worker(llm)
       state = worker.get_weights_state()
       engine_flat = vllm_mapping.flatten_params(state)
-      new, _ = vllm_mapping.to_engine_state(hf_weights, engine_flat)
-      shardings = {k: engine_flat[k].sharding for k in new}
-      new = _reshard(new, shardings, chunk_size=cfg.rl.reshard_chunk_size)
-      old = [engine_flat[k] for k in new]
-      vllm_mapping.engine_state_setter(state)(new)
+      set_leaves = vllm_mapping.engine_state_setter(state)
+      written: dict[str, jax.Array] = {}
+      for i in range(0, len(keys), step):
+        chunk = {k: flat[k] for k in keys[i : i + step]}
+        hf = vllm_mapping.map_maxtext_to_vllm(chunk, cfg.model_name, hf_config,
+                                              param_scan_axis=int(cfg.param_scan_axis))
+        new, _ = vllm_mapping.to_engine_state(hf, engine_flat, require_all=False)
+        new = _reshard(new, {k: engine_flat[k].sharding for k in new})
+        set_leaves(new)
+        if cfg.reshard_donate:
+          _delete_replaced(engine_flat, new, flat)
+        written.update(new)
+        del hf, new
+      vllm_mapping.check_all_written(engine_flat, written)
       worker.refresh_model_state_leaves()
-      if cfg.reshard_donate:
-        for arr in old:
-          if isinstance(arr, jax.Array) and not arr.is_deleted() and all(arr is not v for v in new.values()):
-            arr.delete()  # free HBM now rather than at the next GC
+      if self._should_verify():
+        _verify_engine_holds(worker, written)
     finally:
       llm.collective_rpc("finish_weight_update")
-    self._synced_versions += 1
-    logging.info("synced %d trainer tensors into vLLM (sync %d, kv cache %s)", len(new), self._synced_versions,
+    self._weights_valid = True
+    self._syncs += 1
+    logging.info("synced %d trainer tensors into vLLM (sync %d, kv cache %s)", len(written), self._syncs,
                  "freed" if free_kv else "kept")
+
+  def _should_verify(self) -> bool:
+    mode = self._config.rl.verify_weight_sync
+    if mode == "first":
+      return self._syncs == 0
+    if mode == "every_n":
+      return self._syncs % int(self._config.rl.verify_weight_sync_every) == 0
+    return False
 
   def pad_id(self) -> int:
     return self._tokenizer.pad_id()
@@ -329,6 +355,30 @@ class VllmRollout(base_rollout.BaseRollout):
     kw["stop_token_ids"] = sorted(set(int(t) for t in eos + kw["stop_token_ids"]))
     return kw
 
+
+
+def _delete_replaced(engine_flat: Mapping[str, Any], new: Mapping[str, Any], trainer_flat: Mapping[str, Any]) -> None:
+  """Free the engine's previous buffers now (`reshard_donate`) instead of at the next GC; never a trainer array."""
+  keep = {id(v) for v in new.values()} | {id(v) for v in trainer_flat.values()}
+  for name in new:
+    old = engine_flat[name]
+    if isinstance(old, jax.Array) and id(old) not in keep and not old.is_deleted():
+      old.delete()
+
+
+def _verify_engine_holds(worker: Any, written: Mapping[str, jax.Array]) -> None:
+  """Re-read the worker's weights and check a sample of leaves holds what was written (`rl.verify_weight_sync`).
+
+  Catches a write path that updated a copy (e.g. a tpu-inference version whose `get_weights_state()` no
+  longer aliases the runner's arrays): the sampler would otherwise keep its dummy weights silently.
+  """
+  now = vllm_mapping.flatten_params(worker.get_weights_state())
+  names = sorted(written)
+  for name in {names[0], names[len(names) // 2], names[-1]}:
+    got, want = now.get(name), written[name]
+    same = got is want or (got is not None and bool(jnp.array_equal(jnp.asarray(got), want)))
+    if not same:
+      raise RuntimeError(f"vLLM weight sync did not take effect: engine parameter {name} differs from the trainer's")
 
 def _actor_params(rollout_actor: Any) -> Any:
   """The trainer's parameters: `nnx.state(model, nnx.Param)` for a module, the tree itself otherwise."""

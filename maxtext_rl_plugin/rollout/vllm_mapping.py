@@ -233,11 +233,12 @@ def _to_engine_layout(weight, layout: str, dst_shape: tuple[int, ...], name: str
 
 
 def to_engine_state(
-    hf_weights: Mapping[str, jax.Array], engine_params: Mapping[str, Any]
+    hf_weights: Mapping[str, jax.Array], engine_params: Mapping[str, Any], *, require_all: bool = True
 ) -> tuple[dict[str, jax.Array], dict[str, str]]:
   """Match `{hf_name: array}` to the engine's flat `{name: array-like}`; returns (new leaves, hf->engine name).
 
-  Raises if any HF tensor finds no engine parameter or any engine parameter is left unwritten.
+  Raises if any HF tensor finds no engine parameter or (with `require_all`, i.e. a whole-model sync in one
+  piece) any engine parameter is left unwritten; chunked syncs check coverage with `check_all_written`.
   """
   new: dict[str, jax.Array] = {}
   names: dict[str, str] = {}
@@ -255,12 +256,18 @@ def to_engine_state(
       missing.append(hf_name)
   if missing:
     raise ValueError(f"{len(missing)} weights have no parameter in the vLLM model, e.g. {missing[:3]}")
-  unwritten = sorted(set(engine_params) - set(new))
+  if require_all:
+    check_all_written(engine_params, new)
+  return new, names
+
+
+def check_all_written(engine_params: Mapping[str, Any], written) -> None:
+  """Raise unless every engine parameter was written (else vLLM would sample its dummy weights)."""
+  unwritten = sorted(set(engine_params) - set(written))
   if unwritten:
     raise ValueError(
         f"{len(unwritten)} vLLM parameters would keep their dummy initialisation, e.g. {unwritten[:3]}"
     )
-  return new, names
 
 
 def engine_state_setter(state: Any) -> Callable[[Mapping[str, Any]], None]:
