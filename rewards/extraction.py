@@ -10,11 +10,10 @@ curve can be read together with *how* answers were found.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 from fractions import Fraction
-from typing import Optional
+from typing import NamedTuple, Optional
 
 # Rule names, in priority order (recorded in ScoreResult.rule and the score CLI's output).
 RULE_ANSWER_TAG = "answer_tag"
@@ -56,8 +55,7 @@ _STRIP_TOKENS = ("\\$", "$", "\\%", "%", "\\!", "\\,", "\\;", "\\ ", "^\\circ", 
 _UNIT_WORD_RE = re.compile(r"^(-?[\d.,/]+)\s{0,4}[a-zA-Z][a-zA-Z ]{0,40}\.?$")
 
 
-@dataclasses.dataclass(frozen=True)
-class Extraction:
+class Extraction(NamedTuple):
   """What `extract_answer` found: the answer text (None if nothing), the rule, and the raw tag body."""
 
   value: Optional[str]

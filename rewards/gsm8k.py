@@ -55,15 +55,23 @@ class RewardConfig:
       return _DEFAULT
     if isinstance(config, cls):
       return config
+    hit = _OF_CACHE.get(id(config))
+    if hit is not None and hit[0] is config:  # configs are read-only for a run: convert once
+      return hit[1]
     kwargs = {}
     for f in dataclasses.fields(cls):
       v = getattr(config, f.name, None)
       if v is not None:
         kwargs[f.name] = v
-    return cls(**kwargs)
+    rc = cls(**kwargs)
+    if len(_OF_CACHE) > 16:
+      _OF_CACHE.clear()
+    _OF_CACHE[id(config)] = (config, rc)
+    return rc
 
 
 _DEFAULT = RewardConfig()
+_OF_CACHE: dict[int, tuple[Any, RewardConfig]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +127,16 @@ def match_format_approximately(prompts: Sequence[str], completions: Sequence[str
   """Per tag seen exactly once `reward_partial_format_match`, else `penalty_incorrect_format` (MaxText's)."""
   del prompts, kwargs
   rc = RewardConfig.of(tmvp_config)
-  return [_approx_score(c if isinstance(c, str) else "", rc) for c in completions]
+  good, bad = rc.reward_partial_format_match, rc.penalty_incorrect_format
+  rs, re_, ss, se = rc.reasoning_start_token, rc.reasoning_end_token, rc.solution_start_token, rc.solution_end_token
+  skip_rs = rc.reasoning_start_token_in_prompt
+  out = []
+  for c in completions:  # _approx_score, inlined: this runs for every completion of every step
+    if not isinstance(c, str):
+      c = ""
+    out.append((good if (skip_rs or c.count(rs) == 1) else bad) + (good if c.count(re_) == 1 else bad)
+               + (good if c.count(ss) == 1 else bad) + (good if c.count(se) == 1 else bad))
+  return out
 
 
 @functools.lru_cache(maxsize=65536)

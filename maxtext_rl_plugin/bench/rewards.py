@@ -1,0 +1,249 @@
+"""`python -m maxtext_rl_plugin.bench rewards`: reward-stack throughput, plugin vs MaxText 0.2.5, same rows.
+
+Rows are built from GSM8K gold solutions (test split by default):
+* gold:  `<reasoning>steps</reasoning><answer>N</answer>` with N written as a model might ("1,200",
+  "$1,200", "1200.00", "\\boxed{1200}", rotating per row);
+* wrong: the same with a perturbed N (+-1, +-10%, x10, digits swapped), written the same ways;
+* raw:   the untouched GSM8K solution ending in "#### N" (plugin only: MaxText's extraction finds no
+  answer in it, which is reported, not timed against).
+Both stacks (format-exact + format-approx + answer check) run on the same batches in this process;
+MaxText's math_verify pool gets `math_verify_num_procs` workers (default 1, "one core"). Verdicts are
+compared wherever MaxText can extract an answer. Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import random
+import re
+import sys
+import time
+import types
+from typing import Any, Optional
+
+_CALC = re.compile(r"<<[^<>]*>>")
+
+
+def _find_gsm8k(path: Optional[str]) -> pathlib.Path:
+  here = pathlib.Path(__file__).resolve()
+  cands = [path, os.environ.get("GSM8K_DIR"), here.parents[3] / "shared" / "data" / "gsm8k",
+           pathlib.Path.cwd().parent / "shared" / "data" / "gsm8k", pathlib.Path("../shared/data/gsm8k")]
+  for c in cands:
+    if c and (pathlib.Path(c) / "test.jsonl").is_file():
+      return pathlib.Path(c)
+  raise SystemExit("error: GSM8K not found; pass --data-dir DIR containing test.jsonl/train.jsonl (or set GSM8K_DIR)")
+
+
+def _render(value: str, style: int) -> str:
+  """The answer as a model might write it: plain, with '$' and thousands commas, with '.00', boxed."""
+  n = int(value) if re.fullmatch(r"-?\d+", value) else None
+  if n is None:
+    return value
+  return (str(n), f"${n:,}", f"{n}.00", f"\\boxed{{{n}}}")[style % 4]
+
+
+def _perturb(value: str, rng: random.Random) -> str:
+  n = int(value)
+  for _ in range(10):
+    kind = rng.randrange(4)
+    m = (n + rng.choice((-1, 1)), n + max(1, abs(n) // 10), n * 10 + (0 if n else 10), int(str(abs(n))[::-1] or 0) + 1)[kind]
+    if m != n:
+      return str(m)
+  return str(n + 1)
+
+
+def build_rows(data_dir: pathlib.Path, split: str, limit: int, seed: int = 0) -> list[dict[str, Any]]:
+  from maxtext_rl_plugin.rewards import parse_gold  # pylint: disable=import-outside-toplevel
+
+  rng = random.Random(seed)
+  rows = []
+  with open(data_dir / f"{split}.jsonl", encoding="utf-8") as f:
+    for i, line in enumerate(f):
+      if limit and i >= limit:
+        break
+      r = json.loads(line)
+      raw_gold = r["answer"].rsplit("####", 1)[1].strip()
+      gold = parse_gold(r["answer"])
+      steps = _CALC.sub("", r["answer"].rsplit("####", 1)[0]).strip()
+      tag = lambda v: f"<reasoning>{steps}</reasoning>\n<answer>{v}</answer>"  # noqa: E731
+      rows.append({"kind": "gold", "question": r["question"], "gold": gold, "mt_gold": raw_gold,
+                   "completion": tag(_render(gold, i)), "expect": True})
+      rows.append({"kind": "wrong", "question": r["question"], "gold": gold, "mt_gold": raw_gold,
+                   "completion": tag(_render(_perturb(gold, rng), i + 1)), "expect": False})
+      rows.append({"kind": "raw", "question": r["question"], "gold": gold, "mt_gold": raw_gold,
+                   "completion": r["answer"], "expect": True})
+  return rows
+
+
+def _batches(rows, bs):
+  for s in range(0, len(rows), bs):
+    yield rows[s : s + bs]
+
+
+def run_plugin(rows, bs: int) -> tuple[float, float, list[float]]:
+  """(wall seconds, CPU seconds) for the plugin's default stack over `rows`; per-row summed reward.
+
+  The stack runs in this process only (the math_verify pool is not touched by these rows), so CPU
+  seconds of this process are its single-core cost even when other jobs share the cores.
+  """
+  from maxtext_rl_plugin import rewards  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.rewards import extraction  # pylint: disable=import-outside-toplevel
+
+  fns = rewards.reward_fns_from_config(rewards.RewardConfig())
+  extraction._to_number_cached.cache_clear()  # pylint: disable=protected-access
+  out: list[float] = []
+  t, c = time.perf_counter(), time.process_time()
+  for b in _batches(rows, bs):
+    prompts = [r["question"] for r in b]
+    comps = [r["completion"] for r in b]
+    golds = [r["gold"] for r in b]
+    tot = [0.0] * len(b)
+    for fn in fns:
+      for j, v in enumerate(fn(prompts=prompts, completions=comps, answer=golds, question=prompts)):
+        tot[j] += v
+    out.extend(tot)
+  return time.perf_counter() - t, time.process_time() - c, out
+
+
+def _maxtext_config(num_procs: int):
+  """MaxText 0.2.5 rl.yml's reward/format keys (the same values as the plugin's defaults)."""
+  return types.SimpleNamespace(
+      reasoning_start_token="<reasoning>", reasoning_end_token="</reasoning>", solution_start_token="<answer>",
+      solution_end_token="</answer>", reasoning_start_token_in_prompt=False, reward_exact_answer=1.0,
+      reward_white_space_format_match=1.0, reward_exact_format_match=0.1, reward_partial_format_match=0.0,
+      reward_ratio_guess_to_answer_high=0.0, reward_ratio_guess_to_answer_low=0.0, penalty_incorrect_format=0.0,
+      penalty_incorrect_answer=0.0, math_verify_timeout=300, math_verify_num_procs=num_procs, debug=False,
+  )
+
+
+def run_maxtext(rows, bs: int, num_procs: int) -> tuple[float, list[float], list[float]]:
+  """Seconds for MaxText's stack over `rows`; per-row summed reward and check_numbers score."""
+  import multiprocessing.pool  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import  (math_verify_pool needs it)
+
+  from maxtext.trainers.post_train.rl import utils_rl  # pylint: disable=import-outside-toplevel
+
+  cfg = _maxtext_config(num_procs)
+  # Warm the spawn pool outside the timing (the plugin's fast path never starts its pool here).
+  utils_rl.check_numbers(prompts=["q"], completions=["<answer>2+2</answer>"], answer=[json.dumps(["4", "4"])],
+                         tmvp_config=cfg, question=["q"])
+  totals: list[float] = []
+  checks: list[float] = []
+  t = time.perf_counter()
+  try:
+    _maxtext_loop(utils_rl, cfg, rows, bs, totals, checks)
+  finally:
+    secs = time.perf_counter() - t
+    # Tear the spawn pool down now: left to interpreter exit, its finalizer can block on orphaned locks.
+    from maxtext.trainers.post_train.rl import math_verify_pool  # pylint: disable=import-outside-toplevel
+
+    math_verify_pool._shutdown_pool()  # pylint: disable=protected-access
+  return secs, totals, checks
+
+
+def _maxtext_loop(utils_rl, cfg, rows, bs, totals, checks) -> None:
+  for b in _batches(rows, bs):
+    prompts = [r["question"] for r in b]
+    comps = [r["completion"] for r in b]
+    answers = [json.dumps([r["mt_gold"], r["mt_gold"]]) for r in b]  # what MaxText's process_data emits
+    a = utils_rl.match_format_exactly(prompts, comps, cfg)
+    c = utils_rl.match_format_approximately(prompts, comps, cfg)
+    n = utils_rl.check_numbers(prompts, comps, answers, cfg, question=prompts)
+    totals.extend(x + y + z for x, y, z in zip(a, c, n))
+    checks.extend(n)
+
+
+def adversarial_latency() -> list[tuple[str, float, bool]]:
+  from maxtext_rl_plugin import rewards  # pylint: disable=import-outside-toplevel
+
+  cases = {
+      "100KB of '{'": "{" * 100_000,
+      "100KB nested \\boxed{": "\\boxed{" * 15_000,
+      "10K unclosed <answer>": "<answer>" * 10_000 + "7",
+      "tower 9^9^9^9^9 in <answer>": "<reasoning>x</reasoning><answer>9^{9^{9^{9^{9}}}}</answer>",
+      "deep \\frac nesting": "<answer>" + "\\frac{1}{" * 300 + "2" + "}" * 300 + "</answer>",
+  }
+  out = []
+  for name, text in cases.items():
+    t = time.perf_counter()
+    r = rewards.score(text, "7")
+    out.append((name, time.perf_counter() - t, r.correct))
+  return out
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench rewards", description=__doc__.split("\n\n")[0])
+  ap.add_argument("--data-dir", default=None, help="directory with GSM8K test.jsonl/train.jsonl (default ../shared/data/gsm8k)")
+  ap.add_argument("--split", default="test", choices=("test", "train"))
+  ap.add_argument("--limit", type=int, default=0, help="first N problems (0 = all)")
+  ap.add_argument("--batch-size", type=int, default=64, help="completions per reward call (one RL step's batch)")
+  ap.add_argument("--maxtext-procs", type=int, default=1, help="math_verify_num_procs for MaxText's pool")
+  ap.add_argument("--skip-maxtext", action="store_true", help="plugin only")
+  ap.add_argument("--skip-adversarial", action="store_true")
+  args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from maxtext_rl_plugin import rewards  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.rewards import verify  # pylint: disable=import-outside-toplevel
+
+  rows = build_rows(_find_gsm8k(args.data_dir), args.split, args.limit)
+  tagged = [r for r in rows if r["kind"] != "raw"]
+  raw = [r for r in rows if r["kind"] == "raw"]
+
+  run_plugin(tagged[: args.batch_size], args.batch_size)  # warm-up (first-call imports)
+  secs, cpu, _ = run_plugin(tagged, args.batch_size)
+  secs_raw, cpu_raw, _ = run_plugin(raw, args.batch_size)
+  verdicts = rewards.score_batch([r["completion"] for r in rows], [r["gold"] for r in rows])
+  pool_workers = verify._POOL.stats["workers_started"] if verify._POOL else 0  # pylint: disable=protected-access
+  by_kind: dict[str, list[bool]] = {}
+  for r, v in zip(rows, verdicts):
+    by_kind.setdefault(r["kind"], []).append(v.correct == r["expect"])
+  res: dict[str, Any] = {
+      "bench": "rewards",
+      "split": args.split,
+      "problems": len(raw),
+      "batch_size": args.batch_size,
+      "loadavg_1m": round(os.getloadavg()[0], 2),
+      "plugin_completions_per_s": round(len(tagged) / secs, 1),
+      "plugin_completions_per_cpu_s": round(len(tagged) / max(cpu, 1e-9), 1),
+      "plugin_raw_completions_per_s": round(len(raw) / secs_raw, 1),
+      "plugin_raw_completions_per_cpu_s": round(len(raw) / max(cpu_raw, 1e-9), 1),
+      "plugin_gold_correct": f"{sum(by_kind['gold'])}/{len(by_kind['gold'])}",
+      "plugin_wrong_rejected": f"{sum(by_kind['wrong'])}/{len(by_kind['wrong'])}",
+      "plugin_raw_correct": f"{sum(by_kind['raw'])}/{len(by_kind['raw'])}",
+      "plugin_math_verify_workers_started": pool_workers,
+  }
+  print(f"{'stack':<28}{'rows':>8}{'wall s':>9}{'cpu s':>9}{'completions/s':>15}{'per cpu-s':>12}")
+  print(f"{'plugin (tagged gold+wrong)':<28}{len(tagged):>8}{secs:>9.3f}{cpu:>9.3f}{len(tagged) / secs:>15,.0f}{len(tagged) / cpu:>12,.0f}")
+  print(f"{'plugin (raw #### N)':<28}{len(raw):>8}{secs_raw:>9.3f}{cpu_raw:>9.3f}{len(raw) / secs_raw:>15,.0f}{len(raw) / cpu_raw:>12,.0f}")
+  if not args.skip_maxtext:
+    mt_secs, _, checks = run_maxtext(tagged, args.batch_size, args.maxtext_procs)
+    _, _, raw_checks = run_maxtext(raw[: min(len(raw), 256)], args.batch_size, args.maxtext_procs)
+    cfg = _maxtext_config(args.maxtext_procs)
+    ours = {id(r): v for r, v in zip(rows, verdicts)}
+    disagree = [(r, c) for r, c in zip(tagged, checks) if (c >= cfg.reward_exact_answer) != ours[id(r)].correct]
+    print(f"{'maxtext 0.2.5 (same rows)':<28}{len(tagged):>8}{mt_secs:>9.3f}{'-':>9}{len(tagged) / mt_secs:>15,.0f}{'-':>12}")
+    for r, c in disagree[:5]:
+      print(f"  verdict differs: kind={r['kind']} gold={r['mt_gold']!r} answer={r['completion'][-40:]!r} maxtext={c}")
+    res.update({
+        "maxtext_completions_per_s": round(len(tagged) / mt_secs, 1),
+        "maxtext_math_verify_procs": args.maxtext_procs,
+        "speedup": round(mt_secs / secs, 1),
+        "verdicts_compared": len(tagged),
+        "verdict_disagreements": len(disagree),
+        "maxtext_raw_correct": f"{sum(c >= cfg.reward_exact_answer for c in raw_checks)}/{len(raw_checks)}",
+    })
+  if not args.skip_adversarial:
+    adv = adversarial_latency()
+    print(f"{'adversarial input':<34}{'seconds':>10}  correct")
+    for name, s, ok in adv:
+      print(f"{name:<34}{s:>10.3f}  {ok}")
+    res["adversarial_max_seconds"] = round(max(s for _, s, _ in adv), 3)
+  print(json.dumps(res))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
