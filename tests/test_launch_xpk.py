@@ -222,3 +222,53 @@ def test_xpk_dry_run_writes_pathways_jobset(token_env, tmp_path, capsys):
   # Measured fact documented in docs/tutorial.md: xpk 1.16.0 drops --max-restarts for Pathways JobSets, so
   # recovery is by resubmission. If xpk starts honouring it, update the docs and this assertion.
   assert "maxRestarts" not in jobset["spec"].get("failurePolicy", {})
+
+
+def _container_train_argv(cmd: xpk_lib.Command) -> list[str]:
+  container = shlex.split(cmd.argv[cmd.argv.index("--command") + 1])
+  i = container.index("python3")
+  return container[i + 3:]  # [yml, overrides...] after `python3 -m maxtext_rl_plugin.train_rl`
+
+
+def test_resubmission_targets_the_same_checkpoint_directory(tmp_path):
+  """What train_rl inside the container resolves from the command: <base_output_directory>/<workload>."""
+  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+
+  dirs = set()
+  for _ in range(2):
+    cmd = xpk_lib.build_create(workload="llama-grpo", cluster="c", tpu_type="v5p-8", project="p", docker_image="i",
+                               overrides=OVERRIDES, environ={})
+    cfg = config_lib.load_config(_container_train_argv(cmd))
+    dirs.add(os.path.join(cfg.base_output_directory, cfg.run_name, "checkpoints"))
+  assert dirs == {"gs://bucket/runs/llama-grpo/checkpoints"}
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("MAXTEXT_RL_TEST_E2E_RESUME"),
+                    reason="~5 min on 2 cores; set MAXTEXT_RL_TEST_E2E_RESUME=1 to run the container command twice")
+def test_container_command_resumes_when_resubmitted(tmp_path):
+  """The container command xpk would run, executed on CPU: a 'preempted' 1-step run, then the resubmission
+  (same workload, 2 steps) restores step 1 and trains only step 2."""
+  base = tmp_path / "runs"
+
+  def submit(num_batches: int) -> subprocess.CompletedProcess:
+    cmd = xpk_lib.build_create(
+        workload="resume-e2e", cluster="c", tpu_type="v5p-8", project="p", docker_image="i", config="configs/cpu_tiny.yml",
+        overrides=[f"num_batches={num_batches}", f"base_output_directory={base}", "checkpoint_period=1",
+                   "eval_before_training=false", "eval_after_training=false"], environ={})
+    script = cmd.argv[cmd.argv.index("--command") + 1]
+    # Same command, CPU instead of the Pathways proxy.
+    script = script.replace("JAX_PLATFORMS=proxy", "JAX_PLATFORMS=cpu").replace("python3 -m", f"{sys.executable} -m")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    return subprocess.run(["bash", "-c", script], cwd=pathlib.Path(__file__).parents[1], env=env, capture_output=True,
+                          text=True, timeout=1200, check=False)
+
+  first = submit(1)
+  assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+  ckpt = base / "resume-e2e" / "checkpoints"
+  assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [1]
+  again = submit(2)
+  assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+  out = again.stdout + again.stderr
+  assert "from checkpoint step 1" in out and "step 2/2" in out and "step 1/2" not in out
+  assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [1, 2]

@@ -75,7 +75,7 @@ class RayLaunch:
       xpk_lib.validate_overrides(self.config, self.train_argv()[1:])
 
   def run_name(self) -> str:
-    return self.name or xpk_lib._override_value(self.overrides, "run_name") or "maxtext-rl"  # pylint: disable=protected-access
+    return self.name or xpk_lib.override_value(self.overrides, "run_name") or "maxtext-rl"
 
   def scaling_config_kwargs(self) -> dict[str, Any]:
     if self.use_tpu:
@@ -101,11 +101,26 @@ class RayLaunch:
       env[xpk_lib.SECRET_ENV] = environ[xpk_lib.SECRET_ENV]
     return env
 
+  def warnings(self) -> list[str]:
+    """Legal but probably unintended for a multi-host run (printed, not fatal)."""
+    if self.entry != "train_rl":
+      return []
+    out = []
+    if xpk_lib.override_value(self.overrides, "run_name") is None:
+      out.append("no run_name (or --name): the yml's run_name is used, so different runs share checkpoints")
+    base = xpk_lib.override_value(self.overrides, "base_output_directory") or ""
+    if self.num_workers > 1 and not base.startswith(("gs://", "/data")):
+      out.append(
+          f"base_output_directory '{base}' should be gs:// or a shared mount: every worker writes its shards of the "
+          "checkpoint there, and a restarted job must find them to resume"
+      )
+    return out
+
   def train_argv(self) -> list[str]:
     """train_rl's argv on every worker. Ray workers are a multi-controller JAX program (one process per host), not
     a Pathways client, so `use_pathways=false` is added unless set (MaxText's post_train/rl.yml defaults to true)."""
     overrides = list(self.overrides)
-    if xpk_lib._override_value(overrides, "use_pathways") is None:  # pylint: disable=protected-access
+    if xpk_lib.override_value(overrides, "use_pathways") is None:
       overrides.append("use_pathways=false")
     return [self.config, *overrides]
 
@@ -225,6 +240,8 @@ def run(launch: RayLaunch, *, dry_run: bool = False) -> int:
   """Validate, print what runs, and (unless dry_run) connect to Ray and fit. Returns an exit code."""
   launch.validate()
   trainer = build_trainer(launch)
+  for w in launch.warnings():
+    print(f"warning: {w}", file=sys.stderr, flush=True)
   print(launch.describe(), file=sys.stdout if dry_run else sys.stderr, flush=True)
   if dry_run:
     return 0
@@ -246,7 +263,7 @@ def run(launch: RayLaunch, *, dry_run: bool = False) -> int:
 
 def from_args(args: Any, overrides: Sequence[str]) -> RayLaunch:
   overrides = list(overrides)
-  if args.name and xpk_lib._override_value(overrides, "run_name") is None:  # pylint: disable=protected-access
+  if args.name and xpk_lib.override_value(overrides, "run_name") is None:
     overrides.append(f"run_name={args.name}")  # a stable run_name is what lets a rerun resume
   return RayLaunch(
       num_workers=args.num_workers,

@@ -69,25 +69,23 @@ class Command:
 
 
 def check_name(flag: str, value: str) -> str:
-  """Workload/cluster names exactly as xpk validates them (its `name_type`), as one-line errors."""
+  """Workload/cluster names exactly as xpk validates them (its `name_type`, else the same pattern), one line."""
+  import argparse  # pylint: disable=import-outside-toplevel
+
   try:
     from xpk.parser.validators import name_type  # pylint: disable=import-outside-toplevel
   except ImportError:
-    name_type = None
-  ok = bool(_NAME_RE.fullmatch(value)) and len(value) <= _NAME_MAX
-  if name_type is not None:
-    import argparse  # pylint: disable=import-outside-toplevel
-
-    try:
-      name_type(value)
-      ok = True
-    except argparse.ArgumentTypeError:
-      ok = False
-  if not ok:
+    def name_type(v: str) -> str:
+      if not _NAME_RE.fullmatch(v) or len(v) > _NAME_MAX:
+        raise argparse.ArgumentTypeError(v)
+      return v
+  try:
+    name_type(value)
+  except argparse.ArgumentTypeError:
     raise LaunchError(
         f"invalid {flag} '{value}': xpk needs lowercase letters, digits and '-', starting with a letter, not ending "
         f"with '-', at most {_NAME_MAX} characters (pattern {_NAME_RE.pattern})"
-    )
+    ) from None
   return value
 
 
@@ -113,7 +111,8 @@ def check_tpu_type(value: str) -> str:
   return value
 
 
-def _override_value(overrides: Sequence[str], key: str) -> str | None:
+def override_value(overrides: Sequence[str], key: str) -> str | None:
+  """The value the last `key=value` override gives `key` (as pyconfig applies them), or None."""
   value = None
   for o in overrides:
     k, _, v = o.partition("=")
@@ -138,7 +137,7 @@ def validate_overrides(config: str, overrides: Sequence[str]) -> None:
 def train_overrides(workload: str, overrides: Sequence[str]) -> list[str]:
   """The user's overrides, plus `run_name=<workload>` unless given: the run name is what makes resume work."""
   out = list(overrides)
-  if _override_value(out, "run_name") is None:
+  if override_value(out, "run_name") is None:
     out.append(f"run_name={workload}")
   return out
 
@@ -158,7 +157,7 @@ def container_command(config: str, overrides: Sequence[str], *, pass_hf_token: b
   parts = [f"{k}={v}" for k, v in PATHWAYS_ENV]
   parts += ["python3", "-m", "maxtext_rl_plugin.train_rl", shlex.quote(config)]
   parts += [shlex.quote(_shown_override(o) if redact else o) for o in overrides]
-  if pass_hf_token and _override_value(overrides, "hf_access_token") is None:
+  if pass_hf_token and override_value(overrides, "hf_access_token") is None:
     # Expanded by the container's shell from the env var set with --env, never by the submitting shell.
     parts.append(f'hf_access_token="${SECRET_ENV}"')
   return " ".join(parts)
@@ -270,7 +269,7 @@ def _project_zone(project: str | None, zone: str | None) -> list[str]:
 def warnings_for(overrides: Sequence[str], max_restarts: int | None, environ: dict[str, str]) -> list[str]:
   """Things that are legal but probably not what a cluster run wants (printed to stderr, not fatal)."""
   out = []
-  base = _override_value(overrides, "base_output_directory")
+  base = override_value(overrides, "base_output_directory")
   if not base or not base.startswith("gs://"):
     out.append(
         "base_output_directory is not a gs:// path: checkpoints written inside the pod are lost with it, so a "
