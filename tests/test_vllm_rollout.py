@@ -554,3 +554,29 @@ def test_unsupported_model_fails_before_starting_vllm(monkeypatch, tokenizer):
     vllm_mod.VllmRollout(rollout_actor={}, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg),
                          config=cfg)
   assert module.LLM.instances == []
+
+
+def test_engine_never_aliases_trainer_buffers(monkeypatch, qwen, tokenizer):
+  """An HF-layout engine in the trainer's dtype on the same device (colocated torchax-style): the mapped
+  norm/embedding would be the trainer's own arrays; after the trainer donates (deletes) its buffers the
+  engine must still hold valid weights."""
+  cfg, _ = qwen
+  tree = jax.tree.map(lambda x: x + 0.0, qwen[1])  # private copy: this test deletes it
+  hc = vm.hf_config_from_params(tree, cfg.model_name)
+  state: dict = {}
+  for name, shape in vm.vllm_param_shapes(cfg.model_name, hc).items():
+    node = state
+    parts = name.split(".")
+    for p in parts[:-1]:
+      node = node.setdefault(int(p) if p.isdigit() else p, {})
+    node[parts[-1]] = jnp.full(shape, DUMMY, dtype=jnp.float32)
+  state["model"]["embed"] = {"embedding": state["model"].pop("embed_tokens")["weight"]}  # fake reads embed
+  state["model"]["embed_tokens"] = {}
+  rollout, module, _, state, _ = _build(monkeypatch, cfg, tree, tokenizer, engine_state=state)
+  trainer_ids = {id(v) for v in vm.flatten_params(tree).values()}
+  assert not trainer_ids & {id(v) for v in vm.flatten_params(state).values()}
+  want = float(np.asarray(vm.flatten_params(tree)["base.token_embedder.embedding"])[0, 0])
+  for leaf in vm.flatten_params(tree).values():
+    leaf.delete()  # what a donating train step does
+  rollout.generate(["hi"], _rollout_config(cfg))
+  assert module.LLM.instances[-1].generate_calls[-1]["embed_00"] == pytest.approx(want)

@@ -292,6 +292,7 @@ class VllmRollout(base_rollout.BaseRollout):
       state = worker.get_weights_state()
       engine_flat = vllm_mapping.flatten_params(state)
       set_leaves = vllm_mapping.engine_state_setter(state)
+      trainer_buffers = set().union(*(_buffer_ids(v) for v in flat.values()))
       written: dict[str, jax.Array] = {}
       for i in range(0, len(keys), step):
         chunk = {k: flat[k] for k in keys[i : i + step]}
@@ -299,9 +300,10 @@ class VllmRollout(base_rollout.BaseRollout):
                                               param_scan_axis=int(cfg.param_scan_axis))
         new, _ = vllm_mapping.to_engine_state(hf, engine_flat, require_all=False)
         new = _reshard(new, {k: engine_flat[k].sharding for k in new})
+        new = _unaliased(new, trainer_buffers)
         set_leaves(new)
         if cfg.reshard_donate:
-          _delete_replaced(engine_flat, new, flat)
+          _delete_replaced(engine_flat, new, trainer_buffers)
         written.update(new)
         del hf, new
       vllm_mapping.check_all_written(engine_flat, written)
@@ -357,12 +359,28 @@ class VllmRollout(base_rollout.BaseRollout):
 
 
 
-def _delete_replaced(engine_flat: Mapping[str, Any], new: Mapping[str, Any], trainer_flat: Mapping[str, Any]) -> None:
-  """Free the engine's previous buffers now (`reshard_donate`) instead of at the next GC; never a trainer array."""
-  keep = {id(v) for v in new.values()} | {id(v) for v in trainer_flat.values()}
+def _buffer_ids(x: Any) -> set:
+  """Identities of the device buffers behind `x` (a jax.Array can share buffers with a different Array)."""
+  ids = {("obj", id(x))}
+  try:
+    ids |= {("buf", s.device.id, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+  except Exception:  # pylint: disable=broad-exception-caught  (backends without raw pointers: id only)
+    pass
+  return ids
+
+
+def _unaliased(new: dict, trainer_buffers: set) -> dict:
+  """Copy leaves backed by the trainer's own buffers (same layout, dtype and sharding, e.g. a colocated bf16
+  norm): the train step donates its parameters, which would delete the engine's weight under it."""
+  return {k: (jnp.copy(v) if _buffer_ids(v) & trainer_buffers else v) for k, v in new.items()}
+
+
+def _delete_replaced(engine_flat: Mapping[str, Any], new: Mapping[str, Any], trainer_buffers: set) -> None:
+  """Free the engine's previous buffers now (`reshard_donate`) instead of at the next GC; never one still in use."""
+  keep = set(trainer_buffers).union(*(_buffer_ids(v) for v in new.values()))
   for name in new:
     old = engine_flat[name]
-    if isinstance(old, jax.Array) and id(old) not in keep and not old.is_deleted():
+    if isinstance(old, jax.Array) and not old.is_deleted() and not _buffer_ids(old) & keep:
       old.delete()
 
 
