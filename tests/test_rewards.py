@@ -1,0 +1,321 @@
+"""Reward stack: extraction rules, exact/numeric verification, MaxText-compatible reward values, the
+math_verify pool's timeout path, user reward functions, and every real GSM8K gold solution."""
+
+import json
+import pickle
+import random
+import re
+import types
+from fractions import Fraction
+
+import pytest
+
+from maxtext_rl_plugin import rewards
+from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.rewards import extraction, verify
+
+TUNIX_DEMO_WEIGHTS = dict(  # Tunix's GSM8K GRPO demo values: every term distinguishable
+    reward_exact_answer=3.0, reward_white_space_format_match=1.5, reward_exact_format_match=3.0,
+    reward_partial_format_match=0.5, reward_ratio_guess_to_answer_high=0.5, reward_ratio_guess_to_answer_low=0.25,
+    penalty_incorrect_format=-0.5, penalty_incorrect_answer=-1.0,
+)
+
+
+def _ref_gold(answer_text: str) -> int:
+  """Independent reference: GSM8K golds are integers after '####', sometimes with thousands commas."""
+  return int(answer_text.split("####")[-1].strip().replace(",", ""))
+
+
+def _pool_workers_started() -> int:
+  return verify._POOL.stats["workers_started"] if verify._POOL else 0  # pylint: disable=protected-access
+
+
+@pytest.fixture(scope="module")
+def gsm8k_rows(gsm8k_dir):
+  rows = []
+  for split in ("train", "test"):
+    with open(gsm8k_dir / f"{split}.jsonl", encoding="utf-8") as f:
+      rows += [json.loads(line) for line in f]
+  assert len(rows) == 8792
+  return rows
+
+
+# ----------------------------------------------------------------------------------------------------
+# Real GSM8K
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_every_gsm8k_gold_solution_scores_correct_on_the_fast_path(gsm8k_rows):
+  before = _pool_workers_started()
+  golds = [rewards.parse_gold(r["answer"]) for r in gsm8k_rows]
+  assert [int(g) for g in golds] == [_ref_gold(r["answer"]) for r in gsm8k_rows]
+  raw = rewards.score_batch([r["answer"] for r in gsm8k_rows], golds)
+  assert all(s.correct for s in raw), [r["answer"][-30:] for r, s in zip(gsm8k_rows, raw) if not s.correct][:3]
+  assert {s.rule for s in raw} == {"hash"}
+  # The same gold written the ways models write numbers, inside the answer tags.
+  styles = (lambda n: f"{n:,}", lambda n: f"${n}", lambda n: f"{n}.00", lambda n: f"\\boxed{{{n}}}", lambda n: f" {n} ")
+  tagged = [f"<reasoning>r</reasoning><answer>{styles[i % 5](_ref_gold(r['answer']))}</answer>" for i, r in enumerate(gsm8k_rows)]
+  res = rewards.score_batch(tagged, [r["answer"] for r in gsm8k_rows])  # gold given as the full solution
+  assert all(s.correct and s.format_ok and s.rule == "answer_tag" for s in res)
+  assert _pool_workers_started() == before, "GSM8K golds must never need math_verify"
+
+
+def test_perturbed_gsm8k_answers_score_wrong(gsm8k_rows):
+  rng = random.Random(0)
+  comps, golds = [], []
+  for r in gsm8k_rows[::7]:
+    n = _ref_gold(r["answer"])
+    wrong = rng.choice((n + 1, n - 1, n * 10 + 1, n + 100))
+    comps.append(r["answer"].rsplit("####", 1)[0] + f"#### {wrong:,}")
+    golds.append(str(n))
+  res = rewards.score_batch(comps, golds)
+  assert not any(s.correct for s in res)
+  assert all(s.rule == "hash" for s in res)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Extraction and numbers
+# ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, value, rule",
+    [
+        ("<reasoning>3+4</reasoning><answer>7</answer>", "7", "answer_tag"),
+        ("<answer>1</answer> more <answer>\\boxed{12}</answer>", "12", "answer_tag"),
+        ("<answer>He has 18 dollars</answer>", "18", "answer_tag"),
+        ("<answer>3 * 6 = 18</answer>", "18", "answer_tag"),
+        ("<answer>\\sqrt{64}</answer>", "\\sqrt{64}", "answer_tag"),
+        ("so \\boxed{\\frac{1}{2}} and \\boxed{x{y}z}", "x{y}z", "boxed"),
+        ("\\boxed{5} then \\boxed{ 6 }", "6", "boxed"),
+        ("16 - 3 - 4 = 9\n#### 1,200", "1,200", "hash"),
+        ("5-3 is 2. The answer is $-4.5.", "-4.5", "answer_is"),
+        ("Final Answer: 42", "42", "answer_is"),
+        ("Q: how many?\nA: 17\n", "17", "a_colon"),
+        ("first 3 apples, then 5-2=3, so 12.", "12", "last_number"),
+        ("no digits here", None, "none"),
+        ("", None, "none"),
+    ],
+)
+def test_extract_answer_rules(text, value, rule):
+  assert rewards.extract_answer(text) == (value, rule)
+
+
+def test_extract_answer_custom_tags():
+  assert rewards.extract_answer("<sol>4</sol> 9", "<sol>", "</sol>") == ("4", "answer_tag")
+  assert rewards.extract_answer("<answer>4</answer> 9", "<sol>", "</sol>") == ("9", "last_number")
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("1,200", Fraction(1200)), ("$18.00", Fraction(18)), ("-3.5", Fraction(-7, 2)), ("3/4", Fraction(3, 4)),
+     ("\\frac{3}{4}", Fraction(3, 4)), ("-\\dfrac{1}{8}", Fraction(-1, 8)), ("25%", Fraction(25)), ("72.", Fraction(72)),
+     ("18 dollars", Fraction(18)), ("\\text{18}", Fraction(18)), ("\\$5", Fraction(5)), (".5", Fraction(1, 2)),
+     ("2^3", None), ("1,2", None), ("x", None), ("", None), ("1/0", None)],
+)
+def test_to_number(text, expected):
+  assert rewards.to_number(text) == expected
+
+
+@pytest.mark.parametrize(
+    "pred, gold, ok",
+    [("72", "72", True), ("72.00", "72", True), ("$1,200", "1200", True), ("0.5", "1/2", True), ("\\frac{1}{2}", "0.5", True),
+     ("-3", "-3", True), ("3", "-3", False), ("71", "72", False), ("7.2", "72", False), ("seventy", "72", False), (None, "72", False)],
+)
+def test_fast_verdicts(pred, gold, ok):
+  before = _pool_workers_started()
+  assert rewards.is_correct(pred, gold) is ok
+  assert _pool_workers_started() == before
+
+
+def test_parse_gold():
+  assert rewards.parse_gold("a\n#### 1,200") == "1200"
+  assert rewards.parse_gold("#### -3.50") == "-3.5"
+  assert rewards.parse_gold(18) == "18"
+  assert rewards.parse_gold("no answer here") is None
+  assert rewards.parse_gold("####") is None
+  assert rewards.parse_gold("x+1", numeric_only=False) == "x+1"
+
+
+def test_format_match_equals_maxtext_regex_on_random_texts():
+  """The linear-time check against MaxText's own pattern (reproduced here) on tag soup."""
+  pattern = re.compile(r"<reasoning>.*?</reasoning>.*?<answer>(.+?)</answer>", flags=re.MULTILINE | re.DOTALL)
+  frags = ["<reasoning>", "</reasoning>", "<answer>", "</answer>", "x", "7", "\n", " ", "<answ", "er>"]
+  rng = random.Random(1)
+  for _ in range(3000):
+    t = "".join(rng.choice(frags) for _ in range(rng.randint(0, 12)))
+    want = pattern.search(t) is not None
+    assert extraction.match_format_exact(t, "<reasoning>", "</reasoning>", "<answer>", "</answer>") == want, repr(t)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reward values (MaxText semantics, non-default weights so every term is visible)
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_reward_values_with_partial_credit_and_penalties():
+  cfg = rewards.RewardConfig(**TUNIX_DEMO_WEIGHTS)
+  comps = [
+      "<reasoning>r</reasoning><answer>72</answer>",  # exact
+      "<reasoning>r</reasoning><answer> 72 </answer>",  # whitespace only
+      "<reasoning>r</reasoning><answer>75</answer>",  # within 10%
+      "<reasoning>r</reasoning><answer>84</answer>",  # within 20%
+      "<reasoning>r</reasoning><answer>100</answer>",  # wrong
+      "I do not know.",  # no answer at all
+      "<reasoning>a</reasoning><reasoning>b</reasoning> #### 72",  # correct, bad format
+  ]
+  gold = ["72"] * len(comps)
+  p = [""] * len(comps)
+  assert rewards.check_answer(p, comps, gold, tmvp_config=cfg) == [3.0, 1.5, 0.5, 0.25, -1.0, -0.5, 3.0]
+  assert rewards.match_format_exactly(p, comps, tmvp_config=cfg) == [3.0] * 5 + [0.0, 0.0]
+  # MaxText counts each of the four tags: +0.5 if seen exactly once, else -0.5.
+  assert rewards.match_format_approximately(p, comps, tmvp_config=cfg) == [2.0] * 5 + [-2.0, -2.0]
+  s = rewards.score(comps[2], "72", cfg)
+  assert (s.correct, s.partial, s.format_ok, s.reward) == (False, True, True, 3.0 + 2.0 + 0.5)
+  assert rewards.score(comps[3], "72", cfg).partial is False
+
+
+def test_maxtext_json_list_golds_and_reasoning_prefilled():
+  assert rewards.score("<answer>B</answer>", json.dumps(["10", "B"])).correct
+  cfg = rewards.RewardConfig(reasoning_start_token_in_prompt=True)
+  s = rewards.score("steps</reasoning><answer>5</answer>", "5", cfg)
+  assert s.format_ok and s.correct
+
+
+# ----------------------------------------------------------------------------------------------------
+# math_verify pool: slow path, per-item timeout, recovery
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_math_verify_slow_path_timeout_and_recovery():
+  pool = verify.get_pool(1)
+  cfg = rewards.RewardConfig(reward_item_timeout_seconds=2.0, math_verify_num_procs=1)
+  comps = ["<answer>2^3</answer>", "<answer>\\sqrt{64}</answer>", "<answer>\\sqrt{63}</answer>",
+           "<answer>9^{9^{9^{9^{9}}}}</answer>", "<answer>2^{3}</answer>"]
+  timeouts_before = pool.stats["killed_timeout"]
+  res = rewards.score_batch(comps, ["8"] * len(comps), cfg)
+  assert [r.correct for r in res] == [True, True, False, False, True]
+  assert pool.stats["killed_timeout"] == timeouts_before + 1  # the tower was killed, not awaited
+  # The pool came back: a new expression after the kill is still verified.
+  assert rewards.score("<answer>4 \\cdot 2</answer>", "8", cfg).correct
+
+
+def test_adversarial_inputs_never_reach_math_verify():
+  before = _pool_workers_started()
+  pool_verified = verify._POOL.stats["verified"] if verify._POOL else 0  # pylint: disable=protected-access
+  evil = ["{" * 100_000, "\\boxed{" * 15_000, "<answer>" * 10_000, "</answer>" * 10_000,
+          "<answer>" + "\\frac{1}{" * 500 + "2" + "}" * 500 + "</answer>", "9" * 100_000, "-" * 100_000 + "1"]
+  res = rewards.score_batch(evil, ["7"] * len(evil))
+  assert not any(r.correct for r in res)
+  assert res[-1].extracted.endswith("1")
+  assert _pool_workers_started() == before
+  assert (verify._POOL.stats["verified"] if verify._POOL else 0) == pool_verified  # pylint: disable=protected-access
+
+
+# ----------------------------------------------------------------------------------------------------
+# reward_fns_from_config: built-ins, user functions, errors
+# ----------------------------------------------------------------------------------------------------
+
+
+def _cfg(**kw):
+  base = dict(reward_functions="", reward_functions_path="", **rewards.RewardConfig().__dict__)
+  base.update(kw)
+  return types.SimpleNamespace(**base)
+
+
+def test_default_stack_names_and_tunix_call():
+  fns = rewards.reward_fns_from_config(_cfg(**TUNIX_DEMO_WEIGHTS))
+  assert [f.__name__ for f in fns] == ["match_format_exactly", "match_format_approximately", "check_answer"]
+  comps = ["<reasoning>r</reasoning><answer>72</answer>", "#### 7"]
+  # Exactly how Tunix's reward manager calls them: keywords, the batch's columns as extra kwargs.
+  out = [f(prompts=["p", "p"], completions=comps, answer=["72", "72"], question=["q", "q"], mode="train") for f in fns]
+  assert out == [[3.0, 0.0], [2.0, -2.0], [3.0, -1.0]]
+  clone = pickle.loads(pickle.dumps(fns[2]))
+  assert clone(prompts=["p"], completions=comps[:1], answer=["72"]) == [3.0]
+
+
+def test_tunix_sequence_reward_manager_sums_our_functions():
+  from tunix.rl import reward_manager  # pylint: disable=import-outside-toplevel
+  from tunix.rl.grpo.grpo_learner import GRPOConfig  # pylint: disable=import-outside-toplevel
+
+  fns = rewards.reward_fns_from_config(_cfg(**TUNIX_DEMO_WEIGHTS))
+  mgr = reward_manager.SequenceRewardManager(fns, GRPOConfig())
+  info = mgr(prompts=["p", "p"], completions=["<reasoning>r</reasoning><answer>72</answer>", "nothing"], answer=["72", "72"])
+  assert list(info["rewards"]) == [3.0 + 2.0 + 3.0, 0.0 - 2.0 - 0.5]
+
+
+USER_FILE = '''
+def tunix_style(prompts, completions, answer, **kwargs):
+  return [float(len(c)) for c in completions]
+
+def maxtext_style(prompts, completions, tmvp_config, **kwargs):
+  return [tmvp_config.bonus] * len(completions)
+
+def no_kwargs(prompts, completions):
+  return [0.0] * len(completions)
+
+def needs_extra(prompts, completions, temperature, **kwargs):
+  return [0.0] * len(completions)
+
+def bad_length(prompts, completions, **kwargs):
+  return [1.0]
+
+NOT_A_FUNCTION = 3
+'''
+
+
+@pytest.fixture
+def user_file(tmp_path):
+  p = tmp_path / "my_rewards.py"
+  p.write_text(USER_FILE)
+  return str(p)
+
+
+def test_user_reward_functions_both_signatures(user_file):
+  cfg = _cfg(reward_functions="tunix_style, maxtext_style,check_numbers", reward_functions_path=user_file, bonus=0.25)
+  fns = rewards.reward_fns_from_config(cfg)
+  assert [f.__name__ for f in fns] == ["tunix_style", "maxtext_style", "check_answer"]
+  out = [f(prompts=["p", "p"], completions=["abc", "#### 5"], answer=["5", "5"]) for f in fns]
+  assert out == [[3.0, 6.0], [0.25, 0.25], [0.0, 1.0]]
+
+
+@pytest.mark.parametrize(
+    "names, path_needed, fragment",
+    [
+        ("tunix_style,nope", True, "'nope' is not defined in"),
+        ("no_kwargs", True, "without **kwargs"),
+        ("needs_extra", True, "requires temperature"),
+        ("NOT_A_FUNCTION", True, "not a function"),
+        ("nope", False, "built-ins: check_answer"),
+        ("check_answer,check_answer", False, "twice"),
+    ],
+)
+def test_user_reward_function_errors(user_file, names, path_needed, fragment):
+  with pytest.raises(ConfigError) as e:
+    rewards.reward_fns_from_config(_cfg(reward_functions=names, reward_functions_path=user_file if path_needed else ""))
+  assert fragment in str(e.value)
+  assert "\n" not in str(e.value)
+
+
+def test_user_reward_function_file_errors(tmp_path, user_file):
+  with pytest.raises(ConfigError, match="file not found"):
+    rewards.reward_fns_from_config(_cfg(reward_functions="x", reward_functions_path=str(tmp_path / "missing.py")))
+  broken = tmp_path / "broken.py"
+  broken.write_text("def f(:\n")
+  with pytest.raises(ConfigError, match="importing it failed: SyntaxError"):
+    rewards.reward_fns_from_config(_cfg(reward_functions="f", reward_functions_path=str(broken)))
+  with pytest.raises(ConfigError, match="reward_functions is empty"):
+    rewards.reward_fns_from_config(_cfg(reward_functions_path=user_file))
+  (fn,) = rewards.reward_fns_from_config(_cfg(reward_functions="bad_length", reward_functions_path=user_file))
+  with pytest.raises(ConfigError, match="returned 1 values for 2 completions"):
+    fn(prompts=["p", "p"], completions=["a", "b"], answer=["1", "1"])
+
+
+def test_reward_keys_from_a_real_config():
+  from maxtext_rl_plugin.config import load_config  # pylint: disable=import-outside-toplevel
+
+  cfg = load_config(["configs/rl.yml", "reward_exact_answer=2.5", "solution_start_token=<sol>", "solution_end_token=</sol>",
+                     "reward_functions=check_answer"])
+  (fn,) = rewards.reward_fns_from_config(cfg)
+  assert fn(prompts=["p"], completions=["<sol>4</sol> then 9"], answer=["4"]) == [2.5]
+  assert rewards.score("<sol>4</sol> then 9", "4", cfg).rule == "answer_tag"
