@@ -271,7 +271,7 @@ def _build(monkeypatch, cfg, tree, tokenizer, engine_state=None):
 
 
 @pytest.mark.skipif(_has_vllm(), reason="vllm is installed here; the missing-extra path needs a machine without it")
-def test_missing_vllm_fails_at_construction_with_one_line(qwen, tokenizer):
+def test_missing_vllm_fails_at_construction_with_one_line(qwen, tokenizer, capsys):
   from maxtext_rl_plugin import registry  # pylint: disable=import-outside-toplevel
 
   cls = registry.load("rollout_engines", "vllm")
@@ -281,7 +281,15 @@ def test_missing_vllm_fails_at_construction_with_one_line(qwen, tokenizer):
         config=qwen[0])
   msg = str(ei.value)
   assert "\n" not in msg and "rollout_engine=vllm" in msg and "pip install 'maxtext-rl-plugin[tpu]'" in msg
-  assert ei.value.exit_code == 2
+  # The trainer's factory for rollout_engine=vllm, inside the entry points' handler: exit 2, one line.
+  from maxtext_rl_plugin import trainer  # pylint: disable=import-outside-toplevel
+
+  factory = trainer.rollout_engine_factory("vllm", qwen[0])
+  with pytest.raises(SystemExit) as exit_info, errors.exit_on_user_error():
+    factory(rollout_actor=qwen[1], tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(qwen[0]))
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: rollout_engine=vllm needs the 'vllm' package") and err.count("\n") == 1
 
 
 # ------------------------------------------------------------------ tests: config -> vLLM
@@ -416,8 +424,14 @@ def test_mapping_error_paths(qwen):
 
 @pytest.mark.parametrize("which", ["qwen", "llama"])
 def test_step0_syncs_trainer_weights_into_every_engine_parameter(which, request, monkeypatch, tokenizer):
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
   cfg, tree = request.getfixturevalue(which)
-  rollout, module, log, state, reshard_calls = _build(monkeypatch, cfg, tree, tokenizer)
+  engine_state = None
+  if which == "llama":  # the worker's tree as tpu-inference holds it: an nnx.State of nnx.Param leaves
+    plain = fake_engine_state(cfg.model_name, vm.hf_config_from_params(tree, cfg.model_name))
+    engine_state = nnx.State(jax.tree.map(nnx.Param, plain))
+  rollout, module, log, state, reshard_calls = _build(monkeypatch, cfg, tree, tokenizer, engine_state=engine_state)
   llm = module.LLM.instances[-1]
   assert llm.kwargs == vllm_mod.vllm_engine_kwargs(cfg, 1, device_ids=[int(jax.devices()[0].id)])
   assert llm.env_multiprocessing == "0"
