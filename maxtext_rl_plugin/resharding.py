@@ -19,8 +19,8 @@ from the trainer layout to the sampler layout. This module is the one place that
   previous buffers of that chunk are freed as soon as its new buffers are ready, so the sampler
   holds at most one chunk more than one copy of the weights instead of two full copies.
 * **Guard** (`rl.verify_weight_sync` = off | first | every_n): per-array checksums computed on device
-  on both sides (a wrapping uint32 sum of the bit patterns weighted by an odd, position-dependent
-  weight: any single changed element or bit changes it, and so do permutations) and compared on the
+  on both sides (a wrapping uint32 sum of the bit patterns weighted by odd, position-dependent
+  weights: any single changed element or bit changes it, and so do permutations) and compared on the
   host; a mismatch raises `WeightSyncError` naming the first bad parameter path.
 
 `install_into_rl_cluster` plugs this into Tunix's `RLCluster` (see its docstring for why it wraps the
@@ -116,10 +116,87 @@ def _group_by_sharding_pair(arrays, shardings):
   return groups
 
 
-def _move(arrays: list, shardings: list, *, donate: bool, path: str) -> list:
+def _staging_sharding(x, dst) -> jax.sharding.NamedSharding | None:
+  """`dst`'s layout laid over `x`'s own devices, when a two-phase move applies (else None).
+
+  Single-controller `jax.device_put` between two device sets *and* two partitionings takes JAX's
+  "slow path" (every destination shard is sliced out of the source array, then copied). Instead we
+  re-partition on the source devices first (an all-to-all inside the trainer mesh, compiled once) into
+  a layout whose shard -> index map equals the destination's, then copy shard for shard to the sampler
+  devices (JAX's batched copy fast path). Needs equally many devices on both sides.
+  """
+  if not isinstance(dst, jax.sharding.NamedSharding) or not isinstance(x, jax.Array) or not x.is_fully_addressable:
+    return None
+  src_devices = list(x.sharding._device_assignment)  # pylint: disable=protected-access
+  if len(src_devices) != dst.mesh.size or set(src_devices) == set(dst.device_set):
+    return None
+  mesh = jax.sharding.Mesh(np.array(src_devices, dtype=object).reshape(dst.mesh.devices.shape), dst.mesh.axis_names,
+                           axis_types=dst.mesh.axis_types)
+  return jax.sharding.NamedSharding(mesh, dst.spec, memory_kind=dst.memory_kind)
+
+
+def _identity(xs):
+  return xs
+
+
+_staging_jit_cache: dict = {}
+
+
+def _stage(xs: list, staging: list, donate: bool) -> list:
+  key = (tuple(staging), donate)
+  fn = _staging_jit_cache.get(key)
+  if fn is None:
+    fn = _staging_jit_cache[key] = jax.jit(_identity, out_shardings=list(staging), donate_argnums=(0,) if donate else ())
+  return list(fn(xs))
+
+
+def _device_put_two_phase(arrays: list, shardings: list, *, donate: bool) -> list:
+  staged: dict[frozenset, list[int]] = collections.defaultdict(list)
+  stagings: list = [None] * len(arrays)
+  for i, (x, s) in enumerate(zip(arrays, shardings)):
+    stagings[i] = _staging_sharding(x, s)
+    if stagings[i] is not None and not x.sharding.is_equivalent_to(stagings[i], x.ndim):
+      staged[frozenset(x.sharding.device_set)].append(i)
+  moving = list(arrays)
+  for idx in staged.values():  # phase 1: re-partition on the source devices, one program per device set
+    for i, y in zip(idx, _stage([arrays[i] for i in idx], [stagings[i] for i in idx], donate)):
+      moving[i] = y
+  staged_idx = {i for idx in staged.values() for i in idx}
+  if donate or not staged_idx:
+    return list(jax.device_put(moving, shardings, donate=donate))
+  return _put_mixed(moving, shardings, staged_idx)
+
+
+def _put_mixed(moving: list, shardings: list, staged_idx: set[int]) -> list:
+  """Phase 2: copy; staging buffers are donated (freed), the caller's source arrays never are."""
+  out: list = [None] * len(moving)
+  own = sorted(staged_idx)
+  other = [i for i in range(len(moving)) if i not in staged_idx]
+  for idx, donate in ((own, True), (other, False)):
+    if idx:
+      for i, y in zip(idx, jax.device_put([moving[i] for i in idx], [shardings[i] for i in idx], donate=donate)):
+        out[i] = y
+  return out
+
+
+def _use_two_phase(arrays: list, two_phase: bool | None) -> bool:
+  if two_phase is not None:
+    return two_phase
+  # On CPU the slow path's host gather *is* a memcpy and XLA:CPU collectives are slower than it
+  # (measured: bench reshard); on GPU/TPU it would be a device->host->device round trip.
+  return any(isinstance(x, jax.Array) and next(iter(x.devices())).platform != "cpu" for x in arrays[:1])
+
+
+def _move(arrays: list, shardings: list, *, donate: bool, path: str, two_phase: bool | None = None) -> list:
   """Move one chunk of arrays to `shardings` on `path`; returns the new arrays in order."""
   if path == PATH_DEVICE_PUT:
-    return list(jax.device_put(arrays, shardings, donate=donate))
+    if _use_two_phase(arrays, two_phase):
+      return _device_put_two_phase(arrays, shardings, donate=donate)
+    # JAX's single-controller reshard between different device sets *and* layouts assembles each array on
+    # the host. On CPU host memory is device memory, so allow it even inside Tunix's sync_weights, which
+    # forbids device<->host transfers on CPU; on GPU/TPU the two-phase path never touches the host.
+    with jax.transfer_guard_device_to_host("allow"), jax.transfer_guard_host_to_device("allow"):
+      return list(jax.device_put(arrays, shardings, donate=donate))
   if path == PATH_PATHWAYS_EXPERIMENTAL:
     from pathwaysutils.experimental import reshard as pw  # pylint: disable=import-outside-toplevel
 
@@ -244,6 +321,7 @@ def reshard(
     donate: bool = False,
     release: PyTree | None = None,
     stats: dict | None = None,
+    two_phase: bool | None = None,
 ) -> PyTree:
   """`src_tree` moved to `dst_shardings` (same structure; leaves Shardings or arrays whose sharding is used).
 
@@ -252,6 +330,8 @@ def reshard(
   `release`: the sampler's current arrays (same structure); each chunk's old buffers are deleted once its
   new ones are ready, which bounds the sampler's peak to one copy plus one chunk.
   `stats`: if given, filled with `bytes`, `chunks`, `max_chunk_bytes`, `path`.
+  `two_phase` (device_put path only): re-partition on the source devices, then copy shard for shard,
+  instead of JAX's host-gathering slow path; None = on for GPU/TPU arrays, off on CPU.
   """
   path = backend_path()
   src_paths, src, src_def = _flatten(src_tree)
@@ -266,12 +346,13 @@ def reshard(
   nbytes = [int(getattr(x, "nbytes", 0)) for x in src]
   chunks = _chunks(len(src), chunk_size)
   for chunk in chunks:
-    moved = _move([src[i] for i in chunk], [shardings[i] for i in chunk], donate=donate, path=path)
+    if old is not None:  # the sampler is idle during a sync: free its old chunk before the new one lands
+      for i in chunk:
+        _release(old[i], keep=(src[i],))
+    moved = _move([src[i] for i in chunk], [shardings[i] for i in chunk], donate=donate, path=path, two_phase=two_phase)
     jax.block_until_ready(moved)
     for i, y in zip(chunk, moved):
       out[i] = y
-      if old is not None:
-        _release(old[i], keep=(src[i], y))
   if stats is not None:
     stats.update(
         bytes=sum(nbytes),
@@ -306,29 +387,40 @@ def _words(x: jax.Array) -> jax.Array:
   raise TypeError(f"unsupported dtype for the weight-sync checksum: {x.dtype}")
 
 
+def _axis_weights(n: int, axis: int) -> jax.Array:
+  """Odd, index-dependent uint32 weights for one axis (a different offset per axis breaks symmetry)."""
+  i = jnp.arange(n, dtype=jnp.uint32)
+  return (i * _GOLDEN + _OFFSET * jnp.uint32(2 * axis + 1)) | jnp.uint32(1)
+
+
 def _checksum(x: jax.Array) -> jax.Array:
-  """[plain wrapping sum, position-weighted wrapping sum] of the bit pattern, as uint32[2]."""
+  """Wrapping uint32 sum of the bit pattern weighted by a product of per-axis odd weights.
+
+  Every weight is odd, so changing any single word changes the sum mod 2^32; position-dependent weights
+  make it sensitive to permutations. Contracting one axis at a time costs one multiply-add per word
+  (no per-element index arithmetic), and wrapping integer sums are exact in any reduction order, so
+  both sides agree bit for bit whatever their sharding.
+  """
   u = _words(x)
   if u.ndim == 0:
     u = u.reshape(1)
-  idx = jnp.zeros(u.shape, jnp.uint32)
-  stride = 1
-  for d in reversed(range(u.ndim)):
-    idx = idx + jax.lax.broadcasted_iota(jnp.uint32, u.shape, d) * jnp.uint32(stride % 2**32)
-    stride *= u.shape[d]
-  weight = (idx * _GOLDEN + _OFFSET) | jnp.uint32(1)  # odd => any single changed word changes the sum mod 2^32
-  return jnp.stack([jnp.sum(u, dtype=jnp.uint32), jnp.sum(u * weight, dtype=jnp.uint32)])
+  s = u
+  for axis in reversed(range(u.ndim)):
+    s = jnp.sum(s * _axis_weights(u.shape[axis], axis), axis=-1, dtype=jnp.uint32)
+  return s
 
 
 @jax.jit
 def _checksums_jit(leaves: list) -> jax.Array:
-  return jnp.stack([_checksum(x) for x in leaves]) if leaves else jnp.zeros((0, 2), jnp.uint32)
+  return jnp.stack([_checksum(x) for x in leaves]) if leaves else jnp.zeros((0,), jnp.uint32)
 
 
 def checksums(tree: PyTree) -> np.ndarray:
-  """uint32[n_arrays, 2] checksums of a tree's arrays, computed on their own devices (one jit per device set)."""
+  """uint32[n_arrays] checksums of a tree's arrays, computed on their own devices (one jit per device set)."""
   _, leaves, _ = _flatten(tree)
-  out = np.zeros((len(leaves), 2), np.uint32)
+  with jax.transfer_guard("allow"):
+    leaves = [x if isinstance(x, jax.Array) else jnp.asarray(x) for x in leaves]  # host arrays: default device
+  out = np.zeros((len(leaves),), np.uint32)
   groups: dict[frozenset, list[int]] = collections.defaultdict(list)
   for i, x in enumerate(leaves):
     groups[frozenset(x.sharding.device_set)].append(i)
@@ -353,17 +445,20 @@ def verify(src_tree: PyTree, dst_tree: PyTree, *, dst_shardings: PyTree | None =
   if dst_shardings is not None:
     _, expected, _ = _flatten(dst_shardings)
   for i, (p, a, b) in enumerate(zip(src_paths, src, dst)):
+    if isinstance(b, jax.Array) and b.is_deleted():
+      raise WeightSyncError(f"weight sync check failed at '{p}': the sampler still holds its previous, released buffer "
+                            "(its update did not install this array)")
     if a.shape != b.shape or a.dtype != b.dtype:
       raise WeightSyncError(f"weight sync check failed at '{p}': trainer {a.dtype}{list(a.shape)} vs sampler {b.dtype}{list(b.shape)}")
     if expected is not None and not _as_sharding(expected[i]).is_equivalent_to(b.sharding, b.ndim):
       raise WeightSyncError(f"weight sync check failed at '{p}': sampler array is on {b.sharding}, expected {_as_sharding(expected[i])}")
   cs, cd = checksums(src), checksums(dst)
-  bad = np.nonzero(np.any(cs != cd, axis=1))[0]
+  bad = np.nonzero(cs != cd)[0]
   if bad.size:
     i = int(bad[0])
     raise WeightSyncError(
         f"weight sync check failed: sampler's '{src_paths[i]}' differs from the trainer's "
-        f"(checksum {cd[i].tolist()} vs {cs[i].tolist()}; {bad.size} of {len(src)} arrays differ)"
+        f"(checksum {int(cd[i]):#010x} vs {int(cs[i]):#010x}; {bad.size} of {len(src)} arrays differ)"
     )
 
 

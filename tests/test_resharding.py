@@ -348,3 +348,134 @@ def test_device_put_path_logged_once(env, monkeypatch, caplog):
   assert resharding.backend_path() == resharding.PATH_DEVICE_PUT
   assert resharding.backend_path() == resharding.PATH_DEVICE_PUT
   assert [m for m in logged if "weight sync path" in m] == ["weight sync path: device_put (JAX_PLATFORMS has no 'proxy' (not a Pathways backend))"]
+
+
+def test_checksum_matches_numpy_reference_and_is_layout_independent(env):
+  import jax
+
+  from maxtext_rl_plugin import resharding
+
+  rng = np.random.default_rng(0)
+  host = rng.standard_normal((4, 8, 6)).astype(np.float32)
+  words = host.view(np.uint32)
+
+  def weights(n, axis):  # independent re-derivation with Python ints
+    return [((i * 0x9E3779B1 + 0x7F4A7C15 * (2 * axis + 1)) | 1) % 2**32 for i in range(n)]
+
+  w = [weights(n, a) for a, n in enumerate(host.shape)]
+  ref = sum(int(words[i, j, k]) * w[0][i] * w[1][j] * w[2][k]
+            for i in range(4) for j in range(8) for k in range(6)) % 2**32
+  on_trainer = jax.device_put(host, jax.sharding.NamedSharding(env["tmesh"], jax.P("fsdp")))
+  on_sampler = jax.device_put(host, jax.sharding.NamedSharding(env["smesh"], jax.P(None, None, None)))
+  got = resharding.checksums([on_trainer, on_sampler, host[:, :, ::-1].copy()])
+  assert int(got[0]) == int(got[1]) == ref
+  assert int(got[2]) != ref  # same values, permuted
+
+
+class _TinyRollout:
+  """Minimal Tunix rollout engine: holds its own copy of the actor on the rollout mesh (what an engine must do)."""
+
+  dst = None  # set by the test: sampler shardings
+  drop = None  # a parameter-path substring the "buggy" engine forgets to update
+
+  @classmethod
+  def make(cls):
+    from flax import nnx
+    from tunix.rl.rollout import base_rollout
+
+    from maxtext_rl_plugin import resharding
+
+    class Engine(base_rollout.BaseRollout):
+
+      def __init__(self, rollout_actor, tokenizer, mesh, rollout_config):
+        del tokenizer, rollout_config
+        self.mesh = mesh
+        graphdef, params, rest = nnx.split(rollout_actor, nnx.Param, ...)
+        self._model = nnx.merge(graphdef, resharding.reshard(params, cls.dst), rest)
+
+      def update_params(self, params, filter_types=None):
+        if cls.drop:
+          params = jax.tree_util.tree_map_with_path(
+              lambda p, new, old: old if cls.drop in jax.tree_util.keystr(p) else new,
+              params, nnx.state(self._model, nnx.Param))
+        nnx.update(self._model, params)
+
+      def generate(self, prompts, rollout_config, **kwargs):
+        raise NotImplementedError
+
+      def get_per_token_logps(self, prompt_tokens, completion_tokens, pad_id, eos_id, **kwargs):
+        raise NotImplementedError
+
+      def pad_id(self):
+        return 0
+
+      def eos_id(self):
+        return 0
+
+      def model(self):
+        return self._model
+
+    import jax
+
+    return Engine
+
+
+def _rl_cluster(env, engine):
+  import optax
+  from tunix.rl import rl_cluster as rl_cluster_lib
+  from tunix.rl.rollout import base_rollout
+
+  Role = rl_cluster_lib.Role
+  cfg = rl_cluster_lib.ClusterConfig(
+      role_to_mesh={Role.ACTOR: env["tmesh"], Role.REFERENCE: env["tmesh"], Role.ROLLOUT: env["smesh"]},
+      rollout_engine=engine,
+      training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.sgd(1e-3), eval_every_n_steps=1000,
+                                                      max_steps=1),
+      rollout_config=base_rollout.RolloutConfig(),
+  )
+  return rl_cluster_lib.RLCluster(actor=env["model"], tokenizer=_NoTokenizer(), cluster_config=cfg)
+
+
+class _NoTokenizer:
+  """The tokenizer protocol Tunix checks for; weight sync never tokenizes."""
+
+  def encode(self, text):
+    raise NotImplementedError
+
+  def decode(self, ids):
+    raise NotImplementedError
+
+  def bos_id(self):
+    return 1
+
+  def eos_id(self):
+    return 0
+
+  def pad_id(self):
+    return 0
+
+
+@pytest.mark.parametrize("buggy_engine,release", [(False, True), (True, True), (True, False)])
+def test_rl_cluster_sync_weights_goes_through_the_plugin(env, buggy_engine, release):
+  """Tunix's own RLCluster.sync_weights (transfer guards, anchor snapshot, step counter) with the hook installed."""
+  import jax
+
+  from maxtext_rl_plugin import resharding
+
+  _TinyRollout.dst, _TinyRollout.drop = env["dst"], None
+  cluster = _rl_cluster(env, _TinyRollout.make())
+  assert cluster.rollout.model() is not cluster.actor_trainer.model
+  ws = resharding.WeightSync(env["config"], release_old=release, verify_policy="every_n", verify_every=1)
+  resharding.install_into_rl_cluster(cluster, ws)
+  _train_step(env, seed=2 + buggy_engine + release)  # env["model"] is the cluster's actor (same mesh: not copied)
+  trainer = _state(cluster.actor_trainer.model)
+  _TinyRollout.drop = "wo" if buggy_engine else None  # the engine forgets to install mlp/wo
+  if buggy_engine:
+    why = "released buffer" if release else "differs from the trainer"
+    with pytest.raises(resharding.WeightSyncError, match=r"\['wo'\].*" + why):
+      cluster.sync_weights()
+    return
+  cluster.sync_weights()
+  assert ws.num_syncs == 1 and ws.num_verified == 1 and cluster.global_steps == 1
+  _assert_bitwise_on(trainer, _state(cluster.rollout.model()), env["dst"], env["rs"].sampler_devices)
+  assert not any(x.is_deleted() for x in jax.tree.leaves(trainer))
