@@ -419,6 +419,42 @@ def test_mapping_error_paths(qwen):
     vm.to_engine_state(hf, bad)
 
 
+def test_engine_layout_is_decided_by_shape_and_never_guessed():
+  rng = np.random.default_rng(5)
+  d, n, h = 6, 2, 3
+  q_hf = jnp.asarray(rng.standard_normal((n * h, d)), jnp.float32)  # HF [out, in]
+  np.testing.assert_array_equal(vm.to_engine_layout(q_hf, (d, n, h), "x.q_proj.kernel"),
+                                np.asarray(q_hf).T.reshape(d, n, h))
+  o_hf = jnp.asarray(rng.standard_normal((d, n * h)), jnp.float32)
+  np.testing.assert_array_equal(vm.to_engine_layout(o_hf, (n, h, d), "x.o_proj.kernel"),
+                                np.asarray(o_hf).T.reshape(n, h, d))
+  with pytest.raises(ValueError, match="no layout"):  # tpu-inference's optional NDH q layout: refuse, don't guess
+    vm.to_engine_layout(q_hf, (n, d, h), "x.q_proj.kernel")
+  sq = jnp.asarray(rng.standard_normal((d, d)), jnp.float32)
+  np.testing.assert_array_equal(vm.to_engine_layout(sq, (d, d), "x.o_proj.kernel"), np.asarray(sq).T)
+  np.testing.assert_array_equal(vm.to_engine_layout(sq, (d, d), "x.o_proj.weight"), np.asarray(sq))
+  gate = jnp.asarray(rng.standard_normal((8, d)), jnp.float32)  # HF [intermediate, hidden]
+  np.testing.assert_array_equal(vm.to_engine_layout(gate, (d, 8), "x.gate_proj.weight"), np.asarray(gate).T)
+  np.testing.assert_array_equal(vm.to_engine_layout(gate, (8, d), "x.gate_proj.weight"), np.asarray(gate))
+  with pytest.raises(ValueError, match="no layout"):
+    vm.to_engine_layout(gate, (4, 12), "x.gate_proj.kernel")
+
+
+def test_engine_with_hf_named_flax_kernels(qwen):
+  """tpu-inference's JaxModule layers alias `.weight` to their flax kernels: HF names, flax shapes."""
+  cfg, tree = qwen
+  hc = vm.hf_config_from_params(tree, cfg.model_name)
+  flax_engine = vm.flatten_params(fake_engine_state(cfg.model_name, hc))
+  aliased = {(k[: -len("kernel")] + "weight" if k.endswith(".kernel") else k): v for k, v in flax_engine.items()}
+  hf = vm.map_maxtext_to_vllm(tree, cfg.model_name)
+  by_kernel, _ = vm.to_engine_state(hf, flax_engine)
+  by_weight, names = vm.to_engine_state(hf, aliased)
+  assert names["model.layers.0.self_attn.q_proj.weight"] == "model.layers.0.self_attn.q_proj.weight"
+  for k, v in by_kernel.items():
+    alias = k[: -len("kernel")] + "weight" if k.endswith(".kernel") else k
+    np.testing.assert_array_equal(np.asarray(by_weight[alias]), np.asarray(v), err_msg=k)
+
+
 # ------------------------------------------------------------------ tests: the adapter on a fake engine
 
 

@@ -202,34 +202,54 @@ def _emit(out: dict, hf_name: str, weight, hook, shapes: Mapping[str, Any]) -> N
 # ---------------------------------------------------------------- engine side
 
 
-def engine_name_candidates(hf_name: str) -> list[tuple[str, str]]:
-  """Names an engine may give the HF tensor `hf_name`, each with its layout ('hf' or 'jax').
+def engine_name_candidates(hf_name: str) -> list[str]:
+  """Names an engine may give the HF tensor `hf_name`, in the order they are tried.
 
-  'hf': the engine keeps HF checkpoint names/layouts (vLLM torch models via torchax).
-  'jax': vLLM-TPU's flax models (`model.layers.N.self_attn.q_proj.kernel` in `[in, ...out]`,
-  norms `.scale`, `model.embed.embedding`, `model.lm_head` as `[hidden, vocab]`), the rule of MaxText's
-  `VllmWeightMapping._correct_hf_wildcard_name`.
+  The HF name itself (vLLM torch models via torchax; tpu-inference's newer JaxModule layers also alias
+  `.weight` to their kernels), then vLLM-TPU's flax naming: `...q_proj.kernel`, norms `.scale`,
+  `model.embed.embedding` / `model.embed_tokens.embedding`, `model.lm_head` (the rule MaxText's
+  `VllmWeightMapping._correct_hf_wildcard_name` encodes). The layout is decided from the shapes, see
+  `to_engine_layout`.
   """
-  cands = [(hf_name, "hf")]
+  cands = [hf_name]
   if hf_name == "model.embed_tokens.weight":
-    cands += [("model.embed.embedding", "jax"), ("model.embed_tokens.embedding", "jax")]
+    cands += ["model.embed.embedding", "model.embed_tokens.embedding"]
   elif hf_name == "lm_head.weight":
-    cands += [("model.lm_head", "jax"), ("lm_head.kernel", "jax")]
+    cands += ["model.lm_head", "lm_head.kernel"]
   elif hf_name.endswith("norm.weight"):
-    cands += [(hf_name[: -len("weight")] + "scale", "jax")]
+    cands += [hf_name[: -len("weight")] + "scale"]
   elif hf_name.endswith(".weight"):
-    cands += [(hf_name[: -len("weight")] + "kernel", "jax")]
+    cands += [hf_name[: -len("weight")] + "kernel"]
   return cands
 
 
-def _to_engine_layout(weight, layout: str, dst_shape: tuple[int, ...], name: str):
-  if layout == "jax" and weight.ndim == 2 and not name.endswith(("embedding", "embed_tokens.weight")):
-    weight = weight.T  # HF Linear is [out, in]; flax kernels are [in, ...out]
-  if tuple(weight.shape) != tuple(dst_shape):
-    if math.prod(weight.shape) != math.prod(dst_shape):
-      raise ValueError(f"vLLM parameter {name} has shape {tuple(dst_shape)}, trainer gives {tuple(weight.shape)}")
-    weight = jnp.reshape(weight, dst_shape)  # [in, heads*dim] -> [in, heads, dim] (Einsum kernels)
-  return weight
+def to_engine_layout(weight, dst_shape: tuple[int, ...], engine_name: str):
+  """An HF-layout tensor in the engine's layout, decided by shape (by name only where shapes cannot tell).
+
+  HF linear weights are `[out, in]`; flax kernels are `[in, ...out]`, split per head for attention:
+  `[hidden, heads, head_dim]` (q/k/v) and `[heads, head_dim, hidden]` (o). A square 2-D weight is transposed
+  only for flax names (`.kernel`, `model.lm_head`). Anything else raises rather than guessing.
+  """
+  dst = tuple(int(d) for d in dst_shape)
+  shape = tuple(weight.shape)
+  if weight.ndim == 2 and len(dst) > 2:
+    out_dim, in_dim = shape
+    in_first = dst[0] == in_dim and math.prod(dst[1:]) == out_dim  # [hidden, heads, head_dim]
+    out_last = dst[-1] == out_dim and math.prod(dst[:-1]) == in_dim  # [heads, head_dim, hidden]
+    if in_first or out_last:
+      return jnp.reshape(weight.T, dst)
+  elif weight.ndim == 2 and len(dst) == 2:
+    same, flipped = shape == dst, shape[::-1] == dst
+    if same and flipped:  # square: only the name can tell
+      flax_name = engine_name.endswith(".kernel") or engine_name == "model.lm_head"
+      return weight.T if flax_name else weight
+    if same:
+      return weight
+    if flipped:
+      return weight.T
+  elif shape == dst:
+    return weight
+  raise ValueError(f"vLLM parameter {engine_name} has shape {dst}, which no layout of the trainer's {shape} matches")
 
 
 def to_engine_state(
@@ -244,12 +264,12 @@ def to_engine_state(
   names: dict[str, str] = {}
   missing = []
   for hf_name, w in hf_weights.items():
-    for cand, layout in engine_name_candidates(hf_name):
+    for cand in engine_name_candidates(hf_name):
       if cand in engine_params:
         dst = engine_params[cand]
         if cand in new:
           raise ValueError(f"two vLLM tensors map to engine parameter {cand}")
-        new[cand] = _to_engine_layout(w, layout, tuple(dst.shape), cand).astype(dst.dtype)
+        new[cand] = to_engine_layout(w, tuple(dst.shape), cand).astype(dst.dtype)
         names[hf_name] = cand
         break
     else:
