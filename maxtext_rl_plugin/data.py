@@ -613,10 +613,12 @@ def _max_prompt_tokens(config) -> Optional[int]:
 
 def _materialize(rows: list[tuple[str, str, str, str]], tokenizer, config, name: str, drop_questions: frozenset = frozenset()) -> list[Example]:
   if drop_questions:
-    before = len(rows)
-    rows = [r for r in rows if r[0] not in drop_questions]
-    if len(rows) < before:
-      logging.warning("%s: dropped %d examples whose question is also in the eval split", name, before - len(rows))
+    kept = [r for r in rows if r[0] not in drop_questions]
+    if not kept:  # train and eval are the same data: the user asked for it (e.g. a smoke test)
+      logging.warning("%s: every question is also in the eval split; using it unchanged", name)
+    elif len(kept) < len(rows):
+      logging.warning("%s: dropped %d examples whose question is also in the eval split", name, len(rows) - len(kept))
+      rows = kept
   prompts = [build_prompt(q, tokenizer, config) for q, _, _, _ in rows]
   keep = list(range(len(rows)))
   limit = _max_prompt_tokens(config)

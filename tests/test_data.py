@@ -1,0 +1,323 @@
+"""Data pipeline: GSM8K files/hub, malformed rows, prompt templates and length filtering, synthetic
+problems (checked by re-doing their arithmetic), deterministic resumable batches."""
+
+import functools
+import json
+import logging
+import os
+import re
+
+import pytest
+import yaml
+
+from maxtext_rl_plugin import data, rewards
+from maxtext_rl_plugin.config import load_config
+from maxtext_rl_plugin.errors import ConfigError, DataError
+
+@pytest.fixture(scope="module")
+def tokenizer():
+  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+
+  import maxtext  # pylint: disable=import-outside-toplevel
+
+  path = os.path.join(os.path.dirname(maxtext.__file__), "assets", "tokenizers", "qwen3-tokenizer")
+  return AutoTokenizer.from_pretrained(path)
+
+
+class _Overlay:
+  """A loaded config with some keys replaced: one pydantic validation per module instead of per test."""
+
+  def __init__(self, base, overrides):
+    self._base, self._over = base, overrides
+
+  def __getattr__(self, k):
+    return self._over[k] if k in self._over else getattr(self._base, k)
+
+
+@functools.lru_cache(maxsize=1)
+def _base_config():
+  return load_config(["configs/cpu_tiny.yml"])
+
+
+def cfg(*overrides):
+  """cpu_tiny.yml with `key=value` overrides (values parsed as YAML, like OmegaConf does)."""
+  over = {}
+  for a in overrides:
+    k, v = a.split("=", 1)
+    assert hasattr(_base_config(), k), f"unknown key {k}"
+    over[k] = "" if v == "''" else yaml.safe_load(v) if v else ""
+    if isinstance(over[k], (int, float)) and k.endswith(("_path", "_name", "_token")):
+      over[k] = v
+  return _Overlay(_base_config(), over)
+
+
+def real_cfg(*overrides):
+  return load_config(["configs/cpu_tiny.yml", *overrides])
+
+
+def _ref_gold(answer_text: str) -> str:
+  return str(int(answer_text.split("####")[-1].strip().replace(",", "")))
+
+
+def _jsonl(path, rows):
+  with open(path, "w", encoding="utf-8") as f:
+    for r in rows:
+      f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+  return str(path)
+
+
+# ----------------------------------------------------------------------------------------------------
+# GSM8K files
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_gsm8k_jsonl_splits(gsm8k_dir):
+  c = cfg(f"train_data_path={gsm8k_dir / 'train.jsonl'}", f"eval_data_path={gsm8k_dir / 'test.jsonl'}", "use_chat_template=false")
+  train, ev = data.load_splits(c, None)
+  with open(gsm8k_dir / "test.jsonl", encoding="utf-8") as f:
+    test_rows = [json.loads(line) for line in f]
+  assert len(ev) == len(test_rows) == 1319
+  assert len(train) == 7473 and not train.unlimited
+  # Eval keeps file order; golds match an independent parse; prompts are MaxText's template file.
+  with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__import__("maxtext").__file__))),
+                         "maxtext/examples/chat_templates/gsm8k_rl.json"), encoding="utf-8") as f:
+    tpl = json.load(f)
+  for i in (0, 500, 1318):
+    e, r = ev[i], test_rows[i]
+    assert (e.question, e.answer, e.solution, e.id) == (r["question"], _ref_gold(r["answer"]), r["answer"], f"test.jsonl:{i + 1}")
+    sp = tpl["SYSTEM_PROMPT"].format(reasoning_start_token="<reasoning>", reasoning_end_token="</reasoning>",
+                                     solution_start_token="<answer>", solution_end_token="</answer>")
+    assert e.prompt == tpl["TEMPLATE"].format(system_prompt=sp, question=r["question"])
+  # The SFT target of every eval example is well formed and scores correct.
+  targets = [data.format_target(e, c) for e in ev]
+  res = rewards.score_batch(targets, [e.answer for e in ev], c)
+  assert all(r.correct and r.format_ok and r.rule == "answer_tag" for r in res)
+  assert not any("####" in t or "<<" in t for t in targets)
+
+
+def test_train_batches_deterministic_resumable_and_epoch_exact(gsm8k_dir):
+  c = cfg(f"train_data_path={gsm8k_dir / 'test.jsonl'}", "eval_dataset_name=synthetic", "use_chat_template=false",
+          "synthetic_num_eval=4", "data_shuffle_seed=7")
+  train, _ = data.load_splits(c, None)
+  n, bs = len(train), 64
+  per_epoch = n // bs
+  full = [[e.id for e in b] for b in train.batches(bs, num_batches=per_epoch + 3)]
+  resumed = [[e.id for e in b] for b in train.batches(bs, start_batch=10, num_batches=per_epoch + 3)]
+  assert resumed == full[10:]
+  assert [e.id for e in train.batch(per_epoch + 1, bs)] == full[per_epoch + 1]
+  first_epoch = [i for b in full[:per_epoch] for i in b]
+  assert len(set(first_epoch)) == len(first_epoch)  # no repeats within an epoch
+  positions = [i for b in full for i in b]
+  assert sorted(positions[:n]) == sorted(e.id for e in train)  # epoch 0 is a permutation of the split
+  assert positions[:n] != [e.id for e in train]  # ... and shuffled
+  assert positions[n : 2 * n] != positions[:n]  # a new order each epoch
+  other = data.load_splits(cfg(*[a for a in [f"train_data_path={gsm8k_dir / 'test.jsonl'}", "eval_dataset_name=synthetic",
+                                             "use_chat_template=false", "synthetic_num_eval=4", "data_shuffle_seed=8"]]), None)[0]
+  assert [e.id for e in other.batch(0, bs)] != full[0]
+
+
+def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
+  rows = [
+      {"question": "Q1?", "answer": "1 + 1 = 2\n#### 2"},
+      "{not json",
+      {"answer": "#### 3"},
+      {"question": "  ", "answer": "#### 3"},
+      {"question": "Q5?", "answer": "no final answer line"},
+      {"question": "Q6?", "answer": "#### $1,234.50"},
+      {"problem": "Q7?", "solution": "#### -4"},
+      {"question": "Q8?", "answer": 12},
+      [1, 2],
+  ]
+  path = _jsonl(tmp_path / "mixed.jsonl", rows)
+  caplog.set_level(logging.WARNING)
+  train, ev = data.load_splits(cfg(f"train_data_path={path}", f"eval_data_path={path}", "use_chat_template=false"), None)
+  assert [(e.question, e.answer) for e in ev] == [("Q1?", "2"), ("Q6?", "1234.5"), ("Q7?", "-4"), ("Q8?", "12")]
+  assert [e.question for e in train] == [e.question for e in ev]  # same file for both: kept, with a warning
+  msg = " ".join(r.getMessage() for r in caplog.records)
+  assert "mixed.jsonl: skipped 5 of 9 rows (invalid JSON: 2, no question: 2, no parsable gold answer ('#### N'): 1)" in msg
+
+
+def test_train_questions_in_eval_are_dropped(tmp_path):
+  a = _jsonl(tmp_path / "a.jsonl", [{"question": f"Q{i}", "answer": f"#### {i}"} for i in range(10)])
+  b = _jsonl(tmp_path / "b.jsonl", [{"question": f"Q{i}", "answer": f"#### {i}"} for i in range(8, 12)])
+  train, ev = data.load_splits(cfg(f"train_data_path={a}", f"eval_data_path={b}", "use_chat_template=false"), None)
+  assert sorted(e.question for e in train) == [f"Q{i}" for i in range(8)]
+  assert len(ev) == 4
+
+
+def test_parquet_and_globs_equal_jsonl(tmp_path):
+  import pyarrow as pa  # pylint: disable=import-outside-toplevel
+  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+
+  rows = [{"question": f"Q{i}?", "answer": f"s\n#### {i * 1000:,}"} for i in range(6)]
+  pq.write_table(pa.Table.from_pylist(rows[:3]), tmp_path / "p1.parquet")
+  pq.write_table(pa.Table.from_pylist(rows[3:]), tmp_path / "p2.parquet")
+  j = _jsonl(tmp_path / "all.jsonl", rows)
+  _, ev_pq = data.load_splits(cfg(f"train_data_path={j}", f"eval_data_path={tmp_path}/p*.parquet", "use_chat_template=false"), None)
+  assert [(e.question, e.answer) for e in ev_pq] == [(r["question"], str(i * 1000)) for i, r in enumerate(rows)]
+
+
+@pytest.mark.parametrize(
+    "override, err, fragment",
+    [
+        ("train_data_path=/nonexistent/x.jsonl", DataError, "train_data_path='/nonexistent/x.jsonl': file not found"),
+        ("eval_data_path=/nonexistent/*.jsonl", DataError, "no files match"),
+        ("data_template_path=/nonexistent/t.json", ConfigError, "data_template_path"),
+        ("synthetic_max_steps=1 synthetic_min_steps=3", ConfigError, "synthetic_max_steps"),
+    ],
+)
+def test_user_errors_are_one_line(override, err, fragment):
+  with pytest.raises(err) as e:
+    data.load_splits(cfg(*override.split(), "use_chat_template=false"), None)
+  assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_no_usable_rows_is_an_error(tmp_path):
+  bad = _jsonl(tmp_path / "bad.jsonl", [{"question": "q", "answer": "none"}] * 3)
+  with pytest.raises(DataError, match=r"bad.jsonl': no usable rows of 3"):
+    data.load_splits(cfg(f"eval_data_path={bad}", "use_chat_template=false"), None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# HF hub (datasets.load_dataset monkeypatched: no network here)
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_hub_loading_calls_load_dataset(monkeypatch):
+  import datasets  # pylint: disable=import-outside-toplevel
+
+  calls = []
+
+  def fake_load_dataset(name, subset=None, **kwargs):
+    calls.append((name, subset, kwargs))
+    n = 5 if kwargs["split"] == "train" else 3
+    return datasets.Dataset.from_list(
+        [{"question": f"{kwargs['split']} q{i}", "answer": f"work\n#### {i + 10}"} for i in range(n)]
+    )
+
+  monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+  train, ev = data.load_splits(real_cfg("dataset_name=openai/gsm8k", "eval_dataset_name=openai/gsm8k", "use_chat_template=false"), None)
+  assert calls == [("openai/gsm8k", "main", {"split": "test"}), ("openai/gsm8k", "main", {"split": "train"})]
+  assert len(train) == 5 and [e.answer for e in ev] == ["10", "11", "12"]
+  assert ev[0].id == "openai/gsm8k/test:1"
+
+
+def test_hub_failure_is_a_data_error(monkeypatch):
+  import datasets  # pylint: disable=import-outside-toplevel
+
+  def offline(*a, **k):
+    raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub")
+
+  monkeypatch.setattr(datasets, "load_dataset", offline)
+  with pytest.raises(DataError, match=r"dataset_name='openai/gsm8k'.*ConnectionError.*train_data_path"):
+    data.load_splits(cfg("dataset_name=openai/gsm8k", "eval_dataset_name=openai/gsm8k"), None)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Prompts: chat template, tokens, length filter
+# ----------------------------------------------------------------------------------------------------
+
+
+def test_chat_template_prompt_with_configured_tokens(tokenizer):
+  c = cfg("reasoning_start_token=<think>", "reasoning_end_token=</think>", "solution_start_token=<ans>", "solution_end_token=</ans>")
+  p = data.build_prompt("What is 2+2?", tokenizer, c)
+  assert p.startswith("<|im_start|>system\n") and p.endswith("<|im_start|>assistant\n")
+  system = p.split("<|im_end|>")[0]
+  assert all(t in system for t in ("<think>", "</think>", "<ans>", "</ans>")) and "<reasoning>" not in system
+  assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in p
+  ex = data.Example("q", "4", "2+2=4\n#### 4", p, "x")
+  assert data.format_target(ex, c) == "<think>2+2=4</think>\n<ans>4</ans>"
+  prefilled = cfg("reasoning_start_token_in_prompt=true")
+  assert data.build_prompt("q", tokenizer, prefilled).endswith("assistant\n<reasoning>")
+  assert data.format_target(ex, prefilled).startswith("2+2=4</reasoning>")
+
+
+def test_template_without_system_role_falls_back_to_user_turn():
+  class NoSystemTokenizer:
+    chat_template = "x"
+
+    def apply_chat_template(self, msgs, add_generation_prompt, tokenize):
+      assert add_generation_prompt and not tokenize
+      if any(m["role"] == "system" for m in msgs):
+        raise ValueError("System role not supported")
+      return "".join(f"<{m['role']}>{m['content']}" for m in msgs) + "<model>"
+
+  p = data.build_prompt("Q?", NoSystemTokenizer(), cfg())
+  assert p.startswith("<user>") and p.endswith("\n\nQ?<model>") and "<answer>" in p
+
+
+def test_long_prompts_filtered_with_count(gsm8k_dir, tokenizer, tmp_path, caplog):
+  with open(gsm8k_dir / "test.jsonl", encoding="utf-8") as f:
+    rows = [json.loads(line) for _, line in zip(range(200), f)]
+  path = _jsonl(tmp_path / "t.jsonl", rows)
+  c = cfg("dataset_name=synthetic", f"eval_data_path={path}", "max_prefill_predict_length=150")
+  lengths = [len(tokenizer(data.build_prompt(r["question"], tokenizer, c))["input_ids"]) for r in rows]
+  want = [r["question"] for r, n in zip(rows, lengths) if n <= 150]
+  assert 0 < len(want) < len(rows)  # the limit really bites
+  caplog.set_level(logging.WARNING)
+  _, ev = data.load_splits(c, tokenizer)
+  assert [e.question for e in ev] == want
+  assert f"eval: filtered {len(rows) - len(want)} of 200 prompts longer than max_prefill_predict_length=150" in caplog.text
+
+
+# ----------------------------------------------------------------------------------------------------
+# Synthetic
+# ----------------------------------------------------------------------------------------------------
+
+_STEP = re.compile(r"^(\d+) ([-+*/]) (\d+) = (\d+)$")
+
+
+def _check_solution(e: data.Example, max_value: int, min_steps: int, max_steps: int):
+  lines = e.solution.splitlines()
+  assert lines[-1] == f"#### {e.answer}"
+  steps = lines[:-1]
+  assert min_steps <= len(steps) <= max_steps, e
+  prev = None
+  for ln in steps:
+    a, op, b, r = _STEP.match(ln).groups()
+    a, b, r = int(a), int(b), int(r)
+    assert {"+": a + b, "-": a - b, "*": a * b, "/": a // b if b and a % b == 0 else None}[op] == r, ln
+    assert 0 <= r <= 5 * max_value
+    if prev is not None:
+      assert a == prev  # each step continues from the previous result
+    else:
+      assert a <= max_value
+    assert op == "*" and b <= max(5, max_value) or b <= max_value
+    prev = r
+  assert str(prev) == e.answer
+  for n in map(int, re.findall(r"\d+", e.question)):
+    assert n <= max_value
+
+
+def test_synthetic_problems_are_exact_and_reproducible(tokenizer):
+  c = cfg("synthetic_seed=5", "synthetic_min_steps=1", "synthetic_max_steps=3", "synthetic_max_value=12", "synthetic_num_eval=64",
+          "data_template_path=''")
+  train, ev = data.load_splits(c, tokenizer)
+  assert train.unlimited and len(ev) == 64
+  items = [train[i] for i in range(300)]
+  for e in items + list(ev):
+    _check_solution(e, 12, 1, 3)
+  assert {len(e.solution.splitlines()) - 1 for e in items} == {1, 2, 3}
+  eval_q = {e.question for e in ev}
+  assert len(eval_q) == 64 and not eval_q & {e.question for e in items}  # deduped, disjoint
+  train2, ev2 = data.load_splits(c, tokenizer)
+  assert [train2[i] for i in range(50)] == items[:50] and list(ev2) == list(ev)
+  other, _ = data.load_splits(cfg("synthetic_seed=6", "synthetic_max_value=12", "data_template_path=''"), tokenizer)
+  assert [other[i].question for i in range(20)] != [e.question for e in items[:20]]
+  # Short prompts for the CPU demo's tiny model, and SFT targets that the reward stack accepts.
+  lengths = data.prompt_lengths(tokenizer, [e.prompt for e in items])
+  assert max(lengths) <= 100
+  res = rewards.score_batch([data.format_target(e, c) for e in items], [e.answer for e in items], c)
+  assert all(r.correct and r.format_ok for r in res)
+  assert [e.id for e in train.batch(3, 4)] == [f"synthetic-train-{i}" for i in range(12, 16)]
+  assert [[e.id for e in b] for b in train.batches(4, start_batch=2, num_batches=4)] == [
+      [f"synthetic-train-{i}" for i in range(k * 4, k * 4 + 4)] for k in (2, 3)]
+
+
+def test_synthetic_eval_batches_are_finite(tokenizer):
+  _, ev = data.load_splits(cfg("synthetic_num_eval=10"), tokenizer)
+  got = list(ev.batches(4))
+  assert [len(b) for b in got] == [4, 4, 2]
+  assert [e.id for b in got for e in b] == [e.id for e in ev]
+  with pytest.raises(IndexError):
+    ev.batch(3, 4)
