@@ -1,0 +1,87 @@
+"""`python -m maxtext_rl_plugin.rewards score`: one output row per input row, in order; bad rows get an
+error and never stop the command."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from maxtext_rl_plugin.rewards import cli
+
+ROWS = [
+    {"id": "a", "completion": "<reasoning>9 * 2</reasoning><answer>18</answer>", "answer": "She makes 9 * 2 = $18.\n#### 18"},
+    "this is not json",
+    {"completion": "The answer is $1,200.", "answer": 1200, "question": "How much?"},
+    {"completion": 5, "answer": "5"},
+    {"id": 7, "completion": "#### 19", "answer": "18"},
+    {"completion": "x"},
+    {"completion": "<answer>\\frac{1}{2}</answer>", "answer": "0.5"},
+    ["a", "list"],
+    {"completion": "work", "answer": "a long\nsolution without a final answer"},
+    {"completion": "Q: ?\nA: -3", "answer": "#### -3"},
+]
+
+
+def _write(path, rows):
+  with open(path, "w", encoding="utf-8") as f:
+    for r in rows:
+      f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    f.write("\n")  # a trailing blank line is not a row
+
+
+def _read(path):
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f]
+
+
+def _check(out):
+  assert len(out) == len(ROWS)
+  assert [r.get("correct") for r in out] == [True, False, True, False, False, False, True, False, False, True]
+  assert [r.get("rule") for r in out] == ["answer_tag", "none", "answer_is", "none", "hash", "none", "answer_tag", "none", "none", "a_colon"]
+  assert out[0]["id"] == "a" and out[4]["id"] == 7
+  assert out[0]["extracted"] == "18" and out[0]["format_ok"] is True and out[0]["reward"] == pytest.approx(1.1)
+  assert out[2]["gold"] == "1200" and out[2]["reward"] == 1.0
+  errors = {i: r["error"] for i, r in enumerate(out) if "error" in r}
+  assert sorted(errors) == [1, 3, 5, 7, 8]
+  assert errors[1].startswith("line 2: invalid JSON")
+  assert errors[3] == "line 4: 'completion' must be a string"
+  assert errors[5] == "line 6: 'answer' must be a string or number"
+  assert errors[7] == "line 8: expected a JSON object, got list"
+  assert errors[8].startswith("line 9: 'answer' has no parsable gold value")
+  for r in out:
+    assert set(r) >= {"correct", "reward", "extracted", "rule"}
+
+
+def test_score_in_process(tmp_path, capsys):
+  _write(tmp_path / "in.jsonl", ROWS)
+  assert cli.main(["score", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]) == 0
+  _check(_read(tmp_path / "out.jsonl"))
+  assert "scored 10 rows: 4 correct (40.0%), 5 errors" in capsys.readouterr().err
+
+
+def test_score_module_entry_point(tmp_path):
+  _write(tmp_path / "in.jsonl", ROWS)
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  p = subprocess.run(
+      [sys.executable, "-m", "maxtext_rl_plugin.rewards", "score", "--input", str(tmp_path / "in.jsonl"), "--output", "-"],
+      capture_output=True, text=True, env=env, timeout=120, check=False,
+  )
+  assert p.returncode == 0, p.stderr
+  _check([json.loads(line) for line in p.stdout.splitlines()])
+
+
+def test_score_with_config_overrides(tmp_path):
+  _write(tmp_path / "in.jsonl", ROWS[:1])
+  argv = ["score", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
+          "reward_exact_answer=3.0", "reward_exact_format_match=0.5"]
+  assert cli.main(argv) == 0
+  assert _read(tmp_path / "out.jsonl")[0]["reward"] == pytest.approx(3.5)
+
+
+def test_missing_input_is_a_one_line_error(tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    cli.main(["score", "--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o.jsonl")])
+  assert e.value.code == 2
+  assert capsys.readouterr().err.strip() == f"error: --input '{tmp_path / 'nope.jsonl'}': No such file or directory"
