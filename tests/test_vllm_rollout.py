@@ -453,6 +453,10 @@ def test_engine_with_hf_named_flax_kernels(qwen):
   for k, v in by_kernel.items():
     alias = k[: -len("kernel")] + "weight" if k.endswith(".kernel") else k
     np.testing.assert_array_equal(np.asarray(by_weight[alias]), np.asarray(v), err_msg=k)
+  # Both names listed for one array (kernel aliased as weight): written once, counted for both.
+  both = {**flax_engine, **{k[: -len("kernel")] + "weight": v for k, v in flax_engine.items() if k.endswith(".kernel")}}
+  new, _ = vm.to_engine_state(hf, both)
+  assert len(new) == len(flax_engine)
 
 
 # ------------------------------------------------------------------ tests: the adapter on a fake engine

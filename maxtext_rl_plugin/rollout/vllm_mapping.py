@@ -266,6 +266,8 @@ def to_engine_state(
   for hf_name, w in hf_weights.items():
     for cand in engine_name_candidates(hf_name):
       if cand in engine_params:
+        if any(engine_params[o] is engine_params[cand] for o in new):
+          break  # an alias of a tensor already written (same array under two names)
         dst = engine_params[cand]
         if cand in new:
           raise ValueError(f"two vLLM tensors map to engine parameter {cand}")
@@ -282,8 +284,13 @@ def to_engine_state(
 
 
 def check_all_written(engine_params: Mapping[str, Any], written) -> None:
-  """Raise unless every engine parameter was written (else vLLM would sample its dummy weights)."""
-  unwritten = sorted(set(engine_params) - set(written))
+  """Raise unless every engine parameter was written (else vLLM would sample its dummy weights).
+
+  Names that are aliases of one array (a flax layer exposing its kernel also as `.weight`) count as written
+  when any of them was.
+  """
+  written_ids = {id(engine_params[n]) for n in written if n in engine_params}
+  unwritten = sorted(n for n in set(engine_params) - set(written) if id(engine_params[n]) not in written_ids)
   if unwritten:
     raise ValueError(
         f"{len(unwritten)} vLLM parameters would keep their dummy initialisation, e.g. {unwritten[:3]}"
