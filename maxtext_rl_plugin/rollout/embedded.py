@@ -176,6 +176,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     self._dp = int(np.prod([mesh.shape[a] for a in self._batch_axes])) if self._batch_axes else 1
 
     self._compiled: dict[Any, Any] = {}
+    self._rest: dict | None = None  # RNG-stream state of the decode model (never drawn from; built once)
     self.compile_count = 0
     self.compile_seconds = 0.0
     self._logps_fns: dict[Any, Any] = {}
@@ -261,6 +262,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
       extra_stop_ids: Sequence[int] | None = None,
       stop_strings: Sequence[str] | None = None,
       prompt_pad_to: int | None = None,
+      ignore_stop: bool = False,
   ) -> GenerationResult:
     """Generates `num_generations` completions per prompt (token ids, no padding, >= 1 token each).
 
@@ -268,6 +270,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     `max_new_tokens` defaults to max_target_length - max_prefill_predict_length. Rows of prompt i are
     i*G .. i*G+G-1. `extra_stop_ids` add to EOS + stop_token_ids; `stop_strings` replaces the config's.
     `prompt_pad_to` fixes the width of `left_padded_prompts` (Tunix wants a constant one).
+    `ignore_stop=True` always generates `max_new_tokens` (benchmarks; like vLLM's ignore_eos).
     """
     if not prompt_token_lists:
       raise ValueError("generate_tokens needs at least one prompt")
@@ -282,6 +285,8 @@ class EmbeddedRollout(base_rollout.BaseRollout):
       params = dataclasses.replace(params, greedy=True)
     spec = params.spec(self._vocab_size)
     stop_ids = list(self._stop_ids) + [int(t) for t in (extra_stop_ids or []) if int(t) not in self._stop_ids]
+    if ignore_stop:
+      stop_ids, stop_strings = [], []
     rng = jax.random.PRNGKey(0) if rng is None else rng
 
     # Chunk so one call never exceeds the largest batch bucket.
@@ -315,11 +320,13 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     active = np.zeros((pb * G,), bool)
     active[: n_prompts * G] = True
     # Stop ids padded to a multiple of 8 with -1 (never sampled) so adding one does not recompile.
-    stop_arr = np.full((_round_up(len(stop_ids), 8),), -1, np.int32)
+    stop_arr = np.full((max(8, _round_up(len(stop_ids), 8)),), -1, np.int32)
     stop_arr[: len(stop_ids)] = stop_ids
     key = _Key(pb, G, lp, T, spec, len(stop_arr))
     state = nnx.state(self._actor.base, nnx.Param)
-    rest = self._rest_state()
+    if self._rest is None:
+      self._rest = self._rest_state()
+    rest = self._rest
     batch_sh = NamedSharding(self._mesh, P(self._batch_axes or None))
     args = (
         state, rest,
@@ -430,7 +437,13 @@ class EmbeddedRollout(base_rollout.BaseRollout):
       nnx.replace_by_pure_dict(cache_state, cache)
       nnx.replace_by_pure_dict(rest_state, rest)
       model = nnx.merge(graphdef, params, cache_state, rest, copy=True)
-      logits = model(tokens, positions, decoder_segment_ids=segment_ids, enable_dropout=False, model_mode=mode)
+      # The decoder's hidden states, then the output head on the last position only: Transformer.__call__
+      # would project every prompt position onto the vocabulary (B x L x 150k), which dominates prefill;
+      # the decoder's own full-sequence logits are unused and dead-code-eliminated by XLA.
+      _, hidden, _ = model.decoder(shared_embedding=model.token_embedder, decoder_input_tokens=tokens,
+                                   decoder_positions=positions, decoder_segment_ids=segment_ids, deterministic=True,
+                                   model_mode=mode)[:3]
+      logits = model.logits_from_hidden_states_for_vocab_tiling(hidden[:, -1:, :], deterministic=True, model_mode=mode)
       return logits, nnx.to_pure_dict(nnx.state(model, nnx.Cache))
 
     def program(params, rest, tokens, lens, active, rng, temperature, top_p, stop_ids):
