@@ -181,7 +181,8 @@ _NET_ERRORS = ("NewConnectionError", "Temporary failure in name resolution", "Ne
 def test_pins_resolve_to_wheels_for_the_tpu_image_platform(tmp_path):
   """Every pin exists as a wheel for manylinux x86_64 / CPython 3.12 (the image), resolved by pip itself."""
   report = tmp_path / "report.json"
-  platforms = [f"--platform=manylinux_2_{minor}_x86_64" for minor in range(17, 40)] + ["--platform=manylinux2014_x86_64"]
+  platforms = [f"--platform=manylinux_2_{minor}_x86_64" for minor in range(17, 40)]
+  platforms.append("--platform=manylinux2014_x86_64")
   cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", "--quiet",
          "--disable-pip-version-check", "--target", str(tmp_path / "t"), "--only-binary=:all:", *platforms,
          "--python-version=3.12", "--implementation=cp", "--report", str(report), "-r",
@@ -248,15 +249,16 @@ def test_build_image_runs_maxtext_post_training_then_the_plugin_layer(tmp_path):
   assert r.returncode == 0, r.stderr
   lines = log.read_text().splitlines()
   assert lines[0] == f"maxtext {mt} WORKFLOW=post-training"
-  assert lines[1] == (f"docker build --network host --build-arg BASE_IMAGE=maxtext_base_image -f {REPO}/dependencies/Dockerfile "
-                      f"-t maxtext_rl_plugin_image {REPO}")
+  assert lines[1] == (f"docker build --network host --build-arg BASE_IMAGE=maxtext_base_image "
+                      f"-f {REPO}/dependencies/Dockerfile -t maxtext_rl_plugin_image {REPO}")
 
   log.write_text("")
   r = subprocess.run(["bash", script, "BASE_IMAGE=gcr.io/p/base:1", "LOCAL_IMAGE_NAME=mine",
                       "WORKFLOW=post-training-experimental"], env=env, capture_output=True, text=True, check=False)
   assert r.returncode == 0, r.stderr
   assert log.read_text().splitlines() == [
-      f"docker build --network host --build-arg BASE_IMAGE=gcr.io/p/base:1 -f {REPO}/dependencies/Dockerfile -t mine {REPO}"]
+      f"docker build --network host --build-arg BASE_IMAGE=gcr.io/p/base:1 -f {REPO}/dependencies/Dockerfile "
+      f"-t mine {REPO}"]
 
   for bad in (["WORKFLOW=pre-training", "BASE_IMAGE=x"], [], ["BOGUS=1"], ["MAXTEXT_REPO=/nonexistent"], ["noequals"]):
     r = subprocess.run(["bash", script, *bad], env=env, capture_output=True, text=True, check=False)
@@ -283,6 +285,8 @@ def test_upload_image_tags_and_pushes_to_the_registry(tmp_path):
 
   r = subprocess.run(["bash", script], env=env, capture_output=True, text=True, check=False)
   assert r.returncode == 2 and "CLOUD_IMAGE_NAME" in r.stderr
-  env_missing = _stub_bin(tmp_path / "m", tmp_path / "log2", inspect_rc=1) if (tmp_path / "m").mkdir() is None else None
-  r = subprocess.run(["bash", script, "CLOUD_IMAGE_NAME=x"], env=env_missing, capture_output=True, text=True, check=False)
+  (tmp_path / "m").mkdir()
+  env_missing = _stub_bin(tmp_path / "m", tmp_path / "log2", inspect_rc=1)  # `docker image inspect` fails
+  r = subprocess.run(["bash", script, "CLOUD_IMAGE_NAME=x"], env=env_missing, capture_output=True, text=True,
+                     check=False)
   assert r.returncode == 1 and "not found" in r.stderr

@@ -108,7 +108,8 @@ def expected_hf(tree: dict, llama: bool) -> dict[str, np.ndarray]:
 
 def tpu_inference_layout(hf_name: str, hf_shape, hc) -> tuple[str, tuple[int, ...]]:
   """tpu-inference's flax model (models/jax/llama3.py) name and shape for an HF tensor."""
-  d, n, kv, h, v = hc["hidden_size"], hc["num_attention_heads"], hc["num_key_value_heads"], hc["head_dim"], hc["vocab_size"]
+  d, n, kv = hc["hidden_size"], hc["num_attention_heads"], hc["num_key_value_heads"]
+  h, v = hc["head_dim"], hc["vocab_size"]
   if hf_name == "model.embed_tokens.weight":
     return "model.embed.embedding", (v, d)
   if hf_name == "lm_head.weight":
@@ -500,7 +501,8 @@ def test_step0_syncs_trainer_weights_into_every_engine_parameter(which, request,
 
   # Step 0 samples these weights, not the dummy init.
   rollout.generate(["Q: 1+1?"], _rollout_config(cfg))
-  assert llm.generate_calls[0]["embed_00"] == pytest.approx(float(expected["model.embed_tokens.weight"][0, 0]), rel=1e-2)
+  want = float(expected["model.embed_tokens.weight"][0, 0])
+  assert llm.generate_calls[0]["embed_00"] == pytest.approx(want, rel=1e-2)
   assert llm.generate_calls[0]["embed_00"] != DUMMY
 
 

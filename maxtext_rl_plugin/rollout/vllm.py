@@ -69,10 +69,10 @@ def vllm_engine_kwargs(config: Any, num_sampler_devices: int, *, device_ids: Seq
   tp/dp/ep come from `rollout_{tensor,data,expert}_parallelism` (at most one -1, derived from the device
   count, MaxText's rule); `device_ids` pins vLLM-TPU's mesh to the rollout devices.
   """
-  from maxtext.utils.model_creation_utils import get_rollout_kwargs_for_parallelism  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
 
   try:
-    par = get_rollout_kwargs_for_parallelism(config, num_sampler_devices)
+    par = model_creation_utils.get_rollout_kwargs_for_parallelism(config, num_sampler_devices)
   except ValueError as e:
     raise ConfigError(f"rollout parallelism: {str(e).strip().splitlines()[0]}") from None
   tp, dp, ep = par["tensor_parallel_size"], par["data_parallel_size"], par["expert_parallel_size"]
@@ -184,9 +184,9 @@ class VllmRollout(base_rollout.BaseRollout):
     self._config = config
     self._mesh = mesh
     self._rollout_config = rollout_config
-    self._tokenizer = (
-        tokenizer if isinstance(tokenizer, tokenizer_adapter.TokenizerAdapter) else tokenizer_adapter.TokenizerAdapter(tokenizer)
-    )
+    if not isinstance(tokenizer, tokenizer_adapter.TokenizerAdapter):
+      tokenizer = tokenizer_adapter.TokenizerAdapter(tokenizer)
+    self._tokenizer = tokenizer
     self.engine_kwargs = vllm_engine_kwargs(
         config, int(mesh.devices.size), device_ids=[int(i) for i in mesh.device_ids.flatten()]
     )
@@ -209,7 +209,9 @@ class VllmRollout(base_rollout.BaseRollout):
   def mesh(self) -> jax.sharding.Mesh:
     return self._mesh
 
-  def generate(self, prompts: list[str], rollout_config: base_rollout.RolloutConfig, **kwargs) -> base_rollout.RolloutOutput:
+  def generate(
+      self, prompts: list[str], rollout_config: base_rollout.RolloutConfig, **kwargs
+  ) -> base_rollout.RolloutOutput:
     """Sample one completion per prompt; `kwargs` override individual SamplingParams fields."""
     if not self._weights_valid:
       raise RuntimeError("vLLM does not hold a complete set of trainer weights (a sync failed); refusing to sample")
