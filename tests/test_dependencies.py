@@ -118,6 +118,12 @@ def test_dockerfile_parses_and_references_exist():
           assert ref in copied, f"pip uses {ref} ({flag}) before it is copied in"
       for script in re.findall(r"python3 (\S+\.py)", args):
         assert script in copied and (REPO / script).is_file(), script
+  # Everything setup.cfg builds the wheel from is in the image: package dirs, long_description file, pyproject.
+  opts = setup_cfg()["options"]
+  pkg_dirs = {line.split("=", 1)[1].strip() for line in opts["package_dir"].splitlines() if "=" in line}
+  readme = setup_cfg()["metadata"]["long_description"].split(":", 1)[1].strip()
+  needed = pkg_dirs | {"setup.cfg", "pyproject.toml", readme}
+  assert needed <= copied, needed - copied
   run = " ".join(a for i, a in instrs if i == "RUN")
   assert "--no-deps -r dependencies/requirements-tpu.txt" in run
   assert '".[tpu]"' in run, "the plugin is installed with its tpu extra"
