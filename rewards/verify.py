@@ -221,6 +221,15 @@ def _close_pool() -> None:
     _POOL.close()
 
 
+def _forget_pool_in_child() -> None:
+  """A forked child must not talk to (or kill) the parent's workers; it starts its own on demand."""
+  global _POOL
+  _POOL = None
+
+
+os.register_at_fork(after_in_child=_forget_pool_in_child)
+
+
 _VERDICTS: "collections.OrderedDict[tuple[str, str], bool]" = collections.OrderedDict()
 
 
