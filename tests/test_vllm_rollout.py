@@ -531,21 +531,28 @@ def test_generate_sampling_params_tokens_and_logprobs(monkeypatch, qwen, tokeniz
     assert (row[: -len(ids)] == rollout.pad_id()).all()
   assert rollout.eos_id() == eos and rollout.model() is None
 
-  # Log-prob plumbing: [B, T] aligned with the right-padded completions, 0 past each completion.
+  # Log-prob plumbing: [B, T] aligned with the right-padded completions, 0 past each completion; rows are found
+  # by (prompt, completion), so Tunix's micro-batched and reordered calls work.
   width = max(len(t) for t in out.tokens) + 2
   comp = np.full((len(prompts), width), rollout.pad_id(), dtype=np.int32)
   for i, t in enumerate(out.tokens):
     comp[i, : len(t)] = t
-  lp = np.asarray(rollout.get_per_token_logps(jnp.asarray(out.left_padded_prompt_tokens), jnp.asarray(comp)))
+  prompt_rows = np.asarray(out.left_padded_prompt_tokens)
+  lp = np.asarray(rollout.get_per_token_logps(jnp.asarray(prompt_rows), jnp.asarray(comp)))
   assert lp.shape == comp.shape
   for i, t in enumerate(out.tokens):
     np.testing.assert_allclose(lp[i, : len(t)], out.logprobs[i], rtol=1e-6)
     assert (lp[i, len(t):] == 0).all()
-  comp[1, 0] += 1
+  flipped = np.asarray(rollout.get_per_token_logps(jnp.asarray(prompt_rows[::-1]), jnp.asarray(comp[::-1])))
+  np.testing.assert_array_equal(flipped, lp[::-1])
+  one = np.asarray(rollout.get_per_token_logps(jnp.asarray(prompt_rows[1:]), jnp.asarray(comp[1:])))
+  np.testing.assert_array_equal(one, lp[1:])
+  bad = comp.copy()
+  bad[1, 0] += 1
   with pytest.raises(ValueError, match="row 1"):
-    rollout.get_per_token_logps(None, jnp.asarray(comp))
-  with pytest.raises(ValueError, match="completion rows"):
-    rollout.get_per_token_logps(None, jnp.asarray(comp[:1]))
+    rollout.get_per_token_logps(jnp.asarray(prompt_rows), jnp.asarray(bad))
+  with pytest.raises(ValueError, match="row 0"):  # right completion, other prompt
+    rollout.get_per_token_logps(jnp.asarray(prompt_rows[::-1][:1]), jnp.asarray(comp[:1]))
 
   # Greedy (eval) decoding and over-long prompts.
   rollout.generate(prompts[:1], _rollout_config(cfg, temperature=0.0))
@@ -574,6 +581,17 @@ def test_chunked_sync_keeps_kv_cache_when_configured_and_reaches_new_weights(mon
 
   with pytest.raises(errors.ConfigError, match="LoRA"):
     rollout.update_params(newer, (nnx.LoRAParam,))
+
+
+def test_logprobs_of_old_weights_are_dropped_at_a_sync(monkeypatch, qwen, tokenizer):
+  cfg, tree = qwen
+  rollout, _, _, _, _ = _build(monkeypatch, cfg, tree, tokenizer)
+  out = rollout.generate(["What is 2+3?"], _rollout_config(cfg))
+  prompt, comp = jnp.asarray(out.left_padded_prompt_tokens), jnp.asarray(out.tokens[0])[None, :]
+  np.testing.assert_allclose(np.asarray(rollout.get_per_token_logps(prompt, comp))[0], out.logprobs[0])
+  rollout.update_params(tree)
+  with pytest.raises(ValueError, match="since the last weight sync"):
+    rollout.get_per_token_logps(prompt, comp)
 
 
 def test_sync_that_writes_a_copy_is_caught_and_blocks_sampling(monkeypatch, qwen, tokenizer):

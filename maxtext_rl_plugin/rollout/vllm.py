@@ -199,7 +199,8 @@ class VllmRollout(base_rollout.BaseRollout):
     self.llm = vllm.LLM(**self.engine_kwargs)
     self._weights_valid = False
     self._syncs = 0
-    self._last: Optional[tuple[list[np.ndarray], list[np.ndarray]]] = None
+    # (prompt ids, completion ids) -> sampler log-probs, for every completion since the last weight sync.
+    self._logps: dict[tuple[int, ...], dict[tuple[int, ...], np.ndarray]] = {}
     # Step 0 samples the trainer's weights, never vLLM's dummy init.
     self.update_params(_actor_params(rollout_actor))
 
@@ -244,29 +245,35 @@ class VllmRollout(base_rollout.BaseRollout):
     for i, ids in enumerate(prompt_ids):
       if ids:
         padded[i, -len(ids) :] = ids
-    self._last = (tokens, logps)
+    for ids, comp, lp in zip(prompt_ids, tokens, logps):
+      self._logps.setdefault(tuple(ids), {})[tuple(comp.tolist())] = lp
     return base_rollout.RolloutOutput(
         text=texts, logits=None, tokens=tokens, left_padded_prompt_tokens=padded, logprobs=logps
     )
 
   def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array) -> jax.Array:
-    """The sampler's log-probs of `completion_tokens` [B, T] from the last `generate` (0 past each completion).
+    """The sampler's log-probs of `completion_tokens` [B, T] (0 past each completion), found by prompt and tokens.
 
-    Rows must be the last generate's completions in order; a mismatch raises instead of misaligning.
+    Rows may be any subset/order of the completions generated since the last weight sync (Tunix micro-batches
+    both calls). A row that was not sampled under the current weights raises instead of returning a guess.
     """
-    del prompt_tokens
-    if self._last is None:
-      raise RuntimeError("get_per_token_logps called before generate")
-    tokens, logps = self._last
+    pad = self._tokenizer.pad_id()
+    prompts = np.asarray(jax.device_get(prompt_tokens))
     comp = np.asarray(jax.device_get(completion_tokens))
-    if comp.shape[0] != len(tokens):
-      raise ValueError(f"{comp.shape[0]} completion rows, but the last generate produced {len(tokens)}")
     out = np.zeros(comp.shape, dtype=np.float32)
-    for i, (ids, lp) in enumerate(zip(tokens, logps)):
-      n = min(len(ids), comp.shape[1])
-      if not np.array_equal(comp[i, :n], ids[:n]):
-        raise ValueError(f"completion row {i} is not the one vLLM sampled; its log-probs are unavailable")
-      out[i, :n] = lp[:n]
+    for i in range(comp.shape[0]):
+      row = prompts[i]
+      first = int(np.argmax(row != pad)) if (row != pad).any() else len(row)
+      candidates = self._logps.get(tuple(row[first:].tolist()), {})
+      best = None
+      for ids, lp in candidates.items():
+        n = len(ids)
+        if n <= comp.shape[1] and tuple(comp[i, :n].tolist()) == ids and (comp[i, n:] == pad).all():
+          if best is None or n > len(best[0]):  # pad == EOS: prefer the completion that covers the EOS
+            best = (ids, lp)
+      if best is None:
+        raise ValueError(f"completion row {i} was not sampled by vLLM since the last weight sync; no log-probs for it")
+      out[i, : len(best[0])] = best[1]
     return jnp.asarray(out)
 
   def update_params(self, params: Any, filter_types: Optional[Tuple[Any, ...]] = None) -> None:
@@ -286,6 +293,7 @@ class VllmRollout(base_rollout.BaseRollout):
     step = int(cfg.rl.reshard_chunk_size or len(keys))
     llm = self.llm
     self._weights_valid = False
+    self._logps = {}  # log-probs of the old weights
     # The prefix cache is scheduler-side: drop it first, or it serves blocks computed with old weights.
     llm.reset_prefix_cache()
     llm.collective_rpc("start_weight_update", kwargs={"free_kv_cache": free_kv})
