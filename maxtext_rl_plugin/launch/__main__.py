@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--config", default=xpk_lib.DEFAULT_CONFIG)
   r.add_argument("--entry", default="train_rl", choices=("train_rl", "smoke"),
                  help="train_rl, or smoke: one tiny GRPO step to check the cluster's multi-process JAX")
-  r.add_argument("--name", default=None, help="Ray run name (default: run_name override)")
+  r.add_argument("--name", default=None, help="Ray run name; also train_rl's run_name unless overridden (the same name resumes)")
   r.add_argument("--storage-path", default=None, help="Ray Train storage (shared across nodes, e.g. /data or gs://)")
   r.add_argument("--result-dir", default=None, help="smoke: write each worker's metrics to <dir>/rank<i>.json")
   r.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
@@ -87,9 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if argv else 2
   flags, overrides = _split(argv)
   with errors.exit_on_user_error():
-    if any(f in ("-h", "--help") for f in flags):
-      _parser().parse_args(flags)  # argparse prints the subcommand's help and exits 0
-    args = _parser().parse_args(flags)
+    args = _parser().parse_args(flags)  # -h/--help: argparse prints the subcommand's help and exits 0
     if args.cmd == "xpk":
       cmd = xpk_lib.build_create(
           workload=args.workload, cluster=args.cluster, tpu_type=args.tpu_type, project=args.project,
@@ -99,9 +97,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       for w in xpk_lib.warnings_for(overrides, args.max_restarts, dict(os.environ)):
         print(f"warning: {w}", file=sys.stderr, flush=True)
       return xpk_lib.run(cmd, dry_run=args.dry_run)
-    if overrides:
-      if args.cmd != "ray":
-        raise xpk_lib.LaunchError(f"{args.cmd} takes no train_rl overrides (got '{overrides[0]}')")
+    if overrides and args.cmd != "ray":
+      raise xpk_lib.LaunchError(f"{args.cmd} takes no train_rl overrides (got '{overrides[0]}')")
     if args.cmd == "xpk-delete":
       return xpk_lib.run(xpk_lib.build_delete(workload=args.workload, cluster=args.cluster, project=args.project,
                                               zone=args.zone), dry_run=args.dry_run)
