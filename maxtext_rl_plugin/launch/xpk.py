@@ -54,6 +54,7 @@ _NAME_RE = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _NAME_MAX = 40
 # Lets tests (and users whose xpk lives in a separate pipx/venv) point at a specific xpk executable.
 XPK_BIN_ENV = "MAXTEXT_RL_XPK"
+TESTED_XPK = "1.16.0"
 
 
 class LaunchError(errors.UserError):
@@ -277,6 +278,14 @@ def warnings_for(overrides: Sequence[str], max_restarts: int | None, environ: di
     )
   if not environ.get(SECRET_ENV):
     out.append(f"{SECRET_ENV} is not set: gated Hugging Face models/tokenizers/datasets will fail to download")
+  try:
+    import importlib.metadata  # pylint: disable=import-outside-toplevel
+
+    version = importlib.metadata.version("xpk")
+  except importlib.metadata.PackageNotFoundError:
+    version = None
+  if version and version != TESTED_XPK:
+    out.append(f"xpk {version} is installed; this launcher was tested with xpk {TESTED_XPK}")
   if max_restarts:
     out.append(
         "xpk 1.16.0 accepts --max-restarts but does not write it into the Pathways JobSet; to resume after a "
