@@ -174,7 +174,7 @@ def render(argv: Sequence[str], secret_env_value: str | None = None) -> str:
     else:
       out.append(shlex.quote(a))
   line = " ".join(out)
-  if secret_env_value:
+  if secret_env_value and len(secret_env_value) >= 8:  # a real token; masking a 1-char "token" would mangle the line
     line = line.replace(secret_env_value, REDACTED)
   return line
 
