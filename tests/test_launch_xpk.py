@@ -185,9 +185,9 @@ def test_max_restarts_passed_and_warned(capsys):
 
 def test_delete_and_list_parse(capsys):
   rc, out, _ = run_main(["xpk-delete", "--workload", "llama-grpo", "--cluster", "tpu-cluster", "--project", "p",
-                         "--dry-run"], capsys)
+                         "--force", "--dry-run"], capsys)
   args = xpk_parse(out.strip())
-  assert rc == 0 and args.func.__name__ == "workload_delete" and args.workload == "llama-grpo"
+  assert rc == 0 and args.func.__name__ == "workload_delete" and args.workload == "llama-grpo" and args.force
   rc, out, _ = run_main(["xpk-list", "--cluster", "tpu-cluster", "--project", "p", "--workload", "llama-grpo",
                          "--dry-run"], capsys)
   args = xpk_parse(out.strip())

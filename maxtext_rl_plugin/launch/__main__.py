@@ -60,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--project", default=None)
     d.add_argument("--zone", default=None)
     d.add_argument("--dry-run", action="store_true")
+    if name == "xpk-delete":
+      d.add_argument("--force", action="store_true", help="delete without xpk's confirmation prompt")
 
   r = sub.add_parser("ray", help="Ray Train JaxTrainer running train_rl on each worker")
   r.add_argument("--num-workers", type=int, required=True, help="one per TPU VM host (or per CPU process)")
@@ -101,7 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise xpk_lib.LaunchError(f"{args.cmd} takes no train_rl overrides (got '{overrides[0]}')")
     if args.cmd == "xpk-delete":
       return xpk_lib.run(xpk_lib.build_delete(workload=args.workload, cluster=args.cluster, project=args.project,
-                                              zone=args.zone), dry_run=args.dry_run)
+                                              zone=args.zone, force=args.force), dry_run=args.dry_run)
     if args.cmd == "xpk-list":
       return xpk_lib.run(xpk_lib.build_list(cluster=args.cluster, project=args.project, zone=args.zone,
                                             workload=args.workload), dry_run=args.dry_run)

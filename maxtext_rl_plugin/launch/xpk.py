@@ -241,11 +241,14 @@ def build_create(
   return Command(argv=tuple(argv), shown="xpk " + render(shown, token))
 
 
-def build_delete(*, workload: str, cluster: str, project: str | None = None, zone: str | None = None) -> Command:
+def build_delete(*, workload: str, cluster: str, project: str | None = None, zone: str | None = None,
+                 force: bool = False) -> Command:
   check_name("--workload", workload)
   check_name("--cluster", cluster)
   argv = ["workload", "delete", "--workload", workload, "--cluster", cluster]
   argv += _project_zone(project, zone)
+  if force:
+    argv.append("--force")
   return Command(argv=tuple(argv), shown="xpk " + render(argv))
 
 
