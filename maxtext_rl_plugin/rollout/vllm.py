@@ -183,7 +183,6 @@ class VllmRollout(base_rollout.BaseRollout):
     self._vllm = vllm
     self._config = config
     self._mesh = mesh
-    self._rollout_config = rollout_config
     if not isinstance(tokenizer, tokenizer_adapter.TokenizerAdapter):
       tokenizer = tokenizer_adapter.TokenizerAdapter(tokenizer)
     self._tokenizer = tokenizer
