@@ -624,16 +624,22 @@ def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
   `rl_cluster.rollout.update_params(params, filter_types)`; each rollout engine then reshards with
   `tunix.rl.reshard.reshard_pytree` (whole tree, silent device_put fallback, no chunking, no check).
   We wrap that one method on the cluster's rollout *instance*: the params are resharded by
-  `weight_sync` onto the shardings the engine currently holds (freeing the old buffers chunk by chunk),
-  handed to the engine's own `update_params` (whose reshard is then a no-op, since every array is
-  already where it should be), and the guard compares the trainer's weights with what the engine's
-  model holds afterwards -- so a bug in the engine's own update is caught too. `RLCluster.sync_weights`
-  itself stays Tunix's (transfer guards, anchor-policy snapshot, step counter), which is why we do not
-  subclass or replace it.
+  `weight_sync` onto the shardings the engine's model currently has (freeing its old buffers chunk by
+  chunk), handed to the engine's own `update_params` with `filter_types=None` -- Tunix's convention
+  (VanillaRollout, the plugin's embedded engine) for "already on my shardings, install as is", so the
+  engine does not reshard a second time -- and the guard then compares the trainer's weights with what
+  the engine's model holds, so a bug in the engine's own install step is caught too.
+  `RLCluster.sync_weights` itself stays Tunix's (transfer guards, anchor-policy snapshot, step
+  counter; Tunix's learner waits for in-flight rollouts before calling it, so the sampler is idle),
+  which is why we neither subclass nor replace it. Engines whose `model()` is not the nnx module
+  holding the weights (vLLM) map and reshard inside their own `update_params` instead.
   """
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   rollout = rl_cluster.rollout
+  if not isinstance(rollout.model(), nnx.Module):
+    raise TypeError(f"{type(rollout).__name__}.model() is not an nnx.Module holding the sampler weights; "
+                    "that engine must reshard inside its own update_params (e.g. with resharding.reshard)")
   if getattr(rollout, "_maxtext_rl_weight_sync", None) is not None:
     rollout._maxtext_rl_weight_sync = weight_sync  # pylint: disable=protected-access
     return
@@ -644,7 +650,7 @@ def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
     current = nnx.state(rollout.model(), *filt)
 
     def apply(new):
-      original(new, filter_types)
+      original(new, None)
       return nnx.state(rollout.model(), *filt)
 
     rollout._maxtext_rl_weight_sync.sync(params, current=current, apply=apply)  # pylint: disable=protected-access
@@ -654,3 +660,26 @@ def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
   rollout.update_params = update_params
   logging.info("RLCluster weight sync routed through maxtext_rl_plugin.resharding (%s, chunk_size=%s, verify=%s)",
                weight_sync.path, weight_sync.chunk_size, weight_sync.verify_policy)
+
+
+def attach_to_rl_cluster(rl_cluster, config, mapping: Mapping = identity_mapping) -> WeightSync | None:
+  """The trainer's one call after building the RLCluster: a `WeightSync` from `config`, installed, or None.
+
+  None (and a log line saying why) when there is nothing to sync -- colocated runs where the rollout
+  shares the actor's arrays (Tunix then never calls sync_weights) -- or when the engine keeps its weights
+  outside an nnx module (vLLM, which reshards in its own update_params).
+  """
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from tunix.rl import utils as rl_utils  # pylint: disable=import-outside-toplevel
+
+  sampler = rl_cluster.rollout.model()
+  if not isinstance(sampler, nnx.Module):
+    logging.info("weight sync: %s manages its own weights; not installing the plugin's sync",
+                 type(rl_cluster.rollout).__name__)
+    return None
+  if rl_utils.is_sharing_weights(rl_cluster.actor_trainer.model, sampler):
+    logging.info("weight sync: colocated (the sampler shares the trainer's arrays); nothing to sync")
+    return None
+  ws = WeightSync(config, mapping=mapping)
+  install_into_rl_cluster(rl_cluster, ws)
+  return ws

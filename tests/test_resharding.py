@@ -32,7 +32,8 @@ def env(repo_root):
 
   from maxtext_rl_plugin import models, resharding
 
-  rs = models.setup_devices([str(repo_root / TINY), "use_pathways=true", "chips_per_vm=4", "ici_fsdp_parallelism=4"])
+  rs = models.setup_devices([str(repo_root / TINY), "use_pathways=true", "chips_per_vm=4", "ici_fsdp_parallelism=4",
+                           "vocab_size=1024"])
   assert rs.disaggregated and len(rs.trainer_devices) == 4 and len(rs.sampler_devices) == 4
   model, tmesh = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=0)
   # The sampler mesh: MaxText's axes, TP=4 instead of FSDP=4, on the sampler's devices.
@@ -77,6 +78,14 @@ def _train_step(env, seed: int) -> float:
   tokens = jax.random.randint(jax.random.PRNGKey(seed), (2, 8), 1, 1000)
   with env["tmesh"], nn.logical_axis_rules(env["config"].logical_axis_rules):
     return float(env["step"](env["model"], env["opt"], tokens))
+
+
+def _perturb(model, scale: float) -> None:
+  """New trainer weights without another compile (the real optimizer step is tested above)."""
+  import jax
+  from flax import nnx
+
+  nnx.update(model, jax.tree.map(lambda x: x * scale + 0.25, _state(model)))
 
 
 def _assert_bitwise_on(src, dst, dst_shardings, devices):
@@ -390,6 +399,9 @@ class _TinyRollout:
       def __init__(self, rollout_actor, tokenizer, mesh, rollout_config):
         del tokenizer, rollout_config
         self.mesh = mesh
+        if cls.dst is None:  # colocated: generate with the actor's own arrays
+          self._model = rollout_actor
+          return
         graphdef, params, rest = nnx.split(rollout_actor, nnx.Param, ...)
         self._model = nnx.merge(graphdef, resharding.reshard(params, cls.dst), rest)
 
@@ -420,14 +432,15 @@ class _TinyRollout:
     return Engine
 
 
-def _rl_cluster(env, engine):
+def _rl_cluster(env, engine, colocated: bool = False):
   import optax
   from tunix.rl import rl_cluster as rl_cluster_lib
   from tunix.rl.rollout import base_rollout
 
   Role = rl_cluster_lib.Role
   cfg = rl_cluster_lib.ClusterConfig(
-      role_to_mesh={Role.ACTOR: env["tmesh"], Role.REFERENCE: env["tmesh"], Role.ROLLOUT: env["smesh"]},
+      role_to_mesh={Role.ACTOR: env["tmesh"], Role.REFERENCE: env["tmesh"],
+                    Role.ROLLOUT: env["tmesh"] if colocated else env["smesh"]},
       rollout_engine=engine,
       training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.sgd(1e-3), eval_every_n_steps=1000,
                                                       max_steps=1),
@@ -465,9 +478,13 @@ def test_rl_cluster_sync_weights_goes_through_the_plugin(env, buggy_engine, rele
   _TinyRollout.dst, _TinyRollout.drop = env["dst"], None
   cluster = _rl_cluster(env, _TinyRollout.make())
   assert cluster.rollout.model() is not cluster.actor_trainer.model
-  ws = resharding.WeightSync(env["config"], release_old=release, verify_policy="every_n", verify_every=1)
-  resharding.install_into_rl_cluster(cluster, ws)
-  _train_step(env, seed=2 + buggy_engine + release)  # env["model"] is the cluster's actor (same mesh: not copied)
+  if buggy_engine:
+    ws = resharding.WeightSync(env["config"], release_old=release, verify_policy="every_n", verify_every=1)
+    resharding.install_into_rl_cluster(cluster, ws)
+  else:  # the trainer's one call; cpu_tiny.yml: verify_weight_sync=first, reshard_donate=true
+    ws = resharding.attach_to_rl_cluster(cluster, env["config"])
+    assert ws is not None and ws.verify_policy == "first" and ws.release_old
+  _perturb(cluster.actor_trainer.model, scale=1.5 + buggy_engine + release)  # new trainer weights, cheaply
   trainer = _state(cluster.actor_trainer.model)
   _TinyRollout.drop = "wo" if buggy_engine else None  # the engine forgets to install mlp/wo
   if buggy_engine:
@@ -479,3 +496,12 @@ def test_rl_cluster_sync_weights_goes_through_the_plugin(env, buggy_engine, rele
   assert ws.num_syncs == 1 and ws.num_verified == 1 and cluster.global_steps == 1
   _assert_bitwise_on(trainer, _state(cluster.rollout.model()), env["dst"], env["rs"].sampler_devices)
   assert not any(x.is_deleted() for x in jax.tree.leaves(trainer))
+
+
+def test_attach_is_a_no_op_when_colocated(env):
+  from maxtext_rl_plugin import resharding
+
+  _TinyRollout.dst, _TinyRollout.drop = None, None
+  cluster = _rl_cluster(env, _TinyRollout.make(), colocated=True)
+  assert resharding.attach_to_rl_cluster(cluster, env["config"]) is None
+  assert not hasattr(cluster.rollout, "_maxtext_rl_weight_sync")
