@@ -59,3 +59,17 @@ def test_raycluster_is_the_rayjob_cluster():
   job = load("rayjob-tpu.yaml")
   assert cluster["kind"] == "RayCluster"
   assert cluster["spec"] == job["spec"]["rayClusterSpec"]
+
+
+def test_one_ray_version_everywhere():
+  """setup.cfg's launch pin, the image's Ray and the manifests' rayVersion must agree (KubeRay needs the
+  cluster's Ray to match the image's)."""
+  import configparser  # pylint: disable=import-outside-toplevel
+
+  cfg = configparser.ConfigParser()
+  cfg.read(K8S.parents[1] / "setup.cfg")
+  pins = re.findall(r"ray\[[\w,]+\]==([\d.]+)", cfg["options.extras_require"]["launch"])
+  image = re.findall(r"ray\[[\w,]+\]==([\d.]+)", (K8S / "Dockerfile.ray").read_text())
+  versions = {load(n)["spec"].get("rayVersion") or load(n)["spec"]["rayClusterSpec"]["rayVersion"]
+              for n in ("raycluster-tpu.yaml", "rayjob-tpu.yaml")}
+  assert len(pins) == 1 and image == pins and versions == set(pins)
