@@ -152,6 +152,25 @@ def test_chunked_and_unchunked_agree(env):
   _assert_bitwise_on(src, chunked, env["dst"], env["rs"].sampler_devices)
 
 
+def test_two_phase_device_put(env):
+  """The GPU/TPU default without Pathways: re-partition on the trainer devices, then shard-for-shard copy."""
+  import jax
+
+  from maxtext_rl_plugin import resharding
+
+  src = _state(env["model"])
+  staged = resharding.reshard(src, env["dst"], chunk_size=5, two_phase=True)
+  _assert_bitwise_on(src, staged, env["dst"], env["rs"].sampler_devices)
+  again = resharding.reshard(src, env["dst"], chunk_size=5, two_phase=True, release=staged)
+  _assert_bitwise_on(src, again, env["dst"], env["rs"].sampler_devices)
+  assert all(x.is_deleted() for x in jax.tree.leaves(staged))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(src))
+  x = jax.tree.leaves(src)[1]
+  target = jax.tree.leaves(env["dst"], is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))[1]
+  staging = resharding._staging_sharding(x, target)  # dst's layout on the trainer's devices
+  assert staging.device_set == x.sharding.device_set and staging.spec == target.spec != x.sharding.spec
+
+
 def _replace_leaf(tree, index, new):
   import jax
 

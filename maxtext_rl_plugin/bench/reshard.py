@@ -6,11 +6,15 @@ derived from the same logical axes. In one run it measures, each as the median o
 
 * `reshard_s`: `resharding.WeightSync.sync` (unchunked), replacing the sampler's previous weights;
 * `reshard_chunked_s`: the same with `--chunk-size` parameter arrays per chunk;
-* `memcpy_s`: a plain host `memcpy` of the same bytes (NumPy `copyto` into preallocated buffers);
+* `reshard_keep_old_s`: unchunked with `reshard_donate=false` (old sampler copy kept until replaced);
+* `memcpy_s`: a plain host `memcpy` of the same bytes into fresh buffers (NumPy `copy`: allocation and
+  first-touch page faults included, as in any sync that creates new arrays); `memcpy_prefaulted_s`: the
+  same into already-touched buffers (raw copy bandwidth);
 * `checkpoint_reload_s`: the legacy path, Orbax save of the trainer params + restore into the sampler
   shardings;
 * peak extra resident memory during a sync (Linux `VmHWM` after resetting it through
-  `/proc/self/clear_refs`), against the largest chunk's bytes.
+  `/proc/self/clear_refs`, minus the RSS before the sync), against the largest chunk's bytes;
+* the checksum guard (`verify_s`), and `bitwise_equal` (sampler arrays vs the trainer's, read back).
 
 On CPU the 8 devices are forced host devices (`--devices`); the same code runs on TPU/Pathways.
 """
@@ -120,8 +124,9 @@ def main(argv=None) -> int:
 
   # --- plugin sync (unchunked and chunked), replacing the sampler's previous weights each time ---
   results = {}
-  for name, chunk in (("reshard", None), ("reshard_chunked", args.chunk_size)):
-    ws = resharding.WeightSync(None, dst, chunk_size=chunk, release_old=True, verify_policy="off")
+  for name, chunk, release in (("reshard", None, True), ("reshard_chunked", args.chunk_size, True),
+                               ("reshard_keep_old", None, False)):
+    ws = resharding.WeightSync(None, dst, chunk_size=chunk, release_old=release, verify_policy="off")
     state = {"held": resharding.reshard(src, dst, chunk_size=chunk)}  # warm-up: first sync, no old copy to free
 
     def one_sync(ws=ws, state=state):
@@ -132,6 +137,10 @@ def main(argv=None) -> int:
     results[name] = dict(seconds=seconds, extra_mb=extra_mb, max_chunk_bytes=ws.last_stats["max_chunk_bytes"],
                          chunks=ws.last_stats["chunks"], held=held)
   held = results["reshard_chunked"]["held"]
+  t_verify = time.perf_counter()
+  resharding.verify(src, held, dst_shardings=dst)
+  verify_first_s = time.perf_counter() - t_verify  # includes compiling the two checksum programs
+  verify_s, _, _ = _measure(lambda: resharding.verify(src, held, dst_shardings=dst), max(2, args.repeats // 2))
   # Two-phase device_put (re-partition on the trainer devices, then shard-for-shard copy): the default on
   # GPU/TPU without Pathways; measured here for reference (XLA:CPU collectives make it slower on CPU).
   staged = {"held": resharding.reshard(src, dst, two_phase=True)}
@@ -140,13 +149,9 @@ def main(argv=None) -> int:
     staged["held"] = resharding.reshard(src, dst, release=staged["held"], two_phase=True)
     return staged["held"]
 
-  two_phase_s, _, two_phase_held = _measure(two_phase_sync, args.repeats)
+  two_phase_s, _, two_phase_held = _measure(two_phase_sync, max(2, args.repeats // 2))
   resharding.verify(src, two_phase_held, dst_shardings=dst)
   del staged, two_phase_held
-  t_verify = time.perf_counter()
-  resharding.verify(src, held, dst_shardings=dst)
-  verify_first_s = time.perf_counter() - t_verify  # includes compiling the two checksum programs
-  verify_s, _, _ = _measure(lambda: resharding.verify(src, held, dst_shardings=dst), max(2, args.repeats // 2))
   host_src = [np.asarray(x) for x in leaves]
   bitwise = all(
       np.array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8)) and b.sharding.device_set == set(rs.sampler_devices)
@@ -155,17 +160,23 @@ def main(argv=None) -> int:
       np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
       for a, b in zip(jax.tree.leaves(results["reshard"]["held"]), jax.tree.leaves(held))
   )
-  del results["reshard"]["held"]
+  for k in ("reshard", "reshard_keep_old"):
+    del results[k]["held"]
 
-  # --- host memcpy of the same bytes ---
+  # --- host memcpy of the same bytes: into fresh buffers (what any sync into new arrays pays: allocation
+  # and first-touch page faults) and into already-faulted buffers (the raw copy bandwidth) ---
+  def memcpy_fresh():
+    return [a.copy() for a in host_src]
+
+  memcpy_s, _, _ = _measure(memcpy_fresh, args.repeats)
   host_dst = [np.empty_like(a) for a in host_src]
 
-  def memcpy():
+  def memcpy_prefaulted():
     for a, b in zip(host_src, host_dst):
       np.copyto(b, a)
 
-  memcpy()  # fault the destination pages in
-  memcpy_s, _, _ = _measure(memcpy, args.repeats)
+  memcpy_prefaulted()
+  memcpy_prefaulted_s, _, _ = _measure(memcpy_prefaulted, args.repeats)
   del host_dst
 
   # --- legacy: Orbax save + restore into the sampler shardings ---
@@ -193,7 +204,7 @@ def main(argv=None) -> int:
     shutil.rmtree(base, ignore_errors=True)
   del restored
 
-  r, rc = results["reshard"], results["reshard_chunked"]
+  r, rc, rk = results["reshard"], results["reshard_chunked"], results["reshard_keep_old"]
   out = {
       "bytes": nbytes,
       "arrays": len(leaves),
@@ -204,16 +215,20 @@ def main(argv=None) -> int:
       "chunk_size": args.chunk_size,
       "chunks": rc["chunks"],
       "memcpy_s": round(memcpy_s, 4),
+      "memcpy_prefaulted_s": round(memcpy_prefaulted_s, 4),
       "checkpoint_reload_s": round(ckpt_s, 4),
       "reshard_two_phase_s": round(two_phase_s, 4),
       "verify_s": round(verify_s, 4),
       "verify_first_s": round(verify_first_s, 4),
       "reshard_vs_memcpy": round(r["seconds"] / memcpy_s, 2),
+      "reshard_vs_memcpy_prefaulted": round(r["seconds"] / memcpy_prefaulted_s, 2),
       "checkpoint_vs_reshard": round(ckpt_s / r["seconds"], 1),
       "bitwise_equal": bool(bitwise and ckpt_equal),
       "max_chunk_mb": round(rc["max_chunk_bytes"] / 2**20, 1),
       "reshard_peak_extra_mb": None if r["extra_mb"] is None else round(r["extra_mb"], 1),
       "reshard_chunked_peak_extra_mb": None if rc["extra_mb"] is None else round(rc["extra_mb"], 1),
+      "reshard_keep_old_s": round(rk["seconds"], 4),
+      "reshard_keep_old_peak_extra_mb": None if rk["extra_mb"] is None else round(rk["extra_mb"], 1),
       "peak_rss_mb": round(_status_kb("VmHWM") / 1024, 1),
       "repeats": args.repeats,
       "build_s": round(build_s, 1),
@@ -223,8 +238,10 @@ def main(argv=None) -> int:
   rows = [
       ("reshard (unchunked)", out["reshard_s"], out["reshard_peak_extra_mb"]),
       (f"reshard (chunk {args.chunk_size} arrays)", out["reshard_chunked_s"], out["reshard_chunked_peak_extra_mb"]),
+      ("reshard (reshard_donate=false)", out["reshard_keep_old_s"], out["reshard_keep_old_peak_extra_mb"]),
       ("reshard (two-phase, GPU/TPU default)", out["reshard_two_phase_s"], None),
-      ("host memcpy", out["memcpy_s"], None),
+      ("host memcpy (fresh buffers)", out["memcpy_s"], None),
+      ("host memcpy (pre-faulted buffers)", out["memcpy_prefaulted_s"], None),
       ("orbax save + restore", out["checkpoint_reload_s"], None),
       ("checksum guard (compiled)", out["verify_s"], None),
       ("checksum guard (first, compiles)", out["verify_first_s"], None),
