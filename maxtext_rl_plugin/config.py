@@ -199,7 +199,8 @@ def _check_model_name(model_name: str) -> None:
 
 
 def _resolve_tokenizer_path(overrides: list[str], raw: dict) -> list[str]:
-  """A tokenizer_path that is neither local nor absolute but exists under MaxText's assets is made absolute.
+  """A tokenizer_path that is neither local nor absolute but exists under the shipped configs or MaxText's
+  assets is made absolute.
 
   This lets shipped configs say `tokenizer_path: tokenizers/qwen3-tokenizer` (inside the maxtext wheel)
   while hub ids such as `meta-llama/Llama-3.1-8B-Instruct` pass through unchanged.
@@ -213,7 +214,7 @@ def _resolve_tokenizer_path(overrides: list[str], raw: dict) -> list[str]:
   if not value or os.path.isabs(value) or os.path.exists(value):
     return overrides
   # MAXTEXT_ASSETS_ROOT points into a source checkout; a wheel keeps its assets next to the package.
-  for root in (mt_globals.MAXTEXT_ASSETS_ROOT, os.path.join(mt_globals.MAXTEXT_PKG_DIR, "assets")):
+  for root in (configs_dir(), mt_globals.MAXTEXT_ASSETS_ROOT, os.path.join(mt_globals.MAXTEXT_PKG_DIR, "assets")):
     candidate = os.path.join(root, value)
     if os.path.exists(candidate):
       return [a for a in overrides if not a.startswith("tokenizer_path=")] + [f"tokenizer_path={candidate}"]

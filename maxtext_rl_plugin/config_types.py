@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Literal, Optional
 
 from maxtext.configs import types
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 
 class PluginRL(types.RL):
@@ -37,6 +37,12 @@ class PluginRL(types.RL):
       description="Check after a trainer->sampler weight sync that the sampler holds the new weights: never, on the first sync, or every `verify_weight_sync_every` syncs.",
   )
   verify_weight_sync_every: int = Field(10, ge=1, description="Period (in syncs) of the check when verify_weight_sync=every_n.")
+
+  @field_validator("verify_weight_sync", mode="before")
+  @classmethod
+  def _yaml_off(cls, v):
+    # YAML 1.1 (OmegaConf's CLI parser) reads a bare `off` as False.
+    return "off" if v is False else v
 
 
 class PluginKeys(BaseModel):

@@ -127,6 +127,7 @@ def rollout_engine_factory(name: str, sampler_config) -> Any:
   if name == "vllm":
     from maxtext_rl_plugin.rollout import vllm  # pylint: disable=import-outside-toplevel
 
+    vllm.import_vllm()  # fail before any model is built when the [tpu] extra is missing
     return functools.partial(vllm.VllmRollout, config=sampler_config)
   from maxtext_rl_plugin import registry  # pylint: disable=import-outside-toplevel
 
