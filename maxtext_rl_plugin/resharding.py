@@ -30,6 +30,8 @@ rollout's `update_params` rather than replacing `RLCluster.sync_weights`).
 from __future__ import annotations
 
 import collections
+import functools
+import math
 import os
 import sys
 import time
@@ -393,28 +395,57 @@ def _axis_weights(n: int, axis: int) -> jax.Array:
   return (i * _GOLDEN + _OFFSET * jnp.uint32(2 * axis + 1)) | jnp.uint32(1)
 
 
-def _checksum(x: jax.Array) -> jax.Array:
+def _halve(s: jax.Array, axis: int) -> jax.Array:
+  """Sum `s` along `axis` by pairwise halving: elementwise adds, which XLA:CPU vectorises (its integer
+  reductions it does not), and never crossing a shard boundary when `axis` is not sharded."""
+  while s.shape[axis] > 1:
+    n = s.shape[axis]
+    if n % 2:
+      first = jax.lax.slice_in_dim(s, 0, 1, axis=axis) + jax.lax.slice_in_dim(s, n - 1, n, axis=axis)
+      s = jnp.concatenate([first, jax.lax.slice_in_dim(s, 1, n - 1, axis=axis)], axis=axis)
+      continue
+    s = jax.lax.slice_in_dim(s, 0, n // 2, axis=axis) + jax.lax.slice_in_dim(s, n // 2, n, axis=axis)
+  return s
+
+
+def _checksum(x: jax.Array, sharded_dims: tuple[int, ...] = ()) -> jax.Array:
   """Wrapping uint32 sum of the bit pattern weighted by a product of per-axis odd weights.
 
   Every weight is odd, so changing any single word changes the sum mod 2^32; position-dependent weights
-  make it sensitive to permutations. Contracting one axis at a time costs one multiply-add per word
-  (no per-element index arithmetic), and wrapping integer sums are exact in any reduction order, so
-  both sides agree bit for bit whatever their sharding. Leading axes are contracted first: XLA:CPU
-  vectorises those row-wise integer adds, not a reduction along the contiguous axis (3.4x measured).
+  make it sensitive to permutations. Wrapping integer sums are exact in any order, so both sides agree
+  bit for bit whatever their sharding. Unsharded axes are folded by halving (local, vectorised; 9x
+  faster than `jnp.sum` on CPU), the sharded ones last with `jnp.sum` (local partials + all-reduce).
   """
   u = _words(x)
   if u.ndim == 0:
     u = u.reshape(1)
   s = u
   for axis in range(u.ndim):
-    w = _axis_weights(u.shape[axis], axis).reshape((-1,) + (1,) * (s.ndim - 1))
-    s = jnp.sum(s * w, axis=0, dtype=jnp.uint32)
-  return s
+    w = _axis_weights(u.shape[axis], axis)
+    s = s * w.reshape((-1,) + (1,) * (u.ndim - 1 - axis))
+    if axis not in sharded_dims:
+      s = _halve(s, axis)
+  return jnp.sum(s, dtype=jnp.uint32)
 
 
-@jax.jit
-def _checksums_jit(leaves: list) -> jax.Array:
-  return jnp.stack([_checksum(x) for x in leaves]) if leaves else jnp.zeros((0,), jnp.uint32)
+def _sharded_dims(x: jax.Array) -> tuple[int, ...]:
+  """Dimensions of `x` split across devices (all of them when the sharding is not a NamedSharding)."""
+  sharding = x.sharding
+  if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+    return ()
+  if not isinstance(sharding, jax.sharding.NamedSharding):
+    return tuple(range(x.ndim))
+  dims = []
+  for d, entry in enumerate(sharding.spec):
+    axes = () if entry is None else ((entry,) if isinstance(entry, str) else tuple(entry))
+    if math.prod(sharding.mesh.shape[a] for a in axes) > 1:
+      dims.append(d)
+  return tuple(dims)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _checksums_jit(leaves: list, sharded: tuple) -> jax.Array:
+  return jnp.stack([_checksum(x, d) for x, d in zip(leaves, sharded)]) if leaves else jnp.zeros((0,), jnp.uint32)
 
 
 def checksums(tree: PyTree) -> np.ndarray:
@@ -430,7 +461,8 @@ def checksums(tree: PyTree) -> np.ndarray:
   # these are 8 bytes per array, read on purpose.
   with jax.transfer_guard("allow"):
     for idx in groups.values():
-      out[idx] = np.asarray(jax.device_get(_checksums_jit([leaves[i] for i in idx])))
+      sub = [leaves[i] for i in idx]
+      out[idx] = np.asarray(jax.device_get(_checksums_jit(sub, tuple(_sharded_dims(x) for x in sub))))
   return out
 
 

@@ -384,7 +384,7 @@ def test_checksum_matches_numpy_reference_and_is_layout_independent(env):
   from maxtext_rl_plugin import resharding
 
   rng = np.random.default_rng(0)
-  host = rng.standard_normal((4, 8, 6)).astype(np.float32)
+  host = rng.standard_normal((4, 7, 5)).astype(np.float32)  # odd dims exercise the halving's carry
   words = host.view(np.uint32)
 
   def weights(n, axis):  # independent re-derivation with Python ints
@@ -392,12 +392,12 @@ def test_checksum_matches_numpy_reference_and_is_layout_independent(env):
 
   w = [weights(n, a) for a, n in enumerate(host.shape)]
   ref = sum(int(words[i, j, k]) * w[0][i] * w[1][j] * w[2][k]
-            for i in range(4) for j in range(8) for k in range(6)) % 2**32
-  on_trainer = jax.device_put(host, jax.sharding.NamedSharding(env["tmesh"], jax.P("fsdp")))
-  on_sampler = jax.device_put(host, jax.sharding.NamedSharding(env["smesh"], jax.P(None, None, None)))
-  got = resharding.checksums([on_trainer, on_sampler, host[:, :, ::-1].copy()])
-  assert int(got[0]) == int(got[1]) == ref
-  assert int(got[2]) != ref  # same values, permuted
+            for i in range(4) for j in range(7) for k in range(5)) % 2**32
+  on_trainer = jax.device_put(host, jax.sharding.NamedSharding(env["tmesh"], jax.P("fsdp")))  # dim 0 split
+  on_sampler = jax.device_put(host, jax.sharding.NamedSharding(env["smesh"], jax.P(None, None, None)))  # replicated
+  got = resharding.checksums([on_trainer, on_sampler, host, host[:, :, ::-1].copy()])
+  assert int(got[0]) == int(got[1]) == int(got[2]) == ref
+  assert int(got[3]) != ref  # same values, permuted
 
 
 class _TinyRollout:
