@@ -86,7 +86,13 @@ class PluginKeys(BaseModel):
   )
 
   # --- resharding (maxtext_rl_plugin.resharding) ---
-  reshard_donate: bool = Field(True, description="Donate the sampler's old weight buffers during a sync where the backend supports donation.")
+  reshard_donate: bool = Field(
+      True,
+      description=(
+          "Free the sampler's previous weight buffers chunk by chunk just before the new ones land (the sampler is "
+          "idle during a sync), so a sync needs about one chunk of extra memory instead of a second full copy."
+      ),
+  )
 
   # --- training loop (maxtext_rl_plugin.trainer) ---
   sft_warmup_steps: int = Field(0, ge=0, description="Supervised warm-start steps on gold solutions before RL (0 = off); checkpointed so a rerun skips it.")

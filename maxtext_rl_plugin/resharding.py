@@ -122,7 +122,8 @@ def _staging_sharding(x, dst) -> jax.sharding.NamedSharding | None:
   """`dst`'s layout laid over `x`'s own devices, when a two-phase move applies (else None).
 
   Single-controller `jax.device_put` between two device sets *and* two partitionings takes JAX's
-  "slow path" (every destination shard is sliced out of the source array, then copied). Instead we
+  `shard_sharded_device_array_slow_path`: when no source shard matches a destination shard it fetches
+  the whole array to the host (`x._value`) and uploads slices -- an all-gather on one host. Instead we
   re-partition on the source devices first (an all-to-all inside the trainer mesh, compiled once) into
   a layout whose shard -> index map equals the destination's, then copy shard for shard to the sampler
   devices (JAX's batched copy fast path). Needs equally many devices on both sides.
