@@ -287,6 +287,23 @@ def logical_shardings(state: PyTree, mesh: jax.sharding.Mesh, rules) -> PyTree:
   return _zip_shardings(state, nn.logical_to_mesh(logical, rules), mesh)
 
 
+def model_on_mesh(model, mesh: jax.sharding.Mesh, rules):
+  """A copy of an nnx `model` whose weights live on `mesh`, laid out by MaxText `rules` (the sampler's own copy).
+
+  Tunix's RLCluster hands a class-based rollout engine the *trainer's* module (only its built-in
+  'vanilla' engine gets a resharded copy), so a disaggregated engine must make its own copy on the
+  rollout mesh; otherwise it samples on the trainer's devices and `sync_weights` is never called
+  (Tunix sees shared arrays). Params get `logical_shardings`; other state (RNG keys) is replicated.
+  """
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  params = reshard(params, logical_shardings(params, mesh, rules))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  rest = jax.tree.map(lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x, rest)
+  return nnx.merge(graphdef, params, rest)
+
+
 def _zip_shardings(state: PyTree, mesh_specs: PyTree, mesh) -> PyTree:
   leaves, treedef = jax.tree_util.tree_flatten(state)
   specs = jax.tree_util.tree_leaves(mesh_specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec) or x is None)

@@ -403,11 +403,13 @@ def test_checksum_matches_numpy_reference_and_is_layout_independent(env):
 class _TinyRollout:
   """Minimal Tunix rollout engine: holds its own copy of the actor on the rollout mesh (what an engine must do)."""
 
-  dst = None  # set by the test: sampler shardings
+  dst = None  # set by the test: sampler shardings (None: colocated engine)
+  rules = None  # MaxText logical_axis_rules
   drop = None  # a parameter-path substring the "buggy" engine forgets to update
 
   @classmethod
   def make(cls):
+    import jax
     from flax import nnx
     from tunix.rl.rollout import base_rollout
 
@@ -421,8 +423,7 @@ class _TinyRollout:
         if cls.dst is None:  # colocated: generate with the actor's own arrays
           self._model = rollout_actor
           return
-        graphdef, params, rest = nnx.split(rollout_actor, nnx.Param, ...)
-        self._model = nnx.merge(graphdef, resharding.reshard(params, cls.dst), rest)
+        self._model = resharding.model_on_mesh(rollout_actor, mesh, cls.rules)
 
       def update_params(self, params, filter_types=None):
         if cls.drop:
@@ -445,8 +446,6 @@ class _TinyRollout:
 
       def model(self):
         return self._model
-
-    import jax
 
     return Engine
 
@@ -494,9 +493,11 @@ def test_rl_cluster_sync_weights_goes_through_the_plugin(env, buggy_engine, rele
 
   from maxtext_rl_plugin import resharding
 
-  _TinyRollout.dst, _TinyRollout.drop = env["dst"], None
+  _TinyRollout.dst, _TinyRollout.drop, _TinyRollout.rules = env["dst"], None, env["config"].logical_axis_rules
   cluster = _rl_cluster(env, _TinyRollout.make())
   assert cluster.rollout.model() is not cluster.actor_trainer.model
+  held = _state(cluster.rollout.model())  # model_on_mesh: the engine's own copy, in the sampler layout
+  _assert_bitwise_on(_state(cluster.actor_trainer.model), held, env["dst"], env["rs"].sampler_devices)
   if buggy_engine:
     ws = resharding.WeightSync(env["config"], release_old=release, verify_policy="every_n", verify_every=1)
     resharding.install_into_rl_cluster(cluster, ws)
