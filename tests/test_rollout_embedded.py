@@ -152,14 +152,24 @@ def test_stop_token_and_stop_string_end_rows(setup, greedy):
   assert (res.tokens[0, k + 1:] == tok.pad_token_id).all() and (res.logps[0, k + 1:] == 0).all()
   np.testing.assert_allclose(res.logps[0, : k + 1], first.logps[0, : k + 1], atol=1e-6)
 
-  # Stop string: the text of row 1's token at step 5; expected cut by linear scan over decoded prefixes.
-  row1 = first.tokens[1].tolist()
-  stop = tok.decode(row1[5:7]).strip() or tok.decode(row1[5:7])
-  expected = next(j for j in range(1, NEW + 1) if stop in tok.decode(row1[:j]))
-  res = eng.generate_tokens(prompts, greedy=True, max_new_tokens=NEW, stop_strings=[stop])
-  assert res.lengths[1] == expected <= 7 and res.finish_reason[1] == "stop_string"
-  assert stop in tok.decode(res.tokens[1, : res.lengths[1]].tolist())
-  assert (res.tokens[1, expected:] == tok.pad_token_id).all() and (res.logps[1, expected:] == 0).all()
+  # Stop strings, one per row: the text of a token (re-tokenising to itself) from each row's greedy output.
+  # Host cut: first prefix whose decoded text contains any string (linear scan). The decode loop stops a
+  # row when it emits one of those tokens, so it runs until the last row's first such token.
+  rows = first.tokens.tolist()
+  picks = []
+  for r in rows:
+    j = next(j for j in range(4, NEW) if tok.encode(tok.decode([r[j]])) == [r[j]] and r[j] not in r[:j] and tok.decode([r[j]]).strip())
+    picks.append(r[j])
+  strings = [tok.decode([t]) for t in picks]
+  res = eng.generate_tokens(prompts, greedy=True, max_new_tokens=NEW, stop_strings=strings)
+  assert eng.compile_count == before
+  for i, r in enumerate(rows):
+    expected = next(j for j in range(1, NEW + 1) if any(x in tok.decode(r[:j]) for x in strings))
+    assert res.lengths[i] == expected and res.finish_reason[i] == "stop_string", (i, res.lengths[i], expected)
+    np.testing.assert_array_equal(res.tokens[i, :expected], r[:expected])
+    assert (res.tokens[i, expected:] == tok.pad_token_id).all() and (res.logps[i, expected:] == 0).all()
+  device_stop = max(next(j for j in range(NEW) if r[j] in picks) + 1 for r in rows)
+  assert eng.last_decode_steps == device_stop < NEW
   assert res.mask.sum(1).tolist() == res.lengths.tolist()
 
 
