@@ -525,3 +525,24 @@ def test_attach_is_a_no_op_when_colocated(env):
   cluster = _rl_cluster(env, _TinyRollout.make(), colocated=True)
   assert resharding.attach_to_rl_cluster(cluster, env["config"]) is None
   assert not hasattr(cluster.rollout, "_maxtext_rl_weight_sync")
+
+
+def test_weight_sync_destinations_mesh_rules_and_sampler_model(env):
+  """The other two ways to name the destination: a sampler mesh + rules, or the sampler's nnx model."""
+  import jax
+
+  from maxtext_rl_plugin import resharding
+
+  src = _state(env["model"])
+  by_mesh = resharding.WeightSync(env["config"], mesh=env["smesh"], rules=env["config"].logical_axis_rules)
+  _assert_bitwise_on(src, by_mesh.sync(src), env["dst"], env["rs"].sampler_devices)
+
+  sampler = resharding.model_on_mesh(env["model"], env["smesh"], env["config"].logical_axis_rules)
+  old = jax.tree.leaves(_state(sampler))
+  _perturb(env["model"], scale=0.5)
+  src = _state(env["model"])
+  ws = resharding.WeightSync(env["config"], sampler)  # updates the sampler model in place
+  held = ws.sync(src)
+  _assert_bitwise_on(src, _state(sampler), env["dst"], env["rs"].sampler_devices)
+  _assert_bitwise_on(src, held, env["dst"], env["rs"].sampler_devices)
+  assert ws.num_verified == 1 and all(x.is_deleted() for x in old)  # reshard_donate: old buffers released
