@@ -188,6 +188,7 @@ class RLRun:
   tee: Any
   run_dir: str
   engine_name: str
+  weight_sync: Any = None
 
 
 def _reward_functions(config, recorder: RewardRecorder) -> list[Callable]:
@@ -279,6 +280,10 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   rl_cluster = rl_cluster_lib.RLCluster(
       actor=actor, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
   )
+  # Disaggregated runs: trainer -> sampler weights go through the plugin's resharding (chunked, guarded).
+  from maxtext_rl_plugin import resharding  # pylint: disable=import-outside-toplevel
+
+  weight_sync = resharding.attach_to_rl_cluster(rl_cluster, rs.sampler_config)
   timer = PhaseTimer()
   recorder = RewardRecorder(timer)
   algorithms.register_with_tunix()
@@ -299,7 +304,7 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   rl_cluster.get_old_per_token_logps = timer.wrap("logps", rl_cluster.get_old_per_token_logps)
   del jax
   return RLRun(config, rs, tokenizer, train_split, eval_split, rl_cluster, learner, timer, recorder, tee, run_dir,
-               engine_name)
+               engine_name, weight_sync)
 
 
 # ----------------------------------------------------------------------------------------------------
