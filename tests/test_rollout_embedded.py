@@ -305,3 +305,19 @@ def test_data_parallel_mesh_greedy_matches_recompute(setup):
   want = _greedy_reference(setup["ref"], tok.pad_token_id, prompts, 8)
   for i in range(len(prompts)):
     np.testing.assert_array_equal(res.tokens[i, : res.lengths[i]], want[i, : res.lengths[i]])
+
+
+def test_registry_bucketing_and_grouping_helpers():
+  from tunix.rl.rollout import base_rollout
+
+  from maxtext_rl_plugin import registry
+  from maxtext_rl_plugin.rollout import embedded
+
+  assert registry.load("rollout_engines", "embedded") is embedded.EmbeddedRollout
+  assert issubclass(embedded.EmbeddedRollout, base_rollout.BaseRollout)
+  assert [embedded._next_bucket(n, [32, 64, 128]) for n in (1, 32, 33, 128, 129, 300)] == [32, 32, 64, 128, 256, 384]
+  a, b = [1, 2], [3]
+  assert embedded._consecutive_groups([a, a, b, b]) == ([a, b], 2)
+  assert embedded._consecutive_groups([a, b, a, b]) == ([a, b, a, b], 1)
+  assert embedded._consecutive_groups([a, a, a]) == ([a], 3)
+  assert embedded._consecutive_groups([a, a, b]) == ([a, a, b], 1)
