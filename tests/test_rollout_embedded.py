@@ -305,6 +305,12 @@ def test_data_parallel_mesh_greedy_matches_recompute(setup):
   want = _greedy_reference(setup["ref"], tok.pad_token_id, prompts, 8)
   for i in range(len(prompts)):
     np.testing.assert_array_equal(res.tokens[i, : res.lengths[i]], want[i, : res.lengths[i]])
+  # The AR cache (layers=2, T=8, kv_heads=2, batch, head_dim=16) is sharded over the batch, not replicated.
+  import re
+  (sig, compiled), = [(k, v) for k, v in eng._compiled.items() if k[0].new_tokens == 8]  # pylint: disable=protected-access
+  rows = sig[0].prompts * sig[0].generations
+  per_device = {int(b) for b in re.findall(r"f32\[2,8,2,(\d+),16\]", compiled.as_text())}
+  assert per_device == {rows // eng._dp}, (per_device, rows, eng._dp)  # pylint: disable=protected-access
 
 
 def test_registry_bucketing_and_grouping_helpers():

@@ -181,6 +181,11 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     self._batch_axes = tuple(a for a in axes if a in mesh.shape)
     self._dp = int(np.prod([mesh.shape[a] for a in self._batch_axes])) if self._batch_axes else 1
+    # MaxText's rules replicate the KV cache over the data axes (`cache_batch: []`: its serving engines
+    # run one replica per data shard). Here one program serves the whole data-parallel batch, so the cache
+    # is sharded over the same axes as the batch (first matching rule wins, so prepending overrides).
+    self._rules = tuple((name, self._batch_axes) for name in ("cache_batch", "cache_batch_prefill")) + tuple(
+        (k, v) for k, v in cfg.logical_axis_rules if k not in ("cache_batch", "cache_batch_prefill"))
 
     self._compiled: dict[Any, Any] = {}
     self._rest: dict | None = None  # RNG-stream state of the decode model (never drawn from; built once)
@@ -373,7 +378,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     )
     sig = (key, jax.tree.structure(args), tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(args[:2])))
     compiled = self._compiled.get(sig)
-    with self._mesh, logical_axis_rules(self.config.logical_axis_rules):
+    with self._mesh, logical_axis_rules(self._rules):
       if compiled is None:
         t0 = time.perf_counter()
         with warnings_off():
@@ -442,6 +447,31 @@ class EmbeddedRollout(base_rollout.BaseRollout):
 
     return jax.tree_util.tree_map_with_path(make, self._cache_template)
 
+  def _batch_axis(self, name: str, ndim: int) -> int | None:
+    """Batch axis of a MaxText KVCache leaf (leading dims are scanned-layer axes)."""
+    if name in _KV_LEAVES:
+      return ndim - 4 + self._axis_order[_KV_LEAVES[name]].index(0)
+    if name in _SEG_LEAVES:
+      return ndim - 2
+    if name == "cached_ar_lengths":
+      return ndim - 1
+    return None
+
+  def _shard_cache(self, cache: dict) -> dict:
+    """Pin every cache leaf's batch axis to the data axes (MaxText's own rules replicate the cache)."""
+    if self._dp == 1:
+      return cache
+
+    def pin(path, leaf):
+      axis = self._batch_axis(path[-1].key, leaf.ndim)
+      if axis is None:
+        return leaf
+      spec = [None] * leaf.ndim
+      spec[axis] = self._batch_axes
+      return jax.lax.with_sharding_constraint(leaf, NamedSharding(self._mesh, P(*spec)))
+
+    return jax.tree_util.tree_map_with_path(pin, cache)
+
   def _repeat_cache(self, cache: dict, G: int, batch: int, ar_len: int) -> dict:
     """Prefill cache of P prompts -> decode cache of P*G rows (prompt KV repeated, fresh AR cache)."""
     fresh = self._zero_cache(batch, 1, ar_len)
@@ -493,7 +523,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
       logits, cache = run_model(gd_prefill, params, rest, self._zero_cache(B, L, T), tokens, positions, segment,
                                 prefill_mode)
       last = jnp.repeat(logits[:, -1, :], G, axis=0)
-      cache = self._repeat_cache(cache, G, N, T)
+      cache = self._shard_cache(self._repeat_cache(cache, G, N, T))
       lens_n = jnp.repeat(lens, G)
       rng, sub = jax.random.split(rng)
       tok, lp = sampling.sample(last, sub, spec, temperature, top_p)
@@ -510,6 +540,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
         step, tok, done, cache, out_tokens, out_logps, rng, window = carry
         pos = (lens_n + step - 1)[:, None]
         logits, cache = run_model(gd_ar, params, rest, cache, tok[:, None], pos, None, ar_mode)
+        cache = self._shard_cache(cache)
         rng, sub = jax.random.split(rng)
         new, lp = sampling.sample(logits[:, -1, :], sub, spec, temperature, top_p)
         new = jnp.where(done, pad_id, new)
