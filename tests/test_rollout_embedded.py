@@ -1,7 +1,10 @@
 """Embedded KV-cache rollout engine vs. independent no-cache references on the tiny MaxText model.
 
-References never touch the engine's code path: a full forward of each unpadded row (right-padded to a
-fixed width, explicit segment ids, train-mode model through TunixMaxTextAdapter), one step at a time.
+References never touch the engine's code path: full forwards of each unpadded row (right-padded to a
+fixed width, explicit segment ids, train-mode model through TunixMaxTextAdapter, no cache). Greedy:
+one forward per generated token. Log-probs / top-k ranks: one causal forward of prompt + completion
+(position i sees only tokens <= i). Log-prob tolerance: 2e-4 nats absolute (float32; cached vs. full
+attention differ only in summation order).
 The tiny model's decoder weights are scaled x3 so greedy continuations depend on the context; at init
 scale a random model just repeats one token, which would hide cache/position bugs.
 """
