@@ -490,6 +490,12 @@ def train(run: RLRun) -> dict[str, Any]:
   else:
     out_logger.note(f"starting {run.run_dir}: {total} RL steps of {config.rl.loss_algo}, batch {config.batch_size} x "
                     f"{config.rl.num_generations} generations, rollout engine '{run.engine_name}'")
+  rs = run.setup
+  sync = run.weight_sync
+  out_logger.note(
+      f"devices: trainer {len(rs.trainer_devices)}, sampler {len(rs.sampler_devices)} ("
+      + (f"disaggregated; weight sync via {sync.path}, chunk_size={sync.chunk_size}, verify={sync.verify_policy})"
+         if sync is not None else "colocated: the sampler shares the trainer's weights)"))
   if start == 0 and config.eval_before_training and config.num_test_batches > 0:
     summary["eval_before"] = evaluate(run, 0)
     out_logger.log_eval(0, summary["eval_before"], "eval before RL")
@@ -530,6 +536,10 @@ def train(run: RLRun) -> dict[str, Any]:
   if config.eval_after_training and config.num_test_batches > 0 and total > start:
     summary["eval_after"] = evaluate(run, total)
     out_logger.log_eval(total, summary["eval_after"], "eval after RL")
+  if run.weight_sync is not None:
+    summary["weight_syncs"] = {"count": run.weight_sync.num_syncs, "verified": run.weight_sync.num_verified,
+                               "last_seconds": run.weight_sync.last_seconds, "last_bytes": run.weight_sync.last_bytes}
+    out_logger.note(f"weight syncs: {run.weight_sync.num_syncs}, verified bit-exact: {run.weight_sync.num_verified}")
   summary["history"] = out_logger.history
   summary["tensorboard_dir"] = out_logger.tensorboard_dir
   out_logger.close()

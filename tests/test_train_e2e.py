@@ -182,3 +182,47 @@ def test_resume_with_incompatible_batch_size_refuses(out, grpo_run):
   p = train(out, "grpo", "num_batches=4", "batch_size=4", check=False)
   assert p.returncode == 2
   assert "cannot resume" in p.stderr and "batch_size=2" in p.stderr
+
+
+def test_tokenizer_without_chat_template_is_one_line_error(out, tmp_path):
+  import maxtext  # pylint: disable=import-outside-toplevel
+
+  tok_src = pathlib.Path(maxtext.__file__).parent / "assets" / "tokenizers" / "qwen3-tokenizer"
+  tok = tmp_path / "no-template"
+  tok.mkdir()
+  (tok / "tokenizer.json").write_bytes((tok_src / "tokenizer.json").read_bytes())
+  cfg = json.loads((tok_src / "tokenizer_config.json").read_text())
+  cfg.pop("chat_template", None)
+  (tok / "tokenizer_config.json").write_text(json.dumps(cfg))
+  p = train(out, "notemplate", f"tokenizer_path={tok}", check=False)
+  assert p.returncode == 2
+  errs = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+  assert len(errs) == 1 and "no chat template" in errs[0] and "use_chat_template=false" in errs[0]
+  assert not (out / "notemplate" / "checkpoints").exists()
+
+
+def test_batch_not_divisible_by_trainer_devices_is_one_line_error():
+  from maxtext_rl_plugin import config as config_lib, models, trainer  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.errors import ConfigError  # pylint: disable=import-outside-toplevel
+
+  cfg = config_lib.load_config([TINY, "batch_size=3", "rl.num_generations=3"])
+  fake_devices = list(range(4))  # the check only counts devices; 9 rows over 4 trainer devices
+  rs = models.RunSetup(cfg, cfg, fake_devices, fake_devices)
+  with pytest.raises(ConfigError, match=r"'batch_size'=3.*9 rows must be divisible by the 4 trainer devices"):
+    trainer._check_runtime(cfg, rs)  # pylint: disable=protected-access
+
+
+@pytest.mark.multidevice
+def test_disaggregated_run_syncs_and_verifies_weights_every_step(tmp_path):
+  """8 forced CPU devices, use_pathways=true + chips_per_vm=4: MaxText splits trainer 4 / sampler 4; every
+  trainer->sampler sync goes through the plugin's resharding and is checked bit for bit."""
+  env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  cmd = [sys.executable, "-m", "maxtext_rl_plugin.train_rl", TINY, f"base_output_directory={tmp_path}", "run_name=dis",
+         *FAST, "num_batches=2", "use_pathways=true", "chips_per_vm=4", "rl.verify_weight_sync=every_n",
+         "rl.verify_weight_sync_every=1", f"metrics_file={tmp_path / 'm.jsonl'}"]
+  p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=900, check=False)
+  assert p.returncode == 0, p.stderr[-4000:]
+  assert "devices: trainer 4, sampler 4 (disaggregated" in p.stdout
+  assert "weight syncs: 2, verified bit-exact: 2" in p.stdout
+  recs = [r for r in read_jsonl(tmp_path / "m.jsonl") if "reward/mean" in r]
+  assert [r["step"] for r in recs] == [1, 2] and all(r["time/weight_sync_s"] > 0 for r in recs)

@@ -129,7 +129,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     from maxtext.inference import kvcache  # pylint: disable=import-outside-toplevel
     from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
 
-    self._actor = rollout_actor
+    self._actor = _on_rollout_mesh(rollout_actor, mesh, (config if config is not None else rollout_actor.base.config))
     self._tokenizer = tokenizer
     self._mesh = mesh
     self._rollout_config = rollout_config
@@ -233,10 +233,12 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     params = sampling.SamplingParams.create(rollout_config.temperature, rollout_config.top_k, rollout_config.top_p)
     seed = rollout_config.seed
     rng = seed if isinstance(seed, jax.Array) else jax.random.PRNGKey(0 if seed is None else int(seed))
-    # Tunix passes the same RolloutConfig.seed every step: fold in a call counter so steps differ
-    # (still reproducible for a given seed and call order).
+    # Tunix passes the same RolloutConfig.seed (None) every step: fold in a call counter so steps differ.
+    # A caller that sets a seed per call (the plugin's trainer: a function of rollout_seed and the step,
+    # so a resumed run samples like an uninterrupted one) gets exactly that seed.
     self._generate_calls += 1
-    rng = jax.random.fold_in(rng, self._generate_calls)
+    if seed is None:
+      rng = jax.random.fold_in(rng, self._generate_calls)
     res = self.generate_tokens(
         unique, num_generations=group, max_new_tokens=int(rollout_config.max_tokens_to_generate), rng=rng,
         sampling_params=params, extra_stop_ids=eos_tokens, prompt_pad_to=max_prompt,
@@ -578,6 +580,26 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     logps = np.where(mask, logps, 0.0).astype(np.float32)
     texts = self._tokenizer.batch_decode([tokens[i, : lengths[i]].tolist() for i in range(N)], skip_special_tokens=True)
     return GenerationResult(tokens, lengths, logps, prompt_lens, left, list(texts), reasons)
+
+
+def _on_rollout_mesh(actor: Any, mesh: jax.sharding.Mesh, cfg: Any) -> Any:
+  """The actor itself when it already lives on the rollout mesh (colocated), else the sampler's own copy.
+
+  Tunix hands class-based engines the trainer's module; in a disaggregated run sampling on it would
+  use the trainer's devices and Tunix would never sync weights (it sees shared arrays). The copy is
+  laid out on the rollout mesh by MaxText's logical axis rules, from the trainer's current weights, so
+  step 0 samples the trainer's weights; later syncs go through `resharding` (RLCluster.sync_weights).
+  """
+  leaves = jax.tree.leaves(nnx.state(actor, nnx.Param))
+  actor_devices = set().union(*(set(x.sharding.device_set) for x in leaves)) if leaves else set()
+  if actor_devices <= set(mesh.devices.flat):
+    return actor
+  from maxtext_rl_plugin import resharding  # pylint: disable=import-outside-toplevel
+
+  logging.info("EmbeddedRollout: disaggregated (trainer on %d devices, rollout mesh %s); copying the actor onto the "
+               "rollout mesh", len(actor_devices), dict(mesh.shape))
+  with logical_axis_rules(cfg.logical_axis_rules):
+    return resharding.model_on_mesh(actor, mesh, cfg.logical_axis_rules)
 
 
 def _consecutive_groups(ids: list[list[int]]) -> tuple[list[list[int]], int]:
