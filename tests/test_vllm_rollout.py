@@ -282,12 +282,12 @@ def test_missing_vllm_fails_at_construction_with_one_line(qwen, tokenizer, capsy
         config=qwen[0])
   msg = str(ei.value)
   assert "\n" not in msg and "rollout_engine=vllm" in msg and "pip install 'maxtext-rl-plugin[tpu]'" in msg
-  # The trainer's factory for rollout_engine=vllm, inside the entry points' handler: exit 2, one line.
+  # The trainer resolves rollout_engine=vllm before any model is built, inside the entry points' handler:
+  # exit 2, one line.
   from maxtext_rl_plugin import trainer  # pylint: disable=import-outside-toplevel
 
-  factory = trainer.rollout_engine_factory("vllm", qwen[0])
   with pytest.raises(SystemExit) as exit_info, errors.exit_on_user_error():
-    factory(rollout_actor=qwen[1], tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(qwen[0]))
+    trainer.rollout_engine_factory("vllm", qwen[0])
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
   assert err.startswith("error: rollout_engine=vllm needs the 'vllm' package") and err.count("\n") == 1
