@@ -198,24 +198,23 @@ def _reward_functions(config, recorder: RewardRecorder) -> list[Callable]:
 
 
 def _accuracy_metric(config, recorder: RewardRecorder):
-  """Tunix metric_fn: per-completion correctness against the gold answer (recorded as 'accuracy')."""
-  from maxtext_rl_plugin import rewards  # pylint: disable=import-outside-toplevel
+  """Tunix metric_fn: per-completion correctness against the gold answer (recorded as 'accuracy').
 
-  def accuracy(prompts, completions, rewards_, advantages, answer=None, **kwargs):  # Tunix passes rewards=...
-    del prompts, rewards_, advantages, kwargs
-    correct = [float(r.correct) for r in rewards.score_batch(completions, list(answer or []), config)]
+  The grading is the `check_answer` reward's own (rewards memoise the last batch), not a second pass.
+  """
+  from maxtext_rl_plugin import rewards as rewards_lib  # pylint: disable=import-outside-toplevel
+
+  def accuracy(prompts, completions, rewards, advantages, answer=None, **kwargs):
+    del prompts, rewards, advantages, kwargs
+    correct = [float(r.correct) for r in rewards_lib.score_batch(completions, list(answer or []), config)]
     recorder.values.setdefault("accuracy", []).extend(correct)
     return {"accuracy": (float(np.mean(correct)) if correct else 0.0, np.mean)}
 
-  def metric_fn(prompts, completions, rewards, advantages, **kwargs):  # pylint: disable=redefined-outer-name
-    return accuracy(prompts, completions, rewards, advantages, **kwargs)
-
-  return metric_fn
+  return accuracy
 
 
 def build_run(config, argv: Sequence[str]) -> RLRun:
   """Models, meshes, data, rewards, Tunix cluster and learner for `config`."""
-  import jax  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
   from maxtext.integration.tunix.tunix_adapter import TunixMaxTextAdapter  # pylint: disable=import-outside-toplevel
   from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=import-outside-toplevel
@@ -302,7 +301,6 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   rollout.generate = timer.wrap("rollout", rollout.generate)
   rl_cluster.get_ref_per_token_logps = timer.wrap("logps", rl_cluster.get_ref_per_token_logps)
   rl_cluster.get_old_per_token_logps = timer.wrap("logps", rl_cluster.get_old_per_token_logps)
-  del jax
   return RLRun(config, rs, tokenizer, train_split, eval_split, rl_cluster, learner, timer, recorder, tee, run_dir,
                engine_name, weight_sync)
 

@@ -176,7 +176,22 @@ def _ratio_band(pred: Optional[str], golds: tuple[str, ...]) -> int:
   return best
 
 
+_LAST_GRADED: list = [None, None]  # [key, result]: a step grades one batch for the reward and again for metrics
+
+
 def _grade(completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig) -> list[tuple[ex.Extraction, bool, float, bool]]:
+  """(extraction, correct, answer reward, partial) per completion; the last batch is memoised."""
+  try:
+    key = (tuple(completions), tuple(answers), rc)
+    hash(key)
+  except TypeError:
+    return _grade_uncached(completions, answers, rc)
+  if _LAST_GRADED[0] != key:
+    _LAST_GRADED[:] = [key, _grade_uncached(completions, answers, rc)]
+  return list(_LAST_GRADED[1])
+
+
+def _grade_uncached(completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig) -> list[tuple[ex.Extraction, bool, float, bool]]:
   """(extraction, correct, answer reward, partial) per completion; slow verifications run in parallel."""
   exts = [ex.extract(c, rc.solution_start_token, rc.solution_end_token) if isinstance(c, str) else ex.Extraction(None, ex.RULE_NONE) for c in completions]
   golds = [gold_alternatives(a) for a in answers]

@@ -28,3 +28,19 @@ def gsm8k_dir() -> pathlib.Path:
 @pytest.fixture(scope="session")
 def repo_root() -> pathlib.Path:
   return REPO
+
+
+@pytest.fixture
+def launch_cli(capsys):
+  """Runs `python -m maxtext_rl_plugin.launch ARGV` in-process; returns (exit code, stdout, stderr)."""
+  from maxtext_rl_plugin.launch import __main__ as launch_main  # pylint: disable=import-outside-toplevel
+
+  def run(argv):
+    try:
+      rc = launch_main.main(argv)
+    except SystemExit as e:
+      rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+  return run

@@ -17,19 +17,9 @@ import pytest
 
 pytest.importorskip("ray.train.v2.jax", reason="ray[train] not installed (pip install 'maxtext-rl-plugin[launch]')")
 
-from maxtext_rl_plugin.launch import __main__ as launch_main  # pylint: disable=wrong-import-position
 from maxtext_rl_plugin.launch import ray as ray_lib  # pylint: disable=wrong-import-position
 
 TOKEN = "hf_test_RAYsecret_77"
-
-
-def run_main(argv, capsys):
-  try:
-    rc = launch_main.main(argv)
-  except SystemExit as e:
-    rc = e.code
-  out, err = capsys.readouterr()
-  return rc, out, err
 
 
 def test_cpu_workers_never_inherit_forced_devices():
@@ -59,10 +49,10 @@ def test_tpu_trainer_matches_the_ray_tutorial(monkeypatch):
   assert TOKEN not in launch.describe()
 
 
-def test_dry_run_and_one_line_errors(monkeypatch, capsys):
+def test_dry_run_and_one_line_errors(monkeypatch, launch_cli):
   monkeypatch.setenv("HF_TOKEN", TOKEN)
-  rc, out, err = run_main(["ray", "--num-workers", "4", "--tpu-topology", "4x4", "--accelerator-type", "TPU-V6E",
-                           "--name", "grpo-ray", "--dry-run", "--", "loss_algo=gspo-token"], capsys)
+  rc, out, err = launch_cli(["ray", "--num-workers", "4", "--tpu-topology", "4x4", "--accelerator-type", "TPU-V6E",
+                           "--name", "grpo-ray", "--dry-run", "--", "loss_algo=gspo-token"])
   assert rc == 0 and out.startswith("ray JaxTrainer name=grpo-ray") and TOKEN not in out + err
   assert '"run_name=grpo-ray"' in out  # --name becomes the run_name, so a rerun resumes
   for argv, needle in [
@@ -72,7 +62,7 @@ def test_dry_run_and_one_line_errors(monkeypatch, capsys):
       (["ray", "--num-workers", "0", "--dry-run"], "--num-workers"),
       (["ray", "--num-workers", "2", "--dry-run", "--", "rl.kl_estimatr=k1"], "unknown config key"),
   ]:
-    rc, out, err = run_main(argv, capsys)
+    rc, out, err = launch_cli(argv)
     assert rc == 2 and out == "" and err.count("\n") == 1 and needle in err, (argv, err)
 
 

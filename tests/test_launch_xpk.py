@@ -20,7 +20,6 @@ import pytest
 xpk_parser_core = pytest.importorskip("xpk.parser.core", reason="xpk==1.16.0 not installed (pip install xpk==1.16.0)")
 yaml = pytest.importorskip("yaml")
 
-from maxtext_rl_plugin.launch import __main__ as launch_main  # pylint: disable=wrong-import-position
 from maxtext_rl_plugin.launch import xpk as xpk_lib  # pylint: disable=wrong-import-position
 
 TOKEN = "hf_test_Zq9SECRETtoken42"
@@ -39,23 +38,14 @@ def xpk_parse(line: str) -> argparse.Namespace:
   return parser.parse_args(argv[1:])
 
 
-def run_main(argv, capsys) -> tuple[int, str, str]:
-  try:
-    rc = launch_main.main(argv)
-  except SystemExit as e:
-    rc = e.code
-  out, err = capsys.readouterr()
-  return rc, out, err
-
-
 @pytest.fixture
 def token_env(monkeypatch):
   monkeypatch.setenv("HF_TOKEN", TOKEN)
   return TOKEN
 
 
-def test_dry_run_prints_one_xpk_line_that_xpk_parses(token_env, capsys):
-  rc, out, err = run_main([*BASE, "--num-slices", "2", "--priority", "high", "--dry-run", "--", *OVERRIDES], capsys)
+def test_dry_run_prints_one_xpk_line_that_xpk_parses(token_env, launch_cli):
+  rc, out, err = launch_cli([*BASE, "--num-slices", "2", "--priority", "high", "--dry-run", "--", *OVERRIDES])
   assert rc == 0, err
   lines = out.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("xpk "), out
@@ -77,8 +67,8 @@ def test_dry_run_prints_one_xpk_line_that_xpk_parses(token_env, capsys):
   assert "hf_access_token=$HF_TOKEN" in train_args
 
 
-def test_token_is_never_printed_but_reaches_xpk(token_env, capsys, tmp_path, monkeypatch):
-  rc, out, err = run_main([*BASE, "--dry-run", "--", *OVERRIDES], capsys)
+def test_token_is_never_printed_but_reaches_xpk(token_env, launch_cli, tmp_path, monkeypatch):
+  rc, out, err = launch_cli([*BASE, "--dry-run", "--", *OVERRIDES])
   assert rc == 0 and TOKEN not in out and TOKEN not in err
   assert 'HF_TOKEN="$HF_TOKEN"' in out
   # Without --dry-run the real xpk gets the value; a stand-in records its argv.
@@ -86,7 +76,7 @@ def test_token_is_never_printed_but_reaches_xpk(token_env, capsys, tmp_path, mon
   fake = tmp_path / "fake_xpk.py"
   fake.write_text(f"import json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\nsys.exit(3)\n")
   monkeypatch.setenv(xpk_lib.XPK_BIN_ENV, f"{sys.executable} {fake}")
-  rc, out, err = run_main([*BASE, "--", *OVERRIDES, "hf_access_token=" + TOKEN], capsys)
+  rc, out, err = launch_cli([*BASE, "--", *OVERRIDES, "hf_access_token=" + TOKEN])
   assert rc == 3  # xpk's exit status is the launcher's
   assert TOKEN not in out and TOKEN not in err
   assert "hf_access_token=***" in err  # the echoed command shows an explicit token override redacted
@@ -96,9 +86,9 @@ def test_token_is_never_printed_but_reaches_xpk(token_env, capsys, tmp_path, mon
   assert f"hf_access_token={TOKEN}" in shlex.split(argv[argv.index("--command") + 1])
 
 
-def test_no_token_no_env(monkeypatch, capsys):
+def test_no_token_no_env(monkeypatch, launch_cli):
   monkeypatch.delenv("HF_TOKEN", raising=False)
-  rc, out, err = run_main([*BASE, "--dry-run", "--", *OVERRIDES], capsys)
+  rc, out, err = launch_cli([*BASE, "--dry-run", "--", *OVERRIDES])
   assert rc == 0
   args = xpk_parse(out.strip())
   assert args.env is None and "hf_access_token" not in args.command
@@ -106,8 +96,8 @@ def test_no_token_no_env(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("name", ["Llama-grpo", "llama_grpo", "1llama", "llama-", "a" * 41, "llam\u00e4", "llama.grpo"])
-def test_bad_workload_names_rejected_like_xpk(name, capsys):
-  rc, out, err = run_main(["xpk", "--workload", name, *BASE[3:], "--dry-run"], capsys)
+def test_bad_workload_names_rejected_like_xpk(name, launch_cli):
+  rc, out, err = launch_cli(["xpk", "--workload", name, *BASE[3:], "--dry-run"])
   assert rc == 2 and out == ""
   assert err.count("\n") == 1 and err.startswith("error: invalid --workload"), err
   with pytest.raises(argparse.ArgumentTypeError):  # the reference: xpk's own validator rejects it too
@@ -135,10 +125,10 @@ def test_tpu_types_are_xpks_table():
 
 
 @pytest.mark.parametrize("tpu", ["v5p-127", "v9-8", "tpu-v5p-128"])
-def test_unknown_tpu_type_one_line(tpu, capsys):
+def test_unknown_tpu_type_one_line(tpu, launch_cli):
   argv = list(BASE)
   argv[argv.index("--tpu-type") + 1] = tpu
-  rc, out, err = run_main([*argv, "--dry-run"], capsys)
+  rc, out, err = launch_cli([*argv, "--dry-run"])
   assert rc == 2 and out == "" and err.count("\n") == 1
   assert err.startswith(f"error: unknown --tpu-type '{tpu}'")
 
@@ -153,52 +143,52 @@ def test_unknown_tpu_type_one_line(tpu, capsys):
         ("notkeyvalue", "not of the form key=value"),
     ],
 )
-def test_overrides_train_rl_would_reject_fail_before_printing(override, needle, capsys):
-  rc, out, err = run_main([*BASE, "--dry-run", "--", *OVERRIDES, override], capsys)
+def test_overrides_train_rl_would_reject_fail_before_printing(override, needle, launch_cli):
+  rc, out, err = launch_cli([*BASE, "--dry-run", "--", *OVERRIDES, override])
   assert rc == 2 and out == ""
   assert err.count("\n") == 1 and err.startswith("error: ") and needle in err, err
 
 
-def test_other_bad_flags_one_line(capsys):
+def test_other_bad_flags_one_line(launch_cli):
   for argv in ([*BASE, "--priority", "urgent", "--dry-run"], [*BASE, "--num-slices", "0", "--dry-run"],
                ["xpk", "--workload", "w", "--dry-run"], [*BASE, "--bogus", "--dry-run"]):
-    rc, out, err = run_main(argv, capsys)
+    rc, out, err = launch_cli(argv)
     assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: "), (argv, err)
 
 
-def test_resubmission_resumes_same_run(token_env, capsys):
+def test_resubmission_resumes_same_run(token_env, launch_cli):
   """Same workload -> byte-identical command -> same run_name/base_output_directory -> same checkpoint dir."""
-  first = run_main([*BASE, "--dry-run", "--", *OVERRIDES], capsys)[1]
-  again = run_main([*BASE, "--dry-run", "--", *OVERRIDES], capsys)[1]
+  first = launch_cli([*BASE, "--dry-run", "--", *OVERRIDES])[1]
+  again = launch_cli([*BASE, "--dry-run", "--", *OVERRIDES])[1]
   assert first == again
   # An explicit run_name wins and is not duplicated.
-  out = run_main([*BASE, "--dry-run", "--", *OVERRIDES, "run_name=exp7"], capsys)[1]
+  out = launch_cli([*BASE, "--dry-run", "--", *OVERRIDES, "run_name=exp7"])[1]
   train_args = shlex.split(xpk_parse(out.strip()).command)
   assert [a for a in train_args if a.startswith("run_name=")] == ["run_name=exp7"]
 
 
-def test_max_restarts_passed_and_warned(capsys):
-  rc, out, err = run_main([*BASE, "--max-restarts", "3", "--dry-run", "--", *OVERRIDES], capsys)
+def test_max_restarts_passed_and_warned(launch_cli):
+  rc, out, err = launch_cli([*BASE, "--max-restarts", "3", "--dry-run", "--", *OVERRIDES])
   assert rc == 0 and xpk_parse(out.strip()).max_restarts == "3"
   assert "--max-restarts" in err and "resubmit" in err
 
 
-def test_delete_and_list_parse(capsys):
-  rc, out, _ = run_main(["xpk-delete", "--workload", "llama-grpo", "--cluster", "tpu-cluster", "--project", "p",
-                         "--force", "--dry-run"], capsys)
+def test_delete_and_list_parse(launch_cli):
+  rc, out, _ = launch_cli(["xpk-delete", "--workload", "llama-grpo", "--cluster", "tpu-cluster", "--project", "p",
+                         "--force", "--dry-run"])
   args = xpk_parse(out.strip())
   assert rc == 0 and args.func.__name__ == "workload_delete" and args.workload == "llama-grpo" and args.force
-  rc, out, _ = run_main(["xpk-list", "--cluster", "tpu-cluster", "--project", "p", "--workload", "llama-grpo",
-                         "--dry-run"], capsys)
+  rc, out, _ = launch_cli(["xpk-list", "--cluster", "tpu-cluster", "--project", "p", "--workload", "llama-grpo",
+                         "--dry-run"])
   args = xpk_parse(out.strip())
   assert rc == 0 and args.func.__name__ == "workload_list" and args.filter_by_job == "llama-grpo"
-  rc, _, err = run_main(["xpk-delete", "--workload", "Bad", "--cluster", "c", "--dry-run"], capsys)
+  rc, _, err = launch_cli(["xpk-delete", "--workload", "Bad", "--cluster", "c", "--dry-run"])
   assert rc == 2 and "invalid --workload" in err
 
 
-def test_xpk_dry_run_writes_pathways_jobset(token_env, tmp_path, capsys):
+def test_xpk_dry_run_writes_pathways_jobset(token_env, tmp_path, launch_cli):
   """xpk's own --dry-run --output-manifest-file on our command: the JobSet runs train_rl with our env."""
-  rc, out, _ = run_main([*BASE, "--zone", "us-east5-a", "--dry-run", "--", *OVERRIDES], capsys)
+  rc, out, _ = launch_cli([*BASE, "--zone", "us-east5-a", "--dry-run", "--", *OVERRIDES])
   assert rc == 0
   cmd = xpk_lib.build_create(workload="llama-grpo", cluster="tpu-cluster", tpu_type="v5p-128", project="my-proj",
                              zone="us-east5-a", docker_image="gcr.io/my-proj/maxtext-rl:latest", overrides=OVERRIDES,
