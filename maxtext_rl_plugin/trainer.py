@@ -164,12 +164,35 @@ def rollout_configs(config, tokenizer) -> dict:
 
 
 def build_optimizer(config):
-  """MaxText's RL optimizer (AdamW + warmup-cosine schedule + global-norm clipping)."""
+  """MaxText's RL optimizer (AdamW + warmup-cosine schedule + global-norm clipping).
+
+  MaxText 0.2.5's `utils_rl.get_optimizer` drops `adam_eps` / `adam_eps_root`. With the default eps the
+  plugin returns MaxText's optimizer unchanged; otherwise it rebuilds the same chain with them, because a
+  large eps is the knob that keeps Adam from turning a sparse RL gradient into a full-size step on every
+  parameter (the CPU demo uses it).
+  """
   import multiprocessing.pool  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import  (utils_rl needs it)
 
+  import optax  # pylint: disable=import-outside-toplevel
   from maxtext.trainers.post_train.rl import utils_rl  # pylint: disable=import-outside-toplevel
 
-  return utils_rl.get_optimizer(config)
+  eps, eps_root = float(config.adam_eps), float(config.adam_eps_root)
+  if eps == 1e-8 and eps_root == 0.0:
+    return utils_rl.get_optimizer(config)
+  # Same schedule as utils_rl.get_optimizer (including its learning_rate_schedule_steps rule).
+  sched_steps = config.learning_rate_schedule_steps
+  if not (sched_steps and sched_steps > 0 and sched_steps != config.steps):
+    sched_steps = config.train_steps
+  schedule = optax.schedules.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=config.learning_rate, warmup_steps=int(config.warmup_steps_fraction * sched_steps),
+      decay_steps=sched_steps, end_value=0.0)
+
+  def make(learning_rate):
+    clip = [optax.clip_by_global_norm(config.gradient_clipping_threshold)] if config.gradient_clipping_threshold > 0 else []
+    return optax.chain(*clip, optax.adamw(learning_rate, b1=config.adam_b1, b2=config.adam_b2, eps=eps,
+                                          eps_root=eps_root, weight_decay=config.adam_weight_decay))
+
+  return optax.inject_hyperparams(make)(learning_rate=schedule)
 
 
 @dataclasses.dataclass
