@@ -78,6 +78,11 @@ class PluginKeys(BaseModel):
   synthetic_min_steps: int = Field(1, ge=1, description="Fewest arithmetic operations in a synthetic problem.")
   synthetic_max_steps: int = Field(2, ge=1, description="Most arithmetic operations in a synthetic problem.")
   synthetic_max_value: int = Field(20, ge=2, description="Largest operand in a synthetic problem.")
+  synthetic_teacher_error_rate: float = Field(
+      0.0, ge=0.0, le=1.0,
+      description="Fraction of synthetic training problems whose worked solution (the SFT warm start's demonstration) "
+      "comes from a flawed teacher that adds every pair of numbers whatever the wording says. Models an imperfect SFT "
+      "corpus; rewards and eval always use the true answer.")
   use_chat_template: bool = Field(True, description="Build prompts with the tokenizer's chat template (else the plain template of data_template_path).")
 
   # --- rewards (maxtext_rl_plugin.rewards) ---

@@ -170,10 +170,11 @@ def format_target(example: Example, config) -> str:
   sol = example.solution or ""
   if t["solution_start_token"] in sol and t["solution_end_token"] in sol:
     return sol
-  reasoning = sol.rsplit("####", 1)[0] if "####" in sol else sol
+  reasoning, _, final = sol.rpartition("####") if "####" in sol else (sol, "", "")
   reasoning = _CALC_ANNOTATION_RE.sub("", reasoning).strip()
+  shown = final.strip() or example.answer  # the demonstration's own answer (a flawed teacher's may be wrong)
   rs = "" if getattr(config, "reasoning_start_token_in_prompt", False) else t["reasoning_start_token"]
-  return f"{rs}{reasoning}{t['reasoning_end_token']}\n{t['solution_start_token']}{example.answer}{t['solution_end_token']}"
+  return f"{rs}{reasoning}{t['reasoning_end_token']}\n{t['solution_start_token']}{shown}{t['solution_end_token']}"
 
 
 def prompt_lengths(tokenizer, prompts: Sequence[str]) -> list[int]:
@@ -303,6 +304,7 @@ class SyntheticConfig:
   min_steps: int = 1
   max_steps: int = 2
   max_value: int = 20
+  teacher_error_rate: float = 0.0
 
 
 def synthetic_problem(rng: random.Random, cfg: SyntheticConfig) -> tuple[str, int, str]:
@@ -380,6 +382,29 @@ def synthetic_problem(rng: random.Random, cfg: SyntheticConfig) -> tuple[str, in
   return " ".join(sentences + [q]), v, "\n".join(lines + [f"#### {v}"])
 
 
+_STEP_RE = re.compile(r"^(\d+) [-+*/] (\d+) = \d+$")
+
+
+def adding_teacher(solution: str) -> tuple[str, int]:
+  """The worked solution of a teacher who adds every pair of numbers whatever the wording says.
+
+  `7 * 3 = 21` becomes `7 + 3 = 10`; later steps continue from the teacher's own running value. Returns
+  the flawed solution and its (wrong, unless every step was an addition) final answer.
+  """
+  lines, value = [], None
+  for line in solution.splitlines():
+    m = _STEP_RE.match(line)
+    if not m:
+      continue
+    a = int(m.group(1)) if value is None else value
+    b = int(m.group(2))
+    value = a + b
+    lines.append(f"{a} + {b} = {value}")
+  if value is None:
+    raise ValueError(f"not a synthetic worked solution: {solution!r}")
+  return "\n".join(lines + [f"#### {value}"]), value
+
+
 class SyntheticSplit(DatasetSplit):
   """Synthetic problems generated from (seed, stream, index): unlimited (train) or a fixed list (eval).
 
@@ -422,6 +447,9 @@ class SyntheticSplit(DatasetSplit):
           logging.warning("synthetic/%s: %d prompts longer than max_prefill_predict_length=%d redrawn so far",
                           self.stream, self.filtered_long, self.max_prompt_tokens)
         continue
+      if (self.stream == "train" and self.cfg.teacher_error_rate > 0 and any(o in sol for o in (" - ", " * ", " / "))
+          and random.Random(f"{self.cfg.seed}:teacher:{i}").random() < self.cfg.teacher_error_rate):
+        sol = adding_teacher(sol)[0]  # a wrong demonstration for SFT; the gold answer stays the true one
       return Example(q, str(a), sol, prompt, f"synthetic-{self.stream}-{i}")
     raise DataError(
         f"synthetic problems do not fit max_prefill_predict_length={self.max_prompt_tokens} "
@@ -637,7 +665,8 @@ def _synthetic_cfg(config) -> SyntheticConfig:
   lo, hi = int(getattr(config, "synthetic_min_steps", 1)), int(getattr(config, "synthetic_max_steps", 2))
   if hi < lo:
     raise ConfigError(f"invalid value for 'synthetic_max_steps'={hi}: must be >= synthetic_min_steps={lo}")
-  return SyntheticConfig(int(getattr(config, "synthetic_seed", 1234)), lo, hi, int(getattr(config, "synthetic_max_value", 20)))
+  return SyntheticConfig(int(getattr(config, "synthetic_seed", 1234)), lo, hi, int(getattr(config, "synthetic_max_value", 20)),
+                         float(getattr(config, "synthetic_teacher_error_rate", 0.0) or 0.0))
 
 
 def _rows_for(config, which: str) -> Optional[list[tuple[str, str, str, str]]]:

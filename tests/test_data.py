@@ -322,3 +322,44 @@ def test_synthetic_eval_batches_are_finite(tokenizer):
   assert [e.id for b in got for e in b] == [e.id for e in ev]
   with pytest.raises(IndexError):
     ev.batch(3, 4)
+
+
+def test_adding_teacher_reads_every_step_as_an_addition():
+  assert data.adding_teacher("7 * 3 = 21\n#### 21") == ("7 + 3 = 10\n#### 10", 10)
+  assert data.adding_teacher("12 / 4 = 3\n3 * 2 = 6\n6 - 1 = 5\n#### 5") == ("12 + 4 = 16\n16 + 2 = 18\n18 + 1 = 19\n#### 19", 19)
+  assert data.adding_teacher("2 + 3 = 5\n#### 5") == ("2 + 3 = 5\n#### 5", 5)
+  with pytest.raises(ValueError):
+    data.adding_teacher("no steps here")
+
+
+def test_flawed_teacher_changes_sft_demonstrations_only(tokenizer):
+  """synthetic_teacher_error_rate: that fraction of non-addition training solutions are the adding teacher's;
+  questions, gold answers and the eval split are the clean generator's."""
+  knobs = ("synthetic_seed=5", "synthetic_max_steps=2", "synthetic_max_value=10", "synthetic_num_eval=32", "data_template_path=''")
+  clean_train, clean_eval = data.load_splits(cfg(*knobs), tokenizer)
+  train, ev = data.load_splits(cfg(*knobs, "synthetic_teacher_error_rate=0.75"), tokenizer)
+  assert list(ev) == list(clean_eval)
+  flawed = non_add = 0
+  for i in range(400):
+    e, c = train[i], clean_train[i]
+    assert (e.question, e.answer, e.prompt) == (c.question, c.answer, c.prompt)
+    _check_solution(c, 10, 1, 2)
+    if all(" + " in ln for ln in c.solution.splitlines()[:-1]):
+      assert e.solution == c.solution  # the adding teacher gets all-addition problems right
+      continue
+    non_add += 1
+    if e.solution != c.solution:
+      flawed += 1
+      sol, value = data.adding_teacher(c.solution)
+      assert e.solution == sol
+      demo = rewards.score(data.format_target(e, cfg(*knobs)), e.answer)
+      assert demo.extracted == str(value) and demo.correct == (str(value) == e.answer)  # 2 * 2 = 2 + 2
+  assert non_add > 200 and abs(flawed / non_add - 0.75) < 0.08
+  assert str(load_config_error("synthetic_teacher_error_rate=1.5")).count("\n") == 0
+
+
+def load_config_error(override):
+  with pytest.raises(ConfigError) as e:
+    load_config(["configs/cpu_tiny.yml", override])
+  assert "synthetic_teacher_error_rate" in str(e.value)
+  return e.value
