@@ -41,15 +41,27 @@ def plot(summary: dict[str, Any], path: str) -> str | None:
   evals = [r for r in summary.get("history", []) if "eval/accuracy" in r]
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
   steps = [r["step"] for r in hist]
-  ax1.plot(steps, [r["reward/mean"] for r in hist], label="train reward (mean)")
+  window = max(1, min(10, len(hist) // 5))  # per-step values of a small batch are noisy: show a trend too
+
+  def noisy_and_trend(ax, values, label, color):
+    ax.plot(steps, values, color=color, alpha=0.3, linewidth=1, label=f"{label} (per step)")
+    if window > 1:
+      trend = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+               for i in range(len(values))]
+      ax.plot(steps, trend, color=color, linewidth=2, label=f"{label} ({window}-step mean)")
+
+  noisy_and_trend(ax1, [r["reward/mean"] for r in hist], "train reward", "tab:blue")
   ax1.set_xlabel("RL step")
-  ax1.set_ylabel("reward")
+  ax1.set_ylabel("mean reward")
   ax1.grid(alpha=0.3)
   ax1.legend()
   if any("accuracy" in r for r in hist):
-    ax2.plot(steps, [100 * r.get("accuracy", float("nan")) for r in hist], label="train accuracy (sampled)", alpha=0.7)
+    noisy_and_trend(ax2, [100 * r.get("accuracy", float("nan")) for r in hist], "train accuracy, sampled", "tab:blue")
   if evals:
-    ax2.plot([r["step"] for r in evals], [100 * r["eval/accuracy"] for r in evals], "o-", label="eval accuracy (greedy)")
+    xs, ys = [r["step"] for r in evals], [100 * r["eval/accuracy"] for r in evals]
+    ax2.plot(xs, ys, "o--", color="tab:orange", markersize=8, label="eval accuracy, greedy (held out)")
+    for x, y in zip(xs, ys):
+      ax2.annotate(f"{y:.1f}%", (x, y), textcoords="offset points", xytext=(0, 8), ha="center", color="tab:orange")
   ax2.set_xlabel("RL step")
   ax2.set_ylabel("accuracy (%)")
   ax2.grid(alpha=0.3)
