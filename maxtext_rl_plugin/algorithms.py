@@ -397,6 +397,9 @@ def tunix_algo_config(config: Any, **overrides: Any) -> PluginGrpoConfig:
     raise ConfigError(f"rl.grpo_beta={rl.grpo_beta}: expected >= 0 (0 disables the KL term and the reference model)")
   if rl.loss_agg_mode not in LOSS_AGG_MODES:
     raise ConfigError(f"rl.loss_agg_mode={rl.loss_agg_mode!r}: expected one of {', '.join(LOSS_AGG_MODES)}")
+  if rl.loss_algo == "gspo-token" and int(rl.num_iterations) == 1:
+    logging.warning("loss_algo=gspo-token with num_iterations=1: on-policy ratios are 1, so the gradient is exactly "
+                    "GRPO's under the same loss_agg_mode (GSPO differs only through its sequence-level clipping)")
   kwargs = dict(
       num_generations=int(rl.num_generations),
       num_iterations=int(rl.num_iterations),

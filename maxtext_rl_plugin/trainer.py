@@ -97,6 +97,11 @@ def _check_runtime(config, rs: models.RunSetup) -> None:
         f"invalid value for 'batch_size'={config.batch_size}: batch_size * rl.num_generations = {rows} rows must be "
         f"divisible by the {n_trainer} trainer devices"
     )
+  if config.rl.num_iterations != 1:
+    # The step loop makes one policy update per rollout batch; several would need old-policy log-probs
+    # and a schedule of num_batches * num_iterations updates. Refuse rather than silently run one.
+    raise ConfigError(f"invalid value for 'rl.num_iterations'={config.rl.num_iterations}: the plugin's step loop "
+                      "supports 1 (one on-policy update per rollout batch)")
   gen_budget = config.max_target_length - config.max_prefill_predict_length
   if gen_budget < 1:
     raise ConfigError(

@@ -503,3 +503,15 @@ def test_optimizer_is_maxtexts_and_honours_adam_eps(eps):
   # The eps matters: with eps=1e-3 the tiny-gradient steps are SGD-like and far smaller than Adam's.
   other = _adamw_reference(grads, params, lrs, cfg.adam_b1, cfg.adam_b2, 1e-3 if eps == 1e-8 else 1e-8, 0.1, 1.0)
   assert max(np.abs(np.asarray(a) - b).max() for a, b in zip(p, other)) > 1e-4
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_on_policy_gspo_token_has_grpos_gradient(agg):
+  """With ratios at 1 (one update per rollout) the two objectives coincide under any aggregation; the CPU demo's
+  GSPO runs reproduce GRPO's bit for bit. They part only once ratios leave 1 (sequence vs token clipping)."""
+  lp, _, _, adv, mask = make_batch(seed=6)
+  kw = dict(epsilon=0.2, beta=0.0, loss_agg_mode=agg)
+  _, g_grpo, _ = jax_loss_and_grad(*f32(lp, lp, None, adv, mask), loss_algo="grpo", **kw)
+  _, g_gspo, _ = jax_loss_and_grad(*f32(lp, lp, None, adv, mask), loss_algo="gspo-token", **kw)
+  assert np.max(np.abs(g_grpo)) > 1e-3
+  np.testing.assert_allclose(g_gspo, g_grpo, rtol=1e-5, atol=1e-8)
