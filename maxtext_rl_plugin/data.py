@@ -447,9 +447,9 @@ class SyntheticSplit(DatasetSplit):
           logging.warning("synthetic/%s: %d prompts longer than max_prefill_predict_length=%d redrawn so far",
                           self.stream, self.filtered_long, self.max_prompt_tokens)
         continue
-      if (self.stream == "train" and self.cfg.teacher_error_rate > 0 and any(o in sol for o in (" - ", " * ", " / "))
+      if (self.stream == "train" and self.cfg.teacher_error_rate > 0
           and random.Random(f"{self.cfg.seed}:teacher:{i}").random() < self.cfg.teacher_error_rate):
-        sol = adding_teacher(sol)[0]  # a wrong demonstration for SFT; the gold answer stays the true one
+        sol = adding_teacher(sol)[0]  # wrong unless all steps add; the gold answer stays the true one
       return Example(q, str(a), sol, prompt, f"synthetic-{self.stream}-{i}")
     raise DataError(
         f"synthetic problems do not fit max_prefill_predict_length={self.max_prompt_tokens} "

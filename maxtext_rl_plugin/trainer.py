@@ -87,7 +87,7 @@ def _data_key(config) -> str:
 
 
 def _check_runtime(config, rs: models.RunSetup) -> None:
-  """Checks that need the device set: one clear line instead of a sharding error deep in JAX."""
+  """Checks before any model is built (some need the device set): one clear line, not an error deep in JAX."""
   n_trainer = len(rs.trainer_devices)
   rows = config.batch_size * config.rl.num_generations
   if config.batch_size < 1:
@@ -171,10 +171,10 @@ def rollout_configs(config, tokenizer) -> dict:
 def build_optimizer(config):
   """MaxText's RL optimizer (AdamW + warmup-cosine schedule + global-norm clipping).
 
-  MaxText 0.2.5's `utils_rl.get_optimizer` drops `adam_eps` / `adam_eps_root`. With the default eps the
-  plugin returns MaxText's optimizer unchanged; otherwise it rebuilds the same chain with them, because a
-  large eps is the knob that keeps Adam from turning a sparse RL gradient into a full-size step on every
-  parameter (the CPU demo uses it).
+  MaxText 0.2.5's `utils_rl.get_optimizer` drops `adam_eps` / `adam_eps_root`. With the defaults the plugin
+  returns MaxText's optimizer unchanged; otherwise it rebuilds the same chain with them, so a key the user
+  sets is not silently ignored. (A large eps makes small-gradient updates SGD-like; on the CPU demo it did
+  not help, see docs/cpu_demo.md.)
   """
   import multiprocessing.pool  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import  (utils_rl needs it)
 
