@@ -19,7 +19,8 @@ from maxtext_rl_plugin.errors import CheckpointError
 class RunCheckpointer:
   """Save/restore the pieces of RL state needed to resume with no repeated or skipped batch."""
 
-  def __init__(self, directory: str, *, period: int, max_to_keep: int | None = None, enabled: bool = True):
+  def __init__(self, directory: str, *, period: int, max_to_keep: int | None = None, enabled: bool = True,
+               async_save: bool = False):
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
     self.directory = os.path.abspath(directory)
@@ -35,7 +36,7 @@ class RunCheckpointer:
           options=ocp.CheckpointManagerOptions(
               max_to_keep=max_to_keep if max_to_keep and max_to_keep > 0 else None,
               create=True,
-              enable_async_checkpointing=False,
+              enable_async_checkpointing=async_save,  # MaxText's async_checkpointing
               step_prefix=None,
           ),
       )

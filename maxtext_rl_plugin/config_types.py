@@ -32,6 +32,14 @@ class PluginRL(types.RL):
       "group_std",
       description="Group advantage: (r - mean_g) / (std_g + 1e-6) with ddof=1 ('group_std', GRPO) or r - mean_g ('none', Dr.GRPO).",
   )
+  mini_batch_size: Optional[int] = Field(
+      None,
+      ge=1,
+      description=(
+          "Prompts per optimizer update (Tunix's mini_batch_size, verl's ppo_mini_batch_size); None = batch_size. "
+          "Each RL step makes num_iterations * batch_size / mini_batch_size updates; must divide batch_size."
+      ),
+  )
   verify_weight_sync: Literal["off", "first", "every_n"] = Field(
       "first",
       description="Check after a trainer->sampler weight sync that the sampler holds the new weights: never, on the first sync, or every `verify_weight_sync_every` syncs.",

@@ -63,7 +63,8 @@ class TunixTee:
 class RunLogger:
   """Writes per-step and eval metrics to TensorBoard, `metrics_file` and the console."""
 
-  def __init__(self, tensorboard_dir: str, metrics_file: str | None, total_steps: int, start_step: int = 0):
+  def __init__(self, tensorboard_dir: str, metrics_file: str | None, total_steps: int, start_step: int = 0,
+               log_period: int = 1):
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
 
     os.makedirs(tensorboard_dir, exist_ok=True)
@@ -75,6 +76,7 @@ class RunLogger:
     self.total_steps = total_steps
     self._start_step = start_step
     self._t0 = time.time()
+    self._log_period = max(1, int(log_period))  # MaxText's log_period: console line and TensorBoard flush cadence
     self.history: list[dict[str, Any]] = []
 
   def _write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -97,6 +99,9 @@ class RunLogger:
     done = step - self._start_step
     elapsed = time.time() - self._t0
     eta = elapsed / done * (self.total_steps - step) if done > 0 else float("nan")
+    if step % self._log_period and step != self.total_steps:
+      return rec
+    self._tb.flush()
     parts = [f"step {step}/{self.total_steps}"]
     if "reward/mean" in rec:
       parts.append(f"reward {rec['reward/mean']:.3f}±{rec.get('reward/std', 0.0):.2f}")

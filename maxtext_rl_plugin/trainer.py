@@ -1,15 +1,17 @@
 """The RL run: MaxText models on Tunix's RLCluster + GrpoLearner, driven step by step by the plugin.
 
-Tunix owns the algorithm pieces (rollout -> rewards -> group advantages -> reference log-probs ->
-policy update through its actor trainer, trainer -> sampler weight sync). The plugin drives the outer
-loop itself instead of calling `GrpoLearner.train()`, because a production run needs what that loop
-does not give: a data position that resumes with no repeated or skipped batch, Orbax checkpoints of
-params + optimizer + data position + RNG in MaxText's layout, greedy eval before and after RL,
-per-phase timings, and one metrics stream (TensorBoard, `metrics_file`, console).
+Tunix owns the model plumbing (actor trainer with the plugin's policy loss, reference, rollout engine, trainer ->
+sampler weight sync). The plugin drives the outer loop itself instead of calling `GrpoLearner.train()`, because a
+production run needs what that loop does not give: a data position that resumes with no repeated or skipped batch,
+Orbax checkpoints of params + optimizer + data position + RNG in MaxText's layout, greedy/pass@k eval on MaxText's
+`eval_interval`, per-phase timings, and one metrics stream (TensorBoard, `metrics_file`, console).
 
-Per step:  batch(step) -> learner._generate_and_compute_advantage  (rollout, rewards, ref logps)
-           -> rl_cluster.update_actor (one optimizer step, the plugin's policy loss)
-           -> rl_cluster.sync_weights (disaggregated only; the rollout engine reshards)
+Per RL step (one rollout batch of `batch_size` prompts x G):
+    batch(step) -> experience.make_experience   (rollout, rewards, advantages, ref and old-policy log-probs)
+                -> rl_cluster.update_actor       (mu * batch_size / mini_batch_size optimizer updates, each over
+                                                  mini/micro micro-batches: updates.py)
+                -> rl_cluster.sync_weights       (disaggregated only; the rollout engine reshards)
+                -> eval every eval_interval, checkpoint every checkpoint_period
 """
 
 from __future__ import annotations
@@ -25,11 +27,15 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import numpy as np
 
+from maxtext_rl_plugin import evaluation as evaluation_lib
 from maxtext_rl_plugin import models
+from maxtext_rl_plugin import tunix_compat
+from maxtext_rl_plugin import updates
 from maxtext_rl_plugin.errors import CheckpointError, ConfigError
 
 # Keys whose change makes a checkpoint's data position meaningless: resuming must refuse them.
-_RESUME_INVARIANTS = ("batch_size", "num_generations", "data_shuffle_seed", "dataset", "loss_algo", "rollout_seed")
+_RESUME_INVARIANTS = ("batch_size", "num_generations", "data_shuffle_seed", "dataset", "loss_algo", "rollout_seed",
+                      "updates_per_step")
 
 
 class PhaseTimer:
@@ -58,19 +64,16 @@ class PhaseTimer:
 
 
 class RewardRecorder:
-  """Wraps reward functions so each step's per-function rewards and correctness can be logged."""
+  """Wraps reward functions so each step's per-function rewards can be logged (time is the caller's phase)."""
 
-  def __init__(self, timer: PhaseTimer):
-    self.timer = timer
+  def __init__(self):
     self.values: dict[str, list[float]] = {}
 
   def wrap(self, fn: Callable) -> Callable:
     name = getattr(fn, "__name__", type(fn).__name__)
 
     def recorded(prompts, completions, **kwargs):
-      t = time.perf_counter()
       out = fn(prompts, completions, **kwargs)
-      self.timer.add("reward", time.perf_counter() - t)
       self.values.setdefault(name, []).extend(float(x) for x in out)
       return out
 
@@ -87,27 +90,33 @@ def _data_key(config) -> str:
 
 
 def _check_runtime(config, rs: models.RunSetup) -> None:
-  """Checks before any model is built (some need the device set): one clear line, not an error deep in JAX."""
+  """Checks that need the device set, before any model is built: one clear line, not an error deep in JAX."""
   n_trainer = len(rs.trainer_devices)
-  rows = config.batch_size * config.rl.num_generations
-  if config.batch_size < 1:
-    raise ConfigError(f"invalid value for 'batch_size'={config.batch_size}: must be >= 1")
-  if rows % n_trainer:
-    raise ConfigError(
-        f"invalid value for 'batch_size'={config.batch_size}: batch_size * rl.num_generations = {rows} rows must be "
-        f"divisible by the {n_trainer} trainer devices"
-    )
-  if config.rl.num_iterations != 1:
-    # The step loop makes one policy update per rollout batch; several would need old-policy log-probs
-    # and a schedule of num_batches * num_iterations updates. Refuse rather than silently run one.
-    raise ConfigError(f"invalid value for 'rl.num_iterations'={config.rl.num_iterations}: the plugin's step loop "
-                      "supports 1 (one on-policy update per rollout batch)")
+  plan = updates.UpdatePlan.from_config(config)
+  for key, prompts in (("batch_size", plan.batch_size), ("train_micro_batch_size", plan.micro_batch_size)):
+    rows = prompts * plan.num_generations
+    if rows % n_trainer:
+      raise ConfigError(
+          f"invalid value for '{key}'={prompts}: {key} * rl.num_generations = {rows} rows must be divisible by the "
+          f"{n_trainer} trainer devices (each micro-batch is sharded over them)"
+      )
   gen_budget = config.max_target_length - config.max_prefill_predict_length
   if gen_budget < 1:
     raise ConfigError(
         f"invalid value for 'max_target_length'={config.max_target_length}: must exceed "
         f"max_prefill_predict_length={config.max_prefill_predict_length} (the difference is the completion budget)"
     )
+
+
+def num_rl_steps(config) -> int:
+  """RL steps (rollout batches) of the run. MaxText's `train_steps` counts num_batches * num_iterations *
+  train_fraction * num_epoch, i.e. updates with one update per iteration; the plugin's step is one rollout batch."""
+  return int(config.train_steps) // max(1, int(config.rl.num_iterations))
+
+
+def total_updates(config) -> int:
+  """Optimizer updates of the whole run: the learning-rate schedule's length (unless set explicitly)."""
+  return num_rl_steps(config) * updates.UpdatePlan.from_config(config).updates_per_step
 
 
 def _resolve_engine_name(config) -> str:
@@ -144,7 +153,7 @@ def rollout_engine_factory(name: str, sampler_config) -> Any:
 
 
 def rollout_configs(config, tokenizer) -> dict:
-  """Tunix RolloutConfigs for TRAIN (sampling keys) and EVAL (exact greedy: top_k=1)."""
+  """Tunix RolloutConfigs for TRAIN (decode_sampling_* keys) and EVAL (`eval_sampling_strategy`; greedy is exact)."""
   from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=import-outside-toplevel
   from tunix.rl.rollout import base_rollout  # pylint: disable=import-outside-toplevel
 
@@ -164,40 +173,49 @@ def rollout_configs(config, tokenizer) -> dict:
       top_k=top_k,
       **common,
   )
-  evaluation = base_rollout.RolloutConfig(temperature=1.0, top_p=1.0, top_k=1, **common)
+  try:
+    eval_sampling = evaluation_lib.sampling_for(config)
+  except KeyError:
+    raise ConfigError(
+        f"invalid value for 'eval_sampling_strategy'='{config.eval_sampling_strategy}': not a key of generation_configs "
+        f"({', '.join(sorted(config.generation_configs or {})) or 'empty'})") from None
+  evaluation = base_rollout.RolloutConfig(**eval_sampling, **common)
   return {rl_cluster_lib.Mode.TRAIN: train, rl_cluster_lib.Mode.EVAL: evaluation}
 
 
-def build_optimizer(config):
-  """MaxText's RL optimizer (AdamW + warmup-cosine schedule + global-norm clipping).
+def lr_schedule(config):
+  """MaxText's RL schedule (warmup + cosine decay to 0, `utils_rl.get_optimizer`), counted in optimizer updates.
 
-  MaxText 0.2.5's `utils_rl.get_optimizer` drops `adam_eps` / `adam_eps_root`. With the defaults the plugin
-  returns MaxText's optimizer unchanged; otherwise it rebuilds the same chain with them, so a key the user
-  sets is not silently ignored. (A large eps makes small-gradient updates SGD-like; on the CPU demo it did
-  not help, see docs/cpu_demo.md.)
+  Its length is the run's optimizer-update count (`total_updates`: mu * batch_size / mini_batch_size per RL step;
+  MaxText's `train_steps` when each batch gets one update per iteration), unless `learning_rate_schedule_steps` is set
+  deliberately (MaxText's rule: a positive value different from `steps`, which the validator fills in when unset).
   """
-  import multiprocessing.pool  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import  (utils_rl needs it)
-
   import optax  # pylint: disable=import-outside-toplevel
-  from maxtext.trainers.post_train.rl import utils_rl  # pylint: disable=import-outside-toplevel
 
-  eps, eps_root = float(config.adam_eps), float(config.adam_eps_root)
-  if eps == 1e-8 and eps_root == 0.0:
-    return utils_rl.get_optimizer(config)
-  # Same schedule as utils_rl.get_optimizer (including its learning_rate_schedule_steps rule).
   sched_steps = config.learning_rate_schedule_steps
-  if not (sched_steps and sched_steps > 0 and sched_steps != config.steps):
-    sched_steps = config.train_steps
-  schedule = optax.schedules.warmup_cosine_decay_schedule(
+  explicit = sched_steps and sched_steps > 0 and sched_steps not in (config.steps, config.train_steps)
+  sched_steps = int(sched_steps) if explicit else total_updates(config)
+  return optax.schedules.warmup_cosine_decay_schedule(
       init_value=0.0, peak_value=config.learning_rate, warmup_steps=int(config.warmup_steps_fraction * sched_steps),
       decay_steps=sched_steps, end_value=0.0)
 
+
+def build_optimizer(config):
+  """MaxText's RL optimizer (global-norm clipping + AdamW on `lr_schedule`), with `adam_eps` / `adam_eps_root`.
+
+  The chain is MaxText 0.2.5's `utils_rl.get_optimizer` (tests/test_trainer_updates.py checks the two agree when the
+  schedule lengths agree); it is rebuilt here because that function drops `adam_eps`/`adam_eps_root` and sizes the
+  schedule by `train_steps`, which undercounts updates when a batch is split into mini-batches.
+  """
+  import optax  # pylint: disable=import-outside-toplevel
+
   def make(learning_rate):
     clip = [optax.clip_by_global_norm(config.gradient_clipping_threshold)] if config.gradient_clipping_threshold > 0 else []
-    return optax.chain(*clip, optax.adamw(learning_rate, b1=config.adam_b1, b2=config.adam_b2, eps=eps,
-                                          eps_root=eps_root, weight_decay=config.adam_weight_decay))
+    return optax.chain(*clip, optax.adamw(learning_rate, b1=config.adam_b1, b2=config.adam_b2,
+                                          eps=float(config.adam_eps), eps_root=float(config.adam_eps_root),
+                                          weight_decay=config.adam_weight_decay))
 
-  return optax.inject_hyperparams(make)(learning_rate=schedule)
+  return optax.inject_hyperparams(make)(learning_rate=lr_schedule(config))
 
 
 @dataclasses.dataclass
@@ -213,32 +231,13 @@ class RLRun:
   learner: Any
   timer: PhaseTimer
   rewards: RewardRecorder
+  reward_fns: list
+  trainer_logps: Any
+  plan: updates.UpdatePlan
   tee: Any
   run_dir: str
   engine_name: str
   weight_sync: Any = None
-
-
-def _reward_functions(config, recorder: RewardRecorder) -> list[Callable]:
-  from maxtext_rl_plugin import rewards  # pylint: disable=import-outside-toplevel
-
-  return [recorder.wrap(fn) for fn in rewards.reward_fns_from_config(config)]
-
-
-def _accuracy_metric(config, recorder: RewardRecorder):
-  """Tunix metric_fn: per-completion correctness against the gold answer (recorded as 'accuracy').
-
-  The grading is the `check_answer` reward's own (rewards memoise the last batch), not a second pass.
-  """
-  from maxtext_rl_plugin import rewards as rewards_lib  # pylint: disable=import-outside-toplevel
-
-  def accuracy(prompts, completions, rewards, advantages, answer=None, **kwargs):
-    del prompts, rewards, advantages, kwargs
-    correct = [float(r.correct) for r in rewards_lib.score_batch(completions, list(answer or []), config)]
-    recorder.values.setdefault("accuracy", []).extend(correct)
-    return {"accuracy": (float(np.mean(correct)) if correct else 0.0, np.mean)}
-
-  return accuracy
 
 
 def build_run(config, argv: Sequence[str]) -> RLRun:
@@ -251,17 +250,21 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
 
   from maxtext_rl_plugin import algorithms  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin import data  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin import experience  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin import rewards as rewards_lib  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.metrics import TunixTee  # pylint: disable=import-outside-toplevel
 
   rs = models.setup_devices(argv)
   config = rs.trainer_config
   _check_runtime(config, rs)
+  plan = updates.UpdatePlan.from_config(config)
   models.check_load_parameters_path(config)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
   tokenizer = models.load_tokenizer(config)
   train_split, eval_split = data.load_splits(config, tokenizer)
   engine_name = _resolve_engine_name(config)
   rollout_factory = rollout_engine_factory(engine_name, rs.sampler_config)
+  rollout_cfgs = rollout_configs(config, tokenizer)
 
   actor, actor_mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
   if config.sft_warmup_steps > 0:
@@ -278,7 +281,6 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
                "disaggregated" if rs.disaggregated else "colocated")
 
   tee = TunixTee()
-  tb_dir = os.path.join(run_dir, "tensorboard")
   cluster_config = rl_cluster_lib.ClusterConfig(
       role_to_mesh={
           rl_cluster_lib.Role.ACTOR: actor_mesh,
@@ -294,15 +296,20 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
       offload_to_cpu=False,
       training_config=rl_cluster_lib.RLTrainingConfig(
           actor_optimizer=build_optimizer(config),
-          eval_every_n_steps=10**9,  # eval is the plugin's (greedy, on the eval split)
-          max_steps=config.train_steps,
-          mini_batch_size=config.batch_size,
+          eval_every_n_steps=10**9,  # eval is the plugin's (evaluation.py, on eval_interval)
+          max_steps=total_updates(config),
+          # Public micro-batch fields (prompts): Tunix derives gradient_accumulation_steps = mini / micro from them.
+          mini_batch_size=plan.mini_batch_size,
+          train_micro_batch_size=plan.micro_batch_size,
+          rollout_micro_batch_size=None if config.rollout_micro_batch_size <= 0 else config.rollout_micro_batch_size,
+          compute_logps_micro_batch_size=plan.micro_batch_size,
           metrics_logging_options=metrics_logger.MetricsLoggerOptions(
-              log_dir=tb_dir, flush_every_n_steps=1, backend_kwargs={"custom_backend": [lambda: tee]}
+              log_dir=config.tensorboard_dir, flush_every_n_steps=max(1, int(config.log_period)),
+              backend_kwargs={"custom_backend": [lambda: tee]}
           ),
           checkpoint_root_directory=None,  # checkpoints are the plugin's (params + opt + data position + RNG)
       ),
-      rollout_config=rollout_configs(config, tokenizer),
+      rollout_config=rollout_cfgs,
   )
   rl_cluster = rl_cluster_lib.RLCluster(
       actor=actor, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
@@ -312,59 +319,16 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
 
   weight_sync = resharding.attach_to_rl_cluster(rl_cluster, rs.sampler_config)
   timer = PhaseTimer()
-  recorder = RewardRecorder(timer)
+  recorder = RewardRecorder()
+  reward_fns = [recorder.wrap(fn) for fn in rewards_lib.reward_fns_from_config(config)]
   algorithms.register_with_tunix()
   algo_config = algorithms.tunix_algo_config(config)
-  learner = grpo_learner.GrpoLearner(
-      rl_cluster=rl_cluster,
-      algo_config=algo_config,
-      reward_fns=_reward_functions(config, recorder),
-      metric_fns=[_accuracy_metric(config, recorder)],
-  )
+  # The learner wires the plugin's policy loss into the actor trainer; its own step (`train()`) is not used.
+  learner = grpo_learner.GrpoLearner(rl_cluster=rl_cluster, algo_config=algo_config, reward_fns=reward_fns)
   rl_cluster.actor_trainer.with_rl_metrics_to_log(algorithms.rl_metrics_to_log(algo_config))
-  # GrpoLearner.train() sets these from the batch size; we drive steps ourselves.
-  learner._rollout_micro_batch_size = config.batch_size  # pylint: disable=protected-access
-  learner._compute_logps_micro_batch_size = config.batch_size  # pylint: disable=protected-access
-  rollout = rl_cluster.rollout
-  rollout.generate = timer.wrap("rollout", rollout.generate)
-  rl_cluster.get_ref_per_token_logps = timer.wrap("logps", rl_cluster.get_ref_per_token_logps)
-  rl_cluster.get_old_per_token_logps = timer.wrap("logps", rl_cluster.get_old_per_token_logps)
-  return RLRun(config, rs, tokenizer, train_split, eval_split, rl_cluster, learner, timer, recorder, tee, run_dir,
-               engine_name, weight_sync)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Evaluation
-# ----------------------------------------------------------------------------------------------------
-
-
-def evaluate(run: RLRun, step: int) -> dict[str, float]:
-  """Greedy generation on the eval split; accuracy, format and partial accuracy, mean reward."""
-  from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin import rewards  # pylint: disable=import-outside-toplevel
-
-  config = run.config
-  bs = config.eval_batch_size if config.eval_batch_size > 0 else config.batch_size
-  n = min(len(run.eval_split), bs * max(1, config.num_test_batches))
-  examples = [run.eval_split[i] for i in range(n)]
-  t = time.perf_counter()
-  results = []
-  for s in range(0, n, bs):
-    chunk = examples[s : s + bs]
-    out = run.rl_cluster.generate(prompts=[e.prompt for e in chunk], mode=rl_cluster_lib.Mode.EVAL)
-    results.extend(rewards.score_batch(out.text, [e.answer for e in chunk], config))
-  run.timer.reset()  # eval time is not a training phase
-  metrics = {
-      "accuracy": float(np.mean([r.correct for r in results])),
-      "format_accuracy": float(np.mean([bool(getattr(r, "format_ok", False)) for r in results])),
-      "partial_accuracy": float(np.mean([bool(getattr(r, "partial", r.correct)) for r in results])),
-      "reward_mean": float(np.mean([r.reward for r in results])),
-      "num_examples": float(n),
-      "seconds": time.perf_counter() - t,
-  }
-  logging.info("eval at step %d on %d examples: %s", step, n, metrics)
-  return metrics
+  trainer_logps = experience.TrainerLogps(rl_cluster, actor_mesh, config.logical_axis_rules)
+  return RLRun(config, rs, tokenizer, train_split, eval_split, rl_cluster, learner, timer, recorder, reward_fns,
+               trainer_logps, plan, tee, run_dir, engine_name, weight_sync)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -373,11 +337,14 @@ def evaluate(run: RLRun, step: int) -> dict[str, float]:
 
 
 def _meta(config, step: int, extra: dict | None = None) -> dict:
+  plan = updates.UpdatePlan.from_config(config)
   return {
       "step": step,
       "next_batch_index": step,  # batches are indexed by step: batch k is trained at step k + 1
+      "optimizer_updates": step * plan.updates_per_step,
       "batch_size": config.batch_size,
       "num_generations": config.rl.num_generations,
+      "updates_per_step": plan.updates_per_step,
       "data_shuffle_seed": config.data_shuffle_seed,
       "dataset": _data_key(config),
       "loss_algo": config.rl.loss_algo,
@@ -391,9 +358,10 @@ def _check_resume_compatible(config, meta: dict, path: str) -> None:
   now = _meta(config, 0)
   for key in _RESUME_INVARIANTS:
     if key in meta and meta[key] != now[key]:
+      shown = "rl.num_iterations * batch_size / rl.mini_batch_size" if key == "updates_per_step" else key
       raise CheckpointError(
-          f"cannot resume from {path}: it was written with {key}={meta[key]!r} but this run has {key}={now[key]!r}; "
-          "use a new run_name to start over"
+          f"cannot resume from {path}: it was written with {shown}={meta[key]!r} but this run has "
+          f"{shown}={now[key]!r}; use a new run_name to start over"
       )
 
 
@@ -413,8 +381,7 @@ def _restore(run: RLRun, ckpt, step: int) -> dict:
   _check_resume_compatible(run.config, meta, f"{ckpt.directory}/{step}")
   nnx.update(trainer.model, params)
   nnx.update(trainer.optimizer, opt_state)
-  trainer._train_steps = step  # pylint: disable=protected-access
-  trainer._iter_steps = step  # pylint: disable=protected-access
+  tunix_compat.set_trainer_steps(trainer, step * run.plan.updates_per_step, run.plan.accumulation_steps)
   run.rl_cluster.global_steps = step
   if run.learner.should_sync_weights:
     run.rl_cluster.sync_weights()
@@ -451,56 +418,93 @@ def _audit_batch(run_dir: str, step: int, batch) -> None:
     f.write(json.dumps({"step": step, "ids": [e.id for e in batch]}) + "\n")
 
 
-def _step_metrics(run: RLRun, example, phases: dict[str, float], step_seconds: float) -> dict[str, float]:
+# Tunix trainer scalars (mean over the step's optimizer updates) -> the plugin's metric names.
+_TUNIX_RENAMES = {"loss": "loss", "kl": "kl", "pg_clipfrac": "clip_fraction", "grad_norm": "grad_norm",
+                  "entropy": "entropy", "ratio_mean": "ratio_mean"}
+
+
+def _step_metrics(run: RLRun, exp, answers: list, phases: dict[str, float], step: int,
+                  step_seconds: float) -> dict[str, float]:
+  from maxtext_rl_plugin import rewards as rewards_lib  # pylint: disable=import-outside-toplevel
+
   values = run.rewards.reset()
   m: dict[str, float] = {}
-  total = None
   for name, vals in values.items():
     arr = np.asarray(vals, dtype=np.float64)
-    if name == "accuracy":
-      m["accuracy"] = float(arr.mean())
-      continue
     m[f"reward/{name}/mean"] = float(arr.mean())
     m[f"reward/{name}/std"] = float(arr.std())
-    total = arr if total is None else total + arr
-  if total is not None:
-    m["reward/mean"] = float(total.mean())
-    m["reward/std"] = float(total.std())
-  mask = np.asarray(example.completion_mask)
+  m["reward/mean"] = float(exp.rewards.mean())
+  m["reward/std"] = float(exp.rewards.std())
+  # The check_answer reward's own grading (rewards memoise the last batch): no second pass.
+  graded = rewards_lib.score_batch(exp.texts, answers, run.config)
+  m["accuracy"] = float(np.mean([r.correct for r in graded]))
+  m["strict_accuracy"] = float(np.mean([r.correct and r.format_ok for r in graded]))
+  mask = np.asarray(exp.example.completion_mask)
   lengths = mask.sum(axis=-1)
   m["completion/length_mean"] = float(lengths.mean())
   m["completion/length_max"] = float(lengths.max())
   m["completion/stopped_fraction"] = float(np.mean(lengths < mask.shape[-1]))
   tunix = run.tee.drain()
-  for src, dst in (("actor/train/loss", "loss"), ("actor/train/kl", "kl"), ("actor/train/pg_clipfrac", "clip_fraction"),
-                   ("actor/train/grad_norm", "grad_norm"), ("actor/train/entropy", "entropy"),
-                   ("actor/train/ratio_mean", "ratio_mean")):
-    if src in tunix:
-      m[dst] = tunix[src]
   for k, v in tunix.items():
-    if k.startswith("actor/train/") and k.split("/")[-1] not in ("loss", "kl", "pg_clipfrac", "grad_norm"):
-      m.setdefault("train/" + k.split("/")[-1], v)
+    if not k.startswith("actor/train/"):
+      continue
+    name = k.split("/")[-1]
+    m[_TUNIX_RENAMES.get(name, "train/" + name)] = v
+  m.update(exp.metrics)
+  updates_done, _ = tunix_compat.trainer_steps(run.rl_cluster.actor_trainer)
+  m["opt/updates"] = float(updates_done)
   for phase in ("rollout", "reward", "logps", "train", "weight_sync"):
     m[f"time/{phase}_s"] = phases.get(phase, 0.0)
   m["perf/step_s"] = step_seconds
   rollout_s = phases.get("rollout", 0.0)
   if rollout_s > 0:
     m["perf/tokens_per_s"] = float(lengths.sum()) / rollout_s
+  del step
   return m
+
+
+class StepProfiler:
+  """MaxText's `profiler=xplane`: a JAX trace of RL steps skip+1 .. skip+profiler_steps (rollout, update and sync
+  together, not only Tunix's train micro-steps), written under `tensorboard_dir` for TensorBoard's profile tab."""
+
+  def __init__(self, config):
+    self.enabled = str(config.profiler) in ("xplane", "ProfilerType.XPLANE")
+    self.first = int(config.skip_first_n_steps_for_profiler) + 1
+    self.last = self.first + max(1, int(config.profiler_steps)) - 1
+    self.log_dir = config.tensorboard_dir
+    self.active = False
+
+  def before_step(self, step: int) -> None:
+    import jax  # pylint: disable=import-outside-toplevel
+
+    if self.enabled and step == self.first and not self.active:
+      jax.profiler.start_trace(self.log_dir)
+      self.active = True
+      logging.info("profiling RL steps %d..%d into %s", self.first, self.last, self.log_dir)
+
+  def after_step(self, step: int, force: bool = False) -> None:
+    import jax  # pylint: disable=import-outside-toplevel
+
+    if self.active and (step >= self.last or force):
+      jax.profiler.stop_trace()
+      self.active = False
 
 
 def train(run: RLRun) -> dict[str, Any]:
   """Run (or resume) the RL loop; returns a summary dict (eval before/after, history)."""
+  from maxtext_rl_plugin import experience  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.checkpointing import RunCheckpointer  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.metrics import RunLogger  # pylint: disable=import-outside-toplevel
 
   config = run.config
-  total = config.train_steps
+  plan = run.plan
+  total = num_rl_steps(config)
   ckpt = RunCheckpointer(
-      os.path.join(run.run_dir, "checkpoints"),
+      config.checkpoint_dir or os.path.join(run.run_dir, "checkpoints"),
       period=config.checkpoint_period,
       max_to_keep=config.max_num_checkpoints_to_keep,
       enabled=config.enable_checkpointing,
+      async_save=bool(config.async_checkpointing),
   )
   start = 0
   meta = {}
@@ -508,14 +512,21 @@ def train(run: RLRun) -> dict[str, Any]:
   if latest is not None:
     meta = _restore(run, ckpt, latest)
     start = latest
-  out_logger = RunLogger(os.path.join(run.run_dir, "tensorboard"), config.metrics_file or None, total, start)
+  out_logger = RunLogger(config.tensorboard_dir, config.metrics_file or None, total, start,
+                         log_period=max(1, int(config.log_period)))
   summary: dict[str, Any] = {"run_dir": run.run_dir, "start_step": start, "total_steps": total,
-                             "eval_before": meta.get("eval_before"), "eval_after": None}
+                             "eval_before": meta.get("eval_before"), "eval_after": None, "eval_history": []}
   if start:
     out_logger.note(f"resuming {run.run_dir} from checkpoint step {start} (next batch index {start})")
   else:
     out_logger.note(f"starting {run.run_dir}: {total} RL steps of {config.rl.loss_algo}, batch {config.batch_size} x "
                     f"{config.rl.num_generations} generations, rollout engine '{run.engine_name}'")
+  out_logger.note(
+      f"updates: {plan.updates_per_step} optimizer update(s) per RL step (rl.num_iterations={plan.num_iterations}, "
+      f"mini-batch {plan.mini_batch_size} prompts), {plan.accumulation_steps} micro-batch(es) of "
+      f"{plan.micro_batch_size} prompts each; old-policy log-probs: "
+      + ("not needed (on-policy)" if not plan.needs_old_logps
+         else ("sampler (rl.use_rollout_logps)" if config.rl.use_rollout_logps else "trainer forward")))
   rs = run.setup
   sync = run.weight_sync
   out_logger.note(
@@ -523,23 +534,24 @@ def train(run: RLRun) -> dict[str, Any]:
       + (f"disaggregated; weight sync via {sync.path}, chunk_size={sync.chunk_size}, verify={sync.verify_policy})"
          if sync is not None else "colocated: the sampler shares the trainer's weights)"))
   if start == 0 and config.eval_before_training and config.num_test_batches > 0:
-    summary["eval_before"] = evaluate(run, 0)
+    summary["eval_before"] = evaluation_lib.evaluate(run, 0)
+    run.timer.reset()
     out_logger.log_eval(0, summary["eval_before"], "eval before RL")
 
+  profiler = StepProfiler(config)
+  trainer = run.rl_cluster.actor_trainer
   for step in range(start + 1, total + 1):
     t_step = time.perf_counter()
     run.timer.reset()
+    profiler.before_step(step)
     _seed_rollout(run, step)
     inputs, batch = _step_inputs(run, step)
     _audit_batch(run.run_dir, step, batch)
+    exp = experience.make_experience(run, inputs, plan, run.timer)
     t = time.perf_counter()
-    example = run.learner._generate_and_compute_advantage(inputs)  # pylint: disable=protected-access
-    gen_s = time.perf_counter() - t
-    t = time.perf_counter()
-    run.rl_cluster.update_actor([example], None, skip_jit=False)
-    # Tunix defers writing a step's trainer metrics by one step (to overlap I/O); flush now so this
-    # step's loss/KL/clip fraction are logged with this step.
-    run.rl_cluster.actor_trainer._write_train_metrics()  # pylint: disable=protected-access
+    run.rl_cluster.update_actor(updates.micro_batches(exp.example, plan), None, skip_jit=False)
+    # Tunix defers writing an update's metrics by one update (to overlap I/O); flush so this step's are this step's.
+    tunix_compat.flush_train_metrics(trainer)
     run.timer.add("train", time.perf_counter() - t)
     t = time.perf_counter()
     if run.learner.should_sync_weights:
@@ -547,20 +559,24 @@ def train(run: RLRun) -> dict[str, Any]:
     else:
       run.rl_cluster.global_steps += 1
     run.timer.add("weight_sync", time.perf_counter() - t)
-    phases = run.timer.reset()
-    phases["logps"] = phases.get("logps", 0.0) + max(
-        0.0, gen_s - phases.get("rollout", 0.0) - phases.get("reward", 0.0) - phases.get("logps", 0.0))
-    metrics = _step_metrics(run, example, phases, time.perf_counter() - t_step)
+    profiler.after_step(step)
+    metrics = _step_metrics(run, exp, inputs["answer"], run.timer.reset(), step, time.perf_counter() - t_step)
     if not all(math.isfinite(v) for v in metrics.values()):
       logging.warning("non-finite metrics at step %d: %s", step, {k: v for k, v in metrics.items()
                                                                    if not math.isfinite(v)})
     out_logger.log_step(step, metrics)
+    if evaluation_lib.should_evaluate(config, step, total):
+      ev = evaluation_lib.evaluate(run, step)
+      run.timer.reset()
+      summary["eval_history"].append({"step": step, **ev})
+      out_logger.log_eval(step, ev, "eval")
     if ckpt.should_save(step, total):
       params, opt_state = _actor_state(run)
       ckpt.save(step, params, opt_state, _meta(config, step, {"eval_before": summary["eval_before"]}))
+  profiler.after_step(total, force=True)
 
   if config.eval_after_training and config.num_test_batches > 0 and total > start:
-    summary["eval_after"] = evaluate(run, total)
+    summary["eval_after"] = evaluation_lib.evaluate(run, total)
     out_logger.log_eval(total, summary["eval_after"], "eval after RL")
   if run.weight_sync is not None:
     summary["weight_syncs"] = {"count": run.weight_sync.num_syncs, "verified": run.weight_sync.num_verified,

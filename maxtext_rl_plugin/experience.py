@@ -1,0 +1,173 @@
+r"""One RL step's experience: rollouts -> rewards -> group advantages -> reference and old-policy log-probs.
+
+This replaces Tunix 0.1.7's private `GrpoLearner._generate_and_compute_advantage` with the same steps on
+`RLCluster`'s public API, plus what that method cannot do:
+
+* rollout micro-batching through `RLCluster.generate(micro_batch_size=...)` (MaxText's `rollout_micro_batch_size`);
+* old-policy log-probs computed once per batch, before its first update, by the *trainer's* forward at the batch's
+  starting weights (Tunix takes them from the rollout engine, `get_old_per_token_logps`, which is unreliable in 0.1.7
+  for every engine), or from the sampler when `rl.use_rollout_logps=true` (MaxText's meaning of that key);
+* sampler-vs-trainer agreement metrics (`rl.log_sampler_trainer_agreement`), computed from both:
+      d_t = lp_sampler - lp_trainer on completion tokens,
+      mismatch/logp_abs_diff_mean = mean |d_t|,
+      mismatch/kl_k3 = mean( exp(d_t) - d_t - 1 )   (k3 estimate of KL(trainer || sampler) on trainer samples).
+
+Log-probs everywhere are at the rollout temperature (logits / T), the distribution the tokens were sampled from and
+the one Tunix's loss and reference use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable, Sequence
+
+from flax import nnx
+from flax.linen import partitioning as nn_partitioning
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tunix.rl import common as tunix_common
+from tunix.rl import rl_cluster as rl_cluster_lib
+from tunix.rl.grpo import grpo_learner
+
+from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin.updates import UpdatePlan
+
+
+@dataclasses.dataclass
+class Experience:
+  """A rollout batch ready for the policy update."""
+
+  example: Any  # tunix TrainExample, rows = prompts x G
+  texts: list[str]
+  rewards: np.ndarray  # [rows] summed over reward functions
+  metrics: dict[str, float]
+
+
+def _micro(size: int, num_generations: int) -> int | None:
+  """MaxText's -1 (= no micro-batching) -> None; prompts -> rows."""
+  return None if size is None or int(size) <= 0 else int(size) * num_generations
+
+
+def pad_completions(tokens: Sequence[Any], length: int, pad_id: int) -> np.ndarray:
+  """[rows, length] completion ids, right-padded with `pad_id` (a longer completion is cut: it cannot happen with the
+  rollout's max_tokens_to_generate == length, but a cut is safer than a shape error)."""
+  out = np.full((len(tokens), length), pad_id, dtype=np.int32)
+  for i, t in enumerate(tokens):
+    t = np.asarray(t, dtype=np.int32)[:length]
+    out[i, : t.shape[0]] = t
+  return out
+
+
+def sum_rewards(reward_fns: Sequence[Callable], prompts: list, completions: list[str], **kwargs) -> np.ndarray:
+  """Per-completion total reward (the sum over reward functions, as Tunix's learner sums them).
+
+  A function returning the wrong number of values, or a non-finite value, is an error here rather than a silent
+  NaN advantage later.
+  """
+  total = np.zeros(len(completions), dtype=np.float64)
+  for fn in reward_fns:
+    vals = np.asarray(fn(prompts, completions, **kwargs), dtype=np.float64).reshape(-1)
+    name = getattr(fn, "__name__", repr(fn))
+    if vals.shape[0] != len(completions):
+      raise ValueError(f"reward function {name} returned {vals.shape[0]} values for {len(completions)} completions")
+    if not np.all(np.isfinite(vals)):
+      raise ValueError(f"reward function {name} returned a non-finite reward")
+    total += vals
+  return total.astype(np.float32)
+
+
+class TrainerLogps:
+  """Log-probs of sampled completions under the actor's *current* weights, on the trainer mesh (no gradient)."""
+
+  def __init__(self, rl_cluster: Any, mesh: Any, logical_axis_rules: Any):
+    self._cluster = rl_cluster
+    self._mesh = mesh
+    self._rules = logical_axis_rules
+
+  def __call__(self, prompt_ids: jax.Array, completion_ids: jax.Array, pad_id: int, eos_id: int, temperature: float,
+               micro_batch_size: int | None = None) -> jax.Array:
+    graphdef, state = nnx.split(self._cluster.actor_trainer.model)
+    rows = prompt_ids.shape[0]
+    step = micro_batch_size or rows
+    outs = []
+    with self._mesh, nn_partitioning.axis_rules(self._rules):
+      for s in range(0, rows, step):
+        outs.append(tunix_common.compute_per_token_logps(
+            graphdef, state, prompt_tokens=prompt_ids[s:s + step], completion_tokens=completion_ids[s:s + step],
+            pad_id=pad_id, eos_id=eos_id, stop_gradient=True, return_logits=False,
+            temperature=float(temperature) if temperature and temperature > 0 else 1.0))
+    return jnp.concatenate(outs, axis=0)
+
+
+def agreement_metrics(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -> dict[str, float]:
+  """Sampler-vs-trainer log-prob agreement on completion tokens (formulas in the module docstring)."""
+  m = np.asarray(mask, dtype=np.float64)
+  d = np.where(m > 0, np.asarray(sampler, np.float64) - np.asarray(trainer, np.float64), 0.0)
+  n = max(m.sum(), 1.0)
+  dc = np.clip(d, -20.0, 20.0)
+  return {
+      "mismatch/logp_abs_diff_mean": float(np.abs(d).sum() / n),
+      "mismatch/logp_abs_diff_max": float(np.abs(d).max()) if d.size else 0.0,
+      "mismatch/kl_k3": float(((np.exp(dc) - dc - 1.0) * m).sum() / n),
+  }
+
+
+def make_experience(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> Experience:
+  """Rollouts and everything the update needs for one RL step (`inputs` rows are prompts repeated G times)."""
+  cfg = run.config
+  cluster = run.rl_cluster
+  g = plan.num_generations
+  train_rollout = cluster.cluster_config.rollout_config[rl_cluster_lib.Mode.TRAIN]
+  temperature = train_rollout.temperature
+  pad_id, eos_id = int(cluster.rollout.pad_id()), int(cluster.rollout.eos_id())
+  logps_micro = _micro(cfg.train_micro_batch_size, g)
+
+  t = time.perf_counter()
+  out = cluster.generate(prompts=list(inputs["prompts"]), mode=rl_cluster_lib.Mode.TRAIN,
+                         micro_batch_size=_micro(cfg.rollout_micro_batch_size, g))
+  timer.add("rollout", time.perf_counter() - t)
+
+  completion_ids = pad_completions(out.tokens, train_rollout.max_tokens_to_generate, pad_id)
+  prompt_ids = jnp.asarray(out.left_padded_prompt_tokens)
+  completion_mask = completion_ids != pad_id  # the stop token is kept and trained (algorithms.py, EOS policy)
+
+  t = time.perf_counter()
+  rewards = sum_rewards(run.reward_fns, list(inputs["prompts"]), list(out.text),
+                        **{k: v for k, v in inputs.items() if k != "prompts"})
+  advantages = algorithms.group_advantages(rewards, g, cfg.rl.advantage_norm)
+  timer.add("reward", time.perf_counter() - t)
+
+  completion = jnp.asarray(completion_ids)
+  metrics: dict[str, float] = {}
+  t = time.perf_counter()
+  ref = None
+  if float(cfg.rl.grpo_beta) != 0.0:
+    ref = cluster.get_ref_per_token_logps(prompt_tokens=prompt_ids, completion_tokens=completion, pad_id=pad_id,
+                                          eos_id=eos_id, micro_batch_size=logps_micro)
+  old = None
+  want_trainer = (plan.needs_old_logps and not cfg.rl.use_rollout_logps) or cfg.rl.log_sampler_trainer_agreement
+  want_sampler = (plan.needs_old_logps and cfg.rl.use_rollout_logps) or cfg.rl.log_sampler_trainer_agreement
+  trainer_lp = sampler_lp = None
+  if want_trainer:
+    trainer_lp = run.trainer_logps(prompt_ids, completion, pad_id, eos_id, temperature, logps_micro)
+  if want_sampler:
+    sampler_lp = cluster.get_old_per_token_logps(prompt_tokens=prompt_ids, completion_tokens=completion,
+                                                 micro_batch_size=logps_micro)
+  if plan.needs_old_logps:
+    old = sampler_lp if cfg.rl.use_rollout_logps else trainer_lp
+  if cfg.rl.log_sampler_trainer_agreement:
+    metrics.update(agreement_metrics(sampler_lp, trainer_lp, completion_mask))
+  timer.add("logps", time.perf_counter() - t)
+
+  example = grpo_learner.TrainExample(
+      prompt_ids=prompt_ids,
+      prompt_mask=prompt_ids != pad_id,
+      completion_ids=completion,
+      completion_mask=jnp.asarray(completion_mask),
+      ref_per_token_logps=ref,
+      advantages=jnp.asarray(advantages),
+      old_per_token_logps=old,
+  )
+  return Experience(example=example, texts=list(out.text), rewards=rewards, metrics=metrics)

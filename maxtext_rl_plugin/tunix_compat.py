@@ -1,0 +1,36 @@
+"""The one module that touches Tunix 0.1.7's private names, each with the reason.
+
+The plugin drives Tunix's actor trainer step by step (instead of `GrpoLearner.train()`) to get exact resume,
+greedy evaluation and per-phase timing. Three things have no public API in Tunix 0.1.7:
+
+* the trainer's step counters, which a resumed run must set to the restored optimizer-update count (Tunix's own
+  resume reads them from its own checkpoint manager, which the plugin does not use);
+* flushing the trainer's buffered metrics: Tunix writes an update's loss/KL/clip fraction one update late (to
+  overlap I/O), so without a flush a step's metrics would be logged with the next step;
+* the learner's reward aggregation is private too, but the plugin computes rewards itself (`experience.py`).
+
+`tests/test_tunix_compat.py` checks each name against the pinned Tunix, so an upgrade fails there, not in a run.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PINNED_TUNIX = "0.1.7"
+
+
+def set_trainer_steps(actor_trainer: Any, updates: int, micro_steps_per_update: int) -> None:
+  """Make a restored trainer count `updates` optimizer updates (`_train_steps`) and the matching micro-steps
+  (`_iter_steps`, which also drives Tunix's profiler window and gradient-accumulation phase)."""
+  actor_trainer._train_steps = int(updates)  # pylint: disable=protected-access
+  actor_trainer._iter_steps = int(updates) * int(micro_steps_per_update)  # pylint: disable=protected-access
+
+
+def trainer_steps(actor_trainer: Any) -> tuple[int, int]:
+  """(optimizer updates, micro-steps) the trainer has taken (public read-only properties in 0.1.7)."""
+  return int(actor_trainer.train_steps), int(actor_trainer.iter_steps)
+
+
+def flush_train_metrics(actor_trainer: Any) -> None:
+  """Write the last update's buffered metrics now (Tunix defers them by one update)."""
+  actor_trainer._write_train_metrics()  # pylint: disable=protected-access
