@@ -478,10 +478,24 @@ def _adamw_reference(grads, params, lrs, b1, b2, eps, wd, clip):
   return out
 
 
+def _run_optimizer(tx, params, grads):
+  import optax  # pylint: disable=import-outside-toplevel
+
+  state = tx.init(params)
+  p = list(params)
+  for g in grads:
+    upd, state = tx.update(g, state, p)
+    p = optax.apply_updates(p, upd)
+  return p
+
+
 @pytest.mark.parametrize("eps", [1e-8, 1e-3])
 def test_optimizer_is_maxtexts_and_honours_adam_eps(eps):
-  """Default eps: MaxText's own optimizer object. Other eps: same schedule/clip/AdamW, checked against NumPy."""
-  import optax  # pylint: disable=import-outside-toplevel
+  """The plugin's optimizer is MaxText's chain (same outputs as utils_rl.get_optimizer at default eps), honours
+  adam_eps, and its schedule counts optimizer updates; all checked against a NumPy AdamW."""
+  import multiprocessing.pool  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import  (utils_rl needs it)
+
+  from maxtext.trainers.post_train.rl import utils_rl  # pylint: disable=import-outside-toplevel
 
   from maxtext_rl_plugin import config as config_lib, trainer  # pylint: disable=import-outside-toplevel
 
@@ -491,14 +505,22 @@ def test_optimizer_is_maxtexts_and_honours_adam_eps(eps):
   rng = np.random.default_rng(0)
   params = [rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(5,)).astype(np.float32)]
   grads = [[rng.normal(scale=s, size=p.shape).astype(np.float32) for p in params] for s in (1e-4, 2.0, 1e-3, 1e-4)]
-  state = tx.init(params)
-  p = list(params)
-  for g in grads:
-    upd, state = tx.update(g, state, p)
-    p = optax.apply_updates(p, upd)
+  p = _run_optimizer(tx, params, grads)
+  if eps == 1e-8:  # MaxText's own optimizer, same schedule length (one update per batch): identical updates
+    for a, b in zip(p, _run_optimizer(utils_rl.get_optimizer(cfg), params, grads)):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   lrs = [0.0, 0.01, 0.01 * 0.5 * (1 + np.cos(np.pi * 1 / 3)), 0.01 * 0.5 * (1 + np.cos(np.pi * 2 / 3))]
   ref = _adamw_reference(grads, params, lrs, cfg.adam_b1, cfg.adam_b2, eps, 0.1, 1.0)
   for a, b in zip(p, ref):
+    np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=1e-7)
+  # With 2 mini-batches per batch the same 4 updates are half a run of 8: warmup 2 updates, then cosine over 8.
+  cfg2 = config_lib.load_config(["configs/cpu_tiny.yml", "num_batches=4", "learning_rate=0.01", f"adam_eps={eps}",
+                                 "warmup_steps_fraction=0.25", "adam_weight_decay=0.1", "gradient_clipping_threshold=1.0",
+                                 "rl.mini_batch_size=1"])
+  assert trainer.total_updates(cfg2) == 8
+  lrs2 = [0.0, 0.005, 0.01, 0.01 * 0.5 * (1 + np.cos(np.pi * 1 / 6))]
+  ref2 = _adamw_reference(grads, params, lrs2, cfg.adam_b1, cfg.adam_b2, eps, 0.1, 1.0)
+  for a, b in zip(_run_optimizer(trainer.build_optimizer(cfg2), params, grads), ref2):
     np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=1e-7)
   # The eps matters: with eps=1e-3 the tiny-gradient steps are SGD-like and far smaller than Adam's.
   other = _adamw_reference(grads, params, lrs, cfg.adam_b1, cfg.adam_b2, 1e-3 if eps == 1e-8 else 1e-8, 0.1, 1.0)
