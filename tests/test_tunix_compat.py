@@ -1,0 +1,42 @@
+"""Contract of `maxtext_rl_plugin/tunix_compat.py` with the pinned Tunix: every private name it touches exists and
+means what the plugin assumes. A Tunix upgrade that renames or repurposes one fails here, not in a user's run."""
+
+import importlib.metadata
+import inspect
+
+from tunix.rl import rl_cluster
+from tunix.rl.grpo import grpo_learner
+from tunix.sft import peft_trainer
+
+from maxtext_rl_plugin import tunix_compat
+
+
+def test_pinned_tunix_version():
+  assert importlib.metadata.version("google-tunix") == tunix_compat.PINNED_TUNIX
+
+
+def test_trainer_step_counters_and_metric_flush_exist():
+  init_src = inspect.getsource(peft_trainer.PeftTrainer.__init__)
+  assert "self._train_steps = 0" in init_src and "self._iter_steps = 0" in init_src
+  train_src = inspect.getsource(peft_trainer.PeftTrainer.train)
+  # One optimizer update every gradient_accumulation_steps micro-steps, counted in _train_steps.
+  assert "gradient_accumulation_steps" in train_src and "self._train_steps += 1" in train_src
+  # An externally managed trainer (the RL learner sets this) does not skip already-seen examples on its own.
+  assert "is_managed_externally" in train_src
+  assert callable(peft_trainer.PeftTrainer._write_train_metrics)  # pylint: disable=protected-access
+  assert "_prev_buffered_train_metrics" in inspect.getsource(peft_trainer.PeftTrainer._write_train_metrics)  # pylint: disable=protected-access
+  assert isinstance(peft_trainer.PeftTrainer.train_steps, property)
+  assert isinstance(peft_trainer.PeftTrainer.iter_steps, property)
+
+
+def test_public_seams_the_step_loop_uses():
+  """The public API the plugin's step loop relies on instead of the learner's private step."""
+  cfg_fields = {f for f in rl_cluster.RLTrainingConfig.__dataclass_fields__}
+  assert {"mini_batch_size", "train_micro_batch_size", "rollout_micro_batch_size",
+          "compute_logps_micro_batch_size"} <= cfg_fields
+  for name in ("generate", "get_ref_per_token_logps", "get_old_per_token_logps", "update_actor", "sync_weights"):
+    assert callable(getattr(rl_cluster.RLCluster, name)), name
+  assert "micro_batch_size" in inspect.signature(rl_cluster.RLCluster.generate).parameters
+  fields = set(grpo_learner.TrainExample.__dataclass_fields__)
+  assert {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "ref_per_token_logps", "advantages",
+          "old_per_token_logps"} <= fields
