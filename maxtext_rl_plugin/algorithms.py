@@ -35,6 +35,15 @@ Group advantages (`group_advantages`), contiguous groups of G = num_generations 
     group_std:  A_i = (R_i - mean_g R) / (std_g(R, ddof=1) + 1e-6)        (GRPO; Tunix's "grpo" estimator)
     none:       A_i =  R_i - mean_g R                                     (Dr. GRPO; Tunix's "drgrpo")
 
+Rollout importance sampling (`rl.rollout_is`; Yao et al. 2025 "truncated importance sampling", verl's rollout_corr),
+for batches whose behaviour policy mu (the sampler's log-probs lp_mu, returned by the rollout engine at sampling time)
+differs from pi_old (the trainer's forward at the batch's starting weights: another engine, bf16 vs f32, stale weights):
+    truncate:  w_{i,t} = min( exp(lp_old - lp_mu), C )                      (TIS, per token; C = rl.rollout_is_cap)
+    mask:      W_i = exp( (1/n_i) sum_t m (lp_old - lp_mu) ),  w_{i,t} = 1[1/C <= W_i <= C]   (sequence-level MIS)
+  w is a constant (no gradient) multiplying the policy-gradient term of L_{i,t} before aggregation; the KL term is not
+  weighted. Metrics: `is_weight_mean` (over tokens), `is_truncated_fraction` (tokens with exp(lp_old - lp_mu) > C),
+  `is_masked_fraction` (sequences dropped by `mask`).
+
 EOS policy: the completion mask the trainer passes covers the tokens *up to and including* the first EOS/stop token
 (the plugin trains the stop token, so the policy learns when to stop); everything after it is padding. Padded
 positions get exactly zero gradient and may hold any value (even NaN/-inf), as they are replaced before any
@@ -52,7 +61,8 @@ Differences from Tunix 0.1.7's `grpo_loss_fn` (tunix/rl/algo_core.py), which thi
     sequence part only, so the gradient always follows the paper.
   * beta == 0 ignores the reference entirely (no KL metric), matching the learner, which then computes no ref
     log-probs. Dual-clip (`epsilon_c`), sampler importance weights and `kl_clamp_value` are not supported (the
-    +-20 clamp above already bounds k3 by e^20).
+    +-20 clamp above already bounds k3 by e^20). Sampler importance weights (`sampler_is_weights`) multiply the
+    policy-gradient term as in Tunix's `algo_core`; the plugin computes them with `rollout_is_weights` below.
 """
 
 from __future__ import annotations
@@ -138,6 +148,7 @@ def policy_loss(
     beta: float = 0.0,
     kl_estimator: str = "k3",
     loss_agg_mode: str = "sequence-mean-token-mean",
+    is_weights: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The clipped GRPO / GSPO-token loss (to minimise) and its diagnostics; formulas in the module docstring.
 
@@ -150,6 +161,7 @@ def policy_loss(
     completion_mask: [B, T] 1 for trained tokens (up to and including EOS), 0 for padding.
     loss_algo, epsilon, epsilon_high, beta, kl_estimator, loss_agg_mode: static hyperparameters;
       epsilon_high=None means epsilon (symmetric clip).
+    is_weights: [B, T] rollout importance weights (`rollout_is_weights`) multiplying the policy-gradient term, or None.
 
   Returns:
     (loss, aux): scalar float32 loss and float32 scalars `pg_loss`, `kl_loss`, `kl` (token mean of the KL
@@ -190,6 +202,8 @@ def policy_loss(
   ratio = jnp.exp(token_log_ratio)
   surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1.0 - eps_lo, 1.0 + eps_hi) * adv)
   per_token_loss = -surrogate
+  if is_weights is not None:
+    per_token_loss = per_token_loss * jnp.where(valid, jax.lax.stop_gradient(is_weights).astype(jnp.float32), 0.0)
   pg_loss = aggregate(per_token_loss, mask, loss_agg_mode)
 
   kl_loss = jnp.float32(0.0)
@@ -230,6 +244,42 @@ def policy_loss(
     aux["seq_clip_fraction"] = (seq_clipped.astype(jnp.float32) * nonempty).sum() / n_rows
   aux = {k: jax.lax.stop_gradient(jnp.asarray(v, jnp.float32)) for k, v in aux.items()}
   return loss.astype(jnp.float32), aux
+
+
+ROLLOUT_IS_MODES = ("off", "truncate", "mask")
+
+
+def rollout_is_weights(old_per_token_logps: Any, behaviour_per_token_logps: Any, completion_mask: Any, mode: str,
+                       cap: float) -> tuple[np.ndarray, dict[str, float]]:
+  """Rollout importance weights w [B, T] and their metrics (formulas in the module docstring); host NumPy, float32.
+
+  Computed once per rollout batch, outside the differentiated loss (the weights are constants there).
+  """
+  _check_choice("rollout_is", mode, ROLLOUT_IS_MODES)
+  if not cap > 1.0:
+    raise ValueError(f"rollout_is_cap must be > 1; got {cap}")
+  m = np.asarray(completion_mask).astype(np.float64)
+  valid = m > 0
+  d = np.where(valid, np.asarray(old_per_token_logps, np.float64) - np.asarray(behaviour_per_token_logps, np.float64),
+               0.0)
+  d = np.clip(d, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+  ratio = np.exp(d)
+  n_tok = max(m.sum(), 1.0)
+  metrics = {"is_truncated_fraction": float(((ratio > cap) & valid).sum() / n_tok), "is_masked_fraction": 0.0}
+  if mode == "off":
+    w = np.ones_like(ratio)
+  elif mode == "truncate":
+    w = np.minimum(ratio, cap)
+  else:
+    lengths = m.sum(axis=-1)
+    seq = np.exp((d * m).sum(axis=-1) / np.maximum(lengths, 1.0))
+    keep = (seq >= 1.0 / cap) & (seq <= cap)
+    w = np.broadcast_to(keep[:, None], ratio.shape).astype(np.float64)
+    nonempty = lengths > 0
+    metrics["is_masked_fraction"] = float((~keep & nonempty).sum() / max(nonempty.sum(), 1))
+  w = np.where(valid, w, 0.0)
+  metrics["is_weight_mean"] = float(w.sum() / n_tok)
+  return w.astype(np.float32), metrics
 
 
 def group_advantages(rewards: Any, num_generations: int, norm: str = "group_std") -> Any:
@@ -305,8 +355,6 @@ def tunix_policy_loss_fn(
   Same contract as Tunix's `grpo_loss_fn`: the learner calls it inside the trainer's jitted, differentiated step
   with the actor model, a `TrainExample` and its algo config.
   """
-  if getattr(train_example, "sampler_is_weights", None) is not None:
-    raise NotImplementedError("sampler importance weights are not supported by the plugin's policy loss")
   compute_entropy = getattr(algo_config, "compute_entropy", True)
   graphdef, state = nnx.split(model)
   per_token_logps, logits = tunix_common.compute_per_token_logps(
@@ -335,6 +383,7 @@ def tunix_policy_loss_fn(
       beta=beta,
       kl_estimator=getattr(algo_config, "kl_estimator", "k3"),
       loss_agg_mode=algo_config.loss_agg_mode,
+      is_weights=getattr(train_example, "sampler_is_weights", None),
   )
   if compute_entropy:
     log_probs = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)

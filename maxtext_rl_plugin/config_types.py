@@ -40,6 +40,16 @@ class PluginRL(types.RL):
           "Each RL step makes num_iterations * batch_size / mini_batch_size updates; must divide batch_size."
       ),
   )
+  rollout_is: Literal["off", "truncate", "mask"] = Field(
+      "off",
+      description=(
+          "Rollout importance sampling between the behaviour policy (the sampler's log-probs at sampling time) and "
+          "pi_old (the trainer's forward at the batch's starting weights): 'truncate' weights each token's policy "
+          "gradient by min(pi_old/pi_behaviour, rollout_is_cap) (TIS); 'mask' drops sequences whose geometric-mean "
+          "ratio leaves [1/cap, cap]. Needs rl.use_rollout_logps=false (pi_old must be the trainer's)."
+      ),
+  )
+  rollout_is_cap: float = Field(2.0, gt=1.0, description="C of rl.rollout_is: the truncation cap / mask range [1/C, C].")
   verify_weight_sync: Literal["off", "first", "every_n"] = Field(
       "first",
       description="Check after a trainer->sampler weight sync that the sampler holds the new weights: never, on the first sync, or every `verify_weight_sync_every` syncs.",

@@ -6,9 +6,12 @@ This replaces Tunix 0.1.7's private `GrpoLearner._generate_and_compute_advantage
 * rollout micro-batching through `RLCluster.generate(micro_batch_size=...)` (MaxText's `rollout_micro_batch_size`);
 * old-policy log-probs computed once per batch, before its first update, by the *trainer's* forward at the batch's
   starting weights (Tunix takes them from the rollout engine, `get_old_per_token_logps`, which is unreliable in 0.1.7
-  for every engine), or from the sampler when `rl.use_rollout_logps=true` (MaxText's meaning of that key);
-* sampler-vs-trainer agreement metrics (`rl.log_sampler_trainer_agreement`), computed from both:
-      d_t = lp_sampler - lp_trainer on completion tokens,
+  for every engine), or, with `rl.use_rollout_logps=true` (MaxText's meaning of that key), the log-probs the rollout
+  engine returned with the samples (recomputed on the sampler's weights for an engine that returns none);
+* rollout importance weights (`rl.rollout_is`, algorithms.rollout_is_weights) from the behaviour log-probs the
+  engine returned at sampling time and the trainer's old log-probs;
+* sampler-vs-trainer agreement metrics (`rl.log_sampler_trainer_agreement`), behaviour vs trainer:
+      d_t = lp_behaviour - lp_trainer on completion tokens,
       mismatch/logp_abs_diff_mean = mean |d_t|,
       mismatch/kl_k3 = mean( exp(d_t) - d_t - 1 )   (k3 estimate of KL(trainer || sampler) on trainer samples).
 
@@ -101,6 +104,22 @@ class TrainerLogps:
     return jnp.concatenate(outs, axis=0)
 
 
+def behaviour_logps(out: Any, length: int) -> jax.Array | None:
+  """[rows, length] log-probs the sampler assigned to the tokens it sampled (the behaviour policy mu), zero-padded;
+  None when the engine returned none."""
+  if out.logprobs is None or any(lp is None for lp in out.logprobs):
+    return None
+  return jnp.asarray(_pad_float(out.logprobs, length))
+
+
+def _pad_float(rows: Sequence[Any], length: int) -> np.ndarray:
+  out = np.zeros((len(rows), length), dtype=np.float32)
+  for i, r in enumerate(rows):
+    r = np.asarray(r, dtype=np.float32)[:length]
+    out[i, : r.shape[0]] = r
+  return out
+
+
 def agreement_metrics(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -> dict[str, float]:
   """Sampler-vs-trainer log-prob agreement on completion tokens (formulas in the module docstring)."""
   m = np.asarray(mask, dtype=np.float64)
@@ -146,19 +165,29 @@ def make_experience(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: 
   if float(cfg.rl.grpo_beta) != 0.0:
     ref = cluster.get_ref_per_token_logps(prompt_tokens=prompt_ids, completion_tokens=completion, pad_id=pad_id,
                                           eos_id=eos_id, micro_batch_size=logps_micro)
-  old = None
-  want_trainer = (plan.needs_old_logps and not cfg.rl.use_rollout_logps) or cfg.rl.log_sampler_trainer_agreement
-  want_sampler = (plan.needs_old_logps and cfg.rl.use_rollout_logps) or cfg.rl.log_sampler_trainer_agreement
-  trainer_lp = sampler_lp = None
-  if want_trainer:
+  rollout_is = cfg.rl.rollout_is != "off"
+  agreement = bool(cfg.rl.log_sampler_trainer_agreement)
+  use_sampler = plan.needs_old_logps and cfg.rl.use_rollout_logps
+  behaviour = None
+  if use_sampler or rollout_is or agreement:
+    behaviour = behaviour_logps(out, completion_ids.shape[1])
+    if behaviour is None:  # an engine that returns no log-probs: recompute them on the sampler's weights
+      behaviour = cluster.get_old_per_token_logps(prompt_tokens=prompt_ids, completion_tokens=completion,
+                                                  micro_batch_size=logps_micro)
+  trainer_lp = None
+  if (plan.needs_old_logps and not use_sampler) or rollout_is or agreement:
     trainer_lp = run.trainer_logps(prompt_ids, completion, pad_id, eos_id, temperature, logps_micro)
-  if want_sampler:
-    sampler_lp = cluster.get_old_per_token_logps(prompt_tokens=prompt_ids, completion_tokens=completion,
-                                                 micro_batch_size=logps_micro)
+  old = None
   if plan.needs_old_logps:
-    old = sampler_lp if cfg.rl.use_rollout_logps else trainer_lp
-  if cfg.rl.log_sampler_trainer_agreement:
-    metrics.update(agreement_metrics(sampler_lp, trainer_lp, completion_mask))
+    old = behaviour if use_sampler else trainer_lp
+  is_weights = None
+  if rollout_is:
+    w, is_metrics = algorithms.rollout_is_weights(trainer_lp, behaviour, completion_mask, cfg.rl.rollout_is,
+                                                  float(cfg.rl.rollout_is_cap))
+    is_weights = jnp.asarray(w)
+    metrics.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
+  if agreement:
+    metrics.update(agreement_metrics(behaviour, trainer_lp, completion_mask))
   timer.add("logps", time.perf_counter() - t)
 
   example = grpo_learner.TrainExample(
@@ -169,5 +198,6 @@ def make_experience(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: 
       ref_per_token_logps=ref,
       advantages=jnp.asarray(advantages),
       old_per_token_logps=old,
+      sampler_is_weights=is_weights,
   )
   return Experience(example=example, texts=list(out.text), rewards=rewards, metrics=metrics)

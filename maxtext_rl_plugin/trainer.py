@@ -100,6 +100,9 @@ def _check_runtime(config, rs: models.RunSetup) -> None:
           f"invalid value for '{key}'={prompts}: {key} * rl.num_generations = {rows} rows must be divisible by the "
           f"{n_trainer} trainer devices (each micro-batch is sharded over them)"
       )
+  if config.rl.rollout_is != "off" and config.rl.use_rollout_logps:
+    raise ConfigError(f"invalid value for 'rl.rollout_is'='{config.rl.rollout_is}': needs rl.use_rollout_logps=false "
+                      "(the importance weight is pi_old / pi_behaviour, with pi_old the trainer's own forward)")
   gen_budget = config.max_target_length - config.max_prefill_predict_length
   if gen_budget < 1:
     raise ConfigError(

@@ -537,3 +537,82 @@ def test_on_policy_gspo_token_has_grpos_gradient(agg):
   _, g_gspo, _ = jax_loss_and_grad(*f32(lp, lp, None, adv, mask), loss_algo="gspo-token", **kw)
   assert np.max(np.abs(g_grpo)) > 1e-3
   np.testing.assert_allclose(g_gspo, g_grpo, rtol=1e-5, atol=1e-8)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Rollout importance sampling (TIS / sequence masking)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def np_is_weights(old, behaviour, mask, mode, cap):
+  """Per-token weights, written token by token from the formulas (TIS; sequence-level masking)."""
+  w = np.zeros_like(old)
+  for i in range(old.shape[0]):
+    idx = np.flatnonzero(mask[i])
+    if idx.size == 0:
+      continue
+    seq = np.exp(np.mean([old[i, t] - behaviour[i, t] for t in idx]))
+    for t in idx:
+      if mode == "truncate":
+        w[i, t] = min(np.exp(old[i, t] - behaviour[i, t]), cap)
+      else:
+        w[i, t] = 1.0 if 1.0 / cap <= seq <= cap else 0.0
+  return w
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+def test_rollout_is_weights_match_numpy(mode):
+  lp, old, _, _, mask = make_batch(seed=11, spread=0.6)
+  # Token noise plus a per-sequence shift, so that both tokens and whole sequences fall on both sides of the cap.
+  row_shift = np.array([0.0, 1.2, 0.0, -1.0, 0.2, -0.9])[:, None]
+  behaviour = old + np.random.default_rng(3).normal(0.0, 0.8, size=old.shape) + row_shift
+  behaviour[mask == 0] = np.nan  # garbage at padding must not leak
+  w, m = algorithms.rollout_is_weights(old, behaviour, mask, mode, 2.0)
+  ref = np_is_weights(old, behaviour, mask, mode, 2.0)
+  np.testing.assert_allclose(w, ref, rtol=1e-6, atol=1e-7)
+  assert np.all(w[mask == 0] == 0)
+  ratios = np.exp(old - behaviour)[mask > 0]
+  assert m["is_truncated_fraction"] == pytest.approx(float(np.mean(ratios > 2.0)))
+  assert m["is_weight_mean"] == pytest.approx(float(ref[mask > 0].mean()), rel=1e-6)
+  if mode == "truncate":
+    assert 0 < m["is_truncated_fraction"] < 1  # the batch exercises both branches
+  else:
+    assert 0 < m["is_masked_fraction"] < 1
+  del lp
+
+
+@pytest.mark.parametrize("algo", ["grpo", "gspo-token"])
+def test_is_weights_scale_the_policy_gradient_not_the_kl(algo):
+  """Loss with weights w: -sum w_t * obj_t + beta * KL_t (aggregated); value and gradient against NumPy."""
+  lp, old, ref, adv, mask = make_batch(seed=12)
+  w = np.where(mask > 0, np.random.default_rng(5).uniform(0.0, 2.0, size=lp.shape), 0.0)
+  eps, eh = EPS[algo]
+  kw = dict(loss_algo=algo, epsilon=eps, epsilon_high=eh, beta=0.05, kl_estimator="k3",
+            loss_agg_mode="sequence-mean-token-mean")
+  (loss, _), grad = jax.value_and_grad(
+      lambda x: algorithms.policy_loss(x, *f32(old, ref, adv, mask), **kw, is_weights=jnp.asarray(w, jnp.float32)),
+      has_aux=True)(jnp.asarray(lp, jnp.float32))
+  # NumPy: split the reference loss into its policy-gradient and KL parts, weight the first per token.
+  aggw = np_weights(mask, "sequence-mean-token-mean")
+  _, g_pg, _ = np_policy_loss(lp, old, ref, adv, mask, algo=algo, eps=eps, eps_high=eh, beta=0.0, kl="k3",
+                              agg="sequence-mean-token-mean")
+  exp_loss, exp_grad = 0.0, np.zeros_like(lp)
+  for i, t in zip(*np.nonzero(mask)):
+    k, dk = np_kl(lp[i, t], ref[i, t], "k3")
+    exp_loss += aggw[i, t] * 0.05 * k
+    exp_grad[i, t] = w[i, t] * g_pg[i, t] + aggw[i, t] * 0.05 * dk
+  # The policy-gradient value with per-token weights, from the per-token objective.
+  for i in range(lp.shape[0]):
+    idx = np.flatnonzero(mask[i])
+    if idx.size == 0:
+      continue
+    s = np.exp(np.mean(lp[i, idx] - old[i, idx]))
+    for t in idx:
+      r = np.exp(lp[i, t] - old[i, t]) if algo == "grpo" else s
+      exp_loss -= aggw[i, t] * w[i, t] * min(r * adv[i], np.clip(r, 1 - eps, 1 + eh) * adv[i])
+  assert float(loss) == pytest.approx(exp_loss, rel=1e-4, abs=1e-6)
+  np.testing.assert_allclose(np.asarray(grad, np.float64), exp_grad, rtol=2e-4, atol=1e-6)
+  # Unit weights are the unweighted loss.
+  l1, _ = algorithms.policy_loss(*f32(lp, old, ref, adv, mask), **kw, is_weights=jnp.asarray(mask, jnp.float32))
+  l0, _ = algorithms.policy_loss(*f32(lp, old, ref, adv, mask), **kw)
+  assert float(l1) == pytest.approx(float(l0), rel=1e-6)
