@@ -21,6 +21,14 @@ class PluginRL(types.RL):
   num_generations: int = Field(
       2, ge=2, description="Responses sampled per prompt (G in the GRPO paper); >= 2 so a group has a variance."
   )
+  mini_batch_size: Optional[int] = Field(
+      None,
+      ge=1,
+      description=(
+          "Prompts per optimizer update; None = batch_size (one update per rollout batch per iteration), as Tunix's "
+          "mini_batch_size / verl's ppo_mini_batch_size."
+      ),
+  )
   kl_estimator: Literal["k1", "k3"] = Field(
       "k3",
       description=(

@@ -87,11 +87,9 @@ def _data_key(config) -> str:
 
 
 def _check_runtime(config, rs: models.RunSetup) -> None:
-  """Checks before any model is built (some need the device set): one clear line, not an error deep in JAX."""
+  """Checks that need the device set, before any model is built (device-free ones: `config.validate`)."""
   n_trainer = len(rs.trainer_devices)
   rows = config.batch_size * config.rl.num_generations
-  if config.batch_size < 1:
-    raise ConfigError(f"invalid value for 'batch_size'={config.batch_size}: must be >= 1")
   if rows % n_trainer:
     raise ConfigError(
         f"invalid value for 'batch_size'={config.batch_size}: batch_size * rl.num_generations = {rows} rows must be "
@@ -102,12 +100,6 @@ def _check_runtime(config, rs: models.RunSetup) -> None:
     # and a schedule of num_batches * num_iterations updates. Refuse rather than silently run one.
     raise ConfigError(f"invalid value for 'rl.num_iterations'={config.rl.num_iterations}: the plugin's step loop "
                       "supports 1 (one on-policy update per rollout batch)")
-  gen_budget = config.max_target_length - config.max_prefill_predict_length
-  if gen_budget < 1:
-    raise ConfigError(
-        f"invalid value for 'max_target_length'={config.max_target_length}: must exceed "
-        f"max_prefill_predict_length={config.max_prefill_predict_length} (the difference is the completion budget)"
-    )
 
 
 def _resolve_engine_name(config) -> str:
