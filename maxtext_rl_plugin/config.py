@@ -346,7 +346,7 @@ def _user_set_values(chain, overrides: list[str]) -> dict[str, Any]:
   for arg in overrides:
     key, value = arg.split("=", 1)
     try:
-      parsed = yaml.safe_load(value)
+      parsed = yaml.safe_load(value) if value.strip() else value  # `key=` is an empty string, as OmegaConf reads it
     except yaml.YAMLError:
       parsed = value
     _flatten_user_keys({key: parsed}, out)
@@ -492,7 +492,8 @@ def _parse_uncached(argv: Sequence[str]) -> Parsed:
   for path, cfg in chain:
     if not _is_maxtext_file(path):
       _check_yml_keys(omegaconf.OmegaConf.to_container(cfg, resolve=False), f"in {path}", cls)
-  check_refused(_user_set_values(chain, overrides))
+  # The user's own spelling (`rl.system_prompt`, not the flat twin the override was rewritten to) picks the status.
+  check_refused(_user_set_values(chain, [a.strip().lstrip("-") for a in argv[1:]]))
   merged = _merge_chain(chain)
   raw = omegaconf.OmegaConf.to_container(merged, resolve=False)
   cli = dict(a.split("=", 1) for a in overrides)
