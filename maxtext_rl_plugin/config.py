@@ -334,8 +334,8 @@ def _flatten_user_keys(data: dict, out: dict[str, Any]) -> None:
 
 
 def _user_set_values(chain, overrides: list[str]) -> dict[str, Any]:
-  """Keys the user set -- their yml files (and the plugin's shipped ones) and the command line; not MaxText's
-  own base.yml / post_train/rl.yml / model files -- with the value they set."""
+  """Keys the user set -- their yml files (and the plugin's shipped ones), `M_<KEY>` environment variables and the
+  command line; not MaxText's own base.yml / post_train/rl.yml / model files -- with the value they set."""
   import omegaconf  # pylint: disable=import-outside-toplevel
   import yaml  # pylint: disable=import-outside-toplevel
 
@@ -343,6 +343,10 @@ def _user_set_values(chain, overrides: list[str]) -> dict[str, Any]:
   for path, cfg in reversed(chain):
     if not _is_maxtext_file(path):
       _flatten_user_keys(omegaconf.OmegaConf.to_container(cfg, resolve=False), out)
+  fields = _config_class().model_fields
+  for env_key, value in os.environ.items():  # MaxText's `M_<KEY>` environment overrides of top-level keys
+    if env_key.startswith("M_") and env_key[2:].lower() in fields:
+      overrides = [f"{env_key[2:].lower()}={value}", *overrides]
   for arg in overrides:
     key, value = arg.split("=", 1)
     try:

@@ -436,3 +436,9 @@ def test_slice_counts_must_agree():
 
   with pytest.raises(ConfigError, match="num_samplers_slices` must be both -1 or both positive"):
     models.setup_devices([TINY, "num_trainer_slices=2"])
+
+
+def test_refused_key_set_through_maxtext_environment_override(monkeypatch):
+  monkeypatch.setenv("M_REWARD_NUM_WORKERS", "3")
+  with pytest.raises(ConfigError, match="^config key 'reward_num_workers' is not supported"):
+    config_lib.load_config([TINY, "run_name=env_probe"])
