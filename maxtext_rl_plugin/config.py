@@ -6,7 +6,11 @@ nested blocks such as `rl.kl_estimator=k3`). What this module adds on top of `py
 * one-line errors naming the key (unknown keys, including unknown keys *inside* nested blocks,
   which pydantic would silently ignore), the file, or the bad value -- never a traceback;
 * yml names resolve against the packaged configs, so `configs/rl.yml` works from any directory
-  (e.g. inside the Docker image on a Pathways cluster);
+  (e.g. inside the Docker image on a Pathways cluster); `base_config` may name a shipped plugin config, and the
+  chain is read once, by us, without temporary copies of the user's files;
+* every key has a status (`key_status.py`): a refused key set to anything but MaxText's RL default is an error;
+* `validate`: device-free checks, the same for `print_config=true`, the launchers and training;
+* one parse per argv (`parse`): the trainer's device setup reuses the config instead of re-parsing;
 * one source of truth for keys that MaxText keeps both flat and nested (`loss_algo` and
   `rl.loss_algo`): a dotted override is rewritten to its flat twin, which MaxText routes into the
   nested block, and the flat copy is then re-synced from the nested one.
@@ -14,12 +18,15 @@ nested blocks such as `rl.kl_estimator=k3`). What this module adds on top of `py
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import difflib
 import functools
 import os
 import warnings
 from typing import Any, Sequence
 
+from maxtext_rl_plugin import key_status
 from maxtext_rl_plugin.errors import ConfigError
 
 CONFIGS_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -59,30 +66,6 @@ def _resolve_base(path: str, base: str) -> str:
     if os.path.isfile(cand):
       return cand
   return os.path.join(os.path.dirname(path), base)
-
-
-def _materialize_yml(yml: str) -> str:
-  """A user yml whose `base_config` names a shipped plugin config (e.g. `rl.yml`) is copied to a temp file
-  with that base made absolute, because MaxText resolves bases only next to the file or in its own configs."""
-  import tempfile  # pylint: disable=import-outside-toplevel
-
-  import omegaconf  # pylint: disable=import-outside-toplevel
-
-  try:
-    cfg = omegaconf.OmegaConf.load(yml)
-  except Exception:  # pylint: disable=broad-exception-caught  (reported by the caller with the file name)
-    return yml
-  base = cfg.get("base_config")
-  if not base or os.path.isabs(base) or os.path.isfile(os.path.join(os.path.dirname(yml), base)):
-    return yml
-  resolved = _resolve_base(yml, base)
-  if not resolved.startswith(configs_dir() + os.sep):
-    return yml
-  cfg["base_config"] = resolved
-  fd, tmp = tempfile.mkstemp(prefix=os.path.basename(yml).rsplit(".", 1)[0] + "-", suffix=".yml")
-  with os.fdopen(fd, "w", encoding="utf-8") as f:
-    f.write(omegaconf.OmegaConf.to_yaml(cfg))
-  return tmp
 
 
 @functools.cache
@@ -153,6 +136,8 @@ def _parse_overrides(overrides: Sequence[str], cls) -> list[str]:
     key, value = arg.split("=", 1)
     key = key.strip().lstrip("-")
     _check_key(key, "command line", cls)
+    if key in nested:
+      raise ConfigError(f"'{key}' is a block of keys; set them one by one as {key}.<key>=value (command line)")
     head, _, tail = key.partition(".")
     if head in nested and tail and "." not in tail and tail in cls.model_fields:
       key = tail
@@ -221,7 +206,92 @@ def _resolve_tokenizer_path(overrides: list[str], raw: dict) -> list[str]:
   return overrides
 
 
-def _model_file_overrides(yml: str, raw: dict, overrides: list[str]) -> dict[str, Any]:
+def _maxtext_configs_dir() -> str:
+  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
+
+  return os.path.realpath(MAXTEXT_CONFIGS_DIR)
+
+
+def _is_maxtext_file(path: str) -> bool:
+  return os.path.realpath(path).startswith(_maxtext_configs_dir() + os.sep)
+
+
+def _read_yml(path: str, shown: str):
+  """One yml file as an OmegaConf mapping, or a one-line error naming `shown` (the name the user gave)."""
+  import omegaconf  # pylint: disable=import-outside-toplevel
+
+  try:
+    cfg = omegaconf.OmegaConf.load(path)
+  except FileNotFoundError:
+    raise ConfigError(f"config file '{shown}' not found") from None
+  except OSError as e:  # OmegaConf's "Invalid loaded object type: int" for a yml that is a scalar
+    raise ConfigError(f"config file '{shown}' must be a mapping of key: value ({str(e).splitlines()[0]})") from None
+  except Exception as e:  # pylint: disable=broad-exception-caught  (yaml/omegaconf parse errors)
+    raise ConfigError(f"config file '{shown}' is not valid YAML: {str(e).splitlines()[0]}") from None
+  if isinstance(cfg, omegaconf.ListConfig):
+    raise ConfigError(f"config file '{shown}' must be a mapping of key: value, not a list")
+  if not cfg:
+    raise ConfigError(f"config file '{shown}' is empty; start it with 'base_config: rl.yml' and the keys to change")
+  for block in _nested_models(_config_class()):
+    if block in cfg and cfg[block] is not None and not isinstance(cfg[block], omegaconf.DictConfig):
+      raise ConfigError(
+          f"config file '{shown}': '{block}' must be a block of keys ({block}:\\n  key: value), got {cfg[block]!r}"
+      )
+  return cfg
+
+
+def _read_chain(given: str) -> list[tuple[str, Any]]:
+  """`[(path, cfg), ...]` from the user's yml through its `base_config`s to MaxText's base.yml.
+
+  We follow `base_config` ourselves (MaxText's `_load_config` looks only next to the file and in MaxText's own
+  configs, so `base_config: rl.yml` could not name the plugin's shipped rl.yml without a temporary copy of the
+  user's file -- which may hold an `hf_access_token`).
+  """
+  chain, path, shown, seen = [], resolve_yml(given), given, set()
+  while True:
+    if path in seen:
+      raise ConfigError(f"config file '{shown}': base_config cycle through '{path}'")
+    seen.add(path)
+    cfg = _read_yml(path, shown)
+    chain.append((path, cfg))
+    base = cfg.get("base_config")
+    if not base:
+      break
+    nxt = _resolve_base(path, str(base))
+    if not os.path.isfile(nxt):
+      raise ConfigError(f"config file '{base}' (base_config of '{shown}') not found")
+    path, shown = nxt, str(base)
+  if not any(_is_maxtext_file(p) for p, _ in chain):
+    raise ConfigError(
+        f"config file '{given}' does not extend MaxText's configuration; add 'base_config: rl.yml' (the plugin's) "
+        "or 'base_config: post_train/rl.yml' (MaxText's)"
+    )
+  return chain
+
+
+def _merge_chain(chain):
+  """MaxText's merge order: the base first, each file nearer the user over it."""
+  import omegaconf  # pylint: disable=import-outside-toplevel
+
+  merged = omegaconf.OmegaConf.create({})
+  for _, cfg in reversed(chain):
+    merged = omegaconf.OmegaConf.merge(merged, cfg)
+  return merged
+
+
+def merged_chain(yml: str) -> dict[str, Any]:
+  """The merged yml chain of `yml` as plain containers (values unresolved), before any pydantic processing."""
+  import omegaconf  # pylint: disable=import-outside-toplevel
+
+  return omegaconf.OmegaConf.to_container(_merge_chain(_read_chain(yml)), resolve=False)
+
+
+def nested_models(cls=None) -> dict[str, Any]:
+  """Nested blocks of the schema (`rl`, `dataset`, `reward`, ...) and their pydantic classes."""
+  return _nested_models(cls or _config_class())
+
+
+def _model_file_overrides(chain, raw: dict, overrides: list[str]) -> dict[str, Any]:
   """Keys of the plugin's own yml chain that the model file (configs/models/<model>.yml) also sets.
 
   MaxText applies the model file *over* the base yml, and `override_model_config=true` only lets
@@ -229,59 +299,181 @@ def _model_file_overrides(yml: str, raw: dict, overrides: list[str]) -> dict[str
   win too, so with `override_model_config: true` those keys are passed to pyconfig as kwargs.
   """
   import omegaconf  # pylint: disable=import-outside-toplevel
-  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
 
   cli = dict(a.split("=", 1) for a in overrides)
   if str(cli.get("override_model_config", raw.get("override_model_config", False))).lower() != "true":
     return {}
   model = str(cli.get("model_name", raw.get("model_name", "default"))).replace("-Instruct", "")
-  model_file = os.path.join(MAXTEXT_CONFIGS_DIR, "models", f"{model}.yml")
+  model_file = os.path.join(_maxtext_configs_dir(), "models", f"{model}.yml")
   if not os.path.isfile(model_file):
     return {}
-  own = {}
-  path = yml
-  mt_dir = os.path.realpath(MAXTEXT_CONFIGS_DIR)
-  while path and not os.path.realpath(path).startswith(mt_dir + os.sep):
-    cfg = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(path), resolve=False)
-    for k, v in cfg.items():
-      own.setdefault(k, v)  # the file nearer the user wins
-    base = cfg.get("base_config")
-    if not base:
+  own: dict[str, Any] = {}
+  for path, cfg in chain:  # nearest the user first: the first file that sets a key wins
+    if _is_maxtext_file(path):
       break
-    path = _resolve_base(path, base)
+    for k, v in omegaconf.OmegaConf.to_container(cfg, resolve=False).items():
+      own.setdefault(k, v)
   model_keys = omegaconf.OmegaConf.load(model_file).keys()
   return {k: own[k] for k in model_keys if k in own and k not in cli}
 
 
-def load_pydantic(argv: Sequence[str]):
-  """`[yml, key=value, ...]` -> validated `PluginRLConfig` (pydantic), or `ConfigError`."""
+# --- refused keys -------------------------------------------------------------------------------------------------
+
+
+def _flatten_user_keys(data: dict, out: dict[str, Any]) -> None:
+  """Status-table names (`rl.x`, flat others) -> value, for one yml mapping or the command line."""
+  blocks = _nested_models(_config_class())
+  for key, value in data.items():
+    if key == "base_config":
+      continue
+    if key in blocks and isinstance(value, dict):
+      for inner, v in value.items():
+        out[key_status.canonical(f"{key}.{inner}")] = v
+    else:
+      out[key_status.canonical(key)] = value
+
+
+def _user_set_values(chain, overrides: list[str]) -> dict[str, Any]:
+  """Keys the user set -- their yml files (and the plugin's shipped ones), `M_<KEY>` environment variables and the
+  command line; not MaxText's own base.yml / post_train/rl.yml / model files -- with the value they set."""
   import omegaconf  # pylint: disable=import-outside-toplevel
-  import pydantic  # pylint: disable=import-outside-toplevel
+  import yaml  # pylint: disable=import-outside-toplevel
+
+  out: dict[str, Any] = {}
+  for path, cfg in reversed(chain):
+    if not _is_maxtext_file(path):
+      _flatten_user_keys(omegaconf.OmegaConf.to_container(cfg, resolve=False), out)
+  fields = _config_class().model_fields
+  for env_key, value in os.environ.items():  # MaxText's `M_<KEY>` environment overrides of top-level keys
+    if env_key.startswith("M_") and env_key[2:].lower() in fields:
+      overrides = [f"{env_key[2:].lower()}={value}", *overrides]
+  for arg in overrides:
+    key, value = arg.split("=", 1)
+    try:
+      parsed = yaml.safe_load(value) if value.strip() else value  # `key=` is an empty string, as OmegaConf reads it
+    except yaml.YAMLError:
+      parsed = value
+    _flatten_user_keys({key: parsed}, out)
+  return out
+
+
+@functools.cache
+def _maxtext_rl_defaults() -> dict[str, Any]:
+  """What MaxText's own RL path gives every key: post_train/rl.yml over base.yml, flattened like the table."""
+  out: dict[str, Any] = {}
+  _flatten_user_keys(merged_chain(os.path.join(_maxtext_configs_dir(), "post_train", "rl.yml")), out)
+  return out
+
+
+def _schema_default(key: str) -> Any:
+  cls = _config_class()
+  if key.startswith("rl."):
+    field = _nested_models(cls)["rl"].model_fields.get(key[3:])
+  else:
+    field = cls.model_fields.get(key)
+  return field.get_default(call_default_factory=True) if field is not None else None
+
+
+def check_refused(user_values: dict[str, Any]) -> None:
+  """A refused key set to anything but MaxText's RL default is an error: it would have no effect."""
+  defaults = _maxtext_rl_defaults()
+  for key, value in user_values.items():
+    why = key_status.refusal(key)
+    if why is None:
+      continue
+    default = defaults[key] if key in defaults else _schema_default(key)
+    if not key_status.same_value(value, default):
+      raise ConfigError(f"config key '{key}' is not supported by maxtext_rl_plugin: {why}")
+
+
+# --- validation ---------------------------------------------------------------------------------------------------
+
+
+def _bad(key: str, value: Any, why: str) -> ConfigError:
+  return ConfigError(f"invalid value for '{key}'={value!r}: {why}")
+
+
+def validate(pc) -> None:
+  """Device-free checks of a parsed config, the same for print_config, launchers and training (one line each).
+
+  Only the checks that need the device set (rows divisible by the trainer devices) stay in the trainer.
+  """
+  rl = pc.rl
+  if pc.batch_size < 1:
+    raise _bad("batch_size", pc.batch_size, "must be >= 1")
+  if pc.max_target_length <= pc.max_prefill_predict_length:
+    raise _bad("max_target_length", pc.max_target_length,
+               f"must exceed max_prefill_predict_length={pc.max_prefill_predict_length} (the difference is the "
+               "completion budget)")
+  for name in ("grpo_epsilon", "epsilon_high", "grpo_beta"):
+    value = getattr(rl, name)
+    if value is not None and value < 0:
+      raise _bad(f"rl.{name}", value, "must be >= 0")
+  if pc.checkpoint_period < 1:
+    raise _bad("checkpoint_period", pc.checkpoint_period, "must be >= 1 (checkpoints are saved every N steps; "
+               "enable_checkpointing=false turns them off)")
+  mini = pc.batch_size if rl.mini_batch_size is None else rl.mini_batch_size
+  if mini < 1 or pc.batch_size % mini:
+    raise _bad("rl.mini_batch_size", rl.mini_batch_size, f"must be >= 1 and divide batch_size={pc.batch_size}")
+  if pc.train_micro_batch_size != -1 and (pc.train_micro_batch_size < 1 or mini % pc.train_micro_batch_size):
+    raise _bad("train_micro_batch_size", pc.train_micro_batch_size,
+               f"must be -1 or a divisor of the mini batch ({mini} prompts)")
+  if pc.rollout_micro_batch_size != -1 and (pc.rollout_micro_batch_size < 1 or
+                                            pc.batch_size % pc.rollout_micro_batch_size):
+    raise _bad("rollout_micro_batch_size", pc.rollout_micro_batch_size,
+               f"must be -1 or a divisor of batch_size={pc.batch_size}")
+  if rl.force_on_policy_ratio and rl.num_iterations > 1:
+    raise _bad("rl.force_on_policy_ratio", True, f"valid only with rl.num_iterations=1 (got {rl.num_iterations})")
+
+
+# --- parsing, once ------------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _pyconfig_reads(merged):
+  """Make MaxText's pyconfig use our already-read, already-merged yml chain.
+
+  `pyconfig._initialize_pydantic` is the only entry point that raises instead of logging many lines and calling
+  sys.exit(2); it reads the yml chain through the module-level `pyconfig._load_config`, which we swap for the
+  chain `_read_chain` resolved (plugin-config bases, no temporary copies). Both private names are pinned by
+  tests/test_config.py::test_pyconfig_private_contract; this is the only module that touches them.
+  """
+  import copy  # pylint: disable=import-outside-toplevel
+
   from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
 
-  if not argv:
-    raise ConfigError("usage: python -m maxtext_rl_plugin.train_rl <config.yml> [key=value ...]")
-  given = resolve_yml(argv[0])
-  yml = _materialize_yml(given)
-  cls = _config_class()
-  overrides = _parse_overrides(argv[1:], cls)
+  original = pyconfig._load_config  # pylint: disable=protected-access
+  pyconfig._load_config = lambda _path: copy.deepcopy(merged)  # pylint: disable=protected-access
   try:
-    raw = omegaconf.OmegaConf.to_container(pyconfig._load_config(yml), resolve=False)  # pylint: disable=protected-access
-  except FileNotFoundError as e:
-    raise ConfigError(f"config file '{e.filename}' (base_config of '{given}') not found") from None
-  except Exception as e:  # pylint: disable=broad-exception-caught  (yaml/omegaconf parse errors)
-    raise ConfigError(f"config file '{given}' is not valid YAML: {str(e).splitlines()[0]}") from None
-  _check_yml_keys(raw, f"in {given}", cls)
-  cli = dict(a.split("=", 1) for a in overrides)
-  _check_model_name(str(cli.get("model_name", raw.get("model_name", "default"))))
-  overrides = _resolve_tokenizer_path(overrides, raw)
-  kwargs = _model_file_overrides(yml, raw, overrides)
+    yield pyconfig._initialize_pydantic  # pylint: disable=protected-access
+  finally:
+    pyconfig._load_config = original  # pylint: disable=protected-access
+
+
+@dataclasses.dataclass
+class Parsed:
+  """One parse of `[yml, k=v, ...]`: the validated config and what it was built from (to derive others)."""
+
+  config: Any
+  yml: str
+  merged: Any
+  overrides: list[str]
+  kwargs: dict[str, Any]
+
+  def derive(self, **updates):
+    """The same configuration with `updates` applied the way MaxText applies kwargs (re-validated by pydantic,
+    from the already-read yml chain): MaxText's multislice trainer/sampler configs."""
+    return _initialize(self.yml, self.merged, self.overrides, {**self.kwargs, **updates})
+
+
+def _initialize(yml: str, merged, overrides: list[str], kwargs: dict[str, Any]):
+  import omegaconf  # pylint: disable=import-outside-toplevel
+  import pydantic  # pylint: disable=import-outside-toplevel
+
   try:
-    # The private entry point raises instead of calling sys.exit(2) after multi-line logging, which
-    # is what `pyconfig.initialize_pydantic` does outside pytest; we turn the error into one line.
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _pyconfig_reads(merged) as initialize:
       warnings.simplefilter("ignore")
-      pc = pyconfig._initialize_pydantic(["", yml, *overrides], config_class=cls, **kwargs)  # pylint: disable=protected-access
+      pc = initialize(["", yml, *overrides], config_class=_config_class(), **kwargs)
   except pydantic.ValidationError as e:
     raise ConfigError(_format_validation_error(e)) from None
   except omegaconf.errors.OmegaConfBaseException as e:
@@ -290,6 +482,49 @@ def load_pydantic(argv: Sequence[str]):
     raise ConfigError(str(e).splitlines()[0] if str(e) else repr(e)) from None
   _sync_flat_from_nested(pc)
   return pc
+
+
+def _parse_uncached(argv: Sequence[str]) -> Parsed:
+  import omegaconf  # pylint: disable=import-outside-toplevel
+
+  if not argv:
+    raise ConfigError("usage: python -m maxtext_rl_plugin.train_rl <config.yml> [key=value ...]")
+  given = argv[0]
+  cls = _config_class()
+  chain = _read_chain(given)
+  overrides = _parse_overrides(argv[1:], cls)
+  for path, cfg in chain:
+    if not _is_maxtext_file(path):
+      _check_yml_keys(omegaconf.OmegaConf.to_container(cfg, resolve=False), f"in {path}", cls)
+  # The user's own spelling (`rl.system_prompt`, not the flat twin the override was rewritten to) picks the status.
+  check_refused(_user_set_values(chain, [a.strip().lstrip("-") for a in argv[1:]]))
+  merged = _merge_chain(chain)
+  raw = omegaconf.OmegaConf.to_container(merged, resolve=False)
+  cli = dict(a.split("=", 1) for a in overrides)
+  _check_model_name(str(cli.get("model_name", raw.get("model_name", "default"))))
+  overrides = _resolve_tokenizer_path(overrides, raw)
+  kwargs = _model_file_overrides(chain, raw, overrides)
+  pc = _initialize(chain[0][0], merged, overrides, kwargs)
+  validate(pc)
+  return Parsed(pc, chain[0][0], merged, overrides, kwargs)
+
+
+@functools.lru_cache(maxsize=8)
+def _parse_cached(argv: tuple[str, ...], cwd: str, env: tuple[tuple[str, str], ...]) -> Parsed:
+  del cwd, env  # cache key only: relative yml paths and MAXTEXT_* environment overrides change the result
+  return _parse_uncached(argv)
+
+
+def parse(argv: Sequence[str]) -> Parsed:
+  """`[yml, key=value, ...]` parsed and validated once per process; later calls with the same argv (the trainer's
+  `models.setup_devices`, the launchers) get the same result instead of re-reading and re-validating."""
+  env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("M_") or k in ("HF_TOKEN",)))
+  return _parse_cached(tuple(argv), os.getcwd(), env)
+
+
+def load_pydantic(argv: Sequence[str]):
+  """`[yml, key=value, ...]` -> validated `PluginRLConfig` (pydantic), or `ConfigError`."""
+  return parse(argv).config
 
 
 def load_config(argv: Sequence[str]):
@@ -312,20 +547,6 @@ def to_hyperparameters(pc):
     if not k.startswith("_"):
       flat.setdefault(k, v)
   return hp
-
-
-def canonical_argv(argv: Sequence[str]) -> tuple[list[str], dict[str, Any]]:
-  """(argv, kwargs) for MaxText calls that re-parse argv themselves
-  (`model_creation_utils.setup_configs_and_devices`): yml absolute, overrides canonicalised."""
-  import omegaconf  # pylint: disable=import-outside-toplevel
-  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
-
-  yml = _materialize_yml(resolve_yml(argv[0]))
-  overrides = _parse_overrides(argv[1:], _config_class())
-  raw = omegaconf.OmegaConf.to_container(pyconfig._load_config(yml), resolve=False)  # pylint: disable=protected-access
-  overrides = _resolve_tokenizer_path(overrides, raw)
-  return ["", yml, *overrides], _model_file_overrides(yml, raw, overrides)
-
 
 def dump_yaml(config) -> str:
   """The resolved configuration as YAML (secrets redacted), for `print_config=true`."""

@@ -25,12 +25,11 @@ def _raw_chain(yml: str) -> tuple[dict[str, Any], dict[str, Any], str]:
   asset paths, timestamped run names) that would make the generated file differ between machines.
   """
   import omegaconf  # pylint: disable=import-outside-toplevel
-  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
 
   from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
 
   path = config_lib.resolve_yml(yml)
-  merged = omegaconf.OmegaConf.to_container(pyconfig._load_config(path), resolve=False)  # pylint: disable=protected-access
+  merged = config_lib.merged_chain(path)
   own = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(path), resolve=False)
   return merged, own, str(own.get("base_config", ""))
 
@@ -51,13 +50,19 @@ def _fmt_desc(text: str | None) -> str:
   return " ".join((text or "").split()).replace("|", "\\|")
 
 
+def _fmt_status(key: str) -> str:
+  from maxtext_rl_plugin import key_status  # pylint: disable=import-outside-toplevel
+
+  return _fmt_desc(key_status.status(key) or "(no status)")
+
+
 def rows(yml: str = DEFAULT_YML) -> list[tuple[str, str, str, str]]:
   """(key, default, meaning, source) for every key of the resolved yml, nested blocks flattened as `rl.key`."""
   from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.config_types import PluginRLConfig  # pylint: disable=import-outside-toplevel
 
   merged, own, base = _raw_chain(yml)
-  nested = config_lib._nested_models(PluginRLConfig)  # pylint: disable=protected-access
+  nested = config_lib.nested_models(PluginRLConfig)
   plugin_src = os.path.basename(config_lib.resolve_yml(yml))
   out = []
   for key, value in merged.items():
@@ -77,6 +82,7 @@ def rows(yml: str = DEFAULT_YML) -> list[tuple[str, str, str, str]]:
 
 
 def render(yml: str = DEFAULT_YML) -> str:
+  from maxtext_rl_plugin import key_status  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.config_types import PluginRLConfig  # pylint: disable=import-outside-toplevel
 
   all_rows = rows(yml)
@@ -97,6 +103,10 @@ def render(yml: str = DEFAULT_YML) -> str:
       "invalid values are rejected with one line naming the key, on your machine by the launchers before a job is",
       "submitted.",
       "",
+      "*Status* says whether the plugin honours a key (and where) or refuses it (and why): setting a refused key to",
+      "anything but MaxText's own RL default (`post_train/rl.yml` over `base.yml`) is an error, so no key is ever",
+      "accepted and then ignored (`maxtext_rl_plugin/key_status.py`).",
+      "",
       f"The schema accepts {len(PluginRLConfig.model_fields)} top-level keys in all; those not listed here keep",
       "MaxText's defaults (`configs/base.yml`, model files under `configs/models/`). `print_config=true` prints every",
       "resolved value of a run and exits.",
@@ -105,9 +115,21 @@ def render(yml: str = DEFAULT_YML) -> str:
       "",
   ]
   for title, group in ((f"Plugin keys (`{name}`)", plugin), (f"Inherited from MaxText `{base}`", inherited)):
-    lines += [f"## {title}", "", "| key | default | meaning |", "| --- | --- | --- |"]
-    lines += [f"| `{k}` | {v} | {d} |" for k, v, d, _ in group]
+    lines += [f"## {title}", "", "| key | default | meaning | status |", "| --- | --- | --- | --- |"]
+    lines += [f"| `{k}` | {v} | {d} | {_fmt_status(k)} |" for k, v, d, _ in group]
     lines.append("")
+  listed = {r[0] for r in all_rows}
+  rest = [k for k in key_status.all_keys() if k not in listed and key_status.canonical(k) not in listed]
+  lines += [
+      "## Every other key of the schema",
+      "",
+      f"The {len(rest)} keys neither yml sets (MaxText's `base.yml` and model files give their defaults).",
+      "",
+      "| key | status |",
+      "| --- | --- |",
+  ]
+  lines += [f"| `{k}` | {_fmt_status(k)} |" for k in rest]
+  lines.append("")
   return "\n".join(lines)
 
 

@@ -21,6 +21,14 @@ class PluginRL(types.RL):
   num_generations: int = Field(
       2, ge=2, description="Responses sampled per prompt (G in the GRPO paper); >= 2 so a group has a variance."
   )
+  mini_batch_size: Optional[int] = Field(
+      None,
+      ge=1,
+      description=(
+          "Prompts per optimizer update; None = batch_size (one update per rollout batch per iteration), as Tunix's "
+          "mini_batch_size / verl's ppo_mini_batch_size."
+      ),
+  )
   kl_estimator: Literal["k1", "k3"] = Field(
       "k3",
       description=(
@@ -31,14 +39,6 @@ class PluginRL(types.RL):
   advantage_norm: Literal["group_std", "none"] = Field(
       "group_std",
       description="Group advantage: (r - mean_g) / (std_g + 1e-6) with ddof=1 ('group_std', GRPO) or r - mean_g ('none', Dr.GRPO).",
-  )
-  mini_batch_size: Optional[int] = Field(
-      None,
-      ge=1,
-      description=(
-          "Prompts per optimizer update (Tunix's mini_batch_size, verl's ppo_mini_batch_size); None = batch_size. "
-          "Each RL step makes num_iterations * batch_size / mini_batch_size updates; must divide batch_size."
-      ),
   )
   rollout_is: Literal["off", "truncate", "mask"] = Field(
       "off",

@@ -1,7 +1,7 @@
 """Build the MaxText models, meshes and tokenizer an RL run needs, through MaxText's own code.
 
-Device split (colocated vs. disaggregated trainer/sampler, multislice) comes from
-`model_creation_utils.setup_configs_and_devices`; weights come from `from_pretrained` (an Orbax
+Device split (colocated vs. disaggregated trainer/sampler, multislice) follows
+`model_creation_utils.setup_configs_and_devices`, from the config parsed once; weights come from `from_pretrained` (an Orbax
 `load_parameters_path`, or random init from `init_weights_seed` when none is given), wrapped in
 `TunixMaxTextAdapter` so Tunix's RLCluster can drive them.
 """
@@ -33,20 +33,56 @@ class RunSetup:
     return list(self.trainer_devices) != list(self.sampler_devices)
 
 
-def setup_devices(argv) -> RunSetup:
-  """MaxText's device split for `argv` (`[yml, k=v, ...]`), with the plugin's config class."""
-  from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
+def setup_devices(argv, devices=None) -> RunSetup:
+  """MaxText's trainer/sampler device split for `argv` (`[yml, k=v, ...]`), from the config parsed once.
 
-  mt_argv, kwargs = config_lib.canonical_argv(argv)
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore")
-    try:
-      t_pc, s_pc, t_dev, s_dev = model_creation_utils.setup_configs_and_devices(
-          mt_argv, kwargs, config_class=config_lib._config_class()  # pylint: disable=protected-access
-      )
-    except ValueError as e:
-      raise ConfigError(str(e).splitlines()[0]) from None
-  return RunSetup(config_lib.to_hyperparameters(t_pc), config_lib.to_hyperparameters(s_pc), list(t_dev), list(s_dev))
+  Same semantics as MaxText 0.2.5's `model_creation_utils.setup_configs_and_devices` (compared in
+  tests/test_config.py), without its re-parse of argv: single slice -> one config; Pathways with >= 2 VMs splits the
+  devices by `trainer_devices_fraction` / `sampler_devices_fraction`; multislice derives the trainer and sampler
+  configs (slice counts, fsdp/tensor parallelism) from the parsed one, as MaxText's kwargs do.
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+
+  parsed = config_lib.parse(argv)
+  pc = parsed.config
+  devices = list(jax.devices() if devices is None else devices)
+  if pc.num_trainer_slices == -1 and pc.num_samplers_slices == -1:
+    t_dev = s_dev = devices
+    if len(devices) // pc.chips_per_vm >= 2 and pc.use_pathways:
+      n = len(devices)
+      t_dev = devices[: int(n * pc.trainer_devices_fraction)]
+      s_dev = devices[n - int(n * pc.sampler_devices_fraction):]
+    t_pc = s_pc = pc
+  elif pc.num_trainer_slices > 0 and pc.num_samplers_slices > 0:
+    by_slice: dict[int, list] = {}
+    for d in devices:
+      by_slice.setdefault(d.slice_index, []).append(d)
+    slices = sorted(by_slice)
+    n_t, n_s = pc.num_trainer_slices, pc.num_samplers_slices
+    if len(slices) < n_t + n_s:
+      raise ConfigError(f"invalid value for 'num_trainer_slices'={n_t}: with num_samplers_slices={n_s} it needs "
+                        f"{n_t + n_s} slices, found {len(slices)}")
+    t_dev = [d for i in slices[:n_t] for d in by_slice[i]]
+    s_dev = [d for i in slices[n_t:n_t + n_s] for d in by_slice[i]]
+    per_slice, tp = len(t_dev) // n_t, pc.ici_tensor_parallelism
+    fsdp = per_slice
+    if tp > 1:
+      if per_slice % tp:
+        raise ConfigError(f"invalid value for 'ici_tensor_parallelism'={tp}: must divide the {per_slice} trainer "
+                          "devices per slice")
+      if pc.ici_fsdp_parallelism != -1 and pc.ici_fsdp_parallelism * tp != per_slice:
+        raise ConfigError(f"invalid value for 'ici_fsdp_parallelism'={pc.ici_fsdp_parallelism}: times "
+                          f"ici_tensor_parallelism={tp} must equal the {per_slice} trainer devices per slice")
+      fsdp = per_slice // tp
+    t_pc = parsed.derive(num_slices=n_t, ici_fsdp_parallelism=fsdp, ici_tensor_parallelism=tp, dcn_data_parallelism=n_t)
+    s_pc = parsed.derive(num_slices=n_s, ici_fsdp_parallelism=len(s_dev) // n_s, ici_tensor_parallelism=-1,
+                         dcn_data_parallelism=n_s)
+  else:
+    raise ConfigError(f"invalid value for 'num_trainer_slices'={pc.num_trainer_slices}: num_trainer_slices and "
+                      f"num_samplers_slices (={pc.num_samplers_slices}) must both be -1 or both be positive")
+  t_hp = config_lib.to_hyperparameters(t_pc)
+  s_hp = t_hp if s_pc is t_pc else config_lib.to_hyperparameters(s_pc)
+  return RunSetup(t_hp, s_hp, list(t_dev), list(s_dev))
 
 
 def load_tokenizer(config):

@@ -90,7 +90,7 @@ def _data_key(config) -> str:
 
 
 def _check_runtime(config, rs: models.RunSetup) -> None:
-  """Checks that need the device set, before any model is built: one clear line, not an error deep in JAX."""
+  """Checks that need the device set, before any model is built (device-free ones: `config.validate`)."""
   n_trainer = len(rs.trainer_devices)
   plan = updates.UpdatePlan.from_config(config)
   for key, prompts in (("batch_size", plan.batch_size), ("train_micro_batch_size", plan.micro_batch_size)):
@@ -103,12 +103,6 @@ def _check_runtime(config, rs: models.RunSetup) -> None:
   if config.rl.rollout_is != "off" and config.rl.use_rollout_logps:
     raise ConfigError(f"invalid value for 'rl.rollout_is'='{config.rl.rollout_is}': needs rl.use_rollout_logps=false "
                       "(the importance weight is pi_old / pi_behaviour, with pi_old the trainer's own forward)")
-  gen_budget = config.max_target_length - config.max_prefill_predict_length
-  if gen_budget < 1:
-    raise ConfigError(
-        f"invalid value for 'max_target_length'={config.max_target_length}: must exceed "
-        f"max_prefill_predict_length={config.max_prefill_predict_length} (the difference is the completion budget)"
-    )
 
 
 def num_rl_steps(config) -> int:

@@ -1,0 +1,373 @@
+"""Whether the plugin honours each configuration key, and why it refuses the others.
+
+A MaxText user who switches from MaxText's `train_rl` to this plugin must lose nothing silently: every key of
+`PluginRLConfig` (MaxText 0.2.5's `types.RLConfig`, which inherits ~70 mixin classes of MaxText's whole
+`MaxTextConfig`, plus the plugin's keys) has a status here:
+
+* `honoured (<where>)`: the key changes the run, in the named place;
+* `refused: <why>`: nothing in the RL path reads it, so a user value different from MaxText's own RL default
+  (`post_train/rl.yml` over `base.yml`, else the schema default) is an error, not a silent no-op.
+
+Statuses are given per mixin class of `RLConfig` (e.g. every `ModelArchitecture` key is read by MaxText's model
+code, which the plugin builds through `from_pretrained`; every `Goodput` key is pre-training telemetry) with
+per-key overrides. A class missing from `_CLASS_STATUS` fails tests/test_config.py, so a MaxText upgrade that adds
+a mixin or a key cannot add a silently ignored key. Keys of the `rl:` block are named `rl.<key>`; keys of MaxText's
+other nested blocks (`dataset`, `reward`, `vllm`, ...) are also top-level fields and are named flat, as in
+`post_train/rl.yml`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+MODEL = "honoured (MaxText model code, built by from_pretrained)"
+MESH = "honoured (MaxText mesh and sharding of the trainer and rollout models)"
+TRAINER = "honoured (trainer)"
+ROLLOUT = "honoured (rollout engine)"
+VLLM_ROLLOUT = "honoured (rollout/vllm.py, passed to vLLM)"
+DATA = "honoured (data)"
+REWARDS = "honoured (rewards)"
+PYCONFIG = "honoured (MaxText pyconfig, while loading the configuration)"
+DEVICES = "honoured (models.setup_devices: trainer/sampler device split)"
+ALGO = "honoured (algorithms: the GRPO/GSPO loss)"
+DERIVED = "refused: derived by MaxText from other keys; set those instead"
+
+_ASYNC = "refused: asynchronous rollouts are not implemented yet (tracked: async rollouts issue)"
+_AGENTIC = "refused: used only by MaxText's agentic rollout (rl.use_agentic_rollout), which the plugin does not run"
+_PRETRAIN = "refused: pre-training only; the RL path never reads it"
+_MULTIMODAL = "refused: the plugin's data, rollout and reward paths are text-only"
+_TRAIN_LOSS = "refused: a term of MaxText's pre-training loss; the RL loss is the plugin's GRPO/GSPO loss"
+_OPTIMIZER = "refused: the plugin's optimizer is AdamW (adam_*, learning_rate, warmup_steps_fraction, gradient_clipping_threshold)"
+_CONVERTER = "refused: MaxText's vLLM weight-converter option; the plugin's vLLM engine maps weights itself (rollout/vllm_mapping.py)"
+
+# One status per mixin class of RLConfig (and of the nested blocks); per-key overrides in _KEY_STATUS.
+_CLASS_STATUS: dict[str, str] = {
+    # Model code: MaxText builds the trainer and rollout models from these.
+    "LogitsAndLoss": MODEL,
+    "Engram": MODEL,
+    "ManifoldConstrainedHyperConnections": MODEL,
+    "RematAndOffload": MODEL,
+    "Attention": MODEL,
+    "Llama4Attention": MODEL,
+    "LayoutAndSharding": MESH,
+    "InferenceLayout": MODEL,
+    "InferenceGeneral": "refused: MaxText's standalone decode/inference-server option; the rollout engine does not read it",
+    "PrefixCaching": "refused: MaxText's inference-server prefix cache; the rollout engine does not read it",
+    "Decoding": ROLLOUT,
+    "IciParallelism": MESH,
+    "DcnParallelism": MESH,
+    "PipelineParallelism": "refused: pipeline parallelism is not supported by the RL trainer (Tunix trains one stage)",
+    "DilocoParams": "refused: DiLoCo is a pre-training optimizer; the RL path never reads it",
+    "HardwareAndMesh": MESH,
+    "ModelArchitecture": MODEL,
+    "MTP": "refused: multi-token prediction is a pre-training objective; the RL loss does not use it",
+    "MoBa": MODEL,
+    "MlaAttention": MODEL,
+    "CompressedAttention": MODEL,
+    "AttentionIndexer": MODEL,
+    "SplashAttention": MODEL,
+    "Qwen3Next": MODEL,
+    "MultimodalGeneral": _MULTIMODAL,
+    "Muon": _OPTIMIZER,
+    "FineTuning": "refused: MaxText's SFT/DPO trainers' switch; this plugin runs RL (its SFT warm start is sft_warmup_steps)",
+    "Distillation": "refused: distillation is a separate MaxText trainer; the RL path never reads it",
+    "DatasetGeneral": "refused: MaxText's pre-training input pipeline; RL data is set by dataset_name/train_data_path and batch_size",
+    "TfdsDataset": DATA,
+    "HfDataset": "refused: MaxText's pre-training Hugging Face pipeline; RL data is dataset_name/hf_subset or train_data_path",
+    "GrainDataset": "refused: MaxText's Grain pre-training pipeline; the RL path never reads it",
+    "OlmoGrainDataset": "refused: MaxText's Grain pre-training pipeline; the RL path never reads it",
+    "EmergencyCheckpointing": "refused: emergency/multi-tier checkpointing is not implemented in the RL trainer",
+    "ElasticTraining": "refused: elastic training is not implemented in the RL trainer",
+    "InferenceServer": "refused: MaxText's disaggregated inference server; the rollout engine does not read it",
+    "InferenceBenchmark": "refused: MaxText's inference microbenchmark; the RL path never reads it",
+    "HloDump": "refused: MaxText's train loop dumps HLO; the RL trainer does not (use XLA_FLAGS=--xla_dump_to)",
+    "Goodput": "refused: goodput recording is MaxText pre-training telemetry; the RL trainer does not record it",
+    "GcpMonitoring": "refused: MaxText pre-training telemetry; the RL trainer does not report it",
+    "ManagedMLDiagnostics": "refused: MaxText pre-training telemetry; the RL trainer does not report it",
+    "PositionalEmbedding": MODEL,
+    "Rope": MODEL,
+    "YarnRope": MODEL,
+    "MoEGeneral": MODEL,
+    "MoEKernels": MODEL,
+    "DeepSeekMoE": MODEL,
+    "RunInfo": TRAINER,
+    "Checkpointing": "refused: a MaxText pre-training checkpoint option; the RL trainer's checkpoints are Orbax via checkpointing.py",
+    "OrbaxStorage": "refused: MaxText's Orbax storage tuning; the RL trainer's checkpoint manager does not read it",
+    "DataTypes": MODEL,
+    "Tokenizer": "refused: MaxText's pre-training tokenization option; the RL path tokenizes with the HF tokenizer at tokenizer_path",
+    "AdamW": TRAINER + " optimizer",
+    "Optimizer": _OPTIMIZER,
+    "TrainingLoop": _PRETRAIN,
+    "Quantization": MODEL,
+    "VisionTower": _MULTIMODAL,
+    "VisionProjector": _MULTIMODAL,
+    "AudioEncoder": _MULTIMODAL,
+    "DevelopmentAndDebugging": "refused: a MaxText pre-training debug option; the RL path never reads it",
+    "Profiling": "refused: a MaxText pre-training profiler option; the RL trainer reads profiler, profiler_steps, skip_first_n_steps_for_profiler",
+    "AOT": "refused: ahead-of-time compilation of MaxText's pre-training step; the RL path never reads it",
+    "Metrics": "refused: MaxText pre-training metrics sink; the RL trainer writes TensorBoard and metrics_file",
+    "Tensorboard": "refused: Vertex TensorBoard upload is not implemented; logs go to tensorboard_dir",
+    "DerivedValues": DERIVED,
+    "RL": ALGO,
+    "PluginRL": ALGO,
+    "RLCluster": DEVICES,
+    "RLDataset": DATA,
+    "RLEvaluation": TRAINER + " eval",
+    "RLReward": REWARDS,
+    "RLSpecialTokens": "honoured (data prompt template and rewards)",
+    "VLLM": _CONVERTER,
+    "RLConfig": TRAINER,
+    "PluginKeys": "honoured (plugin key)",
+    "PluginRLConfig": "honoured (plugin key)",
+}
+
+_KEY_STATUS: dict[str, str] = {
+    # --- model code / mesh exceptions ---
+    "z_loss_multiplier": _TRAIN_LOSS,
+    "num_vocab_tiling": "refused: vocab tiling is part of MaxText's pre-training loss; the RL loss computes full logits",
+    "vocab_tiling_ag_once": "refused: vocab tiling is part of MaxText's pre-training loss; the RL loss computes full logits",
+    "optimizer_memory_host_offload": "refused: offloads MaxText's pre-training optimizer state; the RL optimizer is Tunix's",
+    "parameter_memory_host_offload": "refused: offloads MaxText's pre-training train state; the RL train state is Tunix's",
+    "internal_compile": _PRETRAIN,
+    "internal_compile_num_devices": _PRETRAIN,
+    "compile_xla_flags": _PRETRAIN,
+    "logical_axis_rules_for_eval": _PRETRAIN,
+    "custom_mesh_and_rule_for_eval": _PRETRAIN,
+    "max_target_length": "honoured (rollout engine: prompt + completion budget; trainer sequence length)",
+    "max_prefill_predict_length": "honoured (data: prompt length limit; rollout engine)",
+    "enable_prefix_caching": VLLM_ROLLOUT,
+    "decode_sampling_strategy": "refused: the rollout samples with decode_sampling_temperature/top_k/nucleus_p; the strategy name is not read",
+    "ici_diloco_parallelism": "refused: DiLoCo is a pre-training optimizer; the RL path never reads it",
+    "dcn_diloco_parallelism": "refused: DiLoCo is a pre-training optimizer; the RL path never reads it",
+    "ici_pipeline_parallelism": "refused: pipeline parallelism is not supported by the RL trainer (Tunix trains one stage)",
+    "dcn_pipeline_parallelism": "refused: pipeline parallelism is not supported by the RL trainer (Tunix trains one stage)",
+    "indexer_sparse_training": _TRAIN_LOSS,
+    "indexer_loss_scaling_factor": _TRAIN_LOSS,
+    "load_balance_loss_weight": _TRAIN_LOSS,
+    "moe_use_megatron_seq_aux_loss": _TRAIN_LOSS,
+    "routed_bias_update_rate": "refused: MaxText's pre-training step updates the routing bias; the RL step does not",
+    "return_routed_experts": "refused: routed-expert replay is not implemented; the rollout does not return routed experts",
+    "use_qwix_quantization": "refused: Qwix quantized training needs MaxText's train step; the RL trainer does not wrap the model",
+    "weight_sparsity_n": "refused: weight sparsity is applied by MaxText's pre-training step; the RL step does not",
+    "weight_sparsity_m": "refused: weight sparsity is applied by MaxText's pre-training step; the RL step does not",
+    "weight_sparsity_update_step": "refused: weight sparsity is applied by MaxText's pre-training step; the RL step does not",
+    "weight_sparsity_start_step": "refused: weight sparsity is applied by MaxText's pre-training step; the RL step does not",
+    "te_comm_gemm_overlap": "refused: Transformer Engine (GPU) option of MaxText's pre-training step",
+    "grad_dtype": "refused: gradients are computed by Tunix's trainer in the parameter dtype",
+    "vocab_size": MODEL,
+    "scan_layers": MODEL,
+    "param_scan_axis": MODEL,
+    # --- run info ---
+    "base_config": "honoured (yml chain)",
+    "use_m3_model": "refused: MaxText-internal model variant switch; the RL path never reads it",
+    "log_config": PYCONFIG,
+    "debug_sharding": _PRETRAIN,
+    "enable_mllog": _PRETRAIN,
+    "mllog_file": _PRETRAIN,
+    "sharding_strategy": _PRETRAIN,
+    "override_model_config": PYCONFIG,
+    "override_logical_axis_rules": PYCONFIG,
+    "model_name": MODEL,
+    # --- checkpointing ---
+    "convert_checkpoint_if_possible": MODEL,
+    "load_parameters_path": MODEL,
+    "checkpoint_is_quantized": MODEL,
+    "enable_checkpointing": TRAINER + " checkpoints",
+    "async_checkpointing": TRAINER + " checkpoints",
+    "checkpoint_period": TRAINER + " checkpoints",
+    "max_num_checkpoints_to_keep": TRAINER + " checkpoints",
+    # MaxText's validator overwrites both with <base_output_directory>/<run_name>/{checkpoints,tensorboard}/ (its own
+    # train_rl uses them the same way): honoured as derived, and a value set by hand is refused, not dropped.
+    "checkpoint_dir": DERIVED + " (base_output_directory/run_name; the trainer's checkpoints live there)",
+    "tensorboard_dir": DERIVED + " (base_output_directory/run_name; the trainer's TensorBoard logs live there)",
+    # --- tokenizer / data ---
+    "tokenizer_path": "honoured (models.load_tokenizer; vLLM model id)",
+    "tokenizer_type": MODEL,
+    "use_chat_template": DATA,
+    "data_template_path": DATA,
+    "dataset_path": "refused: a TFDS data directory; RL data is dataset_name/hf_subset or train_data_path",
+    "hf_access_token": "honoured (tokenizer, data and checkpoint downloads)",
+    "num_epoch": TRAINER,
+    # --- optimizer ---
+    "learning_rate": TRAINER + " optimizer",
+    "warmup_steps_fraction": TRAINER + " optimizer",
+    "learning_rate_schedule_steps": TRAINER + " optimizer",
+    "gradient_clipping_threshold": TRAINER + " optimizer",
+    "adamw_mask": "refused: the RL optimizer applies weight decay to every parameter",
+    "mu_dtype": "refused: the RL optimizer keeps its moments in the parameter dtype",
+    # --- training loop ---
+    "log_period": TRAINER,
+    "eval_interval": TRAINER,
+    "enable_dropout": MODEL,
+    "dropout_rate": MODEL,
+    "init_weights_seed": MODEL,
+    "data_shuffle_seed": DATA,
+    "steps": "refused: RL steps are num_batches x num_epoch x train_fraction (MaxText's RLConfig derives steps)",
+    # --- debugging ---
+    "jax_cache_dir": PYCONFIG,
+    "jax_distributed_initialization_timeout": PYCONFIG,
+    "jax_debug_log_modules": PYCONFIG,
+    "skip_jax_distributed_system": PYCONFIG,
+    "enable_single_controller": PYCONFIG,
+    # --- profiling / metrics ---
+    "profiler": TRAINER + " profiler",
+    "profiler_steps": TRAINER + " profiler",
+    "skip_first_n_steps_for_profiler": TRAINER + " profiler",
+    "metrics_file": TRAINER + " metrics",
+    "enable_tensorboard": "refused: the RL trainer always writes TensorBoard logs (tensorboard_dir)",
+    # --- RLConfig's own ---
+    "enable_tunix_perf_metrics": "refused: Tunix's perf-metrics collection is not wired into the plugin's trainer",
+    "debug": "refused: MaxText train_rl's debug printing; the plugin logs with absl (--verbosity)",
+    # --- rl: block ---
+    "rl.num_iterations": TRAINER,
+    "rl.mini_batch_size": TRAINER,
+    "rl.use_rollout_logps": TRAINER,
+    "rl.force_on_policy_ratio": TRAINER,
+    "rl.log_sampler_trainer_agreement": TRAINER,
+    "rl.epsilon_high": ALGO,
+    "rl.rollout_is": ALGO + " rollout importance sampling",
+    "rl.rollout_is_cap": ALGO + " rollout importance sampling",
+    "rl.use_agentic_rollout": _ASYNC,
+    "rl.off_policy_steps": _ASYNC,
+    "rl.max_concurrency": _AGENTIC,
+    "rl.system_prompt": _AGENTIC,
+    "rl.reshard_chunk_size": "honoured (resharding: trainer->sampler sync chunk)",
+    "rl.verify_weight_sync": "honoured (resharding: post-sync check)",
+    "rl.verify_weight_sync_every": "honoured (resharding: post-sync check)",
+    # --- cluster ---
+    "rollout_data_parallelism": VLLM_ROLLOUT,
+    "rollout_tensor_parallelism": VLLM_ROLLOUT,
+    "rollout_expert_parallelism": VLLM_ROLLOUT,
+    "inference_replicas": "refused: MaxText's multi-replica vLLM rollout; the plugin runs one rollout engine per sampler mesh",
+    "inference_devices_per_replica": "refused: MaxText's multi-replica vLLM rollout; the plugin runs one rollout engine per sampler mesh",
+    "inference_rollouts": "refused: MaxText's multi-replica vLLM rollout; the plugin runs one rollout engine per sampler mesh",
+    "use_pathways_reshard": "refused: resharding.py chooses pathwaysutils' reshard itself when the backend is Pathways",
+    "gc_collect_after_weight_sync": "refused: the plugin's weight sync frees buffers chunk by chunk (reshard_donate); it does not call gc.collect",
+    # --- dataset ---
+    "batch_size": TRAINER,
+    "num_batches": TRAINER,
+    "num_test_batches": TRAINER + " eval",
+    "eval_batch_size": TRAINER + " eval",
+    "train_fraction": TRAINER,
+    "train_micro_batch_size": TRAINER,
+    "rollout_micro_batch_size": TRAINER,
+    "hf_train_files": "refused: MaxText's HF file list; give local files as train_data_path (JSONL/Parquet)",
+    "hf_eval_files": "refused: MaxText's HF file list; give local files as eval_data_path (JSONL/Parquet)",
+    "test_batch_start_index": "refused: the plugin's eval split starts at its first row",
+    "max_seq_token_per_tpu": "refused: sequence packing is not implemented; each sequence is one padded row",
+    "dataset_processor_path": "refused: custom dataset processors are not supported; use train_data_path with GSM8K-style rows",
+    # --- evaluation ---
+    "eval_sampling_strategy": "refused: the plugin evaluates greedily; other sampling strategies are not implemented",
+    "generation_configs": "refused: the plugin evaluates greedily; MaxText's per-strategy sampling settings are not read",
+    "eval_corr_lst": "refused: MaxText's eval response lists are not produced by the plugin's eval",
+    "eval_make_lst": "refused: MaxText's eval response lists are not produced by the plugin's eval",
+    # --- rewards ---
+    "math_verify_timeout": "refused: the plugin's per-completion timeout is reward_item_timeout_seconds",
+    "reward_num_workers": "refused: rewards are scored in-process with a math_verify pool (math_verify_num_procs); Tunix's reward worker pool is not used",
+    "reward_worker_timeout_seconds": "refused: Tunix's reward worker pool is not used; see reward_item_timeout_seconds",
+    "reward_functions_path": REWARDS,
+    "reward_functions": REWARDS,
+    # --- vLLM (passed on by rollout/vllm.py) ---
+    "kv_cache_buffer": VLLM_ROLLOUT,
+    "hbm_utilization_vllm": VLLM_ROLLOUT,
+    "enable_dp_attention": VLLM_ROLLOUT,
+    "enable_expert_parallel": VLLM_ROLLOUT,
+    "async_scheduling": VLLM_ROLLOUT,
+    "max_num_batched_tokens": VLLM_ROLLOUT,
+    "max_num_seqs": VLLM_ROLLOUT,
+    "vllm_block_size": VLLM_ROLLOUT,
+    "stop_strings": "honoured (rollout engines: stop sequences)",
+    "vllm_additional_config": VLLM_ROLLOUT,
+    "vllm_hf_overrides": VLLM_ROLLOUT,
+    "vllm_hf_config_path": VLLM_ROLLOUT,
+    "free_kv_cache_during_weight_sync": "honoured (rollout/vllm.py: weight sync)",
+    "swap_space_vllm_gb": "refused: rollout/vllm.py does not pass a CPU swap space to vLLM",
+    "rollout_backend": _CONVERTER,
+    "weight_sync_debug": "refused: MaxText's converter debug logging; the plugin checks syncs with rl.verify_weight_sync",
+    "log_weight_sync_time": "refused: MaxText's converter timing log; the plugin logs every sync's time and bytes",
+}
+
+# The key names the enumeration skips: containers whose inner keys carry the status.
+BLOCKS = ("rl", "cluster", "dataset", "reward", "special_tokens", "evaluation", "vllm")
+
+
+def _config_class():
+  from maxtext_rl_plugin.config_types import PluginRLConfig  # pylint: disable=import-outside-toplevel  (pydantic schema import is heavy)
+
+  return PluginRLConfig
+
+
+@functools.cache
+def _declaring_class() -> dict[str, str]:
+  """key -> name of the most-derived class that declares it (`rl.<key>` for the rl block)."""
+  cls = _config_class()
+  out: dict[str, str] = {}
+
+  def own(klass) -> list[str]:
+    return [f for f in vars(klass).get("__annotations__", {}) if f in getattr(klass, "model_fields", {})]
+
+  for klass in cls.__mro__:
+    for name in own(klass):
+      out.setdefault(name, klass.__name__)
+  rl_cls = cls.model_fields["rl"].annotation
+  for klass in rl_cls.__mro__:
+    for name in own(klass):
+      out.setdefault(f"rl.{name}", klass.__name__)
+  return out
+
+
+def all_keys() -> list[str]:
+  """Every key of the schema: top-level fields (minus block containers) and `rl.<key>`."""
+  return sorted(k for k in _declaring_class() if k not in BLOCKS)
+
+
+def canonical(key: str) -> str:
+  """The status-table name of a user key: `dataset.batch_size` -> `batch_size`, `rl.x` stays, flat `loss_algo`
+  (a top-level twin of an `rl:` key, which MaxText routes into the block) -> `rl.loss_algo`."""
+  head, _, tail = key.partition(".")
+  if tail and head == "rl":
+    return f"rl.{tail.split('.')[0]}"
+  if tail and head in BLOCKS:
+    return tail.split(".")[0]
+  if tail:
+    return head  # a dict-valued field such as generation_configs.greedy.eval_top_k
+  if _declaring_class().get(key) in ("RL", "PluginRL"):
+    return f"rl.{key}"
+  return key
+
+
+def status(key: str) -> str | None:
+  """`honoured (...)` or `refused: ...` for a key (any spelling `canonical` accepts); None when unknown."""
+  key = canonical(key)
+  if key in _KEY_STATUS:
+    return _KEY_STATUS[key]
+  owner = _declaring_class().get(key)
+  return _CLASS_STATUS.get(owner) if owner else None
+
+
+def refusal(key: str) -> str | None:
+  """The reason a key is refused, or None when it is honoured."""
+  s = status(key) or ""
+  return s[len("refused: "):] if s.startswith("refused: ") else None
+
+
+def same_value(a: Any, b: Any) -> bool:
+  """Equality of a user value and a default as YAML/CLI spell them (`null`/`None`, 1 vs 1.0, tuples vs lists)."""
+  def norm(v):
+    if isinstance(v, str) and v.strip().lower() in ("none", "null", "~"):
+      return None
+    if isinstance(v, tuple):
+      return [norm(x) for x in v]
+    if isinstance(v, list):
+      return [norm(x) for x in v]
+    if isinstance(v, dict):
+      return {k: norm(x) for k, x in v.items()}
+    if hasattr(v, "value") and not isinstance(v, (int, float, str, bool)):  # enums
+      return v.value
+    return v
+
+  a, b = norm(a), norm(b)
+  if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and not isinstance(b, bool):
+    return float(a) == float(b)
+  return a == b
