@@ -258,8 +258,8 @@ _KEY_STATUS: dict[str, str] = {
     "max_seq_token_per_tpu": "refused: sequence packing is not implemented; each sequence is one padded row",
     "dataset_processor_path": "refused: custom dataset processors are not supported; use train_data_path with GSM8K-style rows",
     # --- evaluation ---
-    "eval_sampling_strategy": "refused: the plugin evaluates greedily; other sampling strategies are not implemented",
-    "generation_configs": "refused: the plugin evaluates greedily; MaxText's per-strategy sampling settings are not read",
+    "eval_sampling_strategy": TRAINER + " evaluation.py: sampling of eval passes (greedy is exact greedy)",
+    "generation_configs": TRAINER + " evaluation.py: eval_temperature/eval_top_k/eval_top_p per strategy",
     "eval_corr_lst": "refused: MaxText's eval response lists are not produced by the plugin's eval",
     "eval_make_lst": "refused: MaxText's eval response lists are not produced by the plugin's eval",
     # --- rewards ---
