@@ -510,16 +510,21 @@ def _parse_uncached(argv: Sequence[str]) -> Parsed:
 
 
 @functools.lru_cache(maxsize=8)
-def _parse_cached(argv: tuple[str, ...], cwd: str, env: tuple[tuple[str, str], ...]) -> Parsed:
-  del cwd, env  # cache key only: relative yml paths and MAXTEXT_* environment overrides change the result
+def _parse_cached(argv: tuple[str, ...], context: tuple) -> Parsed:
+  del context  # cache key only (see parse)
   return _parse_uncached(argv)
 
 
 def parse(argv: Sequence[str]) -> Parsed:
   """`[yml, key=value, ...]` parsed and validated once per process; later calls with the same argv (the trainer's
-  `models.setup_devices`, the launchers) get the same result instead of re-reading and re-validating."""
-  env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("M_") or k in ("HF_TOKEN",)))
-  return _parse_cached(tuple(argv), os.getcwd(), env)
+  `models.setup_devices`, the launchers) get the same result instead of re-reading and re-validating.
+
+  The cache key also holds what else changes the result: the working directory (relative paths), MaxText's
+  `M_<KEY>` environment overrides and HF_TOKEN, and the yml's modification time.
+  """
+  env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("M_") or k == "HF_TOKEN"))
+  mtime = os.stat(argv[0]).st_mtime_ns if argv and os.path.isfile(argv[0]) else None
+  return _parse_cached(tuple(argv), (os.getcwd(), env, mtime))
 
 
 def load_pydantic(argv: Sequence[str]):
