@@ -205,6 +205,7 @@ _KEY_STATUS: dict[str, str] = {
     "te_comm_gemm_overlap": "refused: Transformer Engine (GPU) option of MaxText's pre-training step",
     "grad_dtype": "refused: gradients are computed by Tunix's trainer in the parameter dtype",
     "vocab_size": MODEL,
+    "num_slices": "refused: derived by MaxText's RLConfig from num_trainer_slices/num_samplers_slices; set those",
     "scan_layers": MODEL,
     "param_scan_axis": MODEL,
     # --- run info ---
@@ -233,6 +234,10 @@ _KEY_STATUS: dict[str, str] = {
     "tokenizer_type": MODEL,
     "use_chat_template": DATA,
     "data_template_path": DATA,
+    "chat_template": "refused: prompts use the tokenizer's own chat template (use_chat_template) or data_template_path",
+    "chat_template_path": (
+        "refused: prompts use the tokenizer's own chat template (use_chat_template) or data_template_path"
+    ),
     "dataset_path": "refused: a TFDS data directory; RL data is dataset_name/hf_subset or train_data_path",
     "hf_access_token": "honoured (tokenizer, data and checkpoint downloads)",
     "num_epoch": TRAINER,
@@ -246,7 +251,9 @@ _KEY_STATUS: dict[str, str] = {
     # --- training loop ---
     "log_period": TRAINER,
     "eval_interval": TRAINER,
-    "enable_dropout": MODEL,
+    "enable_dropout": (
+        "refused: the RL path calls MaxText's model with its default; dropout is set by dropout_rate (0 = off)"
+    ),
     "dropout_rate": MODEL,
     "init_weights_seed": MODEL,
     "data_shuffle_seed": DATA,
