@@ -442,3 +442,24 @@ def test_refused_key_set_through_maxtext_environment_override(monkeypatch):
   monkeypatch.setenv("M_REWARD_NUM_WORKERS", "3")
   with pytest.raises(ConfigError, match="^config key 'reward_num_workers' is not supported"):
     config_lib.load_config([TINY, "run_name=env_probe"])
+
+
+def test_multislice_split_and_configs_match_maxtext(monkeypatch):
+  # MaxText groups jax.devices() by slice_index; fakes with two slices of 4 stand in for a 2-slice TPU job.
+  import types as pytypes  # pylint: disable=import-outside-toplevel
+
+  from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
+
+  fakes = [pytypes.SimpleNamespace(id=i, slice_index=i // 4) for i in range(8)]
+  monkeypatch.setattr(model_creation_utils.jax, "devices", lambda: fakes)
+  argv = [TINY, "num_trainer_slices=1", "num_samplers_slices=1", "ici_tensor_parallelism=2"]
+  t_pc, s_pc, t_dev, s_dev = _maxtext_split(argv)
+  rs = models.setup_devices(argv, devices=fakes)
+  assert [d.id for d in rs.trainer_devices] == [d.id for d in t_dev] == [0, 1, 2, 3]
+  assert [d.id for d in rs.sampler_devices] == [d.id for d in s_dev] == [4, 5, 6, 7]
+  assert rs.trainer_config.get_keys() == config_lib.to_hyperparameters(t_pc).get_keys()
+  assert rs.sampler_config.get_keys() == config_lib.to_hyperparameters(s_pc).get_keys()
+  assert (rs.trainer_config.ici_fsdp_parallelism, rs.trainer_config.ici_tensor_parallelism) == (2, 2)
+  assert (rs.sampler_config.ici_fsdp_parallelism, rs.sampler_config.ici_tensor_parallelism) == (4, -1)
