@@ -14,17 +14,25 @@ nested blocks such as `rl.kl_estimator=k3`). What this module adds on top of `py
 * one source of truth for keys that MaxText keeps both flat and nested (`loss_algo` and
   `rl.loss_algo`): a dotted override is rewritten to its flat twin, which MaxText routes into the
   nested block, and the flat copy is then re-synced from the nested one.
+
+MaxText modules (`pyconfig`, `globals`, the schema) are imported inside functions: they import JAX, and
+`--help` or a launcher's dry run should not pay for that.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import functools
 import os
 import warnings
 from typing import Any, Sequence
+
+import omegaconf
+import pydantic
+import yaml
 
 from maxtext_rl_plugin import key_status
 from maxtext_rl_plugin.errors import ConfigError
@@ -218,8 +226,6 @@ def _is_maxtext_file(path: str) -> bool:
 
 def _read_yml(path: str, shown: str):
   """One yml file as an OmegaConf mapping, or a one-line error naming `shown` (the name the user gave)."""
-  import omegaconf  # pylint: disable=import-outside-toplevel
-
   try:
     cfg = omegaconf.OmegaConf.load(path)
   except FileNotFoundError:
@@ -271,8 +277,6 @@ def _read_chain(given: str) -> list[tuple[str, Any]]:
 
 def _merge_chain(chain):
   """MaxText's merge order: the base first, each file nearer the user over it."""
-  import omegaconf  # pylint: disable=import-outside-toplevel
-
   merged = omegaconf.OmegaConf.create({})
   for _, cfg in reversed(chain):
     merged = omegaconf.OmegaConf.merge(merged, cfg)
@@ -281,8 +285,6 @@ def _merge_chain(chain):
 
 def merged_chain(yml: str) -> dict[str, Any]:
   """The merged yml chain of `yml` as plain containers (values unresolved), before any pydantic processing."""
-  import omegaconf  # pylint: disable=import-outside-toplevel
-
   return omegaconf.OmegaConf.to_container(_merge_chain(_read_chain(yml)), resolve=False)
 
 
@@ -298,8 +300,6 @@ def _model_file_overrides(chain, raw: dict, overrides: list[str]) -> dict[str, A
   command-line/kwargs keys win. A plugin yml such as cpu_tiny.yml that shrinks a named model must
   win too, so with `override_model_config: true` those keys are passed to pyconfig as kwargs.
   """
-  import omegaconf  # pylint: disable=import-outside-toplevel
-
   cli = dict(a.split("=", 1) for a in overrides)
   if str(cli.get("override_model_config", raw.get("override_model_config", False))).lower() != "true":
     return {}
@@ -336,9 +336,6 @@ def _flatten_user_keys(data: dict, out: dict[str, Any]) -> None:
 def _user_set_values(chain, overrides: list[str]) -> dict[str, Any]:
   """Keys the user set -- their yml files (and the plugin's shipped ones), `M_<KEY>` environment variables and the
   command line; not MaxText's own base.yml / post_train/rl.yml / model files -- with the value they set."""
-  import omegaconf  # pylint: disable=import-outside-toplevel
-  import yaml  # pylint: disable=import-outside-toplevel
-
   out: dict[str, Any] = {}
   for path, cfg in reversed(chain):
     if not _is_maxtext_file(path):
@@ -438,8 +435,6 @@ def _pyconfig_reads(merged):
   chain `_read_chain` resolved (plugin-config bases, no temporary copies). Both private names are pinned by
   tests/test_config.py::test_pyconfig_private_contract; this is the only module that touches them.
   """
-  import copy  # pylint: disable=import-outside-toplevel
-
   from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
 
   original = pyconfig._load_config  # pylint: disable=protected-access
@@ -467,9 +462,6 @@ class Parsed:
 
 
 def _initialize(yml: str, merged, overrides: list[str], kwargs: dict[str, Any]):
-  import omegaconf  # pylint: disable=import-outside-toplevel
-  import pydantic  # pylint: disable=import-outside-toplevel
-
   try:
     with warnings.catch_warnings(), _pyconfig_reads(merged) as initialize:
       warnings.simplefilter("ignore")
@@ -485,8 +477,6 @@ def _initialize(yml: str, merged, overrides: list[str], kwargs: dict[str, Any]):
 
 
 def _parse_uncached(argv: Sequence[str]) -> Parsed:
-  import omegaconf  # pylint: disable=import-outside-toplevel
-
   if not argv:
     raise ConfigError("usage: python -m maxtext_rl_plugin.train_rl <config.yml> [key=value ...]")
   given = argv[0]
@@ -555,8 +545,6 @@ def to_hyperparameters(pc):
 
 def dump_yaml(config) -> str:
   """The resolved configuration as YAML (secrets redacted), for `print_config=true`."""
-  import yaml  # pylint: disable=import-outside-toplevel
-
   pc = getattr(config, "_pydantic_config", config)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")
