@@ -144,7 +144,7 @@ _CLASS_STATUS: dict[str, str] = {
     "RLSpecialTokens": "honoured (data prompt template and rewards)",
     "VLLM": _CONVERTER,
     "RLConfig": TRAINER,
-    "PluginKeys": "honoured (plugin key)",
+    "PluginKeys": "honoured (plugin key)",  # each has a per-key entry below
     "PluginRLConfig": "honoured (plugin key)",
 }
 
@@ -357,6 +357,22 @@ _KEY_STATUS: dict[str, str] = {
     ),
     "log_weight_sync_time": "refused: MaxText's converter timing log; the plugin logs every sync's time and bytes",
 }
+
+# The plugin's own keys, by the module that reads them (config_types.PluginKeys groups them the same way).
+_KEY_STATUS.update({
+    "print_config": "honoured (train_rl: print the resolved configuration and exit)",
+    **dict.fromkeys(("rollout_engine", "rollout_prefill_buckets", "rollout_batch_buckets", "stop_token_ids",
+                     "rollout_seed"), ROLLOUT),
+    **dict.fromkeys(("train_data_path", "eval_data_path", "synthetic_seed", "synthetic_num_eval", "synthetic_min_steps",
+                     "synthetic_max_steps", "synthetic_max_value", "synthetic_teacher_error_rate"), DATA),
+    "reward_item_timeout_seconds": REWARDS,
+    "reshard_donate": "honoured (resharding: trainer->sampler sync)",
+    **dict.fromkeys(("sft_warmup_steps", "sft_learning_rate", "sft_batch_size"), "honoured (sft: warm start)"),
+    **dict.fromkeys(("eval_before_training", "eval_after_training"), "honoured (trainer: eval)"),
+    "write_plot": "honoured (summary: summary.png)",
+    "rl.kl_estimator": ALGO,
+    "rl.advantage_norm": ALGO,
+})
 
 # The key names the enumeration skips: containers whose inner keys carry the status.
 BLOCKS = ("rl", "cluster", "dataset", "reward", "special_tokens", "evaluation", "vllm")

@@ -186,6 +186,9 @@ def test_every_maxtext_and_plugin_key_has_a_status():
     s = key_status.status(k)
     assert s.startswith("honoured (") or (s.startswith("refused: ") and len(s) > 20), (k, s)
   assert set(key_status.all_keys()) >= {key_status.canonical(k) for k in keys}
+  # A plugin key says which module reads it (a new key without its own entry fails here).
+  generic = key_status._CLASS_STATUS["PluginKeys"]  # pylint: disable=protected-access
+  assert not [k for k in keys if key_status.status(k) == generic]
 
 
 def test_every_mixin_class_of_rlconfig_has_a_class_status():
