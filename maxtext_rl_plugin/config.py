@@ -329,6 +329,11 @@ def _flatten_user_keys(data: dict, out: dict[str, Any]) -> None:
     if key in blocks and isinstance(value, dict):
       for inner, v in value.items():
         out[key_status.canonical(f"{key}.{inner}")] = v
+    elif isinstance(value, dict) and value:
+      # A dict-valued key (generation_configs): compared leaf by leaf, as OmegaConf merges it.
+      _flatten_user_keys({f"{key}.{k}": v for k, v in value.items()}, out)
+    elif "." in key and key.partition(".")[0] not in blocks:
+      out[key] = value  # a path inside a dict-valued key (generation_configs.greedy.eval_top_k): compared there
     else:
       out[key_status.canonical(key)] = value
 
@@ -371,15 +376,25 @@ def _schema_default(key: str) -> Any:
   return field.get_default(call_default_factory=True) if field is not None else None
 
 
+def _rl_default(key: str) -> Any:
+  """MaxText's RL default of a status-table key, or of a path inside a dict-valued key."""
+  defaults = _maxtext_rl_defaults()
+  head, _, path = key.partition(".")
+  if key in defaults or head == "rl":
+    return defaults[key] if key in defaults else _schema_default(key)
+  value = defaults[head] if head in defaults else _schema_default(head)
+  for part in path.split(".") if path else ():
+    value = value.get(part) if isinstance(value, dict) else None
+  return value
+
+
 def check_refused(user_values: dict[str, Any]) -> None:
   """A refused key set to anything but MaxText's RL default is an error: it would have no effect."""
-  defaults = _maxtext_rl_defaults()
   for key, value in user_values.items():
     why = key_status.refusal(key)
     if why is None:
       continue
-    default = defaults[key] if key in defaults else _schema_default(key)
-    if not key_status.same_value(value, default):
+    if not key_status.same_value(value, _rl_default(key)):
       raise ConfigError(f"config key '{key}' is not supported by maxtext_rl_plugin: {why}")
 
 
@@ -510,11 +525,12 @@ def parse(argv: Sequence[str]) -> Parsed:
   `models.setup_devices`, the launchers) get the same result instead of re-reading and re-validating.
 
   The cache key also holds what else changes the result: the working directory (relative paths), MaxText's
-  `M_<KEY>` environment overrides and HF_TOKEN, and the yml's modification time.
+  `M_<KEY>` environment overrides and HF_TOKEN, and the yml's modification time and size.
   """
   env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("M_") or k == "HF_TOKEN"))
-  mtime = os.stat(argv[0]).st_mtime_ns if argv and os.path.isfile(argv[0]) else None
-  return _parse_cached(tuple(argv), (os.getcwd(), env, mtime))
+  stat = os.stat(argv[0]) if argv and os.path.isfile(argv[0]) else None
+  version = (stat.st_mtime_ns, stat.st_size) if stat else None
+  return _parse_cached(tuple(argv), (os.getcwd(), env, version))
 
 
 def load_pydantic(argv: Sequence[str]):

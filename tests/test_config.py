@@ -208,7 +208,7 @@ def test_every_mixin_class_of_rlconfig_has_a_class_status():
      "profiler_steps", "skip_first_n_steps_for_profiler", "rl.use_rollout_logps", "rl.force_on_policy_ratio",
      "rl.log_sampler_trainer_agreement", "rl.epsilon_high", "checkpoint_period", "max_num_checkpoints_to_keep",
      "enable_checkpointing", "num_batches", "num_epoch", "train_fraction", "eval_batch_size", "loss_algo",
-     "hbm_utilization_vllm", "emb_dim" if False else "base_emb_dim", "ici_fsdp_parallelism"],
+     "hbm_utilization_vllm", "base_emb_dim", "ici_fsdp_parallelism"],
 )
 def test_honoured_keys(key):
   assert key_status.status(key).startswith("honoured ("), key_status.status(key)
@@ -225,7 +225,7 @@ def test_honoured_keys(key):
         ("reward_num_workers=4", "reward_num_workers", "reward worker pool"),
         ("reward_worker_timeout_seconds=10", "reward_worker_timeout_seconds", "reward worker pool"),
         ("eval_sampling_strategy=standard", "eval_sampling_strategy", "greedily"),
-        ("generation_configs.greedy.eval_top_k=5", "generation_configs", "greedily"),
+        ("generation_configs.greedy.eval_top_k=5", "generation_configs.greedy.eval_top_k", "greedily"),
         ("gc_collect_after_weight_sync=false", "gc_collect_after_weight_sync", "gc.collect"),
         ("use_pathways_reshard=false", "use_pathways_reshard", "Pathways"),
         ("weight_sync_debug=true", "weight_sync_debug", "verify_weight_sync"),
@@ -249,8 +249,18 @@ def test_refused_key_set_on_the_command_line_is_one_line(override, key, why):
 def test_refused_key_at_maxtext_default_is_accepted():
   # Setting a refused key to MaxText's own RL value (post_train/rl.yml or the schema) changes nothing: accepted.
   c = config_lib.load_config([TINY, "rl.off_policy_steps=0", "reward_num_workers=0", "max_seq_token_per_tpu=0",
-                              "rl.max_concurrency=256", "gc_collect_after_weight_sync=true", "eval_sampling_strategy=greedy"])
+                              "rl.max_concurrency=256", "gc_collect_after_weight_sync=true", "eval_sampling_strategy=greedy",
+                              "generation_configs.greedy.eval_top_k=1"])
   assert c.rl.off_policy_steps == 0 and c.reward_num_workers == 0
+
+
+def test_dict_valued_refused_key_compared_leaf_by_leaf(tmp_path):
+  f = tmp_path / "gen.yml"
+  f.write_text("base_config: cpu_tiny.yml\ngeneration_configs:\n  greedy:\n    eval_top_k: 1\n")
+  assert config_lib.load_config([str(f)]).generation_configs["greedy"]["eval_top_k"] == 1  # MaxText's value
+  f.write_text("base_config: cpu_tiny.yml\ngeneration_configs:\n  standard:\n    eval_top_p: 0.5\n")
+  with pytest.raises(ConfigError, match="^config key 'generation_configs.standard.eval_top_p' is not supported"):
+    config_lib.load_config([str(f)])
 
 
 def test_refused_key_in_a_user_yml_names_the_key(tmp_path):
