@@ -14,17 +14,25 @@ nested blocks such as `rl.kl_estimator=k3`). What this module adds on top of `py
 * one source of truth for keys that MaxText keeps both flat and nested (`loss_algo` and
   `rl.loss_algo`): a dotted override is rewritten to its flat twin, which MaxText routes into the
   nested block, and the flat copy is then re-synced from the nested one.
+
+MaxText modules (`pyconfig`, `globals`, the schema) are imported inside functions: they import JAX, and
+`--help` or a launcher's dry run should not pay for that.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import difflib
 import functools
 import os
 import warnings
 from typing import Any, Sequence
+
+import omegaconf
+import pydantic
+import yaml
 
 from maxtext_rl_plugin import key_status
 from maxtext_rl_plugin.errors import ConfigError
@@ -218,8 +226,6 @@ def _is_maxtext_file(path: str) -> bool:
 
 def _read_yml(path: str, shown: str):
   """One yml file as an OmegaConf mapping, or a one-line error naming `shown` (the name the user gave)."""
-  import omegaconf  # pylint: disable=import-outside-toplevel
-
   try:
     cfg = omegaconf.OmegaConf.load(path)
   except FileNotFoundError:
@@ -271,8 +277,6 @@ def _read_chain(given: str) -> list[tuple[str, Any]]:
 
 def _merge_chain(chain):
   """MaxText's merge order: the base first, each file nearer the user over it."""
-  import omegaconf  # pylint: disable=import-outside-toplevel
-
   merged = omegaconf.OmegaConf.create({})
   for _, cfg in reversed(chain):
     merged = omegaconf.OmegaConf.merge(merged, cfg)
@@ -281,8 +285,6 @@ def _merge_chain(chain):
 
 def merged_chain(yml: str) -> dict[str, Any]:
   """The merged yml chain of `yml` as plain containers (values unresolved), before any pydantic processing."""
-  import omegaconf  # pylint: disable=import-outside-toplevel
-
   return omegaconf.OmegaConf.to_container(_merge_chain(_read_chain(yml)), resolve=False)
 
 
@@ -298,8 +300,6 @@ def _model_file_overrides(chain, raw: dict, overrides: list[str]) -> dict[str, A
   command-line/kwargs keys win. A plugin yml such as cpu_tiny.yml that shrinks a named model must
   win too, so with `override_model_config: true` those keys are passed to pyconfig as kwargs.
   """
-  import omegaconf  # pylint: disable=import-outside-toplevel
-
   cli = dict(a.split("=", 1) for a in overrides)
   if str(cli.get("override_model_config", raw.get("override_model_config", False))).lower() != "true":
     return {}
@@ -329,6 +329,11 @@ def _flatten_user_keys(data: dict, out: dict[str, Any]) -> None:
     if key in blocks and isinstance(value, dict):
       for inner, v in value.items():
         out[key_status.canonical(f"{key}.{inner}")] = v
+    elif isinstance(value, dict) and value:
+      # A dict-valued key (generation_configs): compared leaf by leaf, as OmegaConf merges it.
+      _flatten_user_keys({f"{key}.{k}": v for k, v in value.items()}, out)
+    elif "." in key and key.partition(".")[0] not in blocks:
+      out[key] = value  # a path inside a dict-valued key (generation_configs.greedy.eval_top_k): compared there
     else:
       out[key_status.canonical(key)] = value
 
@@ -336,9 +341,6 @@ def _flatten_user_keys(data: dict, out: dict[str, Any]) -> None:
 def _user_set_values(chain, overrides: list[str]) -> dict[str, Any]:
   """Keys the user set -- their yml files (and the plugin's shipped ones), `M_<KEY>` environment variables and the
   command line; not MaxText's own base.yml / post_train/rl.yml / model files -- with the value they set."""
-  import omegaconf  # pylint: disable=import-outside-toplevel
-  import yaml  # pylint: disable=import-outside-toplevel
-
   out: dict[str, Any] = {}
   for path, cfg in reversed(chain):
     if not _is_maxtext_file(path):
@@ -374,15 +376,25 @@ def _schema_default(key: str) -> Any:
   return field.get_default(call_default_factory=True) if field is not None else None
 
 
+def _rl_default(key: str) -> Any:
+  """MaxText's RL default of a status-table key, or of a path inside a dict-valued key."""
+  defaults = _maxtext_rl_defaults()
+  head, _, path = key.partition(".")
+  if key in defaults or head == "rl":
+    return defaults[key] if key in defaults else _schema_default(key)
+  value = defaults[head] if head in defaults else _schema_default(head)
+  for part in path.split(".") if path else ():
+    value = value.get(part) if isinstance(value, dict) else None
+  return value
+
+
 def check_refused(user_values: dict[str, Any]) -> None:
   """A refused key set to anything but MaxText's RL default is an error: it would have no effect."""
-  defaults = _maxtext_rl_defaults()
   for key, value in user_values.items():
     why = key_status.refusal(key)
     if why is None:
       continue
-    default = defaults[key] if key in defaults else _schema_default(key)
-    if not key_status.same_value(value, default):
+    if not key_status.same_value(value, _rl_default(key)):
       raise ConfigError(f"config key '{key}' is not supported by maxtext_rl_plugin: {why}")
 
 
@@ -438,8 +450,6 @@ def _pyconfig_reads(merged):
   chain `_read_chain` resolved (plugin-config bases, no temporary copies). Both private names are pinned by
   tests/test_config.py::test_pyconfig_private_contract; this is the only module that touches them.
   """
-  import copy  # pylint: disable=import-outside-toplevel
-
   from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
 
   original = pyconfig._load_config  # pylint: disable=protected-access
@@ -467,9 +477,6 @@ class Parsed:
 
 
 def _initialize(yml: str, merged, overrides: list[str], kwargs: dict[str, Any]):
-  import omegaconf  # pylint: disable=import-outside-toplevel
-  import pydantic  # pylint: disable=import-outside-toplevel
-
   try:
     with warnings.catch_warnings(), _pyconfig_reads(merged) as initialize:
       warnings.simplefilter("ignore")
@@ -485,8 +492,6 @@ def _initialize(yml: str, merged, overrides: list[str], kwargs: dict[str, Any]):
 
 
 def _parse_uncached(argv: Sequence[str]) -> Parsed:
-  import omegaconf  # pylint: disable=import-outside-toplevel
-
   if not argv:
     raise ConfigError("usage: python -m maxtext_rl_plugin.train_rl <config.yml> [key=value ...]")
   given = argv[0]
@@ -510,16 +515,22 @@ def _parse_uncached(argv: Sequence[str]) -> Parsed:
 
 
 @functools.lru_cache(maxsize=8)
-def _parse_cached(argv: tuple[str, ...], cwd: str, env: tuple[tuple[str, str], ...]) -> Parsed:
-  del cwd, env  # cache key only: relative yml paths and MAXTEXT_* environment overrides change the result
+def _parse_cached(argv: tuple[str, ...], context: tuple) -> Parsed:
+  del context  # cache key only (see parse)
   return _parse_uncached(argv)
 
 
 def parse(argv: Sequence[str]) -> Parsed:
   """`[yml, key=value, ...]` parsed and validated once per process; later calls with the same argv (the trainer's
-  `models.setup_devices`, the launchers) get the same result instead of re-reading and re-validating."""
-  env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("M_") or k in ("HF_TOKEN",)))
-  return _parse_cached(tuple(argv), os.getcwd(), env)
+  `models.setup_devices`, the launchers) get the same result instead of re-reading and re-validating.
+
+  The cache key also holds what else changes the result: the working directory (relative paths), MaxText's
+  `M_<KEY>` environment overrides and HF_TOKEN, and the yml's modification time and size.
+  """
+  env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("M_") or k == "HF_TOKEN"))
+  stat = os.stat(argv[0]) if argv and os.path.isfile(argv[0]) else None
+  version = (stat.st_mtime_ns, stat.st_size) if stat else None
+  return _parse_cached(tuple(argv), (os.getcwd(), env, version))
 
 
 def load_pydantic(argv: Sequence[str]):
@@ -550,8 +561,6 @@ def to_hyperparameters(pc):
 
 def dump_yaml(config) -> str:
   """The resolved configuration as YAML (secrets redacted), for `print_config=true`."""
-  import yaml  # pylint: disable=import-outside-toplevel
-
   pc = getattr(config, "_pydantic_config", config)
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -3,7 +3,8 @@
 Every key of the resolved `configs/rl.yml` -- the plugin's own keys and those it inherits from MaxText's
 `post_train/rl.yml` through `base_config` -- with its default (the value the yml chain gives it) and its meaning
 (the pydantic `Field` description from `config_types.PluginRLConfig`, i.e. the plugin's descriptions and MaxText's
-own `types.py` ones). Generated rather than written so the reference cannot drift from the schema and the yml;
+own `types.py` ones) and its status (`key_status.py`: honoured where, or refused why); then every other key of the
+schema with its status. Generated rather than written so the reference cannot drift from the schema and the yml;
 tests/test_docs.py regenerates it and fails when the committed file differs.
 """
 

@@ -38,8 +38,14 @@ _AGENTIC = "refused: used only by MaxText's agentic rollout (rl.use_agentic_roll
 _PRETRAIN = "refused: pre-training only; the RL path never reads it"
 _MULTIMODAL = "refused: the plugin's data, rollout and reward paths are text-only"
 _TRAIN_LOSS = "refused: a term of MaxText's pre-training loss; the RL loss is the plugin's GRPO/GSPO loss"
-_OPTIMIZER = "refused: the plugin's optimizer is AdamW (adam_*, learning_rate, warmup_steps_fraction, gradient_clipping_threshold)"
-_CONVERTER = "refused: MaxText's vLLM weight-converter option; the plugin's vLLM engine maps weights itself (rollout/vllm_mapping.py)"
+_OPTIMIZER = (
+    "refused: the plugin's optimizer is AdamW (adam_*, learning_rate, warmup_steps_fraction, "
+    "gradient_clipping_threshold)"
+)
+_CONVERTER = (
+    "refused: MaxText's vLLM weight-converter option; the plugin's vLLM engine maps weights itself "
+    "(rollout/vllm_mapping.py)"
+)
 
 # One status per mixin class of RLConfig (and of the nested blocks); per-key overrides in _KEY_STATUS.
 _CLASS_STATUS: dict[str, str] = {
@@ -52,7 +58,9 @@ _CLASS_STATUS: dict[str, str] = {
     "Llama4Attention": MODEL,
     "LayoutAndSharding": MESH,
     "InferenceLayout": MODEL,
-    "InferenceGeneral": "refused: MaxText's standalone decode/inference-server option; the rollout engine does not read it",
+    "InferenceGeneral": (
+        "refused: MaxText's standalone decode/inference-server option; the rollout engine does not read it"
+    ),
     "PrefixCaching": "refused: MaxText's inference-server prefix cache; the rollout engine does not read it",
     "Decoding": ROLLOUT,
     "IciParallelism": MESH,
@@ -70,11 +78,20 @@ _CLASS_STATUS: dict[str, str] = {
     "Qwen3Next": MODEL,
     "MultimodalGeneral": _MULTIMODAL,
     "Muon": _OPTIMIZER,
-    "FineTuning": "refused: MaxText's SFT/DPO trainers' switch; this plugin runs RL (its SFT warm start is sft_warmup_steps)",
+    "FineTuning": (
+        "refused: MaxText's SFT/DPO trainers' switch; this plugin runs RL (its SFT warm start is "
+        "sft_warmup_steps)"
+    ),
     "Distillation": "refused: distillation is a separate MaxText trainer; the RL path never reads it",
-    "DatasetGeneral": "refused: MaxText's pre-training input pipeline; RL data is set by dataset_name/train_data_path and batch_size",
+    "DatasetGeneral": (
+        "refused: MaxText's pre-training input pipeline; RL data is set by dataset_name/train_data_path and "
+        "batch_size"
+    ),
     "TfdsDataset": DATA,
-    "HfDataset": "refused: MaxText's pre-training Hugging Face pipeline; RL data is dataset_name/hf_subset or train_data_path",
+    "HfDataset": (
+        "refused: MaxText's pre-training Hugging Face pipeline; RL data is dataset_name/hf_subset or "
+        "train_data_path"
+    ),
     "GrainDataset": "refused: MaxText's Grain pre-training pipeline; the RL path never reads it",
     "OlmoGrainDataset": "refused: MaxText's Grain pre-training pipeline; the RL path never reads it",
     "EmergencyCheckpointing": "refused: emergency/multi-tier checkpointing is not implemented in the RL trainer",
@@ -92,11 +109,17 @@ _CLASS_STATUS: dict[str, str] = {
     "MoEKernels": MODEL,
     "DeepSeekMoE": MODEL,
     "RunInfo": TRAINER,
-    "Checkpointing": "refused: a MaxText pre-training checkpoint option; the RL trainer's checkpoints are Orbax via checkpointing.py",
+    "Checkpointing": (
+        "refused: a MaxText pre-training checkpoint option; the RL trainer's checkpoints are Orbax via "
+        "checkpointing.py"
+    ),
     "OrbaxStorage": "refused: MaxText's Orbax storage tuning; the RL trainer's checkpoint manager does not read it",
     "DataTypes": MODEL,
-    "Tokenizer": "refused: MaxText's pre-training tokenization option; the RL path tokenizes with the HF tokenizer at tokenizer_path",
-    "AdamW": TRAINER + " optimizer",
+    "Tokenizer": (
+        "refused: MaxText's pre-training tokenization option; the RL path tokenizes with the HF tokenizer at "
+        "tokenizer_path"
+    ),
+    "AdamW": "honoured (trainer: optimizer)",
     "Optimizer": _OPTIMIZER,
     "TrainingLoop": _PRETRAIN,
     "Quantization": MODEL,
@@ -104,7 +127,10 @@ _CLASS_STATUS: dict[str, str] = {
     "VisionProjector": _MULTIMODAL,
     "AudioEncoder": _MULTIMODAL,
     "DevelopmentAndDebugging": "refused: a MaxText pre-training debug option; the RL path never reads it",
-    "Profiling": "refused: a MaxText pre-training profiler option; the RL trainer reads profiler, profiler_steps, skip_first_n_steps_for_profiler",
+    "Profiling": (
+        "refused: a MaxText pre-training profiler option; the RL trainer reads profiler, profiler_steps, "
+        "skip_first_n_steps_for_profiler"
+    ),
     "AOT": "refused: ahead-of-time compilation of MaxText's pre-training step; the RL path never reads it",
     "Metrics": "refused: MaxText pre-training metrics sink; the RL trainer writes TensorBoard and metrics_file",
     "Tensorboard": "refused: Vertex TensorBoard upload is not implemented; logs go to tensorboard_dir",
@@ -113,22 +139,30 @@ _CLASS_STATUS: dict[str, str] = {
     "PluginRL": ALGO,
     "RLCluster": DEVICES,
     "RLDataset": DATA,
-    "RLEvaluation": TRAINER + " eval",
+    "RLEvaluation": "honoured (trainer: eval)",
     "RLReward": REWARDS,
     "RLSpecialTokens": "honoured (data prompt template and rewards)",
     "VLLM": _CONVERTER,
     "RLConfig": TRAINER,
-    "PluginKeys": "honoured (plugin key)",
+    "PluginKeys": "honoured (plugin key)",  # each has a per-key entry below
     "PluginRLConfig": "honoured (plugin key)",
 }
 
 _KEY_STATUS: dict[str, str] = {
     # --- model code / mesh exceptions ---
     "z_loss_multiplier": _TRAIN_LOSS,
-    "num_vocab_tiling": "refused: vocab tiling is part of MaxText's pre-training loss; the RL loss computes full logits",
-    "vocab_tiling_ag_once": "refused: vocab tiling is part of MaxText's pre-training loss; the RL loss computes full logits",
-    "optimizer_memory_host_offload": "refused: offloads MaxText's pre-training optimizer state; the RL optimizer is Tunix's",
-    "parameter_memory_host_offload": "refused: offloads MaxText's pre-training train state; the RL train state is Tunix's",
+    "num_vocab_tiling": (
+        "refused: vocab tiling is part of MaxText's pre-training loss; the RL loss computes full logits"
+    ),
+    "vocab_tiling_ag_once": (
+        "refused: vocab tiling is part of MaxText's pre-training loss; the RL loss computes full logits"
+    ),
+    "optimizer_memory_host_offload": (
+        "refused: offloads MaxText's pre-training optimizer state; the RL optimizer is Tunix's"
+    ),
+    "parameter_memory_host_offload": (
+        "refused: offloads MaxText's pre-training train state; the RL train state is Tunix's"
+    ),
     "internal_compile": _PRETRAIN,
     "internal_compile_num_devices": _PRETRAIN,
     "compile_xla_flags": _PRETRAIN,
@@ -137,25 +171,41 @@ _KEY_STATUS: dict[str, str] = {
     "max_target_length": "honoured (rollout engine: prompt + completion budget; trainer sequence length)",
     "max_prefill_predict_length": "honoured (data: prompt length limit; rollout engine)",
     "enable_prefix_caching": VLLM_ROLLOUT,
-    "decode_sampling_strategy": "refused: the rollout samples with decode_sampling_temperature/top_k/nucleus_p; the strategy name is not read",
+    "decode_sampling_strategy": (
+        "refused: the rollout samples with decode_sampling_temperature/top_k/nucleus_p; the strategy name is "
+        "not read"
+    ),
     "ici_diloco_parallelism": "refused: DiLoCo is a pre-training optimizer; the RL path never reads it",
     "dcn_diloco_parallelism": "refused: DiLoCo is a pre-training optimizer; the RL path never reads it",
-    "ici_pipeline_parallelism": "refused: pipeline parallelism is not supported by the RL trainer (Tunix trains one stage)",
-    "dcn_pipeline_parallelism": "refused: pipeline parallelism is not supported by the RL trainer (Tunix trains one stage)",
+    "ici_pipeline_parallelism": (
+        "refused: pipeline parallelism is not supported by the RL trainer (Tunix trains one stage)"
+    ),
+    "dcn_pipeline_parallelism": (
+        "refused: pipeline parallelism is not supported by the RL trainer (Tunix trains one stage)"
+    ),
     "indexer_sparse_training": _TRAIN_LOSS,
     "indexer_loss_scaling_factor": _TRAIN_LOSS,
     "load_balance_loss_weight": _TRAIN_LOSS,
     "moe_use_megatron_seq_aux_loss": _TRAIN_LOSS,
     "routed_bias_update_rate": "refused: MaxText's pre-training step updates the routing bias; the RL step does not",
-    "return_routed_experts": "refused: routed-expert replay is not implemented; the rollout does not return routed experts",
-    "use_qwix_quantization": "refused: Qwix quantized training needs MaxText's train step; the RL trainer does not wrap the model",
+    "return_routed_experts": (
+        "refused: routed-expert replay is not implemented; the rollout does not return routed experts"
+    ),
+    "use_qwix_quantization": (
+        "refused: Qwix quantized training needs MaxText's train step; the RL trainer does not wrap the model"
+    ),
     "weight_sparsity_n": "refused: weight sparsity is applied by MaxText's pre-training step; the RL step does not",
     "weight_sparsity_m": "refused: weight sparsity is applied by MaxText's pre-training step; the RL step does not",
-    "weight_sparsity_update_step": "refused: weight sparsity is applied by MaxText's pre-training step; the RL step does not",
-    "weight_sparsity_start_step": "refused: weight sparsity is applied by MaxText's pre-training step; the RL step does not",
+    "weight_sparsity_update_step": (
+        "refused: weight sparsity is applied by MaxText's pre-training step; the RL step does not"
+    ),
+    "weight_sparsity_start_step": (
+        "refused: weight sparsity is applied by MaxText's pre-training step; the RL step does not"
+    ),
     "te_comm_gemm_overlap": "refused: Transformer Engine (GPU) option of MaxText's pre-training step",
     "grad_dtype": "refused: gradients are computed by Tunix's trainer in the parameter dtype",
     "vocab_size": MODEL,
+    "num_slices": "refused: derived by MaxText's RLConfig from num_trainer_slices/num_samplers_slices; set those",
     "scan_layers": MODEL,
     "param_scan_axis": MODEL,
     # --- run info ---
@@ -173,10 +223,10 @@ _KEY_STATUS: dict[str, str] = {
     "convert_checkpoint_if_possible": MODEL,
     "load_parameters_path": MODEL,
     "checkpoint_is_quantized": MODEL,
-    "enable_checkpointing": TRAINER + " checkpoints",
-    "async_checkpointing": TRAINER + " checkpoints",
-    "checkpoint_period": TRAINER + " checkpoints",
-    "max_num_checkpoints_to_keep": TRAINER + " checkpoints",
+    "enable_checkpointing": "honoured (trainer: checkpoints)",
+    "async_checkpointing": "honoured (trainer: checkpoints)",
+    "checkpoint_period": "honoured (trainer: checkpoints)",
+    "max_num_checkpoints_to_keep": "honoured (trainer: checkpoints)",
     # MaxText's validator overwrites both with <base_output_directory>/<run_name>/{checkpoints,tensorboard}/ (its own
     # train_rl uses them the same way): honoured as derived, and a value set by hand is refused, not dropped.
     "checkpoint_dir": DERIVED + " (base_output_directory/run_name; the trainer's checkpoints live there)",
@@ -186,20 +236,26 @@ _KEY_STATUS: dict[str, str] = {
     "tokenizer_type": MODEL,
     "use_chat_template": DATA,
     "data_template_path": DATA,
+    "chat_template": "refused: prompts use the tokenizer's own chat template (use_chat_template) or data_template_path",
+    "chat_template_path": (
+        "refused: prompts use the tokenizer's own chat template (use_chat_template) or data_template_path"
+    ),
     "dataset_path": "refused: a TFDS data directory; RL data is dataset_name/hf_subset or train_data_path",
     "hf_access_token": "honoured (tokenizer, data and checkpoint downloads)",
     "num_epoch": TRAINER,
     # --- optimizer ---
-    "learning_rate": TRAINER + " optimizer",
-    "warmup_steps_fraction": TRAINER + " optimizer",
-    "learning_rate_schedule_steps": TRAINER + " optimizer",
-    "gradient_clipping_threshold": TRAINER + " optimizer",
+    "learning_rate": "honoured (trainer: optimizer)",
+    "warmup_steps_fraction": "honoured (trainer: optimizer)",
+    "learning_rate_schedule_steps": "honoured (trainer: optimizer)",
+    "gradient_clipping_threshold": "honoured (trainer: optimizer)",
     "adamw_mask": "refused: the RL optimizer applies weight decay to every parameter",
     "mu_dtype": "refused: the RL optimizer keeps its moments in the parameter dtype",
     # --- training loop ---
     "log_period": TRAINER,
     "eval_interval": TRAINER,
-    "enable_dropout": MODEL,
+    "enable_dropout": (
+        "refused: the RL path calls MaxText's model with its default; dropout is set by dropout_rate (0 = off)"
+    ),
     "dropout_rate": MODEL,
     "init_weights_seed": MODEL,
     "data_shuffle_seed": DATA,
@@ -211,10 +267,10 @@ _KEY_STATUS: dict[str, str] = {
     "skip_jax_distributed_system": PYCONFIG,
     "enable_single_controller": PYCONFIG,
     # --- profiling / metrics ---
-    "profiler": TRAINER + " profiler",
-    "profiler_steps": TRAINER + " profiler",
-    "skip_first_n_steps_for_profiler": TRAINER + " profiler",
-    "metrics_file": TRAINER + " metrics",
+    "profiler": "honoured (trainer: profiler)",
+    "profiler_steps": "honoured (trainer: profiler)",
+    "skip_first_n_steps_for_profiler": "honoured (trainer: profiler)",
+    "metrics_file": "honoured (trainer: metrics)",
     "enable_tensorboard": "refused: the RL trainer always writes TensorBoard logs (tensorboard_dir)",
     # --- RLConfig's own ---
     "enable_tunix_perf_metrics": "refused: Tunix's perf-metrics collection is not wired into the plugin's trainer",
@@ -226,8 +282,8 @@ _KEY_STATUS: dict[str, str] = {
     "rl.force_on_policy_ratio": TRAINER,
     "rl.log_sampler_trainer_agreement": TRAINER,
     "rl.epsilon_high": ALGO,
-    "rl.rollout_is": ALGO + " rollout importance sampling",
-    "rl.rollout_is_cap": ALGO + " rollout importance sampling",
+    "rl.rollout_is": "honoured (algorithms: rollout importance sampling)",
+    "rl.rollout_is_cap": "honoured (algorithms: rollout importance sampling)",
     "rl.use_agentic_rollout": _ASYNC,
     "rl.off_policy_steps": _ASYNC,
     "rl.max_concurrency": _AGENTIC,
@@ -239,16 +295,25 @@ _KEY_STATUS: dict[str, str] = {
     "rollout_data_parallelism": VLLM_ROLLOUT,
     "rollout_tensor_parallelism": VLLM_ROLLOUT,
     "rollout_expert_parallelism": VLLM_ROLLOUT,
-    "inference_replicas": "refused: MaxText's multi-replica vLLM rollout; the plugin runs one rollout engine per sampler mesh",
-    "inference_devices_per_replica": "refused: MaxText's multi-replica vLLM rollout; the plugin runs one rollout engine per sampler mesh",
-    "inference_rollouts": "refused: MaxText's multi-replica vLLM rollout; the plugin runs one rollout engine per sampler mesh",
+    "inference_replicas": (
+        "refused: MaxText's multi-replica vLLM rollout; the plugin runs one rollout engine per sampler mesh"
+    ),
+    "inference_devices_per_replica": (
+        "refused: MaxText's multi-replica vLLM rollout; the plugin runs one rollout engine per sampler mesh"
+    ),
+    "inference_rollouts": (
+        "refused: MaxText's multi-replica vLLM rollout; the plugin runs one rollout engine per sampler mesh"
+    ),
     "use_pathways_reshard": "refused: resharding.py chooses pathwaysutils' reshard itself when the backend is Pathways",
-    "gc_collect_after_weight_sync": "refused: the plugin's weight sync frees buffers chunk by chunk (reshard_donate); it does not call gc.collect",
+    "gc_collect_after_weight_sync": (
+        "refused: the plugin's weight sync frees buffers chunk by chunk (reshard_donate); it does not call "
+        "gc.collect"
+    ),
     # --- dataset ---
     "batch_size": TRAINER,
     "num_batches": TRAINER,
-    "num_test_batches": TRAINER + " eval",
-    "eval_batch_size": TRAINER + " eval",
+    "num_test_batches": "honoured (trainer: eval)",
+    "eval_batch_size": "honoured (trainer: eval)",
     "train_fraction": TRAINER,
     "train_micro_batch_size": TRAINER,
     "rollout_micro_batch_size": TRAINER,
@@ -256,15 +321,20 @@ _KEY_STATUS: dict[str, str] = {
     "hf_eval_files": "refused: MaxText's HF file list; give local files as eval_data_path (JSONL/Parquet)",
     "test_batch_start_index": "refused: the plugin's eval split starts at its first row",
     "max_seq_token_per_tpu": "refused: sequence packing is not implemented; each sequence is one padded row",
-    "dataset_processor_path": "refused: custom dataset processors are not supported; use train_data_path with GSM8K-style rows",
+    "dataset_processor_path": (
+        "refused: custom dataset processors are not supported; use train_data_path with GSM8K-style rows"
+    ),
     # --- evaluation ---
-    "eval_sampling_strategy": TRAINER + " evaluation.py: sampling of eval passes (greedy is exact greedy)",
-    "generation_configs": TRAINER + " evaluation.py: eval_temperature/eval_top_k/eval_top_p per strategy",
+    "eval_sampling_strategy": "honoured (trainer: evaluation.py, the sampling of eval passes; greedy is exact greedy)",
+    "generation_configs": "honoured (trainer: evaluation.py, eval_temperature/eval_top_k/eval_top_p per strategy)",
     "eval_corr_lst": "refused: MaxText's eval response lists are not produced by the plugin's eval",
     "eval_make_lst": "refused: MaxText's eval response lists are not produced by the plugin's eval",
     # --- rewards ---
     "math_verify_timeout": "refused: the plugin's per-completion timeout is reward_item_timeout_seconds",
-    "reward_num_workers": "refused: rewards are scored in-process with a math_verify pool (math_verify_num_procs); Tunix's reward worker pool is not used",
+    "reward_num_workers": (
+        "refused: rewards are scored in-process with a math_verify pool (math_verify_num_procs); Tunix's "
+        "reward worker pool is not used"
+    ),
     "reward_worker_timeout_seconds": "refused: Tunix's reward worker pool is not used; see reward_item_timeout_seconds",
     "reward_functions_path": REWARDS,
     "reward_functions": REWARDS,
@@ -284,16 +354,35 @@ _KEY_STATUS: dict[str, str] = {
     "free_kv_cache_during_weight_sync": "honoured (rollout/vllm.py: weight sync)",
     "swap_space_vllm_gb": "refused: rollout/vllm.py does not pass a CPU swap space to vLLM",
     "rollout_backend": _CONVERTER,
-    "weight_sync_debug": "refused: MaxText's converter debug logging; the plugin checks syncs with rl.verify_weight_sync",
+    "weight_sync_debug": (
+        "refused: MaxText's converter debug logging; the plugin checks syncs with rl.verify_weight_sync"
+    ),
     "log_weight_sync_time": "refused: MaxText's converter timing log; the plugin logs every sync's time and bytes",
 }
+
+# The plugin's own keys, by the module that reads them (config_types.PluginKeys groups them the same way).
+_KEY_STATUS.update({
+    "print_config": "honoured (train_rl: print the resolved configuration and exit)",
+    **dict.fromkeys(("rollout_engine", "rollout_prefill_buckets", "rollout_batch_buckets", "stop_token_ids",
+                     "rollout_seed"), ROLLOUT),
+    **dict.fromkeys(("train_data_path", "eval_data_path", "synthetic_seed", "synthetic_num_eval", "synthetic_min_steps",
+                     "synthetic_max_steps", "synthetic_max_value", "synthetic_teacher_error_rate"), DATA),
+    "reward_item_timeout_seconds": REWARDS,
+    "reshard_donate": "honoured (resharding: trainer->sampler sync)",
+    **dict.fromkeys(("sft_warmup_steps", "sft_learning_rate", "sft_batch_size"), "honoured (sft: warm start)"),
+    **dict.fromkeys(("eval_before_training", "eval_after_training"), "honoured (trainer: eval)"),
+    "write_plot": "honoured (summary: summary.png)",
+    "rl.kl_estimator": ALGO,
+    "rl.advantage_norm": ALGO,
+})
 
 # The key names the enumeration skips: containers whose inner keys carry the status.
 BLOCKS = ("rl", "cluster", "dataset", "reward", "special_tokens", "evaluation", "vllm")
 
 
 def _config_class():
-  from maxtext_rl_plugin.config_types import PluginRLConfig  # pylint: disable=import-outside-toplevel  (pydantic schema import is heavy)
+  # The schema imports MaxText's types (and JAX); imported when first needed, as config.py does.
+  from maxtext_rl_plugin.config_types import PluginRLConfig  # pylint: disable=import-outside-toplevel
 
   return PluginRLConfig
 
@@ -368,6 +457,7 @@ def same_value(a: Any, b: Any) -> bool:
     return v
 
   a, b = norm(a), norm(b)
-  if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and not isinstance(b, bool):
+  numbers = [isinstance(x, (int, float)) and not isinstance(x, bool) for x in (a, b)]
+  if all(numbers):
     return float(a) == float(b)
   return a == b

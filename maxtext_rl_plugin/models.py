@@ -1,9 +1,9 @@
 """Build the MaxText models, meshes and tokenizer an RL run needs, through MaxText's own code.
 
 Device split (colocated vs. disaggregated trainer/sampler, multislice) follows
-`model_creation_utils.setup_configs_and_devices`, from the config parsed once; weights come from `from_pretrained` (an Orbax
-`load_parameters_path`, or random init from `init_weights_seed` when none is given), wrapped in
-`TunixMaxTextAdapter` so Tunix's RLCluster can drive them.
+`model_creation_utils.setup_configs_and_devices`, from the config parsed once; weights come from
+`from_pretrained` (an Orbax `load_parameters_path`, or random init from `init_weights_seed` when none is
+given), wrapped in `TunixMaxTextAdapter` so Tunix's RLCluster can drive them.
 """
 
 from __future__ import annotations

@@ -186,6 +186,9 @@ def test_every_maxtext_and_plugin_key_has_a_status():
     s = key_status.status(k)
     assert s.startswith("honoured (") or (s.startswith("refused: ") and len(s) > 20), (k, s)
   assert set(key_status.all_keys()) >= {key_status.canonical(k) for k in keys}
+  # A plugin key says which module reads it (a new key without its own entry fails here).
+  generic = key_status._CLASS_STATUS["PluginKeys"]  # pylint: disable=protected-access
+  assert not [k for k in keys if key_status.status(k) == generic]
 
 
 def test_every_mixin_class_of_rlconfig_has_a_class_status():
@@ -205,7 +208,7 @@ def test_every_mixin_class_of_rlconfig_has_a_class_status():
      "profiler_steps", "skip_first_n_steps_for_profiler", "rl.use_rollout_logps", "rl.force_on_policy_ratio",
      "rl.log_sampler_trainer_agreement", "rl.epsilon_high", "checkpoint_period", "max_num_checkpoints_to_keep",
      "enable_checkpointing", "num_batches", "num_epoch", "train_fraction", "eval_batch_size", "loss_algo",
-     "hbm_utilization_vllm", "emb_dim" if False else "base_emb_dim", "ici_fsdp_parallelism"],
+     "hbm_utilization_vllm", "base_emb_dim", "ici_fsdp_parallelism"],
 )
 def test_honoured_keys(key):
   assert key_status.status(key).startswith("honoured ("), key_status.status(key)
@@ -246,8 +249,20 @@ def test_refused_key_set_on_the_command_line_is_one_line(override, key, why):
 def test_refused_key_at_maxtext_default_is_accepted():
   # Setting a refused key to MaxText's own RL value (post_train/rl.yml or the schema) changes nothing: accepted.
   c = config_lib.load_config([TINY, "rl.off_policy_steps=0", "reward_num_workers=0", "max_seq_token_per_tpu=0",
-                              "rl.max_concurrency=256", "gc_collect_after_weight_sync=true", "eval_sampling_strategy=greedy"])
+                              "rl.max_concurrency=256", "gc_collect_after_weight_sync=true", "eval_sampling_strategy=greedy",
+                              "generation_configs.greedy.eval_top_k=1"])
   assert c.rl.off_policy_steps == 0 and c.reward_num_workers == 0
+
+
+def test_generation_configs_reach_the_eval_sampling(tmp_path):
+  """generation_configs is honoured (evaluation.py): a user's per-strategy value reaches the eval sampling."""
+  from maxtext_rl_plugin import evaluation  # pylint: disable=import-outside-toplevel
+
+  f = tmp_path / "gen.yml"
+  f.write_text("base_config: cpu_tiny.yml\neval_sampling_strategy: standard\ngeneration_configs:\n  standard:\n"
+               "    eval_top_p: 0.5\n")
+  cfg = config_lib.load_config([str(f)])
+  assert evaluation.sampling_for(cfg) == {"temperature": 0.7, "top_k": 50, "top_p": 0.5}
 
 
 def test_refused_key_in_a_user_yml_names_the_key(tmp_path):
@@ -442,3 +457,24 @@ def test_refused_key_set_through_maxtext_environment_override(monkeypatch):
   monkeypatch.setenv("M_REWARD_NUM_WORKERS", "3")
   with pytest.raises(ConfigError, match="^config key 'reward_num_workers' is not supported"):
     config_lib.load_config([TINY, "run_name=env_probe"])
+
+
+def test_multislice_split_and_configs_match_maxtext(monkeypatch):
+  # MaxText groups jax.devices() by slice_index; fakes with two slices of 4 stand in for a 2-slice TPU job.
+  import types as pytypes  # pylint: disable=import-outside-toplevel
+
+  from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
+
+  fakes = [pytypes.SimpleNamespace(id=i, slice_index=i // 4) for i in range(8)]
+  monkeypatch.setattr(model_creation_utils.jax, "devices", lambda: fakes)
+  argv = [TINY, "num_trainer_slices=1", "num_samplers_slices=1", "ici_tensor_parallelism=2"]
+  t_pc, s_pc, t_dev, s_dev = _maxtext_split(argv)
+  rs = models.setup_devices(argv, devices=fakes)
+  assert [d.id for d in rs.trainer_devices] == [d.id for d in t_dev] == [0, 1, 2, 3]
+  assert [d.id for d in rs.sampler_devices] == [d.id for d in s_dev] == [4, 5, 6, 7]
+  assert rs.trainer_config.get_keys() == config_lib.to_hyperparameters(t_pc).get_keys()
+  assert rs.sampler_config.get_keys() == config_lib.to_hyperparameters(s_pc).get_keys()
+  assert (rs.trainer_config.ici_fsdp_parallelism, rs.trainer_config.ici_tensor_parallelism) == (2, 2)
+  assert (rs.sampler_config.ici_fsdp_parallelism, rs.sampler_config.ici_tensor_parallelism) == (4, -1)
