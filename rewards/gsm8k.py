@@ -106,15 +106,6 @@ def format_exact_ok(completion: str, rc: RewardConfig) -> bool:
   )
 
 
-def _approx_score(c: str, rc: RewardConfig) -> float:
-  good, bad = rc.reward_partial_format_match, rc.penalty_incorrect_format
-  s = good if (rc.reasoning_start_token_in_prompt or c.count(rc.reasoning_start_token) == 1) else bad
-  s += good if c.count(rc.reasoning_end_token) == 1 else bad
-  s += good if c.count(rc.solution_start_token) == 1 else bad
-  s += good if c.count(rc.solution_end_token) == 1 else bad
-  return s
-
-
 def match_format_exactly(prompts: Sequence[str], completions: Sequence[str], tmvp_config: Any = None, **kwargs: Any) -> list[float]:
   """`reward_exact_format_match` when the completion has `<reasoning>..</reasoning>..<answer>X</answer>`."""
   del prompts, kwargs
@@ -131,7 +122,7 @@ def match_format_approximately(prompts: Sequence[str], completions: Sequence[str
   rs, re_, ss, se = rc.reasoning_start_token, rc.reasoning_end_token, rc.solution_start_token, rc.solution_end_token
   skip_rs = rc.reasoning_start_token_in_prompt
   out = []
-  for c in completions:  # _approx_score, inlined: this runs for every completion of every step
+  for c in completions:  # one expression, no per-tag helper calls: this runs for every completion of every step
     if not isinstance(c, str):
       c = ""
     out.append((good if (skip_rs or c.count(rs) == 1) else bad) + (good if c.count(re_) == 1 else bad)
@@ -244,11 +235,11 @@ def score_batch(completions: Sequence[str], golds: Sequence[Any], config: Any = 
   """Grade many completions at once (the slow path runs in parallel); per-completion eval metrics."""
   rc = RewardConfig.of(config)
   graded = _grade(completions, golds, rc)
+  approx = match_format_approximately((), completions, rc)
   out = []
-  for c, (e, ok, answer_r, partial) in zip(completions, graded):
-    c = c if isinstance(c, str) else ""
-    fmt = format_exact_ok(c, rc)
-    format_r = (rc.reward_exact_format_match if fmt else 0.0) + _approx_score(c, rc)
+  for c, (e, ok, answer_r, partial), approx_r in zip(completions, graded, approx):
+    fmt = isinstance(c, str) and format_exact_ok(c, rc)
+    format_r = (rc.reward_exact_format_match if fmt else 0.0) + approx_r
     out.append(ScoreResult(ok, format_r + answer_r, e.value, e.rule, fmt, partial, format_r, answer_r))
   return out
 
