@@ -41,13 +41,14 @@ _SEPARATORS_OUT = str.maketrans({c: None for c in GROUP_SEPARATORS})
 # One unsigned number: digits in groups of three ("1,234", "1 234 567"; a group is never followed by a 4th digit)
 # or plain digits, an optional decimal part, an optional exponent ("1e5", "2.5E-3"; not the "e" of a word).
 _UNSIGNED = (r"(?:(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d{1,4}(?![\w]))?")
-# A number expression as written in text, read whole: `\frac{a}{b}`/`\dfrac`/`\tfrac`, a mixed number "1 1/2",
-# a fraction "3/4", or one number; an optional sign only when not glued to a preceding word/number, so the "-"
-# of "5-3" is an operator. No capturing groups (findall returns whole matches).
+# A number expression as written in text, read whole: `\frac{a}{b}`/`\dfrac`/`\tfrac`, a mixed number "1 1/2" or
+# "3\frac{1}{3}", a fraction "3/4", or one number; an optional sign only when not glued to a preceding word/number,
+# so the "-" of "5-3" is an operator. No capturing groups (findall returns whole matches).
 _NUM = (
     r"(?:(?<![\w)\].])" + _MINUS_CLASS + r")?(?:"
     r"\\[dt]?frac\{[ \t]{0,4}" + _MINUS_CLASS + r"?" + _UNSIGNED + r"[ \t]{0,4}\}\{[ \t]{0,4}" + _MINUS_CLASS + r"?"
     + _UNSIGNED + r"[ \t]{0,4}\}"
+    r"|\d+[ \t]{0,2}\\[dt]?frac\{[ \t]{0,4}\d+[ \t]{0,4}\}\{[ \t]{0,4}\d+[ \t]{0,4}\}"
     r"|\d+[ \u00a0]\d+[ \t]{0,2}/[ \t]{0,2}\d+(?!\d|\.\d)"
     r"|" + _UNSIGNED + r"(?:[ \t]{0,2}/[ \t]{0,2}\d+(?:\.\d+)?(?!\d|\.\d))?"
     r")"
@@ -73,7 +74,7 @@ _U = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,4})?"
 _VALUE_RE = re.compile(
     r"(?P<neg>-)?(?:(?P<num>" + _U + r")"
     r"|(?P<fn>-?" + _U + r")\s{0,4}/\s{0,4}(?P<fd>-?" + _U + r")"
-    r"|(?P<w>\d+)\s(?P<mn>\d+)\s{0,2}/\s{0,2}(?P<md>\d+)"
+    r"|(?P<w>\d+)(?:\s(?P<mn>\d+)\s{0,2}/\s{0,2}(?P<md>\d+)|\s{0,2}\\[dt]?frac\{\s{0,4}(?P<xn>\d+)\s{0,4}\}\{\s{0,4}(?P<xd>\d+)\s{0,4}\})"
     r"|\\[dt]?frac\{\s{0,4}(?P<ln>-?" + _U + r")\s{0,4}\}\{\s{0,4}(?P<ld>-?" + _U + r")\s{0,4}\})"
 )
 _GROUPED_RE = re.compile(r"-?(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3})+)(?:\.\d*)?(?:[eE][-+]?\d{1,4})?")
@@ -151,7 +152,7 @@ def _number_value(s: str) -> Optional[Fraction]:
     elif g["fn"] is not None:
       v = Fraction(g["fn"]) / Fraction(g["fd"])
     elif g["w"] is not None:
-      v = int(g["w"]) + Fraction(int(g["mn"]), int(g["md"]))
+      v = int(g["w"]) + (Fraction(int(g["mn"]), int(g["md"])) if g["mn"] is not None else Fraction(int(g["xn"]), int(g["xd"])))
     else:
       v = Fraction(g["ln"]) / Fraction(g["ld"])
   except (ValueError, ZeroDivisionError):
