@@ -248,8 +248,8 @@ class DatasetSplit(abc.ABC):
     stop = start + batch_size
     if self.repeat and not self.unlimited and batch_size > len(self) and not self._warned_small:
       self._warned_small = True
-      logging.warning("split '%s' has %d examples, fewer than batch_size=%d: every batch repeats prompts (they are drawn "
-                      "from consecutive shuffled epochs)", self.name, len(self), batch_size)
+      logging.warning("split '%s' has %d examples, fewer than batch_size=%d: every batch repeats prompts "
+                      "(they are drawn from consecutive shuffled epochs)", self.name, len(self), batch_size)
     if not (self.unlimited or self.repeat):
       if start >= len(self):
         raise IndexError(f"batch {k} of size {batch_size} is past the end of split '{self.name}' ({len(self)} examples)")
@@ -516,7 +516,8 @@ class NotUtf8:
   """Stands for a data-file line whose bytes are not UTF-8 (counted and skipped, never trained on as U+FFFD)."""
 
 
-def rows_to_examples(rows: Iterable[Any], source: str, unit: str = "") -> tuple[list[tuple[str, str, str, str]], _Skips]:
+def rows_to_examples(rows: Iterable[Any], source: str,
+                     unit: str = "") -> tuple[list[tuple[str, str, str, str]], _Skips]:
   """(question, gold, solution, id) per usable row; malformed rows are counted, not raised.
 
   A row is a dict with `question` (or `problem`/`prompt`) and `answer` (or `solution`/`expected_answer`)
@@ -546,9 +547,9 @@ def rows_to_examples(rows: Iterable[Any], source: str, unit: str = "") -> tuple[
     out.append((q.strip(), gold, str(a), f"{source}:{n}"))
   if sk.skipped:
     logging.warning(
-        "%s: skipped %d of %d rows (invalid JSON: %d, not UTF-8: %d, no question: %d, no parsable gold answer ('#### N'): %d); "
-        "first at %s %d",
-        source, sk.skipped, sk.rows, sk.bad_json, sk.not_utf8, sk.no_question, sk.no_answer, unit or "row", sk.first_bad,
+        "%s: skipped %d of %d rows (invalid JSON: %d, not UTF-8: %d, no question: %d, no parsable gold answer "
+        "('#### N'): %d); first at %s %d", source, sk.skipped, sk.rows, sk.bad_json, sk.not_utf8, sk.no_question,
+        sk.no_answer, unit or "row", sk.first_bad,
     )
   return out, sk
 
@@ -571,7 +572,10 @@ def _expand_paths(spec: str, key: str) -> list[str]:
 
 
 def _read_rows(path: str, key: str) -> tuple[list[tuple[int, Any]], str]:
-  """((number, row) pairs, "line" or "row") of a JSONL/JSON/Parquet file; a row is a value, None (bad JSON) or NotUtf8."""
+  """((number, row) pairs, "line" or "row") of a JSONL/JSON/Parquet file.
+
+  A row is the parsed value, None for invalid JSON, or NotUtf8.
+  """
   ext = os.path.splitext(path)[1].lower()
   if ext == ".parquet":
     try:

@@ -143,7 +143,8 @@ def _new_file_mode(path: str) -> int:
 def _output(path: str, input_path: str):
   """A text stream whose content replaces `path` only when the block succeeds (temp file + rename).
 
-  The real path of a symlinked output is replaced, so the link keeps pointing at the new file.
+  The real path of a symlinked output is replaced, so the link keeps pointing at the new file; a device or
+  FIFO (`/dev/stdout`) is written directly.
   """
   if path == "-":
     yield sys.stdout
@@ -151,6 +152,14 @@ def _output(path: str, input_path: str):
   if input_path != "-" and _same_file(path, input_path):
     raise DataError(f"--output '{path}' is the input file; write the scores to another file")
   target = os.path.realpath(path)
+  if os.path.exists(target) and not os.path.isfile(target):  # /dev/stdout, a FIFO: nothing to replace, write through
+    try:
+      f = open(target, "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    except OSError as e:
+      raise DataError(f"--output '{path}': {e.strerror}") from None
+    with f:
+      yield f
+    return
   try:
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=os.path.dirname(target))
   except OSError as e:

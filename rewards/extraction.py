@@ -74,7 +74,8 @@ _U = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,4})?"
 _VALUE_RE = re.compile(
     r"(?P<neg>-)?(?:(?P<num>" + _U + r")"
     r"|(?P<fn>-?" + _U + r")\s{0,4}/\s{0,4}(?P<fd>-?" + _U + r")"
-    r"|(?P<w>\d+)(?:\s(?P<mn>\d+)\s{0,2}/\s{0,2}(?P<md>\d+)|\s{0,2}\\[dt]?frac\{\s{0,4}(?P<xn>\d+)\s{0,4}\}\{\s{0,4}(?P<xd>\d+)\s{0,4}\})"
+    r"|(?P<w>\d+)(?:\s(?P<mn>\d+)\s{0,2}/\s{0,2}(?P<md>\d+)"
+    r"|\s{0,2}\\[dt]?frac\{\s{0,4}(?P<xn>\d+)\s{0,4}\}\{\s{0,4}(?P<xd>\d+)\s{0,4}\})"
     r"|\\[dt]?frac\{\s{0,4}(?P<ln>-?" + _U + r")\s{0,4}\}\{\s{0,4}(?P<ld>-?" + _U + r")\s{0,4}\})"
 )
 _GROUPED_RE = re.compile(r"-?(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3})+)(?:\.\d*)?(?:[eE][-+]?\d{1,4})?")
@@ -152,7 +153,8 @@ def _number_value(s: str) -> Optional[Fraction]:
     elif g["fn"] is not None:
       v = Fraction(g["fn"]) / Fraction(g["fd"])
     elif g["w"] is not None:
-      v = int(g["w"]) + (Fraction(int(g["mn"]), int(g["md"])) if g["mn"] is not None else Fraction(int(g["xn"]), int(g["xd"])))
+      num, den = (g["mn"], g["md"]) if g["mn"] is not None else (g["xn"], g["xd"])
+      v = int(g["w"]) + Fraction(int(num), int(den))
     else:
       v = Fraction(g["ln"]) / Fraction(g["ld"])
   except (ValueError, ZeroDivisionError):
