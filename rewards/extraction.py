@@ -26,7 +26,7 @@ RULE_LAST_NUMBER = "last_number"
 RULE_NONE = "none"
 RULES = (RULE_ANSWER_TAG, RULE_BOXED, RULE_HASH, RULE_ANSWER_IS, RULE_A_COLON, RULE_LAST_NUMBER, RULE_NONE)
 
-DEFAULT_SOLUTION_START = "<answer>"
+DEFAULT_SOLUTION_START = "<answer>"  # MaxText rl.yml's solution tags; RewardConfig and the data prompts use these
 DEFAULT_SOLUTION_END = "</answer>"
 
 # Minus signs as models and people type them (hyphen-minus, U+2212, hyphens, figure/en/em dash, small and

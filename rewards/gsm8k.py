@@ -34,8 +34,8 @@ class RewardConfig:
 
   reasoning_start_token: str = "<reasoning>"
   reasoning_end_token: str = "</reasoning>"
-  solution_start_token: str = "<answer>"
-  solution_end_token: str = "</answer>"
+  solution_start_token: str = ex.DEFAULT_SOLUTION_START
+  solution_end_token: str = ex.DEFAULT_SOLUTION_END
   reasoning_start_token_in_prompt: bool = False
   reward_exact_answer: float = 1.0
   reward_white_space_format_match: float = 1.0

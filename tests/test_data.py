@@ -419,3 +419,15 @@ def load_config_error(override):
     load_config(["configs/cpu_tiny.yml", override])
   assert "synthetic_teacher_error_rate" in str(e.value)
   return e.value
+
+
+def test_prompt_tags_default_to_the_reward_stacks_which_are_maxtext_rl_yml():
+  """One place for tag defaults: a config without tag keys prompts for exactly the tags the rewards grade."""
+  import maxtext  # pylint: disable=import-outside-toplevel
+
+  with open(os.path.join(os.path.dirname(maxtext.__file__), "configs", "post_train", "rl.yml"), encoding="utf-8") as f:
+    rl_yml = yaml.safe_load(f)
+  keys = ("reasoning_start_token", "reasoning_end_token", "solution_start_token", "solution_end_token")
+  bare = type("Bare", (), {"data_template_path": ""})()
+  assert data._tokens(bare) == {k: rl_yml[k] for k in keys}  # pylint: disable=protected-access
+  assert all(rl_yml[k] in data.system_prompt(bare) for k in keys)
