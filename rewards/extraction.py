@@ -68,7 +68,7 @@ _MATH_CHARS = frozenset("\\^{}()*/+=<>|[]_")
 # feed math_verify a parsing problem.
 MAX_ANSWER_CHARS = 1000
 
-# Canonical numeric forms accepted without math_verify (after `_clean` and `_TO_ASCII`): one number (a trailing
+# Canonical numeric forms accepted without math_verify (after `_clean` and the ASCII tables): one number (a trailing
 # "." allowed), "a/b", a mixed number "w n/d", or `\frac{a}{b}`; signs inside fractions too.
 _U = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,4})?"
 _VALUE_RE = re.compile(

@@ -4,9 +4,10 @@
 (`reward_*`, `penalty_*`, `*_token`) and calling convention of MaxText 0.2.5's `utils_rl` (they accept
 `tmvp_config=`), so a MaxText recipe's numbers carry over. What differs, and why:
 
-* answers are found by the ordered rules of `extract.py` (not only inside `<answer>`/`\\boxed{}`), so a
+* answers are found by the ordered rules of `extraction.py` (not only inside `<answer>`/`\\boxed{}`), so a
   model that writes "#### 18" or "The answer is 18" is graded on its answer; formatting is rewarded by
-  the two format functions, not by zeroing the answer reward;
+  the two format functions, not by zeroing the answer reward; every rule reads the whole number expression
+  ("1/2", "1 1/2", "\\frac{1}{2}", "1e3", "1 234", "\u20135"), the same way for golds and completions;
 * numbers are compared exactly in-process; math_verify only sees what is not a plain number, in
   killable workers with a per-item deadline (`verify.py`);
 * partial credit: a wrong numeric answer within 10% of the gold earns `reward_ratio_guess_to_answer_high`,
