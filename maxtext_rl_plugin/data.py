@@ -31,6 +31,7 @@ from absl import logging
 
 from maxtext_rl_plugin.errors import ConfigError, DataError
 from maxtext_rl_plugin.rewards import extraction
+from maxtext_rl_plugin.rewards import gsm8k
 
 SYNTHETIC = "synthetic"
 _UNSET: Any = object()
@@ -110,12 +111,10 @@ def load_template(path: str) -> dict[str, str]:
 
 
 def _tokens(config) -> dict[str, str]:
-  return {
-      "reasoning_start_token": getattr(config, "reasoning_start_token", "<reasoning>"),
-      "reasoning_end_token": getattr(config, "reasoning_end_token", "</reasoning>"),
-      "solution_start_token": getattr(config, "solution_start_token", "<answer>"),
-      "solution_end_token": getattr(config, "solution_end_token", "</answer>"),
-  }
+  """The four tag tokens of `config`; missing keys default to the reward stack's (MaxText rl.yml) values."""
+  default = gsm8k.RewardConfig()
+  keys = ("reasoning_start_token", "reasoning_end_token", "solution_start_token", "solution_end_token")
+  return {k: getattr(config, k, getattr(default, k)) for k in keys}
 
 
 def system_prompt(config) -> str:
@@ -206,6 +205,7 @@ class DatasetSplit(abc.ABC):
   seed: Optional[int] = None
   repeat: bool = False
   unlimited: bool = False
+  _warned_small: bool = False  # batch_size > len(self) was reported (once per split)
 
   @abc.abstractmethod
   def __len__(self) -> int: ...
@@ -246,6 +246,10 @@ class DatasetSplit(abc.ABC):
       raise ValueError(f"batch index {k} / batch_size {batch_size}")
     start = k * batch_size
     stop = start + batch_size
+    if self.repeat and not self.unlimited and batch_size > len(self) and not self._warned_small:
+      self._warned_small = True
+      logging.warning("split '%s' has %d examples, fewer than batch_size=%d: every batch repeats prompts "
+                      "(they are drawn from consecutive shuffled epochs)", self.name, len(self), batch_size)
     if not (self.unlimited or self.repeat):
       if start >= len(self):
         raise IndexError(f"batch {k} of size {batch_size} is past the end of split '{self.name}' ({len(self)} examples)")
@@ -486,6 +490,7 @@ def _synthetic_eval(cfg: SyntheticConfig, n: int, tokenizer, config, max_tokens:
 class _Skips:
   rows: int = 0
   bad_json: int = 0
+  not_utf8: int = 0
   no_question: int = 0
   no_answer: int = 0
   first_bad: Optional[int] = None
@@ -497,7 +502,7 @@ class _Skips:
 
   @property
   def skipped(self) -> int:
-    return self.bad_json + self.no_question + self.no_answer
+    return self.bad_json + self.not_utf8 + self.no_question + self.no_answer
 
 
 def _first(row: dict, keys: Sequence[str]) -> Any:
@@ -507,17 +512,26 @@ def _first(row: dict, keys: Sequence[str]) -> Any:
   return None
 
 
-def rows_to_examples(rows: Iterable[Any], source: str) -> tuple[list[tuple[str, str, str, str]], _Skips]:
+class NotUtf8:
+  """Stands for a data-file line whose bytes are not UTF-8 (counted and skipped, never trained on as U+FFFD)."""
+
+
+def rows_to_examples(rows: Iterable[Any], source: str,
+                     unit: str = "") -> tuple[list[tuple[str, str, str, str]], _Skips]:
   """(question, gold, solution, id) per usable row; malformed rows are counted, not raised.
 
   A row is a dict with `question` (or `problem`/`prompt`) and `answer` (or `solution`/`expected_answer`)
   whose gold is the value after `####`, or the whole answer if it is a plain number. `None` rows stand
-  for lines that were not valid JSON.
+  for lines that were not valid JSON, `NotUtf8` for lines that were not UTF-8. With a `unit` ("line", "row"),
+  `rows` holds (number, row) pairs, so ids and messages name file lines; else rows are counted from 1.
   """
   out = []
   sk = _Skips()
-  for n, row in enumerate(rows, 1):
+  for n, row in (rows if unit else enumerate(rows, 1)):
     sk.rows += 1
+    if isinstance(row, NotUtf8):
+      sk.bad(n, "not_utf8")
+      continue
     if not isinstance(row, dict):
       sk.bad(n, "bad_json")
       continue
@@ -533,8 +547,9 @@ def rows_to_examples(rows: Iterable[Any], source: str) -> tuple[list[tuple[str, 
     out.append((q.strip(), gold, str(a), f"{source}:{n}"))
   if sk.skipped:
     logging.warning(
-        "%s: skipped %d of %d rows (invalid JSON: %d, no question: %d, no parsable gold answer ('#### N'): %d); first at row %d",
-        source, sk.skipped, sk.rows, sk.bad_json, sk.no_question, sk.no_answer, sk.first_bad,
+        "%s: skipped %d of %d rows (invalid JSON: %d, not UTF-8: %d, no question: %d, no parsable gold answer "
+        "('#### N'): %d); first at %s %d", source, sk.skipped, sk.rows, sk.bad_json, sk.not_utf8, sk.no_question,
+        sk.no_answer, unit or "row", sk.first_bad,
     )
   return out, sk
 
@@ -556,7 +571,11 @@ def _expand_paths(spec: str, key: str) -> list[str]:
   return paths
 
 
-def _read_rows(path: str, key: str) -> list[Any]:
+def _read_rows(path: str, key: str) -> tuple[list[tuple[int, Any]], str]:
+  """((number, row) pairs, "line" or "row") of a JSONL/JSON/Parquet file.
+
+  A row is the parsed value, None for invalid JSON, or NotUtf8.
+  """
   ext = os.path.splitext(path)[1].lower()
   if ext == ".parquet":
     try:
@@ -566,36 +585,48 @@ def _read_rows(path: str, key: str) -> list[Any]:
 
       raise MissingExtraError("reading Parquet data", "pyarrow", "cpu") from e
     try:
-      return pq.read_table(path).to_pylist()
+      return list(enumerate(pq.read_table(path).to_pylist(), 1)), "row"
     except Exception as e:  # pylint: disable=broad-exception-caught
       raise DataError(f"{key}='{path}': not a readable Parquet file ({type(e).__name__}: {e})") from None
   try:
-    with open(path, encoding="utf-8", errors="replace") as f:
-      text = f.read()
+    with open(path, "rb") as f:
+      raw = f.read()
   except OSError as e:
     raise DataError(f"{key}='{path}': {e.strerror}") from None
-  if ext == ".json" and text.lstrip().startswith("["):
+  if raw.startswith(b"\xef\xbb\xbf"):
+    raw = raw[3:]  # UTF-8 byte order mark (Windows editors write one)
+  if ext == ".json" and raw.lstrip().startswith(b"["):
     try:
-      rows = json.loads(text)
+      rows = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+      raise DataError(f"{key}='{path}': not UTF-8 (byte {e.start + 1})") from None
     except ValueError as e:
       raise DataError(f"{key}='{path}': invalid JSON ({e})") from None
-    return rows if isinstance(rows, list) else [rows]
-  rows = []
-  for line in text.splitlines():
+    return list(enumerate(rows if isinstance(rows, list) else [rows], 1)), "row"
+  # JSONL: split on "\n" only (str.splitlines would also cut at U+2028/U+0085 inside a valid row) and number
+  # rows by file line, blank lines included, so ids and messages point at the line to fix.
+  rows: list[tuple[int, Any]] = []
+  for lineno, line in enumerate(raw.split(b"\n"), 1):
     if not line.strip():
       continue
     try:
-      rows.append(json.loads(line))
+      text = line.decode("utf-8")
+    except UnicodeDecodeError:
+      rows.append((lineno, NotUtf8()))
+      continue
+    try:
+      rows.append((lineno, json.loads(text)))
     except ValueError:
-      rows.append(None)
-  return rows
+      rows.append((lineno, None))
+  return rows, "line"
 
 
 def load_file_rows(spec: str, key: str) -> list[tuple[str, str, str, str]]:
   """Usable rows of local JSONL/JSON/Parquet file(s) named by config key `key`."""
   out = []
   for path in _expand_paths(spec, key):
-    rows, sk = rows_to_examples(_read_rows(path, key), os.path.basename(path))
+    numbered, unit = _read_rows(path, key)
+    rows, sk = rows_to_examples(numbered, os.path.basename(path), unit=unit)
     if not rows:
       raise DataError(
           f"{key}='{path}': no usable rows of {sk.rows} (expected JSON objects with 'question' and 'answer' ending in '#### N')"

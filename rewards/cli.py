@@ -2,8 +2,11 @@
 
 Grades completions offline with exactly the reward stack training uses: one output row per input row,
 in order, `{"correct", "reward", "extracted", "rule", "format_ok", "partial", "gold"}` (+ `id` when the
-input has one). A row that cannot be graded (bad JSON, missing `completion`/`answer`, unparsable gold)
-gets `correct: false` and an `error` naming the line; the command never stops on a row. Reward
+input has one). Input lines are split on "\n" only (a row may hold U+2028); a line that cannot be graded
+(blank, not UTF-8, bad JSON, missing `completion`/`answer`, unparsable gold) gets `correct: false` and an
+`error` naming its line, so output row N is always input line N; the command never stops on a row. The
+output is written beside its destination and renamed into place, so a crash never leaves half a file and
+an output that is the input is refused rather than truncated. Reward
 weights and tags come from MaxText's rl.yml defaults unless a config/overrides are given.
 """
 
@@ -13,9 +16,11 @@ import argparse
 import collections
 import contextlib
 import json
+import os
 import sys
+import tempfile
 import time
-from typing import Any, Iterator, Optional, TextIO
+from typing import Any, Iterable, Iterator, Optional, TextIO
 
 from maxtext_rl_plugin.errors import DataError, exit_on_user_error
 from maxtext_rl_plugin.rewards import extraction as ex
@@ -24,8 +29,16 @@ from maxtext_rl_plugin.rewards import gsm8k
 _CHUNK = 1024
 
 
-def _parse_row(line: str, lineno: int) -> tuple[Optional[dict], Optional[str]]:
-  """(row, None) or (None, error message)."""
+def _parse_row(raw: bytes, lineno: int) -> tuple[Optional[dict], Optional[str]]:
+  """(row, None) or (None, error message) for one input line (bytes, without its "\n")."""
+  if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
+    raw = raw[3:]  # UTF-8 byte order mark
+  try:
+    line = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    return None, f"line {lineno}: not valid UTF-8 (byte {e.start + 1})"
+  if not line.strip():
+    return None, f"line {lineno}: blank line"
   try:
     row = json.loads(line)
   except ValueError as e:
@@ -49,8 +62,14 @@ def _error_row(row: Any, err: str) -> dict:
   return out
 
 
-def score_stream(lines: Iterator[str], out: TextIO, config: Any = None) -> collections.Counter:
-  """Score JSONL lines into `out`; returns counts (rows, correct, errors, rule:<name>)."""
+def split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+  """Lines of a byte stream split on b"\n" only ("\r\n" endings dropped, no empty last line after a final "\n")."""
+  for raw in chunks:
+    yield raw[:-2] if raw.endswith(b"\r\n") else raw[:-1] if raw.endswith(b"\n") else raw
+
+
+def score_stream(lines: Iterable[bytes], out: TextIO, config: Any = None) -> collections.Counter:
+  """Score JSONL lines (bytes, one per input line) into `out`; returns counts (rows, correct, errors, rule:<name>)."""
   stats: collections.Counter = collections.Counter()
   buf: list[tuple[Optional[dict], Optional[str]]] = []
 
@@ -80,8 +99,6 @@ def score_stream(lines: Iterator[str], out: TextIO, config: Any = None) -> colle
     buf.clear()
 
   for lineno, line in enumerate(lines, 1):
-    if not line.strip():
-      continue
     buf.append(_parse_row(line, lineno))
     if len(buf) >= _CHUNK:
       flush()
@@ -91,16 +108,70 @@ def score_stream(lines: Iterator[str], out: TextIO, config: Any = None) -> colle
 
 
 @contextlib.contextmanager
-def _open(path: str, mode: str):
+def _input(path: str):
+  """The input as a binary stream (its lines are split on b"\n" only and decoded per line)."""
   if path == "-":
-    yield sys.stdin if "r" in mode else sys.stdout
+    yield sys.stdin.buffer
     return
   try:
-    f = open(path, mode, encoding="utf-8", errors="replace" if "r" in mode else "strict")  # pylint: disable=consider-using-with
+    f = open(path, "rb")  # pylint: disable=consider-using-with
   except OSError as e:
-    raise DataError(f"{'--input' if 'r' in mode else '--output'} '{path}': {e.strerror}") from None
+    raise DataError(f"--input '{path}': {e.strerror}") from None
   with f:
     yield f
+
+
+def _same_file(a: str, b: str) -> bool:
+  if os.path.realpath(a) == os.path.realpath(b):
+    return True
+  try:
+    return os.path.samefile(a, b)
+  except OSError:
+    return False
+
+
+def _new_file_mode(path: str) -> int:
+  try:
+    return os.stat(path).st_mode & 0o7777
+  except OSError:
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def _output(path: str, input_path: str):
+  """A text stream whose content replaces `path` only when the block succeeds (temp file + rename).
+
+  The real path of a symlinked output is replaced, so the link keeps pointing at the new file; a device or
+  FIFO (`/dev/stdout`) is written directly.
+  """
+  if path == "-":
+    yield sys.stdout
+    return
+  if input_path != "-" and _same_file(path, input_path):
+    raise DataError(f"--output '{path}' is the input file; write the scores to another file")
+  target = os.path.realpath(path)
+  if os.path.exists(target) and not os.path.isfile(target):  # /dev/stdout, a FIFO: nothing to replace, write through
+    try:
+      f = open(target, "w", encoding="utf-8")  # pylint: disable=consider-using-with
+    except OSError as e:
+      raise DataError(f"--output '{path}': {e.strerror}") from None
+    with f:
+      yield f
+    return
+  try:
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp", dir=os.path.dirname(target))
+  except OSError as e:
+    raise DataError(f"--output '{path}': {e.strerror}") from None
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      yield f
+    os.chmod(tmp, _new_file_mode(target))  # mkstemp creates 0600; keep what a plain open() would give
+    os.replace(tmp, target)
+  except BaseException:
+    os.unlink(tmp)
+    raise
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -119,8 +190,8 @@ def main(argv: Optional[list[str]] = None) -> int:
       argv_cfg = args.config if not args.config[0].count("=") else ["configs/rl.yml", *args.config]
       config = gsm8k.RewardConfig.of(load_config(argv_cfg))
     t0 = time.perf_counter()
-    with _open(args.input, "r") as fin, _open(args.output, "w") as fout:
-      stats = score_stream(fin, fout, config)
+    with _input(args.input) as fin, _output(args.output, args.input) as fout:
+      stats = score_stream(split_lines(fin), fout, config)
     dt = time.perf_counter() - t0
     rows = stats["rows"]
     rules = ", ".join(f"{k[5:]}={v}" for k, v in sorted(stats.items()) if k.startswith("rule:"))

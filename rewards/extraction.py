@@ -11,6 +11,7 @@ curve can be read together with *how* answers were found.
 from __future__ import annotations
 
 import functools
+import math
 import re
 from fractions import Fraction
 from typing import NamedTuple, Optional
@@ -25,12 +26,33 @@ RULE_LAST_NUMBER = "last_number"
 RULE_NONE = "none"
 RULES = (RULE_ANSWER_TAG, RULE_BOXED, RULE_HASH, RULE_ANSWER_IS, RULE_A_COLON, RULE_LAST_NUMBER, RULE_NONE)
 
-DEFAULT_SOLUTION_START = "<answer>"
+DEFAULT_SOLUTION_START = "<answer>"  # MaxText rl.yml's solution tags; RewardConfig and the data prompts use these
 DEFAULT_SOLUTION_END = "</answer>"
 
-# A number as written in text: optional sign (only when not glued to a preceding word/number, so the
-# '-' of "5-3" is an operator), thousands separators, decimals.
-_NUM = r"(?:(?<![\w)\].])[-\u2212])?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|(?:(?<![\w)\].])[-\u2212])?\.\d+"
+# Minus signs as models and people type them (hyphen-minus, U+2212, hyphens, figure/en/em dash, small and
+# full-width hyphen-minus) and thousands separators (comma, apostrophes, space, no-break/narrow/thin space): both
+# are read the same way in gold answers and completions, so "-5" and "\u20135" or "1,234" and "1 234" are one value.
+MINUS_SIGNS = "-\u2212\u2010\u2011\u2012\u2013\u2014\ufe63\uff0d"
+GROUP_SEPARATORS = ",'\u2019 \u00a0\u202f\u2009"
+_MINUS_CLASS = "[" + re.escape(MINUS_SIGNS) + "]"
+_SEP_CLASS = "[" + re.escape(GROUP_SEPARATORS) + "]"
+_MINUS_TO_ASCII = str.maketrans({c: "-" for c in MINUS_SIGNS[1:]})
+_SEPARATORS_OUT = str.maketrans({c: None for c in GROUP_SEPARATORS})
+# One unsigned number: digits in groups of three ("1,234", "1 234 567"; a group is never followed by a 4th digit)
+# or plain digits, an optional decimal part, an optional exponent ("1e5", "2.5E-3"; not the "e" of a word).
+_UNSIGNED = (r"(?:(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d{1,4}(?![\w]))?")
+# A number expression as written in text, read whole: `\frac{a}{b}`/`\dfrac`/`\tfrac`, a mixed number "1 1/2" or
+# "3\frac{1}{3}", a fraction "3/4", or one number; an optional sign only when not glued to a preceding word/number,
+# so the "-" of "5-3" is an operator. No capturing groups (findall returns whole matches).
+_NUM = (
+    r"(?:(?<![\w)\].])" + _MINUS_CLASS + r")?(?:"
+    r"\\[dt]?frac\{[ \t]{0,4}" + _MINUS_CLASS + r"?" + _UNSIGNED + r"[ \t]{0,4}\}\{[ \t]{0,4}" + _MINUS_CLASS + r"?"
+    + _UNSIGNED + r"[ \t]{0,4}\}"
+    r"|\d+[ \t]{0,2}\\[dt]?frac\{[ \t]{0,4}\d+[ \t]{0,4}\}\{[ \t]{0,4}\d+[ \t]{0,4}\}"
+    r"|\d+[ \u00a0]\d+[ \t]{0,2}/[ \t]{0,2}\d+(?!\d|\.\d)"
+    r"|" + _UNSIGNED + r"(?:[ \t]{0,2}/[ \t]{0,2}\d+(?:\.\d+)?(?!\d|\.\d))?"
+    r")"
+)
 _NUM_RE = re.compile(_NUM)
 _HASH_RE = re.compile(r"####[ \t]{0,16}\$?[ \t]{0,4}(" + _NUM + ")")
 _ANSWER_IS_RE = re.compile(
@@ -46,13 +68,21 @@ _MATH_CHARS = frozenset("\\^{}()*/+=<>|[]_")
 # feed math_verify a parsing problem.
 MAX_ANSWER_CHARS = 1000
 
-# Canonical numeric forms accepted without math_verify.
-_PLAIN_NUM_RE = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|-?\.\d+")
-_FRACTION_RE = re.compile(r"(-?\d+)\s{0,4}/\s{0,4}(-?\d+)")
-_LATEX_FRAC_RE = re.compile(r"(-?)\\[dt]?frac\{\s{0,4}(-?\d+)\s{0,4}\}\{\s{0,4}(-?\d+)\s{0,4}\}")
+# Canonical numeric forms accepted without math_verify (after `_clean` and the ASCII tables): one number (a trailing
+# "." allowed), "a/b", a mixed number "w n/d", or `\frac{a}{b}`; signs inside fractions too.
+_U = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,4})?"
+_VALUE_RE = re.compile(
+    r"(?P<neg>-)?(?:(?P<num>" + _U + r")"
+    r"|(?P<fn>-?" + _U + r")\s{0,4}/\s{0,4}(?P<fd>-?" + _U + r")"
+    r"|(?P<w>\d+)(?:\s(?P<mn>\d+)\s{0,2}/\s{0,2}(?P<md>\d+)"
+    r"|\s{0,2}\\[dt]?frac\{\s{0,4}(?P<xn>\d+)\s{0,4}\}\{\s{0,4}(?P<xd>\d+)\s{0,4}\})"
+    r"|\\[dt]?frac\{\s{0,4}(?P<ln>-?" + _U + r")\s{0,4}\}\{\s{0,4}(?P<ld>-?" + _U + r")\s{0,4}\})"
+)
+_GROUPED_RE = re.compile(r"-?(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3})+)(?:\.\d*)?(?:[eE][-+]?\d{1,4})?")
+_NON_FINITE_RE = re.compile(r"[-+]?(?:nan|inf|infinity)", re.IGNORECASE)
 _TEXT_CMD_RE = re.compile(r"\\(?:text|mathrm|textbf|mbox|mathbf)\{([^{}]{0,64})\}")
 _STRIP_TOKENS = ("\\$", "$", "\\%", "%", "\\!", "\\,", "\\;", "\\ ", "^\\circ", "^{\\circ}", "\u00b0", "**", "\\left", "\\right")
-_UNIT_WORD_RE = re.compile(r"^(-?[\d.,/]+)\s{0,4}[a-zA-Z][a-zA-Z ]{0,40}\.?$")
+_UNIT_WORD_RE = re.compile(r"^(" + _NUM + r")[ \t]{0,4}[a-zA-Z][a-zA-Z ]{0,40}\.?$")
 
 
 class Extraction(NamedTuple):
@@ -78,7 +108,7 @@ def _clean(text: str) -> str:
   s = s.strip().rstrip(".").strip()
   if len(s) >= 2 and s[0] == "{" and s[-1] == "}":
     s = s[1:-1].strip()
-  return s.replace("\u2212", "-")
+  return s
 
 
 def to_number(text: Optional[str]) -> Optional[Fraction]:
@@ -99,26 +129,37 @@ def _to_number_cached(text: str) -> Optional[Fraction]:
     return None
   if s[0] == "+":
     s = s[1:]
-  if _PLAIN_NUM_RE.fullmatch(s):
-    try:
-      return Fraction(s.replace(",", "").rstrip("."))
-    except (ValueError, ZeroDivisionError):
-      return None
-  m = _FRACTION_RE.fullmatch(s) or None
-  if m:
-    den = int(m.group(2))
-    return Fraction(int(m.group(1)), den) if den else None
-  m = _LATEX_FRAC_RE.fullmatch(s)
-  if m:
-    den = int(m.group(3))
-    if not den:
-      return None
-    v = Fraction(int(m.group(2)), den)
-    return -v if m.group(1) else v
+  v = _number_value(s)
+  if v is not None:
+    return v
   m = _UNIT_WORD_RE.fullmatch(s)  # "18 dollars", "3.5 hours"
   if m and m.group(1) != s:
     return _to_number_cached(m.group(1))
   return None
+
+
+def _number_value(s: str) -> Optional[Fraction]:
+  """Exact value of one whole number expression (see `_VALUE_RE`), or None (also for a zero denominator)."""
+  s = s.translate(_MINUS_TO_ASCII)
+  # Grouping separators are removed only where they group thousands ("1 234", not the "1 1/2" of a mixed number).
+  s = s.translate(_SEPARATORS_OUT) if _GROUPED_RE.fullmatch(s) else s.replace("\u00a0", " ")
+  m = _VALUE_RE.fullmatch(s)
+  if m is None:
+    return None
+  g = m.groupdict()
+  try:
+    if g["num"] is not None:
+      v = Fraction(g["num"].rstrip(".") or "0")
+    elif g["fn"] is not None:
+      v = Fraction(g["fn"]) / Fraction(g["fd"])
+    elif g["w"] is not None:
+      num, den = (g["mn"], g["md"]) if g["mn"] is not None else (g["xn"], g["xd"])
+      v = int(g["w"]) + Fraction(int(num), int(den))
+    else:
+      v = Fraction(g["ln"]) / Fraction(g["ld"])
+  except (ValueError, ZeroDivisionError):
+    return None
+  return -v if g["neg"] else v
 
 
 def format_number(value: Fraction) -> str:
@@ -160,36 +201,37 @@ def normalize_answer(text: Optional[str]) -> Optional[str]:
 def parse_gold(text, numeric_only: bool = True) -> Optional[str]:
   """Gold answer of a GSM8K row: the value after the last `#### `, else the whole text if it is one value.
 
-  Parsed once per row at load time; returns the canonical string ("1,200" -> "1200", "$18.00" -> "18")
-  or None when there is no usable answer (the row is then skipped and counted by the data loader).
+  Parsed once per row at load time; returns the canonical string ("1,200" -> "1200", "$18.00" -> "18",
+  "1e5" -> "100000", "1 1/2" -> "3/2") or None when there is no usable answer: the row is then skipped and
+  counted by the data loader. A gold is never cut short ("#### 1e5" is not "1"): a line holding anything but
+  one number expression (after `$`, units, a trailing period) is refused, and so are NaN/Infinity.
   `numeric_only=False` also keeps a short non-numeric answer ("\\frac{\\pi}{2}"), for the score CLI.
   """
-  if text is None:
+  if text is None or isinstance(text, bool):
     return None
-  if isinstance(text, (int, float)) and not isinstance(text, bool):
-    text = str(text)
+  if isinstance(text, (int, float)):
+    if not math.isfinite(text):
+      return None
+    text = str(text)  # "1e+20" for a JSON 1e20: read exactly below
   if not isinstance(text, str):
     return None
   if "####" in text:
     tail = text.rsplit("####", 1)[1].strip()
     if not tail:
       return None
-    first_line = tail.splitlines()[0].strip()
-    v = to_number(first_line)
-    if v is None:
-      m = _NUM_RE.search(first_line)
-      v = to_number(m.group(0)) if m else None
-    if v is not None:
-      return format_number(v)
-    return None if numeric_only or len(first_line) > 64 else first_line
-  s = text.strip()
-  if not s or len(s) > MAX_ANSWER_CHARS:
-    return None
+    s = tail.split("\n", 1)[0].strip()
+  else:
+    s = text.strip()
+    if not s or len(s) > MAX_ANSWER_CHARS:
+      return None
   v = to_number(s)
   if v is not None:
     return format_number(v)
-  # A bare non-numeric answer (e.g. "\\frac{\\pi}{2}") is kept only if asked for and a single short line.
-  return None if numeric_only or "\n" in s or len(s) > 64 else s
+  # A non-numeric answer (e.g. "\\frac{\\pi}{2}") is kept only if asked for, a single short line, not a
+  # non-finite number, and not an expression holding a number we could not read whole ("1/0").
+  if numeric_only or "\n" in s or len(s) > 64 or _NON_FINITE_RE.fullmatch(_clean(s)) or _NUM_RE.fullmatch(_clean(s)):
+    return None
+  return s
 
 
 def last_balanced_boxed(text: str) -> Optional[str]:
@@ -299,8 +341,9 @@ def last_number(text: str) -> Optional[str]:
   window = 512
   while True:
     lo = max(0, n - window)
-    # Back off to a non-number character so a number is never cut in half at the window edge.
-    while lo > 0 and (text[lo - 1].isdigit() or text[lo - 1] in ",.-\u2212"):
+    # Back off to whitespace that does not follow a digit, so a number expression ("1 234", "\\frac{1}{2}",
+    # "1e5") is never cut at the window edge.
+    while lo > 0 and (not text[lo - 1].isspace() or (lo >= 2 and text[lo - 2].isdigit())):
       lo -= 1
     found = None
     for m in _NUM_RE.finditer(text, lo):

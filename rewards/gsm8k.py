@@ -4,9 +4,10 @@
 (`reward_*`, `penalty_*`, `*_token`) and calling convention of MaxText 0.2.5's `utils_rl` (they accept
 `tmvp_config=`), so a MaxText recipe's numbers carry over. What differs, and why:
 
-* answers are found by the ordered rules of `extract.py` (not only inside `<answer>`/`\\boxed{}`), so a
+* answers are found by the ordered rules of `extraction.py` (not only inside `<answer>`/`\\boxed{}`), so a
   model that writes "#### 18" or "The answer is 18" is graded on its answer; formatting is rewarded by
-  the two format functions, not by zeroing the answer reward;
+  the two format functions, not by zeroing the answer reward; every rule reads the whole number expression
+  ("1/2", "1 1/2", "\\frac{1}{2}", "1e3", "1 234", "\u20135"), the same way for golds and completions;
 * numbers are compared exactly in-process; math_verify only sees what is not a plain number, in
   killable workers with a per-item deadline (`verify.py`);
 * partial credit: a wrong numeric answer within 10% of the gold earns `reward_ratio_guess_to_answer_high`,
@@ -34,8 +35,8 @@ class RewardConfig:
 
   reasoning_start_token: str = "<reasoning>"
   reasoning_end_token: str = "</reasoning>"
-  solution_start_token: str = "<answer>"
-  solution_end_token: str = "</answer>"
+  solution_start_token: str = ex.DEFAULT_SOLUTION_START
+  solution_end_token: str = ex.DEFAULT_SOLUTION_END
   reasoning_start_token_in_prompt: bool = False
   reward_exact_answer: float = 1.0
   reward_white_space_format_match: float = 1.0
@@ -106,15 +107,6 @@ def format_exact_ok(completion: str, rc: RewardConfig) -> bool:
   )
 
 
-def _approx_score(c: str, rc: RewardConfig) -> float:
-  good, bad = rc.reward_partial_format_match, rc.penalty_incorrect_format
-  s = good if (rc.reasoning_start_token_in_prompt or c.count(rc.reasoning_start_token) == 1) else bad
-  s += good if c.count(rc.reasoning_end_token) == 1 else bad
-  s += good if c.count(rc.solution_start_token) == 1 else bad
-  s += good if c.count(rc.solution_end_token) == 1 else bad
-  return s
-
-
 def match_format_exactly(prompts: Sequence[str], completions: Sequence[str], tmvp_config: Any = None, **kwargs: Any) -> list[float]:
   """`reward_exact_format_match` when the completion has `<reasoning>..</reasoning>..<answer>X</answer>`."""
   del prompts, kwargs
@@ -131,7 +123,7 @@ def match_format_approximately(prompts: Sequence[str], completions: Sequence[str
   rs, re_, ss, se = rc.reasoning_start_token, rc.reasoning_end_token, rc.solution_start_token, rc.solution_end_token
   skip_rs = rc.reasoning_start_token_in_prompt
   out = []
-  for c in completions:  # _approx_score, inlined: this runs for every completion of every step
+  for c in completions:  # one expression, no per-tag helper calls: this runs for every completion of every step
     if not isinstance(c, str):
       c = ""
     out.append((good if (skip_rs or c.count(rs) == 1) else bad) + (good if c.count(re_) == 1 else bad)
@@ -244,11 +236,11 @@ def score_batch(completions: Sequence[str], golds: Sequence[Any], config: Any = 
   """Grade many completions at once (the slow path runs in parallel); per-completion eval metrics."""
   rc = RewardConfig.of(config)
   graded = _grade(completions, golds, rc)
+  approx = match_format_approximately((), completions, rc)
   out = []
-  for c, (e, ok, answer_r, partial) in zip(completions, graded):
-    c = c if isinstance(c, str) else ""
-    fmt = format_exact_ok(c, rc)
-    format_r = (rc.reward_exact_format_match if fmt else 0.0) + _approx_score(c, rc)
+  for c, (e, ok, answer_r, partial), approx_r in zip(completions, graded, approx):
+    fmt = isinstance(c, str) and format_exact_ok(c, rc)
+    format_r = (rc.reward_exact_format_match if fmt else 0.0) + approx_r
     out.append(ScoreResult(ok, format_r + answer_r, e.value, e.rule, fmt, partial, format_r, answer_r))
   return out
 

@@ -16,13 +16,23 @@ _GSM8K_CANDIDATES = [
 ]
 
 
+GSM8K_FIXTURE = REPO / "tests" / "data" / "gsm8k"  # 300 train + 100 test rows of real GSM8K (see its README)
+
+
+@pytest.fixture(scope="session")
+def gsm8k_fixture_dir() -> pathlib.Path:
+  """Real GSM8K rows shipped with the tests (tests/data/gsm8k: the first 300 train and 100 test rows)."""
+  return GSM8K_FIXTURE
+
+
 @pytest.fixture(scope="session")
 def gsm8k_dir() -> pathlib.Path:
-  """The real GSM8K JSONL files (../shared/data/gsm8k); skipped when not present."""
+  """The full GSM8K JSONL files (../shared/data/gsm8k or $GSM8K_DIR), for full-size checks only."""
   for cand in _GSM8K_CANDIDATES:
     if cand and (pathlib.Path(cand) / "test.jsonl").is_file():
       return pathlib.Path(cand)
-  pytest.skip("GSM8K not found at ../shared/data/gsm8k (set GSM8K_DIR)")
+  pytest.skip("full-size check: the full GSM8K (8,792 rows) is not at ../shared/data/gsm8k and GSM8K_DIR is unset; "
+              "the 400-row fixture in tests/data/gsm8k covers the same checks at small size")
 
 
 @pytest.fixture(scope="session")

@@ -71,18 +71,19 @@ def _jsonl(path, rows):
 # ----------------------------------------------------------------------------------------------------
 
 
-def test_gsm8k_jsonl_splits(gsm8k_dir):
-  c = cfg(f"train_data_path={gsm8k_dir / 'train.jsonl'}", f"eval_data_path={gsm8k_dir / 'test.jsonl'}", "use_chat_template=false")
+def test_gsm8k_jsonl_splits(gsm8k_fixture_dir):
+  d = gsm8k_fixture_dir
+  c = cfg(f"train_data_path={d / 'train.jsonl'}", f"eval_data_path={d / 'test.jsonl'}", "use_chat_template=false")
   train, ev = data.load_splits(c, None)
-  with open(gsm8k_dir / "test.jsonl", encoding="utf-8") as f:
+  with open(d / "test.jsonl", encoding="utf-8") as f:
     test_rows = [json.loads(line) for line in f]
-  assert len(ev) == len(test_rows) == 1319
-  assert len(train) == 7473 and not train.unlimited
+  assert len(ev) == len(test_rows) == 100
+  assert len(train) == 300 and not train.unlimited
   # Eval keeps file order; golds match an independent parse; prompts are MaxText's template file.
   with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__import__("maxtext").__file__))),
                          "maxtext/examples/chat_templates/gsm8k_rl.json"), encoding="utf-8") as f:
     tpl = json.load(f)
-  for i in (0, 500, 1318):
+  for i in (0, 50, 99):
     e, r = ev[i], test_rows[i]
     assert (e.question, e.answer, e.solution, e.id) == (r["question"], _ref_gold(r["answer"]), r["answer"], f"test.jsonl:{i + 1}")
     sp = tpl["SYSTEM_PROMPT"].format(reasoning_start_token="<reasoning>", reasoning_end_token="</reasoning>",
@@ -95,14 +96,14 @@ def test_gsm8k_jsonl_splits(gsm8k_dir):
   assert not any("####" in t or "<<" in t for t in targets)
 
 
-def test_train_batches_deterministic_resumable_and_epoch_exact(gsm8k_dir):
-  c = cfg(f"train_data_path={gsm8k_dir / 'test.jsonl'}", "eval_dataset_name=synthetic", "use_chat_template=false",
+def test_train_batches_deterministic_resumable_and_epoch_exact(gsm8k_fixture_dir):
+  c = cfg(f"train_data_path={gsm8k_fixture_dir / 'train.jsonl'}", "eval_dataset_name=synthetic", "use_chat_template=false",
           "synthetic_num_eval=4", "data_shuffle_seed=7")
   train, _ = data.load_splits(c, None)
-  n, bs = len(train), 64
+  n, bs = len(train), 16
   per_epoch = n // bs
-  full = [[e.id for e in b] for b in train.batches(bs, num_batches=per_epoch + 3)]
-  resumed = [[e.id for e in b] for b in train.batches(bs, start_batch=10, num_batches=per_epoch + 3)]
+  full = [[e.id for e in b] for b in train.batches(bs, num_batches=2 * per_epoch + 3)]
+  resumed = [[e.id for e in b] for b in train.batches(bs, start_batch=10, num_batches=2 * per_epoch + 3)]
   assert resumed == full[10:]
   assert [e.id for e in train.batch(per_epoch + 1, bs)] == full[per_epoch + 1]
   first_epoch = [i for b in full[:per_epoch] for i in b]
@@ -112,7 +113,7 @@ def test_train_batches_deterministic_resumable_and_epoch_exact(gsm8k_dir):
   assert positions[:n] != [e.id for e in train]  # ... and shuffled
   assert len(positions) > n + 100
   assert positions[n:] != positions[: len(positions) - n]  # a new order each epoch
-  other = data.load_splits(cfg(*[a for a in [f"train_data_path={gsm8k_dir / 'test.jsonl'}", "eval_dataset_name=synthetic",
+  other = data.load_splits(cfg(*[a for a in [f"train_data_path={gsm8k_fixture_dir / 'train.jsonl'}", "eval_dataset_name=synthetic",
                                              "use_chat_template=false", "synthetic_num_eval=4", "data_shuffle_seed=8"]]), None)[0]
   assert [e.id for e in other.batch(0, bs)] != full[0]
 
@@ -135,7 +136,62 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
   assert [(e.question, e.answer) for e in ev] == [("Q1?", "2"), ("Q6?", "1234.5"), ("Q7?", "-4"), ("Q8?", "12")]
   assert [e.question for e in train] == [e.question for e in ev]  # same file for both: kept, with a warning
   msg = " ".join(r.getMessage() for r in caplog.records)
-  assert "mixed.jsonl: skipped 5 of 9 rows (invalid JSON: 2, no question: 2, no parsable gold answer ('#### N'): 1)" in msg
+  assert ("mixed.jsonl: skipped 5 of 9 rows (invalid JSON: 2, not UTF-8: 0, no question: 2, no parsable gold answer ('#### N'): 1); "
+          "first at line 2") in msg
+
+
+def test_jsonl_rows_split_on_newlines_only_numbered_by_file_line(tmp_path, caplog):
+  """A raw U+2028/U+0085/U+2029 inside a row keeps the row whole; a BOM is accepted; ids and messages name file lines
+  (blank lines included); a line that is not UTF-8 is skipped and counted, never trained on as U+FFFD."""
+  odd = {"question": "Q3\u2028a\u0085b\u2029c?", "answer": "#### 3"}
+  lines = [
+      b"\xef\xbb\xbf" + json.dumps({"question": "Q1?", "answer": "#### 1"}).encode(),
+      b"",
+      json.dumps(odd, ensure_ascii=False).encode(),
+      b'{"question": "Q\xe9?", "answer": "#### 4"}',  # Latin-1, not UTF-8
+      b"",
+      json.dumps({"question": "Q6?", "answer": "#### 6"}).encode() + b"\r",
+  ]
+  (tmp_path / "d.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+  caplog.set_level(logging.WARNING)
+  rows = data.load_file_rows(str(tmp_path / "d.jsonl"), "eval_data_path")
+  assert [(q, g, i) for q, g, _, i in rows] == [("Q1?", "1", "d.jsonl:1"), (odd["question"], "3", "d.jsonl:3"),
+                                                ("Q6?", "6", "d.jsonl:6")]
+  assert ("d.jsonl: skipped 1 of 4 rows (invalid JSON: 0, not UTF-8: 1, no question: 0, no parsable gold answer ('#### N'): 0); "
+          "first at line 4") in caplog.text
+
+
+def test_json_array_with_bom_and_non_utf8_json_refused(tmp_path):
+  (tmp_path / "a.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([{"question": "Q?", "answer": "#### 2"}]).encode())
+  assert [r[:2] for r in data.load_file_rows(str(tmp_path / "a.json"), "train_data_path")] == [("Q?", "2")]
+  (tmp_path / "b.json").write_bytes(b'[{"question": "Q\xe9?", "answer": "#### 2"}]')
+  with pytest.raises(DataError, match=r"train_data_path='.*b.json': not UTF-8 \(byte 17\)"):
+    data.load_file_rows(str(tmp_path / "b.json"), "train_data_path")
+
+
+@pytest.mark.parametrize(
+    "answer, gold",
+    [("#### 1e5", "100000"), ("#### 2.5e3", "2500"), ("#### 1 1/2", "1.5"), ("#### 1/0", None), ("#### 1 234", "1234"),
+     ("#### \u20135", "-5"), (1e20, "100000000000000000000"), (float("nan"), None), ("Infinity", None), ("NaN", None),
+     ("#### 5 apples and 3 pears", None)],
+)
+def test_gold_answers_are_read_whole_or_the_row_is_skipped(tmp_path, answer, gold):
+  """Never train against a truncated gold ("#### 1e5" is not "1"); an unreadable one skips the row."""
+  path = _jsonl(tmp_path / "g.jsonl", [{"question": "Q?", "answer": answer}, {"question": "R?", "answer": "#### 7"}])
+  rows = data.load_file_rows(path, "train_data_path")
+  assert [r[1] for r in rows] == ([gold] if gold is not None else []) + ["7"]
+
+
+def test_batch_larger_than_the_split_is_reported_once(tmp_path, caplog):
+  path = _jsonl(tmp_path / "s.jsonl", [{"question": f"Q{i}?", "answer": f"#### {i}"} for i in range(5)])
+  train, _ = data.load_splits(cfg(f"train_data_path={path}", "eval_dataset_name=synthetic", "synthetic_num_eval=4",
+                                  "use_chat_template=false"), None)
+  caplog.set_level(logging.WARNING)
+  batches = [train.batch(k, 8) for k in range(3)]
+  assert all(len(b) == 8 and len({e.id for e in b}) == 5 for b in batches)  # the repeats the warning is about
+  assert caplog.text.count("split 'train' has 5 examples, fewer than batch_size=8: every batch repeats prompts") == 1
+  train.batch(0, 4)
+  assert caplog.text.count("fewer than batch_size") == 1
 
 
 def test_train_questions_in_eval_are_dropped(tmp_path):
@@ -247,8 +303,8 @@ def test_template_without_system_role_falls_back_to_user_turn():
   assert p.startswith("<user>") and p.endswith("\n\nQ?<model>") and "<answer>" in p
 
 
-def test_long_prompts_filtered_with_count(gsm8k_dir, tokenizer, tmp_path, caplog):
-  with open(gsm8k_dir / "test.jsonl", encoding="utf-8") as f:
+def test_long_prompts_filtered_with_count(gsm8k_fixture_dir, tokenizer, tmp_path, caplog):
+  with open(gsm8k_fixture_dir / "train.jsonl", encoding="utf-8") as f:
     rows = [json.loads(line) for _, line in zip(range(200), f)]
   path = _jsonl(tmp_path / "t.jsonl", rows)
   c = cfg("dataset_name=synthetic", f"eval_data_path={path}", "max_prefill_predict_length=150")
@@ -363,3 +419,15 @@ def load_config_error(override):
     load_config(["configs/cpu_tiny.yml", override])
   assert "synthetic_teacher_error_rate" in str(e.value)
   return e.value
+
+
+def test_prompt_tags_default_to_the_reward_stacks_which_are_maxtext_rl_yml():
+  """One place for tag defaults: a config without tag keys prompts for exactly the tags the rewards grade."""
+  import maxtext  # pylint: disable=import-outside-toplevel
+
+  with open(os.path.join(os.path.dirname(maxtext.__file__), "configs", "post_train", "rl.yml"), encoding="utf-8") as f:
+    rl_yml = yaml.safe_load(f)
+  keys = ("reasoning_start_token", "reasoning_end_token", "solution_start_token", "solution_end_token")
+  bare = type("Bare", (), {"data_template_path": ""})()
+  assert data._tokens(bare) == {k: rl_yml[k] for k in keys}  # pylint: disable=protected-access
+  assert all(rl_yml[k] in data.system_prompt(bare) for k in keys)

@@ -12,7 +12,7 @@ import pytest
 
 from maxtext_rl_plugin import rewards
 from maxtext_rl_plugin.errors import ConfigError
-from maxtext_rl_plugin.rewards import extraction, verify
+from maxtext_rl_plugin.rewards import extraction, gsm8k, verify
 
 TUNIX_DEMO_WEIGHTS = dict(  # Tunix's GSM8K GRPO demo values: every term distinguishable
     reward_exact_answer=3.0, reward_white_space_format_match=1.5, reward_exact_format_match=3.0,
@@ -30,13 +30,15 @@ def _pool_workers_started() -> int:
   return verify._POOL.stats["workers_started"] if verify._POOL else 0  # pylint: disable=protected-access
 
 
-@pytest.fixture(scope="module")
-def gsm8k_rows(gsm8k_dir):
+@pytest.fixture(scope="module", params=["fixture", "full"])
+def gsm8k_rows(request, gsm8k_fixture_dir):
+  """Real GSM8K rows: the 400 shipped in tests/data, then (full-size check) all 8,792 when ../shared has them."""
+  d, n = (gsm8k_fixture_dir, 400) if request.param == "fixture" else (request.getfixturevalue("gsm8k_dir"), 8792)
   rows = []
   for split in ("train", "test"):
-    with open(gsm8k_dir / f"{split}.jsonl", encoding="utf-8") as f:
+    with open(d / f"{split}.jsonl", encoding="utf-8") as f:
       rows += [json.loads(line) for line in f]
-  assert len(rows) == 8792
+  assert len(rows) == n
   return rows
 
 
@@ -146,6 +148,149 @@ def test_format_match_equals_maxtext_regex_on_random_texts():
     t = "".join(rng.choice(frags) for _ in range(rng.randint(0, 12)))
     want = pattern.search(t) is not None
     assert extraction.match_format_exact(t, "<reasoning>", "</reasoning>", "<answer>", "</answer>") == want, repr(t)
+
+
+@pytest.mark.parametrize(
+    "gold, expected",
+    [("#### 1e5", "100000"), ("#### 2.5e3", "2500"), ("#### 1 1/2", "1.5"), ("#### 3/4", "0.75"), ("#### 1/0", None),
+     ("#### 1 234", "1234"), ("#### 1\u00a0234", "1234"), ("#### 1'234", "1234"), ("#### \u20135", "-5"), ("#### \u22125", "-5"),
+     (1e20, "100000000000000000000"), (float("nan"), None), (float("inf"), None),
+     ("NaN", None), ("Infinity", None), ("-inf", None)],
+)
+def test_gold_is_read_whole_or_refused(gold, expected):
+  """Never a truncated gold ("#### 1e5" is not "1"); non-finite golds are refused, also where non-numeric ones are kept."""
+  assert rewards.parse_gold(gold) == expected
+  assert gsm8k.gold_alternatives(gold) == ((expected,) if expected is not None else ())
+
+
+def test_gold_line_that_is_not_one_number_is_never_cut_to_one():
+  """Training skips the row; the score CLI keeps the text as a non-numeric gold, never read as its first number."""
+  gold = "#### 5 apples and 3 pears"
+  assert rewards.parse_gold(gold) is None
+  assert gsm8k.gold_alternatives(gold) == ("5 apples and 3 pears",)
+  assert [rewards.score(c, gold).correct for c in ("#### 5", "#### 3", "<answer>5</answer>")] == [False, False, False]
+
+
+@pytest.mark.parametrize(
+    "completion, gold, correct",
+    [
+        # Outside the tags, the whole number expression is read: a fraction is not its numerator ...
+        ("The answer is 1/2.", "1", False), ("The answer is 1/2.", "0.5", True),
+        ("#### 3/4", "3", False), ("#### 3/4", "3/4", True),
+        # ... nor `\frac{1}{2}` its denominator, nor "1e3" its exponent, nor a mixed number its whole part.
+        ("The answer is $\\frac{1}{2}$", "2", False), ("The answer is $\\frac{1}{2}$", "0.5", True),
+        ("so it is 1e3", "3", False), ("so it is 1e3", "1000", True), ("<answer>1e3</answer>", "1000", True),
+        ("The answer is 2 1/2", "2", False), ("Answer: 2 1/2 cups", "2.5", True),
+        ("The answer is 3\\frac{1}{3}", "3", False), ("The answer is 3\\frac{1}{3}", "10/3", True),
+        # Thousands grouped by space, no-break/thin space or apostrophe: one number, in tags and outside.
+        ("<answer>1 234</answer>", "234", False), ("<answer>1 234</answer>", "1234", True),
+        ("<answer>1\u202f234\u202f567</answer>", "1234567", True), ("The answer is 1'234", "1234", True),
+        ("The answer is 1\u00a0234", "234", False),
+        # Dash variants of the minus sign are a minus sign, not a decoration.
+        ("<answer>\u20135</answer>", "5", False), ("<answer>\u20135</answer>", "-5", True),
+        ("The answer is \u22125", "-5", True), ("#### \u20147", "7", False),
+        # ... but a dash between numbers stays an operator or a range.
+        ("5-3 = 2", "2", True), ("pages 5\u20137", "7", True),
+        # A JSON float gold that is an integer matches the integer answer.
+        ("<answer>100000000000000000000</answer>", 1e20, True),
+        # A non-finite gold is never matched.
+        ("<answer>nan</answer>", "NaN", False), ("<answer>inf</answer>", float("inf"), False),
+    ],
+)
+def test_number_expressions_are_read_whole(completion, gold, correct):
+  assert rewards.score(completion, gold).correct is correct
+
+
+def test_last_number_never_cut_at_the_scan_window():
+  """`last_number` scans the tail first; a number expression straddling the window edge is read whole."""
+  for tail in ("1 234", "\\frac{1}{2}", "1e5", "3/4"):
+    for pad in range(505, 520):
+      text = "x" * pad + " " + tail
+      assert rewards.to_number(extraction.last_number(text)) == rewards.to_number(tail), (pad, tail)
+
+
+# ----------------------------------------------------------------------------------------------------
+# MaxText's reward unit tests, as cases
+# ----------------------------------------------------------------------------------------------------
+# Inputs and expected verdicts from MaxText's tests/post_training/unit/rl_utils_test.py (AI-Hypercomputer/maxtext,
+# Apache-2.0; the version for 0.2.5's utils_rl/evaluate_rl), run against the plugin's reward functions with the same
+# weights. Where the plugin deliberately differs the MaxText value is kept in the table and the reason given.
+
+MAXTEXT_TEST_WEIGHTS = dict(
+    reward_exact_answer=3.0, reward_exact_format_match=2.0, reward_partial_format_match=0.5,
+    reward_white_space_format_match=1.5, reward_ratio_guess_to_answer_high=1.0, reward_ratio_guess_to_answer_low=0.5,
+    penalty_incorrect_format=-0.5, penalty_incorrect_answer=-0.5,
+)
+
+
+@pytest.mark.parametrize(
+    "completion, gold, correct, partial, format_ok",
+    [  # TestScoreResponses
+        ("<reasoning>Need to use <reasoning> and </reasoning>, <answer> and </answer></reasoning><answer>11/3</answer>",
+         "11/3", True, True, True),
+        ("<reasoning>This is the sum of the cost of the suits, the pants, and the shirts: $7500 + $1500 + $1800 = $10800."
+         "\n\n</reasoning>\n<answer>10800</answer><end_of_turn>", "10,800", True, True, True),
+        ("<reasoning>The item costs $16.<answer>$16</answer>", "16", True, True, False),
+        ("<reasoning>The answer is 3\\frac{1}{3}.<answer>3\\frac{1}{3}</answer>", "3\\frac{1}{3}", True, True, False),
+        ("<reasoning>The answer is B.<answer>B</answer>", "B", True, True, False),
+        # Not ported: MaxText maps a multiple-choice letter to its option's value via the question text
+        # (test_for_mcq_when_model_responds_with_value/_option); the plugin's GSM8K stack has no MCQ mapping.
+    ],
+)
+def test_maxtext_score_responses_cases(completion, gold, correct, partial, format_ok):
+  s = rewards.score(completion, gold, rewards.RewardConfig(**MAXTEXT_TEST_WEIGHTS))
+  assert (s.correct, s.partial, s.format_ok) == (correct, partial, format_ok)
+
+
+@pytest.mark.parametrize(
+    "completions, expected",
+    [  # TestMatchFormatApproximatelyScores
+        (["<reasoning>think</reasoning><answer>42</answer>"], [2.0]),
+        (["The answer is 42."], [-2.0]),
+        (["<answer>42</answer>"], [0.0]),
+        (["<reasoning><reasoning>think</reasoning><answer>42</answer>"], [1.0]),
+        (["<reasoning>think</reasoning><answer>42</answer>", "no tags here"], [2.0, -2.0]),
+    ],
+)
+def test_maxtext_match_format_approximately_cases(completions, expected):
+  cfg = rewards.RewardConfig(**MAXTEXT_TEST_WEIGHTS)
+  assert rewards.match_format_approximately(None, completions, tmvp_config=cfg) == expected
+
+
+@pytest.mark.parametrize(
+    "completion, gold, maxtext, plugin",
+    [  # TestCheckNumbers: MaxText's check_numbers value, and the plugin's check_answer value where it differs
+        ("<reasoning>40 + 2 = 42</reasoning><answer>42</answer>", "42", 3.0, 3.0),
+        # The plugin grades answers written outside the tags too (format is rewarded by the two format functions).
+        ("The answer is 42.", "42", 0.0, 3.0),
+        ("<answer>42</answer>", "42", 3.0, 3.0),
+        ("<reasoning>The answer is 42.</reasoning>", "42", 0.0, 3.0),
+        ("<reasoning>thinking</reasoning><answer>7</answer>", "7", 3.0, 3.0),
+        ("just 7", "7", 0.0, 3.0),
+        ("<reasoning>simple</reasoning><answer>100</answer>", "100", 3.0, 3.0),
+        # A wrong answer earns the configured penalty_incorrect_answer (MaxText's check_numbers leaves 0.0).
+        ("<reasoning>wrong path</reasoning><answer>99</answer>", "42", 0.0, -0.5),
+        ("<reasoning>cost calculation</reasoning><answer>1,000</answer>", "1000", 3.0, 3.0),
+        ("<reasoning>price is $16</reasoning><answer>$16</answer>", "16", 3.0, 3.0),
+        ("<reasoning>thinking</reasoning><answer>blue</answer>", "red", 0.0, -0.5),
+    ],
+)
+def test_maxtext_check_numbers_cases(completion, gold, maxtext, plugin):
+  del maxtext  # documented above; the plugin's value is what is checked
+  cfg = rewards.RewardConfig(**MAXTEXT_TEST_WEIGHTS)
+  assert rewards.check_answer(None, [completion], [gold], tmvp_config=cfg) == [plugin]
+
+
+@pytest.mark.parametrize(
+    "text, gold",
+    [  # TestExtractHashAnswer (MaxText returns the raw text after the first "####"; the plugin a canonical number
+       # after the last one, and None where MaxText returns "" -- such a row has no gold and is skipped)
+        ("The answer is #### 42", "42"), ("Some reasoning ####   123.45  ", "123.45"), ("####", None),
+        ("The answer is 42", None), ("", None),
+    ],
+)
+def test_maxtext_extract_hash_answer_cases(text, gold):
+  assert rewards.parse_gold(text) == gold
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -28,7 +28,6 @@ def _write(path, rows):
   with open(path, "w", encoding="utf-8") as f:
     for r in rows:
       f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
-    f.write("\n")  # a trailing blank line is not a row
 
 
 def _read(path):
@@ -85,3 +84,51 @@ def test_missing_input_is_a_one_line_error(tmp_path, capsys):
     cli.main(["score", "--input", str(tmp_path / "nope.jsonl"), "--output", str(tmp_path / "o.jsonl")])
   assert e.value.code == 2
   assert capsys.readouterr().err.strip() == f"error: --input '{tmp_path / 'nope.jsonl'}': No such file or directory"
+
+
+@pytest.mark.parametrize("link", [False, True])
+def test_output_that_is_the_input_is_refused_and_the_input_kept(tmp_path, capsys, link):
+  _write(tmp_path / "in.jsonl", ROWS)
+  before = (tmp_path / "in.jsonl").read_bytes()
+  out = tmp_path / "in.jsonl"
+  if link:
+    out = tmp_path / "link.jsonl"
+    out.symlink_to(tmp_path / "in.jsonl")
+  with pytest.raises(SystemExit) as e:
+    cli.main(["score", "--input", str(tmp_path / "in.jsonl"), "--output", str(out)])
+  assert e.value.code == 2
+  assert capsys.readouterr().err.strip() == f"error: --output '{out}' is the input file; write the scores to another file"
+  assert (tmp_path / "in.jsonl").read_bytes() == before
+
+
+def test_output_replaced_whole_through_a_symlink_with_no_temp_file_left(tmp_path):
+  _write(tmp_path / "in.jsonl", ROWS)
+  (tmp_path / "old.jsonl").write_text("stale\n" * 100, encoding="utf-8")
+  (tmp_path / "old.jsonl").chmod(0o640)
+  (tmp_path / "out.jsonl").symlink_to(tmp_path / "old.jsonl")
+  assert cli.main(["score", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]) == 0
+  assert (tmp_path / "out.jsonl").is_symlink()
+  _check(_read(tmp_path / "old.jsonl"))
+  assert (tmp_path / "old.jsonl").stat().st_mode & 0o777 == 0o640
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["in.jsonl", "old.jsonl", "out.jsonl"]
+
+
+def test_one_output_row_per_input_line(tmp_path):
+  """Blank lines, undecodable bytes, a BOM, CRLF and raw U+2028/U+0085 inside a row: output row N is input line N."""
+  good = {"completion": "<answer>7</answer>", "answer": "#### 7"}
+  inside = {"completion": "a\u2028b\u0085c <answer>7</answer>", "answer": "7"}
+  lines = [
+      b"\xef\xbb\xbf" + json.dumps(good).encode(),  # BOM on line 1
+      b"",
+      json.dumps(inside, ensure_ascii=False).encode(),  # raw U+2028 and U+0085 (str.splitlines cuts here)
+      b"   ",
+      b'{"completion": "\xff<answer>7</answer>", "answer": "7"}',  # not UTF-8
+      json.dumps(good).encode() + b"\r",  # CRLF line ending
+      json.dumps(good).encode(),
+  ]
+  (tmp_path / "in.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+  assert cli.main(["score", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]) == 0
+  out = _read(tmp_path / "out.jsonl")
+  assert [r["correct"] for r in out] == [True, False, True, False, False, True, True]
+  assert out[1]["error"] == "line 2: blank line" and out[3]["error"] == "line 4: blank line"
+  assert out[4]["error"] == "line 5: not valid UTF-8 (byte 17)"

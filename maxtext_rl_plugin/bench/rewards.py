@@ -177,7 +177,7 @@ def adversarial_latency() -> list[tuple[str, float, bool]]:
   return out
 
 
-def main(argv=None) -> int:
+def _parse_args(argv) -> argparse.Namespace:
   ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench rewards", description=__doc__.split("\n\n")[0])
   ap.add_argument("--data-dir", default=None, help="directory with GSM8K test.jsonl/train.jsonl (default ../shared/data/gsm8k)")
   ap.add_argument("--split", default="test", choices=("test", "train"))
@@ -187,67 +187,90 @@ def main(argv=None) -> int:
   ap.add_argument("--repeat", type=int, default=5, help="timed passes of the plugin stack; the fastest is reported")
   ap.add_argument("--skip-maxtext", action="store_true", help="plugin only")
   ap.add_argument("--skip-adversarial", action="store_true")
-  args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+  return ap.parse_args(sys.argv[1:] if argv is None else argv)
 
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from maxtext_rl_plugin import rewards  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.rewards import verify  # pylint: disable=import-outside-toplevel
 
-  rows = build_rows(_find_gsm8k(args.data_dir), args.split, args.limit)
-  tagged = [r for r in rows if r["kind"] != "raw"]
-  raw = [r for r in rows if r["kind"] == "raw"]
-
-  run_plugin(tagged[: args.batch_size], args.batch_size)  # warm-up (first-call imports)
-  # Best of --repeat passes (the usual guard against other processes on shared cores); CPU seconds too.
-  secs, cpu, _ = min(run_plugin(tagged, args.batch_size) for _ in range(args.repeat))
-  secs_raw, cpu_raw, _ = min(run_plugin(raw, args.batch_size) for _ in range(args.repeat))
-  verdicts = rewards.score_batch([r["completion"] for r in rows], [r["gold"] for r in rows])
-  pool_workers = verify._POOL.stats["workers_started"] if verify._POOL else 0  # pylint: disable=protected-access
-  by_kind: dict[str, list[bool]] = {}
-  for r, v in zip(rows, verdicts):
-    by_kind.setdefault(r["kind"], []).append(v.correct == r["expect"])
-  res: dict[str, Any] = {
-      "bench": "rewards",
-      "split": args.split,
-      "problems": len(raw),
-      "batch_size": args.batch_size,
-      "plugin_repeats": args.repeat,
-      "loadavg_1m": round(os.getloadavg()[0], 2),
+def time_plugin(tagged, raw, bs: int, repeat: int) -> dict[str, Any]:
+  """Best-of-`repeat` throughput of the plugin's stack on tagged and raw rows (the usual guard against other
+  processes on shared cores), wall and CPU; prints the table's plugin lines."""
+  run_plugin(tagged[:bs], bs)  # warm-up (first-call imports)
+  secs, cpu, _ = min(run_plugin(tagged, bs) for _ in range(repeat))
+  secs_raw, cpu_raw, _ = min(run_plugin(raw, bs) for _ in range(repeat))
+  print(f"{'stack':<28}{'rows':>8}{'wall s':>9}{'cpu s':>9}{'completions/s':>15}{'per cpu-s':>12}")
+  print(f"{'plugin (tagged gold+wrong)':<28}{len(tagged):>8}{secs:>9.3f}{cpu:>9.3f}{len(tagged) / secs:>15,.0f}{len(tagged) / cpu:>12,.0f}")
+  print(f"{'plugin (raw #### N)':<28}{len(raw):>8}{secs_raw:>9.3f}{cpu_raw:>9.3f}{len(raw) / secs_raw:>15,.0f}{len(raw) / cpu_raw:>12,.0f}")
+  return {
       "plugin_completions_per_s": round(len(tagged) / secs, 1),
       "plugin_completions_per_cpu_s": round(len(tagged) / max(cpu, 1e-9), 1),
       "plugin_raw_completions_per_s": round(len(raw) / secs_raw, 1),
       "plugin_raw_completions_per_cpu_s": round(len(raw) / max(cpu_raw, 1e-9), 1),
+      "_secs": secs,
+  }
+
+
+def plugin_verdicts(rows) -> tuple[list, dict[str, Any]]:
+  """The plugin's verdict per row and how many match each row's expectation, by kind."""
+  from maxtext_rl_plugin import rewards  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.rewards import verify  # pylint: disable=import-outside-toplevel
+
+  verdicts = rewards.score_batch([r["completion"] for r in rows], [r["gold"] for r in rows])
+  by_kind: dict[str, list[bool]] = {}
+  for r, v in zip(rows, verdicts):
+    by_kind.setdefault(r["kind"], []).append(v.correct == r["expect"])
+  return verdicts, {
       "plugin_gold_correct": f"{sum(by_kind['gold'])}/{len(by_kind['gold'])}",
       "plugin_wrong_rejected": f"{sum(by_kind['wrong'])}/{len(by_kind['wrong'])}",
       "plugin_raw_correct": f"{sum(by_kind['raw'])}/{len(by_kind['raw'])}",
-      "plugin_math_verify_workers_started": pool_workers,
+      "plugin_math_verify_workers_started": verify._POOL.stats["workers_started"] if verify._POOL else 0,  # pylint: disable=protected-access
   }
-  print(f"{'stack':<28}{'rows':>8}{'wall s':>9}{'cpu s':>9}{'completions/s':>15}{'per cpu-s':>12}")
-  print(f"{'plugin (tagged gold+wrong)':<28}{len(tagged):>8}{secs:>9.3f}{cpu:>9.3f}{len(tagged) / secs:>15,.0f}{len(tagged) / cpu:>12,.0f}")
-  print(f"{'plugin (raw #### N)':<28}{len(raw):>8}{secs_raw:>9.3f}{cpu_raw:>9.3f}{len(raw) / secs_raw:>15,.0f}{len(raw) / cpu_raw:>12,.0f}")
+
+
+def compare_maxtext(rows, tagged, raw, verdicts, plugin_secs: float, bs: int, procs: int) -> dict[str, Any]:
+  """MaxText 0.2.5's stack on the same tagged rows: throughput, speedup, and every verdict that differs."""
+  mt_secs, _, checks = run_maxtext(tagged, bs, procs)
+  _, _, raw_checks = run_maxtext(raw[: min(len(raw), 256)], bs, procs)
+  cfg = _maxtext_config(procs)
+  ours = {id(r): v for r, v in zip(rows, verdicts)}
+  disagree = [(r, c) for r, c in zip(tagged, checks) if (c >= cfg.reward_exact_answer) != ours[id(r)].correct]
+  print(f"{'maxtext 0.2.5 (same rows)':<28}{len(tagged):>8}{mt_secs:>9.3f}{'-':>9}{len(tagged) / mt_secs:>15,.0f}{'-':>12}")
+  for r, c in disagree[:5]:
+    print(f"  verdict differs: kind={r['kind']} gold={r['mt_gold']!r} answer={r['completion'][-40:]!r} maxtext={c}")
+  return {
+      "maxtext_completions_per_s": round(len(tagged) / mt_secs, 1),
+      "maxtext_math_verify_procs": procs,
+      "speedup": round(mt_secs / plugin_secs, 1),
+      "verdicts_compared": len(tagged),
+      "verdict_disagreements": len(disagree),
+      "maxtext_raw_correct": f"{sum(c >= cfg.reward_exact_answer for c in raw_checks)}/{len(raw_checks)}",
+  }
+
+
+def report_adversarial() -> dict[str, Any]:
+  adv = adversarial_latency()
+  print(f"{'adversarial input':<34}{'seconds':>10}  correct")
+  for name, s, ok in adv:
+    print(f"{name:<34}{s:>10.3f}  {ok}")
+  return {"adversarial_max_seconds": round(max(s for _, s, _ in adv), 3)}
+
+
+def main(argv=None) -> int:
+  """Build the rows, time the plugin, check its verdicts, compare with MaxText, probe adversarial inputs; one JSON line."""
+  args = _parse_args(argv)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  rows = build_rows(_find_gsm8k(args.data_dir), args.split, args.limit)
+  tagged = [r for r in rows if r["kind"] != "raw"]
+  raw = [r for r in rows if r["kind"] == "raw"]
+  res: dict[str, Any] = {"bench": "rewards", "split": args.split, "problems": len(raw), "batch_size": args.batch_size,
+                         "plugin_repeats": args.repeat, "loadavg_1m": round(os.getloadavg()[0], 2)}
+  timing = time_plugin(tagged, raw, args.batch_size, args.repeat)
+  plugin_secs = timing.pop("_secs")
+  res.update(timing)
+  verdicts, checks = plugin_verdicts(rows)
+  res.update(checks)
   if not args.skip_maxtext:
-    mt_secs, _, checks = run_maxtext(tagged, args.batch_size, args.maxtext_procs)
-    _, _, raw_checks = run_maxtext(raw[: min(len(raw), 256)], args.batch_size, args.maxtext_procs)
-    cfg = _maxtext_config(args.maxtext_procs)
-    ours = {id(r): v for r, v in zip(rows, verdicts)}
-    disagree = [(r, c) for r, c in zip(tagged, checks) if (c >= cfg.reward_exact_answer) != ours[id(r)].correct]
-    print(f"{'maxtext 0.2.5 (same rows)':<28}{len(tagged):>8}{mt_secs:>9.3f}{'-':>9}{len(tagged) / mt_secs:>15,.0f}{'-':>12}")
-    for r, c in disagree[:5]:
-      print(f"  verdict differs: kind={r['kind']} gold={r['mt_gold']!r} answer={r['completion'][-40:]!r} maxtext={c}")
-    res.update({
-        "maxtext_completions_per_s": round(len(tagged) / mt_secs, 1),
-        "maxtext_math_verify_procs": args.maxtext_procs,
-        "speedup": round(mt_secs / secs, 1),
-        "verdicts_compared": len(tagged),
-        "verdict_disagreements": len(disagree),
-        "maxtext_raw_correct": f"{sum(c >= cfg.reward_exact_answer for c in raw_checks)}/{len(raw_checks)}",
-    })
+    res.update(compare_maxtext(rows, tagged, raw, verdicts, plugin_secs, args.batch_size, args.maxtext_procs))
   if not args.skip_adversarial:
-    adv = adversarial_latency()
-    print(f"{'adversarial input':<34}{'seconds':>10}  correct")
-    for name, s, ok in adv:
-      print(f"{name:<34}{s:>10.3f}  {ok}")
-    res["adversarial_max_seconds"] = round(max(s for _, s, _ in adv), 3)
+    res.update(report_adversarial())
   print(json.dumps(res))
   return 0
 
