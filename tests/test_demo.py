@@ -52,7 +52,7 @@ def test_shortened_demo_rl_raises_reward_and_accuracy_and_rerun_resumes(tmp_path
   assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   recs = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   evals = {r["step"]: r["eval/accuracy"] for r in recs if "eval/accuracy" in r}
-  assert set(evals) == {0, STEPS} and all(0.0 <= v <= 1.0 for v in evals.values())
+  assert set(evals) == {0, 25, STEPS} and all(0.0 <= v <= 1.0 for v in evals.values())  # eval_interval: 25
   rewards = [r["reward/mean"] for r in recs if "reward/mean" in r]
   assert [r["step"] for r in recs if "reward/mean" in r] == list(range(1, STEPS + 1))
   first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
