@@ -50,9 +50,36 @@ class RunCheckpointer:
   def should_save(self, step: int, last_step: int) -> bool:
     return self.enabled and (step % self.period == 0 or step == last_step)
 
+  def set_aside(self, step: int) -> str:
+    """Rename a checkpoint that does not restore to `<step>.corrupt-<unix time>`: kept for inspection, never
+    deleted, and no longer a step Orbax lists or overwrites. Returns the new path."""
+    import time  # pylint: disable=import-outside-toplevel
+
+    src = os.path.join(self.directory, str(step))
+    dst = f"{src}.corrupt-{int(time.time())}"
+    os.rename(src, dst)
+    if self._manager is not None:
+      self._manager.reload()
+    return dst
+
   def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
+    """Write `step`; a full disk or an unwritable directory is one line naming the path and the free space (the
+    previous checkpoints are untouched: Orbax writes to a temporary directory and renames it when complete)."""
     if not self._manager:
       return
+    try:
+      self._save(step, params, opt_state, meta)
+    except Exception as e:  # pylint: disable=broad-exception-caught  (Orbax wraps OSError in several types)
+      cause = _os_error_in(e)
+      if cause is None:
+        raise
+      from maxtext_rl_plugin import run_dir  # pylint: disable=import-outside-toplevel
+
+      raise CheckpointError(f"checkpoint step {step} was not written: "
+                            f"{run_dir.describe_os_error(cause, self.directory)}; the run can resume from "
+                            f"step {self.latest_step()}") from None
+
+  def _save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
     ocp = self._ocp
     self._manager.save(
         step,
@@ -98,3 +125,18 @@ class RunCheckpointer:
   def close(self) -> None:
     if self._manager:
       self._manager.close()
+
+
+def _os_error_in(e: BaseException) -> OSError | None:
+  """The OSError (full disk, permissions) behind an exception, following __cause__/__context__ and the message."""
+  seen = set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno is not None:
+      return e
+    if "No space left on device" in str(e):
+      import errno  # pylint: disable=import-outside-toplevel
+
+      return OSError(errno.ENOSPC, "No space left on device")
+    e = e.__cause__ or e.__context__
+  return None

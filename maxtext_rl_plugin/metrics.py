@@ -88,8 +88,13 @@ class RunLogger:
       record[k] = s
       self._tb.add_scalar(k, s, int(step))
     if self._metrics_file:
-      with open(self._metrics_file, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+      try:
+        with open(self._metrics_file, "a", encoding="utf-8") as f:
+          f.write(json.dumps(record) + "\n")  # one write per record: a failure leaves at most a torn last line
+      except OSError as e:
+        from maxtext_rl_plugin import run_dir  # pylint: disable=import-outside-toplevel
+
+        raise run_dir.OutputError(f"metrics_file: {run_dir.describe_os_error(e, self._metrics_file)}") from None
     self.history.append(record)
     return record
 

@@ -24,7 +24,8 @@ def table(summary: dict[str, Any]) -> str:
     lines.append(f"{label:<18}{_fmt(b, pct):>12}{_fmt(a, pct):>12}{d:>12}")
   n = before.get("num_examples") or after.get("num_examples")
   if n:
-    lines.append(f"(greedy decoding on {int(n)} held-out examples)")
+    lines.append(f"(eval_sampling_strategy decoding on {int(n)} held-out examples)".replace(
+        "eval_sampling_strategy", summary.get("eval_sampling", "greedy")))
   return "\n".join(lines)
 
 
@@ -59,7 +60,10 @@ def plot(summary: dict[str, Any], path: str) -> str | None:
     noisy_and_trend(ax2, [100 * r.get("accuracy", float("nan")) for r in hist], "train accuracy, sampled", "tab:blue")
   if evals:
     xs, ys = [r["step"] for r in evals], [100 * r["eval/accuracy"] for r in evals]
-    ax2.plot(xs, ys, "o--", color="tab:orange", markersize=8, label="eval accuracy, greedy (held out)")
+    ax2.plot(xs, ys, "o--", color="tab:orange", markersize=8, label="eval accuracy (held out)")
+    if all("eval/strict_accuracy" in r for r in evals):
+      ax2.plot(xs, [100 * r["eval/strict_accuracy"] for r in evals], "s:", color="tab:green", markersize=5,
+               label="eval strict accuracy (answer in the required format)")
     for x, y in zip(xs, ys):
       ax2.annotate(f"{y:.1f}%", (x, y), textcoords="offset points", xytext=(0, 8), ha="center", color="tab:orange")
   ax2.set_xlabel("RL step")
@@ -82,5 +86,5 @@ def report(config, summary: dict[str, Any]) -> None:
       print(f"plot: {png}", flush=True)
   print(f"TensorBoard logs: {summary.get('tensorboard_dir')}  (tensorboard --logdir {summary.get('tensorboard_dir')})",
         flush=True)
-  if config.metrics_file:
-    print(f"metrics file: {config.metrics_file}", flush=True)
+  if summary.get("metrics_file"):
+    print(f"metrics file: {summary['metrics_file']}", flush=True)

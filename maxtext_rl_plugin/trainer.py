@@ -29,6 +29,8 @@ import numpy as np
 
 from maxtext_rl_plugin import evaluation as evaluation_lib
 from maxtext_rl_plugin import models
+from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin import signals
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
 from maxtext_rl_plugin.errors import CheckpointError, ConfigError
@@ -235,6 +237,8 @@ class RLRun:
   run_dir: str
   engine_name: str
   weight_sync: Any = None
+  metrics_file: str | None = None
+  lock: Any = None
 
 
 def build_run(config, argv: Sequence[str]) -> RLRun:
@@ -369,21 +373,44 @@ def _actor_state(run: RLRun):
   return nnx.state(trainer.model, nnx.Param), nnx.state(trainer.optimizer)
 
 
-def _restore(run: RLRun, ckpt, step: int) -> dict:
+def _restore_newest(run: RLRun, ckpt) -> tuple[int, dict]:
+  """Restore the newest checkpoint that restores; (0, {}) when there is none.
+
+  A checkpoint that fails to restore while an older one restores is corrupt (a truncated array file, broken
+  metadata): it is renamed `<step>.corrupt-<time>` (kept for inspection, never deleted; Orbax no longer lists it) and
+  the run resumes from the older one. When none restores, nothing is renamed and the newest failure is the error
+  (e.g. a checkpoint of a different model).
+  """
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
+  steps = sorted(ckpt.all_steps(), reverse=True)
+  failures: list[tuple[int, str]] = []
   trainer = run.rl_cluster.actor_trainer
-  params, opt_state = _actor_state(run)
-  params, opt_state, meta = ckpt.restore(step, params, opt_state)
-  _check_resume_compatible(run.config, meta, f"{ckpt.directory}/{step}")
-  nnx.update(trainer.model, params)
-  nnx.update(trainer.optimizer, opt_state)
-  tunix_compat.set_trainer_steps(trainer, step * run.plan.updates_per_step, run.plan.accumulation_steps)
-  run.rl_cluster.global_steps = step
-  if run.learner.should_sync_weights:
-    run.rl_cluster.sync_weights()
+  for step in steps:
+    params, opt_state = _actor_state(run)
+    try:
+      params, opt_state, meta = ckpt.restore(step, params, opt_state)
+    except Exception as e:  # pylint: disable=broad-exception-caught  (any restore failure: try the next older one)
+      failures.append((step, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
+      logging.warning("checkpoint %s/%d does not restore: %s", ckpt.directory, step, failures[-1][1])
+      continue
+    _check_resume_compatible(run.config, meta, f"{ckpt.directory}/{step}")
+    for bad, why in failures:
+      kept = ckpt.set_aside(bad)
+      print(f"skipped checkpoint step {bad} (does not restore: {why}); kept as {kept}", flush=True)
+    nnx.update(trainer.model, params)
+    nnx.update(trainer.optimizer, opt_state)
+    tunix_compat.set_trainer_steps(trainer, step * run.plan.updates_per_step, run.plan.accumulation_steps)
     run.rl_cluster.global_steps = step
-  return meta
+    if run.learner.should_sync_weights:
+      run.rl_cluster.sync_weights()
+      run.rl_cluster.global_steps = step
+    return step, meta
+  if failures:
+    step, why = failures[0]
+    raise CheckpointError(f"no checkpoint in {ckpt.directory} restores (newest, step {step}: {why}); "
+                          "use a new run_name to start over")
+  return 0, {}
 
 
 def _step_inputs(run: RLRun, step: int) -> tuple[dict, list]:
@@ -410,9 +437,12 @@ def _seed_rollout(run: RLRun, step: int) -> None:
 
 def _audit_batch(run_dir: str, step: int, batch) -> None:
   """Append which examples step `step` trained on to `<run>/batches.jsonl` (resume audit trail)."""
-  os.makedirs(run_dir, exist_ok=True)
-  with open(os.path.join(run_dir, "batches.jsonl"), "a", encoding="utf-8") as f:
-    f.write(json.dumps({"step": step, "ids": [e.id for e in batch]}) + "\n")
+  path = os.path.join(run_dir, "batches.jsonl")
+  try:
+    with open(path, "a", encoding="utf-8") as f:
+      f.write(json.dumps({"step": step, "ids": [e.id for e in batch]}) + "\n")
+  except OSError as e:
+    raise run_dir_lib.OutputError(run_dir_lib.describe_os_error(e, path)) from None
 
 
 # Tunix trainer scalars (mean over the step's optimizer updates) -> the plugin's metric names.
@@ -487,7 +517,28 @@ class StepProfiler:
       self.active = False
 
 
-def train(run: RLRun) -> dict[str, Any]:
+def _read_history(path: str | None) -> list[dict[str, Any]] | None:
+  """Every record of the run's metrics file (steps before a resume included), or None without a file."""
+  if not path or not os.path.isfile(path):
+    return None
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        rec = json.loads(line)
+      except ValueError:
+        continue
+      if isinstance(rec, dict):
+        out.append(rec)
+  return out
+
+
+def _save(ckpt, run: RLRun, step: int, summary: dict) -> None:
+  params, opt_state = _actor_state(run)
+  ckpt.save(step, params, opt_state, _meta(run.config, step, {"eval_before": summary["eval_before"]}))
+
+
+def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any]:
   """Run (or resume) the RL loop; returns a summary dict (eval before/after, history)."""
   from maxtext_rl_plugin import experience  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.checkpointing import RunCheckpointer  # pylint: disable=import-outside-toplevel
@@ -495,6 +546,7 @@ def train(run: RLRun) -> dict[str, Any]:
 
   config = run.config
   plan = run.plan
+  stop = stop or signals.GracefulStop()
   total = num_rl_steps(config)
   ckpt = RunCheckpointer(
       config.checkpoint_dir or os.path.join(run.run_dir, "checkpoints"),
@@ -503,16 +555,16 @@ def train(run: RLRun) -> dict[str, Any]:
       enabled=config.enable_checkpointing,
       async_save=bool(config.async_checkpointing),
   )
-  start = 0
-  meta = {}
-  latest = ckpt.latest_step()
-  if latest is not None:
-    meta = _restore(run, ckpt, latest)
-    start = latest
-  out_logger = RunLogger(config.tensorboard_dir, config.metrics_file or None, total, start,
+  start, meta = _restore_newest(run, ckpt)
+  # Records of steps after the restored checkpoint were trained and then lost with the process: drop them (and a
+  # torn last line) so every step appears once. A fresh start drops a failed attempt's records likewise.
+  for path in (run.metrics_file, os.path.join(run.run_dir, "batches.jsonl")):
+    run_dir_lib.prune_jsonl(path, start if start else -1)
+  out_logger = RunLogger(config.tensorboard_dir, run.metrics_file, total, start,
                          log_period=max(1, int(config.log_period)))
   summary: dict[str, Any] = {"run_dir": run.run_dir, "start_step": start, "total_steps": total,
-                             "eval_before": meta.get("eval_before"), "eval_after": None, "eval_history": []}
+                             "eval_before": meta.get("eval_before"), "eval_after": None, "eval_history": [],
+                             "eval_sampling": f"{config.eval_sampling_strategy}, {config.num_eval_passes} pass(es)"}
   if start:
     out_logger.note(f"resuming {run.run_dir} from checkpoint step {start} (next batch index {start})")
   else:
@@ -537,13 +589,13 @@ def train(run: RLRun) -> dict[str, Any]:
 
   profiler = StepProfiler(config)
   trainer = run.rl_cluster.actor_trainer
+  stop.in_loop = True
   for step in range(start + 1, total + 1):
     t_step = time.perf_counter()
     run.timer.reset()
     profiler.before_step(step)
     _seed_rollout(run, step)
     inputs, batch = _step_inputs(run, step)
-    _audit_batch(run.run_dir, step, batch)
     exp = experience.make_experience(run, inputs, plan, run.timer)
     t = time.perf_counter()
     run.rl_cluster.update_actor(updates.micro_batches(exp.example, plan), None, skip_jit=False)
@@ -557,6 +609,7 @@ def train(run: RLRun) -> dict[str, Any]:
       run.rl_cluster.global_steps += 1
     run.timer.add("weight_sync", time.perf_counter() - t)
     profiler.after_step(step)
+    _audit_batch(run.run_dir, step, batch)  # after the update: the audit never names a step that did not train
     metrics = _step_metrics(run, exp, inputs["answer"], run.timer.reset(), step, time.perf_counter() - t_step)
     if not all(math.isfinite(v) for v in metrics.values()):
       logging.warning("non-finite metrics at step %d: %s", step, {k: v for k, v in metrics.items()
@@ -567,9 +620,24 @@ def train(run: RLRun) -> dict[str, Any]:
       run.timer.reset()
       summary["eval_history"].append({"step": step, **ev})
       out_logger.log_eval(step, ev, "eval")
-    if ckpt.should_save(step, total):
-      params, opt_state = _actor_state(run)
-      ckpt.save(step, params, opt_state, _meta(config, step, {"eval_before": summary["eval_before"]}))
+    saved = ckpt.should_save(step, total)
+    if saved:
+      _save(ckpt, run, step, summary)
+    if run.lock is not None:
+      run.lock.heartbeat()
+    if stop.requested is not None and step < total:
+      if not saved and ckpt.enabled:
+        _save(ckpt, run, step, summary)
+      where = (f"checkpoint step {step} in {ckpt.directory}" if ckpt.enabled
+               else "nowhere (enable_checkpointing=false)")
+      profiler.after_step(step, force=True)
+      out_logger.close()
+      ckpt.close()
+      import signal as signal_lib  # pylint: disable=import-outside-toplevel
+
+      raise signals.Stopped(f"stopped by {signal_lib.Signals(stop.requested).name} after step {step}/{total}; resume "
+                            f"from {where} by rerunning the same command", stop.requested)
+  stop.in_loop = False
   profiler.after_step(total, force=True)
 
   if config.eval_after_training and config.num_test_batches > 0 and total > start:
@@ -579,21 +647,55 @@ def train(run: RLRun) -> dict[str, Any]:
     summary["weight_syncs"] = {"count": run.weight_sync.num_syncs, "verified": run.weight_sync.num_verified,
                                "last_seconds": run.weight_sync.last_seconds, "last_bytes": run.weight_sync.last_bytes}
     out_logger.note(f"weight syncs: {run.weight_sync.num_syncs}, verified bit-exact: {run.weight_sync.num_verified}")
-  summary["history"] = out_logger.history
-  summary["tensorboard_dir"] = out_logger.tensorboard_dir
   out_logger.close()
+  summary["history"] = _read_history(run.metrics_file) or out_logger.history
+  summary["tensorboard_dir"] = out_logger.tensorboard_dir
+  summary["metrics_file"] = run.metrics_file
   ckpt.close()
   run.rl_cluster.close()
   return summary
 
 
+def _finished_summary(config, run_dir: str) -> dict[str, Any] | None:
+  """The summary of a run that already trained every step (its summary.json and final checkpoint exist), else None."""
+  path = os.path.join(run_dir, "summary.json")
+  final = os.path.join(config.checkpoint_dir or os.path.join(run_dir, "checkpoints"), str(num_rl_steps(config)))
+  if not (os.path.isfile(path) and os.path.isdir(final)):
+    return None
+  try:
+    with open(path, encoding="utf-8") as f:
+      summary = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return summary if summary.get("total_steps") == num_rl_steps(config) else None
+
+
 def run(config, argv: Sequence[str]) -> dict[str, Any]:
-  """Entry point from `train_rl.main`: build, train (or resume), summarise."""
-  rl_run = build_run(config, argv)
-  summary = train(rl_run)
+  """Entry point from `train_rl.main`: check outputs, lock the run directory, build, train (or resume), summarise."""
   from maxtext_rl_plugin import summary as summary_lib  # pylint: disable=import-outside-toplevel
 
-  summary_lib.report(rl_run.config, summary)
-  with open(os.path.join(rl_run.run_dir, "summary.json"), "w", encoding="utf-8") as f:
-    json.dump({k: v for k, v in summary.items() if k != "history"}, f, indent=2, default=str)
+  out_dir = os.path.join(config.base_output_directory, config.run_name)
+  metrics_file = run_dir_lib.resolve_metrics_file(config.metrics_file, out_dir)
+  run_dir_lib.check_writable(out_dir, metrics_file)
+  finished = _finished_summary(config, out_dir)
+  if finished is not None:  # a rerun of a finished run reports it and changes nothing
+    print(f"{out_dir} already finished all {finished['total_steps']} RL steps; nothing to do "
+          "(raise num_batches to train further, or use a new run_name)", flush=True)
+    print("\n" + summary_lib.table(finished), flush=True)
+    return finished
+  lock = run_dir_lib.RunLock(out_dir)
+  lock.acquire()
+  try:
+    with signals.GracefulStop() as stop:
+      rl_run = build_run(config, argv)
+      rl_run.metrics_file = metrics_file
+      rl_run.lock = lock
+      summary = train(rl_run, stop)
+    summary_lib.report(rl_run.config, summary)
+    tmp = os.path.join(rl_run.run_dir, f".summary.json.{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+      json.dump({k: v for k, v in summary.items() if k != "history"}, f, indent=2, default=str)
+    os.replace(tmp, os.path.join(rl_run.run_dir, "summary.json"))
+  finally:
+    lock.release()
   return summary

@@ -1,0 +1,218 @@
+"""A run directory that nothing loses: writability checked up front, one live process per run, resume-safe records.
+
+* `check_writable`: every output path (run directory, metrics_file) is created and probed before any model is built,
+  so `base_output_directory=/proc/x` or `metrics_file=/dev/full` is one `error:` line after a second, not a traceback
+  after the model build.
+* `RunLock`: `<run_dir>/.lock` is created with O_EXCL (atomic on local disks and on NFS v3+/GCS FUSE), holds the
+  holder's host, pid and a heartbeat refreshed every step. A second process gets one line naming the holder; a lock
+  whose holder is dead (same host, pid gone) or silent for `stale_after_s` is taken over, so a crashed pod never
+  blocks its own restart.
+* `prune_jsonl`: on resume, records of steps after the restored checkpoint (trained, then lost with the process) and
+  a torn last line (a full disk, a kill mid-write) are dropped, so every step appears exactly once and the next
+  record never lands on a half line.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import time
+from typing import Any
+
+from absl import logging
+
+from maxtext_rl_plugin.errors import UserError
+
+
+class OutputError(UserError):
+  """An output path cannot be written."""
+
+
+class RunLockedError(UserError):
+  """Another live process holds the run directory."""
+
+
+def _free_space(path: str) -> str:
+  probe = path
+  while probe and not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  try:
+    return f"{shutil.disk_usage(probe or '/').free / 2**20:.0f} MiB free"
+  except OSError:
+    return "free space unknown"
+
+
+def describe_os_error(e: OSError, path: str) -> str:
+  """One line for an OSError on `path`: no space left (with the free space), permissions, or the error itself."""
+  if e.errno == errno.ENOSPC:
+    return f"no space left on the device writing {path} ({_free_space(path)})"
+  return f"cannot write {path}: {e.strerror or e}"
+
+
+def _probe_dir(path: str, key: str) -> None:
+  try:
+    os.makedirs(path, exist_ok=True)
+  except OSError as e:
+    raise OutputError(f"invalid value for '{key}': cannot create directory {path} ({e.strerror or e})") from None
+  if not os.path.isdir(path):
+    raise OutputError(f"invalid value for '{key}': {path} exists and is not a directory")
+  probe = os.path.join(path, f".write_probe.{os.getpid()}")
+  try:
+    with open(probe, "w", encoding="utf-8") as f:
+      f.write("ok\n")
+      f.flush()
+      os.fsync(f.fileno())
+  except OSError as e:
+    raise OutputError(f"invalid value for '{key}': {describe_os_error(e, path)}") from None
+  finally:
+    try:
+      os.remove(probe)
+    except OSError:
+      pass
+
+
+def check_writable(run_dir: str, metrics_file: str | None) -> None:
+  """Probe the run directory and the metrics file before anything heavy starts (one `error:` line on failure)."""
+  if "://" not in run_dir:  # gs:// and other remote paths are checked by their own clients when first written
+    _probe_dir(run_dir, "base_output_directory")
+  if metrics_file and "://" not in metrics_file:
+    parent = os.path.dirname(os.path.abspath(metrics_file)) or "."
+    _probe_dir(parent, "metrics_file")
+    if os.path.isdir(metrics_file):
+      raise OutputError(f"invalid value for 'metrics_file': {metrics_file} is a directory")
+    try:
+      with open(metrics_file, "a", encoding="utf-8") as f:
+        f.write("")
+        f.flush()
+        os.fsync(f.fileno())
+    except OSError as e:
+      raise OutputError(f"invalid value for 'metrics_file': {describe_os_error(e, metrics_file)}") from None
+
+
+def resolve_metrics_file(metrics_file: str | None, run_dir: str) -> str | None:
+  """A relative `metrics_file` lives in the run directory (so two runs of one config never share a file); an
+  absolute path is the user's choice."""
+  if not metrics_file:
+    return None
+  if os.path.isabs(metrics_file) or "://" in metrics_file:
+    return metrics_file
+  return os.path.join(run_dir, metrics_file)
+
+
+class RunLock:
+  """Exclusive ownership of a run directory (see the module docstring)."""
+
+  def __init__(self, run_dir: str, stale_after_s: float = 600.0):
+    self.path = os.path.join(run_dir, ".lock")
+    self.stale_after_s = stale_after_s
+    self.held = False
+    self._last_beat = 0.0
+
+  def _info(self) -> dict[str, Any]:
+    return {"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}
+
+  def _read(self) -> dict[str, Any] | None:
+    try:
+      with open(self.path, encoding="utf-8") as f:
+        return json.loads(f.read() or "{}")
+    except (OSError, ValueError):
+      return None
+
+  def _is_stale(self, info: dict[str, Any] | None) -> bool:
+    if not info:
+      return True  # unreadable or empty: a holder that died between create and write
+    if info.get("host") == socket.gethostname() and info.get("pid") and info.get("pid") != os.getpid():
+      try:
+        os.kill(int(info["pid"]), 0)
+      except ProcessLookupError:
+        return True
+      except PermissionError:
+        pass
+    return time.time() - float(info.get("heartbeat", 0)) > self.stale_after_s
+
+  def acquire(self) -> None:
+    for _ in range(2):
+      try:
+        fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+      except FileExistsError:
+        info = self._read()
+        if not self._is_stale(info):
+          age = time.time() - float(info.get("heartbeat", 0))
+          raise RunLockedError(
+              f"run directory {os.path.dirname(self.path)} is in use by pid {info.get('pid')} on host "
+              f"{info.get('host')} (heartbeat {age:.0f} s ago); wait for it to finish or use another run_name "
+              f"(a lock silent for {self.stale_after_s:.0f} s is taken over)") from None
+        logging.warning("taking over the stale lock %s (holder %s)", self.path, info)
+        try:
+          os.remove(self.path)
+        except FileNotFoundError:
+          pass
+        continue
+      with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(self._info(), f)
+      self.held = True
+      self._last_beat = time.time()
+      return
+    raise RunLockedError(f"could not take the lock {self.path}: another process took it at the same time")
+
+  def heartbeat(self, min_interval_s: float = 10.0) -> None:
+    if not self.held or time.time() - self._last_beat < min_interval_s:
+      return
+    tmp = f"{self.path}.{os.getpid()}.tmp"
+    try:
+      with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(self._info(), f)
+      os.replace(tmp, self.path)
+      self._last_beat = time.time()
+    except OSError as e:
+      logging.warning("could not refresh the run lock %s: %s", self.path, e)
+
+  def release(self) -> None:
+    if self.held:
+      try:
+        info = self._read()
+        if info and info.get("pid") == os.getpid() and info.get("host") == socket.gethostname():
+          os.remove(self.path)
+      except OSError:
+        pass
+      self.held = False
+
+
+def prune_jsonl(path: str | None, last_step: int) -> int:
+  """Keep the records of `path` with step <= `last_step` (and records without a step); drop a torn last line.
+
+  Rewritten through a temporary file and an atomic rename, so a crash here loses nothing. Returns the number of
+  dropped lines.
+  """
+  if not path or "://" in path or not os.path.isfile(path):
+    return 0
+  with open(path, "rb") as f:
+    raw = f.read()
+  lines = raw.split(b"\n")
+  tail = lines.pop()  # b"" when the file ends with a newline; else a torn last record
+  keep, dropped = [], 1 if tail.strip() else 0
+  for line in lines:
+    if not line.strip():
+      continue
+    try:
+      rec = json.loads(line)
+    except ValueError:
+      dropped += 1
+      continue
+    if isinstance(rec, dict) and isinstance(rec.get("step"), (int, float)) and rec["step"] > last_step:
+      dropped += 1
+      continue
+    keep.append(line)
+  if not dropped:
+    return 0
+  tmp = f"{path}.{os.getpid()}.tmp"
+  with open(tmp, "wb") as f:
+    f.write(b"".join(line + b"\n" for line in keep))
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+  logging.info("resume: dropped %d record(s) after step %d (or torn) from %s", dropped, last_step, path)
+  return dropped

@@ -1,0 +1,56 @@
+"""Clean stops on SIGINT (Ctrl-C) and SIGTERM (what a preempted TPU VM or a Kubernetes pod receives).
+
+Inside the step loop a signal only sets a flag: the current step finishes (its checkpoint write is never cut in
+half), the loop writes a checkpoint if the step has none, prints one line saying where the run resumes, and the
+process exits 128 + signal number (130 for SIGINT, 143 for SIGTERM). A second signal abandons the step at once: the
+last complete checkpoint stands (Orbax writes each step to a temporary directory and renames it when complete).
+Outside the loop (model build, compilation) a signal stops the process right away with the same exit codes and one
+line, never a traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+from maxtext_rl_plugin.errors import UserError
+
+
+class Stopped(UserError):
+  """The run was stopped by a signal; `exit_code` is 128 + the signal number."""
+
+  def __init__(self, message: str, signum: int):
+    super().__init__(message)
+    self.exit_code = 128 + int(signum)
+
+
+class GracefulStop:
+  """Context manager installing the handlers; `requested` is the pending signal number (or None)."""
+
+  def __init__(self):
+    self.requested: int | None = None
+    self.in_loop = False
+    self._previous: dict[int, Any] = {}
+
+  def _handle(self, signum, frame):
+    del frame
+    name = signal.Signals(signum).name
+    if self.in_loop and self.requested is None:
+      self.requested = signum
+      print(f"{name} received: finishing the current step, then checkpointing and stopping "
+            f"(send it again to stop at once)", flush=True)
+      return
+    raise Stopped(f"stopped by {name}" + (" during the step; the last complete checkpoint stands" if self.in_loop
+                                          else " before training started; nothing was written"), signum)
+
+  def __enter__(self) -> "GracefulStop":
+    if threading.current_thread() is threading.main_thread():
+      for s in (signal.SIGINT, signal.SIGTERM):
+        self._previous[s] = signal.signal(s, self._handle)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    for s, h in self._previous.items():
+      signal.signal(s, h)
+    self._previous.clear()

@@ -1,0 +1,161 @@
+"""Nothing a user has is lost: reruns of finished runs, resume records, corrupt checkpoints, signals, locks, outputs.
+
+Each end-to-end case is a real `train_rl` subprocess on configs/cpu_tiny.yml (docs/reliability.md lists which test
+proves which guarantee). References: file hashes before/after, the step numbers in the metrics file and
+batches.jsonl, Orbax's step directories, exit codes and the single `error:` line.
+"""
+
+import hashlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from maxtext_rl_plugin import run_dir as run_dir_lib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+FAST = ["num_test_batches=1", "eval_batch_size=2", "checkpoint_period=1", "eval_interval=0",
+        "metrics_file=metrics.jsonl"]
+
+
+def _cmd(out, *overrides):
+  return [sys.executable, "-m", "maxtext_rl_plugin.train_rl", "configs/cpu_tiny.yml", f"base_output_directory={out}",
+          "run_name=r", *FAST, *overrides]
+
+
+def _env():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  env.pop("XLA_FLAGS", None)
+  return env
+
+
+def _train(out, *overrides, check=True):
+  p = subprocess.run(_cmd(out, *overrides), cwd=REPO, capture_output=True, text=True, env=_env(), timeout=900,
+                     check=False)
+  if check:
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  return p
+
+
+def _steps(path):
+  return [json.loads(l)["step"] for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+
+
+def _digest(*paths):
+  return [hashlib.sha256(pathlib.Path(p).read_bytes()).hexdigest() for p in paths]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Units
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_prune_jsonl_drops_later_steps_and_a_torn_line(tmp_path):
+  f = tmp_path / "m.jsonl"
+  f.write_text('{"step": 0, "eval/accuracy": 0.1}\n{"step": 1}\n{"step": 2}\n{"step": 3}\n{"step": 4, "x"')
+  assert run_dir_lib.prune_jsonl(str(f), 2) == 2  # step 3 and the torn step-4 line
+  assert _steps(f) == [0, 1, 2]
+  assert f.read_text().endswith("\n")
+  assert run_dir_lib.prune_jsonl(str(f), 2) == 0  # idempotent, file untouched
+
+
+def test_lock_names_a_live_holder_and_takes_over_a_dead_one(tmp_path):
+  lock = run_dir_lib.RunLock(str(tmp_path))
+  (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
+                                              "heartbeat": time.time()}))
+  with pytest.raises(run_dir_lib.RunLockedError, match=f"in use by pid {os.getppid()} on host"):
+    lock.acquire()
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "heartbeat": time.time()}))
+  lock.acquire()
+  assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
+  lock.release()
+  assert not (tmp_path / ".lock").exists()
+  # Another host's lock that stopped beating for longer than stale_after_s is taken over too.
+  (tmp_path / ".lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "heartbeat": time.time() - 3600}))
+  run_dir_lib.RunLock(str(tmp_path), stale_after_s=600).acquire()
+
+
+def test_unwritable_outputs_fail_before_any_model_is_built(tmp_path):
+  (tmp_path / "afile").write_text("x")
+  for override, needle in ((f"base_output_directory={tmp_path / 'afile'}", "base_output_directory"),
+                           ("base_output_directory=/proc/x", "base_output_directory"),
+                           (f"metrics_file={tmp_path}", "metrics_file")):
+    t = time.time()
+    cmd = [sys.executable, "-m", "maxtext_rl_plugin.train_rl", "configs/cpu_tiny.yml", override]
+    if not override.startswith("base_output_directory"):
+      cmd.append(f"base_output_directory={tmp_path / 'runs'}")
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=_env(), timeout=300, check=False)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [l for l in p.stderr.splitlines() if l.strip()]
+    assert lines[-1].startswith(f"error: invalid value for '{needle}'"), p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    assert time.time() - t < 60  # no model was built
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# End to end
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_finished_rerun_lock_and_corrupt_checkpoint(tmp_path):
+  _train(tmp_path, "num_batches=3")
+  run = tmp_path / "r"
+  files = [run / "summary.json", run / "summary.png", run / "metrics.jsonl", run / "batches.jsonl"]
+  before = _digest(*files)
+  # 1. Rerunning a finished run reports it and changes nothing.
+  p = _train(tmp_path, "num_batches=3")
+  assert "already finished all 3 RL steps" in p.stdout and "eval accuracy" in p.stdout
+  assert _digest(*files) == before
+  # 2. A live holder of the run directory: the second process gets one line naming it.
+  (run / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}))
+  p = _train(tmp_path, "num_batches=4", check=False)
+  assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error: run directory")
+  assert f"pid {os.getpid()}" in p.stderr and "Traceback" not in p.stderr
+  (run / ".lock").unlink()
+  # 3. The newest checkpoint is corrupt (a truncated array file): resume from step 2, keep the corrupt one aside.
+  victim = max((f for f in (run / "checkpoints" / "3" / "params").rglob("*") if f.is_file()),
+               key=lambda f: f.stat().st_size)
+  victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 3])
+  p = _train(tmp_path, "num_batches=4")
+  assert "skipped checkpoint step 3" in p.stdout and "resuming" in p.stdout and "from checkpoint step 2" in p.stdout
+  assert list((run / "checkpoints").glob("3.corrupt-*"))
+  assert sorted(int(d.name) for d in (run / "checkpoints").iterdir() if d.name.isdigit())[-2:] == [3, 4]
+  # Every step appears once in the records, although step 3 was trained twice (its first record was dropped).
+  steps = [s for s in _steps(run / "metrics.jsonl") if s > 0]
+  assert sorted(set(steps)) == [1, 2, 3, 4] and steps.count(3) <= 2  # step 3: one train record (+ its eval)
+  train_steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()
+                 if "reward/mean" in l]
+  assert train_steps == [1, 2, 3, 4]
+  assert _steps(run / "batches.jsonl") == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_sigterm_checkpoints_and_resumes(tmp_path):
+  proc = subprocess.Popen(_cmd(tmp_path, "num_batches=60", "checkpoint_period=1000"), cwd=REPO, env=_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  metrics = tmp_path / "r" / "metrics.jsonl"
+  deadline = time.time() + 600
+  while time.time() < deadline and proc.poll() is None:
+    if metrics.exists() and any('"reward/mean"' in l for l in metrics.read_text().splitlines()):
+      break
+    time.sleep(0.5)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=600)
+  assert proc.returncode == 143, (out[-2000:], err[-2000:])
+  last = err.strip().splitlines()[-1]
+  assert last.startswith("error: stopped by SIGTERM after step ") and "resume from checkpoint step" in last, err[-2000:]
+  assert "Traceback" not in err
+  stopped_at = int(last.split("after step ")[1].split("/")[0])
+  assert (tmp_path / "r" / "checkpoints" / str(stopped_at)).is_dir()  # written although checkpoint_period=1000
+  p = _train(tmp_path, f"num_batches={stopped_at + 1}", "checkpoint_period=1000")
+  assert f"from checkpoint step {stopped_at}" in p.stdout
+  assert [s for s in _steps(tmp_path / "r" / "batches.jsonl")] == list(range(1, stopped_at + 2))
