@@ -66,6 +66,17 @@ def test_dry_run_and_one_line_errors(monkeypatch, launch_cli):
     assert rc == 2 and out == "" and err.count("\n") == 1 and needle in err, (argv, err)
 
 
+def test_hf_access_token_override_travels_in_the_environment_never_argv(monkeypatch, launch_cli):
+  monkeypatch.delenv("HF_TOKEN", raising=False)
+  secret = "hf_overrideSECRET123456"
+  rc, out, err = launch_cli(["ray", "--num-workers", "2", "--name", "tok", "--dry-run", "--",
+                             f"hf_access_token={secret}"])
+  assert rc == 0 and secret not in out + err, out + err
+  launch = ray_lib.RayLaunch(num_workers=2, overrides=[f"hf_access_token={secret}", "run_name=tok"])
+  assert all(secret not in a for a in launch.train_argv()) and launch.worker_env({})["HF_TOKEN"] == secret
+  assert secret not in launch.describe() and secret not in json.dumps(launch.loop_config())
+
+
 @pytest.mark.timeout(600)
 def test_two_cpu_workers_run_one_grpo_step_as_one_jax_program(tmp_path):
   entry = os.environ.get("MAXTEXT_RL_TEST_RAY_ENTRY", "smoke")

@@ -97,9 +97,14 @@ class RayLaunch:
     else:
       env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": _cpu_xla_flags(environ.get("XLA_FLAGS", ""), self.cpu_devices_per_worker)}
     env["RAY_TRAIN_V2_ENABLED"] = "1"
-    if environ.get(xpk_lib.SECRET_ENV):
-      env[xpk_lib.SECRET_ENV] = environ[xpk_lib.SECRET_ENV]
+    token = self.hf_token() or environ.get(xpk_lib.SECRET_ENV)
+    if token:
+      env[xpk_lib.SECRET_ENV] = token
     return env
+
+  def hf_token(self) -> str | None:
+    """An `hf_access_token=` override: it travels to the workers in their environment (HF_TOKEN), never in argv."""
+    return xpk_lib.override_value(self.overrides, "hf_access_token") or None
 
   def warnings(self) -> list[str]:
     """Legal but probably unintended for a multi-host run (printed, not fatal)."""
@@ -119,7 +124,7 @@ class RayLaunch:
   def train_argv(self) -> list[str]:
     """train_rl's argv on every worker. Ray workers are a multi-controller JAX program (one process per host), not
     a Pathways client, so `use_pathways=false` is added unless set (MaxText's post_train/rl.yml defaults to true)."""
-    overrides = list(self.overrides)
+    overrides = [o for o in self.overrides if o.partition("=")[0].strip().lstrip("-") not in xpk_lib.SECRET_KEYS]
     if xpk_lib.override_value(overrides, "use_pathways") is None:
       overrides.append("use_pathways=false")
     return [self.config, *overrides]
@@ -200,8 +205,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
       return
     from maxtext_rl_plugin import train_rl  # pylint: disable=import-outside-toplevel
 
+    argv = list(loop_config["argv"])
+    if os.environ.get(xpk_lib.SECRET_ENV):  # the token came through the runtime env, not argv (never printed)
+      argv.append(f"hf_access_token={os.environ[xpk_lib.SECRET_ENV]}")
     try:
-      rc = train_rl.main(list(loop_config["argv"]))
+      rc = train_rl.main(argv)
     except SystemExit as e:  # train_rl turns user errors into exit 2; a worker must raise, not exit
       rc = e.code
     if rc:
