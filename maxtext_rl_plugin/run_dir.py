@@ -102,6 +102,22 @@ def resolve_metrics_file(metrics_file: str | None, run_dir: str) -> str | None:
   return os.path.join(run_dir, metrics_file)
 
 
+def check_fresh_metrics_file(metrics_file: str | None, run_dir: str) -> None:
+  """A run starting from scratch never appends to (or prunes) another run's metrics: a metrics_file outside the run
+  directory that already holds records is refused. One inside the run directory is this run's own (an attempt that
+  stopped before its first checkpoint), and its stale records are dropped."""
+  if not metrics_file or "://" in metrics_file or not os.path.isfile(metrics_file):
+    return
+  inside = os.path.realpath(metrics_file).startswith(os.path.realpath(run_dir) + os.sep)
+  if inside:
+    return
+  with open(metrics_file, "rb") as f:
+    n = sum(1 for line in f if line.strip())
+  if n:
+    raise OutputError(f"invalid value for 'metrics_file': {metrics_file} already holds {n} record(s) of another run "
+                      f"and this run ({run_dir}) starts from scratch; name another metrics_file or move that one")
+
+
 class RunLock:
   """Exclusive ownership of a run directory (see the module docstring)."""
 

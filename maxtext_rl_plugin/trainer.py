@@ -556,6 +556,8 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
       async_save=bool(config.async_checkpointing),
   )
   start, meta = _restore_newest(run, ckpt)
+  if not start:
+    run_dir_lib.check_fresh_metrics_file(run.metrics_file, run.run_dir)
   # Records of steps after the restored checkpoint were trained and then lost with the process: drop them (and a
   # torn last line) so every step appears once. A fresh start drops a failed attempt's records likewise.
   for path in (run.metrics_file, os.path.join(run.run_dir, "batches.jsonl")):

@@ -159,3 +159,15 @@ def test_sigterm_checkpoints_and_resumes(tmp_path):
   p = _train(tmp_path, f"num_batches={stopped_at + 1}", "checkpoint_period=1000")
   assert f"from checkpoint step {stopped_at}" in p.stdout
   assert [s for s in _steps(tmp_path / "r" / "batches.jsonl")] == list(range(1, stopped_at + 2))
+
+
+def test_a_fresh_run_refuses_another_runs_metrics_file(tmp_path):
+  shared = tmp_path / "shared.jsonl"
+  shared.write_text('{"step": 1, "reward/mean": 0.5}\n')
+  with pytest.raises(run_dir_lib.OutputError, match="already holds 1 record"):
+    run_dir_lib.check_fresh_metrics_file(str(shared), str(tmp_path / "runs" / "b"))
+  assert shared.read_text() == '{"step": 1, "reward/mean": 0.5}\n'
+  own = tmp_path / "runs" / "b" / "metrics.jsonl"
+  own.parent.mkdir(parents=True)
+  own.write_text('{"step": 1}\n')
+  run_dir_lib.check_fresh_metrics_file(str(own), str(tmp_path / "runs" / "b"))  # this run's own: no error
