@@ -27,7 +27,9 @@ PY
 fi
 export JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3
 status=0
-"$VENV/bin/python" -m pytest -q -m "not multidevice" "$@" || status=$?
+# -rs: every skip prints its reason in the summary. Exit 5 (nothing collected) is a failure in both passes: a lost
+# marker must not hide the multidevice tests.
+"$VENV/bin/python" -m pytest -q -rs -m "not multidevice" "$@" || status=$?
 XLA_FLAGS="--xla_force_host_platform_device_count=8" \
-  "$VENV/bin/python" -m pytest -q -m multidevice "$@" || { rc=$?; [ $rc -eq 5 ] || status=$rc; }
+  "$VENV/bin/python" -m pytest -q -rs -m multidevice "$@" || status=$?
 exit $status
