@@ -26,6 +26,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(__doc__)
     return 0
   _quiet_third_party_logs()
+  try:
+    return _main(argv)
+  except KeyboardInterrupt:  # Ctrl-C before the trainer installed its handlers (config loading): one line, no trace
+    print("error: interrupted before training started; nothing was written", file=sys.stderr, flush=True)
+    return 130
+
+
+def _main(argv: list[str]) -> int:
   with exit_on_user_error():
     from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
 
