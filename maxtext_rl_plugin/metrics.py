@@ -60,18 +60,29 @@ class TunixTee:
     pass
 
 
+def is_writer() -> bool:
+  """Whether this process writes logs, metrics, summaries and the console line: process 0 of a multi-process JAX
+  program (every process computes the same metrics), always true for one process."""
+  import jax  # pylint: disable=import-outside-toplevel
+
+  return jax.process_index() == 0
+
+
 class RunLogger:
-  """Writes per-step and eval metrics to TensorBoard, `metrics_file` and the console."""
+  """Writes per-step and eval metrics to TensorBoard, `metrics_file` and the console (process 0 only)."""
 
   def __init__(self, tensorboard_dir: str, metrics_file: str | None, total_steps: int, start_step: int = 0,
                log_period: int = 1):
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
 
-    os.makedirs(tensorboard_dir, exist_ok=True)
+    self.writer = is_writer()
     self.tensorboard_dir = tensorboard_dir
-    self._tb = SummaryWriter(logdir=tensorboard_dir, flush_secs=10)
-    self._metrics_file = metrics_file
-    if metrics_file:
+    self._tb = None
+    self._metrics_file = metrics_file if self.writer else None
+    if self.writer:
+      os.makedirs(tensorboard_dir, exist_ok=True)
+      self._tb = SummaryWriter(logdir=tensorboard_dir, flush_secs=10)
+    if self._metrics_file:
       os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
     self.total_steps = total_steps
     self._start_step = start_step
@@ -86,7 +97,8 @@ class RunLogger:
       if s is None:
         continue
       record[k] = s
-      self._tb.add_scalar(k, s, int(step))
+      if self._tb is not None:
+        self._tb.add_scalar(k, s, int(step))
     if self._metrics_file:
       try:
         with open(self._metrics_file, "a", encoding="utf-8") as f:
@@ -104,7 +116,7 @@ class RunLogger:
     done = step - self._start_step
     elapsed = time.time() - self._t0
     eta = elapsed / done * (self.total_steps - step) if done > 0 else float("nan")
-    if step % self._log_period and step != self.total_steps:
+    if not self.writer or (step % self._log_period and step != self.total_steps):
       return rec
     self._tb.flush()
     parts = [f"step {step}/{self.total_steps}"]
@@ -129,12 +141,15 @@ class RunLogger:
         for k, v in rec.items()
         if k != "step"
     )
-    print(f"[{label} @ step {step}] {shown}", flush=True)
+    if self.writer:
+      print(f"[{label} @ step {step}] {shown}", flush=True)
     return rec
 
   def note(self, message: str) -> None:
-    print(message, file=sys.stdout, flush=True)
+    if self.writer:
+      print(message, file=sys.stdout, flush=True)
 
   def close(self) -> None:
-    self._tb.flush()
-    self._tb.close()
+    if self._tb is not None:
+      self._tb.flush()
+      self._tb.close()

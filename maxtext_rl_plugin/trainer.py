@@ -28,6 +28,7 @@ from absl import logging
 import numpy as np
 
 from maxtext_rl_plugin import evaluation as evaluation_lib
+from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import signals
@@ -555,13 +556,14 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
       enabled=config.enable_checkpointing,
       async_save=bool(config.async_checkpointing),
   )
-  start, meta = _restore_newest(run, ckpt)
-  if not start:
-    run_dir_lib.check_fresh_metrics_file(run.metrics_file, run.run_dir)
-  # Records of steps after the restored checkpoint were trained and then lost with the process: drop them (and a
-  # torn last line) so every step appears once. A fresh start drops a failed attempt's records likewise.
-  for path in (run.metrics_file, os.path.join(run.run_dir, "batches.jsonl")):
-    run_dir_lib.prune_jsonl(path, start if start else -1)
+  start, meta = _restore_newest(run, ckpt)  # every process joins the restore
+  if metrics_lib.is_writer():
+    if not start:
+      run_dir_lib.check_fresh_metrics_file(run.metrics_file, run.run_dir)
+    # Records of steps after the restored checkpoint were trained and then lost with the process: drop them (and a
+    # torn last line) so every step appears once. A fresh start drops a failed attempt's records likewise.
+    for path in (run.metrics_file, os.path.join(run.run_dir, "batches.jsonl")):
+      run_dir_lib.prune_jsonl(path, start if start else -1)
   out_logger = RunLogger(config.tensorboard_dir, run.metrics_file, total, start,
                          log_period=max(1, int(config.log_period)))
   summary: dict[str, Any] = {"run_dir": run.run_dir, "start_step": start, "total_steps": total,
@@ -611,7 +613,8 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
       run.rl_cluster.global_steps += 1
     run.timer.add("weight_sync", time.perf_counter() - t)
     profiler.after_step(step)
-    _audit_batch(run.run_dir, step, batch)  # after the update: the audit never names a step that did not train
+    if out_logger.writer:  # after the update: the audit never names a step that did not train
+      _audit_batch(run.run_dir, step, batch)
     metrics = _step_metrics(run, exp, inputs["answer"], run.timer.reset(), step, time.perf_counter() - t_step)
     if not all(math.isfinite(v) for v in metrics.values()):
       logging.warning("non-finite metrics at step %d: %s", step, {k: v for k, v in metrics.items()
@@ -678,7 +681,9 @@ def run(config, argv: Sequence[str]) -> dict[str, Any]:
 
   out_dir = os.path.join(config.base_output_directory, config.run_name)
   metrics_file = run_dir_lib.resolve_metrics_file(config.metrics_file, out_dir)
-  run_dir_lib.check_writable(out_dir, metrics_file)
+  writer = metrics_lib.is_writer()  # process 0 alone checks, locks and writes the run's files
+  if writer:
+    run_dir_lib.check_writable(out_dir, metrics_file)
   finished = _finished_summary(config, out_dir)
   if finished is not None:  # a rerun of a finished run reports it and changes nothing
     print(f"{out_dir} already finished all {finished['total_steps']} RL steps; nothing to do "
@@ -686,18 +691,20 @@ def run(config, argv: Sequence[str]) -> dict[str, Any]:
     print("\n" + summary_lib.table(finished), flush=True)
     return finished
   lock = run_dir_lib.RunLock(out_dir)
-  lock.acquire()
+  if writer:
+    lock.acquire()
   try:
     with signals.GracefulStop() as stop:
       rl_run = build_run(config, argv)
       rl_run.metrics_file = metrics_file
       rl_run.lock = lock
       summary = train(rl_run, stop)
-    summary_lib.report(rl_run.config, summary)
-    tmp = os.path.join(rl_run.run_dir, f".summary.json.{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-      json.dump({k: v for k, v in summary.items() if k != "history"}, f, indent=2, default=str)
-    os.replace(tmp, os.path.join(rl_run.run_dir, "summary.json"))
+    if writer:
+      summary_lib.report(rl_run.config, summary)
+      tmp = os.path.join(rl_run.run_dir, f".summary.json.{os.getpid()}")
+      with open(tmp, "w", encoding="utf-8") as f:
+        json.dump({k: v for k, v in summary.items() if k != "history"}, f, indent=2, default=str)
+      os.replace(tmp, os.path.join(rl_run.run_dir, "summary.json"))
   finally:
     lock.release()
   return summary
