@@ -247,8 +247,9 @@ def test_build_image_runs_maxtext_post_training_then_the_plugin_layer(tmp_path):
   log = tmp_path / "log"
   env = _stub_bin(tmp_path, log)
   mt = tmp_path / "maxtext"
-  (mt / "dependencies" / "scripts").mkdir(parents=True)
-  (mt / "dependencies" / "scripts" / "docker_build_dependency_image.sh").write_text(
+  # MaxText v0.2.3/v0.2.4/v0.2.5 layout: the build scripts live under src/dependencies/scripts/.
+  (mt / "src" / "dependencies" / "scripts").mkdir(parents=True)
+  (mt / "src" / "dependencies" / "scripts" / "docker_build_dependency_image.sh").write_text(
       f'#!/bin/bash\necho "maxtext $PWD $*" >> {log}\n')
   script = str(SCRIPTS / "build_image.sh")
   r = subprocess.run(["bash", script, f"MAXTEXT_REPO={mt}"], env=env, capture_output=True, text=True, check=False)

@@ -47,7 +47,9 @@ if [[ -z "${BASE_IMAGE:-}" ]]; then
     echo "error: set MAXTEXT_REPO=<MaxText checkout> to build its post-training image, or BASE_IMAGE=<image> to reuse one" >&2
     exit 2
   fi
-  MAXTEXT_SCRIPT="$MAXTEXT_REPO/dependencies/scripts/docker_build_dependency_image.sh"
+  # MaxText v0.2.3+ keeps its build scripts under src/dependencies/scripts/ (older trees: dependencies/scripts/).
+  MAXTEXT_SCRIPT="$MAXTEXT_REPO/src/dependencies/scripts/docker_build_dependency_image.sh"
+  [[ -f "$MAXTEXT_SCRIPT" ]] || MAXTEXT_SCRIPT="$MAXTEXT_REPO/dependencies/scripts/docker_build_dependency_image.sh"
   if [[ ! -f "$MAXTEXT_SCRIPT" ]]; then
     echo "error: $MAXTEXT_SCRIPT not found; is MAXTEXT_REPO a MaxText checkout?" >&2
     exit 2
