@@ -261,13 +261,15 @@ def test_build_image_runs_maxtext_post_training_then_the_plugin_layer(tmp_path):
 
   log.write_text("")
   r = subprocess.run(["bash", script, "BASE_IMAGE=gcr.io/p/base:1", "LOCAL_IMAGE_NAME=mine",
-                      "WORKFLOW=post-training-experimental"], env=env, capture_output=True, text=True, check=False)
+                      "WORKFLOW=post-training"], env=env, capture_output=True, text=True, check=False)
   assert r.returncode == 0, r.stderr
   assert log.read_text().splitlines() == [
       f"docker build --network host --build-arg BASE_IMAGE=gcr.io/p/base:1 -f {REPO}/dependencies/Dockerfile "
       f"-t mine {REPO}"]
 
-  for bad in (["WORKFLOW=pre-training", "BASE_IMAGE=x"], [], ["BOGUS=1"], ["MAXTEXT_REPO=/nonexistent"], ["noequals"]):
+  for bad in (["WORKFLOW=pre-training", "BASE_IMAGE=x"],
+              ["WORKFLOW=post-training-experimental", "BASE_IMAGE=x"],
+              [], ["BOGUS=1"], ["MAXTEXT_REPO=/nonexistent"], ["noequals"]):
     r = subprocess.run(["bash", script, *bad], env=env, capture_output=True, text=True, check=False)
     assert r.returncode == 2 and r.stderr.startswith("error:") and r.stderr.count("\n") == 1, (bad, r.stderr)
 

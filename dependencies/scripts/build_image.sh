@@ -11,7 +11,7 @@
 #   bash dependencies/scripts/build_image.sh MAXTEXT_REPO=~/maxtext            # steps 1 + 2
 #   bash dependencies/scripts/build_image.sh BASE_IMAGE=gcr.io/p/maxtext-post   # step 2 on an existing image
 # Keys:
-#   WORKFLOW           post-training (default) | post-training-experimental   (passed to MaxText's script)
+#   WORKFLOW           post-training (default; passed to MaxText's script)
 #   POST_TRAINING_SOURCE  forwarded to MaxText's script when set (e.g. local)
 #   MAXTEXT_REPO       MaxText checkout to run step 1 in (needed unless BASE_IMAGE is given)
 #   BASE_IMAGE         skip step 1 and build on this image
@@ -36,8 +36,8 @@ done
 WORKFLOW="${WORKFLOW:-post-training}"
 LOCAL_IMAGE_NAME="${LOCAL_IMAGE_NAME:-maxtext_rl_plugin_image}"
 case "$WORKFLOW" in
-  post-training|post-training-experimental) ;;
-  *) echo "error: WORKFLOW must be post-training or post-training-experimental, got '$WORKFLOW'" >&2; exit 2 ;;
+  post-training) ;;  # MaxText v0.2.3-v0.2.5's setup.sh accepts post-training, not post-training-experimental
+  *) echo "error: WORKFLOW must be post-training (MaxText v0.2.5's setup.sh), got '$WORKFLOW'" >&2; exit 2 ;;
 esac
 
 command -v docker >/dev/null 2>&1 || { echo "error: docker not found on PATH" >&2; exit 1; }
