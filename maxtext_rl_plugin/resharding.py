@@ -717,6 +717,9 @@ def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
 def attach_to_rl_cluster(rl_cluster, config, mapping: Mapping = identity_mapping) -> WeightSync | None:
   """The trainer's one call after building the RLCluster: a `WeightSync` from `config`, installed, or None.
 
+  The plugin's embedded engine runs the sync inside its own `update_params` (its `weight_sync` attribute); any
+  other engine holding its weights in an nnx module gets its `update_params` wrapped (`install_into_rl_cluster`).
+
   None (and a log line saying why) when there is nothing to sync -- colocated runs where the rollout
   shares the actor's arrays (Tunix then never calls sync_weights) -- or when the engine keeps its weights
   outside an nnx module (vLLM, which reshards in its own update_params).
@@ -733,5 +736,8 @@ def attach_to_rl_cluster(rl_cluster, config, mapping: Mapping = identity_mapping
     logging.info("weight sync: colocated (the sampler shares the trainer's arrays); nothing to sync")
     return None
   ws = WeightSync(config, mapping=mapping)
-  install_into_rl_cluster(rl_cluster, ws)
+  if hasattr(type(rl_cluster.rollout), "weight_sync"):
+    rl_cluster.rollout.weight_sync = ws  # the plugin's own engine runs the guarded sync in its update_params
+  else:
+    install_into_rl_cluster(rl_cluster, ws)  # another engine: wrap its update_params (see that docstring)
   return ws

@@ -207,8 +207,29 @@ class EmbeddedRollout(base_rollout.BaseRollout):
   def model(self) -> Any:
     return self._actor
 
+  # Set by `resharding.attach_to_rl_cluster` on disaggregated runs: the chunked, guarded trainer -> sampler copy.
+  weight_sync: Any = None
+
   def update_params(self, params: Any, filter_types: Optional[Tuple[Any, ...]] = None) -> None:
-    """Swaps the actor's weights in place; the next generate() uses them without recompiling."""
+    """Install new weights; the next generate() uses them without recompiling.
+
+    With a `weight_sync` (disaggregated runs) the trainer's params are resharded onto this engine's shardings in
+    chunks (freeing the old buffers chunk by chunk), installed, and then compared with the trainer's by the sync's
+    guard, so a bug in the install step is caught too. Without one, they are installed as Tunix's engines do.
+    """
+    if self.weight_sync is not None:
+      filt = tuple(filter_types) if filter_types else (nnx.Param,)
+
+      def apply(new):
+        self._install(new, None)
+        return nnx.state(self._actor, *filt)
+
+      self.weight_sync.sync(params, current=nnx.state(self._actor, *filt), apply=apply)
+      return
+    self._install(params, filter_types)
+
+  def _install(self, params: Any, filter_types: Optional[Tuple[Any, ...]] = None) -> None:
+    """Swap the actor's weights in place (resharded by Tunix when `filter_types` is given, else as they are)."""
     if filter_types is not None:
       from tunix.rl import reshard  # pylint: disable=import-outside-toplevel
 
