@@ -53,13 +53,13 @@ def _micro(size: int, num_generations: int) -> int | None:
   return None if size is None or int(size) <= 0 else int(size) * num_generations
 
 
-def pad_completions(tokens: Sequence[Any], length: int, pad_id: int) -> np.ndarray:
-  """[rows, length] completion ids, right-padded with `pad_id` (a longer completion is cut: it cannot happen with the
-  rollout's max_tokens_to_generate == length, but a cut is safer than a shape error)."""
-  out = np.full((len(tokens), length), pad_id, dtype=np.int32)
-  for i, t in enumerate(tokens):
-    t = np.asarray(t, dtype=np.int32)[:length]
-    out[i, : t.shape[0]] = t
+def pad_rows(rows: Sequence[Any], length: int, fill: Any, dtype: Any) -> np.ndarray:
+  """[len(rows), length] array of the variable-length `rows`, right-padded with `fill` (a longer row is cut: it cannot
+  happen with the rollout's max_tokens_to_generate == length, but a cut is safer than a shape error)."""
+  out = np.full((len(rows), length), fill, dtype=dtype)
+  for i, r in enumerate(rows):
+    r = np.asarray(r, dtype=dtype)[:length]
+    out[i, : r.shape[0]] = r
   return out
 
 
@@ -109,15 +109,7 @@ def behaviour_logps(out: Any, length: int) -> jax.Array | None:
   None when the engine returned none."""
   if out.logprobs is None or any(lp is None for lp in out.logprobs):
     return None
-  return jnp.asarray(_pad_float(out.logprobs, length))
-
-
-def _pad_float(rows: Sequence[Any], length: int) -> np.ndarray:
-  out = np.zeros((len(rows), length), dtype=np.float32)
-  for i, r in enumerate(rows):
-    r = np.asarray(r, dtype=np.float32)[:length]
-    out[i, : r.shape[0]] = r
-  return out
+  return jnp.asarray(pad_rows(out.logprobs, length, 0.0, np.float32))
 
 
 def agreement_metrics(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -> dict[str, float]:
@@ -148,7 +140,7 @@ def make_experience(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: 
                          micro_batch_size=_micro(cfg.rollout_micro_batch_size, g))
   timer.add("rollout", time.perf_counter() - t)
 
-  completion_ids = pad_completions(out.tokens, train_rollout.max_tokens_to_generate, pad_id)
+  completion_ids = pad_rows(out.tokens, train_rollout.max_tokens_to_generate, pad_id, np.int32)
   prompt_ids = jnp.asarray(out.left_padded_prompt_tokens)
   completion_mask = completion_ids != pad_id  # the stop token is kept and trained (algorithms.py, EOS policy)
 

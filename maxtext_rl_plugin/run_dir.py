@@ -52,6 +52,14 @@ def describe_os_error(e: OSError, path: str) -> str:
   return f"cannot write {path}: {e.strerror or e}"
 
 
+def _write_synced(path: str, mode: str, text: str) -> None:
+  """Write `text` and fsync, so a full or read-only device fails here (OSError), not in a later buffered write."""
+  with open(path, mode, encoding="utf-8") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+
+
 def _probe_dir(path: str, key: str) -> None:
   try:
     os.makedirs(path, exist_ok=True)
@@ -61,10 +69,7 @@ def _probe_dir(path: str, key: str) -> None:
     raise OutputError(f"invalid value for '{key}': {path} exists and is not a directory")
   probe = os.path.join(path, f".write_probe.{os.getpid()}")
   try:
-    with open(probe, "w", encoding="utf-8") as f:
-      f.write("ok\n")
-      f.flush()
-      os.fsync(f.fileno())
+    _write_synced(probe, "w", "ok\n")
   except OSError as e:
     raise OutputError(f"invalid value for '{key}': {describe_os_error(e, path)}") from None
   finally:
@@ -84,10 +89,7 @@ def check_writable(run_dir: str, metrics_file: str | None) -> None:
     if os.path.isdir(metrics_file):
       raise OutputError(f"invalid value for 'metrics_file': {metrics_file} is a directory")
     try:
-      with open(metrics_file, "a", encoding="utf-8") as f:
-        f.write("")
-        f.flush()
-        os.fsync(f.fileno())
+      _write_synced(metrics_file, "a", "")  # appending nothing: opens and syncs without touching existing records
     except OSError as e:
       raise OutputError(f"invalid value for 'metrics_file': {describe_os_error(e, metrics_file)}") from None
 
