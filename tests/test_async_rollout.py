@@ -146,7 +146,7 @@ def test_close_stops_sampling_ahead():
 # ----------------------------------------------------------------------------------------------------------------------
 
 _ASYNC = ["rl.use_rollout_logps=false", "rl.rollout_is=truncate", "rl.log_sampler_trainer_agreement=true",
-          "learning_rate=1e-3", "num_test_batches=0", "eval_interval=0", "num_batches=3"]
+          "learning_rate=3e-2", "num_test_batches=0", "eval_interval=0", "num_batches=3"]
 
 
 @pytest.mark.slow

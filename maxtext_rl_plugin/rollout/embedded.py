@@ -217,10 +217,11 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     snapshot (`release_snapshot` returns to the live weights).
 
     For rollouts that run ahead of the trainer on a colocated engine (async_rollout.py): the actor's arrays are the
-    trainer's and change under the producer. JAX arrays are immutable, so the snapshot is the state's references, no
-    copy; it keeps that weight version alive until the next snapshot.
+    trainer's and change under the producer. `nnx.state` returns the model's live Variables (an update shows through
+    them), so the snapshot is a new tree of Variables over the current arrays: JAX arrays are immutable and Tunix's
+    train step donates only the optimizer, so this keeps that weight version alive without copying it.
     """
-    self._pinned = nnx.state(self._actor.base, nnx.Param)
+    self._pinned = jax.tree.map(lambda x: x, nnx.state(self._actor.base, nnx.Param))
 
   def release_snapshot(self) -> None:
     self._pinned = None
