@@ -162,6 +162,10 @@ def test_off_policy_steps_trains_stale_batches_deterministically_and_resumes(tmp
     assert r["rollout_is/is_weight_mean"] != pytest.approx(1.0, abs=1e-4)
   ids = [json.loads(l) for l in (run / "batches.jsonl").read_text().splitlines()]
   assert [x["step"] for x in ids] == [1, 2, 3]
+  # Deterministic whatever the threads' relative speed: a second run samples every batch with the same weights.
+  _, again = _train(tmp_path, "async_again", "rl.off_policy_steps=1", *_ASYNC)
+  for key in ("reward/mean", "loss", "mismatch/logp_abs_diff_mean", "rollout_is/is_weight_mean"):
+    assert [r[key] for r in again] == [r[key] for r in recs], key
 
   # The same data order as the synchronous loop (batch k is a function of the seed and k only).
   sync_run, sync_recs = _train(tmp_path, "sync", "rl.off_policy_steps=0", *_ASYNC)
@@ -193,3 +197,17 @@ def test_off_policy_steps_without_a_correction_is_refused(tmp_path):
   last = p.stderr.strip().splitlines()[-1]
   assert last.startswith("error: invalid value for 'rl.off_policy_steps'=1: batches up to 1 step(s) stale need a "
                          "correction"), last
+
+
+@pytest.mark.multidevice
+def test_off_policy_steps_on_a_disaggregated_split_syncs_bit_exact_while_sampling_ahead(tmp_path):
+  """Trainer 4 / sampler 4 forced CPU devices: the producer samples on the sampler's own copy while the trainer
+  updates; every weight sync (serialised with sampling and with the mid-run eval) is verified bit for bit."""
+  run, recs = _train(tmp_path, "dis", "rl.off_policy_steps=1", "use_pathways=true", "chips_per_vm=4",
+                     "rl.verify_weight_sync=every_n", "rl.verify_weight_sync_every=1", *_ASYNC[:-3],
+                     "num_batches=3", "num_test_batches=1", "eval_batch_size=4", "eval_interval=2")
+  assert [r["async/policy_lag"] for r in recs] == [0.0, 1.0, 1.0]
+  assert all(r["mismatch/logp_abs_diff_mean"] > 10 * recs[0]["mismatch/logp_abs_diff_mean"] + 1e-4 for r in recs[1:])
+  summary = json.loads((run / "summary.json").read_text())
+  assert summary["weight_syncs"]["count"] == 3 and summary["weight_syncs"]["verified"] == 3
+  assert [e["step"] for e in summary["eval_history"]] == [2]
