@@ -180,7 +180,9 @@ def test_off_policy_steps_trains_stale_batches_deterministically_and_resumes(tmp
   # weights (lag 0), and no batch is repeated or skipped.
   shutil.rmtree(run / "checkpoints" / "3")
   _, resumed = _train(tmp_path, "async", "rl.off_policy_steps=1", *_ASYNC)
-  assert [r["step"] for r in resumed] == [3] and resumed[0]["async/policy_lag"] == 0.0
+  # metrics_file keeps steps 1-2 of the first run (the record of step 3 went with its checkpoint) and the new step 3.
+  assert [r["step"] for r in resumed] == [1, 2, 3] and resumed[-1]["async/policy_lag"] == 0.0
+  assert resumed[:2] == recs[:2]
   steps = [json.loads(l)["step"] for l in (run / "batches.jsonl").read_text().splitlines()]
   assert steps == [1, 2, 3]
 
