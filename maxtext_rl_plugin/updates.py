@@ -17,7 +17,7 @@ exactly one update (mu = 1, M = B) they equal the current policy's and the loss 
 computes them once, before the batch's first update.
 
 Gradient accumulation equals the unsplit update when the loss aggregation is a mean of equal-sized per-row
-(`sequence-mean-token-mean`, `sequence-mean`, `sequence-mean-token-scale`) terms: a mean of micro-batch means over
+(`sequence-mean-token-mean`, `sequence-mean`) terms: a mean of micro-batch means over
 equal micro-batches is the batch mean. Under `token-mean` each micro-batch is normalised by its own token count
 (as in Tunix and verl's default), which equals the unsplit loss only when micro-batches hold equal token counts.
 """
