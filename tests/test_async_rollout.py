@@ -213,3 +213,16 @@ def test_off_policy_steps_on_a_disaggregated_split_syncs_bit_exact_while_samplin
   summary = json.loads((run / "summary.json").read_text())
   assert summary["weight_syncs"]["count"] == 3 and summary["weight_syncs"]["verified"] == 3
   assert [e["step"] for e in summary["eval_history"]] == [2]
+
+
+def test_overlap_model_of_bench_async():
+  from maxtext_rl_plugin.bench import async_rollout as bench  # pylint: disable=import-outside-toplevel
+
+  # R = 2 + 1, T = 0.5 + 2.5, S = 0.5, O = 10 - 6.5 = 3.5: 10 s synchronous, max(3, 3) + 4 = 7 s overlapped.
+  m = bench.overlap_model({"rollout": 2.0, "reward": 1.0, "logps": 0.5, "train": 2.5, "weight_sync": 0.5, "step": 10.0})
+  assert (m["R"], m["T"], m["S"], m["O"]) == (3.0, 3.0, 0.5, 3.5)
+  assert m["sync_step"] == 10.0 and m["async_step"] == 7.0
+  assert m["predicted_speedup"] == pytest.approx(10 / 7)
+  # Rollout-bound: the update hides entirely behind the rollout.
+  m = bench.overlap_model({"rollout": 8.0, "reward": 0.0, "logps": 0.0, "train": 2.0, "weight_sync": 0.0, "step": 10.0})
+  assert m["async_step"] == 8.0 and m["predicted_speedup"] == pytest.approx(1.25)
