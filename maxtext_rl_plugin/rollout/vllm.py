@@ -299,7 +299,8 @@ class VllmRollout(base_rollout.BaseRollout):
     try:
       worker = _driver_worker(llm)
       state = worker.get_weights_state()
-      engine_flat = vllm_mapping.flatten_params(state)
+      engine_flat = vllm_mapping.engine_weights(state)  # weights only: tpu-inference's Llama also holds RNG state
+      flax_layout = vllm_mapping.is_flax_layout(state)
       set_leaves = vllm_mapping.engine_state_setter(state)
       trainer_buffers = set().union(*(_buffer_ids(v) for v in flat.values()))
       written: dict[str, jax.Array] = {}
@@ -307,7 +308,8 @@ class VllmRollout(base_rollout.BaseRollout):
         chunk = {k: flat[k] for k in keys[i : i + step]}
         hf = vllm_mapping.map_maxtext_to_vllm(chunk, cfg.model_name, hf_config,
                                               param_scan_axis=int(cfg.param_scan_axis))
-        new, _ = vllm_mapping.to_engine_state(hf, engine_flat, require_all=False)
+        new, _ = vllm_mapping.to_engine_state(hf, engine_flat, require_all=False, head_dim=hf_config["head_dim"],
+                                              flax_layout=flax_layout)
         new = _reshard(new, {k: engine_flat[k].sharding for k in new})
         new = _unaliased(new, trainer_buffers)
         set_leaves(new)
@@ -399,7 +401,7 @@ def _verify_engine_holds(worker: Any, written: Mapping[str, jax.Array]) -> None:
   Catches a write path that updated a copy (e.g. a tpu-inference version whose `get_weights_state()` no
   longer aliases the runner's arrays): the sampler would otherwise keep its dummy weights silently.
   """
-  now = vllm_mapping.flatten_params(worker.get_weights_state())
+  now = vllm_mapping.engine_weights(worker.get_weights_state())
   names = sorted(written)
   for name in {names[0], names[len(names) // 2], names[-1]}:
     got, want = now.get(name), written[name]
