@@ -147,3 +147,37 @@ def test_written_values_land_in_the_real_state(model_dir):
   partial.pop("model.layers.1.mlp.up_proj.weight")
   with pytest.raises(ValueError, match="dummy initialisation"):
     vm.to_engine_state(partial, vm.engine_weights(state), head_dim=32, flax_layout=True)
+
+
+# The engine trees tests/test_vllm_rollout.py (main venv, no tpu-inference) fakes its vLLM worker with: the real
+# classes' leaves for the trainer configs it uses (configs/cpu_tiny.yml's Qwen3, and Llama 3.1 shrunk alike), one
+# device. Regenerate with MAXTEXT_RL_REGENERATE_TREES=1 after a tpu-inference upgrade.
+TREES_FILE = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "tpu_inference_trees.json"
+CPU_TINY = {"vocab_size": 151936, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}
+TRAINER_CONFIGS = {"qwen3-0.6b": ("qwen3", {**CPU_TINY, "tie_word_embeddings": True}),
+                   "llama3.1-8b": ("llama", {**CPU_TINY, "vocab_size": 128256, "tie_word_embeddings": False})}
+
+
+def _leaves(state) -> dict:
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  out = {}
+  for path, var in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    name = vm._path_str(path)  # pylint: disable=protected-access
+    value = var.get_value() if isinstance(var, nnx.Variable) else var
+    out[name] = f"{tuple(value.shape)} {value.dtype} {type(var).__name__}"  # e.g. "(64, 4, 128) bfloat16 Param"
+  return out
+
+
+def test_checked_in_trees_match_the_real_classes(model_dir):
+  import json  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+
+  got = {}
+  for maxtext_name, (arch, hc) in TRAINER_CONFIGS.items():
+    model, _, _ = build(model_dir, arch, tp=1, **hc)
+    got[maxtext_name] = {"hf_config": hc, "tp": 1, "leaves": _leaves(_state(model))}
+  if os.environ.get("MAXTEXT_RL_REGENERATE_TREES") == "1":
+    TREES_FILE.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+  assert json.loads(TREES_FILE.read_text()) == got, f"{TREES_FILE} is stale: regenerate it (see above)"
