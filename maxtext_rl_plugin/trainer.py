@@ -30,6 +30,7 @@ import numpy as np
 from maxtext_rl_plugin import evaluation as evaluation_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
+from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin import tunix_compat
@@ -126,7 +127,7 @@ def _resolve_engine_name(config) -> str:
 
   import jax  # pylint: disable=import-outside-toplevel
 
-  on_tpu = jax.default_backend() in ("tpu",) or "proxy" in os.environ.get("JAX_PLATFORMS", "")
+  on_tpu = jax.default_backend() in ("tpu",) or pathways.requested()
   name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
   logging.info("rollout_engine=auto resolved to '%s' (backend %s)", name, jax.default_backend())
   return name
