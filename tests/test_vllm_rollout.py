@@ -694,3 +694,46 @@ def test_engine_never_aliases_trainer_buffers(monkeypatch, qwen, tokenizer):
     leaf.delete()  # what a donating train step does
   rollout.generate(["hi"], _rollout_config(cfg))
   assert module.LLM.instances[-1].generate_calls[-1]["embed_00"] == pytest.approx(want)
+
+
+# ------------------------------------------------------------------ multi-controller (Ray without Pathways)
+
+
+def test_multi_controller_without_pathways_never_gets_vllm(monkeypatch, qwen, tokenizer, capsys):
+  """tpu-inference looks the rollout mesh's device ids up in jax.local_devices(): with several JAX controllers and
+  no Pathways that is a KeyError at engine start. auto picks embedded (and says why); explicit vllm is refused."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin import pathways, trainer  # pylint: disable=import-outside-toplevel
+
+  assert vllm_mod.multi_controller_reason(1, False) is None and vllm_mod.multi_controller_reason(4, True) is None
+  assert "jax.local_devices()" in vllm_mod.multi_controller_reason(2, False)
+  cfg = qwen[0]
+  real_find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # a TPU host of the Ray image (vLLM installed)
+  logged = []
+  monkeypatch.setattr(absl_logging, "info", lambda msg, *a: logged.append(msg % a))
+  auto = _Override(cfg, rollout_engine="auto")
+  assert trainer._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access  # one controller
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  assert trainer._resolve_engine_name(auto) == "embedded"  # pylint: disable=protected-access
+  assert "2 JAX processes run without Pathways" in logged[-1]
+  with pytest.raises(SystemExit) as exit_info, errors.exit_on_user_error():
+    trainer._resolve_engine_name(_Override(cfg, rollout_engine="vllm"))  # pylint: disable=protected-access
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: rollout_engine=vllm needs a single JAX controller") and err.count("\n") == 1
+  # Pathways is one controller: vLLM is fine there.
+  monkeypatch.setattr(pathways, "requested", lambda: True)
+  assert trainer._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access
+  # The engine itself refuses too (library use), before vLLM starts.
+  monkeypatch.setattr(pathways, "requested", lambda: False)
+  module, _ = make_fake_vllm({}, 0)
+  monkeypatch.setitem(sys.modules, "vllm", module)
+  with pytest.raises(errors.ConfigError, match="single JAX controller"):
+    vllm_mod.VllmRollout(rollout_actor={}, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg),
+                         config=cfg)
+  assert module.LLM.instances == []

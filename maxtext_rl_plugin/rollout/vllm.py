@@ -45,6 +45,29 @@ def import_vllm():
   return vllm
 
 
+def multi_controller_reason(process_count: int, on_pathways: bool) -> str | None:
+  """Why vLLM-TPU cannot run in this process topology, or None when it can.
+
+  tpu-inference 0.32.0 builds its mesh from `device_indexes` looked up in `jax.local_devices()`; with several JAX
+  controllers (Ray/multi-host without Pathways) the rollout mesh holds global device ids that are not all local,
+  so engine start-up fails with a KeyError. Pathways is a single controller: every device is local to it.
+  """
+  if process_count > 1 and not on_pathways:
+    return (f"rollout_engine=vllm needs a single JAX controller (Pathways, or one host); this run has "
+            f"{process_count} JAX processes without Pathways and tpu-inference looks the rollout mesh's device ids up "
+            "in jax.local_devices(). Use rollout_engine=embedded (or auto) for multi-controller runs")
+  return None
+
+
+def check_single_controller() -> None:
+  """Raise a one-line ConfigError when this process topology cannot run vLLM-TPU (see multi_controller_reason)."""
+  from maxtext_rl_plugin import pathways  # pylint: disable=import-outside-toplevel
+
+  reason = multi_controller_reason(jax.process_count(), pathways.requested())
+  if reason:
+    raise ConfigError(reason)
+
+
 # ------------------------------------------------------------------------------- config -> vLLM
 
 
@@ -180,6 +203,7 @@ class VllmRollout(base_rollout.BaseRollout):
     from tunix.generate import tokenizer_adapter  # pylint: disable=import-outside-toplevel
 
     vllm_mapping.check_supported(config.model_name)
+    check_single_controller()
     self._vllm = vllm
     self._config = config
     self._mesh = mesh
