@@ -3,7 +3,8 @@
 # CPU jax, for tests/tpu_contract (the real tpu-inference model classes built on CPU). Every package is
 # pinned in dependencies/tpu-contract-requirements.txt and installed --no-deps; re-installs only when that
 # file changed (a stamp holds its hash). Sourced by scripts/test.sh; safe to run on its own.
-# First install: ~6 min and ~7.6 GB (PyPI's torch is a CUDA build and imports only with its nvidia-* libs).
+# First install: 12 min (711 s measured on a shared 2-core machine, download-bound) and 7.7 GB: PyPI's torch
+# is a CUDA build and imports only with its nvidia-* libraries (~3 GB of the download).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TPU_VENV="${TPU_VENV:-$ROOT/.venv-tpu}"
@@ -20,7 +21,7 @@ fi
 TPU_STAMP="$TPU_VENV/.tpu_contract.stamp"
 TPU_WANT="$(sha256sum "$TPU_REQS" | cut -d' ' -f1)"
 if [ ! -f "$TPU_STAMP" ] || [ "$(cat "$TPU_STAMP")" != "$TPU_WANT" ]; then
-  echo "[tpu-venv] installing the TPU image's pins (--no-deps, $(grep -c '==' "$TPU_REQS") packages); first time takes ~6 min"
+  echo "[tpu-venv] installing the TPU image's pins (--no-deps, $(grep -c '==' "$TPU_REQS") packages); first time takes ~12 min"
   t0=$SECONDS
   # --no-deps: the pins are the whole closure; pip's resolver would reject the image's qwix override.
   # Pip's "dependency conflicts" notice lists what the CPU environment leaves out on purpose (libtpu, triton).
