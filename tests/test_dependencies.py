@@ -344,3 +344,26 @@ def test_contract_environment_runs_the_image_pins():
           "transformers", "pathwaysutils"} <= shared
   assert {n: contract[n] for n in shared} == {n: image[n] for n in shared}
   assert "vllm" not in contract  # upstream vllm would overwrite vllm-tpu's vllm/
+
+
+MAXTEXT_LAYOUT = json.loads((REPO / "tests" / "data" / "maxtext_repo_layout.json").read_text())
+
+
+@pytest.mark.parametrize("ref", sorted(MAXTEXT_LAYOUT["refs"]))
+def test_build_image_against_the_real_maxtext_layout(ref, tmp_path):
+  """The MaxText checkout rebuilt from the recorded layout at a real tag (tests/data/maxtext_repo_layout.json):
+  build_image.sh finds MaxText's dependency-image script there and passes a WORKFLOW its setup.sh knows."""
+  layout = MAXTEXT_LAYOUT["refs"][ref]
+  log = tmp_path / "log"
+  env = _stub_bin(tmp_path, log)
+  mt = tmp_path / "maxtext"
+  for path in layout["scripts"]:
+    (mt / path).parent.mkdir(parents=True, exist_ok=True)
+    body = f'echo "maxtext $PWD $*" >> {log}\n' if path.endswith("/docker_build_dependency_image.sh") else "exit 1\n"
+    (mt / path).write_text("#!/bin/bash\n" + body)
+  r = subprocess.run(["bash", str(SCRIPTS / "build_image.sh"), f"MAXTEXT_REPO={mt}"], env=env, capture_output=True,
+                     text=True, check=False)
+  assert r.returncode == 0, r.stderr
+  first = log.read_text().splitlines()[0]
+  workflow = re.search(r"WORKFLOW=(\S+)", first).group(1)
+  assert workflow in layout["setup_sh_workflows"], (workflow, layout["setup_sh_workflows"])
