@@ -12,7 +12,8 @@ as `[heads * head_dim, hidden]`). The trainer holds MaxText's layout instead: sc
 2. `to_engine_state`: `{hf_name: array}` -> the leaves of the engine's own weight tree. vLLM-TPU's JAX
    models name the same tensors `...q_proj.kernel` in `[in, ...out]` layout (the naming rule MaxText's
    `integration.tunix.utils.VllmWeightMapping` also encodes); engines that keep HF names (torchax) get
-   the HF layout unchanged. Every engine parameter must be written: a sampler left with any of vLLM's
+   the HF layout unchanged; tpu-inference's padding (head_dim, kv heads, Qwen3's vocab) is applied as its own
+   loader does. Every engine weight (RNG state excluded) must be written: a sampler left with any of vLLM's
    dummy-initialised weights would silently sample garbage.
 
 Supported: dense Qwen3 (`qwen3-*`) and Llama 3.1 (`llama3.1-*`), scanned or unscanned layers.
