@@ -25,6 +25,7 @@ import math
 import re
 from typing import Any, Callable, Mapping
 
+from absl import logging
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -313,7 +314,12 @@ def to_engine_layout(weight, dst_shape: tuple[int, ...], engine_name: str, *, he
         return jnp.pad(w, pad)  # zero rows, as tpu-inference's load_nnx_param_from_reshaped_torch pads vocab
   elif (weight.ndim == 1 and len(dst) == 1 and shape[0] == head_dim and shape[0] < dst[0]
         and ("q_norm" in engine_name or "k_norm" in engine_name)):
-    return jnp.pad(weight, (0, dst[0] - shape[0]))  # q_norm/k_norm over a padded head_dim
+    # Written as its loader would pad it, but tpu-inference then normalises q/k over the padded width: a Qwen3 with
+    # head_dim < 128 (only shrunk test models; its own Qwen3 loader refuses them) samples from different numerics.
+    logging.log_first_n(logging.WARNING, "vLLM parameter %s: head_dim %d padded to %d; tpu-inference's q/k RMS norm "
+                        "then averages over the padded width, so its samples do not match the trainer's model", 1,
+                        engine_name, shape[0], dst[0])
+    return jnp.pad(weight, (0, dst[0] - shape[0]))
   elif shape == dst:
     return weight
   raise ValueError(f"vLLM parameter {engine_name} has shape {dst}, which no layout of the trainer's {shape} matches")
