@@ -32,8 +32,6 @@ from __future__ import annotations
 import collections
 import functools
 import math
-import os
-import sys
 import time
 from typing import Any, Callable, Sequence
 
@@ -42,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin.errors import ConfigError
 
 PATH_PATHWAYS_EXPERIMENTAL = "pathways_experimental"
@@ -69,17 +68,8 @@ def identity_mapping(tree: PyTree) -> PyTree:
 
 
 def pathways_requested() -> bool:
-  """Whether the process runs on the Pathways proxy backend (`JAX_PLATFORMS=proxy`)."""
-  platforms = os.environ.get("JAX_PLATFORMS", "") + "," + str(jax.config.jax_platforms or "")
-  return "proxy" in platforms
-
-
-def _ensure_pathwaysutils_initialized(pathwaysutils) -> None:
-  # MaxText's entry points call initialize() first thing; a second call is a documented no-op.
-  init_mod = sys.modules.get("pathwaysutils._initialize")
-  if init_mod is not None and getattr(init_mod, "_initialization_count", 1) == 0:
-    logging.warning("pathwaysutils was not initialised; calling pathwaysutils.initialize() before resharding")
-    pathwaysutils.initialize()
+  """Whether the process runs on the Pathways proxy backend (the decision lives in `pathways.requested`)."""
+  return pathways.requested()
 
 
 def backend_path() -> str:
@@ -91,7 +81,8 @@ def backend_path() -> str:
     except ImportError:
       path, why = PATH_DEVICE_PUT, "JAX_PLATFORMS=proxy but pathwaysutils is not installed (pip install 'maxtext-rl-plugin[tpu]')"
     else:
-      _ensure_pathwaysutils_initialized(pathwaysutils)
+      del pathwaysutils
+      pathways.require_initialized()  # train_rl.main initialised it before JAX started; too late to do it here
       try:
         from pathwaysutils.experimental import reshard as _  # pylint: disable=import-outside-toplevel,unused-import
 

@@ -35,6 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: list[str]) -> int:
   with exit_on_user_error():
+    # First, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
+    # must be registered now, as MaxText's train_rl.main does; later JAX refuses it.
+    from maxtext_rl_plugin import pathways  # pylint: disable=import-outside-toplevel
+
+    pathways.initialize()
     from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
 
     config = config_lib.load_config(argv)

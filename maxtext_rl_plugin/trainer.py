@@ -35,6 +35,7 @@ from maxtext_rl_plugin import async_rollout
 from maxtext_rl_plugin import evaluation as evaluation_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
+from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin import tunix_compat
@@ -138,15 +139,25 @@ def total_updates(config) -> int:
 
 
 def _resolve_engine_name(config) -> str:
+  import jax  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
+
+  multi = vllm_rollout.multi_controller_reason(jax.process_count(), pathways.requested())
+  if config.rollout_engine == "vllm" and multi:
+    raise ConfigError(multi)
   if config.rollout_engine != "auto":
     return config.rollout_engine
   import importlib.util  # pylint: disable=import-outside-toplevel
 
-  import jax  # pylint: disable=import-outside-toplevel
-
-  on_tpu = jax.default_backend() in ("tpu",) or "proxy" in os.environ.get("JAX_PLATFORMS", "")
+  on_tpu = jax.default_backend() in ("tpu",) or pathways.requested()
   name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
-  logging.info("rollout_engine=auto resolved to '%s' (backend %s)", name, jax.default_backend())
+  if name == "vllm" and multi:
+    name = "embedded"
+    logging.info("rollout_engine=auto resolved to 'embedded': vLLM is installed but %d JAX processes run without "
+                 "Pathways (tpu-inference needs the rollout devices local to one controller)", jax.process_count())
+  else:
+    logging.info("rollout_engine=auto resolved to '%s' (backend %s)", name, jax.default_backend())
   return name
 
 

@@ -18,6 +18,8 @@ find_python() {
   echo "error: Python 3.12 not found (MaxText needs >= 3.12); set PYTHON=/path/to/python3.12" >&2
   return 1
 }
+# scripts/tpu_contract_venv.sh borrows find_python only.
+if [ "${1:-}" = "--find-python-only" ]; then return 0; fi
 
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
   PY="$(find_python)"

@@ -56,7 +56,7 @@ def read_pins(path: pathlib.Path) -> dict[str, str]:
     req = Requirement(line)
     specs = list(req.specifier)
     assert len(specs) == 1 and specs[0].operator == "==", f"{path.name}: not an exact pin: {line}"
-    pins[req.name.lower()] = specs[0].version
+    pins[re.sub(r"[-_.]+", "-", req.name).lower()] = specs[0].version
   return pins
 
 
@@ -215,8 +215,10 @@ def test_pins_resolve_to_wheels_for_the_tpu_image_platform(tmp_path):
   assert violated == {("tpu-inference", "qwix")}, violated
   # The jax stack is exactly the one tpu-inference is built for, and vllm-tpu's tpu-inference is ours.
   ti = {Requirement(l).name.lower(): Requirement(l) for l in installed["tpu-inference"]["metadata"]["requires_dist"]}
-  for dep in ("jax", "jaxlib", "libtpu", "flax"):
-    assert str(ti[dep].specifier) == f"=={pins[dep]}"
+  for dep in ("jax", "jaxlib", "libtpu", "flax", "torchvision", "torchax", "tokamax"):
+    assert str(ti[dep].specifier) == f"=={pins[dep]}", dep
+  vt = {Requirement(l).name.lower(): Requirement(l) for l in installed["vllm-tpu"]["metadata"]["requires_dist"]}
+  assert pins["transformers"] in vt["transformers"].specifier  # vllm-tpu's range (>=5.16.1,<5.20.0)
   tunix_qwix = next(Requirement(l) for l in installed["google-tunix"]["metadata"]["requires_dist"]
                     if Requirement(l).name == "qwix")
   assert pins["qwix"] in tunix_qwix.specifier  # why the override exists
@@ -299,3 +301,69 @@ def test_upload_image_tags_and_pushes_to_the_registry(tmp_path):
   r = subprocess.run(["bash", script, "CLOUD_IMAGE_NAME=x"], env=env_missing, capture_output=True, text=True,
                      check=False)
   assert r.returncode == 1 and "not found" in r.stderr
+
+
+def _fake_dist(site: pathlib.Path, name: str, version: str, files: list[str]) -> None:
+  info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+  info.mkdir(parents=True)
+  (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+  (info / "RECORD").write_text("".join(f"{f},,\n" for f in files))
+  for f in files:  # importlib.metadata lists only RECORD entries that exist on disk
+    (site / f).parent.mkdir(parents=True, exist_ok=True)
+    (site / f).write_text("")
+
+
+def test_verify_pins_catches_a_second_vllm_sharing_the_vllm_directory(tmp_path):
+  """Upstream vllm and vllm-tpu both ship vllm/: the one installed last overwrote the other's files."""
+  sys.path.insert(0, str(SCRIPTS))
+  import verify_pins  # pylint: disable=import-outside-toplevel
+
+  site = tmp_path / "site"
+  _fake_dist(site, "vllm-tpu", "0.32.0", ["vllm/__init__.py", "vllm/config/__init__.py"])
+  _fake_dist(site, "tpu-inference", "0.32.0", ["tpu_inference/__init__.py"])
+  assert verify_pins.package_owners("vllm", [str(site)]) == ["vllm-tpu"]
+  assert verify_pins.shared_package_dirs([str(site)]) == []
+  _fake_dist(site, "vllm", "0.11.0", ["vllm/__init__.py", "vllm/_C.abi3.so"])
+  problems = verify_pins.shared_package_dirs([str(site)])
+  assert len(problems) == 1 and "vllm, vllm-tpu" in problems[0] and "\n" not in problems[0]
+  # The script itself fails on it (exit 1) even when every version pin holds.
+  pins = tmp_path / "pins.txt"
+  pins.write_text("vllm-tpu==0.32.0\n")
+  code = (f"import sys; sys.path[:0] = [{str(SCRIPTS)!r}, {str(site)!r}]; import verify_pins; "
+          f"sys.exit(verify_pins.main([{str(pins)!r}]))")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+  assert r.returncode == 1 and "conflict: vllm/: installed by 2 distributions" in r.stderr
+
+
+def test_contract_environment_runs_the_image_pins():
+  """tests/tpu_contract's environment pins the same versions as the image wherever both name a package."""
+  image = read_pins(DEPS / "constraints.txt")
+  contract = read_pins(DEPS / "tpu-contract-requirements.txt")
+  shared = set(image) & set(contract)
+  assert {"vllm-tpu", "tpu-inference", "jax", "jaxlib", "flax", "qwix", "maxtext", "torchax", "tokamax",
+          "transformers", "pathwaysutils"} <= shared
+  assert {n: contract[n] for n in shared} == {n: image[n] for n in shared}
+  assert "vllm" not in contract  # upstream vllm would overwrite vllm-tpu's vllm/
+
+
+MAXTEXT_LAYOUT = json.loads((REPO / "tests" / "data" / "maxtext_repo_layout.json").read_text())
+
+
+@pytest.mark.parametrize("ref", sorted(MAXTEXT_LAYOUT["refs"]))
+def test_build_image_against_the_real_maxtext_layout(ref, tmp_path):
+  """The MaxText checkout rebuilt from the recorded layout at a real tag (tests/data/maxtext_repo_layout.json):
+  build_image.sh finds MaxText's dependency-image script there and passes a WORKFLOW its setup.sh knows."""
+  layout = MAXTEXT_LAYOUT["refs"][ref]
+  log = tmp_path / "log"
+  env = _stub_bin(tmp_path, log)
+  mt = tmp_path / "maxtext"
+  for path in layout["scripts"]:
+    (mt / path).parent.mkdir(parents=True, exist_ok=True)
+    body = f'echo "maxtext $PWD $*" >> {log}\n' if path.endswith("/docker_build_dependency_image.sh") else "exit 1\n"
+    (mt / path).write_text("#!/bin/bash\n" + body)
+  r = subprocess.run(["bash", str(SCRIPTS / "build_image.sh"), f"MAXTEXT_REPO={mt}"], env=env, capture_output=True,
+                     text=True, check=False)
+  assert r.returncode == 0, r.stderr
+  first = log.read_text().splitlines()[0]
+  workflow = re.search(r"WORKFLOW=(\S+)", first).group(1)
+  assert workflow in layout["setup_sh_workflows"], (workflow, layout["setup_sh_workflows"])

@@ -298,6 +298,16 @@ class _FakePluginExecutable:
     return list(jax.device_put(list(in_arr), list(out_shardings))), fut
 
 
+def _initialized_at_startup(monkeypatch):
+  """What train_rl.main does first on Pathways (pathways.initialize); resharding no longer initialises late."""
+  import pathwaysutils._initialize as pinit
+
+  from maxtext_rl_plugin import pathways
+
+  monkeypatch.setattr(pinit, "_initialization_count", 0)
+  assert pathways.initialize()
+
+
 def test_pathways_experimental_path_with_faked_plugin_program(env, monkeypatch):
   import jax
   from pathwaysutils import plugin_executable
@@ -306,6 +316,7 @@ def test_pathways_experimental_path_with_faked_plugin_program(env, monkeypatch):
   from maxtext_rl_plugin import resharding
 
   monkeypatch.setenv("JAX_PLATFORMS", "proxy")
+  _initialized_at_startup(monkeypatch)
   monkeypatch.setattr(plugin_executable, "PluginExecutable", _FakePluginExecutable)
   monkeypatch.setattr(resharding, "_logged_paths", set())
   pw_experimental._get_resharding_plan_cached.cache_clear()
@@ -344,6 +355,7 @@ def test_pathways_stable_path_when_experimental_missing(env, monkeypatch):
   from maxtext_rl_plugin import resharding
 
   monkeypatch.setenv("JAX_PLATFORMS", "proxy")
+  _initialized_at_startup(monkeypatch)
   import pathwaysutils.experimental
 
   monkeypatch.setitem(sys.modules, "pathwaysutils.experimental.reshard", None)  # import raises ImportError

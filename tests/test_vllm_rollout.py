@@ -2,13 +2,17 @@
 
 The trainer side is real: MaxText's own parameter trees (names, shapes, scan layout) for the tiny Qwen3 of
 configs/cpu_tiny.yml and a llama3.1-8b shrunk the same way, filled with random values. The engine side is a
-fake vLLM-TPU worker whose weight tree has tpu-inference's JAX layout (`q_proj.kernel` [embed, heads, dim],
-...), dummy-initialised, in bfloat16. Expected values are re-derived here with NumPy, not with the mapping.
+fake vLLM-TPU worker holding the real tpu-inference 0.32.0 state tree for those shapes (names, padded shapes,
+variable types incl. Llama's RNG leaves; tests/data/tpu_inference_trees.json, recorded from the real classes and
+checked against them by tests/tpu_contract), dummy-initialised, in bfloat16. Expected values are re-derived here
+with NumPy (repeat heads, zero-pad head_dim), not with the mapping.
 """
 
 from __future__ import annotations
 
+import json
 import math
+import pathlib
 import sys
 import types
 
@@ -106,37 +110,66 @@ def expected_hf(tree: dict, llama: bool) -> dict[str, np.ndarray]:
   return out
 
 
-def tpu_inference_layout(hf_name: str, hf_shape, hc) -> tuple[str, tuple[int, ...]]:
-  """tpu-inference's flax model (models/jax/llama3.py) name and shape for an HF tensor."""
-  d, n, kv = hc["hidden_size"], hc["num_attention_heads"], hc["num_key_value_heads"]
-  h, v = hc["head_dim"], hc["vocab_size"]
-  if hf_name == "model.embed_tokens.weight":
-    return "model.embed.embedding", (v, d)
-  if hf_name == "lm_head.weight":
-    return "model.lm_head", (d, v)
-  if hf_name.endswith("norm.weight"):
-    return hf_name[: -len("weight")] + "scale", tuple(hf_shape)
-  kernel = hf_name[: -len("weight")] + "kernel"
-  if "q_proj" in hf_name:
-    return kernel, (d, n, h)
-  if "k_proj" in hf_name or "v_proj" in hf_name:
-    return kernel, (d, kv, h)
+TREES = json.loads((pathlib.Path(__file__).parent / "data" / "tpu_inference_trees.json").read_text())
+
+
+def real_leaves(model_name: str, hc) -> dict[str, tuple[tuple[int, ...], str, str]]:
+  """tpu-inference's leaves for the trainer's shapes: name -> (shape, dtype, variable type), one device."""
+  entry = TREES[model_name]
+  assert entry["hf_config"] == {k: hc[k] for k in entry["hf_config"]}, "tpu_inference_trees.json: other shapes"
+  out = {}
+  for name, desc in entry["leaves"].items():
+    shape, rest = desc.rsplit(") ", 1)
+    dtype, kind = rest.split()
+    out[name] = (tuple(int(d) for d in shape.strip("(").split(",") if d.strip()), dtype, kind)
+  return out
+
+
+def tpu_inference_layout(hf_name: str, model_name: str, hc) -> tuple[str, tuple[int, ...]]:
+  """The real engine's name and (padded) shape for an HF tensor."""
+  leaves = real_leaves(model_name, hc)
+  for cand in vm.engine_name_candidates(hf_name):
+    if cand in leaves:
+      return cand, leaves[cand][0]
+  raise KeyError(f"{hf_name} has no leaf in tpu-inference's {model_name} tree")
+
+
+def engine_value(ref: np.ndarray, hf_name: str, shape: tuple[int, ...], hc) -> np.ndarray:
+  """NumPy: HF tensor -> tpu-inference's flax layout, heads repeated in place and head_dim/vocab zero-padded."""
+  n_q, n_kv, h, d = hc["num_attention_heads"], hc["num_key_value_heads"], hc["head_dim"], hc["hidden_size"]
+  if ref.ndim == 1:
+    return np.pad(ref, (0, shape[0] - ref.shape[0]))
+  if "embed" in hf_name:
+    return np.pad(ref, ((0, shape[0] - ref.shape[0]), (0, 0)))
+  if any(p in hf_name for p in ("q_proj", "k_proj", "v_proj")):
+    n = n_q if "q_proj" in hf_name else n_kv
+    w = np.repeat(ref.T.reshape(d, n, h), shape[1] // n, axis=1)
+    return np.pad(w, ((0, 0), (0, 0), (0, shape[2] - h)))
   if "o_proj" in hf_name:
-    return kernel, (n, h, d)
-  return kernel, tuple(reversed(hf_shape))  # gate/up [D, F], down [F, D]
+    w = np.repeat(ref.T.reshape(n_q, h, d), shape[0] // n_q, axis=0)
+    return np.pad(w, ((0, 0), (0, shape[1] - h), (0, 0)))
+  w = ref.T  # [in, out]; lm_head [hidden, vocab]
+  return np.pad(w, [(0, t - s) for s, t in zip(w.shape, shape)])
 
 
-def fake_engine_state(model_name: str, hc) -> dict:
-  """A nested weight tree like the worker's `get_weights_state()`: dummy-initialised bf16 arrays."""
+def fake_engine_state(model_name: str, hc):
+  """The worker's `get_weights_state()`: an nnx.State of tpu-inference's real leaves, weights dummy-initialised."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
   state: dict = {}
-  for hf_name, shape in vm.vllm_param_shapes(model_name, hc).items():
-    name, eshape = tpu_inference_layout(hf_name, shape, hc)
+  for name, (shape, dtype, kind) in real_leaves(model_name, hc).items():
+    if kind == "RngKey":
+      var = nnx.RngKey(jax.random.key(0))
+    elif kind == "RngCount":
+      var = nnx.RngCount(jnp.zeros(shape, dtype))
+    else:
+      var = getattr(nnx, kind)(jnp.full(shape, DUMMY, dtype=jnp.dtype(dtype)))
     node = state
     parts = name.split(".")
     for p in parts[:-1]:
       node = node.setdefault(int(p) if p.isdigit() else p, {})
-    node[parts[-1]] = jnp.full(eshape, DUMMY, dtype=jnp.bfloat16)
-  return state
+    node[parts[-1]] = var
+  return nnx.State(state)
 
 
 # ------------------------------------------------------------------ the fake vllm module
@@ -215,7 +248,8 @@ def make_fake_vllm(engine_state: dict, eos: int):
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm=True):
       assert not self.session_active, "generate during a weight update"
-      emb = np.asarray(vm.flatten_params(self.worker.state)["model.embed.embedding"], dtype=np.float32)
+      flat = vm.engine_weights(self.worker.state)
+      emb = np.asarray(flat.get("model.embed.embedding", flat.get("model.embed_tokens.weight")), dtype=np.float32)
       self.generate_calls.append({"prompts": prompts, "params": sampling_params, "embed_00": float(emb[0, 0])})
       log.append(("generate",))
       outs = []
@@ -409,15 +443,19 @@ def test_mapping_error_paths(qwen):
     vm.map_maxtext_to_vllm(extra, cfg.model_name)
   hf = vm.map_maxtext_to_vllm(tree, cfg.model_name)
   hc = vm.hf_config_from_params(tree, cfg.model_name)
-  engine = vm.flatten_params(fake_engine_state(cfg.model_name, hc))
+  engine = vm.engine_weights(fake_engine_state(cfg.model_name, hc))
+  kw = {"head_dim": hc["head_dim"], "flax_layout": True}
+  vm.to_engine_state(hf, engine, **kw)  # the real tree is complete
   with pytest.raises(ValueError, match="no parameter in the vLLM model"):
-    vm.to_engine_state(hf, {k: v for k, v in engine.items() if "q_norm" not in k})
+    vm.to_engine_state(hf, {k: v for k, v in engine.items() if "q_norm" not in k}, **kw)
   with pytest.raises(ValueError, match="dummy initialisation"):
-    vm.to_engine_state(hf, {**engine, "model.layers.0.extra.kernel": jnp.zeros((2,))})
+    vm.to_engine_state(hf, {**engine, "model.layers.0.extra.kernel": jnp.zeros((2,))}, **kw)
   bad = dict(engine)
-  bad["model.layers.0.mlp.gate_proj.kernel"] = jnp.zeros((3, 5))
+  bad["model.layers.0.mlp.gate_proj.weight"] = jnp.zeros((3, 5))
   with pytest.raises(ValueError, match="shape"):
-    vm.to_engine_state(hf, bad)
+    vm.to_engine_state(hf, bad, **kw)
+  with pytest.raises(ValueError, match="shape"):  # padded head_dim without the model's head_dim: refused
+    vm.to_engine_state(hf, engine, flax_layout=True)
 
 
 def test_engine_layout_is_decided_by_shape_and_never_guessed():
@@ -441,22 +479,23 @@ def test_engine_layout_is_decided_by_shape_and_never_guessed():
     vm.to_engine_layout(gate, (4, 12), "x.gate_proj.kernel")
 
 
-def test_engine_with_hf_named_flax_kernels(qwen):
-  """tpu-inference's JaxModule layers alias `.weight` to their flax kernels: HF names, flax shapes."""
-  cfg, tree = qwen
+def test_engine_with_hf_named_flax_kernels(llama):
+  """tpu-inference's JaxModule layers (Qwen3 in 0.32.0) name flax kernels `.weight`: HF names, flax shapes."""
+  cfg, tree = llama
   hc = vm.hf_config_from_params(tree, cfg.model_name)
-  flax_engine = vm.flatten_params(fake_engine_state(cfg.model_name, hc))
+  flax_engine = vm.engine_weights(fake_engine_state(cfg.model_name, hc))
   aliased = {(k[: -len("kernel")] + "weight" if k.endswith(".kernel") else k): v for k, v in flax_engine.items()}
   hf = vm.map_maxtext_to_vllm(tree, cfg.model_name)
-  by_kernel, _ = vm.to_engine_state(hf, flax_engine)
-  by_weight, names = vm.to_engine_state(hf, aliased)
+  kw = {"head_dim": hc["head_dim"], "flax_layout": True}
+  by_kernel, _ = vm.to_engine_state(hf, flax_engine, **kw)
+  by_weight, names = vm.to_engine_state(hf, aliased, **kw)
   assert names["model.layers.0.self_attn.q_proj.weight"] == "model.layers.0.self_attn.q_proj.weight"
   for k, v in by_kernel.items():
     alias = k[: -len("kernel")] + "weight" if k.endswith(".kernel") else k
     np.testing.assert_array_equal(np.asarray(by_weight[alias]), np.asarray(v), err_msg=k)
   # Both names listed for one array (kernel aliased as weight): written once, counted for both.
   both = {**flax_engine, **{k[: -len("kernel")] + "weight": v for k, v in flax_engine.items() if k.endswith(".kernel")}}
-  new, _ = vm.to_engine_state(hf, both)
+  new, _ = vm.to_engine_state(hf, both, **kw)
   assert len(new) == len(flax_engine)
 
 
@@ -465,14 +504,8 @@ def test_engine_with_hf_named_flax_kernels(qwen):
 
 @pytest.mark.parametrize("which", ["qwen", "llama"])
 def test_step0_syncs_trainer_weights_into_every_engine_parameter(which, request, monkeypatch, tokenizer):
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
   cfg, tree = request.getfixturevalue(which)
-  engine_state = None
-  if which == "llama":  # the worker's tree as tpu-inference holds it: an nnx.State of nnx.Param leaves
-    plain = fake_engine_state(cfg.model_name, vm.hf_config_from_params(tree, cfg.model_name))
-    engine_state = nnx.State(jax.tree.map(nnx.Param, plain))
-  rollout, module, log, state, reshard_calls = _build(monkeypatch, cfg, tree, tokenizer, engine_state=engine_state)
+  rollout, module, log, state, reshard_calls = _build(monkeypatch, cfg, tree, tokenizer)
   llm = module.LLM.instances[-1]
   assert llm.kwargs == vllm_mod.vllm_engine_kwargs(cfg, 1, device_ids=[int(jax.devices()[0].id)])
   assert llm.env_multiprocessing == "0"
@@ -484,18 +517,23 @@ def test_step0_syncs_trainer_weights_into_every_engine_parameter(which, request,
   # Every engine leaf now holds the trainer's value in tpu-inference layout and the engine's dtype.
   expected = expected_hf(tree, llama=which == "llama")
   hc = vm.hf_config_from_params(tree, cfg.model_name)
-  engine = vm.flatten_params(state)
+  engine = vm.engine_weights(state)
+  if which == "llama":  # tpu-inference's Llama holds RNG state beside its weights; untouched, not a weight
+    assert {"rng.default.key", "rng.default.count"} <= set(vm.flatten_params(state)) - set(engine)
   assert len(reshard_calls) == 1 and reshard_calls[0] == sorted(engine)  # one chunk: the whole model
   for hf_name, ref in expected.items():
-    name, shape = tpu_inference_layout(hf_name, ref.shape, hc)
+    name, shape = tpu_inference_layout(hf_name, cfg.model_name, hc)
     got = engine[name]
     assert got.dtype == jnp.bfloat16 and tuple(got.shape) == shape, name
-    want = ref if ref.ndim == 1 or name.endswith("embedding") else ref.T.reshape(shape)
+    want = engine_value(ref, hf_name, shape, hc)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(jnp.asarray(want).astype(jnp.bfloat16)), err_msg=name)
-  # In tpu-inference layout, a Qwen3 query kernel is exactly the MaxText layer slice (no hooks for Qwen3).
+  # In tpu-inference layout, a Qwen3 query kernel is the MaxText layer slice (no hooks for Qwen3), head_dim
+  # zero-padded 16 -> 128.
   if which == "qwen":
+    q = np.asarray(engine["model.layers.1.self_attn.q_proj.weight"])
+    assert q.shape == (64, 4, 128) and (q[..., 16:] == 0).all()
     np.testing.assert_array_equal(
-        np.asarray(engine["model.layers.1.self_attn.q_proj.kernel"]),
+        q[..., :16],
         np.asarray(jnp.asarray(_np(tree, "decoder.layers.self_attention.query.kernel")[:, 1]).astype(jnp.bfloat16)),
     )
 
@@ -569,14 +607,16 @@ def test_chunked_sync_keeps_kv_cache_when_configured_and_reaches_new_weights(mon
   n_leaves = len(vm.flatten_params(qwen[1]))
   assert len(reshard_calls) == math.ceil(n_leaves / 4) > 1
   flat_calls = [k for call in reshard_calls for k in call]
-  assert sorted(flat_calls) == sorted(vm.flatten_params(state))  # each engine tensor written exactly once
+  assert sorted(flat_calls) == sorted(vm.engine_weights(state))  # each engine tensor written exactly once
   newer = jax.tree.map(lambda x: x + 1.0, qwen[1])
   rollout.update_params(newer)
-  engine = vm.flatten_params(state)
+  engine = vm.engine_weights(state)
+  hc = vm.hf_config_from_params(newer, cfg.model_name)
   for hf_name, ref in expected_hf(newer, llama=False).items():
     if ref.ndim == 1:
-      name = tpu_inference_layout(hf_name, ref.shape, vm.hf_config_from_params(newer, cfg.model_name))[0]
-      np.testing.assert_allclose(np.asarray(engine[name], dtype=np.float32), ref, rtol=1e-2, err_msg=name)
+      name, shape = tpu_inference_layout(hf_name, cfg.model_name, hc)
+      np.testing.assert_allclose(np.asarray(engine[name], dtype=np.float32), engine_value(ref, hf_name, shape, hc),
+                                 rtol=1e-2, err_msg=name)
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   with pytest.raises(errors.ConfigError, match="LoRA"):
@@ -654,3 +694,46 @@ def test_engine_never_aliases_trainer_buffers(monkeypatch, qwen, tokenizer):
     leaf.delete()  # what a donating train step does
   rollout.generate(["hi"], _rollout_config(cfg))
   assert module.LLM.instances[-1].generate_calls[-1]["embed_00"] == pytest.approx(want)
+
+
+# ------------------------------------------------------------------ multi-controller (Ray without Pathways)
+
+
+def test_multi_controller_without_pathways_never_gets_vllm(monkeypatch, qwen, tokenizer, capsys):
+  """tpu-inference looks the rollout mesh's device ids up in jax.local_devices(): with several JAX controllers and
+  no Pathways that is a KeyError at engine start. auto picks embedded (and says why); explicit vllm is refused."""
+  import importlib.util  # pylint: disable=import-outside-toplevel
+
+  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin import pathways, trainer  # pylint: disable=import-outside-toplevel
+
+  assert vllm_mod.multi_controller_reason(1, False) is None and vllm_mod.multi_controller_reason(4, True) is None
+  assert "jax.local_devices()" in vllm_mod.multi_controller_reason(2, False)
+  cfg = qwen[0]
+  real_find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # a TPU host of the Ray image (vLLM installed)
+  logged = []
+  monkeypatch.setattr(absl_logging, "info", lambda msg, *a: logged.append(msg % a))
+  auto = _Override(cfg, rollout_engine="auto")
+  assert trainer._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access  # one controller
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  assert trainer._resolve_engine_name(auto) == "embedded"  # pylint: disable=protected-access
+  assert "2 JAX processes run without Pathways" in logged[-1]
+  with pytest.raises(SystemExit) as exit_info, errors.exit_on_user_error():
+    trainer._resolve_engine_name(_Override(cfg, rollout_engine="vllm"))  # pylint: disable=protected-access
+  assert exit_info.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("error: rollout_engine=vllm needs a single JAX controller") and err.count("\n") == 1
+  # Pathways is one controller: vLLM is fine there.
+  monkeypatch.setattr(pathways, "requested", lambda: True)
+  assert trainer._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access
+  # The engine itself refuses too (library use), before vLLM starts.
+  monkeypatch.setattr(pathways, "requested", lambda: False)
+  module, _ = make_fake_vllm({}, 0)
+  monkeypatch.setitem(sys.modules, "vllm", module)
+  with pytest.raises(errors.ConfigError, match="single JAX controller"):
+    vllm_mod.VllmRollout(rollout_actor={}, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg),
+                         config=cfg)
+  assert module.LLM.instances == []

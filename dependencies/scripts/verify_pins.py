@@ -1,7 +1,10 @@
 """Check that the installed distributions match a constraints file's `name==version` pins.
 
 Run in the image build (dependencies/Dockerfile) so a base image or a later layer that moved the stack
-fails the build instead of a TPU job hours later. Usage: python3 verify_pins.py constraints.txt
+fails the build instead of a TPU job hours later. Also fails when more than one distribution installs the
+`vllm/` package directory: upstream `vllm` and `vllm-tpu` both ship it, and whichever was installed last
+silently replaced the other's files while both keep their metadata (so the version pins alone still "hold").
+Usage: python3 verify_pins.py constraints.txt
 Exit status: 0 all pins hold, 1 some differ or are missing, 2 bad usage/file.
 """
 
@@ -41,6 +44,25 @@ def mismatches(pins: dict[str, str]) -> list[str]:
   return bad
 
 
+def package_owners(package: str, path: list[str] | None = None) -> list[str]:
+  """Names of the installed distributions whose RECORD lists files under `package/` (sorted)."""
+  owners = set()
+  for dist in importlib.metadata.distributions(**({"path": path} if path is not None else {})):
+    files = dist.files or []
+    if any(f.parts and f.parts[0] == package for f in files):
+      owners.add(dist.metadata["Name"])
+  return sorted(owners)
+
+
+def shared_package_dirs(path: list[str] | None = None) -> list[str]:
+  """Problems: a package directory (vllm/) written by more than one distribution."""
+  owners = package_owners("vllm", path)
+  if len(owners) > 1:
+    return [f"vllm/: installed by {len(owners)} distributions ({', '.join(owners)}); the last one overwrote the "
+            "other's files. Keep only vllm-tpu: pip uninstall -y vllm, then reinstall vllm-tpu --no-deps"]
+  return []
+
+
 def main(argv: list[str]) -> int:
   if len(argv) != 1:
     print("usage: verify_pins.py CONSTRAINTS_FILE", file=sys.stderr)
@@ -53,6 +75,10 @@ def main(argv: list[str]) -> int:
   bad = mismatches(pins)
   for line in bad:
     print(f"pin mismatch: {line}", file=sys.stderr)
+  shared = shared_package_dirs()
+  for line in shared:
+    print(f"conflict: {line}", file=sys.stderr)
+  bad += shared
   if not bad:
     print(f"all {len(pins)} pins hold")
   return 1 if bad else 0

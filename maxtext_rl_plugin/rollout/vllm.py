@@ -45,6 +45,29 @@ def import_vllm():
   return vllm
 
 
+def multi_controller_reason(process_count: int, on_pathways: bool) -> str | None:
+  """Why vLLM-TPU cannot run in this process topology, or None when it can.
+
+  tpu-inference 0.32.0 builds its mesh from `device_indexes` looked up in `jax.local_devices()`; with several JAX
+  controllers (Ray/multi-host without Pathways) the rollout mesh holds global device ids that are not all local,
+  so engine start-up fails with a KeyError. Pathways is a single controller: every device is local to it.
+  """
+  if process_count > 1 and not on_pathways:
+    return (f"rollout_engine=vllm needs a single JAX controller (Pathways, or one host); this run has "
+            f"{process_count} JAX processes without Pathways and tpu-inference looks the rollout mesh's device ids up "
+            "in jax.local_devices(). Use rollout_engine=embedded (or auto) for multi-controller runs")
+  return None
+
+
+def check_single_controller() -> None:
+  """Raise a one-line ConfigError when this process topology cannot run vLLM-TPU (see multi_controller_reason)."""
+  from maxtext_rl_plugin import pathways  # pylint: disable=import-outside-toplevel
+
+  reason = multi_controller_reason(jax.process_count(), pathways.requested())
+  if reason:
+    raise ConfigError(reason)
+
+
 # ------------------------------------------------------------------------------- config -> vLLM
 
 
@@ -180,6 +203,7 @@ class VllmRollout(base_rollout.BaseRollout):
     from tunix.generate import tokenizer_adapter  # pylint: disable=import-outside-toplevel
 
     vllm_mapping.check_supported(config.model_name)
+    check_single_controller()
     self._vllm = vllm
     self._config = config
     self._mesh = mesh
@@ -299,7 +323,8 @@ class VllmRollout(base_rollout.BaseRollout):
     try:
       worker = _driver_worker(llm)
       state = worker.get_weights_state()
-      engine_flat = vllm_mapping.flatten_params(state)
+      engine_flat = vllm_mapping.engine_weights(state)  # weights only: tpu-inference's Llama also holds RNG state
+      flax_layout = vllm_mapping.is_flax_layout(state)
       set_leaves = vllm_mapping.engine_state_setter(state)
       trainer_buffers = set().union(*(_buffer_ids(v) for v in flat.values()))
       written: dict[str, jax.Array] = {}
@@ -307,7 +332,8 @@ class VllmRollout(base_rollout.BaseRollout):
         chunk = {k: flat[k] for k in keys[i : i + step]}
         hf = vllm_mapping.map_maxtext_to_vllm(chunk, cfg.model_name, hf_config,
                                               param_scan_axis=int(cfg.param_scan_axis))
-        new, _ = vllm_mapping.to_engine_state(hf, engine_flat, require_all=False)
+        new, _ = vllm_mapping.to_engine_state(hf, engine_flat, require_all=False, head_dim=hf_config["head_dim"],
+                                              flax_layout=flax_layout)
         new = _reshard(new, {k: engine_flat[k].sharding for k in new})
         new = _unaliased(new, trainer_buffers)
         set_leaves(new)
@@ -399,7 +425,7 @@ def _verify_engine_holds(worker: Any, written: Mapping[str, jax.Array]) -> None:
   Catches a write path that updated a copy (e.g. a tpu-inference version whose `get_weights_state()` no
   longer aliases the runner's arrays): the sampler would otherwise keep its dummy weights silently.
   """
-  now = vllm_mapping.flatten_params(worker.get_weights_state())
+  now = vllm_mapping.engine_weights(worker.get_weights_state())
   names = sorted(written)
   for name in {names[0], names[len(names) // 2], names[-1]}:
     got, want = now.get(name), written[name]

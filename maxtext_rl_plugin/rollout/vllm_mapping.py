@@ -12,7 +12,8 @@ as `[heads * head_dim, hidden]`). The trainer holds MaxText's layout instead: sc
 2. `to_engine_state`: `{hf_name: array}` -> the leaves of the engine's own weight tree. vLLM-TPU's JAX
    models name the same tensors `...q_proj.kernel` in `[in, ...out]` layout (the naming rule MaxText's
    `integration.tunix.utils.VllmWeightMapping` also encodes); engines that keep HF names (torchax) get
-   the HF layout unchanged. Every engine parameter must be written: a sampler left with any of vLLM's
+   the HF layout unchanged; tpu-inference's padding (head_dim, kv heads, Qwen3's vocab) is applied as its own
+   loader does. Every engine weight (RNG state excluded) must be written: a sampler left with any of vLLM's
    dummy-initialised weights would silently sample garbage.
 
 Supported: dense Qwen3 (`qwen3-*`) and Llama 3.1 (`llama3.1-*`), scanned or unscanned layers.
@@ -24,6 +25,8 @@ import math
 import re
 from typing import Any, Callable, Mapping
 
+from absl import logging
+from flax import nnx
 import jax
 import jax.numpy as jnp
 
@@ -223,39 +226,117 @@ def engine_name_candidates(hf_name: str) -> list[str]:
   return cands
 
 
-def to_engine_layout(weight, dst_shape: tuple[int, ...], engine_name: str):
-  """An HF-layout tensor in the engine's layout, decided by shape (by name only where shapes cannot tell).
+def engine_weights(state: Any) -> dict[str, Any]:
+  """`{dotted.path: array}` of the engine's weights: every leaf except RNG state.
+
+  tpu-inference's Llama keeps `self.rng = nnx.Rngs(...)`, so its state has `rng.default.key` / `rng.default.count`
+  beside the weights (its own weight loading binds only the weight leaves). Those are not parameters and must not
+  count as "unwritten" (nnx RNG variables, or a PRNG-key dtype in a plain dict).
+  """
+  flat = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+    if isinstance(leaf, nnx.RngState):
+      continue
+    value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
+    if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
+      continue
+    name = _path_str(path)
+    flat[name[: -len(".value")] if name.endswith(".value") else name] = value
+  return flat
+
+
+def is_flax_layout(state: Any) -> bool:
+  """True for tpu-inference's JAX models (an `nnx.State`): 2-D linear weights are `[in, out]` whatever their name
+  (Qwen3 in 0.32.0 names them `.weight`). A plain dict (vLLM torch models via torchax) keeps HF's `[out, in]`."""
+  return isinstance(state, nnx.State)
+
+
+def _is_vocab(engine_name: str) -> bool:
+  return "embed" in engine_name or "lm_head" in engine_name
+
+
+def _heads(weight, n_dst: int, h_dst: int, head_axis: int, name: str):
+  """Fit `[.., n, h, ..]` (heads on `head_axis`, head_dim after it) to `n_dst` heads of `h_dst`, as tpu-inference's
+  loader does (`weight_utils._load_and_shard_weight`, also Tunix's `_align_shape`): heads repeated in place
+  (`jnp.repeat`: kv head k serves the same query heads as before), head_dim zero-padded at the end of each head."""
+  n, h = weight.shape[head_axis], weight.shape[head_axis + 1]
+  if n_dst < n or n_dst % n or h_dst < h:
+    raise ValueError(f"vLLM parameter {name}: {n} heads of {h} cannot become {n_dst} heads of {h_dst}")
+  if n_dst != n:
+    weight = jnp.repeat(weight, n_dst // n, axis=head_axis)
+  if h_dst != h:
+    pad = [(0, 0)] * weight.ndim
+    pad[head_axis + 1] = (0, h_dst - h)
+    weight = jnp.pad(weight, pad)
+  return weight
+
+
+def to_engine_layout(weight, dst_shape: tuple[int, ...], engine_name: str, *, head_dim: int | None = None,
+                     flax_layout: bool | None = None):
+  """An HF-layout tensor in the engine's layout, decided by shape (by layout/name only where shapes cannot tell).
 
   HF linear weights are `[out, in]`; flax kernels are `[in, ...out]`, split per head for attention:
-  `[hidden, heads, head_dim]` (q/k/v) and `[heads, head_dim, hidden]` (o). A square 2-D weight is transposed
-  only for flax names (`.kernel`, `model.lm_head`). Anything else raises rather than guessing.
+  `[hidden, heads, head_dim]` (q/k/v) and `[heads, head_dim, hidden]` (o). tpu-inference pads: `head_dim` to a
+  multiple of 128 (64 excepted), kv (and query) heads up to the TP size, Qwen3's vocab to a multiple of TP; with
+  the model's `head_dim` given, heads are repeated and head_dim / vocab zero-padded as its own loader does.
+  A square 2-D weight is transposed for flax layouts (`flax_layout`, else by name: `.kernel`, `model.lm_head`).
+  Anything else raises rather than guessing.
   """
   dst = tuple(int(d) for d in dst_shape)
   shape = tuple(weight.shape)
-  if weight.ndim == 2 and len(dst) > 2:
+  if weight.ndim == 2 and len(dst) == 3:
     out_dim, in_dim = shape
-    in_first = dst[0] == in_dim and math.prod(dst[1:]) == out_dim  # [hidden, heads, head_dim]
-    out_last = dst[-1] == out_dim and math.prod(dst[:-1]) == in_dim  # [heads, head_dim, hidden]
+    in_first = dst[0] == in_dim  # q/k/v: [hidden, heads, head_dim]
+    out_last = dst[-1] == out_dim  # o: [heads, head_dim, hidden]
+    if in_first and out_last:
+      in_first = "o_proj" not in engine_name
     if in_first or out_last:
-      return jnp.reshape(weight.T, dst)
+      flat_dim = out_dim if in_first else in_dim
+      hd = head_dim
+      if hd is None and flat_dim == (dst[1] * dst[2] if in_first else dst[0] * dst[1]):
+        hd = dst[2] if in_first else dst[1]  # unpadded: the shapes say it (padded needs the model's head_dim)
+      if hd is not None and flat_dim % hd == 0:
+        if in_first:
+          return _heads(jnp.reshape(weight.T, (in_dim, flat_dim // hd, hd)), dst[1], dst[2], 1, engine_name)
+        return _heads(jnp.reshape(weight.T, (flat_dim // hd, hd, out_dim)), dst[0], dst[1], 0, engine_name)
   elif weight.ndim == 2 and len(dst) == 2:
-    same, flipped = shape == dst, shape[::-1] == dst
-    if same and flipped:  # square: only the name can tell
-      flax_name = engine_name.endswith(".kernel") or engine_name == "model.lm_head"
-      return weight.T if flax_name else weight
-    if same:
-      return weight
-    if flipped:
-      return weight.T
+    flax = flax_layout if flax_layout is not None else (
+        engine_name.endswith(".kernel") or engine_name == "model.lm_head")
+    prefer_t = flax and "embed" not in engine_name  # embeddings are [vocab, hidden] in both layouts
+    for transpose in (prefer_t, not prefer_t):  # both fit only when square: the layout decides
+      w = weight.T if transpose else weight
+      if tuple(w.shape) == dst:
+        return w
+      vax = 1 if transpose else 0  # HF's vocab axis is 0
+      if _is_vocab(engine_name) and w.shape[1 - vax] == dst[1 - vax] and w.shape[vax] < dst[vax]:
+        pad = [(0, 0), (0, 0)]
+        pad[vax] = (0, dst[vax] - w.shape[vax])
+        return jnp.pad(w, pad)  # zero rows, as tpu-inference's load_nnx_param_from_reshaped_torch pads vocab
+  elif (weight.ndim == 1 and len(dst) == 1 and shape[0] == head_dim and shape[0] < dst[0]
+        and ("q_norm" in engine_name or "k_norm" in engine_name)):
+    # Written as its loader would pad it, but tpu-inference then normalises q/k over the padded width: a Qwen3 with
+    # head_dim < 128 (only shrunk test models; its own Qwen3 loader refuses them) samples from different numerics.
+    logging.log_first_n(logging.WARNING, "vLLM parameter %s: head_dim %d padded to %d; tpu-inference's q/k RMS norm "
+                        "then averages over the padded width, so its samples do not match the trainer's model", 1,
+                        engine_name, shape[0], dst[0])
+    return jnp.pad(weight, (0, dst[0] - shape[0]))
   elif shape == dst:
     return weight
   raise ValueError(f"vLLM parameter {engine_name} has shape {dst}, which no layout of the trainer's {shape} matches")
 
 
 def to_engine_state(
-    hf_weights: Mapping[str, jax.Array], engine_params: Mapping[str, Any], *, require_all: bool = True
+    hf_weights: Mapping[str, jax.Array],
+    engine_params: Mapping[str, Any],
+    *,
+    require_all: bool = True,
+    head_dim: int | None = None,
+    flax_layout: bool | None = None,
 ) -> tuple[dict[str, jax.Array], dict[str, str]]:
   """Match `{hf_name: array}` to the engine's flat `{name: array-like}`; returns (new leaves, hf->engine name).
+
+  `engine_params` is `engine_weights(state)`; `head_dim` (the model's, unpadded) and `flax_layout` go to
+  `to_engine_layout`.
 
   Raises if any HF tensor finds no engine parameter or (with `require_all`, i.e. a whole-model sync in one
   piece) any engine parameter is left unwritten; chunked syncs check coverage with `check_all_written`.
@@ -271,7 +352,8 @@ def to_engine_state(
         dst = engine_params[cand]
         if cand in new:
           raise ValueError(f"two vLLM tensors map to engine parameter {cand}")
-        new[cand] = to_engine_layout(w, tuple(dst.shape), cand).astype(dst.dtype)
+        new[cand] = to_engine_layout(w, tuple(dst.shape), cand, head_dim=head_dim,
+                                     flax_layout=flax_layout).astype(dst.dtype)
         names[hf_name] = cand
         break
     else:

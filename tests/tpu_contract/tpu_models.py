@@ -1,0 +1,89 @@
+"""The real tpu-inference 0.32.0 model classes, built on CPU in .venv-tpu (scripts/tpu_contract_venv.sh).
+
+Runs only in that environment (scripts/test.sh's third pass); tests/conftest.py leaves this directory out of
+the main venv's collection. Each model is built from a tiny config.json written here, the way tpu-inference's
+`get_flax_model` builds it (VllmConfig, JAX dtype, pp environment, a mesh over its axis names), with 4 forced
+CPU devices so tensor parallelism 4 pads the 2 kv heads, as on a TPU slice.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")  # else tpu_info polls the GCE metadata server
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+
+import jax  # pylint: disable=wrong-import-position
+import numpy as np  # pylint: disable=wrong-import-position
+
+TP = 4
+# hidden 128, 4 query heads, 2 kv heads, head_dim 32 (padded to 128 by tpu-inference), vocab 1001 (not a
+# multiple of TP: Qwen3 pads it to 1004).
+TINY = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "num_hidden_layers": 2, "vocab_size": 1001, "max_position_embeddings": 512,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+ARCH = {
+    "llama": ("llama3", "LlamaForCausalLM", {"model_type": "llama", "rms_norm_eps": 1e-5, "rope_theta": 500000.0}),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM", {"model_type": "qwen3", "rms_norm_eps": 1e-6, "rope_theta": 1e6}),
+}
+# The MaxText model whose HF export tables name the tensors (the plugin maps from these).
+MAXTEXT_NAME = {"llama": "llama3.1-8b", "qwen3": "qwen3-0.6b"}
+
+_cache: dict = {}
+
+
+def build(tmp_root, arch: str, *, abstract: bool = True, tp: int = TP, **overrides):
+  """(model, vllm_config, mesh) for the real tpu-inference class of `arch`; concrete weights unless `abstract`."""
+  key = (arch, abstract, tp, tuple(sorted(overrides.items())))
+  if key in _cache:
+    return _cache[key]
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from tpu_inference.distributed import jax_parallel_state  # pylint: disable=import-outside-toplevel
+  from tpu_inference.layers.common.sharding import MESH_AXIS_NAMES  # pylint: disable=import-outside-toplevel
+  from tpu_inference.models.common.model_loader import to_jax_dtype  # pylint: disable=import-outside-toplevel
+  from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig  # pylint: disable=import-outside-toplevel
+
+  module, cls_name, extra = ARCH[arch]
+  cfg = {**TINY, **extra, **overrides, "architectures": [cls_name]}
+  path = tmp_root / f"{arch}-{len(_cache)}"
+  path.mkdir(parents=True)
+  (path / "config.json").write_text(json.dumps(cfg))
+  vllm_config = VllmConfig(
+      model_config=ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128),
+      device_config=DeviceConfig(device="cpu"),
+      parallel_config=ParallelConfig(tensor_parallel_size=tp),
+  )
+  vllm_config.model_config.dtype = to_jax_dtype(vllm_config.model_config.dtype)  # as get_flax_model does
+  jax_parallel_state.init_pp_distributed_environment(ip="", rank=0, world_size=1, device=None, need_pp=False)
+  shape = [1] * len(MESH_AXIS_NAMES)
+  shape[MESH_AXIS_NAMES.index("model")] = tp
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]).reshape(shape), MESH_AXIS_NAMES)
+  cls = getattr(importlib.import_module(f"tpu_inference.models.jax.{module}"), cls_name)
+  with jax.set_mesh(mesh):
+    if abstract:
+      model = nnx.eval_shape(lambda: cls(vllm_config, jax.random.key(0), mesh))
+    else:
+      model = cls(vllm_config, jax.random.key(0), mesh)
+  _cache[key] = (model, vllm_config, mesh)
+  return _cache[key]
+
+
+def hf_tensors(arch: str, hf_config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+  """Random float32 tensors, exactly representable in bfloat16, for every HF tensor MaxText's export names."""
+  import ml_dtypes  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.rollout import vllm_mapping as vm  # pylint: disable=import-outside-toplevel
+
+  rng = np.random.default_rng(seed)
+  return {name: rng.standard_normal(shape).astype(ml_dtypes.bfloat16).astype(np.float32)
+          for name, shape in vm.vllm_param_shapes(MAXTEXT_NAME[arch], hf_config).items()}
+
+
+def hf_config(**overrides) -> dict:
+  keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+          "head_dim", "intermediate_size", "tie_word_embeddings")
+  cfg = {**TINY, **overrides}
+  return {k: cfg[k] for k in keys}
