@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 from absl import logging
 import numpy as np
 
+from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import evaluation as evaluation_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
@@ -313,6 +314,7 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
       ),
       rollout_config=rollout_cfgs,
   )
+  tunix_compat.multiprocess_workarounds()
   rl_cluster = rl_cluster_lib.RLCluster(
       actor=actor, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
   )
@@ -467,7 +469,7 @@ def _step_metrics(run: RLRun, exp, answers: list, phases: dict[str, float], step
   graded = rewards_lib.score_batch(exp.texts, answers, run.config)
   m["accuracy"] = float(np.mean([r.correct for r in graded]))
   m["strict_accuracy"] = float(np.mean([r.correct and r.format_ok for r in graded]))
-  mask = np.asarray(exp.example.completion_mask)
+  mask = distributed.to_host(exp.example.completion_mask)
   lengths = mask.sum(axis=-1)
   m["completion/length_mean"] = float(lengths.mean())
   m["completion/length_max"] = float(lengths.max())
