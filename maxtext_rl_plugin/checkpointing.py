@@ -99,9 +99,13 @@ class RunCheckpointer:
 
     ocp = self._ocp
 
+    from maxtext_rl_plugin import distributed  # pylint: disable=import-outside-toplevel
+
+    mesh = distributed.mesh_of(params_target)
+
     def abstract(tree):
       return jax.tree_util.tree_map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=distributed.restore_sharding(x, mesh))
           if hasattr(x, "shape") else x,
           tree,
       )

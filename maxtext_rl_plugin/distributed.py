@@ -77,6 +77,25 @@ def replicated(host: Any, mesh: jax.sharding.Mesh) -> jax.Array:
   return global_array(host, NamedSharding(mesh, P()))
 
 
+def mesh_of(tree: Any) -> jax.sharding.Mesh | None:
+  """The mesh of the first `NamedSharding` leaf of `tree` (None when it has none)."""
+  for x in jax.tree.leaves(tree):
+    s = getattr(x, "sharding", None)
+    if isinstance(s, NamedSharding):
+      return s.mesh
+  return None
+
+
+def restore_sharding(x: Any, mesh: jax.sharding.Mesh | None) -> jax.sharding.Sharding | None:
+  """The sharding a checkpoint leaf restores into: `x`'s own, except a leaf this process alone holds (an optimizer
+  step count Tunix has not yet laid out on the mesh) in a multi-process run, which restores replicated on `mesh` (a
+  per-process single-device array would be a different array on every process and breaks the first jitted update)."""
+  s = getattr(x, "sharding", None)
+  if s is None or mesh is None or not is_multiprocess() or not s.is_fully_addressable:
+    return s
+  return NamedSharding(mesh, P())
+
+
 def put(tree: Any, shardings: Any) -> Any:
   """`jax.device_put(tree, shardings)` that also works when the shardings span other processes' devices.
 

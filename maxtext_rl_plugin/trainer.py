@@ -559,6 +559,7 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
       async_save=bool(config.async_checkpointing),
   )
   start, meta = _restore_newest(run, ckpt)  # every process joins the restore
+  start = distributed.agree(start, "the checkpoint step to resume from")
   if metrics_lib.is_writer():
     if not start:
       run_dir_lib.check_fresh_metrics_file(run.metrics_file, run.run_dir)
