@@ -32,6 +32,23 @@ def is_multiprocess() -> bool:
   return jax.process_count() > 1
 
 
+def check_device_split(trainer_devices: list, sampler_devices: list) -> None:
+  """Refuse a disaggregated trainer/sampler split in a multi-process program (one line, before any model is built).
+
+  Each weight sync would copy arrays between two disjoint device sets owned by different processes; multi-controller
+  JAX has no such transfer (`jax.device_put` refuses a cross-host reshard to a different device set, except an
+  experimental TPU-TFRT path), and a rollout jitted on the sampler devices could not be run by the processes that own
+  none of them. Pathways (one controller for every device) is the disaggregated path; multi-process runs colocate.
+  """
+  if is_multiprocess() and list(trainer_devices) != list(sampler_devices):
+    from maxtext_rl_plugin.errors import ConfigError  # pylint: disable=import-outside-toplevel
+
+    raise ConfigError(
+        f"a disaggregated trainer/sampler split ({len(trainer_devices)} + {len(sampler_devices)} devices) needs one "
+        f"controller (Pathways), not {jax.process_count()} JAX processes: weights cannot be copied between device sets "
+        "of different processes; use the colocated split (use_pathways=false, num_trainer_slices=-1)")
+
+
 def _is_key(x: Any) -> bool:
   return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 

@@ -95,6 +95,7 @@ def _data_key(config) -> str:
 
 def _check_runtime(config, rs: models.RunSetup) -> None:
   """Checks that need the device set, before any model is built (device-free ones: `config.validate`)."""
+  distributed.check_device_split(rs.trainer_devices, rs.sampler_devices)
   n_trainer = len(rs.trainer_devices)
   plan = updates.UpdatePlan.from_config(config)
   for key, prompts in (("batch_size", plan.batch_size), ("train_micro_batch_size", plan.micro_batch_size)):
