@@ -111,7 +111,7 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
       if step == 1 or step % max(1, steps // 10) == 0 or step == steps:
         el = time.time() - t0
         _say(f"SFT warm start step {step}/{steps} | loss {np.mean(losses[-10:]):.3f} | "
-              f"ETA {format_duration(el / step * (steps - step))}", flush=True)
+             f"ETA {format_duration(el / step * (steps - step))}")
   nnx.update(model, params)
   meta = {"steps": steps, "final_loss": float(np.mean(losses[-10:])), "seconds": time.time() - t0}
   manager.save(steps, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)),
