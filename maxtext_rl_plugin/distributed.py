@@ -159,6 +159,27 @@ def to_host(x: Any) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
+def is_writer_process() -> bool:
+  return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+  """Every process waits here until all arrive (a no-op on one process)."""
+  if is_multiprocess():
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+    multihost_utils.sync_global_devices(name)
+
+
+def agree_from_writer(value: int) -> int:
+  """Process 0's `value` on every process (e.g. one timestamp for a file every process names)."""
+  if not is_multiprocess():
+    return value
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  return int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(int(value), np.int64))))
+
+
 def agree(value: int, what: str) -> int:
   """`value` (an int every process computed, e.g. the resume step): checked equal on every process, so a process that
   sees another checkpoint directory fails loudly instead of training a different step."""

@@ -401,7 +401,8 @@ def _restore_newest(run: RLRun, ckpt) -> tuple[int, dict]:
     _check_resume_compatible(run.config, meta, f"{ckpt.directory}/{step}")
     for bad, why in failures:
       kept = ckpt.set_aside(bad)
-      print(f"skipped checkpoint step {bad} (does not restore: {why}); kept as {kept}", flush=True)
+      if metrics_lib.is_writer():
+        print(f"skipped checkpoint step {bad} (does not restore: {why}); kept as {kept}", flush=True)
     nnx.update(trainer.model, params)
     nnx.update(trainer.optimizer, opt_state)
     tunix_compat.set_trainer_steps(trainer, step * run.plan.updates_per_step, run.plan.accumulation_steps)
@@ -690,9 +691,10 @@ def run(config, argv: Sequence[str]) -> dict[str, Any]:
     run_dir_lib.check_writable(out_dir, metrics_file)
   finished = _finished_summary(config, out_dir)
   if finished is not None:  # a rerun of a finished run reports it and changes nothing
-    print(f"{out_dir} already finished all {finished['total_steps']} RL steps; nothing to do "
-          "(raise num_batches to train further, or use a new run_name)", flush=True)
-    print("\n" + summary_lib.table(finished), flush=True)
+    if writer:
+      print(f"{out_dir} already finished all {finished['total_steps']} RL steps; nothing to do "
+            "(raise num_batches to train further, or use a new run_name)", flush=True)
+      print("\n" + summary_lib.table(finished), flush=True)
     return finished
   lock = run_dir_lib.RunLock(out_dir)
   if writer:
