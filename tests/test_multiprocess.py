@@ -5,7 +5,8 @@
   kinds, and processes that disagree on a value fail loudly.
 * The `launch ray --num-workers 2` job end to end (slow): train_rl with the embedded engine, rewards, loss, Orbax
   checkpoints written by both processes, greedy eval and the summary written once by process 0; its step 1 matches a
-  one-process run of the same config; a rerun with more num_batches resumes with no batch repeated.
+  one-process run of the same config; a rerun with more num_batches resumes with no batch repeated, and with
+  `--max-failures 1` a killed worker makes Ray restart the group, which resumes from the last checkpoint.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import json
 import os
 import pathlib
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -78,26 +81,52 @@ def _records(run_dir: pathlib.Path, name: str) -> list[dict]:
   return [json.loads(l) for l in (run_dir / name).read_text().splitlines() if l.strip()]
 
 
-def _ray(tmp_path, *overrides) -> subprocess.CompletedProcess:
+def _ray(tmp_path, *overrides, flags=(), kill_worker1_at_checkpoint: int | None = None) -> str:
+  """Run the 2-worker job; with `kill_worker1_at_checkpoint`, SIGKILL worker 1 once that checkpoint is complete."""
   argv = [sys.executable, "-m", "maxtext_rl_plugin.launch", "ray", "--num-workers", "2", "--num-cpus", "2",
-          "--config", "configs/cpu_tiny.yml", "--name", "ray2", "--storage-path", str(tmp_path / "ray"), "--",
+          "--config", "configs/cpu_tiny.yml", "--name", "ray2", "--storage-path", str(tmp_path / "ray"), *flags, "--",
           f"base_output_directory={tmp_path / 'runs'}", *_RUN, *overrides]
-  p = subprocess.run(argv, cwd=REPO, env=_env(RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0"), capture_output=True,
-                     text=True, timeout=900, check=False)
-  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-6000:]
-  return p
+  log = tmp_path / f"launch{len(list(tmp_path.glob('launch*.log')))}.log"
+  with open(log, "w", encoding="utf-8") as f:
+    p = subprocess.Popen(argv, cwd=REPO, env=_env(RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0"), stdout=f,
+                         stderr=subprocess.STDOUT, text=True)
+    killed = None
+    try:
+      if kill_worker1_at_checkpoint is not None:
+        done = tmp_path / "runs" / "ray2" / "checkpoints" / str(kill_worker1_at_checkpoint) / "commit_success.txt"
+        deadline = time.time() + 900
+        while not done.exists() and p.poll() is None and time.time() < deadline:
+          time.sleep(1)
+        pids = _worker_pids(log.read_text(errors="replace"))
+        killed = int(pids[1])
+        os.kill(killed, signal.SIGKILL)
+      rc = p.wait(timeout=1200)
+    finally:
+      if p.poll() is None:
+        p.kill()
+  out = log.read_text(errors="replace")
+  assert rc == 0, out[-8000:]
+  return out
+
+
+def _worker_pids(out: str) -> dict[int, str]:
+  """Ray prefixes worker lines with the worker's pid; the launcher's first worker line names its JAX process index.
+  The last group started (after a restart) wins."""
+  pids = {}
+  for m in re.finditer(r"pid=(\d+)\S* worker (\d)/2: jax.distributed.initialize", out):
+    pids[int(m.group(2))] = m.group(1)
+  return pids
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_ray_two_workers_train_match_one_process_and_resume(tmp_path):
+def test_ray_two_workers_train_match_one_process_resume_and_restart(tmp_path):
   pytest.importorskip("ray.train.v2.jax", reason="ray[train] not installed (pip install 'maxtext-rl-plugin[launch]')")
-  p = _ray(tmp_path, "num_batches=2")
-  out = p.stdout + p.stderr
+  out = _ray(tmp_path, "num_batches=2")
   run = tmp_path / "runs" / "ray2"
   # Process 0 alone writes: the console lines come from worker 0's pid only (Ray may echo a worker's line twice),
   # and each step's record and batch appear once in the files.
-  pids = {r: re.search(rf"pid=(\d+)\S* worker {r}/2: jax.distributed.initialize", out).group(1) for r in (0, 1)}
+  pids = _worker_pids(out)
   for line in ("TensorBoard logs:", "eval after RL @ step 2", "step 2/2 |"):
     assert re.search(rf"pid={pids[0]}\S* .*{re.escape(line)}", out), line
     assert not re.search(rf"pid={pids[1]}\S* .*{re.escape(line)}", out), line
@@ -126,12 +155,15 @@ def test_ray_two_workers_train_match_one_process_and_resume(tmp_path):
   assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
   assert two["train/pg_loss"] == pytest.approx(one["train/pg_loss"], rel=1e-5, abs=1e-6)
 
-  # Rerun with more batches: every process resumes from step 2; step 3 trains batch index 2, nothing repeated.
-  p = _ray(tmp_path, "num_batches=3", "eval_after_training=false")
-  assert "from checkpoint step 2 (next batch index 2)" in p.stdout + p.stderr
+  # Rerun with more batches and --max-failures 1: every process resumes from step 2. Once step 3's checkpoint is
+  # complete, worker 1 is SIGKILLed: Ray restarts the group, which resumes from step 3 and trains step 4 only.
+  out = _ray(tmp_path, "num_batches=4", "eval_after_training=false", flags=("--max-failures", "1"),
+             kill_worker1_at_checkpoint=3)
+  assert "from checkpoint step 2 (next batch index 2)" in out
+  assert "from checkpoint step 3 (next batch index 3)" in out, out[-6000:]
   batches = _records(run, "batches.jsonl")
-  assert [b["step"] for b in batches] == [1, 2, 3]
+  assert [b["step"] for b in batches] == [1, 2, 3, 4]
   ids = [i for b in batches for i in b["ids"]]
-  assert len(ids) == len(set(ids)) == 6
-  assert [r["step"] for r in _records(run, "metrics.jsonl") if "reward/mean" in r] == [1, 2, 3]
-  assert (run / "checkpoints" / "3").is_dir()
+  assert len(ids) == len(set(ids)) == 8
+  assert [r["step"] for r in _records(run, "metrics.jsonl") if "reward/mean" in r] == [1, 2, 3, 4]
+  assert (run / "checkpoints" / "4").is_dir()
