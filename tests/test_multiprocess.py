@@ -66,6 +66,29 @@ def test_distributed_helpers_on_two_processes(tmp_path):
   np.testing.assert_array_equal(outs[0]["key_data"], np.asarray(jax.random.key_data(jax.random.split(jax.random.key(7), 2))))
 
 
+def test_one_process_helpers_equal_jax_and_tunix():
+  """On one process the helpers are what they replace: device_put for placement, Tunix's memory-kind move."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  from tunix.rl import utils as rl_utils  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin import distributed  # pylint: disable=import-outside-toplevel
+
+  mesh = Mesh(np.asarray(jax.devices()), ("fsdp",))
+  host = np.arange(6, dtype=np.float32).reshape(2, 3)
+  x = distributed.global_batch(host, mesh)
+  ref = jax.device_put(host, NamedSharding(mesh, P("fsdp", None)))
+  assert x.sharding == ref.sharding
+  np.testing.assert_array_equal(distributed.to_host(x), np.asarray(ref))
+  tree = {"w": ref, "b": jax.device_put(np.ones(3, np.float32), NamedSharding(mesh, P()))}
+  ours, theirs = distributed.put_on_memory_kind(tree, "pinned_host"), rl_utils.put_params_on_memory_kind(tree, "pinned_host")
+  for k in tree:
+    assert ours[k].sharding == theirs[k].sharding and ours[k].sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(np.asarray(ours[k]), np.asarray(theirs[k]))
+  assert distributed.restore_sharding(x, mesh) == x.sharding  # one process: shardings restore as they are
+  assert distributed.agree(3, "x") == 3 and distributed.agree_from_writer(4) == 4
+
+
 # A run whose step-1 loss and gradient are not trivially zero: a random-init model's next-token distribution is
 # nearly one-hot, so a high sampling temperature (the loss uses the same one) and a reward that varies between
 # completions (tests/data/multiprocess_rewards.py) give non-zero advantages. The demo's 528-token tokenizer keeps the
