@@ -27,7 +27,6 @@ Aggregation of L_{i,t} (`loss_agg_mode`; rows with n_i = 0 are excluded from the
     token-mean                  sum_{i,t} m L / sum_{i,t} m                       (DAPO)
     sequence-mean-token-mean    (1/B') sum_i (1/n_i) sum_t m L                    (GRPO / GSPO papers)
     sequence-mean               (1/B') sum_i sum_t m L                            (Tunix's "seq-mean-token-sum")
-    sequence-mean-token-scale   (1/B') sum_i (1/T) sum_t m L                      (Dr. GRPO, Liu et al. 2025)
   MaxText 0.2.5 accepts `sequence-mean` in `rl.loss_agg_mode`, but Tunix 0.1.7's `aggregate_loss` has no such mode
   and raises; here it is the sum-over-tokens/mean-over-sequences reading above.
 
@@ -84,7 +83,8 @@ from maxtext_rl_plugin.errors import ConfigError
 
 LOSS_ALGOS = ("grpo", "gspo-token")
 KL_ESTIMATORS = ("k1", "k3")
-LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean", "sequence-mean-token-scale")
+# MaxText's `rl.loss_agg_mode` Literal: the only values a config can reach.
+LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean")
 ADVANTAGE_NORMS = ("group_std", "none")
 
 # Names under which the plugin registers itself in Tunix's function registry.
@@ -123,9 +123,7 @@ def aggregate(per_token: jax.Array, completion_mask: jax.Array, loss_agg_mode: s
   seq_sum = masked.sum(axis=-1)
   if loss_agg_mode == "sequence-mean-token-mean":
     return (seq_sum / jnp.maximum(lengths, 1.0)).sum() / rows
-  if loss_agg_mode == "sequence-mean":
-    return seq_sum.sum() / rows
-  return (seq_sum / per_token.shape[-1]).sum() / rows  # sequence-mean-token-scale
+  return seq_sum.sum() / rows  # sequence-mean
 
 
 def _token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:

@@ -49,6 +49,18 @@ def check_device_split(trainer_devices: list, sampler_devices: list) -> None:
         "of different processes; use the colocated split (use_pathways=false, num_trainer_slices=-1)")
 
 
+def check_synchronous(off_policy_steps: int) -> None:
+  """Refuse rollouts that run ahead in a thread (`rl.off_policy_steps` > 0) in a multi-process program: the producer
+  thread's rollout programs and the main thread's updates would reach the cross-process collectives in an order that
+  can differ between processes (a hang or a wrong reduction); no test here shows them ordered."""
+  if is_multiprocess() and off_policy_steps > 0:
+    from maxtext_rl_plugin.errors import ConfigError  # pylint: disable=import-outside-toplevel
+
+    raise ConfigError(f"invalid value for 'rl.off_policy_steps'={off_policy_steps}: rollouts running ahead in a thread "
+                      f"are not supported across {jax.process_count()} JAX processes (the two threads' collectives "
+                      "could be ordered differently on each process); use rl.off_policy_steps=0")
+
+
 def _is_key(x: Any) -> bool:
   return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
 

@@ -15,6 +15,11 @@ This replaces Tunix 0.1.7's private `GrpoLearner._generate_and_compute_advantage
       mismatch/logp_abs_diff_mean = mean |d_t|,
       mismatch/kl_k3 = mean( exp(d_t) - d_t - 1 )   (k3 estimate of KL(trainer || sampler) on trainer samples).
 
+The work is split in two halves so that rollouts can run ahead of the trainer (`async_rollout.py`): `sample` is the
+sampler's half (generate, rewards, advantages, behaviour log-probs; depends only on the weights that sampled the batch)
+and `score` the trainer's (reference and old-policy log-probs at the trainer's current weights, importance weights,
+agreement metrics). `make_experience` runs both back to back, the synchronous step.
+
 Log-probs everywhere are at the rollout temperature (logits / T), the distribution the tokens were sampled from and
 the one Tunix's loss and reference use.
 """
@@ -127,15 +132,40 @@ def agreement_metrics(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -
   }
 
 
-def make_experience(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> Experience:
-  """Rollouts and everything the update needs for one RL step (`inputs` rows are prompts repeated G times)."""
+@dataclasses.dataclass
+class Sampled:
+  """The sampler's half of a step: what the rollout engine produced and the rewards of it.
+
+  Built by `sample` (in the rollout producer's thread when rollouts run ahead, `async_rollout.py`); everything here
+  depends only on the weights that sampled the batch, never on the trainer's current weights.
+  """
+
+  prompts: list[str]
+  texts: list[str]
+  prompt_ids: jax.Array  # [rows, P] left-padded
+  completion_ids: np.ndarray  # [rows, T] right-padded with pad_id
+  rewards: np.ndarray  # [rows] summed over reward functions
+  advantages: np.ndarray  # [rows]
+  behaviour: jax.Array | None  # [rows, T] the sampler's log-probs of its tokens, when a consumer needs them
+  reward_values: dict[str, list[float]]  # per reward function, for the step's metrics
+  pad_id: int
+  eos_id: int
+
+
+def _put(cluster: Any) -> Callable[[Any], jax.Array]:
+  """Host rows (the same on every process) -> global arrays on the trainer mesh, rows over Tunix's data axis
+  (distributed.py); Tunix passes arrays that are already global through unchanged."""
+  return functools.partial(distributed.global_batch, mesh=cluster.cluster_config.role_to_mesh[rl_cluster_lib.Role.ACTOR],
+                           axes=cluster.cluster_config.training_config.data_sharding_axis)
+
+
+def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> Sampled:
+  """Rollouts, rewards and group advantages of one batch (`inputs` rows are prompts repeated G times)."""
   cfg = run.config
   cluster = run.rl_cluster
   g = plan.num_generations
   train_rollout = cluster.cluster_config.rollout_config[rl_cluster_lib.Mode.TRAIN]
-  temperature = train_rollout.temperature
   pad_id, eos_id = int(cluster.rollout.pad_id()), int(cluster.rollout.eos_id())
-  logps_micro = _micro(cfg.train_micro_batch_size, g)
 
   t = time.perf_counter()
   out = cluster.generate(prompts=list(inputs["prompts"]), mode=rl_cluster_lib.Mode.TRAIN,
@@ -143,20 +173,48 @@ def make_experience(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: 
   timer.add("rollout", time.perf_counter() - t)
 
   completion_ids = pad_rows(out.tokens, train_rollout.max_tokens_to_generate, pad_id, np.int32)
-  # Host rows (the same on every process) -> global arrays on the trainer mesh, batch over Tunix's data axis
-  # (distributed.py); Tunix passes arrays that are already global through unchanged.
-  put = functools.partial(distributed.global_batch, mesh=cluster.cluster_config.role_to_mesh[rl_cluster_lib.Role.ACTOR],
-                          axes=cluster.cluster_config.training_config.data_sharding_axis)
+  put = _put(cluster)
   prompt_ids = put(np.asarray(out.left_padded_prompt_tokens, np.int32))
-  completion_mask = completion_ids != pad_id  # the stop token is kept and trained (algorithms.py, EOS policy)
 
   t = time.perf_counter()
+  run.rewards.reset()  # the recorder holds this batch's values only
   rewards = sum_rewards(run.reward_fns, list(inputs["prompts"]), list(out.text),
                         **{k: v for k, v in inputs.items() if k != "prompts"})
   advantages = algorithms.group_advantages(rewards, g, cfg.rl.advantage_norm)
+  reward_values = run.rewards.reset()
   timer.add("reward", time.perf_counter() - t)
 
-  completion = put(completion_ids)
+  behaviour = None
+  if needs_behaviour_logps(cfg, plan):
+    t = time.perf_counter()
+    behaviour = behaviour_logps(out, completion_ids.shape[1])
+    if behaviour is None:  # an engine that returns no log-probs: recompute them on the sampler's weights
+      behaviour = cluster.get_old_per_token_logps(prompt_tokens=prompt_ids, completion_tokens=put(completion_ids),
+                                                  micro_batch_size=_micro(cfg.train_micro_batch_size, g))
+    timer.add("logps", time.perf_counter() - t)
+  return Sampled(list(inputs["prompts"]), list(out.text), prompt_ids, completion_ids, rewards, advantages, behaviour,
+                 reward_values, pad_id, eos_id)
+
+
+def needs_behaviour_logps(cfg: Any, plan: UpdatePlan) -> bool:
+  """Whether a consumer of the batch needs the sampler's log-probs: the old policy of `rl.use_rollout_logps`, the
+  rollout importance weights, or the agreement metrics."""
+  use_sampler = plan.needs_old_logps and cfg.rl.use_rollout_logps
+  return bool(use_sampler or cfg.rl.rollout_is != "off" or cfg.rl.log_sampler_trainer_agreement)
+
+
+def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experience:
+  """The trainer's half: reference and old-policy log-probs at the trainer's current weights, importance weights and
+  agreement metrics; the `TrainExample` the update consumes."""
+  cfg = run.config
+  cluster = run.rl_cluster
+  temperature = cluster.cluster_config.rollout_config[rl_cluster_lib.Mode.TRAIN].temperature
+  pad_id, eos_id = sampled.pad_id, sampled.eos_id
+  logps_micro = _micro(cfg.train_micro_batch_size, plan.num_generations)
+  prompt_ids = sampled.prompt_ids
+  completion_mask = sampled.completion_ids != pad_id  # the stop token is kept and trained (algorithms.py, EOS policy)
+  put = _put(cluster)
+  completion = put(sampled.completion_ids)
   metrics: dict[str, float] = {}
   t = time.perf_counter()
   ref = None
@@ -166,12 +224,7 @@ def make_experience(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: 
   rollout_is = cfg.rl.rollout_is != "off"
   agreement = bool(cfg.rl.log_sampler_trainer_agreement)
   use_sampler = plan.needs_old_logps and cfg.rl.use_rollout_logps
-  behaviour = None
-  if use_sampler or rollout_is or agreement:
-    behaviour = behaviour_logps(out, completion_ids.shape[1])
-    if behaviour is None:  # an engine that returns no log-probs: recompute them on the sampler's weights
-      behaviour = cluster.get_old_per_token_logps(prompt_tokens=prompt_ids, completion_tokens=completion,
-                                                  micro_batch_size=logps_micro)
+  behaviour = sampled.behaviour
   trainer_lp = None
   if (plan.needs_old_logps and not use_sampler) or rollout_is or agreement:
     trainer_lp = run.trainer_logps(prompt_ids, completion, pad_id, eos_id, temperature, logps_micro)
@@ -194,8 +247,13 @@ def make_experience(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: 
       completion_ids=completion,
       completion_mask=put(completion_mask),
       ref_per_token_logps=ref,
-      advantages=put(np.asarray(advantages, np.float32)),
+      advantages=put(np.asarray(sampled.advantages, np.float32)),
       old_per_token_logps=None if old is None else put(old),
       sampler_is_weights=is_weights,
   )
-  return Experience(example=example, texts=list(out.text), rewards=rewards, metrics=metrics)
+  return Experience(example=example, texts=sampled.texts, rewards=sampled.rewards, metrics=metrics)
+
+
+def make_experience(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> Experience:
+  """Rollouts and everything the update needs for one RL step, sampled and scored at the same weights."""
+  return score(run, sample(run, inputs, plan, timer), plan, timer)

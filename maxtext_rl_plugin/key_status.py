@@ -33,7 +33,10 @@ DEVICES = "honoured (models.setup_devices: trainer/sampler device split)"
 ALGO = "honoured (algorithms: the GRPO/GSPO loss)"
 DERIVED = "refused: derived by MaxText from other keys; set those instead"
 
-_ASYNC = "refused: asynchronous rollouts are not implemented yet (tracked: async rollouts issue)"
+_AGENTIC_ROLLOUT = (
+    "refused: MaxText's agentic path (Tunix's AgenticGRPOLearner over a vLLM server, multi-turn agents and "
+    "environments) is not delegated to; GSM8K-style tasks are single-turn, and rollouts run ahead of the trainer with "
+    "any engine through rl.off_policy_steps")
 _AGENTIC = "refused: used only by MaxText's agentic rollout (rl.use_agentic_rollout), which the plugin does not run"
 _PRETRAIN = "refused: pre-training only; the RL path never reads it"
 _MULTIMODAL = "refused: the plugin's data, rollout and reward paths are text-only"
@@ -284,8 +287,8 @@ _KEY_STATUS: dict[str, str] = {
     "rl.epsilon_high": ALGO,
     "rl.rollout_is": "honoured (algorithms: rollout importance sampling)",
     "rl.rollout_is_cap": "honoured (algorithms: rollout importance sampling)",
-    "rl.use_agentic_rollout": _ASYNC,
-    "rl.off_policy_steps": _ASYNC,
+    "rl.use_agentic_rollout": _AGENTIC_ROLLOUT,
+    "rl.off_policy_steps": "honoured (async_rollout: rollouts up to N RL steps ahead of the trainer, every engine)",
     "rl.max_concurrency": _AGENTIC,
     "rl.system_prompt": _AGENTIC,
     "rl.reshard_chunk_size": "honoured (resharding: trainer->sampler sync chunk)",

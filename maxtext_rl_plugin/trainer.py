@@ -7,10 +7,13 @@ Orbax checkpoints of params + optimizer + data position + RNG in MaxText's layou
 `eval_interval`, per-phase timings, and one metrics stream (TensorBoard, `metrics_file`, console).
 
 Per RL step (one rollout batch of `batch_size` prompts x G):
-    batch(step) -> experience.make_experience   (rollout, rewards, advantages, ref and old-policy log-probs)
+    batch(step) -> experience.sample             (rollout, rewards, advantages; async_rollout.RolloutProducer samples
+                                                  it inline, or up to rl.off_policy_steps steps ahead in its thread)
+                -> experience.score              (ref and old-policy log-probs, importance weights, at the trainer)
                 -> rl_cluster.update_actor       (mu * batch_size / mini_batch_size optimizer updates, each over
                                                   mini/micro micro-batches: updates.py)
-                -> rl_cluster.sync_weights       (disaggregated only; the rollout engine reshards)
+                -> producer.publish              (the new weights reach the sampler: rl_cluster.sync_weights when
+                                                  disaggregated; the rollout engine reshards)
                 -> eval every eval_interval, checkpoint every checkpoint_period
 """
 
@@ -25,8 +28,10 @@ import time
 from typing import Any, Callable, Sequence
 
 from absl import logging
+import jax
 import numpy as np
 
+from maxtext_rl_plugin import async_rollout
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import evaluation as evaluation_lib
 from maxtext_rl_plugin import metrics as metrics_lib
@@ -96,6 +101,7 @@ def _data_key(config) -> str:
 def _check_runtime(config, rs: models.RunSetup) -> None:
   """Checks that need the device set, before any model is built (device-free ones: `config.validate`)."""
   distributed.check_device_split(rs.trainer_devices, rs.sampler_devices)
+  distributed.check_synchronous(int(config.rl.off_policy_steps))
   n_trainer = len(rs.trainer_devices)
   plan = updates.UpdatePlan.from_config(config)
   for key, prompts in (("batch_size", plan.batch_size), ("train_micro_batch_size", plan.micro_batch_size)):
@@ -105,6 +111,19 @@ def _check_runtime(config, rs: models.RunSetup) -> None:
           f"invalid value for '{key}'={prompts}: {key} * rl.num_generations = {rows} rows must be divisible by the "
           f"{n_trainer} trainer devices (each micro-batch is sharded over them)"
       )
+  k = int(config.rl.off_policy_steps)
+  if k < 0:
+    raise ConfigError(f"invalid value for 'rl.off_policy_steps'={k}: expected >= 0 (0 = synchronous rollouts)")
+  if k > 0 and config.rl.rollout_is == "off" and not (config.rl.use_rollout_logps and not config.rl.force_on_policy_ratio):
+    raise ConfigError(
+        f"invalid value for 'rl.off_policy_steps'={k}: batches up to {k} step(s) stale need a correction; set "
+        "rl.rollout_is=truncate (or mask: importance weights pi_old/pi_behaviour) or rl.use_rollout_logps=true (the PPO "
+        "ratio against the behaviour policy, without rl.force_on_policy_ratio)")
+  if k > 0 and jax.process_count() > 1:
+    raise ConfigError(
+        f"invalid value for 'rl.off_policy_steps'={k}: not with {jax.process_count()} JAX processes (multi-controller): "
+        "the producer thread and the trainer would launch collectives in a different order on each process; use "
+        "rl.off_policy_steps=0 there, or Pathways (one controller)")
   if config.rl.rollout_is != "off" and config.rl.use_rollout_logps:
     raise ConfigError(f"invalid value for 'rl.rollout_is'='{config.rl.rollout_is}': needs rl.use_rollout_logps=false "
                       "(the importance weight is pi_old / pi_behaviour, with pi_old the trainer's own forward)")
@@ -332,6 +351,11 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   learner = grpo_learner.GrpoLearner(rl_cluster=rl_cluster, algo_config=algo_config, reward_fns=reward_fns)
   rl_cluster.actor_trainer.with_rl_metrics_to_log(algorithms.rl_metrics_to_log(algo_config))
   trainer_logps = experience.TrainerLogps(rl_cluster, actor_mesh, config.logical_axis_rules)
+  if config.rl.off_policy_steps > 0 and not learner.should_sync_weights and not hasattr(rl_cluster.rollout,
+                                                                                         "snapshot_weights"):
+    raise ConfigError(f"invalid value for 'rl.off_policy_steps'={config.rl.off_policy_steps}: rollout engine "
+                      f"'{engine_name}' samples with the trainer's own weights here (colocated) and cannot pin a weight "
+                      "version while the trainer updates them; use rl.off_policy_steps=0 or a disaggregated split")
   return RLRun(config, rs, tokenizer, train_split, eval_split, rl_cluster, learner, timer, recorder, reward_fns,
                trainer_logps, plan, tee, run_dir, engine_name, weight_sync)
 
@@ -440,6 +464,31 @@ def _seed_rollout(run: RLRun, step: int) -> None:
   rc.seed = (int(run.config.rollout_seed) * 1_000_003 + step) % (2**31 - 1)
 
 
+def _sample_batch(run: RLRun, index: int, phases: dict[str, float]) -> tuple[list, dict, Any]:
+  """Batch `index` (trained at step index + 1) sampled by the sampler's current weights: the rollout producer's
+  `sample_fn` (async_rollout.py; in its thread when rollouts run ahead)."""
+  from maxtext_rl_plugin import experience  # pylint: disable=import-outside-toplevel
+
+  step = index + 1
+  _seed_rollout(run, step)
+  inputs, batch = _step_inputs(run, step)
+  timer = PhaseTimer()
+  sampled = experience.sample(run, inputs, run.plan, timer)
+  phases.update(timer.reset())
+  return batch, inputs, sampled
+
+
+def _install_weights(run: RLRun, snapshot: bool) -> None:
+  """The trainer's current weights become the sampler's (after a step's updates): a weight sync when the engine has
+  its own copy, else (shared arrays) a snapshot when rollouts run ahead."""
+  if run.learner.should_sync_weights:
+    run.rl_cluster.sync_weights()
+  else:
+    run.rl_cluster.global_steps += 1
+    if snapshot:
+      run.rl_cluster.rollout.snapshot_weights()
+
+
 def _audit_batch(run_dir: str, step: int, batch) -> None:
   """Append which examples step `step` trained on to `<run>/batches.jsonl` (resume audit trail)."""
   path = os.path.join(run_dir, "batches.jsonl")
@@ -455,11 +504,11 @@ _TUNIX_RENAMES = {"loss": "loss", "kl": "kl", "pg_clipfrac": "clip_fraction", "g
                   "entropy": "entropy", "ratio_mean": "ratio_mean"}
 
 
-def _step_metrics(run: RLRun, exp, answers: list, phases: dict[str, float], step: int,
-                  step_seconds: float) -> dict[str, float]:
+def _step_metrics(run: RLRun, exp, item, answers: list, phases: dict[str, float], step: int,
+                  step_seconds: float, wait_sync_s: float) -> dict[str, float]:
   from maxtext_rl_plugin import rewards as rewards_lib  # pylint: disable=import-outside-toplevel
 
-  values = run.rewards.reset()
+  values = item.value[2].reward_values
   m: dict[str, float] = {}
   for name, vals in values.items():
     arr = np.asarray(vals, dtype=np.float64)
@@ -488,10 +537,15 @@ def _step_metrics(run: RLRun, exp, answers: list, phases: dict[str, float], step
   for phase in ("rollout", "reward", "logps", "train", "weight_sync"):
     m[f"time/{phase}_s"] = phases.get(phase, 0.0)
   m["perf/step_s"] = step_seconds
+  # async_rollout.py: weight versions between the batch's sampler and the trainer (<= rl.off_policy_steps), and the
+  # seconds each side waited for the other.
+  m["async/policy_lag"] = float(step - 1 - item.version)
+  m["async/wait_rollout_s"] = item.wait_s
+  m["async/wait_sync_s"] = wait_sync_s
+  m["async/producer_idle_s"] = item.idle_s
   rollout_s = phases.get("rollout", 0.0)
   if rollout_s > 0:
     m["perf/tokens_per_s"] = float(lengths.sum()) / rollout_s
-  del step
   return m
 
 
@@ -598,55 +652,72 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
 
   profiler = StepProfiler(config)
   trainer = run.rl_cluster.actor_trainer
+  # Rollouts run up to rl.off_policy_steps batches ahead of the updates (0: sampled inline, the synchronous step).
+  producer = async_rollout.RolloutProducer(functools.partial(_sample_batch, run),
+                                           off_policy_steps=int(config.rl.off_policy_steps), start=start, end=total)
+  snapshot = producer.asynchronous and not run.learner.should_sync_weights
+  if snapshot:  # colocated: the producer samples a pinned version while the trainer updates the shared arrays
+    run.rl_cluster.rollout.snapshot_weights()
+  if producer.asynchronous:
+    out_logger.note(f"rollouts run up to rl.off_policy_steps={producer.k} step(s) ahead of the trainer "
+                    f"(staleness corrected by {_staleness_correction(config)})")
   stop.in_loop = True
-  for step in range(start + 1, total + 1):
-    t_step = time.perf_counter()
-    run.timer.reset()
-    profiler.before_step(step)
-    _seed_rollout(run, step)
-    inputs, batch = _step_inputs(run, step)
-    exp = experience.make_experience(run, inputs, plan, run.timer)
-    t = time.perf_counter()
-    run.rl_cluster.update_actor(updates.micro_batches(exp.example, plan), None, skip_jit=False)
-    # Tunix defers writing an update's metrics by one update (to overlap I/O); flush so this step's are this step's.
-    tunix_compat.flush_train_metrics(trainer)
-    run.timer.add("train", time.perf_counter() - t)
-    t = time.perf_counter()
-    if run.learner.should_sync_weights:
-      run.rl_cluster.sync_weights()
-    else:
-      run.rl_cluster.global_steps += 1
-    run.timer.add("weight_sync", time.perf_counter() - t)
-    profiler.after_step(step)
-    if out_logger.writer:  # after the update: the audit never names a step that did not train
-      _audit_batch(run.run_dir, step, batch)
-    metrics = _step_metrics(run, exp, inputs["answer"], run.timer.reset(), step, time.perf_counter() - t_step)
-    if not all(math.isfinite(v) for v in metrics.values()):
-      logging.warning("non-finite metrics at step %d: %s", step, {k: v for k, v in metrics.items()
-                                                                   if not math.isfinite(v)})
-    out_logger.log_step(step, metrics)
-    if evaluation_lib.should_evaluate(config, step, total):
-      ev = evaluation_lib.evaluate(run, step)
+  producer.start_producing()
+  try:
+    for step in range(start + 1, total + 1):
+      t_step = time.perf_counter()
       run.timer.reset()
-      summary["eval_history"].append({"step": step, **ev})
-      out_logger.log_eval(step, ev, "eval")
-    saved = ckpt.should_save(step, total)
-    if saved:
-      _save(ckpt, run, step, summary)
-    if run.lock is not None:
-      run.lock.heartbeat()
-    if stop.requested is not None and step < total:
-      if not saved and ckpt.enabled:
+      profiler.before_step(step)
+      item = producer.take(step - 1)
+      batch, inputs, sampled = item.value
+      exp = experience.score(run, sampled, plan, run.timer)
+      t = time.perf_counter()
+      run.rl_cluster.update_actor(updates.micro_batches(exp.example, plan), None, skip_jit=False)
+      # Tunix defers writing an update's metrics by one update (to overlap I/O); flush so this step's are this step's.
+      tunix_compat.flush_train_metrics(trainer)
+      run.timer.add("train", time.perf_counter() - t)
+      t = time.perf_counter()
+      wait_sync = producer.publish(step, functools.partial(_install_weights, run, snapshot))
+      run.timer.add("weight_sync", time.perf_counter() - t - wait_sync)
+      profiler.after_step(step)
+      if out_logger.writer:  # after the update: the audit never names a step that did not train
+        _audit_batch(run.run_dir, step, batch)
+      phases = run.timer.reset()
+      for phase, seconds in item.phases.items():  # the batch's sampling (async: overlapped with an earlier step)
+        phases[phase] = phases.get(phase, 0.0) + seconds
+      metrics = _step_metrics(run, exp, item, inputs["answer"], phases, step, time.perf_counter() - t_step, wait_sync)
+      if not all(math.isfinite(v) for v in metrics.values()):
+        logging.warning("non-finite metrics at step %d: %s", step, {k: v for k, v in metrics.items()
+                                                                     if not math.isfinite(v)})
+      out_logger.log_step(step, metrics)
+      if evaluation_lib.should_evaluate(config, step, total):
+        with producer.engine():
+          ev = evaluation_lib.evaluate(run, step)
+        run.timer.reset()
+        summary["eval_history"].append({"step": step, **ev})
+        out_logger.log_eval(step, ev, "eval")
+      saved = ckpt.should_save(step, total)
+      if saved:
         _save(ckpt, run, step, summary)
-      where = (f"checkpoint step {step} in {ckpt.directory}" if ckpt.enabled
-               else "nowhere (enable_checkpointing=false)")
-      profiler.after_step(step, force=True)
-      out_logger.close()
-      ckpt.close()
-      import signal as signal_lib  # pylint: disable=import-outside-toplevel
+      if run.lock is not None:
+        run.lock.heartbeat()
+      if stop.requested is not None and step < total:
+        producer.close()  # batches sampled ahead are dropped: a resume samples them again (async_rollout.py)
+        if not saved and ckpt.enabled:
+          _save(ckpt, run, step, summary)
+        where = (f"checkpoint step {step} in {ckpt.directory}" if ckpt.enabled
+                 else "nowhere (enable_checkpointing=false)")
+        profiler.after_step(step, force=True)
+        out_logger.close()
+        ckpt.close()
+        import signal as signal_lib  # pylint: disable=import-outside-toplevel
 
-      raise signals.Stopped(f"stopped by {signal_lib.Signals(stop.requested).name} after step {step}/{total}; resume "
-                            f"from {where} by rerunning the same command", stop.requested)
+        raise signals.Stopped(f"stopped by {signal_lib.Signals(stop.requested).name} after step {step}/{total}; "
+                              f"resume from {where} by rerunning the same command", stop.requested)
+  finally:
+    producer.close()
+  if snapshot:
+    run.rl_cluster.rollout.release_snapshot()
   stop.in_loop = False
   profiler.after_step(total, force=True)
 
@@ -664,6 +735,12 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
   ckpt.close()
   run.rl_cluster.close()
   return summary
+
+
+def _staleness_correction(config) -> str:
+  if config.rl.rollout_is != "off":
+    return f"rl.rollout_is={config.rl.rollout_is}, cap {config.rl.rollout_is_cap}"
+  return "the PPO ratio against the behaviour policy (rl.use_rollout_logps)"
 
 
 def _finished_summary(config, run_dir: str) -> dict[str, Any] | None:

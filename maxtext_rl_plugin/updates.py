@@ -17,7 +17,7 @@ exactly one update (mu = 1, M = B) they equal the current policy's and the loss 
 computes them once, before the batch's first update.
 
 Gradient accumulation equals the unsplit update when the loss aggregation is a mean of equal-sized per-row
-(`sequence-mean-token-mean`, `sequence-mean`, `sequence-mean-token-scale`) terms: a mean of micro-batch means over
+(`sequence-mean-token-mean`, `sequence-mean`) terms: a mean of micro-batch means over
 equal micro-batches is the batch mean. Under `token-mean` each micro-batch is normalised by its own token count
 (as in Tunix and verl's default), which equals the unsplit loss only when micro-batches hold equal token counts.
 """
@@ -41,6 +41,8 @@ class UpdatePlan:
   num_iterations: int
   num_generations: int
   force_on_policy_ratio: bool = False
+  off_policy_steps: int = 0  # rl.off_policy_steps: batches may be sampled by weights this many RL steps old
+  use_rollout_logps: bool = False
 
   @classmethod
   def from_config(cls, config: Any) -> "UpdatePlan":
@@ -50,7 +52,7 @@ class UpdatePlan:
     micro = int(config.train_micro_batch_size)
     micro = mini if micro <= 0 else micro
     plan = cls(b, mini, micro, int(config.rl.num_iterations), int(config.rl.num_generations),
-               bool(config.rl.force_on_policy_ratio))
+               bool(config.rl.force_on_policy_ratio), int(config.rl.off_policy_steps), bool(config.rl.use_rollout_logps))
     plan.check()
     return plan
 
@@ -78,8 +80,10 @@ class UpdatePlan:
 
   @property
   def needs_old_logps(self) -> bool:
-    """Whether the loss needs the sampling policy's log-probs (any update after the first sees moved weights)."""
-    return self.updates_per_step > 1 and not self.force_on_policy_ratio
+    """Whether the loss needs old-policy log-probs: any update after the first sees moved weights; and a stale batch
+    (`off_policy_steps` > 0) whose PPO ratio is taken against the behaviour policy (`use_rollout_logps`)."""
+    stale_ratio = self.off_policy_steps > 0 and self.use_rollout_logps
+    return (self.updates_per_step > 1 or stale_ratio) and not self.force_on_policy_ratio
 
   def micro_batch_rows(self) -> Iterator[slice]:
     """Row slices (rows = prompts x G) of the micro-batches of one RL step, in training order.

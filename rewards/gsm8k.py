@@ -168,7 +168,9 @@ def _ratio_band(pred: Optional[str], golds: tuple[str, ...]) -> int:
   return best
 
 
-_LAST_GRADED: list = [None, None]  # [key, result]: a step grades one batch for the reward and again for metrics
+# (key, result): a step grades one batch for the reward and again for metrics. One tuple, replaced whole, so a reader
+# in another thread (rollouts ahead of the trainer, evaluation) never pairs one batch's key with another's result.
+_LAST_GRADED: tuple = (None, None)
 
 
 def _grade(completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig) -> list[tuple[ex.Extraction, bool, float, bool]]:
@@ -178,9 +180,12 @@ def _grade(completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig)
     hash(key)
   except TypeError:
     return _grade_uncached(completions, answers, rc)
-  if _LAST_GRADED[0] != key:
-    _LAST_GRADED[:] = [key, _grade_uncached(completions, answers, rc)]
-  return list(_LAST_GRADED[1])
+  global _LAST_GRADED
+  last_key, result = _LAST_GRADED
+  if last_key != key:
+    result = _grade_uncached(completions, answers, rc)
+    _LAST_GRADED = (key, result)
+  return list(result)
 
 
 def _grade_uncached(completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig) -> list[tuple[ex.Extraction, bool, float, bool]]:

@@ -231,12 +231,14 @@ os.register_at_fork(after_in_child=_forget_pool_in_child)
 
 
 _VERDICTS: "collections.OrderedDict[tuple[str, str], bool]" = collections.OrderedDict()
+_VERDICTS_LOCK = threading.Lock()  # rewards may be graded in the rollout producer's thread and the trainer's at once
 
 
 def _remember(key: tuple[str, str], value: bool) -> None:
-  _VERDICTS[key] = value
-  if len(_VERDICTS) > _CACHE_SIZE:
-    _VERDICTS.popitem(last=False)
+  with _VERDICTS_LOCK:
+    _VERDICTS[key] = value
+    if len(_VERDICTS) > _CACHE_SIZE:
+      _VERDICTS.popitem(last=False)
 
 
 def verify_batch(pairs: Sequence[tuple[Optional[str], Optional[str]]], timeout: float = DEFAULT_TIMEOUT_SECONDS, num_procs: Optional[int] = None) -> list[bool]:

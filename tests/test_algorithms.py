@@ -72,7 +72,6 @@ def np_weights(mask: np.ndarray, agg: str) -> np.ndarray:
           "token-mean": 1.0 / mask.sum(),
           "sequence-mean-token-mean": 1.0 / (rows * lengths[i]),
           "sequence-mean": 1.0 / rows,
-          "sequence-mean-token-scale": 1.0 / (rows * mask.shape[1]),
       }[agg]
   return w
 

@@ -206,7 +206,7 @@ def test_every_mixin_class_of_rlconfig_has_a_class_status():
      "vllm_block_size", "rl.num_iterations", "rl.mini_batch_size", "train_micro_batch_size", "rollout_micro_batch_size",
      "eval_interval", "log_period", "eval_sampling_strategy", "generation_configs", "async_checkpointing", "profiler",
      "profiler_steps", "skip_first_n_steps_for_profiler", "rl.use_rollout_logps", "rl.force_on_policy_ratio",
-     "rl.log_sampler_trainer_agreement", "rl.epsilon_high", "checkpoint_period", "max_num_checkpoints_to_keep",
+     "rl.log_sampler_trainer_agreement", "rl.epsilon_high", "rl.off_policy_steps", "checkpoint_period", "max_num_checkpoints_to_keep",
      "enable_checkpointing", "num_batches", "num_epoch", "train_fraction", "eval_batch_size", "loss_algo",
      "hbm_utilization_vllm", "base_emb_dim", "ici_fsdp_parallelism"],
 )
@@ -217,8 +217,7 @@ def test_honoured_keys(key):
 @pytest.mark.parametrize(
     "override, key, why",
     [
-        ("rl.off_policy_steps=1", "rl.off_policy_steps", "asynchronous rollouts are not implemented yet"),
-        ("rl.use_agentic_rollout=true", "rl.use_agentic_rollout", "asynchronous rollouts are not implemented yet"),
+        ("rl.use_agentic_rollout=true", "rl.use_agentic_rollout", "rollouts run ahead of the trainer with any engine"),
         ("rl.max_concurrency=8", "rl.max_concurrency", "agentic rollout"),
         ("rl.system_prompt=hi", "rl.system_prompt", "agentic rollout"),
         ("max_seq_token_per_tpu=128", "max_seq_token_per_tpu", "sequence packing is not implemented"),

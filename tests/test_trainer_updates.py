@@ -22,11 +22,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 class _Cfg:
   """The config attributes UpdatePlan reads."""
 
-  def __init__(self, batch, mini, micro, mu, g=2, force=False):
+  def __init__(self, batch, mini, micro, mu, g=2, force=False, k=0, rollout_logps=False):
     self.batch_size = batch
     self.train_micro_batch_size = micro
     self.rl = type("RL", (), dict(mini_batch_size=mini, num_iterations=mu, num_generations=g,
-                                  force_on_policy_ratio=force))()
+                                  force_on_policy_ratio=force, off_policy_steps=k, use_rollout_logps=rollout_logps))()
 
 
 @pytest.mark.parametrize("batch,mini,micro,mu,upd,acc,micro_steps,needs_old", [
@@ -52,6 +52,15 @@ def test_update_plan_counts(batch, mini, micro, mu, upd, acc, micro_steps, needs
 
 def test_force_on_policy_ratio_needs_no_old_logps():
   assert not updates.UpdatePlan.from_config(_Cfg(4, 2, -1, 1, force=True)).needs_old_logps
+
+
+@pytest.mark.parametrize("k,rollout_logps,needs_old", [
+    (0, True, False),   # on-policy single update: the ratio is 1 whatever the source
+    (1, False, False),  # stale, corrected by importance weights (pi_old = the trainer's weights, ratio 1 at update 1)
+    (1, True, True),    # stale, PPO ratio against the behaviour policy: the sampler's log-probs are the old policy
+])
+def test_stale_batches_need_old_logps_only_for_a_behaviour_ratio(k, rollout_logps, needs_old):
+  assert updates.UpdatePlan.from_config(_Cfg(4, None, -1, 1, k=k, rollout_logps=rollout_logps)).needs_old_logps == needs_old
 
 
 def test_slice_rows_keeps_every_array_field_aligned():

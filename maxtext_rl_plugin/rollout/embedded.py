@@ -210,6 +210,22 @@ class EmbeddedRollout(base_rollout.BaseRollout):
 
   # Set by `resharding.attach_to_rl_cluster` on disaggregated runs: the chunked, guarded trainer -> sampler copy.
   weight_sync: Any = None
+  # Set by `snapshot_weights`: the weights generate() samples with instead of the actor's current ones.
+  _pinned: Any = None
+
+  def snapshot_weights(self) -> None:
+    """From now on sample with the actor's weights as they are now, even while the actor is updated, until the next
+    snapshot (`release_snapshot` returns to the live weights).
+
+    For rollouts that run ahead of the trainer on a colocated engine (async_rollout.py): the actor's arrays are the
+    trainer's and change under the producer. `nnx.state` returns the model's live Variables (an update shows through
+    them), so the snapshot is a new tree of Variables over the current arrays: JAX arrays are immutable and Tunix's
+    train step donates only the optimizer, so this keeps that weight version alive without copying it.
+    """
+    self._pinned = jax.tree.map(lambda x: x, nnx.state(self._actor.base, nnx.Param))
+
+  def release_snapshot(self) -> None:
+    self._pinned = None
 
   def update_params(self, params: Any, filter_types: Optional[Tuple[Any, ...]] = None) -> None:
     """Install new weights; the next generate() uses them without recompiling.
@@ -385,7 +401,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     stop_arr = np.full((max(8, _round_up(len(stop_ids), 8)),), -1, np.int32)
     stop_arr[: len(stop_ids)] = stop_ids
     key = _Key(pb, G, lp, T, spec, len(stop_arr))
-    state = nnx.state(self._actor.base, nnx.Param)
+    state = self._pinned if self._pinned is not None else nnx.state(self._actor.base, nnx.Param)
     if self._rest is None:
       self._rest = self._rest_state()
     rest = self._rest
