@@ -55,9 +55,14 @@ class RunCheckpointer:
     deleted, and no longer a step Orbax lists or overwrites. Returns the new path."""
     import time  # pylint: disable=import-outside-toplevel
 
+    from maxtext_rl_plugin import distributed  # pylint: disable=import-outside-toplevel
+
     src = os.path.join(self.directory, str(step))
-    dst = f"{src}.corrupt-{int(time.time())}"
-    os.rename(src, dst)
+    # One name for every process (process 0's clock); process 0 alone renames, the others wait for it.
+    dst = f"{src}.corrupt-{distributed.agree_from_writer(int(time.time()))}"
+    if distributed.is_writer_process():
+      os.rename(src, dst)
+    distributed.barrier(f"set_aside_{step}")
     if self._manager is not None:
       self._manager.reload()
     return dst
@@ -99,9 +104,13 @@ class RunCheckpointer:
 
     ocp = self._ocp
 
+    from maxtext_rl_plugin import distributed  # pylint: disable=import-outside-toplevel
+
+    mesh = distributed.mesh_of(params_target)
+
     def abstract(tree):
       return jax.tree_util.tree_map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=distributed.restore_sharding(x, mesh))
           if hasattr(x, "shape") else x,
           tree,
       )

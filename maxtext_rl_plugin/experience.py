@@ -27,6 +27,7 @@ the one Tunix's loss and reference use.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Any, Callable, Sequence
 
@@ -40,6 +41,7 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
 
 from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.updates import UpdatePlan
 
 
@@ -109,12 +111,12 @@ class TrainerLogps:
     return jnp.concatenate(outs, axis=0)
 
 
-def behaviour_logps(out: Any, length: int) -> jax.Array | None:
+def behaviour_logps(out: Any, length: int) -> np.ndarray | None:
   """[rows, length] log-probs the sampler assigned to the tokens it sampled (the behaviour policy mu), zero-padded;
   None when the engine returned none."""
   if out.logprobs is None or any(lp is None for lp in out.logprobs):
     return None
-  return jnp.asarray(pad_rows(out.logprobs, length, 0.0, np.float32))
+  return pad_rows(out.logprobs, length, 0.0, np.float32)
 
 
 def agreement_metrics(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -> dict[str, float]:
@@ -150,6 +152,13 @@ class Sampled:
   eos_id: int
 
 
+def _put(cluster: Any) -> Callable[[Any], jax.Array]:
+  """Host rows (the same on every process) -> global arrays on the trainer mesh, rows over Tunix's data axis
+  (distributed.py); Tunix passes arrays that are already global through unchanged."""
+  return functools.partial(distributed.global_batch, mesh=cluster.cluster_config.role_to_mesh[rl_cluster_lib.Role.ACTOR],
+                           axes=cluster.cluster_config.training_config.data_sharding_axis)
+
+
 def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> Sampled:
   """Rollouts, rewards and group advantages of one batch (`inputs` rows are prompts repeated G times)."""
   cfg = run.config
@@ -164,7 +173,8 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
   timer.add("rollout", time.perf_counter() - t)
 
   completion_ids = pad_rows(out.tokens, train_rollout.max_tokens_to_generate, pad_id, np.int32)
-  prompt_ids = jnp.asarray(out.left_padded_prompt_tokens)
+  put = _put(cluster)
+  prompt_ids = put(np.asarray(out.left_padded_prompt_tokens, np.int32))
 
   t = time.perf_counter()
   run.rewards.reset()  # the recorder holds this batch's values only
@@ -179,7 +189,7 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
     t = time.perf_counter()
     behaviour = behaviour_logps(out, completion_ids.shape[1])
     if behaviour is None:  # an engine that returns no log-probs: recompute them on the sampler's weights
-      behaviour = cluster.get_old_per_token_logps(prompt_tokens=prompt_ids, completion_tokens=jnp.asarray(completion_ids),
+      behaviour = cluster.get_old_per_token_logps(prompt_tokens=prompt_ids, completion_tokens=put(completion_ids),
                                                   micro_batch_size=_micro(cfg.train_micro_batch_size, g))
     timer.add("logps", time.perf_counter() - t)
   return Sampled(list(inputs["prompts"]), list(out.text), prompt_ids, completion_ids, rewards, advantages, behaviour,
@@ -203,7 +213,8 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experienc
   logps_micro = _micro(cfg.train_micro_batch_size, plan.num_generations)
   prompt_ids = sampled.prompt_ids
   completion_mask = sampled.completion_ids != pad_id  # the stop token is kept and trained (algorithms.py, EOS policy)
-  completion = jnp.asarray(sampled.completion_ids)
+  put = _put(cluster)
+  completion = put(sampled.completion_ids)
   metrics: dict[str, float] = {}
   t = time.perf_counter()
   ref = None
@@ -222,22 +233,22 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experienc
     old = behaviour if use_sampler else trainer_lp
   is_weights = None
   if rollout_is:
-    w, is_metrics = algorithms.rollout_is_weights(trainer_lp, behaviour, completion_mask, cfg.rl.rollout_is,
-                                                  float(cfg.rl.rollout_is_cap))
-    is_weights = jnp.asarray(w)
+    w, is_metrics = algorithms.rollout_is_weights(distributed.to_host(trainer_lp), distributed.to_host(behaviour),
+                                                  completion_mask, cfg.rl.rollout_is, float(cfg.rl.rollout_is_cap))
+    is_weights = put(np.asarray(w, np.float32))
     metrics.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
   if agreement:
-    metrics.update(agreement_metrics(behaviour, trainer_lp, completion_mask))
+    metrics.update(agreement_metrics(distributed.to_host(behaviour), distributed.to_host(trainer_lp), completion_mask))
   timer.add("logps", time.perf_counter() - t)
 
   example = grpo_learner.TrainExample(
       prompt_ids=prompt_ids,
       prompt_mask=prompt_ids != pad_id,
       completion_ids=completion,
-      completion_mask=jnp.asarray(completion_mask),
+      completion_mask=put(completion_mask),
       ref_per_token_logps=ref,
-      advantages=jnp.asarray(sampled.advantages),
-      old_per_token_logps=old,
+      advantages=put(np.asarray(sampled.advantages, np.float32)),
+      old_per_token_logps=None if old is None else put(old),
       sampler_is_weights=is_weights,
   )
   return Experience(example=example, texts=sampled.texts, rewards=sampled.rewards, metrics=metrics)

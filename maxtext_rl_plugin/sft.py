@@ -16,7 +16,10 @@ import time
 from absl import logging
 import numpy as np
 
-from maxtext_rl_plugin.metrics import format_duration
+from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin.metrics import format_duration, is_writer
+
+_DATA_AXES = ("data", "fsdp")
 
 
 def _tokenize_batch(examples, tokenizer, config, length: int):
@@ -35,6 +38,12 @@ def _tokenize_batch(examples, tokenizer, config, length: int):
     start, end = len(p) - 1, min(len(p) + len(t), length) - 1
     mask[i, start:end] = 1.0
   return tokens, mask
+
+
+def _say(line: str) -> None:
+  """Console progress: process 0 only (every process trains the same warm start)."""
+  if is_writer():
+    print(line, flush=True)
 
 
 def _checkpointer(path: str):
@@ -66,7 +75,7 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
                                                               meta=ocp.args.JsonRestore()))
     nnx.update(model, restored.params)
     manager.close()
-    print(f"SFT warm start: restored {steps} steps from {ckpt_dir} (skipping)", flush=True)
+    _say(f"SFT warm start: restored {steps} steps from {ckpt_dir} (skipping)")
     return dict(restored.meta)
 
   length = config.max_target_length
@@ -95,12 +104,14 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
   with mesh, nn_partitioning.axis_rules(config.logical_axis_rules):
     for step in range(1, steps + 1):
       tokens, mask = _tokenize_batch(next(batches), tokenizer, config, length)
-      params, opt_state, loss = train_step(params, opt_state, jnp.asarray(tokens), jnp.asarray(mask))
+      # The same rows on every process -> global arrays, rows over the mesh's data axes (distributed.py).
+      params, opt_state, loss = train_step(params, opt_state, distributed.global_batch(tokens, mesh, _DATA_AXES),
+                                           distributed.global_batch(mask, mesh, _DATA_AXES))
       losses.append(float(loss))
       if step == 1 or step % max(1, steps // 10) == 0 or step == steps:
         el = time.time() - t0
-        print(f"SFT warm start step {step}/{steps} | loss {np.mean(losses[-10:]):.3f} | "
-              f"ETA {format_duration(el / step * (steps - step))}", flush=True)
+        _say(f"SFT warm start step {step}/{steps} | loss {np.mean(losses[-10:]):.3f} | "
+             f"ETA {format_duration(el / step * (steps - step))}")
   nnx.update(model, params)
   meta = {"steps": steps, "final_loss": float(np.mean(losses[-10:])), "seconds": time.time() - t0}
   manager.save(steps, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)),

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from maxtext_rl_plugin import async_rollout
+from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import evaluation as evaluation_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
@@ -100,6 +101,8 @@ def _data_key(config) -> str:
 
 def _check_runtime(config, rs: models.RunSetup) -> None:
   """Checks that need the device set, before any model is built (device-free ones: `config.validate`)."""
+  distributed.check_device_split(rs.trainer_devices, rs.sampler_devices)
+  distributed.check_synchronous(int(config.rl.off_policy_steps))
   n_trainer = len(rs.trainer_devices)
   plan = updates.UpdatePlan.from_config(config)
   for key, prompts in (("batch_size", plan.batch_size), ("train_micro_batch_size", plan.micro_batch_size)):
@@ -342,6 +345,7 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
       ),
       rollout_config=rollout_cfgs,
   )
+  tunix_compat.multiprocess_workarounds()
   rl_cluster = rl_cluster_lib.RLCluster(
       actor=actor, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
   )
@@ -432,7 +436,8 @@ def _restore_newest(run: RLRun, ckpt) -> tuple[int, dict]:
     _check_resume_compatible(run.config, meta, f"{ckpt.directory}/{step}")
     for bad, why in failures:
       kept = ckpt.set_aside(bad)
-      print(f"skipped checkpoint step {bad} (does not restore: {why}); kept as {kept}", flush=True)
+      if metrics_lib.is_writer():
+        print(f"skipped checkpoint step {bad} (does not restore: {why}); kept as {kept}", flush=True)
     nnx.update(trainer.model, params)
     nnx.update(trainer.optimizer, opt_state)
     tunix_compat.set_trainer_steps(trainer, step * run.plan.updates_per_step, run.plan.accumulation_steps)
@@ -526,7 +531,7 @@ def _step_metrics(run: RLRun, exp, item, answers: list, phases: dict[str, float]
   graded = rewards_lib.score_batch(exp.texts, answers, run.config)
   m["accuracy"] = float(np.mean([r.correct for r in graded]))
   m["strict_accuracy"] = float(np.mean([r.correct and r.format_ok for r in graded]))
-  mask = np.asarray(exp.example.completion_mask)
+  mask = distributed.to_host(exp.example.completion_mask)
   lengths = mask.sum(axis=-1)
   m["completion/length_mean"] = float(lengths.mean())
   m["completion/length_max"] = float(lengths.max())
@@ -621,6 +626,7 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
       async_save=bool(config.async_checkpointing),
   )
   start, meta = _restore_newest(run, ckpt)  # every process joins the restore
+  start = distributed.agree(start, "the checkpoint step to resume from")
   if metrics_lib.is_writer():
     if not start:
       run_dir_lib.check_fresh_metrics_file(run.metrics_file, run.run_dir)
@@ -773,9 +779,10 @@ def run(config, argv: Sequence[str]) -> dict[str, Any]:
     run_dir_lib.check_writable(out_dir, metrics_file)
   finished = _finished_summary(config, out_dir)
   if finished is not None:  # a rerun of a finished run reports it and changes nothing
-    print(f"{out_dir} already finished all {finished['total_steps']} RL steps; nothing to do "
-          "(raise num_batches to train further, or use a new run_name)", flush=True)
-    print("\n" + summary_lib.table(finished), flush=True)
+    if writer:
+      print(f"{out_dir} already finished all {finished['total_steps']} RL steps; nothing to do "
+            "(raise num_batches to train further, or use a new run_name)", flush=True)
+      print("\n" + summary_lib.table(finished), flush=True)
     return finished
   lock = run_dir_lib.RunLock(out_dir)
   if writer:

@@ -7,7 +7,12 @@ greedy evaluation and per-phase timing. Three things have no public API in Tunix
   resume reads them from its own checkpoint manager, which the plugin does not use);
 * flushing the trainer's buffered metrics: Tunix writes an update's loss/KL/clip fraction one update late (to
   overlap I/O), so without a flush a step's metrics would be logged with the next step;
-* the learner's reward aggregation is private too, but the plugin computes rewards itself (`experience.py`).
+* the learner's reward aggregation is private too, but the plugin computes rewards itself (`experience.py`);
+* multi-process runs (`multiprocess_workarounds`): `RLCluster` snapshots the actor's whole state to pinned host memory
+  with one `jax.device_put` (`tunix.rl.utils.put_params_on_memory_kind`, at construction and on every sync), which
+  in a multi-controller program rejects the model's typed PRNG-key leaves on a global mesh. The plugin swaps in
+  `distributed.put_on_memory_kind` (same result, keys moved as key data). The snapshot only feeds
+  `get_actor_per_token_logps`, which the plugin never calls.
 
 `tests/test_tunix_compat.py` checks each name against the pinned Tunix, so an upgrade fails there, not in a run.
 """
@@ -15,6 +20,8 @@ greedy evaluation and per-phase timing. Three things have no public API in Tunix
 from __future__ import annotations
 
 from typing import Any
+
+from maxtext_rl_plugin import distributed
 
 PINNED_TUNIX = "0.1.7"
 
@@ -34,3 +41,13 @@ def trainer_steps(actor_trainer: Any) -> tuple[int, int]:
 def flush_train_metrics(actor_trainer: Any) -> None:
   """Write the last update's buffered metrics now (Tunix defers them by one update)."""
   actor_trainer._write_train_metrics()  # pylint: disable=protected-access
+
+
+def multiprocess_workarounds() -> None:
+  """Before building `RLCluster` in a multi-process program: its memory-kind snapshot goes through
+  `distributed.put_on_memory_kind` (see the module docstring). A no-op on one process."""
+  if not distributed.is_multiprocess():
+    return
+  from tunix.rl import utils as rl_utils  # pylint: disable=import-outside-toplevel
+
+  rl_utils.put_params_on_memory_kind = distributed.put_on_memory_kind

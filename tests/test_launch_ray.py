@@ -66,6 +66,21 @@ def test_dry_run_and_one_line_errors(monkeypatch, launch_cli):
     assert rc == 2 and out == "" and err.count("\n") == 1 and needle in err, (argv, err)
 
 
+def test_max_failures_is_rays_failure_config(launch_cli):
+  """--max-failures N is Ray Train's FailureConfig(max_failures=N) (the group restart the multi-process test
+  exercises); default 0 (no restart), -1 forever, below that one line."""
+  from ray.train.v2.api.config import FailureConfig  # pylint: disable=import-outside-toplevel
+
+  for n in (0, 3, -1):
+    trainer = ray_lib.build_trainer(ray_lib.RayLaunch(num_workers=2, overrides=["run_name=ft"], max_failures=n))
+    fc = trainer.run_config.failure_config
+    assert isinstance(fc, FailureConfig) and fc.max_failures == n
+  rc, out, _ = launch_cli(["ray", "--num-workers", "2", "--max-failures", "2", "--dry-run", "--", "run_name=ft"])
+  assert rc == 0 and 'failure={"max_failures": 2}' in out
+  rc, out, err = launch_cli(["ray", "--num-workers", "2", "--max-failures", "-2", "--dry-run"])
+  assert rc == 2 and out == "" and err.count("\n") == 1 and "--max-failures" in err
+
+
 def test_hf_access_token_override_travels_in_the_environment_never_argv(monkeypatch, launch_cli):
   monkeypatch.delenv("HF_TOKEN", raising=False)
   secret = "hf_overrideSECRET123456"

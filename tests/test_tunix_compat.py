@@ -40,3 +40,14 @@ def test_public_seams_the_step_loop_uses():
   fields = set(grpo_learner.TrainExample.__dataclass_fields__)
   assert {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "ref_per_token_logps", "advantages",
           "old_per_token_logps"} <= fields
+
+
+def test_pinned_host_snapshot_goes_through_the_module_attribute_the_workaround_replaces():
+  """tunix_compat.multiprocess_workarounds swaps `tunix.rl.utils.put_params_on_memory_kind`: RLCluster must look it up
+  through that module at call time (construction and sync_weights), and it must be one jax.device_put of the tree."""
+  from tunix.rl import utils as rl_utils  # pylint: disable=import-outside-toplevel
+
+  assert "rl_utils.put_params_on_memory_kind(" in inspect.getsource(rl_cluster.RLCluster._init_cluster)  # pylint: disable=protected-access
+  assert "rl_utils.put_params_on_memory_kind(" in inspect.getsource(rl_cluster.RLCluster.sync_weights)
+  assert "jax.device_put(" in inspect.getsource(rl_utils.put_params_on_memory_kind)
+  assert list(inspect.signature(rl_utils.put_params_on_memory_kind).parameters) == ["params", "memory_kind"]

@@ -78,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--result-dir", default=None, help="smoke: write each worker's metrics to <dir>/rank<i>.json")
   r.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
   r.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray cluster started by the launcher")
+  r.add_argument("--max-failures", type=int, default=0,
+                 help="Ray FailureConfig(max_failures): restart the worker group after a failure up to N times "
+                      "(-1: forever); train_rl resumes from the newest checkpoint")
   r.add_argument("--dry-run", action="store_true", help="print the JaxTrainer setup and run nothing")
   return p
 

@@ -55,6 +55,7 @@ class RayLaunch:
   result_dir: str | None = None
   address: str | None = None
   num_cpus: int | None = None
+  max_failures: int = 0
 
   @property
   def use_tpu(self) -> bool:
@@ -69,6 +70,8 @@ class RayLaunch:
       raise xpk_lib.LaunchError("TPU workers need both --tpu-topology (e.g. 4x4) and --accelerator-type (e.g. TPU-V6E)")
     if self.use_tpu and self.chips_per_worker < 1:
       raise xpk_lib.LaunchError(f"--chips-per-worker must be >= 1, got {self.chips_per_worker}")
+    if self.max_failures < -1:
+      raise xpk_lib.LaunchError(f"--max-failures must be >= -1 (-1: retry forever), got {self.max_failures}")
     if self.cpu_devices_per_worker < 1:
       raise xpk_lib.LaunchError(f"--cpu-devices-per-worker must be >= 1, got {self.cpu_devices_per_worker}")
     if self.entry == "train_rl" and check_overrides:
@@ -138,12 +141,19 @@ class RayLaunch:
         "result_dir": self.result_dir,
     }
 
+  def failure_config_kwargs(self) -> dict[str, Any]:
+    """Ray's FailureConfig: after a worker fails, the whole group restarts up to max_failures times; each restart
+    runs train_rl again with the same run_name, which resumes from the newest complete checkpoint (batch k is a pure
+    function of the step, so no batch is repeated or skipped)."""
+    return {"max_failures": self.max_failures}
+
   def describe(self) -> str:
     """One line that says what would run (secrets redacted), for --dry-run and logs."""
     env = {k: ("***" if k == xpk_lib.SECRET_ENV else v) for k, v in self.worker_env().items()}
     return (
         f"ray JaxTrainer name={self.run_name()} entry={self.entry} scaling={json.dumps(self.scaling_config_kwargs(), sort_keys=True)} "
-        f"worker_env={json.dumps(env, sort_keys=True)} argv={json.dumps(self.loop_config()['argv'])}"
+        f"worker_env={json.dumps(env, sort_keys=True)} failure={json.dumps(self.failure_config_kwargs())} "
+        f"argv={json.dumps(self.loop_config()['argv'])}"
     )
 
 
@@ -225,7 +235,7 @@ def build_trainer(launch: RayLaunch):
   """The `JaxTrainer` for `launch` (constructing it needs no cluster; `fit()` does)."""
   os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")  # JaxTrainer and ray.train.collective are Train V2 APIs
   try:
-    from ray.train.v2.api.config import RunConfig, ScalingConfig  # pylint: disable=import-outside-toplevel
+    from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig  # pylint: disable=import-outside-toplevel
     from ray.train.v2.jax import JaxTrainer  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise errors.MissingExtraError("the Ray launcher", "ray[train]", "launch") from None
@@ -233,7 +243,8 @@ def build_trainer(launch: RayLaunch):
     scaling = ScalingConfig(**launch.scaling_config_kwargs())
   except ValueError as e:
     raise xpk_lib.LaunchError(f"Ray rejected the scaling config: {' '.join(str(e).split())}") from None
-  run_kwargs: dict[str, Any] = {"name": launch.run_name(), "worker_runtime_env": {"env_vars": launch.worker_env()}}
+  run_kwargs: dict[str, Any] = {"name": launch.run_name(), "worker_runtime_env": {"env_vars": launch.worker_env()},
+                                "failure_config": FailureConfig(**launch.failure_config_kwargs())}
   if launch.storage_path:
     run_kwargs["storage_path"] = launch.storage_path
   return JaxTrainer(
@@ -288,4 +299,5 @@ def from_args(args: Any, overrides: Sequence[str]) -> RayLaunch:
       result_dir=args.result_dir,
       address=args.address,
       num_cpus=args.num_cpus,
+      max_failures=args.max_failures,
   )

@@ -49,6 +49,7 @@ import numpy as np
 from tunix.rl import common as tunix_common
 from tunix.rl.rollout import base_rollout
 
+from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.rollout import sampling
 
 # nnx.Cache leaf names of MaxText's standard `KVCache` and their logical layout.
@@ -304,7 +305,8 @@ class EmbeddedRollout(base_rollout.BaseRollout):
             eos_id=self._eos_id, stop_gradient=True, return_logits=False, temperature=temperature)
       fn = self._logps_fns[temperature] = jax.jit(_logps)
     with self._mesh, logical_axis_rules(self.config.logical_axis_rules):
-      return fn(state, jnp.asarray(prompt_tokens), jnp.asarray(completion_tokens))
+      return fn(state, distributed.global_batch(prompt_tokens, self._mesh, self._batch_axes),
+                distributed.global_batch(completion_tokens, self._mesh, self._batch_axes))
 
   # ------------------------------------------------------------------ direct API
   def generate_tokens(
@@ -406,14 +408,15 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     batch_sh = NamedSharding(self._mesh, P(self._batch_axes or None))
     args = (
         state, rest,
-        jax.device_put(toks, NamedSharding(self._mesh, P(self._batch_axes or None, None))),
-        jax.device_put(lens, batch_sh),
-        jax.device_put(active, batch_sh),
-        rng,
-        jnp.float32(params.temperature),
-        jnp.float32(params.top_p),
-        jnp.asarray(stop_arr),
-        jnp.asarray(stop_seqs),
+        # Every process holds the same prompts (distributed.py); each places the shards its devices hold.
+        distributed.global_array(toks, NamedSharding(self._mesh, P(self._batch_axes or None, None))),
+        distributed.global_array(lens, batch_sh),
+        distributed.global_array(active, batch_sh),
+        distributed.replicated(rng, self._mesh),
+        distributed.replicated(np.float32(params.temperature), self._mesh),
+        distributed.replicated(np.float32(params.top_p), self._mesh),
+        distributed.replicated(stop_arr, self._mesh),
+        distributed.replicated(stop_seqs, self._mesh),
     )
     sig = (key, jax.tree.structure(args), tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(args[:2])))
     compiled = self._compiled.get(sig)
@@ -430,7 +433,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
       out_tokens, out_logps, steps = compiled(*args)
     n = n_prompts * G
     self.last_decode_steps = max(self.last_decode_steps, int(steps))
-    return np.asarray(out_tokens)[:n], np.asarray(out_logps)[:n]
+    return distributed.to_host(out_tokens)[:n], distributed.to_host(out_logps)[:n]
 
   def _rest_state(self) -> dict:
     """Non-param, non-cache state (RNG streams) of the decode model, taken from the actor where it has it.

@@ -1,0 +1,208 @@
+"""Host data <-> global arrays, the multi-controller way: the one place the plugin places data on a mesh.
+
+In a multi-process JAX program (one process per host: Ray `JaxTrainer` workers, a multi-host TPU slice without
+Pathways) a mesh spans devices this process cannot address. `jax.device_put(host, NamedSharding(global mesh))` then
+raises "device_put's second argument must be a Device or a Sharding which represents addressable devices", and
+`np.asarray` / `jax.device_get` of a sharded global array fails. Every place that moves data between host and a
+mesh goes through this module instead; on one process the same calls give the same arrays as `jax.device_put`.
+
+Convention (the plugin's, documented once here): **every process holds the same full host data**. Each process reads
+the same batch (a pure function of seed and step), samples the same completions (the rollout program's outputs are
+replicated, `to_host`), computes the same rewards and advantages, so `global_array(host, sharding)` builds the global
+array from the full host copy and each process contributes only the shards its devices hold
+(`jax.make_array_from_callback`). Nothing here takes a process-local slice: Tunix's `shard_input` does
+(`make_array_from_process_local_data`), which is why the plugin hands Tunix arrays that are already global (Tunix
+then passes them through unchanged) rather than host arrays it would concatenate across processes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+
+
+def process_count() -> int:
+  return jax.process_count()
+
+
+def is_multiprocess() -> bool:
+  return jax.process_count() > 1
+
+
+def check_device_split(trainer_devices: list, sampler_devices: list) -> None:
+  """Refuse a disaggregated trainer/sampler split in a multi-process program (one line, before any model is built).
+
+  Each weight sync would copy arrays between two disjoint device sets owned by different processes; multi-controller
+  JAX has no such transfer (`jax.device_put` refuses a cross-host reshard to a different device set, except an
+  experimental TPU-TFRT path), and a rollout jitted on the sampler devices could not be run by the processes that own
+  none of them. Pathways (one controller for every device) is the disaggregated path; multi-process runs colocate.
+  """
+  if is_multiprocess() and list(trainer_devices) != list(sampler_devices):
+    from maxtext_rl_plugin.errors import ConfigError  # pylint: disable=import-outside-toplevel
+
+    raise ConfigError(
+        f"a disaggregated trainer/sampler split ({len(trainer_devices)} + {len(sampler_devices)} devices) needs one "
+        f"controller (Pathways), not {jax.process_count()} JAX processes: weights cannot be copied between device sets "
+        "of different processes; use the colocated split (use_pathways=false, num_trainer_slices=-1)")
+
+
+def check_synchronous(off_policy_steps: int) -> None:
+  """Refuse rollouts that run ahead in a thread (`rl.off_policy_steps` > 0) in a multi-process program: the producer
+  thread's rollout programs and the main thread's updates would reach the cross-process collectives in an order that
+  can differ between processes (a hang or a wrong reduction); no test here shows them ordered."""
+  if is_multiprocess() and off_policy_steps > 0:
+    from maxtext_rl_plugin.errors import ConfigError  # pylint: disable=import-outside-toplevel
+
+    raise ConfigError(f"invalid value for 'rl.off_policy_steps'={off_policy_steps}: rollouts running ahead in a thread "
+                      f"are not supported across {jax.process_count()} JAX processes (the two threads' collectives "
+                      "could be ordered differently on each process); use rl.off_policy_steps=0")
+
+
+def _is_key(x: Any) -> bool:
+  return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def global_array(host: Any, sharding: jax.sharding.Sharding) -> jax.Array:
+  """The global array of `host` (the same full value on every process) laid out by `sharding`.
+
+  Each process fills only its addressable shards from its own copy; no data crosses processes. On one process this
+  equals `jax.device_put(host, sharding)` bit for bit.
+  """
+  if _is_key(host):  # typed PRNG keys: place the raw key data, rewrap (device_put has no multi-process key path)
+    impl = jax.random.key_impl(host)
+    return jax.random.wrap_key_data(global_array(jax.random.key_data(host), sharding), impl=impl)
+  if isinstance(host, jax.Array) and not host.is_fully_addressable:
+    return host if host.sharding == sharding else jax.device_put(host, sharding)
+  arr = np.asarray(host)
+  return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, axes: Any, ndim: int) -> NamedSharding:
+  """Leading (batch) axis over `axes` of `mesh` (a name, a tuple of names, or None), the rest replicated."""
+  if ndim == 0:
+    return NamedSharding(mesh, P())
+  axes = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a in mesh.shape)
+  return NamedSharding(mesh, P(axes or None, *([None] * (ndim - 1))))
+
+
+def global_batch(host: Any, mesh: jax.sharding.Mesh, axes: Any = ("fsdp",)) -> jax.Array:
+  """`host` (same on every process) as a global array with its leading axis sharded over `axes` of `mesh` (Tunix's
+  `data_sharding_axis`, default fsdp, which its `shard_input` then accepts as already placed)."""
+  if isinstance(host, jax.Array) and not host.is_fully_addressable:
+    return host
+  arr = np.asarray(host)
+  sharding = batch_sharding(mesh, axes, arr.ndim)
+  lead = sharding.spec[0] if arr.ndim else None
+  lead = (lead,) if isinstance(lead, str) else tuple(lead or ())
+  if arr.ndim and arr.shape[0] % int(np.prod([mesh.shape[a] for a in lead] or [1])):
+    sharding = NamedSharding(mesh, P())  # rows not divisible by the data axes (eval batches): replicate
+  return global_array(arr, sharding)
+
+
+def replicated(host: Any, mesh: jax.sharding.Mesh) -> jax.Array:
+  return global_array(host, NamedSharding(mesh, P()))
+
+
+def mesh_of(tree: Any) -> jax.sharding.Mesh | None:
+  """The mesh of the first `NamedSharding` leaf of `tree` (None when it has none)."""
+  for x in jax.tree.leaves(tree):
+    s = getattr(x, "sharding", None)
+    if isinstance(s, NamedSharding):
+      return s.mesh
+  return None
+
+
+def restore_sharding(x: Any, mesh: jax.sharding.Mesh | None) -> jax.sharding.Sharding | None:
+  """The sharding a checkpoint leaf restores into: `x`'s own, except a leaf this process alone holds (an optimizer
+  step count Tunix has not yet laid out on the mesh) in a multi-process run, which restores replicated on `mesh` (a
+  per-process single-device array would be a different array on every process and breaks the first jitted update)."""
+  s = getattr(x, "sharding", None)
+  if s is None or mesh is None or not is_multiprocess() or not s.is_fully_addressable:
+    return s
+  return NamedSharding(mesh, P())
+
+
+def put(tree: Any, shardings: Any) -> Any:
+  """`jax.device_put(tree, shardings)` that also works when the shardings span other processes' devices.
+
+  Host leaves (NumPy, scalars, this process's own arrays) must be the same on every process (`global_array`); global
+  arrays are resharded by `jax.device_put` (same device set: a collective every process joins); PRNG key arrays
+  travel as their key data.
+  """
+  if not is_multiprocess():
+    return jax.device_put(tree, shardings)
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda x: global_array(x, shardings), tree)
+  return jax.tree.map(global_array, tree, shardings)
+
+
+def put_on_memory_kind(tree: Any, memory_kind: str) -> Any:
+  """Every array of `tree` on `memory_kind` ("pinned_host", "device") with its own sharding otherwise unchanged;
+  multi-process safe (what `tunix.rl.utils.put_params_on_memory_kind` does with one `jax.device_put`, which rejects
+  typed PRNG keys of a global mesh)."""
+
+  def move(x):
+    if not isinstance(x, jax.Array):
+      return x
+    s = x.sharding
+    if getattr(s, "memory_kind", None) == memory_kind:
+      return x
+    s = NamedSharding(s.mesh, s.spec, memory_kind=memory_kind) if isinstance(s, NamedSharding) else \
+        s.with_memory_kind(memory_kind)
+    if _is_key(x):
+      return jax.random.wrap_key_data(jax.device_put(jax.random.key_data(x), s), impl=jax.random.key_impl(x))
+    return jax.device_put(x, s)
+
+  return jax.tree.map(move, tree)
+
+
+def to_host(x: Any) -> np.ndarray:
+  """The full value of `x` on this process as NumPy (`np.asarray` for local or replicated arrays; an all-gather, which
+  every process must join, for a global array sharded over other processes' devices)."""
+  if not isinstance(x, jax.Array):
+    return np.asarray(x)
+  if x.is_fully_addressable or x.is_fully_replicated:
+    return np.asarray(x)
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def is_writer_process() -> bool:
+  return jax.process_index() == 0
+
+
+def barrier(name: str) -> None:
+  """Every process waits here until all arrive (a no-op on one process)."""
+  if is_multiprocess():
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+    multihost_utils.sync_global_devices(name)
+
+
+def agree_from_writer(value: int) -> int:
+  """Process 0's `value` on every process (e.g. one timestamp for a file every process names)."""
+  if not is_multiprocess():
+    return value
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  return int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(int(value), np.int64))))
+
+
+def agree(value: int, what: str) -> int:
+  """`value` (an int every process computed, e.g. the resume step): checked equal on every process, so a process that
+  sees another checkpoint directory fails loudly instead of training a different step."""
+  if not is_multiprocess():
+    return value
+  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+  all_values = np.asarray(multihost_utils.process_allgather(np.asarray([int(value)], np.int64))).reshape(-1)
+  if not np.all(all_values == all_values[0]):
+    from maxtext_rl_plugin.errors import CheckpointError  # pylint: disable=import-outside-toplevel
+
+    raise CheckpointError(f"processes disagree on {what}: {all_values.tolist()} (process {jax.process_index()} has "
+                          f"{value}); every process must see the same checkpoint directory (a shared mount or gs://)")
+  return value
