@@ -120,11 +120,6 @@ def _check_runtime(config, rs: models.RunSetup) -> None:
         f"invalid value for 'rl.off_policy_steps'={k}: batches up to {k} step(s) stale need a correction; set "
         "rl.rollout_is=truncate (or mask: importance weights pi_old/pi_behaviour) or rl.use_rollout_logps=true (the PPO "
         "ratio against the behaviour policy, without rl.force_on_policy_ratio)")
-  if k > 0 and jax.process_count() > 1:
-    raise ConfigError(
-        f"invalid value for 'rl.off_policy_steps'={k}: not with {jax.process_count()} JAX processes (multi-controller): "
-        "the producer thread and the trainer would launch collectives in a different order on each process; use "
-        "rl.off_policy_steps=0 there, or Pathways (one controller)")
   if config.rl.rollout_is != "off" and config.rl.use_rollout_logps:
     raise ConfigError(f"invalid value for 'rl.rollout_is'='{config.rl.rollout_is}': needs rl.use_rollout_logps=false "
                       "(the importance weight is pi_old / pi_behaviour, with pi_old the trainer's own forward)")
