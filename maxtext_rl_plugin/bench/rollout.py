@@ -279,7 +279,8 @@ def main(argv=None) -> int:
     flops = bench_peak.decode_flops(cfg, B, lp, T)
     row = {"batch": B, "new_tokens": int(res.lengths.min()), "engine_tokens_per_s": round(eng_tps, 1),
            "engine_seconds": round(eng_s, 3), "engine_compile_seconds": round(compile_s, 2),
-           "engine_flops_per_s": round(flops / eng_s), "engine_fraction_of_peak": round(flops / eng_s / peak["peak_flops"], 4)}
+           "engine_flops_per_s": round(flops / eng_s),
+           "engine_fraction_of_peak": round(flops / eng_s / peak["peak_flops"], 4)}
     if tmodel is not None:
       t_s = float(np.median(ttimes))
       match = bool(np.array_equal(tunix_toks, res.tokens))
@@ -321,14 +322,16 @@ def main(argv=None) -> int:
       "speedup": head.get("recompute_speedup"),
       "recompute_lastpos_tokens_per_s": head.get("recompute_lastpos_tokens_per_s"),
       "speedup_vs_lastpos": head.get("recompute_lastpos_speedup"),
-      "greedy_match": all(v for r in rows for k, v in r.items() if k.endswith("greedy_match") and not k.startswith("tunix")),
+      "greedy_match": all(v for r in rows for k, v in r.items()
+                          if k.endswith("greedy_match") and not k.startswith("tunix")),
       "engine_tokens_per_s_by_batch": {str(r["batch"]): r["engine_tokens_per_s"] for r in rows},
       "engine_compile_seconds": round(sum(r["engine_compile_seconds"] for r in rows), 2),
       "engine_compile_count": engine.compile_count,
       **{k: v for k, v in peak.items() if k != "peak_seconds"},
       "engine_fraction_of_peak_by_batch": {str(r["batch"]): r["engine_fraction_of_peak"] for r in rows},
       "tunix_maxtext_error": tunix_error if args.tunix else None,
-      "tunix_tokens_per_s_by_batch": {str(r["batch"]): r["tunix_tokens_per_s"] for r in rows if "tunix_tokens_per_s" in r},
+      "tunix_tokens_per_s_by_batch": {str(r["batch"]): r["tunix_tokens_per_s"]
+                                      for r in rows if "tunix_tokens_per_s" in r},
       "speedup_vs_tunix_by_batch": {str(r["batch"]): r["speedup_vs_tunix"] for r in rows if "speedup_vs_tunix" in r},
       "tunix_greedy_match": all(r["tunix_greedy_match"] for r in rows) if args.tunix else None,
       "by_batch": rows,
