@@ -12,6 +12,7 @@ BENCHMARKS = {
     "rollout": "maxtext_rl_plugin.bench.rollout",
     "reshard": "maxtext_rl_plugin.bench.reshard",
     "async": "maxtext_rl_plugin.bench.async_rollout",
+    "peak": "maxtext_rl_plugin.bench.peak",
 }
 
 

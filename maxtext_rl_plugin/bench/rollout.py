@@ -9,7 +9,13 @@ prompt + new tokens (left-padded prompts, future columns masked by segment id):
 * `recompute_lastpos`: the decoder over the whole buffer but the output head on the current position only;
   the gap to it is what the KV cache itself saves (small on the 2-layer tiny model, whose cost is the head).
 Compile time is measured separately (AOT lower + compile) and excluded from tokens/s; tokens/s is the
-best of `--repeats` (engine) / `--recompute-repeats` (baselines) runs.
+median of `--repeats` (engine, Tunix) / best of `--recompute-repeats` (baselines) runs.
+
+Peer: Tunix 0.1.7's KV-cache `Sampler` (what its vanilla rollout runs). It cannot drive the MaxText model
+(`TunixMaxTextAdapter` rejects the sampler's [B, L, cache] attention mask and returns no cache; the exact
+error is printed and in the JSON), so it runs a Tunix-native Qwen3 of the same shape holding the same
+weights, and `tunix_greedy_match` checks the two produce the same greedy tokens. Roofline: achieved decode
+FLOP/s (2 x per-token params x tokens + attention, `peak.py`) as a fraction of an in-run matmul peak.
 
 With random init (no load_parameters_path) the decoder weights are scaled by `--decoder-scale`
 (default 3) so greedy continuations depend on the context and `greedy_match` means something; at init
@@ -36,8 +42,12 @@ _QUESTIONS = [
 ]
 
 
+def _prompt_texts(n: int) -> list[str]:
+  return [f"Question {i}: {_QUESTIONS[i % len(_QUESTIONS)]}\nAnswer:" for i in range(n)]
+
+
 def _prompts(tok, n: int) -> list[list[int]]:
-  return [tok.encode(f"Question {i}: {_QUESTIONS[i % len(_QUESTIONS)]}\nAnswer:") for i in range(n)]
+  return [tok.encode(t) for t in _prompt_texts(n)]
 
 
 def _recompute_program(model, prompt_len: int, new_tokens: int, last_position_only: bool):
@@ -106,6 +116,88 @@ def _time_recompute(model, mesh, cfg, prompts, pad_id, T, last_position_only, re
   return out, best, compile_s
 
 
+def _tunix_error(model, tok, cfg, mesh) -> str:
+  """The exact error of Tunix's `Sampler` driving the MaxText model through `TunixMaxTextAdapter` (or "")."""
+  from tunix.generate import sampler as tunix_sampler  # pylint: disable=import-outside-toplevel
+
+  s = tunix_sampler.Sampler(model, tok, _tunix_cache_config(cfg, 64))
+  try:
+    with mesh:
+      s(["What is 17 * 23?"], max_generation_steps=2, max_prompt_length=16, temperature=0.0, echo=False)
+  except Exception as e:  # pylint: disable=broad-exception-caught
+    return f"{type(e).__name__}: {e}"
+  return ""
+
+
+def _tunix_cache_config(cfg, cache_size: int):
+  from tunix.generate import sampler as tunix_sampler  # pylint: disable=import-outside-toplevel
+
+  return tunix_sampler.CacheConfig(cache_size=cache_size, num_layers=int(cfg.num_decoder_layers),
+                                   num_kv_heads=int(cfg.num_kv_heads), head_dim=int(cfg.head_dim))
+
+
+def tunix_qwen3_like(model, cfg):
+  """A Tunix-native `Qwen3` of the MaxText model's shape holding the MaxText model's weights (copied).
+
+  MaxText's scanned layers keep the layer on axis 1 of every decoder kernel; Tunix keeps one module per
+  layer. Projections, norms and the (tied) embedding map one to one.
+  """
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from tunix.models.qwen3 import model as q3  # pylint: disable=import-outside-toplevel
+
+  if not cfg.scan_layers or not cfg.logits_via_embedding:
+    raise NotImplementedError("the Tunix Qwen3 copy needs scan_layers=true and tied embeddings")
+  tc = q3.ModelConfig(num_layers=int(cfg.num_decoder_layers), vocab_size=int(cfg.vocab_size), embed_dim=int(cfg.emb_dim),
+                      hidden_dim=int(cfg.mlp_dim), num_heads=int(cfg.num_query_heads), head_dim=int(cfg.head_dim),
+                      num_kv_heads=int(cfg.num_kv_heads), rope_theta=int(cfg.rope_max_timescale),
+                      norm_eps=float(cfg.normalization_layer_epsilon), use_tied_embedding=True)
+  t = nnx.eval_shape(lambda: q3.Qwen3(tc, rngs=nnx.Rngs(0)))
+  src = nnx.to_pure_dict(nnx.state(model, nnx.Param))["base"]
+  dec, lay = src["decoder"], src["decoder"]["layers"]
+  a = jnp.asarray
+  dst = {"embedder": {"input_embedding": a(src["token_embedder"]["embedding"])},
+         "final_norm": {"w": a(dec["decoder_norm"]["scale"])}, "layers": {}}
+  for i in range(tc.num_layers):
+    sa = lay["self_attention"]
+    dst["layers"][i] = {
+        "attn": {"q_proj": {"w": a(sa["query"]["kernel"][:, i])}, "k_proj": {"w": a(sa["key"]["kernel"][:, i])},
+                 "v_proj": {"w": a(sa["value"]["kernel"][:, i])}, "o_proj": {"w": a(sa["out"]["kernel"][:, i])},
+                 "q_norm": {"w": a(sa["query_norm"]["scale"][:, i])}, "k_norm": {"w": a(sa["key_norm"]["scale"][:, i])}},
+        "input_layernorm": {"w": a(lay["pre_self_attention_layer_norm"]["scale"][:, i])},
+        "post_attention_layernorm": {"w": a(lay["post_self_attention_layer_norm"]["scale"][:, i])},
+        "mlp": {"gate_proj": {"kernel": a(lay["mlp"]["wi_0"]["kernel"][:, i])},
+                "up_proj": {"kernel": a(lay["mlp"]["wi_1"]["kernel"][:, i])},
+                "down_proj": {"kernel": a(lay["mlp"]["wo"]["kernel"][:, i])}},
+    }
+  graphdef, state = nnx.split(t)
+  nnx.replace_by_pure_dict(state, dst)
+  return nnx.merge(graphdef, state)
+
+
+def _time_tunix(tmodel, tok, cfg, prompts_text, T, repeats):
+  """(tokens [B, T], best seconds, first-call seconds) of Tunix's KV-cache `Sampler`, greedy, no early stop."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from tunix.generate import sampler as tunix_sampler  # pylint: disable=import-outside-toplevel
+
+  lp = max(len(tok.encode(p)) for p in prompts_text)
+  s = tunix_sampler.Sampler(tmodel, tok, _tunix_cache_config(cfg, lp + T + 8))
+  kw = dict(max_generation_steps=T, max_prompt_length=lp, temperature=0.0, echo=False, eos_tokens=[-1])
+  t0 = time.perf_counter()
+  out = s(prompts_text, **kw)
+  first = time.perf_counter() - t0
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = s(prompts_text, **kw)
+    best = min(best, time.perf_counter() - t0)
+  toks = np.full((len(prompts_text), T), -1, np.int64)
+  for i, r in enumerate(out.tokens):
+    r = np.asarray(r)[:T]
+    toks[i, :len(r)] = r
+  return toks, best, first
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench rollout", description=__doc__.splitlines()[0])
   ap.add_argument("--config", default="configs/cpu_tiny.yml", help="plugin/MaxText yml (default: the tiny CPU model)")
@@ -117,6 +209,9 @@ def main(argv=None) -> int:
   ap.add_argument("--recompute-max-batch", type=int, default=8,
                   help="skip the full-logits recompute baseline above this batch size (it is quadratic: B x (prompt + "
                        "new) x vocab per step; ~10 min at 32 x 128 on 2 cores)")
+  ap.add_argument("--tunix", action=argparse.BooleanOptionalAction, default=True,
+                  help="also time Tunix's own KV-cache Sampler (on a Tunix Qwen3 with the same weights)")
+  ap.add_argument("--peak-n", type=int, default=1024, help="matmul size of the in-run peak FLOP/s measurement")
   ap.add_argument("--decoder-scale", type=float, default=3.0, help="random-init decoder weight scale (see docstring)")
   args = ap.parse_args(argv)
   if args.new_tokens < 1:
@@ -128,6 +223,7 @@ def main(argv=None) -> int:
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.bench import peak as bench_peak  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.errors import UserError  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.rollout import embedded  # pylint: disable=import-outside-toplevel
 
@@ -148,22 +244,50 @@ def main(argv=None) -> int:
         f"{len(rs.sampler_devices)} {jax.devices()[0].platform} device(s); setup {time.perf_counter() - t0:.1f}s",
         flush=True)
 
+  peak = bench_peak.measure_peak_flops(args.peak_n)
+  print(f"peak {peak['peak_flops'] / 1e9:.1f} GFLOP/s ({args.peak_n}^3 f32 matmul); per-token params "
+        f"{bench_peak.param_counts(cfg)}", flush=True)
+  tunix_error, tmodel = "", None
+  if args.tunix:
+    tunix_error = _tunix_error(model, tok, cfg, mesh)
+    print(f"Tunix Sampler on the MaxText model (TunixMaxTextAdapter): {tunix_error or 'ok'}", flush=True)
+    tmodel = tunix_qwen3_like(model, cfg)
+
   T = args.new_tokens
   rows = []
   for B in batch_sizes:
     prompts = _prompts(tok, B)
-    # Engine: first call compiles (timed separately inside the engine), then timed runs.
+    # Engine: first call compiles (timed separately inside the engine), then timed runs, interleaved with
+    # Tunix's sampler when it runs (same repetitions side by side; shared cores make medians the figure).
     c0 = engine.compile_seconds
     res = engine.generate_tokens(prompts, greedy=True, max_new_tokens=T, ignore_stop=True)
     compile_s = engine.compile_seconds - c0
-    times = []
+    times, ttimes = [], []
+    tunix_toks = None
+    if tmodel is not None:
+      tunix_toks, _, tunix_first = _time_tunix(tmodel, tok, cfg, _prompt_texts(B), T, 0)
     for _ in range(args.repeats):
       s = time.perf_counter()
       res = engine.generate_tokens(prompts, greedy=True, max_new_tokens=T, ignore_stop=True)
       times.append(time.perf_counter() - s)
-    eng_tps = B * T / min(times)
+      if tmodel is not None:
+        _, secs, _ = _time_tunix(tmodel, tok, cfg, _prompt_texts(B), T, 1)
+        ttimes.append(secs)
+    eng_s = float(np.median(times))
+    eng_tps = B * T / eng_s
+    lp = max(len(p) for p in prompts)
+    flops = bench_peak.decode_flops(cfg, B, lp, T)
     row = {"batch": B, "new_tokens": int(res.lengths.min()), "engine_tokens_per_s": round(eng_tps, 1),
-           "engine_seconds": round(min(times), 3), "engine_compile_seconds": round(compile_s, 2)}
+           "engine_seconds": round(eng_s, 3), "engine_compile_seconds": round(compile_s, 2),
+           "engine_flops_per_s": round(flops / eng_s),
+           "engine_fraction_of_peak": round(flops / eng_s / peak["peak_flops"], 4)}
+    if tmodel is not None:
+      t_s = float(np.median(ttimes))
+      match = bool(np.array_equal(tunix_toks, res.tokens))
+      row.update({"tunix_tokens_per_s": round(B * T / t_s, 1), "tunix_seconds": round(t_s, 3),
+                  "tunix_first_call_seconds": round(tunix_first, 2), "speedup_vs_tunix": round(t_s / eng_s, 2),
+                  "tunix_fraction_of_peak": round(flops / t_s / peak["peak_flops"], 4), "tunix_greedy_match": match,
+                  "tunix_first_mismatch_step": None if match else int(np.argmax((tunix_toks != res.tokens).any(0)))})
 
     for name, last_only, limit in (("recompute", False, args.recompute_max_batch), ("recompute_lastpos", True, 1 << 30)):
       if B > limit:
@@ -183,7 +307,7 @@ def main(argv=None) -> int:
         f"{'match':>6} {'compile s':>10}")
   nan = float("nan")
   for r in rows:
-    matches = [v for k, v in r.items() if k.endswith("greedy_match")]
+    matches = [v for k, v in r.items() if k.endswith("greedy_match") and not k.startswith("tunix")]
     print(f"{r['batch']:>6} {r['engine_tokens_per_s']:>13.1f} {r.get('recompute_tokens_per_s', nan):>16.1f} "
           f"{r.get('recompute_speedup', nan):>6.2f} {r.get('recompute_lastpos_tokens_per_s', nan):>14.1f} "
           f"{r.get('recompute_lastpos_speedup', nan):>6.2f} {str(all(matches)):>6} {r['engine_compile_seconds']:>10.1f}")
@@ -198,10 +322,18 @@ def main(argv=None) -> int:
       "speedup": head.get("recompute_speedup"),
       "recompute_lastpos_tokens_per_s": head.get("recompute_lastpos_tokens_per_s"),
       "speedup_vs_lastpos": head.get("recompute_lastpos_speedup"),
-      "greedy_match": all(v for r in rows for k, v in r.items() if k.endswith("greedy_match")),
+      "greedy_match": all(v for r in rows for k, v in r.items()
+                          if k.endswith("greedy_match") and not k.startswith("tunix")),
       "engine_tokens_per_s_by_batch": {str(r["batch"]): r["engine_tokens_per_s"] for r in rows},
       "engine_compile_seconds": round(sum(r["engine_compile_seconds"] for r in rows), 2),
       "engine_compile_count": engine.compile_count,
+      **{k: v for k, v in peak.items() if k != "peak_seconds"},
+      "engine_fraction_of_peak_by_batch": {str(r["batch"]): r["engine_fraction_of_peak"] for r in rows},
+      "tunix_maxtext_error": tunix_error if args.tunix else None,
+      "tunix_tokens_per_s_by_batch": {str(r["batch"]): r["tunix_tokens_per_s"]
+                                      for r in rows if "tunix_tokens_per_s" in r},
+      "speedup_vs_tunix_by_batch": {str(r["batch"]): r["speedup_vs_tunix"] for r in rows if "speedup_vs_tunix" in r},
+      "tunix_greedy_match": all(r["tunix_greedy_match"] for r in rows) if args.tunix else None,
       "by_batch": rows,
   }
   print(json.dumps(summary))

@@ -1,0 +1,44 @@
+"""The benchmark entry points run at tiny sizes and end with the JSON keys the docs quote."""
+
+import json
+
+import numpy as np
+
+from maxtext_rl_plugin.bench import __main__ as bench_main
+from maxtext_rl_plugin.bench import peak
+
+
+class _Cfg:
+  emb_dim, num_query_heads, num_kv_heads, head_dim, mlp_dim, num_decoder_layers, vocab_size = 8, 4, 2, 4, 16, 3, 100
+
+
+def test_decode_flops_matches_a_per_step_sum():
+  """2 x (decoder + head params) per token plus QK^T/AV over each step's real context, summed step by step."""
+  c = _Cfg()
+  per_layer = 8 * 4 * 4 * 2 + 8 * 2 * 4 * 2 + 3 * 8 * 16
+  params = 3 * per_layer + 8 * 100
+  assert peak.param_counts(c)["total"] == params
+  B, lp, T = 5, 7, 6
+  expected = sum(B * (2 * params + 2 * 2 * 3 * 4 * 4 * (lp + t)) for t in range(T))
+  assert peak.decode_flops(c, B, lp, T) == expected
+
+
+def test_peak_is_positive_and_timed():
+  r = peak.measure_peak_flops(n=128, repeats=2)
+  assert r["peak_flops"] > 0 and r["peak_seconds"] > 0 and r["peak_matmul_n"] == 128
+
+
+def test_bench_rollout_tiny_emits_tunix_and_roofline_keys(capsys):
+  """One batch of 1, 4 tokens: the engine and Tunix's Sampler (same weights) must agree token for token."""
+  rc = bench_main.main(["rollout", "--batch-sizes", "1", "--new-tokens", "4", "--repeats", "1",
+                        "--recompute-max-batch", "0", "--peak-n", "128"])
+  assert rc == 0
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  for key in ("peak_flops", "engine_fraction_of_peak_by_batch", "tunix_tokens_per_s_by_batch",
+              "speedup_vs_tunix_by_batch", "tunix_greedy_match", "tunix_maxtext_error"):
+    assert key in out, key
+  assert out["tunix_greedy_match"] is True
+  assert out["greedy_match"] is True
+  assert "attention_mask" in out["tunix_maxtext_error"]  # the adapter's exact refusal, recorded
+  assert 0 < out["engine_fraction_of_peak_by_batch"]["1"] < 1
+  assert np.isfinite(out["speedup_vs_tunix_by_batch"]["1"])
