@@ -28,6 +28,7 @@ from absl import logging
 import numpy as np
 
 from maxtext_rl_plugin import evaluation as evaluation_lib
+from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import run_dir as run_dir_lib
@@ -273,11 +274,14 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
     from maxtext_rl_plugin import sft  # pylint: disable=import-outside-toplevel
 
     sft.warm_start(config, actor, actor_mesh, tokenizer, train_split, run_dir)
+  lora_lib.check_engine(config, engine_name)
+  actor, frozen_base = lora_lib.apply(config, actor, actor_mesh, tokenizer.pad_token_id)  # (actor, None) without LoRA
   reference = None
   if config.rl.grpo_beta != 0.0:
-    # The KL anchor is the starting policy (after the warm start), on the trainer mesh.
+    # The KL anchor is the starting policy (after the warm start), on the trainer mesh; with LoRA, the frozen base
+    # itself (it shares the actor's base arrays: no second copy).
     with actor_mesh:
-      reference = TunixMaxTextAdapter(base_model=nnx.clone(actor.base), pad_id=tokenizer.pad_token_id)
+      reference = frozen_base or TunixMaxTextAdapter(base_model=nnx.clone(actor.base), pad_id=tokenizer.pad_token_id)
   rollout_mesh = models.build_sampler_mesh(rs.sampler_config, rs.sampler_devices)
   logging.info("trainer devices %d, sampler devices %d (%s)", len(rs.trainer_devices), len(rs.sampler_devices),
                "disaggregated" if rs.disaggregated else "colocated")
@@ -371,7 +375,7 @@ def _actor_state(run: RLRun):
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   trainer = run.rl_cluster.actor_trainer
-  return nnx.state(trainer.model, nnx.Param), nnx.state(trainer.optimizer)
+  return nnx.state(trainer.model, lora_lib.trainable(trainer.model)), nnx.state(trainer.optimizer)
 
 
 def _restore_newest(run: RLRun, ckpt) -> tuple[int, dict]:
