@@ -8,8 +8,8 @@ matched by `lora_module_path`, else MaxText's `post_train/lora_module_path.yml` 
 
 * training: Tunix's `PeftTrainer` builds the optimizer with `wrt=nnx.LoRAParam` and differentiates only those
   leaves, so the frozen base gets no gradient and no optimizer state;
-* reference: the model *before* the adapters were applied; qwix's wrapped model holds the same base arrays, so the
-  KL anchor is the frozen base with no second copy of the weights (`RLCluster` also records the backbone sharing);
+* reference: the model *before* the adapters were applied; `apply` points the wrapped model at the same base arrays
+  (qwix copies the kernels it adapts), so the KL anchor is the frozen base with no second copy of the weights;
 * sync: `RLCluster.sync_weights` hands the rollout engine only the `nnx.LoRAParam` state; the embedded engine keeps
   the base and merges `W + alpha/rank * A @ B` into its decode weights on its side (`Merger`), recomputed only when
   the adapters changed;
@@ -84,7 +84,7 @@ def apply(config, actor, mesh, pad_id: int | None = None) -> tuple[Any, Any]:
   """(LoRA actor, frozen base actor) when lora.enable_lora, else (actor, None).
 
   The LoRA actor is a new `TunixMaxTextAdapter` over MaxText's `apply_lora_to_model(actor.base)`; the base actor is
-  the one passed in, whose arrays the LoRA actor shares (qwix adds adapter leaves and keeps the base leaves).
+  the one passed in, whose arrays the LoRA actor shares (every non-adapter leaf is the same jax.Array).
   """
   if not enabled(config):
     return actor, None
@@ -100,6 +100,9 @@ def apply(config, actor, mesh, pad_id: int | None = None) -> tuple[Any, Any]:
     except ValueError as e:  # MaxText's "module_path ... did not match any weights"
       raise ConfigError(f"invalid value for 'lora.lora_module_path'='{module_path(config)}': {e}") from None
     nnx.pop(base, nnx.Intermediate)
+    # qwix's wrapped model holds copies of the kernels it adapts and of the RNG state (same values); point it at the
+    # base's arrays so the reference (the frozen base) and the actor share one copy of the weights.
+    nnx.update(base, nnx.state(actor.base))
     if config.lora.lora_restore_path:
       lora_utils.restore_lora_from_path(base, config)
   lora_actor = TunixMaxTextAdapter(base_model=base, pad_id=pad_id)
