@@ -141,7 +141,7 @@ def _random_adapters(actor, seed: int, scale: float = 0.5):
   """New adapter values (B is zero at init, which would make every check below vacuous)."""
   st = nnx.state(actor, nnx.LoRAParam)
   keys = iter(jax.random.split(jax.random.PRNGKey(seed), len(jax.tree.leaves(st))))
-  return jax.tree.map(lambda x: jax.random.normal(next(keys), x.shape, x.dtype) * scale, st)
+  return jax.tree.map(lambda x: jax.device_put(jax.random.normal(next(keys), x.shape, x.dtype) * scale, x.sharding), st)
 
 
 def test_adapters_on_maxtexts_default_modules_and_base_arrays_shared(adapted):
@@ -167,7 +167,7 @@ def test_adapters_on_maxtexts_default_modules_and_base_arrays_shared(adapted):
 
 def test_merged_weights_give_the_adapted_models_logits(adapted):
   actor, base, cfg = adapted["actor"], adapted["base"], adapted["cfg"]
-  before = nnx.state(actor, nnx.LoRAParam)
+  before = jax.tree.map(lambda x: x, nnx.state(actor, nnx.LoRAParam))  # a snapshot (nnx.state is live)
   nnx.update(actor, _random_adapters(actor, 1))
   try:
     toks = jnp.asarray(np.random.RandomState(0).randint(0, 5000, (2, 24)), jnp.int32)
@@ -190,7 +190,7 @@ def test_engine_greedy_after_adapter_sync_equals_the_adapted_model(adapted):
   from maxtext_rl_plugin.rollout import embedded
 
   actor, tok = adapted["actor"], adapted["tok"]
-  before = nnx.state(actor, nnx.LoRAParam)
+  before = jax.tree.map(lambda x: x, nnx.state(actor, nnx.LoRAParam))  # a snapshot (nnx.state is live)
   try:
     nnx.update(actor, _random_adapters(actor, 2))
     eng = embedded.EmbeddedRollout(rollout_actor=actor, tokenizer=tok, mesh=adapted["mesh"])
