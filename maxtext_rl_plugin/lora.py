@@ -114,6 +114,27 @@ def apply(config, actor, mesh, pad_id: int | None = None) -> tuple[Any, Any]:
   return lora_actor, actor
 
 
+def keep_base_shared(rl_cluster, frozen_base) -> None:
+  """After every actor update, point the actor's base params back at the frozen base's arrays.
+
+  Tunix's train step is an `nnx.jit` over the whole model: it returns fresh buffers for every variable, the frozen
+  base included (same values: the base gets no gradient). Left alone, the actor would hold a second copy of the base
+  after the first update while the reference keeps the first. Re-pointing after each update drops that copy.
+  """
+  if frozen_base is None:
+    return
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  original = rl_cluster.update_actor
+
+  def update_actor(*args, **kwargs):
+    out = original(*args, **kwargs)
+    nnx.update(rl_cluster.actor_trainer.model, nnx.state(frozen_base, nnx.Param))
+    return out
+
+  rl_cluster.update_actor = update_actor
+
+
 def trainable(model) -> Any:
   """The nnx filter of what the trainer updates and checkpoints: adapters on a LoRA model, else every Param."""
   from flax import nnx  # pylint: disable=import-outside-toplevel

@@ -320,6 +320,7 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   rl_cluster = rl_cluster_lib.RLCluster(
       actor=actor, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
   )
+  lora_lib.keep_base_shared(rl_cluster, frozen_base)
   # Disaggregated runs: trainer -> sampler weights go through the plugin's resharding (chunked, guarded).
   from maxtext_rl_plugin import resharding  # pylint: disable=import-outside-toplevel
 
