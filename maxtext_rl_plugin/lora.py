@@ -181,16 +181,19 @@ def merge_kernel(w, a, b, scale: float, scan_axis: int):
   return jnp.moveaxis(merged, 0, scan_axis) if scanned else merged[0]
 
 
-def merge_pure(base: dict, adapters: dict, scale: float, scan_axis: int) -> dict:
-  """Pure-dict base params with every `<name>_lora_a/_lora_b` pair of `adapters` merged into `<name>`."""
-  out = dict(base)
+def adapter_pairs(adapters: dict, prefix: tuple = ()):
+  """(module path, kernel name) of every `<name>_lora_a/_lora_b` pair in a pure-dict adapter tree."""
   for key, value in adapters.items():
     if isinstance(value, dict):
-      out[key] = merge_pure(base[key], value, scale, scan_axis)
+      yield from adapter_pairs(value, prefix + (key,))
     elif key.endswith("_lora_a"):
-      name = key[: -len("_lora_a")]
-      out[name] = merge_kernel(base[name], value, adapters[name + "_lora_b"], scale, scan_axis)
-  return out
+      yield prefix, key[: -len("_lora_a")]
+
+
+def _at(tree: dict, path: tuple) -> dict:
+  for k in path:
+    tree = tree[k]
+  return tree
 
 
 def scale_of(config) -> float:
@@ -200,9 +203,10 @@ def scale_of(config) -> float:
 class Merger:
   """The base params of a LoRA-wrapped MaxText `Transformer` with its current adapters merged in.
 
-  The embedded engine's decode program is MaxText's plain (adapter-free) model; it gets these weights. The merge
-  runs (jitted, onto the base kernels' shardings) only when the adapter arrays changed since the last call, i.e.
-  once per weight sync / optimizer step, never per decode step.
+  The embedded engine's decode program is MaxText's plain (adapter-free) model; it gets these weights. Only the adapted
+  kernels are recomputed (jitted, onto their own shardings); every other leaf is the base's own array, so the engine
+  holds one extra copy of the adapted kernels, not of the model. The merge runs only when the adapter arrays changed
+  since the last call, i.e. once per weight sync / optimizer step, never per decode step.
   """
 
   def __init__(self, config):
@@ -222,13 +226,24 @@ class Merger:
     if self._key is not None and len(leaves) == len(self._key) and all(x is y for x, y in zip(leaves, self._key)):
       return self._merged
     base_state = nnx.state(module, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))
-    base_pure = nnx.to_pure_dict(base_state)
+    base_pure, ad = nnx.to_pure_dict(base_state), nnx.to_pure_dict(adapters)
+    pairs = list(adapter_pairs(ad))
+    ws = [_at(base_pure, p)[n] for p, n in pairs]
+    a_s = [_at(ad, p)[n + "_lora_a"] for p, n in pairs]
+    b_s = [_at(ad, p)[n + "_lora_b"] for p, n in pairs]
     if self._fn is None:
-      shardings = jax.tree.map(lambda x: x.sharding, base_pure)
-      self._fn = jax.jit(lambda b, a: merge_pure(b, a, self.scale, self.scan_axis), out_shardings=shardings)
-    merged_pure = self._fn(base_pure, nnx.to_pure_dict(adapters))
+      self._fn = jax.jit(lambda ws, a_s, b_s: [merge_kernel(w, a, b, self.scale, self.scan_axis)
+                                               for w, a, b in zip(ws, a_s, b_s)],
+                         out_shardings=[w.sharding for w in ws])
+    new = self._fn(ws, a_s, b_s)
+    update: dict = {}
+    for (path, name), w in zip(pairs, new):
+      node = update
+      for k in path:
+        node = node.setdefault(k, {})
+      node[name] = w
     out = jax.tree.map(lambda x: x, base_state)  # a fresh State: the module's own variables are never touched
-    nnx.replace_by_pure_dict(out, merged_pure)
+    nnx.replace_by_pure_dict(out, update)
     self._key, self._merged = leaves, out
     self.num_merges += 1
     return out

@@ -11,6 +11,7 @@ BENCHMARKS = {
     "rewards": "maxtext_rl_plugin.bench.rewards",
     "rollout": "maxtext_rl_plugin.bench.rollout",
     "reshard": "maxtext_rl_plugin.bench.reshard",
+    "lora": "maxtext_rl_plugin.bench.lora",
 }
 
 
