@@ -68,9 +68,10 @@ def check_engine(config, engine_name: str) -> None:
   """LoRA needs an engine that takes adapter-only syncs (the embedded engine; see docs/vllm.md for vLLM)."""
   if enabled(config) and engine_name == "vllm":
     raise ConfigError(
-        "invalid value for 'rollout_engine'='vllm' with lora.enable_lora=true: the plugin's vLLM engine syncs full "
-        "MaxText weights; tpu-inference's adapter path (Tunix's rollout_vllm_lora_config / lora_to_hf_mappings) is "
-        "not verified against the pinned tpu-inference here; use rollout_engine=embedded")
+        "invalid value for 'rollout_engine'='vllm' with lora.enable_lora=true: the engine takes full weights only; "
+        "tpu-inference 0.32.0's JAX model classes (Qwen3ForCausalLM, LlamaForCausalLM) accept _lora_metadata and "
+        "ignore it, and its LoRA path (vLLM's PyTorch LoRA layers, adapters loaded from disk by LoRARequest) is not a "
+        "weight sync; use rollout_engine=embedded (docs/lora.md)")
 
 
 def module_path(config) -> str:

@@ -407,3 +407,14 @@ def test_disaggregated_lora_run_syncs_only_adapters(tmp_path):
   summary = json.loads((tmp_path / "dis" / "summary.json").read_text())
   params = _np(ocp.StandardCheckpointer().restore(tmp_path / "dis" / "checkpoints" / "2" / "params"))
   assert summary["weight_syncs"]["last_bytes"] == sum(v.nbytes for v in params.values())
+
+
+def test_export_lora_cli_refuses_a_full_fine_tuning_run(tmp_path, capsys):
+  from maxtext_rl_plugin import cli
+
+  with pytest.raises(SystemExit) as e:
+    cli.main(["export-lora", "--output", str(tmp_path / "x"), TINY])
+  assert e.value.code == 2
+  err = capsys.readouterr().err.strip()
+  assert err.startswith("error: export_lora needs the training run's lora.enable_lora=true") and "\n" not in err
+  assert not (tmp_path / "x").exists()
