@@ -415,6 +415,6 @@ def test_export_lora_cli_refuses_a_full_fine_tuning_run(tmp_path, capsys):
   with pytest.raises(SystemExit) as e:
     cli.main(["export-lora", "--output", str(tmp_path / "x"), TINY])
   assert e.value.code == 2
-  err = capsys.readouterr().err.strip()
-  assert err.startswith("error: export_lora needs the training run's lora.enable_lora=true") and "\n" not in err
+  lines = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+  assert len(lines) == 1 and lines[0].startswith("error: export_lora needs the training run's lora.enable_lora=true")
   assert not (tmp_path / "x").exists()
