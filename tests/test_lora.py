@@ -318,7 +318,8 @@ def test_base_frozen_adapters_trained_reference_is_the_shared_base(lora_run):
   unshared = [jax.tree_util.keystr(k) for (k, x), y in zip(mine, theirs) if x is not y and "rngs" not in str(k)]
   assert not unshared, unshared
   print(f"\nactor + reference hold {b['held_bytes']} B before and {held_after} B after training (base "
-        f"{b['base_bytes']} B + adapters {b['adapter_bytes']} B); a cloned reference (full fine-tuning) would hold {2 * b['base_bytes']} B of params")
+        f"{b['base_bytes']} B + adapters {b['adapter_bytes']} B); a cloned reference (full fine-tuning) would hold "
+        f"{2 * b['base_bytes']} B of params")
   assert b["held_bytes"] < b["base_bytes"] + b["adapter_bytes"] + 64 * 1024
   assert abs(held_after - b["held_bytes"]) < 1024  # RNG counters only
 

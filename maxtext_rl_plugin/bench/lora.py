@@ -119,7 +119,8 @@ def _one_size(name: str, args) -> dict:
 def main(argv=None) -> int:
   args = _parse(sys.argv[1:] if argv is None else argv)
   if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}").strip()
+    flag = f" --xla_force_host_platform_device_count={args.devices}"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + flag).strip()
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   import jax  # pylint: disable=import-outside-toplevel
   from absl import logging  # pylint: disable=import-outside-toplevel
