@@ -62,10 +62,11 @@ def validate(config) -> None:
   path = lora.lora_restore_path
   if path and not str(path).startswith("gs://") and not os.path.exists(path):
     raise ConfigError(f"invalid value for 'lora.lora_restore_path'='{path}': no such checkpoint directory")
+  check_engine(config, getattr(config, "rollout_engine", "auto"))  # 'auto' is checked again once resolved
 
 
 def check_engine(config, engine_name: str) -> None:
-  """LoRA needs an engine that takes adapter-only syncs (the embedded engine; see docs/vllm.md for vLLM)."""
+  """LoRA needs an engine that takes adapter-only syncs (the embedded engine; docs/lora.md says why not vLLM)."""
   if enabled(config) and engine_name == "vllm":
     raise ConfigError(
         "invalid value for 'rollout_engine'='vllm' with lora.enable_lora=true: the engine takes full weights only; "

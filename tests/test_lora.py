@@ -66,6 +66,7 @@ def test_lora_keys_are_maxtexts_and_have_statuses():
     ([*LORA, "lora.lora_module_path=(("], "'lora.lora_module_path'='((': not a regular expression"),
     ([*LORA, "lora.lora_restore_path=/no/such/adapter"], "'lora.lora_restore_path'='/no/such/adapter': no such"),
     (["lora.enable_lora=true", "lora.no_such_key=1"], "unknown config key 'lora.no_such_key'"),
+    ([*LORA, "rollout_engine=vllm"], "'rollout_engine'='vllm' with lora.enable_lora=true: the engine takes full"),
 ])
 def test_bad_lora_keys_are_one_line_errors(overrides, needle):
   with pytest.raises(errors.ConfigError, match=None) as e:
