@@ -2,7 +2,8 @@
 
   maxtext-rl train <config.yml> [key=value ...]   (= python -m maxtext_rl_plugin.train_rl)
   maxtext-rl score --input IN.jsonl --output OUT.jsonl
-  maxtext-rl bench {rewards,rollout,reshard} ...
+  maxtext-rl export-lora --output DIR [--step N] <config.yml> [key=value ...]   (merged LoRA weights)
+  maxtext-rl bench {rewards,rollout,reshard,lora} ...
   maxtext-rl launch {xpk,xpk-delete,xpk-list,ray} ...
   maxtext-rl list                                  (registered configs, rewards, engines)
 """
@@ -26,6 +27,10 @@ def main(argv=None) -> int:
     from maxtext_rl_plugin.rewards import __main__ as score  # pylint: disable=import-outside-toplevel
 
     return score.main(["score", *rest])
+  if cmd == "export-lora":
+    from maxtext_rl_plugin import export_lora  # pylint: disable=import-outside-toplevel
+
+    return export_lora.main(rest)
   if cmd == "bench":
     from maxtext_rl_plugin.bench import __main__ as bench  # pylint: disable=import-outside-toplevel
 
@@ -40,7 +45,7 @@ def main(argv=None) -> int:
     for group, names in registry.describe().items():
       print(f"{group}: {', '.join(names) or '(none)'}")
     return 0
-  print(f"error: unknown command '{cmd}' (expected train, score, bench, launch or list)", file=sys.stderr)
+  print(f"error: unknown command '{cmd}' (expected train, score, export-lora, bench, launch or list)", file=sys.stderr)
   return 2
 
 

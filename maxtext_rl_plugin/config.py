@@ -369,8 +369,9 @@ def _maxtext_rl_defaults() -> dict[str, Any]:
 
 def _schema_default(key: str) -> Any:
   cls = _config_class()
-  if key.startswith("rl."):
-    field = _nested_models(cls)["rl"].model_fields.get(key[3:])
+  head, _, inner = key.partition(".")
+  if inner and head in key_status.DOTTED_BLOCKS:
+    field = _nested_models(cls)[head].model_fields.get(inner)
   else:
     field = cls.model_fields.get(key)
   return field.get_default(call_default_factory=True) if field is not None else None
@@ -380,7 +381,7 @@ def _rl_default(key: str) -> Any:
   """MaxText's RL default of a status-table key, or of a path inside a dict-valued key."""
   defaults = _maxtext_rl_defaults()
   head, _, path = key.partition(".")
-  if key in defaults or head == "rl":
+  if key in defaults or head in key_status.DOTTED_BLOCKS:
     return defaults[key] if key in defaults else _schema_default(key)
   value = defaults[head] if head in defaults else _schema_default(head)
   for part in path.split(".") if path else ():
@@ -436,6 +437,9 @@ def validate(pc) -> None:
                f"must be -1 or a divisor of batch_size={pc.batch_size}")
   if rl.force_on_policy_ratio and rl.num_iterations > 1:
     raise _bad("rl.force_on_policy_ratio", True, f"valid only with rl.num_iterations=1 (got {rl.num_iterations})")
+  from maxtext_rl_plugin import lora  # pylint: disable=import-outside-toplevel
+
+  lora.validate(pc)
 
 
 # --- parsing, once ------------------------------------------------------------------------------------------------

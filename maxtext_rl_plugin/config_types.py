@@ -130,3 +130,6 @@ class PluginRLConfig(PluginKeys, types.RLConfig):
   """MaxText's RLConfig + the plugin's keys; passed to pyconfig as `config_class`."""
 
   rl: PluginRL = Field(default_factory=PluginRL, description="RL algorithm configuration (GRPO/GSPO).")
+  # MaxText keeps `lora:` in MaxTextConfig (its SFT trainer reads it) but not in RLConfig; the plugin adds the same
+  # block so `lora.enable_lora=true` means what it means in MaxText's train_sft (read by maxtext_rl_plugin.lora).
+  lora: types.LoRA = Field(default_factory=types.LoRA, description="LoRA / QLoRA adapters (MaxText's `lora:` block).")

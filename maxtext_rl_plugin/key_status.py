@@ -149,6 +149,7 @@ _CLASS_STATUS: dict[str, str] = {
     "RLConfig": TRAINER,
     "PluginKeys": "honoured (plugin key)",  # each has a per-key entry below
     "PluginRLConfig": "honoured (plugin key)",
+    "LoRA": "honoured (lora.py: MaxText's lora_utils.apply_lora_to_model on the actor)",
 }
 
 _KEY_STATUS: dict[str, str] = {
@@ -379,8 +380,26 @@ _KEY_STATUS.update({
     "rl.advantage_norm": ALGO,
 })
 
+# MaxText's `lora:` block (its SFT keys), read by lora.py with train_sft's meaning; QLoRA is refused.
+_QLORA = ("refused: QLoRA (a quantized frozen base) is not implemented: the reference model is the float base and the "
+          "embedded engine merges adapters into float base kernels")
+_KEY_STATUS.update({
+    "lora.enable_lora": "honoured (lora.py: MaxText's lora_utils.apply_lora_to_model on the actor; adapters-only "
+                        "training, sync and checkpoints)",
+    "lora.lora_rank": "honoured (lora.py: qwix LoraProvider rank)",
+    "lora.lora_alpha": "honoured (lora.py: qwix LoraProvider alpha; the update is alpha/rank * A @ B)",
+    "lora.lora_module_path": "honoured (lora.py: modules to adapt; empty = MaxText's post_train/lora_module_path.yml "
+                             "entry for model_name)",
+    "lora.lora_restore_path": "honoured (lora.py: MaxText's restore_lora_from_path before training; ignored on resume, "
+                              "as in MaxText)",
+    "lora.lora_weight_qtype": _QLORA,
+    "lora.lora_tile_size": _QLORA,
+})
+
 # The key names the enumeration skips: containers whose inner keys carry the status.
 BLOCKS = ("rl", "cluster", "dataset", "reward", "special_tokens", "evaluation", "vllm")
+# Blocks whose inner keys have no flat twin: named `<block>.<key>` (`rl.` above, and the plugin's `lora:` block).
+DOTTED_BLOCKS = ("rl", "lora")
 
 
 def _config_class():
@@ -402,24 +421,24 @@ def _declaring_class() -> dict[str, str]:
   for klass in cls.__mro__:
     for name in own(klass):
       out.setdefault(name, klass.__name__)
-  rl_cls = cls.model_fields["rl"].annotation
-  for klass in rl_cls.__mro__:
-    for name in own(klass):
-      out.setdefault(f"rl.{name}", klass.__name__)
+  for block in DOTTED_BLOCKS:
+    for klass in cls.model_fields[block].annotation.__mro__:
+      for name in own(klass):
+        out.setdefault(f"{block}.{name}", klass.__name__)
   return out
 
 
 def all_keys() -> list[str]:
   """Every key of the schema: top-level fields (minus block containers) and `rl.<key>`."""
-  return sorted(k for k in _declaring_class() if k not in BLOCKS)
+  return sorted(k for k in _declaring_class() if k not in BLOCKS + DOTTED_BLOCKS)
 
 
 def canonical(key: str) -> str:
   """The status-table name of a user key: `dataset.batch_size` -> `batch_size`, `rl.x` stays, flat `loss_algo`
   (a top-level twin of an `rl:` key, which MaxText routes into the block) -> `rl.loss_algo`."""
   head, _, tail = key.partition(".")
-  if tail and head == "rl":
-    return f"rl.{tail.split('.')[0]}"
+  if tail and head in DOTTED_BLOCKS:
+    return f"{head}.{tail.split('.')[0]}"
   if tail and head in BLOCKS:
     return tail.split(".")[0]
   if tail:

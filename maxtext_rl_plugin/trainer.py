@@ -34,6 +34,7 @@ import numpy as np
 from maxtext_rl_plugin import async_rollout
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import evaluation as evaluation_lib
+from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import pathways
@@ -300,11 +301,14 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
     from maxtext_rl_plugin import sft  # pylint: disable=import-outside-toplevel
 
     sft.warm_start(config, actor, actor_mesh, tokenizer, train_split, run_dir)
+  lora_lib.check_engine(config, engine_name)
+  actor, frozen_base = lora_lib.apply(config, actor, actor_mesh, tokenizer.pad_token_id)  # (actor, None) without LoRA
   reference = None
   if config.rl.grpo_beta != 0.0:
-    # The KL anchor is the starting policy (after the warm start), on the trainer mesh.
+    # The KL anchor is the starting policy (after the warm start), on the trainer mesh; with LoRA, the frozen base
+    # itself (it shares the actor's base arrays: no second copy).
     with actor_mesh:
-      reference = TunixMaxTextAdapter(base_model=nnx.clone(actor.base), pad_id=tokenizer.pad_token_id)
+      reference = frozen_base or TunixMaxTextAdapter(base_model=nnx.clone(actor.base), pad_id=tokenizer.pad_token_id)
   rollout_mesh = models.build_sampler_mesh(rs.sampler_config, rs.sampler_devices)
   logging.info("trainer devices %d, sampler devices %d (%s)", len(rs.trainer_devices), len(rs.sampler_devices),
                "disaggregated" if rs.disaggregated else "colocated")
@@ -344,6 +348,7 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   rl_cluster = rl_cluster_lib.RLCluster(
       actor=actor, reference=reference, tokenizer=tokenizer, cluster_config=cluster_config
   )
+  lora_lib.keep_base_shared(rl_cluster, frozen_base)
   # Disaggregated runs: trainer -> sampler weights go through the plugin's resharding (chunked, guarded).
   from maxtext_rl_plugin import resharding  # pylint: disable=import-outside-toplevel
 
@@ -404,7 +409,7 @@ def _actor_state(run: RLRun):
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   trainer = run.rl_cluster.actor_trainer
-  return nnx.state(trainer.model, nnx.Param), nnx.state(trainer.optimizer)
+  return nnx.state(trainer.model, lora_lib.trainable(trainer.model)), nnx.state(trainer.optimizer)
 
 
 def _restore_newest(run: RLRun, ckpt) -> tuple[int, dict]:

@@ -54,7 +54,7 @@ def test_config_reference_lists_every_key_with_a_meaning():
     for k, v in yaml.safe_load(path.read_text()).items():
       if k == "base_config":
         continue
-      if k in ("rl",) and isinstance(v, dict):
+      if k in ("rl", "lora") and isinstance(v, dict):
         expected |= {f"{k}.{inner}" for inner in v}
       else:
         expected.add(k)

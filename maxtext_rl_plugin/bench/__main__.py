@@ -13,6 +13,7 @@ BENCHMARKS = {
     "reshard": "maxtext_rl_plugin.bench.reshard",
     "async": "maxtext_rl_plugin.bench.async_rollout",
     "peak": "maxtext_rl_plugin.bench.peak",
+    "lora": "maxtext_rl_plugin.bench.lora",
 }
 
 

@@ -1,0 +1,114 @@
+"""Merge a LoRA RL run's adapters into its base and write a MaxText params checkpoint (what a user serves).
+
+    python -m maxtext_rl_plugin.export_lora --output DIR [--step N] <config.yml> [key=value ...]
+    maxtext-rl export-lora --output DIR [--step N] <config.yml> [key=value ...]
+
+Give the same yml and overrides as the training run: they name the run directory
+(`<base_output_directory>/<run_name>/checkpoints`), the base weights (`load_parameters_path`, plus the run's SFT
+warm start when `sft_warmup_steps` > 0) and the adapters' shape (`lora.*`). The adapters of checkpoint `--step`
+(default: the newest) are merged as `W + lora_alpha/lora_rank * A @ B` and the merged weights are written with
+MaxText's `checkpointing.save_params_to_path` to `DIR/0`; load them with `load_parameters_path=DIR/0/items` and
+`lora.enable_lora=false` (no adapter keys needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from maxtext_rl_plugin.errors import CheckpointError, ConfigError
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.export_lora", description=__doc__.splitlines()[0])
+  p.add_argument("--output", required=True, help="directory to write (the checkpoint lands in OUTPUT/0)")
+  p.add_argument("--step", type=int, default=None, help="RL checkpoint step (default: the newest)")
+  p.add_argument("config", nargs=argparse.REMAINDER, help="<config.yml> [key=value ...] of the training run")
+  args = p.parse_args(argv)
+  if not args.config:
+    p.error("the training run's <config.yml> [key=value ...] is required")
+  return args
+
+
+def restore_adapters(model, ckpt_dir: str, step: int | None) -> int:
+  """Load the adapters (the `params` item) of RL checkpoint `step` (newest when None) into `model`; returns the step."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+
+  if not os.path.isdir(ckpt_dir):
+    raise CheckpointError(f"no checkpoints in {ckpt_dir}: run training with this config first")
+  manager = ocp.CheckpointManager(ckpt_dir, item_names=("params", "opt_state", "meta"),
+                                  options=ocp.CheckpointManagerOptions(create=False, step_prefix=None))
+  try:
+    steps = list(manager.all_steps())
+    if step is None:
+      if not steps:
+        raise CheckpointError(f"no checkpoints in {ckpt_dir}: run training with this config first")
+      step = max(steps)
+    elif step not in steps:
+      raise CheckpointError(f"no checkpoint step {step} in {ckpt_dir} (steps: {sorted(steps)})")
+    target = nnx.state(model, nnx.LoRAParam)
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
+    try:
+      restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
+    except (ValueError, KeyError, FileNotFoundError) as e:
+      raise CheckpointError(f"checkpoint {ckpt_dir}/{step} does not hold this run's adapters (check the lora.* keys "
+                            f"match the training run): {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+  finally:
+    manager.close()
+  nnx.update(model, restored.params)
+  return step
+
+
+def export(argv, output: str, step: int | None = None) -> str:
+  """Build the run's base, apply and restore its adapters, merge, save; returns the `load_parameters_path`."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from maxtext.common import checkpointing as mt_checkpointing  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin import lora  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
+
+  config = config_lib.load_config(argv)
+  if not lora.enabled(config):
+    raise ConfigError("export_lora needs the training run's lora.enable_lora=true (a full fine-tuning run's "
+                      "checkpoints already hold every weight)")
+  rs = models.setup_devices(argv)
+  config = rs.trainer_config
+  run_dir = os.path.join(config.base_output_directory, config.run_name)
+  tokenizer = models.load_tokenizer(config)
+  actor, mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
+  if config.sft_warmup_steps > 0:
+    from maxtext_rl_plugin import sft  # pylint: disable=import-outside-toplevel
+
+    sft_dir = os.path.join(os.path.abspath(run_dir), "checkpoints", "sft", str(config.sft_warmup_steps))
+    if not os.path.isdir(sft_dir):
+      raise CheckpointError(f"the run's base is its SFT warm start, but {sft_dir} does not exist")
+    sft.warm_start(config, actor, mesh, tokenizer, None, run_dir)  # restores (the finished warm start is there)
+  lora_actor, _ = lora.apply(config, actor, mesh, tokenizer.pad_token_id)
+  ckpt_dir = os.path.abspath(config.checkpoint_dir or os.path.join(run_dir, "checkpoints"))
+  step = restore_adapters(lora_actor, ckpt_dir, step)
+  merged = lora.merged_params(lora_actor, config)
+  out = os.path.join(os.path.abspath(output), "0")
+  if os.path.exists(out):
+    raise ConfigError(f"invalid value for '--output'='{output}': {out} already exists")
+  mt_checkpointing.save_params_to_path(out, {"params": nnx.to_pure_dict(merged)})
+  path = os.path.join(out, "items")
+  print(f"exported {run_dir} step {step} (LoRA rank {config.lora.lora_rank}, alpha {config.lora.lora_alpha} merged) "
+        f"to {out}; serve or fine-tune it with load_parameters_path={path}", flush=True)
+  return path
+
+
+def main(argv=None) -> int:
+  from maxtext_rl_plugin import errors  # pylint: disable=import-outside-toplevel
+
+  args = _parse(list(sys.argv[1:] if argv is None else argv))
+  with errors.exit_on_user_error():
+    export(args.config, args.output, args.step)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
