@@ -184,6 +184,7 @@ _NET_ERRORS = ("NewConnectionError", "Temporary failure in name resolution", "Ne
                "Max retries exceeded", "No route to host", "ConnectTimeout")
 
 
+@pytest.mark.network
 def test_pins_resolve_to_wheels_for_the_tpu_image_platform(tmp_path):
   """Every pin exists as a wheel for manylinux x86_64 / CPython 3.12 (the image), resolved by pip itself."""
   report = tmp_path / "report.json"
