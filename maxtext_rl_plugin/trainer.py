@@ -171,13 +171,8 @@ def rollout_engine_factory(name: str, sampler_config) -> Any:
 
     vllm.import_vllm()  # fail before any model is built when the [tpu] extra is missing
     return functools.partial(vllm.VllmRollout, config=sampler_config)
-  from maxtext_rl_plugin import registry  # pylint: disable=import-outside-toplevel
-
-  try:
-    cls = registry.load("rollout_engines", name)
-  except KeyError as e:
-    raise ConfigError(f"invalid value for 'rollout_engine'='{name}': {e.args[0]}") from None
-  return functools.partial(cls, config=sampler_config)
+  # `rollout_engine` is a Literal in config_types.py: the config never reaches here with another name.
+  raise ValueError(f"unknown rollout engine {name!r}")
 
 
 def rollout_configs(config, tokenizer) -> dict:
