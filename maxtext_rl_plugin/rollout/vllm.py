@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from tunix.rl.rollout import base_rollout
 
+from maxtext_rl_plugin import resharding
 from maxtext_rl_plugin.errors import ConfigError, DataError, MissingExtraError
 from maxtext_rl_plugin.rollout import vllm_mapping
 
@@ -171,11 +172,7 @@ def sampling_params_kwargs(config: Any, *, greedy: bool = False) -> dict:
 
 
 def _reshard(tree: dict, shardings: dict) -> dict:
-  """Move mapped weights onto the engine's shardings (the plugin's resharding module when present)."""
-  try:
-    from maxtext_rl_plugin import resharding  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    return jax.device_put(tree, shardings)
+  """Move mapped weights onto the engine's shardings through the plugin's resharding (Pathways-aware, chunk-ready)."""
   # donate=False: identity-layout leaves can alias the trainer's own buffers. Chunking happens upstream.
   return resharding.reshard(tree, shardings, chunk_size=None, donate=False)
 
