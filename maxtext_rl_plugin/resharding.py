@@ -49,17 +49,11 @@ PATH_DEVICE_PUT = "device_put"
 VERIFY_POLICIES = ("off", "first", "every_n")
 
 PyTree = Any
-Mapping = Callable[[PyTree], PyTree]
 _logged_paths: set[str] = set()
 
 
 class WeightSyncError(RuntimeError):
   """The sampler does not hold the weights the trainer sent (or the trees do not correspond)."""
-
-
-def identity_mapping(tree: PyTree) -> PyTree:
-  """Trainer tree == sampler tree (the embedded engine runs the same MaxText module)."""
-  return tree
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -537,7 +531,8 @@ class WeightSync:
   `dst` is one of: an nnx sampler model (updated in place; its current buffers are released chunk by chunk
   when `reshard_donate`), a tree of destination Shardings (or arrays, whose shardings are used), or None
   (shardings are then derived per call from `current=` or from `mesh`+`rules` and the source's logical
-  axes). `mapping` turns the trainer's param tree into the sampler's (identity for the embedded engine).
+  axes). The trainer's and the sampler's trees are the same (the embedded engine runs the same MaxText module;
+  engines with another layout, vLLM, map and reshard in their own update_params).
   Options come from `config` (`rl.reshard_chunk_size`, `reshard_donate`, `rl.verify_weight_sync`,
   `rl.verify_weight_sync_every`); keyword arguments override them.
   """
@@ -546,7 +541,6 @@ class WeightSync:
       self,
       config=None,
       dst: Any = None,
-      mapping: Mapping = identity_mapping,
       *,
       mesh: jax.sharding.Mesh | None = None,
       rules=None,
@@ -555,7 +549,6 @@ class WeightSync:
       verify_policy: str | None = None,
       verify_every: int | None = None,
   ):
-    self.mapping = mapping
     self.chunk_size = _config_value(config, "reshard_chunk_size", None) if chunk_size == "config" else chunk_size
     self.release_old = bool(_config_value(config, "reshard_donate", True) if release_old is None else release_old)
     self.verify_policy = str(verify_policy or _config_value(config, "verify_weight_sync", "first"))
@@ -615,7 +608,7 @@ class WeightSync:
     chunk when `reshard_donate`). `apply(new) -> held`: installs the new tree into the sampler and returns
     what the sampler now holds, which is what the guard compares against the trainer's weights.
     """
-    mapped = self.mapping(src_params)
+    mapped = src_params
     if current is None and self._model is not None:
       current = self._model_state()
     dst_shardings = self.destination(mapped, current)
@@ -705,7 +698,7 @@ def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
                weight_sync.path, weight_sync.chunk_size, weight_sync.verify_policy)
 
 
-def attach_to_rl_cluster(rl_cluster, config, mapping: Mapping = identity_mapping) -> WeightSync | None:
+def attach_to_rl_cluster(rl_cluster, config) -> WeightSync | None:
   """The trainer's one call after building the RLCluster: a `WeightSync` from `config`, installed, or None.
 
   The plugin's embedded engine runs the sync inside its own `update_params` (its `weight_sync` attribute); any
@@ -726,7 +719,7 @@ def attach_to_rl_cluster(rl_cluster, config, mapping: Mapping = identity_mapping
   if rl_utils.is_sharing_weights(rl_cluster.actor_trainer.model, sampler):
     logging.info("weight sync: colocated (the sampler shares the trainer's arrays); nothing to sync")
     return None
-  ws = WeightSync(config, mapping=mapping)
+  ws = WeightSync(config)
   if hasattr(type(rl_cluster.rollout), "weight_sync"):
     rl_cluster.rollout.weight_sync = ws  # the plugin's own engine runs the guarded sync in its update_params
   else:
