@@ -104,6 +104,8 @@ def load_tokenizer(config):
 
 
 def check_load_parameters_path(config) -> None:
+  """One line instead of MaxText's traceback for a missing local checkpoint; `build_model` is the one caller that
+  reads the path."""
   path = config.load_parameters_path
   if path and not str(path).startswith("gs://") and not os.path.exists(path):
     raise CheckpointError(f"invalid value for 'load_parameters_path'='{path}': no such checkpoint directory")

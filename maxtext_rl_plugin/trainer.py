@@ -283,7 +283,6 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   config = rs.trainer_config
   _check_runtime(config, rs)
   plan = updates.UpdatePlan.from_config(config)
-  models.check_load_parameters_path(config)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
   tokenizer = models.load_tokenizer(config)
   train_split, eval_split = data.load_splits(config, tokenizer)
