@@ -48,6 +48,16 @@ PATH_PATHWAYS = "pathways"
 PATH_DEVICE_PUT = "device_put"
 VERIFY_POLICIES = ("off", "first", "every_n")
 
+
+def verify_due(policy: str, every: int, n: int) -> bool:
+  """Whether sync number `n` (1-based) is checked under `rl.verify_weight_sync` = `policy`: the first one, and with
+  every_n also every `every`-th (1, N, 2N, ...). Every engine's guard asks this one function."""
+  if policy == "first":
+    return n == 1
+  if policy == "every_n":
+    return n == 1 or n % int(every) == 0
+  return False
+
 PyTree = Any
 _logged_paths: set[str] = set()
 
@@ -570,12 +580,7 @@ class WeightSync:
     self.path = backend_path()
 
   def _verify_due(self) -> bool:
-    n = self.num_syncs  # 1-based index of the sync just done
-    if self.verify_policy == "first":
-      return n == 1
-    if self.verify_policy == "every_n":
-      return n == 1 or n % self.verify_every == 0
-    return False
+    return verify_due(self.verify_policy, self.verify_every, self.num_syncs)
 
   def _model_state(self):
     from flax import nnx  # pylint: disable=import-outside-toplevel

@@ -558,3 +558,29 @@ def test_weight_sync_destinations_mesh_rules_and_sampler_model(env):
   _assert_bitwise_on(src, _state(sampler), env["dst"], env["rs"].sampler_devices)
   _assert_bitwise_on(src, held, env["dst"], env["rs"].sampler_devices)
   assert ws.num_verified == 1 and all(x.is_deleted() for x in old)  # reshard_donate: old buffers released
+
+
+@pytest.mark.parametrize("policy,every,checked", [
+    ("off", 10, []),
+    ("first", 10, [1]),
+    ("every_n", 10, [1, 10, 20]),  # the first sync, then every N-th (not 1, 11, 21)
+    ("every_n", 1, list(range(1, 22))),
+])
+def test_verify_policy_is_one_schedule_for_every_engine(policy, every, checked):
+  """resharding.verify_due is the one schedule: the embedded engine's WeightSync and the vLLM engine both ask it."""
+  from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin import resharding  # pylint: disable=import-outside-toplevel
+
+  assert [n for n in range(1, 22) if resharding.verify_due(policy, every, n)] == checked
+  ws = resharding.WeightSync(None, None, verify_policy=policy, verify_every=every)
+  engine = object.__new__(vllm_rollout.VllmRollout)
+  engine._config = type("C", (), {"rl": type("RL", (), {"verify_weight_sync": policy,  # pylint: disable=protected-access
+                                                          "verify_weight_sync_every": every})()})()
+  got_ws, got_vllm = [], []
+  for n in range(1, 22):
+    ws.num_syncs = n  # the sync just done
+    engine._syncs = n - 1  # pylint: disable=protected-access  # the vLLM engine counts before the sync completes
+    got_ws += [n] if ws._verify_due() else []  # pylint: disable=protected-access
+    got_vllm += [n] if engine._should_verify() else []  # pylint: disable=protected-access
+  assert got_ws == got_vllm == checked

@@ -350,12 +350,9 @@ class VllmRollout(base_rollout.BaseRollout):
                  "freed" if free_kv else "kept")
 
   def _should_verify(self) -> bool:
-    mode = self._config.rl.verify_weight_sync
-    if mode == "first":
-      return self._syncs == 0
-    if mode == "every_n":
-      return self._syncs % int(self._config.rl.verify_weight_sync_every) == 0
-    return False
+    """The same policy as every other engine's guard (resharding.verify_due), for the sync about to complete."""
+    rl = self._config.rl
+    return resharding.verify_due(rl.verify_weight_sync, rl.verify_weight_sync_every, self._syncs + 1)
 
   def pad_id(self) -> int:
     return self._tokenizer.pad_id()
@@ -417,14 +414,13 @@ def _delete_replaced(engine_flat: Mapping[str, Any], new: Mapping[str, Any], tra
 
 
 def _verify_engine_holds(worker: Any, written: Mapping[str, jax.Array]) -> None:
-  """Re-read the worker's weights and check a sample of leaves holds what was written (`rl.verify_weight_sync`).
+  """Re-read the worker's weights and check every written leaf holds what was written (`rl.verify_weight_sync`).
 
   Catches a write path that updated a copy (e.g. a tpu-inference version whose `get_weights_state()` no
   longer aliases the runner's arrays): the sampler would otherwise keep its dummy weights silently.
   """
   now = vllm_mapping.engine_weights(worker.get_weights_state())
-  names = sorted(written)
-  for name in {names[0], names[len(names) // 2], names[-1]}:
+  for name in sorted(written):
     got, want = now.get(name), written[name]
     same = got is want or (got is not None and bool(jnp.array_equal(jnp.asarray(got), want)))
     if not same:
