@@ -20,6 +20,8 @@ import json
 import os
 import statistics
 import sys
+
+from maxtext_rl_plugin.bench import common
 import tempfile
 
 DEFAULT_MODEL = ["base_emb_dim=256", "base_mlp_dim=1024", "base_num_decoder_layers=4", "base_num_query_heads=4",
@@ -75,9 +77,7 @@ def overlap_model(m: dict[str, float]) -> dict[str, float]:
 
 def main(argv=None) -> int:
   args = _parse(sys.argv[1:] if argv is None else argv)
-  if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                               + f" --xla_force_host_platform_device_count={args.devices}").strip()
+  common.force_host_devices(args.devices)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   with tempfile.TemporaryDirectory(prefix="bench_async_") as out:
     sync = _medians(_run(args, 0, out), args.warmup)

@@ -22,6 +22,8 @@ import statistics
 import sys
 import time
 
+from maxtext_rl_plugin.bench import common
+
 # Two sizes: ~40 MiB and ~300 MiB of float32 parameters (vocab 32768).
 SIZES = {
     "small": ["base_emb_dim=256", "base_mlp_dim=1024", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=64",
@@ -118,9 +120,7 @@ def _one_size(name: str, args) -> dict:
 
 def main(argv=None) -> int:
   args = _parse(sys.argv[1:] if argv is None else argv)
-  if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    flag = f" --xla_force_host_platform_device_count={args.devices}"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + flag).strip()
+  common.force_host_devices(args.devices)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   import jax  # pylint: disable=import-outside-toplevel
   from absl import logging  # pylint: disable=import-outside-toplevel

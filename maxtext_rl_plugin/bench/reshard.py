@@ -26,6 +26,8 @@ import json
 import os
 import statistics
 import sys
+
+from maxtext_rl_plugin.bench import common
 import tempfile
 import time
 
@@ -86,8 +88,7 @@ def _parse(argv):
 
 def main(argv=None) -> int:
   args = _parse(sys.argv[1:] if argv is None else argv)
-  if "jax" not in sys.modules and "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices}").strip()
+  common.force_host_devices(args.devices)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
   import jax  # pylint: disable=import-outside-toplevel
