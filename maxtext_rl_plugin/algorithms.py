@@ -220,17 +220,19 @@ def policy_loss(
   a = jnp.broadcast_to(adv, r.shape)
   clipped_low = (a < 0) & (r < 1.0 - eps_lo)
   clipped_high = (a > 0) & (r > 1.0 + eps_hi)
-  aux.update({
-      "pg_loss": pg_loss,
-      "kl_loss": kl_loss,
-      "kl": kl_mean,
-      "ratio_mean": _token_mean(r, mask),
-      "ratio_min": jnp.min(jnp.where(valid, r, jnp.inf)),
-      "ratio_max": jnp.max(jnp.where(valid, r, -jnp.inf)),
-      "clip_fraction_low": _token_mean(clipped_low.astype(jnp.float32), mask),
-      "clip_fraction_high": _token_mean(clipped_high.astype(jnp.float32), mask),
-      "clip_fraction": _token_mean((clipped_low | clipped_high).astype(jnp.float32), mask),
-  })
+  aux.update(
+      {
+          "pg_loss": pg_loss,
+          "kl_loss": kl_loss,
+          "kl": kl_mean,
+          "ratio_mean": _token_mean(r, mask),
+          "ratio_min": jnp.min(jnp.where(valid, r, jnp.inf)),
+          "ratio_max": jnp.max(jnp.where(valid, r, -jnp.inf)),
+          "clip_fraction_low": _token_mean(clipped_low.astype(jnp.float32), mask),
+          "clip_fraction_high": _token_mean(clipped_high.astype(jnp.float32), mask),
+          "clip_fraction": _token_mean((clipped_low | clipped_high).astype(jnp.float32), mask),
+      }
+  )
   aux["pg_clipfrac"] = aux["clip_fraction"]
   if loss_algo == "gspo-token":
     nonempty = (mask.sum(axis=-1) > 0).astype(jnp.float32)
@@ -247,8 +249,9 @@ def policy_loss(
 ROLLOUT_IS_MODES = ("off", "truncate", "mask")
 
 
-def rollout_is_weights(old_per_token_logps: Any, behaviour_per_token_logps: Any, completion_mask: Any, mode: str,
-                       cap: float) -> tuple[np.ndarray, dict[str, float]]:
+def rollout_is_weights(
+    old_per_token_logps: Any, behaviour_per_token_logps: Any, completion_mask: Any, mode: str, cap: float
+) -> tuple[np.ndarray, dict[str, float]]:
   """Rollout importance weights w [B, T] and their metrics (formulas in the module docstring); host NumPy, float32.
 
   Computed once per rollout batch, outside the differentiated loss (the weights are constants there).
@@ -258,8 +261,9 @@ def rollout_is_weights(old_per_token_logps: Any, behaviour_per_token_logps: Any,
     raise ValueError(f"rollout_is_cap must be > 1; got {cap}")
   m = np.asarray(completion_mask).astype(np.float64)
   valid = m > 0
-  d = np.where(valid, np.asarray(old_per_token_logps, np.float64) - np.asarray(behaviour_per_token_logps, np.float64),
-               0.0)
+  d = np.where(
+      valid, np.asarray(old_per_token_logps, np.float64) - np.asarray(behaviour_per_token_logps, np.float64), 0.0
+  )
   d = np.clip(d, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
   ratio = np.exp(d)
   n_tok = max(m.sum(), 1.0)
@@ -419,8 +423,18 @@ def register_with_tunix() -> None:
 def rl_metrics_to_log(algo_config: PluginGrpoConfig) -> dict[str, Callable[[Any], Any]]:
   """Aux keys of `tunix_policy_loss_fn` to hand to `actor_trainer.with_rl_metrics_to_log` (the learner logs only
   `kl` and `pg_clipfrac` by default); each is averaged over the steps of a logging window."""
-  keys = ["kl", "pg_clipfrac", "pg_loss", "kl_loss", "ppo_kl", "ratio_mean", "ratio_min", "ratio_max",
-          "clip_fraction_low", "clip_fraction_high"]
+  keys = [
+      "kl",
+      "pg_clipfrac",
+      "pg_loss",
+      "kl_loss",
+      "ppo_kl",
+      "ratio_mean",
+      "ratio_min",
+      "ratio_max",
+      "clip_fraction_low",
+      "clip_fraction_high",
+  ]
   if algo_config.loss_algo == "gspo-token":
     keys += ["seq_ratio_mean", "seq_clip_fraction"]
   if getattr(algo_config, "compute_entropy", True):
@@ -445,8 +459,10 @@ def tunix_algo_config(config: Any, **overrides: Any) -> PluginGrpoConfig:
   if rl.loss_agg_mode not in LOSS_AGG_MODES:
     raise ConfigError(f"rl.loss_agg_mode={rl.loss_agg_mode!r}: expected one of {', '.join(LOSS_AGG_MODES)}")
   if rl.loss_algo == "gspo-token" and int(rl.num_iterations) == 1:
-    logging.warning("loss_algo=gspo-token with num_iterations=1: on-policy ratios are 1, so the gradient is exactly "
-                    "GRPO's under the same loss_agg_mode (GSPO differs only through its sequence-level clipping)")
+    logging.warning(
+        "loss_algo=gspo-token with num_iterations=1: on-policy ratios are 1, so the gradient is exactly "
+        "GRPO's under the same loss_agg_mode (GSPO differs only through its sequence-level clipping)"
+    )
   kwargs = dict(
       num_generations=int(rl.num_generations),
       num_iterations=int(rl.num_iterations),

@@ -19,8 +19,9 @@ from maxtext_rl_plugin.errors import CheckpointError
 class RunCheckpointer:
   """Save/restore the pieces of RL state needed to resume with no repeated or skipped batch."""
 
-  def __init__(self, directory: str, *, period: int, max_to_keep: int | None = None, enabled: bool = True,
-               async_save: bool = False):
+  def __init__(
+      self, directory: str, *, period: int, max_to_keep: int | None = None, enabled: bool = True, async_save: bool = False
+  ):
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
     self.directory = os.path.abspath(directory)
@@ -80,9 +81,11 @@ class RunCheckpointer:
         raise
       from maxtext_rl_plugin import run_dir  # pylint: disable=import-outside-toplevel
 
-      raise CheckpointError(f"checkpoint step {step} was not written: "
-                            f"{run_dir.describe_os_error(cause, self.directory)}; the run can resume from "
-                            f"step {self.latest_step()}") from None
+      raise CheckpointError(
+          f"checkpoint step {step} was not written: "
+          f"{run_dir.describe_os_error(cause, self.directory)}; the run can resume from "
+          f"step {self.latest_step()}"
+      ) from None
 
   def _save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
     ocp = self._ocp
@@ -111,7 +114,8 @@ class RunCheckpointer:
     def abstract(tree):
       return jax.tree_util.tree_map(
           lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=distributed.restore_sharding(x, mesh))
-          if hasattr(x, "shape") else x,
+          if hasattr(x, "shape")
+          else x,
           tree,
       )
 

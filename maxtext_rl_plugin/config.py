@@ -415,26 +415,35 @@ def validate(pc) -> None:
   if pc.batch_size < 1:
     raise _bad("batch_size", pc.batch_size, "must be >= 1")
   if pc.max_target_length <= pc.max_prefill_predict_length:
-    raise _bad("max_target_length", pc.max_target_length,
-               f"must exceed max_prefill_predict_length={pc.max_prefill_predict_length} (the difference is the "
-               "completion budget)")
+    raise _bad(
+        "max_target_length",
+        pc.max_target_length,
+        f"must exceed max_prefill_predict_length={pc.max_prefill_predict_length} (the difference is the "
+        "completion budget)",
+    )
   for name in ("grpo_epsilon", "epsilon_high", "grpo_beta"):
     value = getattr(rl, name)
     if value is not None and value < 0:
       raise _bad(f"rl.{name}", value, "must be >= 0")
   if pc.checkpoint_period < 1:
-    raise _bad("checkpoint_period", pc.checkpoint_period, "must be >= 1 (checkpoints are saved every N steps; "
-               "enable_checkpointing=false turns them off)")
+    raise _bad(
+        "checkpoint_period",
+        pc.checkpoint_period,
+        "must be >= 1 (checkpoints are saved every N steps; " "enable_checkpointing=false turns them off)",
+    )
   mini = pc.batch_size if rl.mini_batch_size is None else rl.mini_batch_size
   if mini < 1 or pc.batch_size % mini:
     raise _bad("rl.mini_batch_size", rl.mini_batch_size, f"must be >= 1 and divide batch_size={pc.batch_size}")
   if pc.train_micro_batch_size != -1 and (pc.train_micro_batch_size < 1 or mini % pc.train_micro_batch_size):
-    raise _bad("train_micro_batch_size", pc.train_micro_batch_size,
-               f"must be -1 or a divisor of the mini batch ({mini} prompts)")
-  if pc.rollout_micro_batch_size != -1 and (pc.rollout_micro_batch_size < 1 or
-                                            pc.batch_size % pc.rollout_micro_batch_size):
-    raise _bad("rollout_micro_batch_size", pc.rollout_micro_batch_size,
-               f"must be -1 or a divisor of batch_size={pc.batch_size}")
+    raise _bad(
+        "train_micro_batch_size", pc.train_micro_batch_size, f"must be -1 or a divisor of the mini batch ({mini} prompts)"
+    )
+  if pc.rollout_micro_batch_size != -1 and (
+      pc.rollout_micro_batch_size < 1 or pc.batch_size % pc.rollout_micro_batch_size
+  ):
+    raise _bad(
+        "rollout_micro_batch_size", pc.rollout_micro_batch_size, f"must be -1 or a divisor of batch_size={pc.batch_size}"
+    )
   if rl.force_on_policy_ratio and rl.num_iterations > 1:
     raise _bad("rl.force_on_policy_ratio", True, f"valid only with rl.num_iterations=1 (got {rl.num_iterations})")
   from maxtext_rl_plugin import lora  # pylint: disable=import-outside-toplevel
@@ -562,6 +571,7 @@ def to_hyperparameters(pc):
     if not k.startswith("_"):
       flat.setdefault(k, v)
   return hp
+
 
 def dump_yaml(config) -> str:
   """The resolved configuration as YAML (secrets redacted), for `print_config=true`."""

@@ -54,7 +54,9 @@ class PluginRL(types.RL):
       "first",
       description="Check after a trainer->sampler weight sync that the sampler holds the new weights: never, on the first sync, or every `verify_weight_sync_every` syncs.",
   )
-  verify_weight_sync_every: int = Field(10, ge=1, description="Period (in syncs) of the check when verify_weight_sync=every_n.")
+  verify_weight_sync_every: int = Field(
+      10, ge=1, description="Period (in syncs) of the check when verify_weight_sync=every_n."
+  )
 
   @field_validator("verify_weight_sync", mode="before")
   @classmethod
@@ -86,26 +88,46 @@ class PluginKeys(BaseModel):
       description="Rollout batch sizes are padded up to the next bucket (same reason as rollout_prefill_buckets).",
   )
   stop_token_ids: list[int] = Field([], description="Extra token ids that end a completion, besides the tokenizer's EOS.")
-  rollout_seed: int = Field(0, description="Seed of rollout sampling; step k samples with a key derived from (rollout_seed, k), so resumed runs sample identically.")
+  rollout_seed: int = Field(
+      0,
+      description="Seed of rollout sampling; step k samples with a key derived from (rollout_seed, k), so resumed runs sample identically.",
+  )
 
   # --- data (maxtext_rl_plugin.data) ---
-  train_data_path: str = Field("", description="Local JSONL or Parquet file(s) of GSM8K-style rows (question, answer '... #### N'); overrides dataset_name for training.")
-  eval_data_path: str = Field("", description="Local JSONL or Parquet file(s) for evaluation; overrides eval_dataset_name.")
-  synthetic_seed: int = Field(1234, description="Seed of the built-in synthetic arithmetic problem generator (dataset_name=synthetic).")
-  synthetic_num_eval: int = Field(256, ge=1, description="Size of the held-out synthetic eval split (disjoint from training problems).")
+  train_data_path: str = Field(
+      "",
+      description="Local JSONL or Parquet file(s) of GSM8K-style rows (question, answer '... #### N'); overrides dataset_name for training.",
+  )
+  eval_data_path: str = Field(
+      "", description="Local JSONL or Parquet file(s) for evaluation; overrides eval_dataset_name."
+  )
+  synthetic_seed: int = Field(
+      1234, description="Seed of the built-in synthetic arithmetic problem generator (dataset_name=synthetic)."
+  )
+  synthetic_num_eval: int = Field(
+      256, ge=1, description="Size of the held-out synthetic eval split (disjoint from training problems)."
+  )
   synthetic_min_steps: int = Field(1, ge=1, description="Fewest arithmetic operations in a synthetic problem.")
   synthetic_max_steps: int = Field(2, ge=1, description="Most arithmetic operations in a synthetic problem.")
   synthetic_max_value: int = Field(20, ge=2, description="Largest operand in a synthetic problem.")
   synthetic_teacher_error_rate: float = Field(
-      0.0, ge=0.0, le=1.0,
+      0.0,
+      ge=0.0,
+      le=1.0,
       description="Fraction of synthetic training problems whose worked solution (the SFT warm start's demonstration) "
       "comes from a flawed teacher that adds every pair of numbers whatever the wording says. Models an imperfect SFT "
-      "corpus; rewards and eval always use the true answer.")
-  use_chat_template: bool = Field(True, description="Build prompts with the tokenizer's chat template (else the plain template of data_template_path).")
+      "corpus; rewards and eval always use the true answer.",
+  )
+  use_chat_template: bool = Field(
+      True,
+      description="Build prompts with the tokenizer's chat template (else the plain template of data_template_path).",
+  )
 
   # --- rewards (maxtext_rl_plugin.rewards) ---
   reward_item_timeout_seconds: float = Field(
-      2.0, gt=0, description="Per-completion timeout for the math_verify fallback; a completion that exceeds it scores as wrong."
+      2.0,
+      gt=0,
+      description="Per-completion timeout for the math_verify fallback; a completion that exceeds it scores as wrong.",
   )
 
   # --- resharding (maxtext_rl_plugin.resharding) ---
@@ -118,12 +140,20 @@ class PluginKeys(BaseModel):
   )
 
   # --- training loop (maxtext_rl_plugin.trainer) ---
-  sft_warmup_steps: int = Field(0, ge=0, description="Supervised warm-start steps on gold solutions before RL (0 = off); checkpointed so a rerun skips it.")
+  sft_warmup_steps: int = Field(
+      0,
+      ge=0,
+      description="Supervised warm-start steps on gold solutions before RL (0 = off); checkpointed so a rerun skips it.",
+  )
   sft_learning_rate: float = Field(1e-3, gt=0, description="Learning rate of the SFT warm start.")
   sft_batch_size: int = Field(16, ge=1, description="Batch size of the SFT warm start.")
-  eval_before_training: bool = Field(True, description="Greedy eval on the eval split before the first RL step (logged at step 0).")
+  eval_before_training: bool = Field(
+      True, description="Greedy eval on the eval split before the first RL step (logged at step 0)."
+  )
   eval_after_training: bool = Field(True, description="Greedy eval after the last RL step.")
-  write_plot: bool = Field(True, description="Write reward/accuracy-per-step PNG (summary.png) into the run directory at the end.")
+  write_plot: bool = Field(
+      True, description="Write reward/accuracy-per-step PNG (summary.png) into the run directory at the end."
+  )
 
 
 class PluginRLConfig(PluginKeys, types.RLConfig):

@@ -96,16 +96,22 @@ def load_template(path: str) -> dict[str, str]:
     return dict(_DEFAULT_TEMPLATE)
   found = next((c for c in _template_candidates(path) if os.path.isfile(c)), None)
   if found is None:
-    raise ConfigError(f"invalid value for 'data_template_path'='{path}': file not found (also looked in MaxText's package)")
+    raise ConfigError(
+        f"invalid value for 'data_template_path'='{path}': file not found (also looked in MaxText's package)"
+    )
   try:
     with open(found, encoding="utf-8") as f:
       tpl = json.load(f)
   except (OSError, ValueError) as e:
     raise ConfigError(f"invalid value for 'data_template_path'='{path}': not a readable JSON file ({e})") from None
   if not isinstance(tpl, dict) or not isinstance(tpl.get("SYSTEM_PROMPT"), str):
-    raise ConfigError(f"invalid value for 'data_template_path'='{path}': expected a JSON object with a 'SYSTEM_PROMPT' string")
+    raise ConfigError(
+        f"invalid value for 'data_template_path'='{path}': expected a JSON object with a 'SYSTEM_PROMPT' string"
+    )
   if not isinstance(tpl.get("TEMPLATE", ""), str) or "{question}" not in tpl.get("TEMPLATE", "{question}"):
-    raise ConfigError(f"invalid value for 'data_template_path'='{path}': 'TEMPLATE' must be a string containing {{question}}")
+    raise ConfigError(
+        f"invalid value for 'data_template_path'='{path}': 'TEMPLATE' must be a string containing {{question}}"
+    )
   tpl.setdefault("TEMPLATE", _DEFAULT_TEMPLATE["TEMPLATE"])
   return tpl
 
@@ -127,7 +133,11 @@ def system_prompt(config) -> str:
 
 
 def _has_chat_template(tokenizer) -> bool:
-  return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None)) and hasattr(tokenizer, "apply_chat_template")
+  return (
+      tokenizer is not None
+      and bool(getattr(tokenizer, "chat_template", None))
+      and hasattr(tokenizer, "apply_chat_template")
+  )
 
 
 def build_prompt(question: str, tokenizer, config) -> str:
@@ -208,10 +218,12 @@ class DatasetSplit(abc.ABC):
   _warned_small: bool = False  # batch_size > len(self) was reported (once per split)
 
   @abc.abstractmethod
-  def __len__(self) -> int: ...
+  def __len__(self) -> int:
+    ...
 
   @abc.abstractmethod
-  def __getitem__(self, i: int) -> Example: ...
+  def __getitem__(self, i: int) -> Example:
+    ...
 
   def __iter__(self) -> Iterator[Example]:
     for i in range(len(self)):
@@ -248,15 +260,22 @@ class DatasetSplit(abc.ABC):
     stop = start + batch_size
     if self.repeat and not self.unlimited and batch_size > len(self) and not self._warned_small:
       self._warned_small = True
-      logging.warning("split '%s' has %d examples, fewer than batch_size=%d: every batch repeats prompts "
-                      "(they are drawn from consecutive shuffled epochs)", self.name, len(self), batch_size)
+      logging.warning(
+          "split '%s' has %d examples, fewer than batch_size=%d: every batch repeats prompts "
+          "(they are drawn from consecutive shuffled epochs)",
+          self.name,
+          len(self),
+          batch_size,
+      )
     if not (self.unlimited or self.repeat):
       if start >= len(self):
         raise IndexError(f"batch {k} of size {batch_size} is past the end of split '{self.name}' ({len(self)} examples)")
       stop = min(stop, len(self))
     return [self[self.position_index(p, seed)] for p in range(start, stop)]
 
-  def batches(self, batch_size: int, start_batch: int = 0, seed: Any = _UNSET, num_batches: Optional[int] = None) -> Iterator[list[Example]]:
+  def batches(
+      self, batch_size: int, start_batch: int = 0, seed: Any = _UNSET, num_batches: Optional[int] = None
+  ) -> Iterator[list[Example]]:
     """Batches `start_batch, start_batch+1, ...` (up to `num_batches` in total counting from 0, or the end)."""
     end = self.num_batches(batch_size)
     if num_batches is not None:
@@ -287,10 +306,49 @@ class ListSplit(DatasetSplit):
 # Synthetic arithmetic word problems
 # ----------------------------------------------------------------------------------------------------
 
-_NAMES = ("Ava", "Ben", "Cara", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lena", "Milo", "Nia",
-          "Omar", "Pia", "Raj", "Sara", "Tom", "Uma", "Vic", "Wen", "Yara", "Zoe")
-_ITEMS = ("apples", "marbles", "stickers", "books", "coins", "pencils", "cookies", "shells", "cards", "stamps",
-          "eggs", "beads", "toy cars", "balloons", "plums")
+_NAMES = (
+    "Ava",
+    "Ben",
+    "Cara",
+    "Dev",
+    "Eli",
+    "Fay",
+    "Gus",
+    "Hana",
+    "Ivan",
+    "Jo",
+    "Kai",
+    "Lena",
+    "Milo",
+    "Nia",
+    "Omar",
+    "Pia",
+    "Raj",
+    "Sara",
+    "Tom",
+    "Uma",
+    "Vic",
+    "Wen",
+    "Yara",
+    "Zoe",
+)
+_ITEMS = (
+    "apples",
+    "marbles",
+    "stickers",
+    "books",
+    "coins",
+    "pencils",
+    "cookies",
+    "shells",
+    "cards",
+    "stamps",
+    "eggs",
+    "beads",
+    "toy cars",
+    "balloons",
+    "plums",
+)
 _CONTAINERS = ("bags", "boxes", "jars", "baskets", "packs")
 
 
@@ -349,29 +407,44 @@ def synthetic_problem(rng: random.Random, cfg: SyntheticConfig) -> tuple[str, in
     if op == "add":
       b = rng.randint(1, min(mv, cap - v))
       s = rng.choice(
-          (f"{name} earns ${b}.", f"{name} is paid ${b} more.") if money
-          else (f"{name} buys {_count(b, unit)} more.", f"{name} finds {b} more {_noun(b, unit)}.", f"A friend gives {name} {_count(b, unit)}.")
+          (f"{name} earns ${b}.", f"{name} is paid ${b} more.")
+          if money
+          else (
+              f"{name} buys {_count(b, unit)} more.",
+              f"{name} finds {b} more {_noun(b, unit)}.",
+              f"A friend gives {name} {_count(b, unit)}.",
+          )
       )
       r = v + b
       lines.append(f"{v} + {b} = {r}")
     elif op == "sub":
       b = rng.randint(1, min(v, mv))
       s = rng.choice(
-          (f"{name} spends ${b}.", f"{name} pays ${b} for lunch.") if money
-          else (f"{name} gives away {_count(b, unit)}.", f"{name} loses {_count(b, unit)}.", f"{name} sells {_count(b, unit)}.")
+          (f"{name} spends ${b}.", f"{name} pays ${b} for lunch.")
+          if money
+          else (
+              f"{name} gives away {_count(b, unit)}.",
+              f"{name} loses {_count(b, unit)}.",
+              f"{name} sells {_count(b, unit)}.",
+          )
       )
       r = v - b
       lines.append(f"{v} - {b} = {r}")
     elif op == "mul":
       k = rng.randint(2, max(2, min(5, cap // v)))
       what = "money" if money else f"number of {unit}"
-      s = {2: f"Then {name} doubles the {what}.", 3: f"Then {name} triples the {what}."}.get(k, f"Then the {what} grows {k} times.")
+      s = {2: f"Then {name} doubles the {what}.", 3: f"Then {name} triples the {what}."}.get(
+          k, f"Then the {what} grows {k} times."
+      )
       r = v * k
       lines.append(f"{v} * {k} = {r}")
     else:
       k = rng.choice([k for k in range(2, min(5, v) + 1) if v % k == 0])
-      s = (f"{name} splits the money equally among {k} people, {name} included." if money
-           else f"{name} shares the {unit} equally among {k} friends, {name} included.")
+      s = (
+          f"{name} splits the money equally among {k} people, {name} included."
+          if money
+          else f"{name} shares the {unit} equally among {k} friends, {name} included."
+      )
       r = v // k
       lines.append(f"{v} / {k} = {r}")
     sentences.append(s)
@@ -417,8 +490,16 @@ class SyntheticSplit(DatasetSplit):
   function of the seed.
   """
 
-  def __init__(self, cfg: SyntheticConfig, stream: str, tokenizer, config, exclude: frozenset = frozenset(),
-               max_prompt_tokens: Optional[int] = None, name: str = ""):
+  def __init__(
+      self,
+      cfg: SyntheticConfig,
+      stream: str,
+      tokenizer,
+      config,
+      exclude: frozenset = frozenset(),
+      max_prompt_tokens: Optional[int] = None,
+      name: str = "",
+  ):
     self.cfg, self.stream, self.tokenizer, self.config = cfg, stream, tokenizer, config
     self.exclude = exclude
     self.max_prompt_tokens = max_prompt_tokens
@@ -445,14 +526,25 @@ class SyntheticSplit(DatasetSplit):
         self.redrawn_eval_overlap += 1
         continue
       prompt = build_prompt(q, self.tokenizer, self.config)
-      if self.max_prompt_tokens and self.tokenizer is not None and prompt_lengths(self.tokenizer, [prompt])[0] > self.max_prompt_tokens:
+      if (
+          self.max_prompt_tokens
+          and self.tokenizer is not None
+          and prompt_lengths(self.tokenizer, [prompt])[0] > self.max_prompt_tokens
+      ):
         self.filtered_long += 1
         if self.filtered_long in (1, 100, 10000):
-          logging.warning("synthetic/%s: %d prompts longer than max_prefill_predict_length=%d redrawn so far",
-                          self.stream, self.filtered_long, self.max_prompt_tokens)
+          logging.warning(
+              "synthetic/%s: %d prompts longer than max_prefill_predict_length=%d redrawn so far",
+              self.stream,
+              self.filtered_long,
+              self.max_prompt_tokens,
+          )
         continue
-      if (self.stream == "train" and self.cfg.teacher_error_rate > 0
-          and random.Random(f"{self.cfg.seed}:teacher:{i}").random() < self.cfg.teacher_error_rate):
+      if (
+          self.stream == "train"
+          and self.cfg.teacher_error_rate > 0
+          and random.Random(f"{self.cfg.seed}:teacher:{i}").random() < self.cfg.teacher_error_rate
+      ):
         sol = adding_teacher(sol)[0]  # wrong unless all steps add; the gold answer stays the true one
       return Example(q, str(a), sol, prompt, f"synthetic-{self.stream}-{i}")
     raise DataError(
@@ -477,7 +569,9 @@ def _synthetic_eval(cfg: SyntheticConfig, n: int, tokenizer, config, max_tokens:
   if len(out) < n:
     logging.warning("synthetic eval: only %d distinct problems exist for these knobs (asked for %d)", len(out), n)
   if gen.filtered_long:
-    logging.warning("synthetic eval: %d prompts over max_prefill_predict_length=%s redrawn", gen.filtered_long, max_tokens)
+    logging.warning(
+        "synthetic eval: %d prompts over max_prefill_predict_length=%s redrawn", gen.filtered_long, max_tokens
+    )
   return ListSplit(out, "synthetic/eval")
 
 
@@ -516,8 +610,7 @@ class NotUtf8:
   """Stands for a data-file line whose bytes are not UTF-8 (counted and skipped, never trained on as U+FFFD)."""
 
 
-def rows_to_examples(rows: Iterable[Any], source: str,
-                     unit: str = "") -> tuple[list[tuple[str, str, str, str]], _Skips]:
+def rows_to_examples(rows: Iterable[Any], source: str, unit: str = "") -> tuple[list[tuple[str, str, str, str]], _Skips]:
   """(question, gold, solution, id) per usable row; malformed rows are counted, not raised.
 
   A row is a dict with `question` (or `problem`/`prompt`) and `answer` (or `solution`/`expected_answer`)
@@ -527,7 +620,7 @@ def rows_to_examples(rows: Iterable[Any], source: str,
   """
   out = []
   sk = _Skips()
-  for n, row in (rows if unit else enumerate(rows, 1)):
+  for n, row in rows if unit else enumerate(rows, 1):
     sk.rows += 1
     if isinstance(row, NotUtf8):
       sk.bad(n, "not_utf8")
@@ -548,8 +641,16 @@ def rows_to_examples(rows: Iterable[Any], source: str,
   if sk.skipped:
     logging.warning(
         "%s: skipped %d of %d rows (invalid JSON: %d, not UTF-8: %d, no question: %d, no parsable gold answer "
-        "('#### N'): %d); first at %s %d", source, sk.skipped, sk.rows, sk.bad_json, sk.not_utf8, sk.no_question,
-        sk.no_answer, unit or "row", sk.first_bad,
+        "('#### N'): %d); first at %s %d",
+        source,
+        sk.skipped,
+        sk.rows,
+        sk.bad_json,
+        sk.not_utf8,
+        sk.no_question,
+        sk.no_answer,
+        unit or "row",
+        sk.first_bad,
     )
   return out, sk
 
@@ -635,7 +736,9 @@ def load_file_rows(spec: str, key: str) -> list[tuple[str, str, str, str]]:
   return out
 
 
-def load_hub_rows(dataset_name: str, subset: str, split: str, token: Optional[str] = None) -> list[tuple[str, str, str, str]]:
+def load_hub_rows(
+    dataset_name: str, subset: str, split: str, token: Optional[str] = None
+) -> list[tuple[str, str, str, str]]:
   """Usable rows of a Hugging Face hub dataset split (`datasets.load_dataset(name, subset, split=split)`)."""
   try:
     import datasets  # pylint: disable=import-outside-toplevel
@@ -656,7 +759,9 @@ def load_hub_rows(dataset_name: str, subset: str, split: str, token: Optional[st
     ) from None
   rows, sk = rows_to_examples(iter(ds), f"{dataset_name}/{split}")
   if not rows:
-    raise DataError(f"dataset_name='{dataset_name}' split '{split}': no usable rows of {sk.rows} (need 'question' and 'answer')")
+    raise DataError(
+        f"dataset_name='{dataset_name}' split '{split}': no usable rows of {sk.rows} (need 'question' and 'answer')"
+    )
   return rows
 
 
@@ -670,7 +775,9 @@ def _max_prompt_tokens(config) -> Optional[int]:
   return int(v) if v and v > 0 else None
 
 
-def _materialize(rows: list[tuple[str, str, str, str]], tokenizer, config, name: str, drop_questions: frozenset = frozenset()) -> list[Example]:
+def _materialize(
+    rows: list[tuple[str, str, str, str]], tokenizer, config, name: str, drop_questions: frozenset = frozenset()
+) -> list[Example]:
   if drop_questions:
     kept = [r for r in rows if r[0] not in drop_questions]
     if not kept:  # train and eval are the same data: the user asked for it (e.g. a smoke test)
@@ -685,8 +792,14 @@ def _materialize(rows: list[tuple[str, str, str, str]], tokenizer, config, name:
     lengths = prompt_lengths(tokenizer, prompts)
     keep = [i for i, n in enumerate(lengths) if n <= limit]
     if len(keep) < len(rows):
-      logging.warning("%s: filtered %d of %d prompts longer than max_prefill_predict_length=%d tokens (longest %d)",
-                      name, len(rows) - len(keep), len(rows), limit, max(lengths))
+      logging.warning(
+          "%s: filtered %d of %d prompts longer than max_prefill_predict_length=%d tokens (longest %d)",
+          name,
+          len(rows) - len(keep),
+          len(rows),
+          limit,
+          max(lengths),
+      )
   if not keep:
     raise DataError(f"{name}: every prompt is longer than max_prefill_predict_length={limit} tokens; raise it")
   return [Example(rows[i][0], rows[i][1], rows[i][2], prompts[i], rows[i][3]) for i in keep]
@@ -696,8 +809,13 @@ def _synthetic_cfg(config) -> SyntheticConfig:
   lo, hi = int(getattr(config, "synthetic_min_steps", 1)), int(getattr(config, "synthetic_max_steps", 2))
   if hi < lo:
     raise ConfigError(f"invalid value for 'synthetic_max_steps'={hi}: must be >= synthetic_min_steps={lo}")
-  return SyntheticConfig(int(getattr(config, "synthetic_seed", 1234)), lo, hi, int(getattr(config, "synthetic_max_value", 20)),
-                         float(getattr(config, "synthetic_teacher_error_rate", 0.0) or 0.0))
+  return SyntheticConfig(
+      int(getattr(config, "synthetic_seed", 1234)),
+      lo,
+      hi,
+      int(getattr(config, "synthetic_max_value", 20)),
+      float(getattr(config, "synthetic_teacher_error_rate", 0.0) or 0.0),
+  )
 
 
 def _rows_for(config, which: str) -> Optional[list[tuple[str, str, str, str]]]:
@@ -718,18 +836,35 @@ def load_splits(config, tokenizer) -> tuple[DatasetSplit, DatasetSplit]:
   max_tokens = _max_prompt_tokens(config)
   eval_rows = _rows_for(config, "eval")
   if eval_rows is None:
-    eval_split: DatasetSplit = _synthetic_eval(_synthetic_cfg(config), int(getattr(config, "synthetic_num_eval", 256)),
-                                               tokenizer, config, max_tokens)
+    eval_split: DatasetSplit = _synthetic_eval(
+        _synthetic_cfg(config), int(getattr(config, "synthetic_num_eval", 256)), tokenizer, config, max_tokens
+    )
   else:
     eval_split = ListSplit(_materialize(eval_rows, tokenizer, config, "eval"), "eval")
   eval_questions = frozenset(e.question for e in eval_split)
   train_rows = _rows_for(config, "train")
   if train_rows is None:
-    train_split: DatasetSplit = SyntheticSplit(_synthetic_cfg(config), "train", tokenizer, config, exclude=eval_questions,
-                                               max_prompt_tokens=max_tokens, name="synthetic/train")
+    train_split: DatasetSplit = SyntheticSplit(
+        _synthetic_cfg(config),
+        "train",
+        tokenizer,
+        config,
+        exclude=eval_questions,
+        max_prompt_tokens=max_tokens,
+        name="synthetic/train",
+    )
   else:
-    train_split = ListSplit(_materialize(train_rows, tokenizer, config, "train", eval_questions), "train",
-                            seed=int(getattr(config, "data_shuffle_seed", 0)), repeat=True)
-  logging.info("data: train %s (%s), eval %s (%d examples)", train_split.name,
-               "unlimited" if train_split.unlimited else f"{len(train_split)} examples", eval_split.name, len(eval_split))
+    train_split = ListSplit(
+        _materialize(train_rows, tokenizer, config, "train", eval_questions),
+        "train",
+        seed=int(getattr(config, "data_shuffle_seed", 0)),
+        repeat=True,
+    )
+  logging.info(
+      "data: train %s (%s), eval %s (%d examples)",
+      train_split.name,
+      "unlimited" if train_split.unlimited else f"{len(train_split)} examples",
+      eval_split.name,
+      len(eval_split),
+  )
   return train_split, eval_split

@@ -40,11 +40,13 @@ def build(out_dir: str) -> str:
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
 
   tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
-  tok.pre_tokenizer = pre_tokenizers.Sequence([
-      pre_tokenizers.Split(pattern=__import__("tokenizers").Regex(r"<[/]?(reasoning|answer)>"), behavior="isolated"),
-      pre_tokenizers.Digits(individual_digits=True),
-      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-  ])
+  tok.pre_tokenizer = pre_tokenizers.Sequence(
+      [
+          pre_tokenizers.Split(pattern=__import__("tokenizers").Regex(r"<[/]?(reasoning|answer)>"), behavior="isolated"),
+          pre_tokenizers.Digits(individual_digits=True),
+          pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+      ]
+  )
   tok.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(
       vocab_size=VOCAB_SIZE,
@@ -57,8 +59,16 @@ def build(out_dir: str) -> str:
   os.makedirs(out_dir, exist_ok=True)
   tok.save(os.path.join(out_dir, "tokenizer.json"))
   with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": 4096, "clean_up_tokenization_spaces": False,
-               **SPECIALS}, f, indent=2)
+    json.dump(
+        {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "model_max_length": 4096,
+            "clean_up_tokenization_spaces": False,
+            **SPECIALS,
+        },
+        f,
+        indent=2,
+    )
   with open(os.path.join(out_dir, "special_tokens_map.json"), "w", encoding="utf-8") as f:
     json.dump(SPECIALS, f, indent=2)
   return out_dir

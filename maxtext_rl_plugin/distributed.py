@@ -46,7 +46,8 @@ def check_device_split(trainer_devices: list, sampler_devices: list) -> None:
     raise ConfigError(
         f"a disaggregated trainer/sampler split ({len(trainer_devices)} + {len(sampler_devices)} devices) needs one "
         f"controller (Pathways), not {jax.process_count()} JAX processes: weights cannot be copied between device sets "
-        "of different processes; use the colocated split (use_pathways=false, num_trainer_slices=-1)")
+        "of different processes; use the colocated split (use_pathways=false, num_trainer_slices=-1)"
+    )
 
 
 def check_synchronous(off_policy_steps: int) -> None:
@@ -56,9 +57,11 @@ def check_synchronous(off_policy_steps: int) -> None:
   if is_multiprocess() and off_policy_steps > 0:
     from maxtext_rl_plugin.errors import ConfigError  # pylint: disable=import-outside-toplevel
 
-    raise ConfigError(f"invalid value for 'rl.off_policy_steps'={off_policy_steps}: rollouts running ahead in a thread "
-                      f"are not supported across {jax.process_count()} JAX processes (the two threads' collectives "
-                      "could be ordered differently on each process); use rl.off_policy_steps=0")
+    raise ConfigError(
+        f"invalid value for 'rl.off_policy_steps'={off_policy_steps}: rollouts running ahead in a thread "
+        f"are not supported across {jax.process_count()} JAX processes (the two threads' collectives "
+        "could be ordered differently on each process); use rl.off_policy_steps=0"
+    )
 
 
 def _is_key(x: Any) -> bool:
@@ -150,8 +153,11 @@ def put_on_memory_kind(tree: Any, memory_kind: str) -> Any:
     s = x.sharding
     if getattr(s, "memory_kind", None) == memory_kind:
       return x
-    s = NamedSharding(s.mesh, s.spec, memory_kind=memory_kind) if isinstance(s, NamedSharding) else \
-        s.with_memory_kind(memory_kind)
+    s = (
+        NamedSharding(s.mesh, s.spec, memory_kind=memory_kind)
+        if isinstance(s, NamedSharding)
+        else s.with_memory_kind(memory_kind)
+    )
     if _is_key(x):
       return jax.random.wrap_key_data(jax.device_put(jax.random.key_data(x), s), impl=jax.random.key_impl(x))
     return jax.device_put(x, s)
@@ -203,6 +209,8 @@ def agree(value: int, what: str) -> int:
   if not np.all(all_values == all_values[0]):
     from maxtext_rl_plugin.errors import CheckpointError  # pylint: disable=import-outside-toplevel
 
-    raise CheckpointError(f"processes disagree on {what}: {all_values.tolist()} (process {jax.process_index()} has "
-                          f"{value}); every process must see the same checkpoint directory (a shared mount or gs://)")
+    raise CheckpointError(
+        f"processes disagree on {what}: {all_values.tolist()} (process {jax.process_index()} has "
+        f"{value}); every process must see the same checkpoint directory (a shared mount or gs://)"
+    )
   return value

@@ -39,8 +39,11 @@ def sampling_for(config: Any) -> dict[str, Any]:
     raise KeyError(strategy)
   s = gen[strategy]
   top_k = s.get("eval_top_k")
-  return {"temperature": float(s.get("eval_temperature", 1.0)), "top_k": int(top_k) if top_k and top_k > 0 else None,
-          "top_p": float(s.get("eval_top_p", 1.0))}
+  return {
+      "temperature": float(s.get("eval_temperature", 1.0)),
+      "top_k": int(top_k) if top_k and top_k > 0 else None,
+      "top_p": float(s.get("eval_top_p", 1.0)),
+  }
 
 
 def _majority_correct(results: Sequence[Any]) -> tuple[bool, bool]:
@@ -59,9 +62,12 @@ def problem_scores(results: Sequence[Any]) -> dict[str, float]:
   s = np.asarray([bool(r.correct) and bool(r.format_ok) for r in results], dtype=np.float64)
   maj, maj_strict = _majority_correct(results)
   return {
-      "pass": float(c.max()), "pass_strict": float(s.max()),
-      "maj": float(maj), "maj_strict": float(maj_strict),
-      "pass_at_1": float(c.mean()), "pass_at_1_strict": float(s.mean()),
+      "pass": float(c.max()),
+      "pass_strict": float(s.max()),
+      "maj": float(maj),
+      "maj_strict": float(maj_strict),
+      "pass_at_1": float(c.mean()),
+      "pass_at_1_strict": float(s.mean()),
       "format": float(np.mean([bool(r.format_ok) for r in results])),
       "partial": float(np.mean([bool(getattr(r, "partial", r.correct)) for r in results])),
       "reward": float(np.mean([r.reward for r in results])),

@@ -96,18 +96,34 @@ class TrainerLogps:
     self._mesh = mesh
     self._rules = logical_axis_rules
 
-  def __call__(self, prompt_ids: jax.Array, completion_ids: jax.Array, pad_id: int, eos_id: int, temperature: float,
-               micro_batch_size: int | None = None) -> jax.Array:
+  def __call__(
+      self,
+      prompt_ids: jax.Array,
+      completion_ids: jax.Array,
+      pad_id: int,
+      eos_id: int,
+      temperature: float,
+      micro_batch_size: int | None = None,
+  ) -> jax.Array:
     graphdef, state = nnx.split(self._cluster.actor_trainer.model)
     rows = prompt_ids.shape[0]
     step = micro_batch_size or rows
     outs = []
     with self._mesh, nn_partitioning.axis_rules(self._rules):
       for s in range(0, rows, step):
-        outs.append(tunix_common.compute_per_token_logps(
-            graphdef, state, prompt_tokens=prompt_ids[s:s + step], completion_tokens=completion_ids[s:s + step],
-            pad_id=pad_id, eos_id=eos_id, stop_gradient=True, return_logits=False,
-            temperature=float(temperature) if temperature and temperature > 0 else 1.0))
+        outs.append(
+            tunix_common.compute_per_token_logps(
+                graphdef,
+                state,
+                prompt_tokens=prompt_ids[s : s + step],
+                completion_tokens=completion_ids[s : s + step],
+                pad_id=pad_id,
+                eos_id=eos_id,
+                stop_gradient=True,
+                return_logits=False,
+                temperature=float(temperature) if temperature and temperature > 0 else 1.0,
+            )
+        )
     return jnp.concatenate(outs, axis=0)
 
 
@@ -155,8 +171,11 @@ class Sampled:
 def _put(cluster: Any) -> Callable[[Any], jax.Array]:
   """Host rows (the same on every process) -> global arrays on the trainer mesh, rows over Tunix's data axis
   (distributed.py); Tunix passes arrays that are already global through unchanged."""
-  return functools.partial(distributed.global_batch, mesh=cluster.cluster_config.role_to_mesh[rl_cluster_lib.Role.ACTOR],
-                           axes=cluster.cluster_config.training_config.data_sharding_axis)
+  return functools.partial(
+      distributed.global_batch,
+      mesh=cluster.cluster_config.role_to_mesh[rl_cluster_lib.Role.ACTOR],
+      axes=cluster.cluster_config.training_config.data_sharding_axis,
+  )
 
 
 def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> Sampled:
@@ -168,8 +187,11 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
   pad_id, eos_id = int(cluster.rollout.pad_id()), int(cluster.rollout.eos_id())
 
   t = time.perf_counter()
-  out = cluster.generate(prompts=list(inputs["prompts"]), mode=rl_cluster_lib.Mode.TRAIN,
-                         micro_batch_size=_micro(cfg.rollout_micro_batch_size, g))
+  out = cluster.generate(
+      prompts=list(inputs["prompts"]),
+      mode=rl_cluster_lib.Mode.TRAIN,
+      micro_batch_size=_micro(cfg.rollout_micro_batch_size, g),
+  )
   timer.add("rollout", time.perf_counter() - t)
 
   completion_ids = pad_rows(out.tokens, train_rollout.max_tokens_to_generate, pad_id, np.int32)
@@ -178,8 +200,9 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
 
   t = time.perf_counter()
   run.rewards.reset()  # the recorder holds this batch's values only
-  rewards = sum_rewards(run.reward_fns, list(inputs["prompts"]), list(out.text),
-                        **{k: v for k, v in inputs.items() if k != "prompts"})
+  rewards = sum_rewards(
+      run.reward_fns, list(inputs["prompts"]), list(out.text), **{k: v for k, v in inputs.items() if k != "prompts"}
+  )
   advantages = algorithms.group_advantages(rewards, g, cfg.rl.advantage_norm)
   reward_values = run.rewards.reset()
   timer.add("reward", time.perf_counter() - t)
@@ -189,11 +212,24 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
     t = time.perf_counter()
     behaviour = behaviour_logps(out, completion_ids.shape[1])
     if behaviour is None:  # an engine that returns no log-probs: recompute them on the sampler's weights
-      behaviour = cluster.get_old_per_token_logps(prompt_tokens=prompt_ids, completion_tokens=put(completion_ids),
-                                                  micro_batch_size=_micro(cfg.train_micro_batch_size, g))
+      behaviour = cluster.get_old_per_token_logps(
+          prompt_tokens=prompt_ids,
+          completion_tokens=put(completion_ids),
+          micro_batch_size=_micro(cfg.train_micro_batch_size, g),
+      )
     timer.add("logps", time.perf_counter() - t)
-  return Sampled(list(inputs["prompts"]), list(out.text), prompt_ids, completion_ids, rewards, advantages, behaviour,
-                 reward_values, pad_id, eos_id)
+  return Sampled(
+      list(inputs["prompts"]),
+      list(out.text),
+      prompt_ids,
+      completion_ids,
+      rewards,
+      advantages,
+      behaviour,
+      reward_values,
+      pad_id,
+      eos_id,
+  )
 
 
 def needs_behaviour_logps(cfg: Any, plan: UpdatePlan) -> bool:
@@ -219,8 +255,9 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experienc
   t = time.perf_counter()
   ref = None
   if float(cfg.rl.grpo_beta) != 0.0:
-    ref = cluster.get_ref_per_token_logps(prompt_tokens=prompt_ids, completion_tokens=completion, pad_id=pad_id,
-                                          eos_id=eos_id, micro_batch_size=logps_micro)
+    ref = cluster.get_ref_per_token_logps(
+        prompt_tokens=prompt_ids, completion_tokens=completion, pad_id=pad_id, eos_id=eos_id, micro_batch_size=logps_micro
+    )
   rollout_is = cfg.rl.rollout_is != "off"
   agreement = bool(cfg.rl.log_sampler_trainer_agreement)
   use_sampler = plan.needs_old_logps and cfg.rl.use_rollout_logps
@@ -233,8 +270,13 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experienc
     old = behaviour if use_sampler else trainer_lp
   is_weights = None
   if rollout_is:
-    w, is_metrics = algorithms.rollout_is_weights(distributed.to_host(trainer_lp), distributed.to_host(behaviour),
-                                                  completion_mask, cfg.rl.rollout_is, float(cfg.rl.rollout_is_cap))
+    w, is_metrics = algorithms.rollout_is_weights(
+        distributed.to_host(trainer_lp),
+        distributed.to_host(behaviour),
+        completion_mask,
+        cfg.rl.rollout_is,
+        float(cfg.rl.rollout_is_cap),
+    )
     is_weights = put(np.asarray(w, np.float32))
     metrics.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
   if agreement:

@@ -39,8 +39,11 @@ def restore_adapters(model, ckpt_dir: str, step: int | None) -> int:
 
   if not os.path.isdir(ckpt_dir):
     raise CheckpointError(f"no checkpoints in {ckpt_dir}: run training with this config first")
-  manager = ocp.CheckpointManager(ckpt_dir, item_names=("params", "opt_state", "meta"),
-                                  options=ocp.CheckpointManagerOptions(create=False, step_prefix=None))
+  manager = ocp.CheckpointManager(
+      ckpt_dir,
+      item_names=("params", "opt_state", "meta"),
+      options=ocp.CheckpointManagerOptions(create=False, step_prefix=None),
+  )
   try:
     steps = list(manager.all_steps())
     if step is None:
@@ -54,8 +57,10 @@ def restore_adapters(model, ckpt_dir: str, step: int | None) -> int:
     try:
       restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
     except (ValueError, KeyError, FileNotFoundError) as e:
-      raise CheckpointError(f"checkpoint {ckpt_dir}/{step} does not hold this run's adapters (check the lora.* keys "
-                            f"match the training run): {type(e).__name__}: {str(e).splitlines()[0][:200]}") from None
+      raise CheckpointError(
+          f"checkpoint {ckpt_dir}/{step} does not hold this run's adapters (check the lora.* keys "
+          f"match the training run): {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+      ) from None
   finally:
     manager.close()
   nnx.update(model, restored.params)
@@ -73,8 +78,10 @@ def export(argv, output: str, step: int | None = None) -> str:
 
   config = config_lib.load_config(argv)
   if not lora.enabled(config):
-    raise ConfigError("export_lora needs the training run's lora.enable_lora=true (a full fine-tuning run's "
-                      "checkpoints already hold every weight)")
+    raise ConfigError(
+        "export_lora needs the training run's lora.enable_lora=true (a full fine-tuning run's "
+        "checkpoints already hold every weight)"
+    )
   rs = models.setup_devices(argv)
   config = rs.trainer_config
   run_dir = os.path.join(config.base_output_directory, config.run_name)
@@ -96,8 +103,11 @@ def export(argv, output: str, step: int | None = None) -> str:
     raise ConfigError(f"invalid value for '--output'='{output}': {out} already exists")
   mt_checkpointing.save_params_to_path(out, {"params": nnx.to_pure_dict(merged)})
   path = os.path.join(out, "items")
-  print(f"exported {run_dir} step {step} (LoRA rank {config.lora.lora_rank}, alpha {config.lora.lora_alpha} merged) "
-        f"to {out}; serve or fine-tune it with load_parameters_path={path}", flush=True)
+  print(
+      f"exported {run_dir} step {step} (LoRA rank {config.lora.lora_rank}, alpha {config.lora.lora_alpha} merged) "
+      f"to {out}; serve or fine-tune it with load_parameters_path={path}",
+      flush=True,
+  )
   return path
 
 

@@ -36,7 +36,8 @@ DERIVED = "refused: derived by MaxText from other keys; set those instead"
 _AGENTIC_ROLLOUT = (
     "refused: MaxText's agentic path (Tunix's AgenticGRPOLearner over a vLLM server, multi-turn agents and "
     "environments) is not delegated to; GSM8K-style tasks are single-turn, and rollouts run ahead of the trainer with "
-    "any engine through rl.off_policy_steps")
+    "any engine through rl.off_policy_steps"
+)
 _AGENTIC = "refused: used only by MaxText's agentic rollout (rl.use_agentic_rollout), which the plugin does not run"
 _PRETRAIN = "refused: pre-training only; the RL path never reads it"
 _MULTIMODAL = "refused: the plugin's data, rollout and reward paths are text-only"
@@ -82,18 +83,15 @@ _CLASS_STATUS: dict[str, str] = {
     "MultimodalGeneral": _MULTIMODAL,
     "Muon": _OPTIMIZER,
     "FineTuning": (
-        "refused: MaxText's SFT/DPO trainers' switch; this plugin runs RL (its SFT warm start is "
-        "sft_warmup_steps)"
+        "refused: MaxText's SFT/DPO trainers' switch; this plugin runs RL (its SFT warm start is " "sft_warmup_steps)"
     ),
     "Distillation": "refused: distillation is a separate MaxText trainer; the RL path never reads it",
     "DatasetGeneral": (
-        "refused: MaxText's pre-training input pipeline; RL data is set by dataset_name/train_data_path and "
-        "batch_size"
+        "refused: MaxText's pre-training input pipeline; RL data is set by dataset_name/train_data_path and " "batch_size"
     ),
     "TfdsDataset": DATA,
     "HfDataset": (
-        "refused: MaxText's pre-training Hugging Face pipeline; RL data is dataset_name/hf_subset or "
-        "train_data_path"
+        "refused: MaxText's pre-training Hugging Face pipeline; RL data is dataset_name/hf_subset or " "train_data_path"
     ),
     "GrainDataset": "refused: MaxText's Grain pre-training pipeline; the RL path never reads it",
     "OlmoGrainDataset": "refused: MaxText's Grain pre-training pipeline; the RL path never reads it",
@@ -176,8 +174,7 @@ _KEY_STATUS: dict[str, str] = {
     "max_prefill_predict_length": "honoured (data: prompt length limit; rollout engine)",
     "enable_prefix_caching": VLLM_ROLLOUT,
     "decode_sampling_strategy": (
-        "refused: the rollout samples with decode_sampling_temperature/top_k/nucleus_p; the strategy name is "
-        "not read"
+        "refused: the rollout samples with decode_sampling_temperature/top_k/nucleus_p; the strategy name is " "not read"
     ),
     "ici_diloco_parallelism": "refused: DiLoCo is a pre-training optimizer; the RL path never reads it",
     "dcn_diloco_parallelism": "refused: DiLoCo is a pre-training optimizer; the RL path never reads it",
@@ -310,8 +307,7 @@ _KEY_STATUS: dict[str, str] = {
     ),
     "use_pathways_reshard": "refused: resharding.py chooses pathwaysutils' reshard itself when the backend is Pathways",
     "gc_collect_after_weight_sync": (
-        "refused: the plugin's weight sync frees buffers chunk by chunk (reshard_donate); it does not call "
-        "gc.collect"
+        "refused: the plugin's weight sync frees buffers chunk by chunk (reshard_donate); it does not call " "gc.collect"
     ),
     # --- dataset ---
     "batch_size": TRAINER,
@@ -365,36 +361,55 @@ _KEY_STATUS: dict[str, str] = {
 }
 
 # The plugin's own keys, by the module that reads them (config_types.PluginKeys groups them the same way).
-_KEY_STATUS.update({
-    "print_config": "honoured (train_rl: print the resolved configuration and exit)",
-    **dict.fromkeys(("rollout_engine", "rollout_prefill_buckets", "rollout_batch_buckets", "stop_token_ids",
-                     "rollout_seed"), ROLLOUT),
-    **dict.fromkeys(("train_data_path", "eval_data_path", "synthetic_seed", "synthetic_num_eval", "synthetic_min_steps",
-                     "synthetic_max_steps", "synthetic_max_value", "synthetic_teacher_error_rate"), DATA),
-    "reward_item_timeout_seconds": REWARDS,
-    "reshard_donate": "honoured (resharding: trainer->sampler sync)",
-    **dict.fromkeys(("sft_warmup_steps", "sft_learning_rate", "sft_batch_size"), "honoured (sft: warm start)"),
-    **dict.fromkeys(("eval_before_training", "eval_after_training"), "honoured (trainer: eval)"),
-    "write_plot": "honoured (summary: summary.png)",
-    "rl.kl_estimator": ALGO,
-    "rl.advantage_norm": ALGO,
-})
+_KEY_STATUS.update(
+    {
+        "print_config": "honoured (train_rl: print the resolved configuration and exit)",
+        **dict.fromkeys(
+            ("rollout_engine", "rollout_prefill_buckets", "rollout_batch_buckets", "stop_token_ids", "rollout_seed"),
+            ROLLOUT,
+        ),
+        **dict.fromkeys(
+            (
+                "train_data_path",
+                "eval_data_path",
+                "synthetic_seed",
+                "synthetic_num_eval",
+                "synthetic_min_steps",
+                "synthetic_max_steps",
+                "synthetic_max_value",
+                "synthetic_teacher_error_rate",
+            ),
+            DATA,
+        ),
+        "reward_item_timeout_seconds": REWARDS,
+        "reshard_donate": "honoured (resharding: trainer->sampler sync)",
+        **dict.fromkeys(("sft_warmup_steps", "sft_learning_rate", "sft_batch_size"), "honoured (sft: warm start)"),
+        **dict.fromkeys(("eval_before_training", "eval_after_training"), "honoured (trainer: eval)"),
+        "write_plot": "honoured (summary: summary.png)",
+        "rl.kl_estimator": ALGO,
+        "rl.advantage_norm": ALGO,
+    }
+)
 
 # MaxText's `lora:` block (its SFT keys), read by lora.py with train_sft's meaning; QLoRA is refused.
-_QLORA = ("refused: QLoRA (a quantized frozen base) is not implemented: the reference model is the float base and the "
-          "embedded engine merges adapters into float base kernels")
-_KEY_STATUS.update({
-    "lora.enable_lora": "honoured (lora.py: MaxText's lora_utils.apply_lora_to_model on the actor; adapters-only "
-                        "training, sync and checkpoints)",
-    "lora.lora_rank": "honoured (lora.py: qwix LoraProvider rank)",
-    "lora.lora_alpha": "honoured (lora.py: qwix LoraProvider alpha; the update is alpha/rank * A @ B)",
-    "lora.lora_module_path": "honoured (lora.py: modules to adapt; empty = MaxText's post_train/lora_module_path.yml "
-                             "entry for model_name)",
-    "lora.lora_restore_path": "honoured (lora.py: MaxText's restore_lora_from_path before training; ignored on resume, "
-                              "as in MaxText)",
-    "lora.lora_weight_qtype": _QLORA,
-    "lora.lora_tile_size": _QLORA,
-})
+_QLORA = (
+    "refused: QLoRA (a quantized frozen base) is not implemented: the reference model is the float base and the "
+    "embedded engine merges adapters into float base kernels"
+)
+_KEY_STATUS.update(
+    {
+        "lora.enable_lora": "honoured (lora.py: MaxText's lora_utils.apply_lora_to_model on the actor; adapters-only "
+        "training, sync and checkpoints)",
+        "lora.lora_rank": "honoured (lora.py: qwix LoraProvider rank)",
+        "lora.lora_alpha": "honoured (lora.py: qwix LoraProvider alpha; the update is alpha/rank * A @ B)",
+        "lora.lora_module_path": "honoured (lora.py: modules to adapt; empty = MaxText's post_train/lora_module_path.yml "
+        "entry for model_name)",
+        "lora.lora_restore_path": "honoured (lora.py: MaxText's restore_lora_from_path before training; ignored on resume, "
+        "as in MaxText)",
+        "lora.lora_weight_qtype": _QLORA,
+        "lora.lora_tile_size": _QLORA,
+    }
+)
 
 # The key names the enumeration skips: containers whose inner keys carry the status.
 BLOCKS = ("rl", "cluster", "dataset", "reward", "special_tokens", "evaluation", "vllm")
@@ -460,11 +475,12 @@ def status(key: str) -> str | None:
 def refusal(key: str) -> str | None:
   """The reason a key is refused, or None when it is honoured."""
   s = status(key) or ""
-  return s[len("refused: "):] if s.startswith("refused: ") else None
+  return s[len("refused: ") :] if s.startswith("refused: ") else None
 
 
 def same_value(a: Any, b: Any) -> bool:
   """Equality of a user value and a default as YAML/CLI spell them (`null`/`None`, 1 vs 1.0, tuples vs lists)."""
+
   def norm(v):
     if isinstance(v, str) and v.strip().lower() in ("none", "null", "~"):
       return None

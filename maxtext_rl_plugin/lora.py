@@ -45,20 +45,25 @@ def validate(config) -> None:
     for key, default in _OFF_DEFAULTS.items():
       value = getattr(lora, key)
       if value != default and not (isinstance(default, float) and float(value) == default):
-        raise ConfigError(f"config key 'lora.{key}'={value!r} has no effect with lora.enable_lora=false; "
-                          "set lora.enable_lora=true or drop the key")
+        raise ConfigError(
+            f"config key 'lora.{key}'={value!r} has no effect with lora.enable_lora=false; "
+            "set lora.enable_lora=true or drop the key"
+        )
     return
   if lora.lora_rank < 1:
     raise ConfigError(f"invalid value for 'lora.lora_rank'={lora.lora_rank}: must be >= 1 with lora.enable_lora=true")
   if not lora.lora_alpha > 0:
-    raise ConfigError(f"invalid value for 'lora.lora_alpha'={lora.lora_alpha}: must be > 0 with lora.enable_lora=true "
-                      "(the adapter update is alpha/rank * A @ B; 0 trains nothing)")
+    raise ConfigError(
+        f"invalid value for 'lora.lora_alpha'={lora.lora_alpha}: must be > 0 with lora.enable_lora=true "
+        "(the adapter update is alpha/rank * A @ B; 0 trains nothing)"
+    )
   if lora.lora_module_path:
     try:
       re.compile(lora.lora_module_path)
     except re.error as e:
-      raise ConfigError(f"invalid value for 'lora.lora_module_path'='{lora.lora_module_path}': not a regular "
-                        f"expression ({e})") from None
+      raise ConfigError(
+          f"invalid value for 'lora.lora_module_path'='{lora.lora_module_path}': not a regular " f"expression ({e})"
+      ) from None
   path = lora.lora_restore_path
   if path and not str(path).startswith("gs://") and not os.path.exists(path):
     raise ConfigError(f"invalid value for 'lora.lora_restore_path'='{path}': no such checkpoint directory")
@@ -72,7 +77,8 @@ def check_engine(config, engine_name: str) -> None:
         "invalid value for 'rollout_engine'='vllm' with lora.enable_lora=true: the engine takes full weights only; "
         "tpu-inference 0.32.0's JAX model classes (Qwen3ForCausalLM, LlamaForCausalLM) accept _lora_metadata and "
         "ignore it, and its LoRA path (vLLM's PyTorch LoRA layers, adapters loaded from disk by LoRARequest) is not a "
-        "weight sync; use rollout_engine=embedded (docs/lora.md)")
+        "weight sync; use rollout_engine=embedded (docs/lora.md)"
+    )
 
 
 def module_path(config) -> str:
@@ -110,9 +116,15 @@ def apply(config, actor, mesh, pad_id: int | None = None) -> tuple[Any, Any]:
   lora_actor = TunixMaxTextAdapter(base_model=base, pad_id=pad_id)
   n_lora = sum(x.size for x in jax.tree.leaves(nnx.state(lora_actor, nnx.LoRAParam)))
   n_base = sum(x.size for x in jax.tree.leaves(nnx.state(actor, nnx.Param)))
-  logging.info("LoRA rank %d alpha %g on '%s': %d adapter parameters (%.3f%% of %d base parameters)",
-               config.lora.lora_rank, config.lora.lora_alpha, module_path(config), n_lora, 100.0 * n_lora / n_base,
-               n_base)
+  logging.info(
+      "LoRA rank %d alpha %g on '%s': %d adapter parameters (%.3f%% of %d base parameters)",
+      config.lora.lora_rank,
+      config.lora.lora_alpha,
+      module_path(config),
+      n_lora,
+      100.0 * n_lora / n_base,
+      n_base,
+  )
   return lora_actor, actor
 
 
@@ -234,9 +246,10 @@ class Merger:
     a_s = [_at(ad, p)[n + "_lora_a"] for p, n in pairs]
     b_s = [_at(ad, p)[n + "_lora_b"] for p, n in pairs]
     if self._fn is None:
-      self._fn = jax.jit(lambda ws, a_s, b_s: [merge_kernel(w, a, b, self.scale, self.scan_axis)
-                                               for w, a, b in zip(ws, a_s, b_s)],
-                         out_shardings=[w.sharding for w in ws])
+      self._fn = jax.jit(
+          lambda ws, a_s, b_s: [merge_kernel(w, a, b, self.scale, self.scan_axis) for w, a, b in zip(ws, a_s, b_s)],
+          out_shardings=[w.sharding for w in ws],
+      )
     new = self._fn(ws, a_s, b_s)
     update: dict = {}
     for (path, name), w in zip(pairs, new):

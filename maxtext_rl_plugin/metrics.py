@@ -71,8 +71,9 @@ def is_writer() -> bool:
 class RunLogger:
   """Writes per-step and eval metrics to TensorBoard, `metrics_file` and the console (process 0 only)."""
 
-  def __init__(self, tensorboard_dir: str, metrics_file: str | None, total_steps: int, start_step: int = 0,
-               log_period: int = 1):
+  def __init__(
+      self, tensorboard_dir: str, metrics_file: str | None, total_steps: int, start_step: int = 0, log_period: int = 1
+  ):
     from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
 
     self.writer = is_writer()

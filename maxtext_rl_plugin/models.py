@@ -51,7 +51,7 @@ def setup_devices(argv, devices=None) -> RunSetup:
     if len(devices) // pc.chips_per_vm >= 2 and pc.use_pathways:
       n = len(devices)
       t_dev = devices[: int(n * pc.trainer_devices_fraction)]
-      s_dev = devices[n - int(n * pc.sampler_devices_fraction):]
+      s_dev = devices[n - int(n * pc.sampler_devices_fraction) :]
     t_pc = s_pc = pc
   elif pc.num_trainer_slices > 0 and pc.num_samplers_slices > 0:
     by_slice: dict[int, list] = {}
@@ -60,26 +60,34 @@ def setup_devices(argv, devices=None) -> RunSetup:
     slices = sorted(by_slice)
     n_t, n_s = pc.num_trainer_slices, pc.num_samplers_slices
     if len(slices) < n_t + n_s:
-      raise ConfigError(f"invalid value for 'num_trainer_slices'={n_t}: with num_samplers_slices={n_s} it needs "
-                        f"{n_t + n_s} slices, found {len(slices)}")
+      raise ConfigError(
+          f"invalid value for 'num_trainer_slices'={n_t}: with num_samplers_slices={n_s} it needs "
+          f"{n_t + n_s} slices, found {len(slices)}"
+      )
     t_dev = [d for i in slices[:n_t] for d in by_slice[i]]
-    s_dev = [d for i in slices[n_t:n_t + n_s] for d in by_slice[i]]
+    s_dev = [d for i in slices[n_t : n_t + n_s] for d in by_slice[i]]
     per_slice, tp = len(t_dev) // n_t, pc.ici_tensor_parallelism
     fsdp = per_slice
     if tp > 1:
       if per_slice % tp:
-        raise ConfigError(f"invalid value for 'ici_tensor_parallelism'={tp}: must divide the {per_slice} trainer "
-                          "devices per slice")
+        raise ConfigError(
+            f"invalid value for 'ici_tensor_parallelism'={tp}: must divide the {per_slice} trainer " "devices per slice"
+        )
       if pc.ici_fsdp_parallelism != -1 and pc.ici_fsdp_parallelism * tp != per_slice:
-        raise ConfigError(f"invalid value for 'ici_fsdp_parallelism'={pc.ici_fsdp_parallelism}: times "
-                          f"ici_tensor_parallelism={tp} must equal the {per_slice} trainer devices per slice")
+        raise ConfigError(
+            f"invalid value for 'ici_fsdp_parallelism'={pc.ici_fsdp_parallelism}: times "
+            f"ici_tensor_parallelism={tp} must equal the {per_slice} trainer devices per slice"
+        )
       fsdp = per_slice // tp
     t_pc = parsed.derive(num_slices=n_t, ici_fsdp_parallelism=fsdp, ici_tensor_parallelism=tp, dcn_data_parallelism=n_t)
-    s_pc = parsed.derive(num_slices=n_s, ici_fsdp_parallelism=len(s_dev) // n_s, ici_tensor_parallelism=-1,
-                         dcn_data_parallelism=n_s)
+    s_pc = parsed.derive(
+        num_slices=n_s, ici_fsdp_parallelism=len(s_dev) // n_s, ici_tensor_parallelism=-1, dcn_data_parallelism=n_s
+    )
   else:
-    raise ConfigError(f"invalid value for 'num_trainer_slices'={pc.num_trainer_slices}: num_trainer_slices and "
-                      f"num_samplers_slices (={pc.num_samplers_slices}) must both be -1 or both be positive")
+    raise ConfigError(
+        f"invalid value for 'num_trainer_slices'={pc.num_trainer_slices}: num_trainer_slices and "
+        f"num_samplers_slices (={pc.num_samplers_slices}) must both be -1 or both be positive"
+    )
   t_hp = config_lib.to_hyperparameters(t_pc)
   s_hp = t_hp if s_pc is t_pc else config_lib.to_hyperparameters(s_pc)
   return RunSetup(t_hp, s_hp, list(t_dev), list(s_dev))
@@ -93,7 +101,9 @@ def load_tokenizer(config):
   try:
     tok = AutoTokenizer.from_pretrained(path, token=config.hf_access_token or None)
   except (OSError, ValueError) as e:
-    raise ConfigError(f"invalid value for 'tokenizer_path'='{path}': cannot load a Hugging Face tokenizer ({type(e).__name__})") from None
+    raise ConfigError(
+        f"invalid value for 'tokenizer_path'='{path}': cannot load a Hugging Face tokenizer ({type(e).__name__})"
+    ) from None
   if tok.pad_token_id is None:
     tok.pad_token = tok.eos_token
   if config.use_chat_template and not getattr(tok, "chat_template", None):
@@ -127,8 +137,14 @@ def build_model(config, devices, pad_id: int | None = None, rng_seed: int | None
         tokenizer_pad_id=pad_id,
         rng_key=jax.random.PRNGKey(seed),
     )
-  logging.info("built %s (%d layers, emb %d) on %d devices, mesh %s", config.model_name, config.num_decoder_layers,
-               config.emb_dim, len(devices), dict(mesh.shape))
+  logging.info(
+      "built %s (%d layers, emb %d) on %d devices, mesh %s",
+      config.model_name,
+      config.num_decoder_layers,
+      config.emb_dim,
+      len(devices),
+      dict(mesh.shape),
+  )
   return model, mesh
 
 

@@ -58,6 +58,7 @@ def verify_due(policy: str, every: int, n: int) -> bool:
     return n == 1 or n % int(every) == 0
   return False
 
+
 PyTree = Any
 _logged_paths: set[str] = set()
 
@@ -83,7 +84,10 @@ def backend_path() -> str:
     try:
       import pathwaysutils  # pylint: disable=import-outside-toplevel
     except ImportError:
-      path, why = PATH_DEVICE_PUT, "JAX_PLATFORMS=proxy but pathwaysutils is not installed (pip install 'maxtext-rl-plugin[tpu]')"
+      path, why = (
+          PATH_DEVICE_PUT,
+          "JAX_PLATFORMS=proxy but pathwaysutils is not installed (pip install 'maxtext-rl-plugin[tpu]')",
+      )
     else:
       del pathwaysutils
       pathways.require_initialized()  # train_rl.main initialised it before JAX started; too late to do it here
@@ -95,7 +99,10 @@ def backend_path() -> str:
         try:
           from pathwaysutils import reshard as _  # pylint: disable=import-outside-toplevel,unused-import,reimported
 
-          path, why = PATH_PATHWAYS, "pathwaysutils.experimental.reshard unavailable; IFRT reshard with intermediate sharding"
+          path, why = (
+              PATH_PATHWAYS,
+              "pathwaysutils.experimental.reshard unavailable; IFRT reshard with intermediate sharding",
+          )
         except ImportError:
           path, why = PATH_DEVICE_PUT, "pathwaysutils has no reshard module"
   if path not in _logged_paths:
@@ -128,8 +135,11 @@ def _staging_sharding(x, dst) -> jax.sharding.NamedSharding | None:
   src_devices = list(x.sharding._device_assignment)  # pylint: disable=protected-access
   if len(src_devices) != dst.mesh.size or set(src_devices) == set(dst.device_set):
     return None
-  mesh = jax.sharding.Mesh(np.array(src_devices, dtype=object).reshape(dst.mesh.devices.shape), dst.mesh.axis_names,
-                           axis_types=dst.mesh.axis_types)
+  mesh = jax.sharding.Mesh(
+      np.array(src_devices, dtype=object).reshape(dst.mesh.devices.shape),
+      dst.mesh.axis_names,
+      axis_types=dst.mesh.axis_types,
+  )
   return jax.sharding.NamedSharding(mesh, dst.spec, memory_kind=dst.memory_kind)
 
 
@@ -200,6 +210,7 @@ def _move(arrays: list, shardings: list, *, donate: bool, path: str, two_phase: 
 
     def fn(xs, src, dst):
       return pw.sidechannel_reshard_with_intermediate_sharding(xs, src, dst, donate=donate, cache_resharding_plans=True)
+
   else:
     from pathwaysutils import reshard as pw  # pylint: disable=import-outside-toplevel,reimported
 
@@ -243,7 +254,7 @@ def _check_same_structure(src_paths, src_def, dst_paths, dst_def, what: str) -> 
   for a, b in zip(src_paths, dst_paths):
     if a != b:
       raise WeightSyncError(f"{what}: trainer and sampler trees differ at '{a}' vs '{b}' (check the weight mapping)")
-  longer = src_paths[len(dst_paths):] or dst_paths[len(src_paths):]
+  longer = src_paths[len(dst_paths) :] or dst_paths[len(src_paths) :]
   raise WeightSyncError(
       f"{what}: trainer tree has {len(src_paths)} arrays, sampler tree {len(dst_paths)}"
       + (f" (first extra: '{longer[0]}')" if longer else "")
@@ -306,7 +317,10 @@ def _zip_shardings(state: PyTree, mesh_specs: PyTree, mesh) -> PyTree:
     raise WeightSyncError(f"logical partition specs ({len(specs)}) do not match the state's arrays ({len(leaves)})")
   return jax.tree_util.tree_unflatten(
       treedef,
-      [jax.sharding.NamedSharding(mesh, _fit_spec(s or jax.sharding.PartitionSpec(), x.shape, mesh)) for x, s in zip(leaves, specs)],
+      [
+          jax.sharding.NamedSharding(mesh, _fit_spec(s or jax.sharding.PartitionSpec(), x.shape, mesh))
+          for x, s in zip(leaves, specs)
+      ],
   )
 
 
@@ -493,12 +507,18 @@ def verify(src_tree: PyTree, dst_tree: PyTree, *, dst_shardings: PyTree | None =
     _, expected, _ = _flatten(dst_shardings)
   for i, (p, a, b) in enumerate(zip(src_paths, src, dst)):
     if isinstance(b, jax.Array) and b.is_deleted():
-      raise WeightSyncError(f"weight sync check failed at '{p}': the sampler still holds its previous, released buffer "
-                            "(its update did not install this array)")
+      raise WeightSyncError(
+          f"weight sync check failed at '{p}': the sampler still holds its previous, released buffer "
+          "(its update did not install this array)"
+      )
     if a.shape != b.shape or a.dtype != b.dtype:
-      raise WeightSyncError(f"weight sync check failed at '{p}': trainer {a.dtype}{list(a.shape)} vs sampler {b.dtype}{list(b.shape)}")
+      raise WeightSyncError(
+          f"weight sync check failed at '{p}': trainer {a.dtype}{list(a.shape)} vs sampler {b.dtype}{list(b.shape)}"
+      )
     if expected is not None and not _as_sharding(expected[i]).is_equivalent_to(b.sharding, b.ndim):
-      raise WeightSyncError(f"weight sync check failed at '{p}': sampler array is on {b.sharding}, expected {_as_sharding(expected[i])}")
+      raise WeightSyncError(
+          f"weight sync check failed at '{p}': sampler array is on {b.sharding}, expected {_as_sharding(expected[i])}"
+      )
   cs, cd = checksums(src), checksums(dst)
   bad = np.nonzero(cs != cd)[0]
   if bad.size:
@@ -564,12 +584,18 @@ class WeightSync:
     self.verify_policy = str(verify_policy or _config_value(config, "verify_weight_sync", "first"))
     self.verify_every = int(verify_every or _config_value(config, "verify_weight_sync_every", 10))
     if self.verify_policy not in VERIFY_POLICIES:
-      raise ConfigError(f"invalid value for 'rl.verify_weight_sync'='{self.verify_policy}': expected one of {', '.join(VERIFY_POLICIES)}")
+      raise ConfigError(
+          f"invalid value for 'rl.verify_weight_sync'='{self.verify_policy}': expected one of {', '.join(VERIFY_POLICIES)}"
+      )
     if self.chunk_size is not None and int(self.chunk_size) < 1:
-      raise ConfigError(f"invalid value for 'rl.reshard_chunk_size'={self.chunk_size}: expected a positive integer or null")
+      raise ConfigError(
+          f"invalid value for 'rl.reshard_chunk_size'={self.chunk_size}: expected a positive integer or null"
+      )
     self.chunk_size = None if self.chunk_size is None else int(self.chunk_size)
     self._model = dst if _is_nnx_module(dst) else None
-    self._dst_shardings = None if (dst is None or self._model is not None) else jax.tree.map(_as_sharding, dst, is_leaf=_is_sharding)
+    self._dst_shardings = (
+        None if (dst is None or self._model is not None) else jax.tree.map(_as_sharding, dst, is_leaf=_is_sharding)
+    )
     self._mesh, self._rules = mesh, rules
     self.num_syncs = 0
     self.num_verified = 0
@@ -644,12 +670,22 @@ class WeightSync:
       verify(mapped, held, dst_shardings=dst_shardings)
       self.last_verify_seconds = time.perf_counter() - t1
       self.num_verified += 1
-      logging.info("weight sync %d verified: %d arrays, %.1f MiB bitwise equal on the sampler (%.3fs sync, %.3fs check)",
-                   self.num_syncs, len(jax.tree.leaves(mapped)), self.last_bytes / 2**20, self.last_seconds,
-                   self.last_verify_seconds)
+      logging.info(
+          "weight sync %d verified: %d arrays, %.1f MiB bitwise equal on the sampler (%.3fs sync, %.3fs check)",
+          self.num_syncs,
+          len(jax.tree.leaves(mapped)),
+          self.last_bytes / 2**20,
+          self.last_seconds,
+          self.last_verify_seconds,
+      )
     else:
-      logging.debug("weight sync %d: %.1f MiB in %.3fs via %s", self.num_syncs, self.last_bytes / 2**20,
-                    self.last_seconds, stats.get("path"))
+      logging.debug(
+          "weight sync %d: %.1f MiB in %.3fs via %s",
+          self.num_syncs,
+          self.last_bytes / 2**20,
+          self.last_seconds,
+          stats.get("path"),
+      )
     return held
 
 
@@ -679,8 +715,10 @@ def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
 
   rollout = rl_cluster.rollout
   if not isinstance(rollout.model(), nnx.Module):
-    raise TypeError(f"{type(rollout).__name__}.model() is not an nnx.Module holding the sampler weights; "
-                    "that engine must reshard inside its own update_params (e.g. with resharding.reshard)")
+    raise TypeError(
+        f"{type(rollout).__name__}.model() is not an nnx.Module holding the sampler weights; "
+        "that engine must reshard inside its own update_params (e.g. with resharding.reshard)"
+    )
   if getattr(rollout, "_maxtext_rl_weight_sync", None) is not None:
     rollout._maxtext_rl_weight_sync = weight_sync  # pylint: disable=protected-access
     return
@@ -699,8 +737,12 @@ def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
   rollout._maxtext_rl_weight_sync = weight_sync  # pylint: disable=protected-access
   rollout._maxtext_rl_original_update_params = original  # pylint: disable=protected-access
   rollout.update_params = update_params
-  logging.info("RLCluster weight sync routed through maxtext_rl_plugin.resharding (%s, chunk_size=%s, verify=%s)",
-               weight_sync.path, weight_sync.chunk_size, weight_sync.verify_policy)
+  logging.info(
+      "RLCluster weight sync routed through maxtext_rl_plugin.resharding (%s, chunk_size=%s, verify=%s)",
+      weight_sync.path,
+      weight_sync.chunk_size,
+      weight_sync.verify_policy,
+  )
 
 
 def attach_to_rl_cluster(rl_cluster, config) -> WeightSync | None:
@@ -718,8 +760,9 @@ def attach_to_rl_cluster(rl_cluster, config) -> WeightSync | None:
 
   sampler = rl_cluster.rollout.model()
   if not isinstance(sampler, nnx.Module):
-    logging.info("weight sync: %s manages its own weights; not installing the plugin's sync",
-                 type(rl_cluster.rollout).__name__)
+    logging.info(
+        "weight sync: %s manages its own weights; not installing the plugin's sync", type(rl_cluster.rollout).__name__
+    )
     return None
   if rl_utils.is_sharing_weights(rl_cluster.actor_trainer.model, sampler):
     logging.info("weight sync: colocated (the sampler shares the trainer's arrays); nothing to sync")

@@ -116,8 +116,10 @@ def check_fresh_metrics_file(metrics_file: str | None, run_dir: str) -> None:
   with open(metrics_file, "rb") as f:
     n = sum(1 for line in f if line.strip())
   if n:
-    raise OutputError(f"invalid value for 'metrics_file': {metrics_file} already holds {n} record(s) of another run "
-                      f"and this run ({run_dir}) starts from scratch; name another metrics_file or move that one")
+    raise OutputError(
+        f"invalid value for 'metrics_file': {metrics_file} already holds {n} record(s) of another run "
+        f"and this run ({run_dir}) starts from scratch; name another metrics_file or move that one"
+    )
 
 
 class RunLock:
@@ -162,7 +164,8 @@ class RunLock:
           raise RunLockedError(
               f"run directory {os.path.dirname(self.path)} is in use by pid {info.get('pid')} on host "
               f"{info.get('host')} (heartbeat {age:.0f} s ago); wait for it to finish or use another run_name "
-              f"(a lock silent for {self.stale_after_s:.0f} s is taken over)") from None
+              f"(a lock silent for {self.stale_after_s:.0f} s is taken over)"
+          ) from None
         logging.warning("taking over the stale lock %s (holder %s)", self.path, info)
         try:
           os.remove(self.path)

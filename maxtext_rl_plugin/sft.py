@@ -71,16 +71,18 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   if manager.latest_step() == steps:
     abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
-    restored = manager.restore(steps, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract),
-                                                              meta=ocp.args.JsonRestore()))
+    restored = manager.restore(
+        steps, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
+    )
     nnx.update(model, restored.params)
     manager.close()
     _say(f"SFT warm start: restored {steps} steps from {ckpt_dir} (skipping)")
     return dict(restored.meta)
 
   length = config.max_target_length
-  schedule = optax.warmup_cosine_decay_schedule(0.0, config.sft_learning_rate, max(1, steps // 10), steps,
-                                                config.sft_learning_rate * 0.1)
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, config.sft_learning_rate, max(1, steps // 10), steps, config.sft_learning_rate * 0.1
+  )
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
   opt_state = tx.init(params)
 
@@ -105,17 +107,24 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
     for step in range(1, steps + 1):
       tokens, mask = _tokenize_batch(next(batches), tokenizer, config, length)
       # The same rows on every process -> global arrays, rows over the mesh's data axes (distributed.py).
-      params, opt_state, loss = train_step(params, opt_state, distributed.global_batch(tokens, mesh, _DATA_AXES),
-                                           distributed.global_batch(mask, mesh, _DATA_AXES))
+      params, opt_state, loss = train_step(
+          params,
+          opt_state,
+          distributed.global_batch(tokens, mesh, _DATA_AXES),
+          distributed.global_batch(mask, mesh, _DATA_AXES),
+      )
       losses.append(float(loss))
       if step == 1 or step % max(1, steps // 10) == 0 or step == steps:
         el = time.time() - t0
-        _say(f"SFT warm start step {step}/{steps} | loss {np.mean(losses[-10:]):.3f} | "
-             f"ETA {format_duration(el / step * (steps - step))}")
+        _say(
+            f"SFT warm start step {step}/{steps} | loss {np.mean(losses[-10:]):.3f} | "
+            f"ETA {format_duration(el / step * (steps - step))}"
+        )
   nnx.update(model, params)
   meta = {"steps": steps, "final_loss": float(np.mean(losses[-10:])), "seconds": time.time() - t0}
-  manager.save(steps, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)),
-               force=True)
+  manager.save(
+      steps, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)), force=True
+  )
   manager.wait_until_finished()
   manager.close()
   logging.info("SFT warm start done: %s", json.dumps(meta))

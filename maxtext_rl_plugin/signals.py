@@ -38,11 +38,21 @@ class GracefulStop:
     name = signal.Signals(signum).name
     if self.in_loop and self.requested is None:
       self.requested = signum
-      print(f"{name} received: finishing the current step, then checkpointing and stopping "
-            f"(send it again to stop at once)", flush=True)
+      print(
+          f"{name} received: finishing the current step, then checkpointing and stopping "
+          f"(send it again to stop at once)",
+          flush=True,
+      )
       return
-    raise Stopped(f"stopped by {name}" + (" during the step; the last complete checkpoint stands" if self.in_loop
-                                          else " before training started; nothing was written"), signum)
+    raise Stopped(
+        f"stopped by {name}"
+        + (
+            " during the step; the last complete checkpoint stands"
+            if self.in_loop
+            else " before training started; nothing was written"
+        ),
+        signum,
+    )
 
   def __enter__(self) -> "GracefulStop":
     if threading.current_thread() is threading.main_thread():

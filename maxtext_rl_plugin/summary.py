@@ -14,8 +14,12 @@ def _fmt(v, pct=False) -> str:
 
 def table(summary: dict[str, Any]) -> str:
   before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
-  rows = [("eval accuracy", "accuracy", True), ("format accuracy", "format_accuracy", True),
-          ("partial accuracy", "partial_accuracy", True), ("mean reward", "reward_mean", False)]
+  rows = [
+      ("eval accuracy", "accuracy", True),
+      ("format accuracy", "format_accuracy", True),
+      ("partial accuracy", "partial_accuracy", True),
+      ("mean reward", "reward_mean", False),
+  ]
   lines = [f"{'metric':<18}{'before RL':>12}{'after RL':>12}{'change':>12}", "-" * 54]
   for label, key, pct in rows:
     b, a = before.get(key), after.get(key)
@@ -24,8 +28,11 @@ def table(summary: dict[str, Any]) -> str:
     lines.append(f"{label:<18}{_fmt(b, pct):>12}{_fmt(a, pct):>12}{d:>12}")
   n = before.get("num_examples") or after.get("num_examples")
   if n:
-    lines.append(f"(eval_sampling_strategy decoding on {int(n)} held-out examples)".replace(
-        "eval_sampling_strategy", summary.get("eval_sampling", "greedy")))
+    lines.append(
+        f"(eval_sampling_strategy decoding on {int(n)} held-out examples)".replace(
+            "eval_sampling_strategy", summary.get("eval_sampling", "greedy")
+        )
+    )
   return "\n".join(lines)
 
 
@@ -47,8 +54,10 @@ def plot(summary: dict[str, Any], path: str) -> str | None:
   def noisy_and_trend(ax, values, label, color):
     ax.plot(steps, values, color=color, alpha=0.3, linewidth=1, label=f"{label} (per step)")
     if window > 1:
-      trend = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
-               for i in range(len(values))]
+      trend = [
+          sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+          for i in range(len(values))
+      ]
       ax.plot(steps, trend, color=color, linewidth=2, label=f"{label} ({window}-step mean)")
 
   noisy_and_trend(ax1, [r["reward/mean"] for r in hist], "train reward", "tab:blue")
@@ -62,8 +71,14 @@ def plot(summary: dict[str, Any], path: str) -> str | None:
     xs, ys = [r["step"] for r in evals], [100 * r["eval/accuracy"] for r in evals]
     ax2.plot(xs, ys, "o--", color="tab:orange", markersize=8, label="eval accuracy (held out)")
     if all("eval/strict_accuracy" in r for r in evals):
-      ax2.plot(xs, [100 * r["eval/strict_accuracy"] for r in evals], "s:", color="tab:green", markersize=5,
-               label="eval strict accuracy (answer in the required format)")
+      ax2.plot(
+          xs,
+          [100 * r["eval/strict_accuracy"] for r in evals],
+          "s:",
+          color="tab:green",
+          markersize=5,
+          label="eval strict accuracy (answer in the required format)",
+      )
     for x, y in zip(xs, ys):
       ax2.annotate(f"{y:.1f}%", (x, y), textcoords="offset points", xytext=(0, 8), ha="center", color="tab:orange")
   ax2.set_xlabel("RL step")
@@ -84,7 +99,9 @@ def report(config, summary: dict[str, Any]) -> None:
     if png:
       summary["plot"] = png
       print(f"plot: {png}", flush=True)
-  print(f"TensorBoard logs: {summary.get('tensorboard_dir')}  (tensorboard --logdir {summary.get('tensorboard_dir')})",
-        flush=True)
+  print(
+      f"TensorBoard logs: {summary.get('tensorboard_dir')}  (tensorboard --logdir {summary.get('tensorboard_dir')})",
+      flush=True,
+  )
   if summary.get("metrics_file"):
     print(f"metrics file: {summary['metrics_file']}", flush=True)

@@ -45,8 +45,15 @@ from maxtext_rl_plugin import updates
 from maxtext_rl_plugin.errors import CheckpointError, ConfigError
 
 # Keys whose change makes a checkpoint's data position meaningless: resuming must refuse them.
-_RESUME_INVARIANTS = ("batch_size", "num_generations", "data_shuffle_seed", "dataset", "loss_algo", "rollout_seed",
-                      "updates_per_step")
+_RESUME_INVARIANTS = (
+    "batch_size",
+    "num_generations",
+    "data_shuffle_seed",
+    "dataset",
+    "loss_algo",
+    "rollout_seed",
+    "updates_per_step",
+)
 
 
 class PhaseTimer:
@@ -116,14 +123,21 @@ def _check_runtime(config, rs: models.RunSetup) -> None:
   k = int(config.rl.off_policy_steps)
   if k < 0:
     raise ConfigError(f"invalid value for 'rl.off_policy_steps'={k}: expected >= 0 (0 = synchronous rollouts)")
-  if k > 0 and config.rl.rollout_is == "off" and not (config.rl.use_rollout_logps and not config.rl.force_on_policy_ratio):
+  if (
+      k > 0
+      and config.rl.rollout_is == "off"
+      and not (config.rl.use_rollout_logps and not config.rl.force_on_policy_ratio)
+  ):
     raise ConfigError(
         f"invalid value for 'rl.off_policy_steps'={k}: batches up to {k} step(s) stale need a correction; set "
         "rl.rollout_is=truncate (or mask: importance weights pi_old/pi_behaviour) or rl.use_rollout_logps=true (the PPO "
-        "ratio against the behaviour policy, without rl.force_on_policy_ratio)")
+        "ratio against the behaviour policy, without rl.force_on_policy_ratio)"
+    )
   if config.rl.rollout_is != "off" and config.rl.use_rollout_logps:
-    raise ConfigError(f"invalid value for 'rl.rollout_is'='{config.rl.rollout_is}': needs rl.use_rollout_logps=false "
-                      "(the importance weight is pi_old / pi_behaviour, with pi_old the trainer's own forward)")
+    raise ConfigError(
+        f"invalid value for 'rl.rollout_is'='{config.rl.rollout_is}': needs rl.use_rollout_logps=false "
+        "(the importance weight is pi_old / pi_behaviour, with pi_old the trainer's own forward)"
+    )
 
 
 def num_rl_steps(config) -> int:
@@ -153,8 +167,11 @@ def _resolve_engine_name(config) -> str:
   name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
   if name == "vllm" and multi:
     name = "embedded"
-    logging.info("rollout_engine=auto resolved to 'embedded': vLLM is installed but %d JAX processes run without "
-                 "Pathways (tpu-inference needs the rollout devices local to one controller)", jax.process_count())
+    logging.info(
+        "rollout_engine=auto resolved to 'embedded': vLLM is installed but %d JAX processes run without "
+        "Pathways (tpu-inference needs the rollout devices local to one controller)",
+        jax.process_count(),
+    )
   else:
     logging.info("rollout_engine=auto resolved to '%s' (backend %s)", name, jax.default_backend())
   return name
@@ -201,7 +218,8 @@ def rollout_configs(config, tokenizer) -> dict:
   except KeyError:
     raise ConfigError(
         f"invalid value for 'eval_sampling_strategy'='{config.eval_sampling_strategy}': not a key of generation_configs "
-        f"({', '.join(sorted(config.generation_configs or {})) or 'empty'})") from None
+        f"({', '.join(sorted(config.generation_configs or {})) or 'empty'})"
+    ) from None
   evaluation = base_rollout.RolloutConfig(**eval_sampling, **common)
   return {rl_cluster_lib.Mode.TRAIN: train, rl_cluster_lib.Mode.EVAL: evaluation}
 
@@ -219,8 +237,12 @@ def lr_schedule(config):
   explicit = sched_steps and sched_steps > 0 and sched_steps not in (config.steps, config.train_steps)
   sched_steps = int(sched_steps) if explicit else total_updates(config)
   return optax.schedules.warmup_cosine_decay_schedule(
-      init_value=0.0, peak_value=config.learning_rate, warmup_steps=int(config.warmup_steps_fraction * sched_steps),
-      decay_steps=sched_steps, end_value=0.0)
+      init_value=0.0,
+      peak_value=config.learning_rate,
+      warmup_steps=int(config.warmup_steps_fraction * sched_steps),
+      decay_steps=sched_steps,
+      end_value=0.0,
+  )
 
 
 def build_optimizer(config):
@@ -233,10 +255,20 @@ def build_optimizer(config):
   import optax  # pylint: disable=import-outside-toplevel
 
   def make(learning_rate):
-    clip = [optax.clip_by_global_norm(config.gradient_clipping_threshold)] if config.gradient_clipping_threshold > 0 else []
-    return optax.chain(*clip, optax.adamw(learning_rate, b1=config.adam_b1, b2=config.adam_b2,
-                                          eps=float(config.adam_eps), eps_root=float(config.adam_eps_root),
-                                          weight_decay=config.adam_weight_decay))
+    clip = (
+        [optax.clip_by_global_norm(config.gradient_clipping_threshold)] if config.gradient_clipping_threshold > 0 else []
+    )
+    return optax.chain(
+        *clip,
+        optax.adamw(
+            learning_rate,
+            b1=config.adam_b1,
+            b2=config.adam_b2,
+            eps=float(config.adam_eps),
+            eps_root=float(config.adam_eps_root),
+            weight_decay=config.adam_weight_decay,
+        ),
+    )
 
   return optax.inject_hyperparams(make)(learning_rate=lr_schedule(config))
 
@@ -304,8 +336,12 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
     with actor_mesh:
       reference = frozen_base or TunixMaxTextAdapter(base_model=nnx.clone(actor.base), pad_id=tokenizer.pad_token_id)
   rollout_mesh = models.build_sampler_mesh(rs.sampler_config, rs.sampler_devices)
-  logging.info("trainer devices %d, sampler devices %d (%s)", len(rs.trainer_devices), len(rs.sampler_devices),
-               "disaggregated" if rs.disaggregated else "colocated")
+  logging.info(
+      "trainer devices %d, sampler devices %d (%s)",
+      len(rs.trainer_devices),
+      len(rs.sampler_devices),
+      "disaggregated" if rs.disaggregated else "colocated",
+  )
 
   tee = TunixTee()
   cluster_config = rl_cluster_lib.ClusterConfig(
@@ -331,8 +367,9 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
           rollout_micro_batch_size=None if config.rollout_micro_batch_size <= 0 else config.rollout_micro_batch_size,
           compute_logps_micro_batch_size=plan.micro_batch_size,
           metrics_logging_options=metrics_logger.MetricsLoggerOptions(
-              log_dir=config.tensorboard_dir, flush_every_n_steps=max(1, int(config.log_period)),
-              backend_kwargs={"custom_backend": [lambda: tee]}
+              log_dir=config.tensorboard_dir,
+              flush_every_n_steps=max(1, int(config.log_period)),
+              backend_kwargs={"custom_backend": [lambda: tee]},
           ),
           checkpoint_root_directory=None,  # checkpoints are the plugin's (params + opt + data position + RNG)
       ),
@@ -356,13 +393,34 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   learner = grpo_learner.GrpoLearner(rl_cluster=rl_cluster, algo_config=algo_config, reward_fns=reward_fns)
   rl_cluster.actor_trainer.with_rl_metrics_to_log(algorithms.rl_metrics_to_log(algo_config))
   trainer_logps = experience.TrainerLogps(rl_cluster, actor_mesh, config.logical_axis_rules)
-  if config.rl.off_policy_steps > 0 and not learner.should_sync_weights and not hasattr(rl_cluster.rollout,
-                                                                                         "snapshot_weights"):
-    raise ConfigError(f"invalid value for 'rl.off_policy_steps'={config.rl.off_policy_steps}: rollout engine "
-                      f"'{engine_name}' samples with the trainer's own weights here (colocated) and cannot pin a weight "
-                      "version while the trainer updates them; use rl.off_policy_steps=0 or a disaggregated split")
-  return RLRun(config, rs, tokenizer, train_split, eval_split, rl_cluster, learner, timer, recorder, reward_fns,
-               trainer_logps, plan, tee, run_dir, engine_name, weight_sync)
+  if (
+      config.rl.off_policy_steps > 0
+      and not learner.should_sync_weights
+      and not hasattr(rl_cluster.rollout, "snapshot_weights")
+  ):
+    raise ConfigError(
+        f"invalid value for 'rl.off_policy_steps'={config.rl.off_policy_steps}: rollout engine "
+        f"'{engine_name}' samples with the trainer's own weights here (colocated) and cannot pin a weight "
+        "version while the trainer updates them; use rl.off_policy_steps=0 or a disaggregated split"
+    )
+  return RLRun(
+      config,
+      rs,
+      tokenizer,
+      train_split,
+      eval_split,
+      rl_cluster,
+      learner,
+      timer,
+      recorder,
+      reward_fns,
+      trainer_logps,
+      plan,
+      tee,
+      run_dir,
+      engine_name,
+      weight_sync,
+  )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -442,8 +500,9 @@ def _restore_newest(run: RLRun, ckpt) -> tuple[int, dict]:
     return step, meta
   if failures:
     step, why = failures[0]
-    raise CheckpointError(f"no checkpoint in {ckpt.directory} restores (newest, step {step}: {why}); "
-                          "use a new run_name to start over")
+    raise CheckpointError(
+        f"no checkpoint in {ckpt.directory} restores (newest, step {step}: {why}); " "use a new run_name to start over"
+    )
   return 0, {}
 
 
@@ -505,12 +564,19 @@ def _audit_batch(run_dir: str, step: int, batch) -> None:
 
 
 # Tunix trainer scalars (mean over the step's optimizer updates) -> the plugin's metric names.
-_TUNIX_RENAMES = {"loss": "loss", "kl": "kl", "pg_clipfrac": "clip_fraction", "grad_norm": "grad_norm",
-                  "entropy": "entropy", "ratio_mean": "ratio_mean"}
+_TUNIX_RENAMES = {
+    "loss": "loss",
+    "kl": "kl",
+    "pg_clipfrac": "clip_fraction",
+    "grad_norm": "grad_norm",
+    "entropy": "entropy",
+    "ratio_mean": "ratio_mean",
+}
 
 
-def _step_metrics(run: RLRun, exp, item, answers: list, phases: dict[str, float], step: int,
-                  step_seconds: float, wait_sync_s: float) -> dict[str, float]:
+def _step_metrics(
+    run: RLRun, exp, item, answers: list, phases: dict[str, float], step: int, step_seconds: float, wait_sync_s: float
+) -> dict[str, float]:
   from maxtext_rl_plugin import rewards as rewards_lib  # pylint: disable=import-outside-toplevel
 
   values = item.value[2].reward_values
@@ -628,28 +694,45 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
     # torn last line) so every step appears once. A fresh start drops a failed attempt's records likewise.
     for path in (run.metrics_file, os.path.join(run.run_dir, "batches.jsonl")):
       run_dir_lib.prune_jsonl(path, start if start else -1)
-  out_logger = RunLogger(config.tensorboard_dir, run.metrics_file, total, start,
-                         log_period=max(1, int(config.log_period)))
-  summary: dict[str, Any] = {"run_dir": run.run_dir, "start_step": start, "total_steps": total,
-                             "eval_before": meta.get("eval_before"), "eval_after": None, "eval_history": [],
-                             "eval_sampling": f"{config.eval_sampling_strategy}, {config.num_eval_passes} pass(es)"}
+  out_logger = RunLogger(
+      config.tensorboard_dir, run.metrics_file, total, start, log_period=max(1, int(config.log_period))
+  )
+  summary: dict[str, Any] = {
+      "run_dir": run.run_dir,
+      "start_step": start,
+      "total_steps": total,
+      "eval_before": meta.get("eval_before"),
+      "eval_after": None,
+      "eval_history": [],
+      "eval_sampling": f"{config.eval_sampling_strategy}, {config.num_eval_passes} pass(es)",
+  }
   if start:
     out_logger.note(f"resuming {run.run_dir} from checkpoint step {start} (next batch index {start})")
   else:
-    out_logger.note(f"starting {run.run_dir}: {total} RL steps of {config.rl.loss_algo}, batch {config.batch_size} x "
-                    f"{config.rl.num_generations} generations, rollout engine '{run.engine_name}'")
+    out_logger.note(
+        f"starting {run.run_dir}: {total} RL steps of {config.rl.loss_algo}, batch {config.batch_size} x "
+        f"{config.rl.num_generations} generations, rollout engine '{run.engine_name}'"
+    )
   out_logger.note(
       f"updates: {plan.updates_per_step} optimizer update(s) per RL step (rl.num_iterations={plan.num_iterations}, "
       f"mini-batch {plan.mini_batch_size} prompts), {plan.accumulation_steps} micro-batch(es) of "
       f"{plan.micro_batch_size} prompts each; old-policy log-probs: "
-      + ("not needed (on-policy)" if not plan.needs_old_logps
-         else ("sampler (rl.use_rollout_logps)" if config.rl.use_rollout_logps else "trainer forward")))
+      + (
+          "not needed (on-policy)"
+          if not plan.needs_old_logps
+          else ("sampler (rl.use_rollout_logps)" if config.rl.use_rollout_logps else "trainer forward")
+      )
+  )
   rs = run.setup
   sync = run.weight_sync
   out_logger.note(
       f"devices: trainer {len(rs.trainer_devices)}, sampler {len(rs.sampler_devices)} ("
-      + (f"disaggregated; weight sync via {sync.path}, chunk_size={sync.chunk_size}, verify={sync.verify_policy})"
-         if sync is not None else "colocated: the sampler shares the trainer's weights)"))
+      + (
+          f"disaggregated; weight sync via {sync.path}, chunk_size={sync.chunk_size}, verify={sync.verify_policy})"
+          if sync is not None
+          else "colocated: the sampler shares the trainer's weights)"
+      )
+  )
   if start == 0 and config.eval_before_training and config.num_test_batches > 0:
     summary["eval_before"] = evaluation_lib.evaluate(run, 0)
     run.timer.reset()
@@ -658,14 +741,17 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
   profiler = StepProfiler(config)
   trainer = run.rl_cluster.actor_trainer
   # Rollouts run up to rl.off_policy_steps batches ahead of the updates (0: sampled inline, the synchronous step).
-  producer = async_rollout.RolloutProducer(functools.partial(_sample_batch, run),
-                                           off_policy_steps=int(config.rl.off_policy_steps), start=start, end=total)
+  producer = async_rollout.RolloutProducer(
+      functools.partial(_sample_batch, run), off_policy_steps=int(config.rl.off_policy_steps), start=start, end=total
+  )
   snapshot = producer.asynchronous and not run.learner.should_sync_weights
   if snapshot:  # colocated: the producer samples a pinned version while the trainer updates the shared arrays
     run.rl_cluster.rollout.snapshot_weights()
   if producer.asynchronous:
-    out_logger.note(f"rollouts run up to rl.off_policy_steps={producer.k} step(s) ahead of the trainer "
-                    f"(staleness corrected by {_staleness_correction(config)})")
+    out_logger.note(
+        f"rollouts run up to rl.off_policy_steps={producer.k} step(s) ahead of the trainer "
+        f"(staleness corrected by {_staleness_correction(config)})"
+    )
   stop.in_loop = True
   producer.start_producing()
   try:
@@ -692,8 +778,9 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
         phases[phase] = phases.get(phase, 0.0) + seconds
       metrics = _step_metrics(run, exp, item, inputs["answer"], phases, step, time.perf_counter() - t_step, wait_sync)
       if not all(math.isfinite(v) for v in metrics.values()):
-        logging.warning("non-finite metrics at step %d: %s", step, {k: v for k, v in metrics.items()
-                                                                     if not math.isfinite(v)})
+        logging.warning(
+            "non-finite metrics at step %d: %s", step, {k: v for k, v in metrics.items() if not math.isfinite(v)}
+        )
       out_logger.log_step(step, metrics)
       if evaluation_lib.should_evaluate(config, step, total):
         with producer.engine():
@@ -710,15 +797,17 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
         producer.close()  # batches sampled ahead are dropped: a resume samples them again (async_rollout.py)
         if not saved and ckpt.enabled:
           _save(ckpt, run, step, summary)
-        where = (f"checkpoint step {step} in {ckpt.directory}" if ckpt.enabled
-                 else "nowhere (enable_checkpointing=false)")
+        where = f"checkpoint step {step} in {ckpt.directory}" if ckpt.enabled else "nowhere (enable_checkpointing=false)"
         profiler.after_step(step, force=True)
         out_logger.close()
         ckpt.close()
         import signal as signal_lib  # pylint: disable=import-outside-toplevel
 
-        raise signals.Stopped(f"stopped by {signal_lib.Signals(stop.requested).name} after step {step}/{total}; "
-                              f"resume from {where} by rerunning the same command", stop.requested)
+        raise signals.Stopped(
+            f"stopped by {signal_lib.Signals(stop.requested).name} after step {step}/{total}; "
+            f"resume from {where} by rerunning the same command",
+            stop.requested,
+        )
   finally:
     producer.close()
   if snapshot:
@@ -730,8 +819,12 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
     summary["eval_after"] = evaluation_lib.evaluate(run, total)
     out_logger.log_eval(total, summary["eval_after"], "eval after RL")
   if run.weight_sync is not None:
-    summary["weight_syncs"] = {"count": run.weight_sync.num_syncs, "verified": run.weight_sync.num_verified,
-                               "last_seconds": run.weight_sync.last_seconds, "last_bytes": run.weight_sync.last_bytes}
+    summary["weight_syncs"] = {
+        "count": run.weight_sync.num_syncs,
+        "verified": run.weight_sync.num_verified,
+        "last_seconds": run.weight_sync.last_seconds,
+        "last_bytes": run.weight_sync.last_bytes,
+    }
     out_logger.note(f"weight syncs: {run.weight_sync.num_syncs}, verified bit-exact: {run.weight_sync.num_verified}")
   out_logger.close()
   summary["history"] = _read_history(run.metrics_file) or out_logger.history
@@ -774,8 +867,11 @@ def run(config, argv: Sequence[str]) -> dict[str, Any]:
   finished = _finished_summary(config, out_dir)
   if finished is not None:  # a rerun of a finished run reports it and changes nothing
     if writer:
-      print(f"{out_dir} already finished all {finished['total_steps']} RL steps; nothing to do "
-            "(raise num_batches to train further, or use a new run_name)", flush=True)
+      print(
+          f"{out_dir} already finished all {finished['total_steps']} RL steps; nothing to do "
+          "(raise num_batches to train further, or use a new run_name)",
+          flush=True,
+      )
       print("\n" + summary_lib.table(finished), flush=True)
     return finished
   lock = run_dir_lib.RunLock(out_dir)

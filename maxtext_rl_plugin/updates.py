@@ -51,8 +51,16 @@ class UpdatePlan:
     mini = b if mini is None or int(mini) <= 0 else int(mini)
     micro = int(config.train_micro_batch_size)
     micro = mini if micro <= 0 else micro
-    plan = cls(b, mini, micro, int(config.rl.num_iterations), int(config.rl.num_generations),
-               bool(config.rl.force_on_policy_ratio), int(config.rl.off_policy_steps), bool(config.rl.use_rollout_logps))
+    plan = cls(
+        b,
+        mini,
+        micro,
+        int(config.rl.num_iterations),
+        int(config.rl.num_generations),
+        bool(config.rl.force_on_policy_ratio),
+        int(config.rl.off_policy_steps),
+        bool(config.rl.use_rollout_logps),
+    )
     plan.check()
     return plan
 

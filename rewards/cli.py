@@ -56,7 +56,15 @@ def _parse_row(raw: bytes, lineno: int) -> tuple[Optional[dict], Optional[str]]:
 
 
 def _error_row(row: Any, err: str) -> dict:
-  out = {"correct": False, "reward": 0.0, "extracted": None, "rule": ex.RULE_NONE, "format_ok": False, "partial": False, "error": err}
+  out = {
+      "correct": False,
+      "reward": 0.0,
+      "extracted": None,
+      "rule": ex.RULE_NONE,
+      "format_ok": False,
+      "partial": False,
+      "error": err,
+  }
   if isinstance(row, dict) and "id" in row:
     out = {"id": row["id"], **out}
   return out
@@ -88,9 +96,17 @@ def score_stream(lines: Iterable[bytes], out: TextIO, config: Any = None) -> col
         rec = _error_row(row, err)
       else:
         res = by_pos[i]
-        rec = {"correct": res.correct, "reward": res.reward, "extracted": res.extracted, "rule": res.rule,
-               "format_ok": res.format_ok, "partial": res.partial,
-               "gold": (gsm8k.gold_alternatives(row["answer"] if isinstance(row["answer"], str) else str(row["answer"])) or [None])[0]}
+        rec = {
+            "correct": res.correct,
+            "reward": res.reward,
+            "extracted": res.extracted,
+            "rule": res.rule,
+            "format_ok": res.format_ok,
+            "partial": res.partial,
+            "gold": (
+                gsm8k.gold_alternatives(row["answer"] if isinstance(row["answer"], str) else str(row["answer"])) or [None]
+            )[0],
+        }
         if "id" in row:
           rec = {"id": row["id"], **rec}
         stats["correct"] += res.correct
@@ -178,9 +194,13 @@ def main(argv: Optional[list[str]] = None) -> int:
   parser = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.rewards", description=__doc__.split("\n\n")[0])
   sub = parser.add_subparsers(dest="cmd", required=True)
   p = sub.add_parser("score", help="grade completions in a JSONL file")
-  p.add_argument("--input", required=True, help='JSONL rows {"completion": str, "answer": str, "question"?: str} ("-" = stdin)')
+  p.add_argument(
+      "--input", required=True, help='JSONL rows {"completion": str, "answer": str, "question"?: str} ("-" = stdin)'
+  )
   p.add_argument("--output", required=True, help='JSONL output, one row per input row ("-" = stdout)')
-  p.add_argument("config", nargs="*", help="optional: a config yml then key=value overrides (reward_*, penalty_*, *_token, ...)")
+  p.add_argument(
+      "config", nargs="*", help="optional: a config yml then key=value overrides (reward_*, penalty_*, *_token, ...)"
+  )
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   with exit_on_user_error():
     config = None

@@ -40,14 +40,21 @@ _MINUS_TO_ASCII = str.maketrans({c: "-" for c in MINUS_SIGNS[1:]})
 _SEPARATORS_OUT = str.maketrans({c: None for c in GROUP_SEPARATORS})
 # One unsigned number: digits in groups of three ("1,234", "1 234 567"; a group is never followed by a 4th digit)
 # or plain digits, an optional decimal part, an optional exponent ("1e5", "2.5E-3"; not the "e" of a word).
-_UNSIGNED = (r"(?:(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d{1,4}(?![\w]))?")
+_UNSIGNED = r"(?:(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d{1,4}(?![\w]))?"
 # A number expression as written in text, read whole: `\frac{a}{b}`/`\dfrac`/`\tfrac`, a mixed number "1 1/2" or
 # "3\frac{1}{3}", a fraction "3/4", or one number; an optional sign only when not glued to a preceding word/number,
 # so the "-" of "5-3" is an operator. No capturing groups (findall returns whole matches).
 _NUM = (
     r"(?:(?<![\w)\].])" + _MINUS_CLASS + r")?(?:"
-    r"\\[dt]?frac\{[ \t]{0,4}" + _MINUS_CLASS + r"?" + _UNSIGNED + r"[ \t]{0,4}\}\{[ \t]{0,4}" + _MINUS_CLASS + r"?"
-    + _UNSIGNED + r"[ \t]{0,4}\}"
+    r"\\[dt]?frac\{[ \t]{0,4}"
+    + _MINUS_CLASS
+    + r"?"
+    + _UNSIGNED
+    + r"[ \t]{0,4}\}\{[ \t]{0,4}"
+    + _MINUS_CLASS
+    + r"?"
+    + _UNSIGNED
+    + r"[ \t]{0,4}\}"
     r"|\d+[ \t]{0,2}\\[dt]?frac\{[ \t]{0,4}\d+[ \t]{0,4}\}\{[ \t]{0,4}\d+[ \t]{0,4}\}"
     r"|\d+[ \u00a0]\d+[ \t]{0,2}/[ \t]{0,2}\d+(?!\d|\.\d)"
     r"|" + _UNSIGNED + r"(?:[ \t]{0,2}/[ \t]{0,2}\d+(?:\.\d+)?(?!\d|\.\d))?"
@@ -56,7 +63,9 @@ _NUM = (
 _NUM_RE = re.compile(_NUM)
 _HASH_RE = re.compile(r"####[ \t]{0,16}\$?[ \t]{0,4}(" + _NUM + ")")
 _ANSWER_IS_RE = re.compile(
-    r"answer(?:[ \t]{1,4}is|[ \t]{0,4}:|[ \t]{1,4}=)[ \t]{0,8}(?:\*\*)?[ \t]{0,4}\\?\$?[ \t]{0,4}(?:\\boxed\{)?(" + _NUM + ")",
+    r"answer(?:[ \t]{1,4}is|[ \t]{0,4}:|[ \t]{1,4}=)[ \t]{0,8}(?:\*\*)?[ \t]{0,4}\\?\$?[ \t]{0,4}(?:\\boxed\{)?("
+    + _NUM
+    + ")",
     re.IGNORECASE,
 )
 _A_COLON_RE = re.compile(r"(?:^|\n)[ \t]{0,8}(?:\*\*)?A(?:\*\*)?[ \t]{0,4}:[ \t]{0,8}\\?\$?[ \t]{0,4}(" + _NUM + ")")
@@ -81,7 +90,22 @@ _VALUE_RE = re.compile(
 _GROUPED_RE = re.compile(r"-?(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3})+)(?:\.\d*)?(?:[eE][-+]?\d{1,4})?")
 _NON_FINITE_RE = re.compile(r"[-+]?(?:nan|inf|infinity)", re.IGNORECASE)
 _TEXT_CMD_RE = re.compile(r"\\(?:text|mathrm|textbf|mbox|mathbf)\{([^{}]{0,64})\}")
-_STRIP_TOKENS = ("\\$", "$", "\\%", "%", "\\!", "\\,", "\\;", "\\ ", "^\\circ", "^{\\circ}", "\u00b0", "**", "\\left", "\\right")
+_STRIP_TOKENS = (
+    "\\$",
+    "$",
+    "\\%",
+    "%",
+    "\\!",
+    "\\,",
+    "\\;",
+    "\\ ",
+    "^\\circ",
+    "^{\\circ}",
+    "\u00b0",
+    "**",
+    "\\left",
+    "\\right",
+)
 _UNIT_WORD_RE = re.compile(r"^(" + _NUM + r")[ \t]{0,4}[a-zA-Z][a-zA-Z ]{0,40}\.?$")
 
 
@@ -295,7 +319,9 @@ def _value_from_body(body: str) -> str:
   return s
 
 
-def extract_answer(text: str, solution_start: str = DEFAULT_SOLUTION_START, solution_end: str = DEFAULT_SOLUTION_END) -> tuple[Optional[str], str]:
+def extract_answer(
+    text: str, solution_start: str = DEFAULT_SOLUTION_START, solution_end: str = DEFAULT_SOLUTION_END
+) -> tuple[Optional[str], str]:
   """(answer text or None, rule that fired) for any model's completion.
 
   Rules, first that applies wins: the last `<answer>...</answer>` block (tokens configurable; a
@@ -306,7 +332,9 @@ def extract_answer(text: str, solution_start: str = DEFAULT_SOLUTION_START, solu
   return e.value, e.rule
 
 
-def extract(text: str, solution_start: str = DEFAULT_SOLUTION_START, solution_end: str = DEFAULT_SOLUTION_END) -> Extraction:
+def extract(
+    text: str, solution_start: str = DEFAULT_SOLUTION_START, solution_end: str = DEFAULT_SOLUTION_END
+) -> Extraction:
   """`extract_answer` with the raw tag body kept (see `Extraction`)."""
   if not isinstance(text, str) or not text:
     return Extraction(None, RULE_NONE)
@@ -353,7 +381,14 @@ def last_number(text: str) -> Optional[str]:
     window *= 8
 
 
-def match_format_exact(text: str, reasoning_start: str, reasoning_end: str, solution_start: str, solution_end: str, reasoning_start_in_prompt: bool = False) -> bool:
+def match_format_exact(
+    text: str,
+    reasoning_start: str,
+    reasoning_end: str,
+    solution_start: str,
+    solution_end: str,
+    reasoning_start_in_prompt: bool = False,
+) -> bool:
   """True iff MaxText's format regex `RS.*?RE.*?SS(.+?)SE` (DOTALL) would match, in linear time.
 
   Earliest occurrences are optimal for this ordered-subsequence pattern, so four `str.find`s decide

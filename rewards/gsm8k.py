@@ -107,7 +107,9 @@ def format_exact_ok(completion: str, rc: RewardConfig) -> bool:
   )
 
 
-def match_format_exactly(prompts: Sequence[str], completions: Sequence[str], tmvp_config: Any = None, **kwargs: Any) -> list[float]:
+def match_format_exactly(
+    prompts: Sequence[str], completions: Sequence[str], tmvp_config: Any = None, **kwargs: Any
+) -> list[float]:
   """`reward_exact_format_match` when the completion has `<reasoning>..</reasoning>..<answer>X</answer>`."""
   del prompts, kwargs
   rc = RewardConfig.of(tmvp_config)
@@ -115,7 +117,9 @@ def match_format_exactly(prompts: Sequence[str], completions: Sequence[str], tmv
   return [w if isinstance(c, str) and format_exact_ok(c, rc) else 0.0 for c in completions]
 
 
-def match_format_approximately(prompts: Sequence[str], completions: Sequence[str], tmvp_config: Any = None, **kwargs: Any) -> list[float]:
+def match_format_approximately(
+    prompts: Sequence[str], completions: Sequence[str], tmvp_config: Any = None, **kwargs: Any
+) -> list[float]:
   """Per tag seen exactly once `reward_partial_format_match`, else `penalty_incorrect_format` (MaxText's)."""
   del prompts, kwargs
   rc = RewardConfig.of(tmvp_config)
@@ -126,8 +130,12 @@ def match_format_approximately(prompts: Sequence[str], completions: Sequence[str
   for c in completions:  # one expression, no per-tag helper calls: this runs for every completion of every step
     if not isinstance(c, str):
       c = ""
-    out.append((good if (skip_rs or c.count(rs) == 1) else bad) + (good if c.count(re_) == 1 else bad)
-               + (good if c.count(ss) == 1 else bad) + (good if c.count(se) == 1 else bad))
+    out.append(
+        (good if (skip_rs or c.count(rs) == 1) else bad)
+        + (good if c.count(re_) == 1 else bad)
+        + (good if c.count(ss) == 1 else bad)
+        + (good if c.count(se) == 1 else bad)
+    )
   return out
 
 
@@ -173,7 +181,9 @@ def _ratio_band(pred: Optional[str], golds: tuple[str, ...]) -> int:
 _LAST_GRADED: tuple = (None, None)
 
 
-def _grade(completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig) -> list[tuple[ex.Extraction, bool, float, bool]]:
+def _grade(
+    completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig
+) -> list[tuple[ex.Extraction, bool, float, bool]]:
   """(extraction, correct, answer reward, partial) per completion; the last batch is memoised."""
   try:
     key = (tuple(completions), tuple(answers), rc)
@@ -188,9 +198,16 @@ def _grade(completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig)
   return list(result)
 
 
-def _grade_uncached(completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig) -> list[tuple[ex.Extraction, bool, float, bool]]:
+def _grade_uncached(
+    completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig
+) -> list[tuple[ex.Extraction, bool, float, bool]]:
   """(extraction, correct, answer reward, partial) per completion; slow verifications run in parallel."""
-  exts = [ex.extract(c, rc.solution_start_token, rc.solution_end_token) if isinstance(c, str) else ex.Extraction(None, ex.RULE_NONE) for c in completions]
+  exts = [
+      ex.extract(c, rc.solution_start_token, rc.solution_end_token)
+      if isinstance(c, str)
+      else ex.Extraction(None, ex.RULE_NONE)
+      for c in completions
+  ]
   golds = [gold_alternatives(a) for a in answers]
   pairs, owners = [], []
   for i, (e, g) in enumerate(zip(exts, golds)):
@@ -217,7 +234,9 @@ def _grade_uncached(completions: Sequence[str], answers: Sequence[Any], rc: Rewa
   return out
 
 
-def check_answer(prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any] = (), tmvp_config: Any = None, **kwargs: Any) -> list[float]:
+def check_answer(
+    prompts: Sequence[str], completions: Sequence[str], answer: Sequence[Any] = (), tmvp_config: Any = None, **kwargs: Any
+) -> list[float]:
   """Answer correctness with partial credit and penalties (see module docstring); MaxText's `check_numbers` role."""
   del prompts, kwargs
   if len(answer) != len(completions):

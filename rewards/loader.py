@@ -150,9 +150,15 @@ def resolve(names: Sequence[str], path: str = "") -> list[tuple[str, Callable, s
     if name in gsm8k.BUILTIN_REWARD_FNS:
       out.append((name, gsm8k.BUILTIN_REWARD_FNS[name], "built-in"))
       continue
-    defined = sorted(
-        k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_") and v.__module__ == module.__name__
-    ) if module is not None else []
+    defined = (
+        sorted(
+            k
+            for k, v in vars(module).items()
+            if inspect.isfunction(v) and not k.startswith("_") and v.__module__ == module.__name__
+        )
+        if module is not None
+        else []
+    )
     where = f"'{path}' (defines: {', '.join(defined) or 'no functions'})" if module is not None else "the built-ins"
     raise ConfigError(
         f"reward_functions: '{name}' is not defined in {where}; built-ins: {', '.join(sorted(gsm8k.BUILTIN_REWARD_FNS))}"
@@ -165,7 +171,9 @@ def reward_fns_from_config(config: Any) -> list[Callable]:
   names_raw = (getattr(config, "reward_functions", "") or "").strip()
   path = (getattr(config, "reward_functions_path", "") or "").strip()
   if path and not names_raw:
-    raise ConfigError(f"reward_functions_path='{path}' is set but reward_functions is empty; name the functions to use (comma-separated)")
+    raise ConfigError(
+        f"reward_functions_path='{path}' is set but reward_functions is empty; name the functions to use (comma-separated)"
+    )
   names = [n.strip() for n in names_raw.split(",") if n.strip()] or list(gsm8k.DEFAULT_STACK)
   if len(set(names)) != len(names):
     raise ConfigError(f"reward_functions='{names_raw}' lists a function twice")

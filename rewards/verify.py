@@ -142,7 +142,9 @@ class MathVerifyPool:
           if w.item is not None and now > w.deadline:
             logging.warning(
                 "math_verify timed out after %.1fs on an answer of %d chars; worker killed and replaced",
-                timeout, len(items[w.item][1]))
+                timeout,
+                len(items[w.item][1]),
+            )
             self._replace(n, "timeout")
           elif not w.ready and now - w.started > _STARTUP_TIMEOUT_SECONDS:
             self._replace(n, "startup_timeout")
@@ -241,7 +243,11 @@ def _remember(key: tuple[str, str], value: bool) -> None:
       _VERDICTS.popitem(last=False)
 
 
-def verify_batch(pairs: Sequence[tuple[Optional[str], Optional[str]]], timeout: float = DEFAULT_TIMEOUT_SECONDS, num_procs: Optional[int] = None) -> list[bool]:
+def verify_batch(
+    pairs: Sequence[tuple[Optional[str], Optional[str]]],
+    timeout: float = DEFAULT_TIMEOUT_SECONDS,
+    num_procs: Optional[int] = None,
+) -> list[bool]:
   """is_correct for many (pred, gold) pairs: fast path inline, the rest in parallel in the pool."""
   out: list[bool] = [False] * len(pairs)
   slow: dict[tuple[str, str], list[int]] = {}

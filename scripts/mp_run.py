@@ -3,6 +3,7 @@
 `python scripts/mp_run.py [--num-processes 2] [--devices-per-process 1] -- configs/cpu_tiny.yml key=value ...`
 A development aid for iterating on multi-process code without Ray's start-up; the Ray launcher is the product path.
 """
+
 import argparse
 import os
 import socket
@@ -42,9 +43,24 @@ def main() -> int:
   if args.devices_per_process > 1:
     flags.append(f"--xla_force_host_platform_device_count={args.devices_per_process}")
   env["XLA_FLAGS"] = " ".join(flags)
-  procs = [subprocess.Popen([sys.executable, __file__, "--child", str(i), "--num-processes", str(args.num_processes),
-                             "--addr", f"127.0.0.1:{port}", "--", *rest], env=env)
-           for i in range(args.num_processes)]
+  procs = [
+      subprocess.Popen(
+          [
+              sys.executable,
+              __file__,
+              "--child",
+              str(i),
+              "--num-processes",
+              str(args.num_processes),
+              "--addr",
+              f"127.0.0.1:{port}",
+              "--",
+              *rest,
+          ],
+          env=env,
+      )
+      for i in range(args.num_processes)
+  ]
   rcs = [pr.wait() for pr in procs]
   print(f"[mp_run] exit codes {rcs}", flush=True)
   return max(rcs, key=abs)

@@ -1,6 +1,7 @@
 """One process of a 2-process JAX program (gloo CPU collectives), run by tests/test_multiprocess.py:
 `python tests/_multiprocess_worker.py <process_id> <coordinator> <out.json>`. Exercises maxtext_rl_plugin.distributed
 on a mesh spanning both processes and writes what this process sees."""
+
 import json
 import sys
 

@@ -35,8 +35,10 @@ def gsm8k_dir() -> pathlib.Path:
   for cand in _GSM8K_CANDIDATES:
     if cand and (pathlib.Path(cand) / "test.jsonl").is_file():
       return pathlib.Path(cand)
-  pytest.skip("full-size check: the full GSM8K (8,792 rows) is not at ../shared/data/gsm8k and GSM8K_DIR is unset; "
-              "the 400-row fixture in tests/data/gsm8k covers the same checks at small size")
+  pytest.skip(
+      "full-size check: the full GSM8K (8,792 rows) is not at ../shared/data/gsm8k and GSM8K_DIR is unset; "
+      "the 400-row fixture in tests/data/gsm8k covers the same checks at small size"
+  )
 
 
 @pytest.fixture(scope="session")

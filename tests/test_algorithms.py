@@ -153,8 +153,9 @@ def test_value_grad_and_metrics_match_numpy(algo, kl, agg):
   eps, eps_high = EPS[algo]
   lp, old, ref, adv, mask = make_batch(seed=1)
   kw = dict(loss_algo=algo, epsilon=eps, epsilon_high=eps_high, beta=0.04, kl_estimator=kl, loss_agg_mode=agg)
-  want, want_grad, info = np_policy_loss(lp, old, ref, adv, mask, algo=algo, eps=eps, eps_high=eps_high,
-                                         beta=0.04, kl=kl, agg=agg)
+  want, want_grad, info = np_policy_loss(
+      lp, old, ref, adv, mask, algo=algo, eps=eps, eps_high=eps_high, beta=0.04, kl=kl, agg=agg
+  )
   # The data must exercise both branches of the clip (and not sit on a boundary, where the min is not smooth).
   assert 0 < info["lo"] + info["hi"] < 1
   bounds = np.array([1 - eps, 1 + eps_high])
@@ -196,9 +197,15 @@ def test_gspo_token_gradient_equals_sequence_level_gspo(beta):
   seq_loss = lambda x: np_sequence_gspo(x, old, ref, adv, mask, eps=eps, eps_high=eps_high, beta=beta, kl="k3")
   want_grad = finite_diff(seq_loss, lp, mask)
   assert np.count_nonzero(np.abs(want_grad) > 1e-8) > 0
-  got, grad, aux = jax_loss_and_grad(*f32(lp, old, None if beta == 0 else ref, adv, mask), loss_algo="gspo-token",
-                                     epsilon=eps, epsilon_high=eps_high, beta=beta, kl_estimator="k3",
-                                     loss_agg_mode="sequence-mean-token-mean")
+  got, grad, aux = jax_loss_and_grad(
+      *f32(lp, old, None if beta == 0 else ref, adv, mask),
+      loss_algo="gspo-token",
+      epsilon=eps,
+      epsilon_high=eps_high,
+      beta=beta,
+      kl_estimator="k3",
+      loss_agg_mode="sequence-mean-token-mean",
+  )
   assert 0 < aux["seq_clip_fraction"] < 1  # some sequences clipped (zero gradient), some not
   np.testing.assert_allclose(got, seq_loss(lp), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-7)
@@ -272,8 +279,9 @@ def test_beta_zero_ignores_reference():
   kw = dict(loss_algo="grpo", epsilon=0.2, beta=0.0, kl_estimator="k3")
   l_none, g_none, aux = jax_loss_and_grad(*f32(lp, old, None, adv, mask), **kw)
   l_nan, g_nan, _ = jax_loss_and_grad(*f32(lp, old, np.full_like(ref, np.nan), adv, mask), **kw)
-  want, want_grad, _ = np_policy_loss(lp, old, ref, adv, mask, algo="grpo", eps=0.2, eps_high=None, beta=0.0,
-                                      kl="k3", agg="sequence-mean-token-mean")
+  want, want_grad, _ = np_policy_loss(
+      lp, old, ref, adv, mask, algo="grpo", eps=0.2, eps_high=None, beta=0.0, kl="k3", agg="sequence-mean-token-mean"
+  )
   assert l_none == l_nan and aux["kl"] == 0.0 and aux["kl_loss"] == 0.0
   np.testing.assert_array_equal(g_none, g_nan)
   np.testing.assert_allclose(l_none, want, rtol=1e-5)
@@ -286,8 +294,9 @@ def test_beta_zero_ignores_reference():
 def test_on_policy_without_old_logps(algo):
   """old=None (num_iterations=1): ratio 1, loss = -agg(A), gradient = -A w (the REINFORCE-with-baseline step)."""
   lp, _, _, adv, mask = make_batch(seed=8)
-  loss, grad, aux = jax_loss_and_grad(*f32(lp, None, None, adv, mask), loss_algo=algo, epsilon=0.2,
-                                      loss_agg_mode="token-mean")
+  loss, grad, aux = jax_loss_and_grad(
+      *f32(lp, None, None, adv, mask), loss_algo=algo, epsilon=0.2, loss_agg_mode="token-mean"
+  )
   w = np_weights(mask, "token-mean")
   np.testing.assert_allclose(loss, -(w * adv[:, None]).sum(), rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(grad, -w * adv[:, None], rtol=1e-5, atol=1e-8)
@@ -330,15 +339,14 @@ def test_group_advantages_match_ddof1_definition():
   got = algorithms.group_advantages(rewards, g)
   got_none = algorithms.group_advantages(rewards, g, norm="none")
   for k in range(5):
-    grp = [float(v) for v in rewards[k * g:(k + 1) * g]]
+    grp = [float(v) for v in rewards[k * g : (k + 1) * g]]
     mu, sd = statistics.fmean(grp), statistics.stdev(grp)  # stdev is the n-1 (ddof=1) estimator
     for j, rv in enumerate(grp):
       assert got[k * g + j] == pytest.approx((rv - mu) / (sd + 1e-6), rel=1e-12, abs=1e-12)
       assert got_none[k * g + j] == pytest.approx(rv - mu, abs=1e-12)
   assert np.all(got[:g] == 0.0)
   # JAX in, JAX out (jit-able); same numbers in float32.
-  got_jax = jax.jit(algorithms.group_advantages, static_argnums=(1, 2))(jnp.asarray(rewards, jnp.float32), g,
-                                                                      "group_std")
+  got_jax = jax.jit(algorithms.group_advantages, static_argnums=(1, 2))(jnp.asarray(rewards, jnp.float32), g, "group_std")
   assert isinstance(got_jax, jax.Array)
   np.testing.assert_allclose(np.asarray(got_jax), got, rtol=1e-5, atol=1e-6)
   assert algorithms.group_advantages([1, 0], 2).dtype == np.float32  # int rewards are promoted
@@ -367,7 +375,7 @@ def np_tiny_logps(model: TinyLM, prompt, completion, temperature):
   kern, bias = np.asarray(model.out.kernel.value, np.float64), np.asarray(model.out.bias.value, np.float64)
   seq = np.concatenate([prompt, completion], axis=1)
   p, c = prompt.shape[1], completion.shape[1]
-  logits = (np.tanh(emb[seq[:, p - 1:p + c - 1]]) @ kern + bias) / temperature  # position p-1+t predicts token t
+  logits = (np.tanh(emb[seq[:, p - 1 : p + c - 1]]) @ kern + bias) / temperature  # position p-1+t predicts token t
   logz = np.log(np.exp(logits).sum(-1))
   return np.take_along_axis(logits, completion[..., None], -1)[..., 0] - logz
 
@@ -378,20 +386,22 @@ def test_register_with_tunix_is_idempotent():
   assert function_registry.get_policy_loss_fn(algorithms.POLICY_LOSS_FN_NAME) is algorithms.tunix_policy_loss_fn
   for norm, name in algorithms.ADVANTAGE_ESTIMATOR_NAMES.items():
     est = function_registry.get_advantage_estimator(name)
-    np.testing.assert_array_equal(est(rewards=np.array([1.0, 0.0, 0.0, 0.0]), num_generations=2),
-                                  algorithms.group_advantages(np.array([1.0, 0.0, 0.0, 0.0]), 2, norm))
+    np.testing.assert_array_equal(
+        est(rewards=np.array([1.0, 0.0, 0.0, 0.0]), num_generations=2),
+        algorithms.group_advantages(np.array([1.0, 0.0, 0.0, 0.0]), 2, norm),
+    )
   # Tunix's own GRPO loss stays registered under its name.
   assert function_registry.get_policy_loss_fn("grpo") is not algorithms.tunix_policy_loss_fn
 
 
-@pytest.mark.parametrize("algo,kl,agg", [("grpo", "k3", "sequence-mean-token-mean"),
-                                          ("gspo-token", "k1", "token-mean")])
+@pytest.mark.parametrize("algo,kl,agg", [("grpo", "k3", "sequence-mean-token-mean"), ("gspo-token", "k1", "token-mean")])
 def test_grpo_learner_uses_plugin_loss(algo, kl, agg):
   """Build Tunix's GRPOLearner with the plugin config; the loss it hands the trainer is ours, on a real model."""
   pad, eos, vocab = 0, 1, 11
   eps, eps_high = EPS[algo]
-  cfg = algorithms.PluginGrpoConfig(num_generations=2, beta=0.05, epsilon=eps, epsilon_high=eps_high,
-                                    loss_algo=algo, kl_estimator=kl, loss_agg_mode=agg)
+  cfg = algorithms.PluginGrpoConfig(
+      num_generations=2, beta=0.05, epsilon=eps, epsilon_high=eps_high, loss_algo=algo, kl_estimator=kl, loss_agg_mode=agg
+  )
   cluster = mock.MagicMock()
   cluster.rollout.pad_id.return_value = pad
   cluster.rollout.eos_id.return_value = eos
@@ -419,13 +429,19 @@ def test_grpo_learner_uses_plugin_loss(algo, kl, agg):
   ref = lp + rng.normal(0.0, 0.3, size=lp.shape)
   adv = np.array([1.0, -1.0, 0.5, -0.5])
   example = grpo_learner.TrainExample(
-      prompt_ids=jnp.asarray(prompt), prompt_mask=jnp.asarray(prompt != pad), completion_ids=jnp.asarray(completion),
-      completion_mask=jnp.asarray(mask), advantages=jnp.asarray(adv, jnp.float32),
-      ref_per_token_logps=jnp.asarray(ref, jnp.float32), old_per_token_logps=jnp.asarray(old, jnp.float32))
+      prompt_ids=jnp.asarray(prompt),
+      prompt_mask=jnp.asarray(prompt != pad),
+      completion_ids=jnp.asarray(completion),
+      completion_mask=jnp.asarray(mask),
+      advantages=jnp.asarray(adv, jnp.float32),
+      ref_per_token_logps=jnp.asarray(ref, jnp.float32),
+      old_per_token_logps=jnp.asarray(old, jnp.float32),
+  )
 
   (loss, aux), grads = nnx.value_and_grad(lambda m: loss_fn(m, example, cfg), has_aux=True)(model)
-  want, _, info = np_policy_loss(lp, old, ref, adv, mask.astype(np.float64), algo=algo, eps=eps, eps_high=eps_high,
-                                 beta=0.05, kl=kl, agg=agg)
+  want, _, info = np_policy_loss(
+      lp, old, ref, adv, mask.astype(np.float64), algo=algo, eps=eps, eps_high=eps_high, beta=0.05, kl=kl, agg=agg
+  )
   np.testing.assert_allclose(float(loss), want, rtol=1e-4, atol=1e-6)
   assert float(aux["pg_clipfrac"]) == pytest.approx(info["lo"] + info["hi"])
   assert set(algorithms.rl_metrics_to_log(cfg)) <= set(aux)
@@ -438,9 +454,20 @@ def test_grpo_learner_uses_plugin_loss(algo, kl, agg):
 def test_tunix_algo_config_maps_rl_keys():
   from maxtext_rl_plugin.config import load_config  # pylint: disable=import-outside-toplevel
 
-  cfg = load_config(["configs/cpu_tiny.yml", "rl.loss_algo=gspo-token", "rl.epsilon_high=0.28", "rl.grpo_beta=0.0",
-                     "rl.kl_estimator=k1", "rl.loss_agg_mode=token-mean", "rl.advantage_norm=none",
-                     "rl.num_generations=4", "rl.num_iterations=2", "rl.grpo_epsilon=0.1"])
+  cfg = load_config(
+      [
+          "configs/cpu_tiny.yml",
+          "rl.loss_algo=gspo-token",
+          "rl.epsilon_high=0.28",
+          "rl.grpo_beta=0.0",
+          "rl.kl_estimator=k1",
+          "rl.loss_agg_mode=token-mean",
+          "rl.advantage_norm=none",
+          "rl.num_generations=4",
+          "rl.num_iterations=2",
+          "rl.grpo_epsilon=0.1",
+      ]
+  )
   algo = algorithms.tunix_algo_config(cfg)
   assert isinstance(algo, grpo_learner.GRPOConfig)
   assert (algo.loss_algo, algo.epsilon, algo.epsilon_high, algo.beta) == ("gspo-token", 0.1, 0.28, 0.0)
@@ -498,8 +525,17 @@ def test_optimizer_is_maxtexts_and_honours_adam_eps(eps):
 
   from maxtext_rl_plugin import config as config_lib, trainer  # pylint: disable=import-outside-toplevel
 
-  cfg = config_lib.load_config(["configs/cpu_tiny.yml", "num_batches=4", "learning_rate=0.01", f"adam_eps={eps}",
-                                "warmup_steps_fraction=0.25", "adam_weight_decay=0.1", "gradient_clipping_threshold=1.0"])
+  cfg = config_lib.load_config(
+      [
+          "configs/cpu_tiny.yml",
+          "num_batches=4",
+          "learning_rate=0.01",
+          f"adam_eps={eps}",
+          "warmup_steps_fraction=0.25",
+          "adam_weight_decay=0.1",
+          "gradient_clipping_threshold=1.0",
+      ]
+  )
   tx = trainer.build_optimizer(cfg)
   rng = np.random.default_rng(0)
   params = [rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(5,)).astype(np.float32)]
@@ -513,9 +549,18 @@ def test_optimizer_is_maxtexts_and_honours_adam_eps(eps):
   for a, b in zip(p, ref):
     np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=1e-7)
   # With 2 mini-batches per batch the same 4 updates are half a run of 8: warmup 2 updates, then cosine over 8.
-  cfg2 = config_lib.load_config(["configs/cpu_tiny.yml", "num_batches=4", "learning_rate=0.01", f"adam_eps={eps}",
-                                 "warmup_steps_fraction=0.25", "adam_weight_decay=0.1", "gradient_clipping_threshold=1.0",
-                                 "rl.mini_batch_size=1"])
+  cfg2 = config_lib.load_config(
+      [
+          "configs/cpu_tiny.yml",
+          "num_batches=4",
+          "learning_rate=0.01",
+          f"adam_eps={eps}",
+          "warmup_steps_fraction=0.25",
+          "adam_weight_decay=0.1",
+          "gradient_clipping_threshold=1.0",
+          "rl.mini_batch_size=1",
+      ]
+  )
   assert trainer.total_updates(cfg2) == 8
   lrs2 = [0.0, 0.005, 0.01, 0.01 * 0.5 * (1 + np.cos(np.pi * 1 / 6))]
   ref2 = _adamw_reference(grads, params, lrs2, cfg.adam_b1, cfg.adam_b2, eps, 0.1, 1.0)
@@ -586,15 +631,18 @@ def test_is_weights_scale_the_policy_gradient_not_the_kl(algo):
   lp, old, ref, adv, mask = make_batch(seed=12)
   w = np.where(mask > 0, np.random.default_rng(5).uniform(0.0, 2.0, size=lp.shape), 0.0)
   eps, eh = EPS[algo]
-  kw = dict(loss_algo=algo, epsilon=eps, epsilon_high=eh, beta=0.05, kl_estimator="k3",
-            loss_agg_mode="sequence-mean-token-mean")
+  kw = dict(
+      loss_algo=algo, epsilon=eps, epsilon_high=eh, beta=0.05, kl_estimator="k3", loss_agg_mode="sequence-mean-token-mean"
+  )
   (loss, _), grad = jax.value_and_grad(
       lambda x: algorithms.policy_loss(x, *f32(old, ref, adv, mask), **kw, is_weights=jnp.asarray(w, jnp.float32)),
-      has_aux=True)(jnp.asarray(lp, jnp.float32))
+      has_aux=True,
+  )(jnp.asarray(lp, jnp.float32))
   # NumPy: split the reference loss into its policy-gradient and KL parts, weight the first per token.
   aggw = np_weights(mask, "sequence-mean-token-mean")
-  _, g_pg, _ = np_policy_loss(lp, old, ref, adv, mask, algo=algo, eps=eps, eps_high=eh, beta=0.0, kl="k3",
-                              agg="sequence-mean-token-mean")
+  _, g_pg, _ = np_policy_loss(
+      lp, old, ref, adv, mask, algo=algo, eps=eps, eps_high=eh, beta=0.0, kl="k3", agg="sequence-mean-token-mean"
+  )
   exp_loss, exp_grad = 0.0, np.zeros_like(lp)
   for i, t in zip(*np.nonzero(mask)):
     k, dk = np_kl(lp[i, t], ref[i, t], "k3")

@@ -18,12 +18,15 @@ from maxtext_rl_plugin import async_rollout
 from test_trainer_updates import _train
 
 
-@pytest.mark.parametrize("k,start,expected", [
-    (0, 0, [0, 1, 2, 3, 4, 5, 6, 7]),  # synchronous: batch b is sampled by the weights after b steps
-    (1, 0, [0, 0, 1, 2, 3, 4, 5, 6]),  # one step ahead: batch b by version b - 1
-    (2, 0, [0, 0, 0, 1, 2, 3, 4, 5]),
-    (2, 3, [None, None, None, 3, 3, 3, 4, 5]),  # resumed at step 3: batches 3-5 (in flight) resampled by version 3
-])
+@pytest.mark.parametrize(
+    "k,start,expected",
+    [
+        (0, 0, [0, 1, 2, 3, 4, 5, 6, 7]),  # synchronous: batch b is sampled by the weights after b steps
+        (1, 0, [0, 0, 1, 2, 3, 4, 5, 6]),  # one step ahead: batch b by version b - 1
+        (2, 0, [0, 0, 0, 1, 2, 3, 4, 5]),
+        (2, 3, [None, None, None, 3, 3, 3, 4, 5]),  # resumed at step 3: batches 3-5 (in flight) resampled by version 3
+    ],
+)
 def test_behaviour_version_table(k, start, expected):
   got = [async_rollout.behaviour_version(b, k, start) for b in range(start, 8)]
   assert got == expected[start:]
@@ -145,8 +148,15 @@ def test_close_stops_sampling_ahead():
 # End to end on the tiny MaxText model (colocated: the producer samples a pinned snapshot of the shared weights)
 # ----------------------------------------------------------------------------------------------------------------------
 
-_ASYNC = ["rl.use_rollout_logps=false", "rl.rollout_is=truncate", "rl.log_sampler_trainer_agreement=true",
-          "learning_rate=3e-2", "num_test_batches=0", "eval_interval=0", "num_batches=3"]
+_ASYNC = [
+    "rl.use_rollout_logps=false",
+    "rl.rollout_is=truncate",
+    "rl.log_sampler_trainer_agreement=true",
+    "learning_rate=3e-2",
+    "num_test_batches=0",
+    "eval_interval=0",
+    "num_batches=3",
+]
 
 
 @pytest.mark.slow
@@ -191,23 +201,48 @@ def test_off_policy_steps_without_a_correction_is_refused(tmp_path):
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
 
-  p = subprocess.run([sys.executable, "-m", "maxtext_rl_plugin.train_rl", "configs/cpu_tiny.yml",
-                      f"base_output_directory={tmp_path}", "rl.off_policy_steps=1", "rl.use_rollout_logps=false"],
-                     cwd=pytest.importorskip("pathlib").Path(__file__).resolve().parents[1], capture_output=True,
-                     text=True, timeout=300, check=False, env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+  p = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "maxtext_rl_plugin.train_rl",
+          "configs/cpu_tiny.yml",
+          f"base_output_directory={tmp_path}",
+          "rl.off_policy_steps=1",
+          "rl.use_rollout_logps=false",
+      ],
+      cwd=pytest.importorskip("pathlib").Path(__file__).resolve().parents[1],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      check=False,
+      env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+  )
   assert p.returncode == 2, p.stderr[-2000:]
   last = p.stderr.strip().splitlines()[-1]
-  assert last.startswith("error: invalid value for 'rl.off_policy_steps'=1: batches up to 1 step(s) stale need a "
-                         "correction"), last
+  assert last.startswith(
+      "error: invalid value for 'rl.off_policy_steps'=1: batches up to 1 step(s) stale need a " "correction"
+  ), last
 
 
 @pytest.mark.multidevice
 def test_off_policy_steps_on_a_disaggregated_split_syncs_bit_exact_while_sampling_ahead(tmp_path):
   """Trainer 4 / sampler 4 forced CPU devices: the producer samples on the sampler's own copy while the trainer
   updates; every weight sync (serialised with sampling and with the mid-run eval) is verified bit for bit."""
-  run, recs = _train(tmp_path, "dis", "rl.off_policy_steps=1", "use_pathways=true", "chips_per_vm=4",
-                     "rl.verify_weight_sync=every_n", "rl.verify_weight_sync_every=1", *_ASYNC[:-3],
-                     "num_batches=3", "num_test_batches=1", "eval_batch_size=4", "eval_interval=2")
+  run, recs = _train(
+      tmp_path,
+      "dis",
+      "rl.off_policy_steps=1",
+      "use_pathways=true",
+      "chips_per_vm=4",
+      "rl.verify_weight_sync=every_n",
+      "rl.verify_weight_sync_every=1",
+      *_ASYNC[:-3],
+      "num_batches=3",
+      "num_test_batches=1",
+      "eval_batch_size=4",
+      "eval_interval=2",
+  )
   assert [r["async/policy_lag"] for r in recs] == [0.0, 1.0, 1.0]
   assert all(r["mismatch/logp_abs_diff_mean"] > 10 * recs[0]["mismatch/logp_abs_diff_mean"] + 1e-4 for r in recs[1:])
   summary = json.loads((run / "summary.json").read_text())

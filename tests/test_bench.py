@@ -30,12 +30,31 @@ def test_peak_is_positive_and_timed():
 
 def test_bench_rollout_tiny_emits_tunix_and_roofline_keys(capsys):
   """One batch of 1, 4 tokens: the engine and Tunix's Sampler (same weights) must agree token for token."""
-  rc = bench_main.main(["rollout", "--batch-sizes", "1", "--new-tokens", "4", "--repeats", "1",
-                        "--recompute-max-batch", "0", "--peak-n", "128"])
+  rc = bench_main.main(
+      [
+          "rollout",
+          "--batch-sizes",
+          "1",
+          "--new-tokens",
+          "4",
+          "--repeats",
+          "1",
+          "--recompute-max-batch",
+          "0",
+          "--peak-n",
+          "128",
+      ]
+  )
   assert rc == 0
   out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-  for key in ("peak_flops", "engine_fraction_of_peak_by_batch", "tunix_tokens_per_s_by_batch",
-              "speedup_vs_tunix_by_batch", "tunix_greedy_match", "tunix_maxtext_error"):
+  for key in (
+      "peak_flops",
+      "engine_fraction_of_peak_by_batch",
+      "tunix_tokens_per_s_by_batch",
+      "speedup_vs_tunix_by_batch",
+      "tunix_greedy_match",
+      "tunix_maxtext_error",
+  ):
     assert key in out, key
   assert out["tunix_greedy_match"] is True
   assert out["greedy_match"] is True

@@ -122,8 +122,14 @@ def test_dump_yaml_round_trips_and_redacts_token():
 
 def _run_cli(*args):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "maxtext_rl_plugin.train_rl", *args], capture_output=True, text=True,
-                        env=env, timeout=300, check=False)
+  return subprocess.run(
+      [sys.executable, "-m", "maxtext_rl_plugin.train_rl", *args],
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=300,
+      check=False,
+  )
 
 
 def test_cli_unknown_key_exits_nonzero_with_one_line():
@@ -202,13 +208,42 @@ def test_every_mixin_class_of_rlconfig_has_a_class_status():
 @pytest.mark.parametrize(
     "key",
     # the easy-to-miss list, each decided by reading the plugin's code
-    ["eval_mode", "num_eval_passes", "eval_dataset_name", "num_test_batches", "free_kv_cache_during_weight_sync",
-     "vllm_block_size", "rl.num_iterations", "rl.mini_batch_size", "train_micro_batch_size", "rollout_micro_batch_size",
-     "eval_interval", "log_period", "eval_sampling_strategy", "generation_configs", "async_checkpointing", "profiler",
-     "profiler_steps", "skip_first_n_steps_for_profiler", "rl.use_rollout_logps", "rl.force_on_policy_ratio",
-     "rl.log_sampler_trainer_agreement", "rl.epsilon_high", "rl.off_policy_steps", "checkpoint_period", "max_num_checkpoints_to_keep",
-     "enable_checkpointing", "num_batches", "num_epoch", "train_fraction", "eval_batch_size", "loss_algo",
-     "hbm_utilization_vllm", "base_emb_dim", "ici_fsdp_parallelism"],
+    [
+        "eval_mode",
+        "num_eval_passes",
+        "eval_dataset_name",
+        "num_test_batches",
+        "free_kv_cache_during_weight_sync",
+        "vllm_block_size",
+        "rl.num_iterations",
+        "rl.mini_batch_size",
+        "train_micro_batch_size",
+        "rollout_micro_batch_size",
+        "eval_interval",
+        "log_period",
+        "eval_sampling_strategy",
+        "generation_configs",
+        "async_checkpointing",
+        "profiler",
+        "profiler_steps",
+        "skip_first_n_steps_for_profiler",
+        "rl.use_rollout_logps",
+        "rl.force_on_policy_ratio",
+        "rl.log_sampler_trainer_agreement",
+        "rl.epsilon_high",
+        "rl.off_policy_steps",
+        "checkpoint_period",
+        "max_num_checkpoints_to_keep",
+        "enable_checkpointing",
+        "num_batches",
+        "num_epoch",
+        "train_fraction",
+        "eval_batch_size",
+        "loss_algo",
+        "hbm_utilization_vllm",
+        "base_emb_dim",
+        "ici_fsdp_parallelism",
+    ],
 )
 def test_honoured_keys(key):
   assert key_status.status(key).startswith("honoured ("), key_status.status(key)
@@ -247,9 +282,18 @@ def test_refused_key_set_on_the_command_line_is_one_line(override, key, why):
 
 def test_refused_key_at_maxtext_default_is_accepted():
   # Setting a refused key to MaxText's own RL value (post_train/rl.yml or the schema) changes nothing: accepted.
-  c = config_lib.load_config([TINY, "rl.off_policy_steps=0", "reward_num_workers=0", "max_seq_token_per_tpu=0",
-                              "rl.max_concurrency=256", "gc_collect_after_weight_sync=true", "eval_sampling_strategy=greedy",
-                              "generation_configs.greedy.eval_top_k=1"])
+  c = config_lib.load_config(
+      [
+          TINY,
+          "rl.off_policy_steps=0",
+          "reward_num_workers=0",
+          "max_seq_token_per_tpu=0",
+          "rl.max_concurrency=256",
+          "gc_collect_after_weight_sync=true",
+          "eval_sampling_strategy=greedy",
+          "generation_configs.greedy.eval_top_k=1",
+      ]
+  )
   assert c.rl.off_policy_steps == 0 and c.reward_num_workers == 0
 
 
@@ -258,8 +302,10 @@ def test_generation_configs_reach_the_eval_sampling(tmp_path):
   from maxtext_rl_plugin import evaluation  # pylint: disable=import-outside-toplevel
 
   f = tmp_path / "gen.yml"
-  f.write_text("base_config: cpu_tiny.yml\neval_sampling_strategy: standard\ngeneration_configs:\n  standard:\n"
-               "    eval_top_p: 0.5\n")
+  f.write_text(
+      "base_config: cpu_tiny.yml\neval_sampling_strategy: standard\ngeneration_configs:\n  standard:\n"
+      "    eval_top_p: 0.5\n"
+  )
   cfg = config_lib.load_config([str(f)])
   assert evaluation.sampling_for(cfg) == {"temperature": 0.7, "top_k": 50, "top_p": 0.5}
 
@@ -280,8 +326,9 @@ def test_maxtext_rl_yml_values_are_never_refused():
 
 @pytest.mark.parametrize("yml", ["configs/rl.yml", "configs/cpu_tiny.yml", "configs/cpu_demo.yml"])
 def test_shipped_configs_set_no_refused_key(yml):
-  argv = [yml] + (["model_name=qwen3-0.6b", "tokenizer_path=tokenizers/qwen3-tokenizer"] if yml.endswith("/rl.yml")
-                  else [])
+  argv = [yml] + (
+      ["model_name=qwen3-0.6b", "tokenizer_path=tokenizers/qwen3-tokenizer"] if yml.endswith("/rl.yml") else []
+  )
   assert config_lib.load_pydantic(argv).rl.num_generations >= 2
 
 
@@ -298,10 +345,18 @@ def test_shipped_configs_set_no_refused_key(yml):
         (["rl.grpo_beta=-1"], "'rl.grpo_beta'=-1.0: must be >= 0"),
         (["checkpoint_period=0"], "'checkpoint_period'=0: must be >= 1"),
         (["batch_size=4", "rl.mini_batch_size=3"], "'rl.mini_batch_size'=3: must be >= 1 and divide batch_size=4"),
-        (["batch_size=4", "rl.mini_batch_size=2", "train_micro_batch_size=4"],
-         "'train_micro_batch_size'=4: must be -1 or a divisor of the mini batch (2 prompts)"),
-        (["batch_size=4", "rollout_micro_batch_size=3"], "'rollout_micro_batch_size'=3: must be -1 or a divisor of batch_size=4"),
-        (["rl.force_on_policy_ratio=true", "rl.num_iterations=2"], "'rl.force_on_policy_ratio'=True: valid only with rl.num_iterations=1"),
+        (
+            ["batch_size=4", "rl.mini_batch_size=2", "train_micro_batch_size=4"],
+            "'train_micro_batch_size'=4: must be -1 or a divisor of the mini batch (2 prompts)",
+        ),
+        (
+            ["batch_size=4", "rollout_micro_batch_size=3"],
+            "'rollout_micro_batch_size'=3: must be -1 or a divisor of batch_size=4",
+        ),
+        (
+            ["rl.force_on_policy_ratio=true", "rl.num_iterations=2"],
+            "'rl.force_on_policy_ratio'=True: valid only with rl.num_iterations=1",
+        ),
     ],
 )
 def test_validate_refuses_with_one_line_naming_the_key(overrides, needle):
@@ -311,8 +366,9 @@ def test_validate_refuses_with_one_line_naming_the_key(overrides, needle):
 
 
 def test_micro_batches_that_divide_are_accepted():
-  c = config_lib.load_config([TINY, "batch_size=8", "rl.mini_batch_size=4", "train_micro_batch_size=2",
-                              "rollout_micro_batch_size=4"])
+  c = config_lib.load_config(
+      [TINY, "batch_size=8", "rl.mini_batch_size=4", "train_micro_batch_size=2", "rollout_micro_batch_size=4"]
+  )
   assert (c.rl.mini_batch_size, c.train_micro_batch_size, c.rollout_micro_batch_size) == (4, 2, 4)
 
 
@@ -363,7 +419,8 @@ def test_cli_list_yml_is_one_line(tmp_path):
   p = _run_cli(str(f))
   assert p.returncode == 2 and "Traceback" not in p.stderr
   assert [l for l in p.stderr.splitlines() if l.startswith("error:")] == [
-      f"error: config file '{f}' must be a mapping of key: value, not a list"]
+      f"error: config file '{f}' must be a mapping of key: value, not a list"
+  ]
 
 
 def test_user_yml_with_a_token_is_never_copied_to_disk(tmp_path, monkeypatch):
@@ -419,7 +476,8 @@ def _maxtext_split(argv):
   parsed = config_lib.parse(argv)
   with config_lib._pyconfig_reads(parsed.merged):  # pylint: disable=protected-access
     return model_creation_utils.setup_configs_and_devices(
-        ["", parsed.yml, *parsed.overrides], parsed.kwargs, config_class=config_lib._config_class())  # pylint: disable=protected-access
+        ["", parsed.yml, *parsed.overrides], parsed.kwargs, config_class=config_lib._config_class()
+    )  # pylint: disable=protected-access
 
 
 def _assert_same_split(argv):
@@ -440,8 +498,9 @@ def test_device_split_matches_maxtext_single_device():
 @pytest.mark.multidevice
 def test_device_split_matches_maxtext_pathways_fractions():
   # 8 devices, chips_per_vm=4 -> 2 VMs: MaxText splits trainer/sampler devices by the fractions under Pathways.
-  rs = _assert_same_split([TINY, "use_pathways=true", "chips_per_vm=4", "trainer_devices_fraction=0.5",
-                           "sampler_devices_fraction=0.5"])
+  rs = _assert_same_split(
+      [TINY, "use_pathways=true", "chips_per_vm=4", "trainer_devices_fraction=0.5", "sampler_devices_fraction=0.5"]
+  )
   assert rs.disaggregated and len(rs.trainer_devices) == len(rs.sampler_devices) == 4
 
 

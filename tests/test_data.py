@@ -14,6 +14,7 @@ from maxtext_rl_plugin import data, rewards
 from maxtext_rl_plugin.config import load_config
 from maxtext_rl_plugin.errors import ConfigError, DataError
 
+
 @pytest.fixture(scope="module")
 def tokenizer():
   from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
@@ -80,14 +81,28 @@ def test_gsm8k_jsonl_splits(gsm8k_fixture_dir):
   assert len(ev) == len(test_rows) == 100
   assert len(train) == 300 and not train.unlimited
   # Eval keeps file order; golds match an independent parse; prompts are MaxText's template file.
-  with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__import__("maxtext").__file__))),
-                         "maxtext/examples/chat_templates/gsm8k_rl.json"), encoding="utf-8") as f:
+  with open(
+      os.path.join(
+          os.path.dirname(os.path.dirname(os.path.abspath(__import__("maxtext").__file__))),
+          "maxtext/examples/chat_templates/gsm8k_rl.json",
+      ),
+      encoding="utf-8",
+  ) as f:
     tpl = json.load(f)
   for i in (0, 50, 99):
     e, r = ev[i], test_rows[i]
-    assert (e.question, e.answer, e.solution, e.id) == (r["question"], _ref_gold(r["answer"]), r["answer"], f"test.jsonl:{i + 1}")
-    sp = tpl["SYSTEM_PROMPT"].format(reasoning_start_token="<reasoning>", reasoning_end_token="</reasoning>",
-                                     solution_start_token="<answer>", solution_end_token="</answer>")
+    assert (e.question, e.answer, e.solution, e.id) == (
+        r["question"],
+        _ref_gold(r["answer"]),
+        r["answer"],
+        f"test.jsonl:{i + 1}",
+    )
+    sp = tpl["SYSTEM_PROMPT"].format(
+        reasoning_start_token="<reasoning>",
+        reasoning_end_token="</reasoning>",
+        solution_start_token="<answer>",
+        solution_end_token="</answer>",
+    )
     assert e.prompt == tpl["TEMPLATE"].format(system_prompt=sp, question=r["question"])
   # The SFT target of every eval example is well formed and scores correct.
   targets = [data.format_target(e, c) for e in ev]
@@ -97,8 +112,13 @@ def test_gsm8k_jsonl_splits(gsm8k_fixture_dir):
 
 
 def test_train_batches_deterministic_resumable_and_epoch_exact(gsm8k_fixture_dir):
-  c = cfg(f"train_data_path={gsm8k_fixture_dir / 'train.jsonl'}", "eval_dataset_name=synthetic", "use_chat_template=false",
-          "synthetic_num_eval=4", "data_shuffle_seed=7")
+  c = cfg(
+      f"train_data_path={gsm8k_fixture_dir / 'train.jsonl'}",
+      "eval_dataset_name=synthetic",
+      "use_chat_template=false",
+      "synthetic_num_eval=4",
+      "data_shuffle_seed=7",
+  )
   train, _ = data.load_splits(c, None)
   n, bs = len(train), 16
   per_epoch = n // bs
@@ -113,8 +133,21 @@ def test_train_batches_deterministic_resumable_and_epoch_exact(gsm8k_fixture_dir
   assert positions[:n] != [e.id for e in train]  # ... and shuffled
   assert len(positions) > n + 100
   assert positions[n:] != positions[: len(positions) - n]  # a new order each epoch
-  other = data.load_splits(cfg(*[a for a in [f"train_data_path={gsm8k_fixture_dir / 'train.jsonl'}", "eval_dataset_name=synthetic",
-                                             "use_chat_template=false", "synthetic_num_eval=4", "data_shuffle_seed=8"]]), None)[0]
+  other = data.load_splits(
+      cfg(
+          *[
+              a
+              for a in [
+                  f"train_data_path={gsm8k_fixture_dir / 'train.jsonl'}",
+                  "eval_dataset_name=synthetic",
+                  "use_chat_template=false",
+                  "synthetic_num_eval=4",
+                  "data_shuffle_seed=8",
+              ]
+          ]
+      ),
+      None,
+  )[0]
   assert [e.id for e in other.batch(0, bs)] != full[0]
 
 
@@ -136,8 +169,10 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
   assert [(e.question, e.answer) for e in ev] == [("Q1?", "2"), ("Q6?", "1234.5"), ("Q7?", "-4"), ("Q8?", "12")]
   assert [e.question for e in train] == [e.question for e in ev]  # same file for both: kept, with a warning
   msg = " ".join(r.getMessage() for r in caplog.records)
-  assert ("mixed.jsonl: skipped 5 of 9 rows (invalid JSON: 2, not UTF-8: 0, no question: 2, no parsable gold answer ('#### N'): 1); "
-          "first at line 2") in msg
+  assert (
+      "mixed.jsonl: skipped 5 of 9 rows (invalid JSON: 2, not UTF-8: 0, no question: 2, no parsable gold answer ('#### N'): 1); "
+      "first at line 2"
+  ) in msg
 
 
 def test_jsonl_rows_split_on_newlines_only_numbered_by_file_line(tmp_path, caplog):
@@ -155,10 +190,15 @@ def test_jsonl_rows_split_on_newlines_only_numbered_by_file_line(tmp_path, caplo
   (tmp_path / "d.jsonl").write_bytes(b"\n".join(lines) + b"\n")
   caplog.set_level(logging.WARNING)
   rows = data.load_file_rows(str(tmp_path / "d.jsonl"), "eval_data_path")
-  assert [(q, g, i) for q, g, _, i in rows] == [("Q1?", "1", "d.jsonl:1"), (odd["question"], "3", "d.jsonl:3"),
-                                                ("Q6?", "6", "d.jsonl:6")]
-  assert ("d.jsonl: skipped 1 of 4 rows (invalid JSON: 0, not UTF-8: 1, no question: 0, no parsable gold answer ('#### N'): 0); "
-          "first at line 4") in caplog.text
+  assert [(q, g, i) for q, g, _, i in rows] == [
+      ("Q1?", "1", "d.jsonl:1"),
+      (odd["question"], "3", "d.jsonl:3"),
+      ("Q6?", "6", "d.jsonl:6"),
+  ]
+  assert (
+      "d.jsonl: skipped 1 of 4 rows (invalid JSON: 0, not UTF-8: 1, no question: 0, no parsable gold answer ('#### N'): 0); "
+      "first at line 4"
+  ) in caplog.text
 
 
 def test_json_array_with_bom_and_non_utf8_json_refused(tmp_path):
@@ -171,9 +211,19 @@ def test_json_array_with_bom_and_non_utf8_json_refused(tmp_path):
 
 @pytest.mark.parametrize(
     "answer, gold",
-    [("#### 1e5", "100000"), ("#### 2.5e3", "2500"), ("#### 1 1/2", "1.5"), ("#### 1/0", None), ("#### 1 234", "1234"),
-     ("#### \u20135", "-5"), (1e20, "100000000000000000000"), (float("nan"), None), ("Infinity", None), ("NaN", None),
-     ("#### 5 apples and 3 pears", None)],
+    [
+        ("#### 1e5", "100000"),
+        ("#### 2.5e3", "2500"),
+        ("#### 1 1/2", "1.5"),
+        ("#### 1/0", None),
+        ("#### 1 234", "1234"),
+        ("#### \u20135", "-5"),
+        (1e20, "100000000000000000000"),
+        (float("nan"), None),
+        ("Infinity", None),
+        ("NaN", None),
+        ("#### 5 apples and 3 pears", None),
+    ],
 )
 def test_gold_answers_are_read_whole_or_the_row_is_skipped(tmp_path, answer, gold):
   """Never train against a truncated gold ("#### 1e5" is not "1"); an unreadable one skips the row."""
@@ -184,8 +234,10 @@ def test_gold_answers_are_read_whole_or_the_row_is_skipped(tmp_path, answer, gol
 
 def test_batch_larger_than_the_split_is_reported_once(tmp_path, caplog):
   path = _jsonl(tmp_path / "s.jsonl", [{"question": f"Q{i}?", "answer": f"#### {i}"} for i in range(5)])
-  train, _ = data.load_splits(cfg(f"train_data_path={path}", "eval_dataset_name=synthetic", "synthetic_num_eval=4",
-                                  "use_chat_template=false"), None)
+  train, _ = data.load_splits(
+      cfg(f"train_data_path={path}", "eval_dataset_name=synthetic", "synthetic_num_eval=4", "use_chat_template=false"),
+      None,
+  )
   caplog.set_level(logging.WARNING)
   batches = [train.batch(k, 8) for k in range(3)]
   assert all(len(b) == 8 and len({e.id for e in b}) == 5 for b in batches)  # the repeats the warning is about
@@ -210,7 +262,9 @@ def test_parquet_and_globs_equal_jsonl(tmp_path):
   pq.write_table(pa.Table.from_pylist(rows[:3]), tmp_path / "p1.parquet")
   pq.write_table(pa.Table.from_pylist(rows[3:]), tmp_path / "p2.parquet")
   j = _jsonl(tmp_path / "all.jsonl", rows)
-  _, ev_pq = data.load_splits(cfg(f"train_data_path={j}", f"eval_data_path={tmp_path}/p*.parquet", "use_chat_template=false"), None)
+  _, ev_pq = data.load_splits(
+      cfg(f"train_data_path={j}", f"eval_data_path={tmp_path}/p*.parquet", "use_chat_template=false"), None
+  )
   assert [(e.question, e.answer) for e in ev_pq] == [(r["question"], str(i * 1000)) for i, r in enumerate(rows)]
 
 
@@ -253,7 +307,9 @@ def test_hub_loading_calls_load_dataset(monkeypatch):
     )
 
   monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-  train, ev = data.load_splits(real_cfg("dataset_name=openai/gsm8k", "eval_dataset_name=openai/gsm8k", "use_chat_template=false"), None)
+  train, ev = data.load_splits(
+      real_cfg("dataset_name=openai/gsm8k", "eval_dataset_name=openai/gsm8k", "use_chat_template=false"), None
+  )
   assert calls == [("openai/gsm8k", "main", {"split": "test"}), ("openai/gsm8k", "main", {"split": "train"})]
   assert len(train) == 5 and [e.answer for e in ev] == ["10", "11", "12"]
   assert ev[0].id == "openai/gsm8k/test:1"
@@ -276,7 +332,12 @@ def test_hub_failure_is_a_data_error(monkeypatch):
 
 
 def test_chat_template_prompt_with_configured_tokens(tokenizer):
-  c = cfg("reasoning_start_token=<think>", "reasoning_end_token=</think>", "solution_start_token=<ans>", "solution_end_token=</ans>")
+  c = cfg(
+      "reasoning_start_token=<think>",
+      "reasoning_end_token=</think>",
+      "solution_start_token=<ans>",
+      "solution_end_token=</ans>",
+  )
   p = data.build_prompt("What is 2+2?", tokenizer, c)
   assert p.startswith("<|im_start|>system\n") and p.endswith("<|im_start|>assistant\n")
   system = p.split("<|im_end|>")[0]
@@ -314,7 +375,9 @@ def test_long_prompts_filtered_with_count(gsm8k_fixture_dir, tokenizer, tmp_path
   caplog.set_level(logging.WARNING)
   _, ev = data.load_splits(c, tokenizer)
   assert [e.question for e in ev] == want
-  assert f"eval: filtered {len(rows) - len(want)} of 200 prompts longer than max_prefill_predict_length=150" in caplog.text
+  assert (
+      f"eval: filtered {len(rows) - len(want)} of 200 prompts longer than max_prefill_predict_length=150" in caplog.text
+  )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -347,8 +410,14 @@ def _check_solution(e: data.Example, max_value: int, min_steps: int, max_steps: 
 
 
 def test_synthetic_problems_are_exact_and_reproducible(tokenizer):
-  c = cfg("synthetic_seed=5", "synthetic_min_steps=1", "synthetic_max_steps=3", "synthetic_max_value=12", "synthetic_num_eval=64",
-          "data_template_path=''")
+  c = cfg(
+      "synthetic_seed=5",
+      "synthetic_min_steps=1",
+      "synthetic_max_steps=3",
+      "synthetic_max_value=12",
+      "synthetic_num_eval=64",
+      "data_template_path=''",
+  )
   train, ev = data.load_splits(c, tokenizer)
   assert train.unlimited and len(ev) == 64
   items = [train[i] for i in range(300)]
@@ -368,7 +437,8 @@ def test_synthetic_problems_are_exact_and_reproducible(tokenizer):
   assert all(r.correct and r.format_ok for r in res)
   assert [e.id for e in train.batch(3, 4)] == [f"synthetic-train-{i}" for i in range(12, 16)]
   assert [[e.id for e in b] for b in train.batches(4, start_batch=2, num_batches=4)] == [
-      [f"synthetic-train-{i}" for i in range(k * 4, k * 4 + 4)] for k in (2, 3)]
+      [f"synthetic-train-{i}" for i in range(k * 4, k * 4 + 4)] for k in (2, 3)
+  ]
 
 
 def test_synthetic_eval_batches_are_finite(tokenizer):
@@ -382,7 +452,10 @@ def test_synthetic_eval_batches_are_finite(tokenizer):
 
 def test_adding_teacher_reads_every_step_as_an_addition():
   assert data.adding_teacher("7 * 3 = 21\n#### 21") == ("7 + 3 = 10\n#### 10", 10)
-  assert data.adding_teacher("12 / 4 = 3\n3 * 2 = 6\n6 - 1 = 5\n#### 5") == ("12 + 4 = 16\n16 + 2 = 18\n18 + 1 = 19\n#### 19", 19)
+  assert data.adding_teacher("12 / 4 = 3\n3 * 2 = 6\n6 - 1 = 5\n#### 5") == (
+      "12 + 4 = 16\n16 + 2 = 18\n18 + 1 = 19\n#### 19",
+      19,
+  )
   assert data.adding_teacher("2 + 3 = 5\n#### 5") == ("2 + 3 = 5\n#### 5", 5)
   with pytest.raises(ValueError):
     data.adding_teacher("no steps here")
@@ -391,7 +464,13 @@ def test_adding_teacher_reads_every_step_as_an_addition():
 def test_flawed_teacher_changes_sft_demonstrations_only(tokenizer):
   """synthetic_teacher_error_rate: that fraction of non-addition training solutions are the adding teacher's;
   questions, gold answers and the eval split are the clean generator's."""
-  knobs = ("synthetic_seed=5", "synthetic_max_steps=2", "synthetic_max_value=10", "synthetic_num_eval=32", "data_template_path=''")
+  knobs = (
+      "synthetic_seed=5",
+      "synthetic_max_steps=2",
+      "synthetic_max_value=10",
+      "synthetic_num_eval=32",
+      "data_template_path=''",
+  )
   clean_train, clean_eval = data.load_splits(cfg(*knobs), tokenizer)
   train, ev = data.load_splits(cfg(*knobs, "synthetic_teacher_error_rate=0.75"), tokenizer)
   assert list(ev) == list(clean_eval)

@@ -20,8 +20,16 @@ SHORT = [f"num_batches={STEPS}", "num_test_batches=2", "eval_batch_size=32"]
 def _run(out, *overrides):
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   env.pop("XLA_FLAGS", None)
-  cmd = [sys.executable, "-m", "maxtext_rl_plugin.train_rl", "configs/cpu_demo.yml", f"base_output_directory={out}",
-         f"metrics_file={out / 'metrics.jsonl'}", *SHORT, *overrides]
+  cmd = [
+      sys.executable,
+      "-m",
+      "maxtext_rl_plugin.train_rl",
+      "configs/cpu_demo.yml",
+      f"base_output_directory={out}",
+      f"metrics_file={out / 'metrics.jsonl'}",
+      *SHORT,
+      *overrides,
+  ]
   p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=1200, check=False)
   assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-4000:]}"
   return p

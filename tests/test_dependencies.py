@@ -79,8 +79,25 @@ def _reqs(block: str) -> dict[str, Requirement]:
 # ------------------------------------------------------------------ Dockerfile
 
 
-VALID = {"FROM", "ARG", "ENV", "RUN", "COPY", "ADD", "WORKDIR", "LABEL", "USER", "ENTRYPOINT", "CMD", "EXPOSE",
-         "VOLUME", "SHELL", "HEALTHCHECK", "STOPSIGNAL", "ONBUILD"}
+VALID = {
+    "FROM",
+    "ARG",
+    "ENV",
+    "RUN",
+    "COPY",
+    "ADD",
+    "WORKDIR",
+    "LABEL",
+    "USER",
+    "ENTRYPOINT",
+    "CMD",
+    "EXPOSE",
+    "VOLUME",
+    "SHELL",
+    "HEALTHCHECK",
+    "STOPSIGNAL",
+    "ONBUILD",
+}
 
 
 def test_dockerfile_parses_and_references_exist():
@@ -146,8 +163,11 @@ def test_dockerignore_keeps_every_copy_source():
 
 def test_pins_are_exact_and_agree_with_setup_cfg():
   pins = read_pins(DEPS / "constraints.txt")
-  names = [l.strip() for l in (DEPS / "requirements-tpu.txt").read_text().splitlines()
-           if l.strip() and not l.startswith(("#", "-"))]
+  names = [
+      l.strip()
+      for l in (DEPS / "requirements-tpu.txt").read_text().splitlines()
+      if l.strip() and not l.startswith(("#", "-"))
+  ]
   assert "-c constraints.txt" in (DEPS / "requirements-tpu.txt").read_text()
   assert {n.lower() for n in names} == set(pins), "every installed package has exactly one pin"
   for must in ("maxtext", "google-tunix", "vllm-tpu", "tpu-inference", "pathwaysutils", "jax", "jaxlib", "libtpu"):
@@ -166,8 +186,9 @@ def test_verify_pins_script(tmp_path):
 
   good = tmp_path / "good.txt"
   good.write_text(f"# comment\n-c other.txt\nnumpy=={md.version('numpy')}\nabsl-py=={md.version('absl-py')}\n")
-  run = lambda p: subprocess.run([sys.executable, str(SCRIPTS / "verify_pins.py"), str(p)],  # noqa: E731
-                                 capture_output=True, text=True, check=False)
+  run = lambda p: subprocess.run(
+      [sys.executable, str(SCRIPTS / "verify_pins.py"), str(p)], capture_output=True, text=True, check=False  # noqa: E731
+  )
   r = run(good)
   assert r.returncode == 0 and "all 2 pins hold" in r.stdout
   bad = tmp_path / "bad.txt"
@@ -180,8 +201,14 @@ def test_verify_pins_script(tmp_path):
   assert run(loose).returncode == 2
 
 
-_NET_ERRORS = ("NewConnectionError", "Temporary failure in name resolution", "Network is unreachable",
-               "Max retries exceeded", "No route to host", "ConnectTimeout")
+_NET_ERRORS = (
+    "NewConnectionError",
+    "Temporary failure in name resolution",
+    "Network is unreachable",
+    "Max retries exceeded",
+    "No route to host",
+    "ConnectTimeout",
+)
 
 
 @pytest.mark.network
@@ -190,10 +217,27 @@ def test_pins_resolve_to_wheels_for_the_tpu_image_platform(tmp_path):
   report = tmp_path / "report.json"
   platforms = [f"--platform=manylinux_2_{minor}_x86_64" for minor in range(17, 40)]
   platforms.append("--platform=manylinux2014_x86_64")
-  cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--ignore-installed", "--quiet",
-         "--disable-pip-version-check", "--target", str(tmp_path / "t"), "--only-binary=:all:", *platforms,
-         "--python-version=3.12", "--implementation=cp", "--report", str(report), "-r",
-         str(DEPS / "requirements-tpu.txt")]
+  cmd = [
+      sys.executable,
+      "-m",
+      "pip",
+      "install",
+      "--dry-run",
+      "--no-deps",
+      "--ignore-installed",
+      "--quiet",
+      "--disable-pip-version-check",
+      "--target",
+      str(tmp_path / "t"),
+      "--only-binary=:all:",
+      *platforms,
+      "--python-version=3.12",
+      "--implementation=cp",
+      "--report",
+      str(report),
+      "-r",
+      str(DEPS / "requirements-tpu.txt"),
+  ]
   r = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=DEPS, timeout=600)
   if r.returncode != 0 and any(e in r.stderr for e in _NET_ERRORS):
     pytest.skip("package registry unreachable from this machine; cannot resolve the TPU pins")
@@ -220,8 +264,9 @@ def test_pins_resolve_to_wheels_for_the_tpu_image_platform(tmp_path):
     assert str(ti[dep].specifier) == f"=={pins[dep]}", dep
   vt = {Requirement(l).name.lower(): Requirement(l) for l in installed["vllm-tpu"]["metadata"]["requires_dist"]}
   assert pins["transformers"] in vt["transformers"].specifier  # vllm-tpu's range (>=5.16.1,<5.20.0)
-  tunix_qwix = next(Requirement(l) for l in installed["google-tunix"]["metadata"]["requires_dist"]
-                    if Requirement(l).name == "qwix")
+  tunix_qwix = next(
+      Requirement(l) for l in installed["google-tunix"]["metadata"]["requires_dist"] if Requirement(l).name == "qwix"
+  )
   assert pins["qwix"] in tunix_qwix.specifier  # why the override exists
 
 
@@ -239,7 +284,8 @@ def _stub_bin(tmp_path: pathlib.Path, log: pathlib.Path, inspect_rc: int = 0) ->
   bindir.mkdir()
   (bindir / "docker").write_text(
       f'#!/bin/bash\necho "docker $*" >> {log}\n'
-      f'if [ "$1 $2" = "image inspect" ]; then exit {inspect_rc}; fi\nexit 0\n')
+      f'if [ "$1 $2" = "image inspect" ]; then exit {inspect_rc}; fi\nexit 0\n'
+  )
   (bindir / "gcloud").write_text('#!/bin/bash\nif [ "$*" = "config get-value project" ]; then echo my-proj; fi\n')
   for f in bindir.iterdir():
     f.chmod(0o755)
@@ -253,26 +299,40 @@ def test_build_image_runs_maxtext_post_training_then_the_plugin_layer(tmp_path):
   # MaxText v0.2.3/v0.2.4/v0.2.5 layout: the build scripts live under src/dependencies/scripts/.
   (mt / "src" / "dependencies" / "scripts").mkdir(parents=True)
   (mt / "src" / "dependencies" / "scripts" / "docker_build_dependency_image.sh").write_text(
-      f'#!/bin/bash\necho "maxtext $PWD $*" >> {log}\n')
+      f'#!/bin/bash\necho "maxtext $PWD $*" >> {log}\n'
+  )
   script = str(SCRIPTS / "build_image.sh")
   r = subprocess.run(["bash", script, f"MAXTEXT_REPO={mt}"], env=env, capture_output=True, text=True, check=False)
   assert r.returncode == 0, r.stderr
   lines = log.read_text().splitlines()
   assert lines[0] == f"maxtext {mt} WORKFLOW=post-training"
-  assert lines[1] == (f"docker build --network host --build-arg BASE_IMAGE=maxtext_base_image "
-                      f"-f {REPO}/dependencies/Dockerfile -t maxtext_rl_plugin_image {REPO}")
+  assert lines[1] == (
+      f"docker build --network host --build-arg BASE_IMAGE=maxtext_base_image "
+      f"-f {REPO}/dependencies/Dockerfile -t maxtext_rl_plugin_image {REPO}"
+  )
 
   log.write_text("")
-  r = subprocess.run(["bash", script, "BASE_IMAGE=gcr.io/p/base:1", "LOCAL_IMAGE_NAME=mine",
-                      "WORKFLOW=post-training"], env=env, capture_output=True, text=True, check=False)
+  r = subprocess.run(
+      ["bash", script, "BASE_IMAGE=gcr.io/p/base:1", "LOCAL_IMAGE_NAME=mine", "WORKFLOW=post-training"],
+      env=env,
+      capture_output=True,
+      text=True,
+      check=False,
+  )
   assert r.returncode == 0, r.stderr
   assert log.read_text().splitlines() == [
       f"docker build --network host --build-arg BASE_IMAGE=gcr.io/p/base:1 -f {REPO}/dependencies/Dockerfile "
-      f"-t mine {REPO}"]
+      f"-t mine {REPO}"
+  ]
 
-  for bad in (["WORKFLOW=pre-training", "BASE_IMAGE=x"],
-              ["WORKFLOW=post-training-experimental", "BASE_IMAGE=x"],
-              [], ["BOGUS=1"], ["MAXTEXT_REPO=/nonexistent"], ["noequals"]):
+  for bad in (
+      ["WORKFLOW=pre-training", "BASE_IMAGE=x"],
+      ["WORKFLOW=post-training-experimental", "BASE_IMAGE=x"],
+      [],
+      ["BOGUS=1"],
+      ["MAXTEXT_REPO=/nonexistent"],
+      ["noequals"],
+  ):
     r = subprocess.run(["bash", script, *bad], env=env, capture_output=True, text=True, check=False)
     assert r.returncode == 2 and r.stderr.startswith("error:") and r.stderr.count("\n") == 1, (bad, r.stderr)
 
@@ -291,16 +351,20 @@ def test_upload_image_tags_and_pushes_to_the_registry(tmp_path):
   assert "--docker-image gcr.io/my-proj/rl-img" in r.stdout
 
   log.write_text("")
-  r = subprocess.run(["bash", script, "cloud_image_name=x", "PROJECT=other", "TAG=v1", "LOCAL_IMAGE_NAME=mine"],
-                     env=env, capture_output=True, text=True, check=False)
+  r = subprocess.run(
+      ["bash", script, "cloud_image_name=x", "PROJECT=other", "TAG=v1", "LOCAL_IMAGE_NAME=mine"],
+      env=env,
+      capture_output=True,
+      text=True,
+      check=False,
+  )
   assert r.returncode == 0 and "docker push gcr.io/other/x:v1" in log.read_text()
 
   r = subprocess.run(["bash", script], env=env, capture_output=True, text=True, check=False)
   assert r.returncode == 2 and "CLOUD_IMAGE_NAME" in r.stderr
   (tmp_path / "m").mkdir()
   env_missing = _stub_bin(tmp_path / "m", tmp_path / "log2", inspect_rc=1)  # `docker image inspect` fails
-  r = subprocess.run(["bash", script, "CLOUD_IMAGE_NAME=x"], env=env_missing, capture_output=True, text=True,
-                     check=False)
+  r = subprocess.run(["bash", script, "CLOUD_IMAGE_NAME=x"], env=env_missing, capture_output=True, text=True, check=False)
   assert r.returncode == 1 and "not found" in r.stderr
 
 
@@ -330,8 +394,10 @@ def test_verify_pins_catches_a_second_vllm_sharing_the_vllm_directory(tmp_path):
   # The script itself fails on it (exit 1) even when every version pin holds.
   pins = tmp_path / "pins.txt"
   pins.write_text("vllm-tpu==0.32.0\n")
-  code = (f"import sys; sys.path[:0] = [{str(SCRIPTS)!r}, {str(site)!r}]; import verify_pins; "
-          f"sys.exit(verify_pins.main([{str(pins)!r}]))")
+  code = (
+      f"import sys; sys.path[:0] = [{str(SCRIPTS)!r}, {str(site)!r}]; import verify_pins; "
+      f"sys.exit(verify_pins.main([{str(pins)!r}]))"
+  )
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
   assert r.returncode == 1 and "conflict: vllm/: installed by 2 distributions" in r.stderr
 
@@ -341,8 +407,19 @@ def test_contract_environment_runs_the_image_pins():
   image = read_pins(DEPS / "constraints.txt")
   contract = read_pins(DEPS / "tpu-contract-requirements.txt")
   shared = set(image) & set(contract)
-  assert {"vllm-tpu", "tpu-inference", "jax", "jaxlib", "flax", "qwix", "maxtext", "torchax", "tokamax",
-          "transformers", "pathwaysutils"} <= shared
+  assert {
+      "vllm-tpu",
+      "tpu-inference",
+      "jax",
+      "jaxlib",
+      "flax",
+      "qwix",
+      "maxtext",
+      "torchax",
+      "tokamax",
+      "transformers",
+      "pathwaysutils",
+  } <= shared
   assert {n: contract[n] for n in shared} == {n: image[n] for n in shared}
   assert "vllm" not in contract  # upstream vllm would overwrite vllm-tpu's vllm/
 
@@ -362,8 +439,13 @@ def test_build_image_against_the_real_maxtext_layout(ref, tmp_path):
     (mt / path).parent.mkdir(parents=True, exist_ok=True)
     body = f'echo "maxtext $PWD $*" >> {log}\n' if path.endswith("/docker_build_dependency_image.sh") else "exit 1\n"
     (mt / path).write_text("#!/bin/bash\n" + body)
-  r = subprocess.run(["bash", str(SCRIPTS / "build_image.sh"), f"MAXTEXT_REPO={mt}"], env=env, capture_output=True,
-                     text=True, check=False)
+  r = subprocess.run(
+      ["bash", str(SCRIPTS / "build_image.sh"), f"MAXTEXT_REPO={mt}"],
+      env=env,
+      capture_output=True,
+      text=True,
+      check=False,
+  )
   assert r.returncode == 0, r.stderr
   first = log.read_text().splitlines()[0]
   workflow = re.search(r"WORKFLOW=(\S+)", first).group(1)

@@ -73,9 +73,18 @@ def tutorial_test_blocks() -> list[str]:
 def test_tutorial_has_the_sections_a_seed_tutorial_user_expects():
   text = (DOCS / "tutorial.md").read_text(encoding="utf-8")
   headings = re.findall(r"^##+ (.+)$", text, flags=re.M)
-  for needle in ("Prerequisites", "Set up environment variables", "Get your model checkpoint", "Build and upload",
-                 "Submit a GRPO workload", "Submit a GSPO workload", "via Ray", "TensorBoard", "Retry and resume",
-                 "Troubleshooting"):
+  for needle in (
+      "Prerequisites",
+      "Set up environment variables",
+      "Get your model checkpoint",
+      "Build and upload",
+      "Submit a GRPO workload",
+      "Submit a GSPO workload",
+      "via Ray",
+      "TensorBoard",
+      "Retry and resume",
+      "Troubleshooting",
+  ):
     assert any(needle in h for h in headings), needle
   assert "maxtext.checkpoint_conversion.to_maxtext" in text and "loss_algo=gspo-token" in text
   assert len(tutorial_test_blocks()) >= 5
@@ -94,11 +103,23 @@ def _xpk_parser():
 @pytest.mark.parametrize("index", range(len(tutorial_test_blocks())))
 def test_tutorial_command_runs(index, tmp_path):
   block = tutorial_test_blocks()[index]
-  env = {**os.environ, **EXAMPLE_ENV, "JAX_PLATFORMS": "cpu", "HOME": str(tmp_path),
-         "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+  env = {
+      **os.environ,
+      **EXAMPLE_ENV,
+      "JAX_PLATFORMS": "cpu",
+      "HOME": str(tmp_path),
+      "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+  }
   env.pop("XLA_FLAGS", None)
-  proc = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=REPO, env=env, capture_output=True, text=True,
-                        timeout=300, check=False)
+  proc = subprocess.run(
+      ["bash", "-euo", "pipefail", "-c", block],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+      check=False,
+  )
   assert proc.returncode == 0, f"block {index} failed:\n{block}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
   assert TOKEN not in proc.stdout + proc.stderr
   assert proc.stdout.strip()

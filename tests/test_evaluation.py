@@ -57,8 +57,14 @@ def test_one_pass_is_greedy_accuracy_in_every_mode():
 
 
 def test_eval_sampling_comes_from_generation_configs():
-  cfg = type("C", (), {"eval_sampling_strategy": "standard",
-                       "generation_configs": {"standard": {"eval_temperature": 0.7, "eval_top_k": 50, "eval_top_p": 0.95}}})
+  cfg = type(
+      "C",
+      (),
+      {
+          "eval_sampling_strategy": "standard",
+          "generation_configs": {"standard": {"eval_temperature": 0.7, "eval_top_k": 50, "eval_top_p": 0.95}},
+      },
+  )
   assert evaluation.sampling_for(cfg) == {"temperature": 0.7, "top_k": 50, "top_p": 0.95}
   cfg.eval_sampling_strategy = "greedy"
   assert evaluation.sampling_for(cfg)["top_k"] == 1
@@ -75,13 +81,36 @@ def test_eval_interval_profiler_and_output_dirs_are_honoured(tmp_path):
   """
   tb, ck = tmp_path / "ev" / "tensorboard", tmp_path / "ev" / "checkpoints"
   metrics = tmp_path / "m.jsonl"
-  cmd = [sys.executable, "-m", "maxtext_rl_plugin.train_rl", "configs/cpu_tiny.yml", f"base_output_directory={tmp_path}",
-         "run_name=ev", "num_batches=3", "eval_interval=1", "num_eval_passes=2", "eval_sampling_strategy=standard",
-         "eval_mode=pass", "num_test_batches=1", "eval_batch_size=2", "profiler=xplane", "skip_first_n_steps_for_profiler=1",
-         "profiler_steps=1", "checkpoint_period=2", "log_period=2",
-         f"metrics_file={metrics}"]
-  p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
-                     env={**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"})
+  cmd = [
+      sys.executable,
+      "-m",
+      "maxtext_rl_plugin.train_rl",
+      "configs/cpu_tiny.yml",
+      f"base_output_directory={tmp_path}",
+      "run_name=ev",
+      "num_batches=3",
+      "eval_interval=1",
+      "num_eval_passes=2",
+      "eval_sampling_strategy=standard",
+      "eval_mode=pass",
+      "num_test_batches=1",
+      "eval_batch_size=2",
+      "profiler=xplane",
+      "skip_first_n_steps_for_profiler=1",
+      "profiler_steps=1",
+      "checkpoint_period=2",
+      "log_period=2",
+      f"metrics_file={metrics}",
+  ]
+  p = subprocess.run(
+      cmd,
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=900,
+      check=False,
+      env={**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"},
+  )
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
   recs = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
   evals = [r for r in recs if "eval/accuracy" in r]

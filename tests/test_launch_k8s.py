@@ -15,9 +15,15 @@ pytest.importorskip("ray.train.v2.jax", reason="ray[train] not installed")
 from maxtext_rl_plugin.launch import __main__ as launch_main  # pylint: disable=wrong-import-position
 
 K8S = pathlib.Path(__file__).resolve().parents[1] / "dependencies" / "k8s"
-VALUES = {"RUN_NAME": "qwen3-8b-grpo-ray", "DOCKER_IMAGE": "us-docker.pkg.dev/p/r/maxtext-rl-ray:latest",
-          "KSA_NAME": "rl-ksa", "GS_BUCKET": "my-bucket", "MODEL": "qwen3-8b", "TOKENIZER": "Qwen/Qwen3-8B",
-          "MAXTEXT_CKPT_PATH": "gs://my-bucket/qwen3-8b/0/items"}
+VALUES = {
+    "RUN_NAME": "qwen3-8b-grpo-ray",
+    "DOCKER_IMAGE": "us-docker.pkg.dev/p/r/maxtext-rl-ray:latest",
+    "KSA_NAME": "rl-ksa",
+    "GS_BUCKET": "my-bucket",
+    "MODEL": "qwen3-8b",
+    "TOKENIZER": "Qwen/Qwen3-8B",
+    "MAXTEXT_CKPT_PATH": "gs://my-bucket/qwen3-8b/0/items",
+}
 
 
 def load(name: str) -> dict:
@@ -47,7 +53,10 @@ def test_rayjob_entrypoint_is_a_valid_launch_matching_the_pod_specs(capsys):
   assert scaling["num_workers"] == group["numOfHosts"] * group["replicas"]
   assert scaling["topology"] == pod["nodeSelector"]["cloud.google.com/gke-tpu-topology"]
   assert str(scaling["resources_per_worker"]["TPU"]) == container["resources"]["limits"]["google.com/tpu"]
-  assert scaling["accelerator_type"] == "TPU-V6E" and pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v6e-slice"
+  assert (
+      scaling["accelerator_type"] == "TPU-V6E"
+      and pod["nodeSelector"]["cloud.google.com/gke-tpu-accelerator"] == "tpu-v6e-slice"
+  )
   # The HF token comes from a Secret, never from the manifest text.
   env = {e["name"]: e for e in container["env"]}
   assert "secretKeyRef" in env["HF_TOKEN"]["valueFrom"] and "value" not in env["HF_TOKEN"]
@@ -70,6 +79,8 @@ def test_one_ray_version_everywhere():
   cfg.read(K8S.parents[1] / "setup.cfg")
   pins = re.findall(r"ray\[[\w,]+\]==([\d.]+)", cfg["options.extras_require"]["launch"])
   image = re.findall(r"ray\[[\w,]+\]==([\d.]+)", (K8S / "Dockerfile.ray").read_text())
-  versions = {load(n)["spec"].get("rayVersion") or load(n)["spec"]["rayClusterSpec"]["rayVersion"]
-              for n in ("raycluster-tpu.yaml", "rayjob-tpu.yaml")}
+  versions = {
+      load(n)["spec"].get("rayVersion") or load(n)["spec"]["rayClusterSpec"]["rayVersion"]
+      for n in ("raycluster-tpu.yaml", "rayjob-tpu.yaml")
+  }
   assert len(pins) == 1 and image == pins and versions == set(pins)

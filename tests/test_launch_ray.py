@@ -33,8 +33,13 @@ def test_cpu_workers_never_inherit_forced_devices():
 
 def test_tpu_trainer_matches_the_ray_tutorial(monkeypatch):
   monkeypatch.setenv("HF_TOKEN", TOKEN)
-  launch = ray_lib.RayLaunch(num_workers=4, overrides=["run_name=rayjob-grpo", "base_output_directory=/data/"],
-                             tpu_topology="4x4", accelerator_type="TPU-V6E", chips_per_worker=4)
+  launch = ray_lib.RayLaunch(
+      num_workers=4,
+      overrides=["run_name=rayjob-grpo", "base_output_directory=/data/"],
+      tpu_topology="4x4",
+      accelerator_type="TPU-V6E",
+      chips_per_worker=4,
+  )
   launch.validate()
   trainer = ray_lib.build_trainer(launch)
   sc = trainer.scaling_config
@@ -44,21 +49,41 @@ def test_tpu_trainer_matches_the_ray_tutorial(monkeypatch):
   env = trainer.run_config.worker_runtime_env["env_vars"]
   assert env["JAX_PLATFORMS"] == "tpu" and env["ENABLE_PJRT_COMPATIBILITY"] == "true" and env["HF_TOKEN"] == TOKEN
   assert trainer.train_loop_per_worker is ray_lib.train_loop_per_worker
-  assert trainer.train_loop_config["argv"] == ["configs/rl.yml", "run_name=rayjob-grpo", "base_output_directory=/data/",
-                                               "use_pathways=false"]  # multi-controller JAX, not a Pathways client
+  assert trainer.train_loop_config["argv"] == [
+      "configs/rl.yml",
+      "run_name=rayjob-grpo",
+      "base_output_directory=/data/",
+      "use_pathways=false",
+  ]  # multi-controller JAX, not a Pathways client
   assert TOKEN not in launch.describe()
 
 
 def test_dry_run_and_one_line_errors(monkeypatch, launch_cli):
   monkeypatch.setenv("HF_TOKEN", TOKEN)
-  rc, out, err = launch_cli(["ray", "--num-workers", "4", "--tpu-topology", "4x4", "--accelerator-type", "TPU-V6E",
-                           "--name", "grpo-ray", "--dry-run", "--", "loss_algo=gspo-token"])
+  rc, out, err = launch_cli(
+      [
+          "ray",
+          "--num-workers",
+          "4",
+          "--tpu-topology",
+          "4x4",
+          "--accelerator-type",
+          "TPU-V6E",
+          "--name",
+          "grpo-ray",
+          "--dry-run",
+          "--",
+          "loss_algo=gspo-token",
+      ]
+  )
   assert rc == 0 and out.startswith("ray JaxTrainer name=grpo-ray") and TOKEN not in out + err
   assert '"run_name=grpo-ray"' in out  # --name becomes the run_name, so a rerun resumes
   for argv, needle in [
       (["ray", "--num-workers", "4", "--tpu-topology", "4x4", "--dry-run"], "--accelerator-type"),
-      (["ray", "--num-workers", "3", "--tpu-topology", "4x4", "--accelerator-type", "TPU-V6E", "--dry-run"],
-       "Ray rejected the scaling config"),
+      (
+          ["ray", "--num-workers", "3", "--tpu-topology", "4x4", "--accelerator-type", "TPU-V6E", "--dry-run"],
+          "Ray rejected the scaling config",
+      ),
       (["ray", "--num-workers", "0", "--dry-run"], "--num-workers"),
       (["ray", "--num-workers", "2", "--dry-run", "--", "rl.kl_estimatr=k1"], "unknown config key"),
   ]:
@@ -84,8 +109,9 @@ def test_max_failures_is_rays_failure_config(launch_cli):
 def test_hf_access_token_override_travels_in_the_environment_never_argv(monkeypatch, launch_cli):
   monkeypatch.delenv("HF_TOKEN", raising=False)
   secret = "hf_overrideSECRET123456"
-  rc, out, err = launch_cli(["ray", "--num-workers", "2", "--name", "tok", "--dry-run", "--",
-                             f"hf_access_token={secret}"])
+  rc, out, err = launch_cli(
+      ["ray", "--num-workers", "2", "--name", "tok", "--dry-run", "--", f"hf_access_token={secret}"]
+  )
   assert rc == 0 and secret not in out + err, out + err
   launch = ray_lib.RayLaunch(num_workers=2, overrides=[f"hf_access_token={secret}", "run_name=tok"])
   assert all(secret not in a for a in launch.train_argv()) and launch.worker_env({})["HF_TOKEN"] == secret
@@ -96,14 +122,41 @@ def test_hf_access_token_override_travels_in_the_environment_never_argv(monkeypa
 def test_two_cpu_workers_run_one_grpo_step_as_one_jax_program(tmp_path):
   entry = os.environ.get("MAXTEXT_RL_TEST_RAY_ENTRY", "smoke")
   results = tmp_path / "results"
-  argv = [sys.executable, "-m", "maxtext_rl_plugin.launch", "ray", "--num-workers", "2", "--num-cpus", "2",
-          "--entry", entry, "--storage-path", str(tmp_path / "ray"), "--result-dir", str(results)]
+  argv = [
+      sys.executable,
+      "-m",
+      "maxtext_rl_plugin.launch",
+      "ray",
+      "--num-workers",
+      "2",
+      "--num-cpus",
+      "2",
+      "--entry",
+      entry,
+      "--storage-path",
+      str(tmp_path / "ray"),
+      "--result-dir",
+      str(results),
+  ]
   if entry == "train_rl":
-    argv += ["--config", "configs/cpu_tiny.yml", "--", "num_batches=1", f"base_output_directory={tmp_path / 'runs'}",
-             "run_name=ray2", "eval_before_training=false", "eval_after_training=false"]
+    argv += [
+        "--config",
+        "configs/cpu_tiny.yml",
+        "--",
+        "num_batches=1",
+        f"base_output_directory={tmp_path / 'runs'}",
+        "run_name=ray2",
+        "eval_before_training=false",
+        "eval_after_training=false",
+    ]
   # The driver's environment forces 8 host devices (as the multidevice test pass does): workers must not inherit it.
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-         "RAY_DEDUP_LOGS": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+  env = {
+      **os.environ,
+      "JAX_PLATFORMS": "cpu",
+      "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+      "RAY_DEDUP_LOGS": "0",
+      "RAY_USAGE_STATS_ENABLED": "0",
+  }
   env.pop("RAY_ADDRESS", None)
   proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=580, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

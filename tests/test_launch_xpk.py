@@ -23,10 +23,25 @@ yaml = pytest.importorskip("yaml")
 from maxtext_rl_plugin.launch import xpk as xpk_lib  # pylint: disable=wrong-import-position
 
 TOKEN = "hf_test_Zq9SECRETtoken42"
-BASE = ["xpk", "--workload", "llama-grpo", "--cluster", "tpu-cluster", "--tpu-type", "v5p-128", "--project", "my-proj",
-        "--docker-image", "gcr.io/my-proj/maxtext-rl:latest"]
-OVERRIDES = ["model_name=llama3.1-8b", "tokenizer_path=meta-llama/Llama-3.1-8B-Instruct",
-             "load_parameters_path=gs://bucket/ckpt/0/items", "base_output_directory=gs://bucket/runs"]
+BASE = [
+    "xpk",
+    "--workload",
+    "llama-grpo",
+    "--cluster",
+    "tpu-cluster",
+    "--tpu-type",
+    "v5p-128",
+    "--project",
+    "my-proj",
+    "--docker-image",
+    "gcr.io/my-proj/maxtext-rl:latest",
+]
+OVERRIDES = [
+    "model_name=llama3.1-8b",
+    "tokenizer_path=meta-llama/Llama-3.1-8B-Instruct",
+    "load_parameters_path=gs://bucket/ckpt/0/items",
+    "base_output_directory=gs://bucket/runs",
+]
 
 
 def xpk_parse(line: str) -> argparse.Namespace:
@@ -55,11 +70,15 @@ def test_dry_run_prints_one_xpk_line_that_xpk_parses(token_env, launch_cli):
   assert (args.num_slices, args.priority, args.docker_image) == (2, "high", "gcr.io/my-proj/maxtext-rl:latest")
   container = shlex.split(args.command)
   env = dict(a.split("=", 1) for a in container[: container.index("python3")])
-  assert env == {"TF_CPP_MIN_LOG_LEVEL": "0", "JAX_PLATFORMS": "proxy", "JAX_BACKEND_TARGET": "grpc://127.0.0.1:29000",
-                 "ENABLE_PATHWAYS_PERSISTENCE": "1"}
+  assert env == {
+      "TF_CPP_MIN_LOG_LEVEL": "0",
+      "JAX_PLATFORMS": "proxy",
+      "JAX_BACKEND_TARGET": "grpc://127.0.0.1:29000",
+      "ENABLE_PATHWAYS_PERSISTENCE": "1",
+  }
   i = container.index("python3")
-  assert container[i:i + 4] == ["python3", "-m", "maxtext_rl_plugin.train_rl", "configs/rl.yml"]
-  train_args = container[i + 4:]
+  assert container[i : i + 4] == ["python3", "-m", "maxtext_rl_plugin.train_rl", "configs/rl.yml"]
+  train_args = container[i + 4 :]
   assert train_args[: len(OVERRIDES)] == OVERRIDES
   assert "run_name=llama-grpo" in train_args  # the workload name is the run name: resubmitting resumes
   # The token reaches the container as an env var and train_rl as a reference the container's shell expands.
@@ -150,8 +169,12 @@ def test_overrides_train_rl_would_reject_fail_before_printing(override, needle, 
 
 
 def test_other_bad_flags_one_line(launch_cli):
-  for argv in ([*BASE, "--priority", "urgent", "--dry-run"], [*BASE, "--num-slices", "0", "--dry-run"],
-               ["xpk", "--workload", "w", "--dry-run"], [*BASE, "--bogus", "--dry-run"]):
+  for argv in (
+      [*BASE, "--priority", "urgent", "--dry-run"],
+      [*BASE, "--num-slices", "0", "--dry-run"],
+      ["xpk", "--workload", "w", "--dry-run"],
+      [*BASE, "--bogus", "--dry-run"],
+  ):
     rc, out, err = launch_cli(argv)
     assert rc == 2 and out == "" and err.count("\n") == 1 and err.startswith("error: "), (argv, err)
 
@@ -174,12 +197,14 @@ def test_max_restarts_passed_and_warned(launch_cli):
 
 
 def test_delete_and_list_parse(launch_cli):
-  rc, out, _ = launch_cli(["xpk-delete", "--workload", "llama-grpo", "--cluster", "tpu-cluster", "--project", "p",
-                         "--force", "--dry-run"])
+  rc, out, _ = launch_cli(
+      ["xpk-delete", "--workload", "llama-grpo", "--cluster", "tpu-cluster", "--project", "p", "--force", "--dry-run"]
+  )
   args = xpk_parse(out.strip())
   assert rc == 0 and args.func.__name__ == "workload_delete" and args.workload == "llama-grpo" and args.force
-  rc, out, _ = launch_cli(["xpk-list", "--cluster", "tpu-cluster", "--project", "p", "--workload", "llama-grpo",
-                         "--dry-run"])
+  rc, out, _ = launch_cli(
+      ["xpk-list", "--cluster", "tpu-cluster", "--project", "p", "--workload", "llama-grpo", "--dry-run"]
+  )
   args = xpk_parse(out.strip())
   assert rc == 0 and args.func.__name__ == "workload_list" and args.filter_by_job == "llama-grpo"
   rc, _, err = launch_cli(["xpk-delete", "--workload", "Bad", "--cluster", "c", "--dry-run"])
@@ -190,15 +215,30 @@ def test_xpk_dry_run_writes_pathways_jobset(token_env, tmp_path, launch_cli):
   """xpk's own --dry-run --output-manifest-file on our command: the JobSet runs train_rl with our env."""
   rc, out, _ = launch_cli([*BASE, "--zone", "us-east5-a", "--dry-run", "--", *OVERRIDES])
   assert rc == 0
-  cmd = xpk_lib.build_create(workload="llama-grpo", cluster="tpu-cluster", tpu_type="v5p-128", project="my-proj",
-                             zone="us-east5-a", docker_image="gcr.io/my-proj/maxtext-rl:latest", overrides=OVERRIDES,
-                             max_restarts=2, environ={"HF_TOKEN": TOKEN}, validate=False)
+  cmd = xpk_lib.build_create(
+      workload="llama-grpo",
+      cluster="tpu-cluster",
+      tpu_type="v5p-128",
+      project="my-proj",
+      zone="us-east5-a",
+      docker_image="gcr.io/my-proj/maxtext-rl:latest",
+      overrides=OVERRIDES,
+      max_restarts=2,
+      environ={"HF_TOKEN": TOKEN},
+      validate=False,
+  )
   manifest = tmp_path / "jobset.yaml"
   home = tmp_path / "home"
   home.mkdir()
   env = {**os.environ, "HOME": str(home), "TELEMETRY_ENABLED": "false"}
-  proc = subprocess.run([sys.executable, "-m", "xpk.main", *cmd.argv, "--dry-run", "--output-manifest-file",
-                         str(manifest)], env=env, capture_output=True, text=True, timeout=300, check=False)
+  proc = subprocess.run(
+      [sys.executable, "-m", "xpk.main", *cmd.argv, "--dry-run", "--output-manifest-file", str(manifest)],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=300,
+      check=False,
+  )
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
   jobset = yaml.safe_load(manifest.read_text())
   assert jobset["kind"] == "JobSet" and jobset["metadata"]["name"] == "llama-grpo"
@@ -217,7 +257,7 @@ def test_xpk_dry_run_writes_pathways_jobset(token_env, tmp_path, launch_cli):
 def _container_train_argv(cmd: xpk_lib.Command) -> list[str]:
   container = shlex.split(cmd.argv[cmd.argv.index("--command") + 1])
   i = container.index("python3")
-  return container[i + 3:]  # [yml, overrides...] after `python3 -m maxtext_rl_plugin.train_rl`
+  return container[i + 3 :]  # [yml, overrides...] after `python3 -m maxtext_rl_plugin.train_rl`
 
 
 def test_resubmission_targets_the_same_checkpoint_directory(tmp_path):
@@ -226,16 +266,25 @@ def test_resubmission_targets_the_same_checkpoint_directory(tmp_path):
 
   dirs = set()
   for _ in range(2):
-    cmd = xpk_lib.build_create(workload="llama-grpo", cluster="c", tpu_type="v5p-8", project="p", docker_image="i",
-                               overrides=OVERRIDES, environ={})
+    cmd = xpk_lib.build_create(
+        workload="llama-grpo",
+        cluster="c",
+        tpu_type="v5p-8",
+        project="p",
+        docker_image="i",
+        overrides=OVERRIDES,
+        environ={},
+    )
     cfg = config_lib.load_config(_container_train_argv(cmd))
     dirs.add(os.path.join(cfg.base_output_directory, cfg.run_name, "checkpoints"))
   assert dirs == {"gs://bucket/runs/llama-grpo/checkpoints"}
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("MAXTEXT_RL_TEST_E2E_RESUME"),
-                    reason="~5 min on 2 cores; set MAXTEXT_RL_TEST_E2E_RESUME=1 to run the container command twice")
+@pytest.mark.skipif(
+    not os.environ.get("MAXTEXT_RL_TEST_E2E_RESUME"),
+    reason="~5 min on 2 cores; set MAXTEXT_RL_TEST_E2E_RESUME=1 to run the container command twice",
+)
 def test_container_command_resumes_when_resubmitted(tmp_path):
   """The container command xpk would run, executed on CPU: a 'preempted' 1-step run, then the resubmission
   (same workload, 2 steps) restores step 1 and trains only step 2."""
@@ -243,15 +292,34 @@ def test_container_command_resumes_when_resubmitted(tmp_path):
 
   def submit(num_batches: int) -> subprocess.CompletedProcess:
     cmd = xpk_lib.build_create(
-        workload="resume-e2e", cluster="c", tpu_type="v5p-8", project="p", docker_image="i", config="configs/cpu_tiny.yml",
-        overrides=[f"num_batches={num_batches}", f"base_output_directory={base}", "checkpoint_period=1",
-                   "eval_before_training=false", "eval_after_training=false"], environ={})
+        workload="resume-e2e",
+        cluster="c",
+        tpu_type="v5p-8",
+        project="p",
+        docker_image="i",
+        config="configs/cpu_tiny.yml",
+        overrides=[
+            f"num_batches={num_batches}",
+            f"base_output_directory={base}",
+            "checkpoint_period=1",
+            "eval_before_training=false",
+            "eval_after_training=false",
+        ],
+        environ={},
+    )
     script = cmd.argv[cmd.argv.index("--command") + 1]
     # Same command, CPU instead of the Pathways proxy.
     script = script.replace("JAX_PLATFORMS=proxy", "JAX_PLATFORMS=cpu").replace("python3 -m", f"{sys.executable} -m")
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    return subprocess.run(["bash", "-c", script], cwd=pathlib.Path(__file__).parents[1], env=env, capture_output=True,
-                          text=True, timeout=1200, check=False)
+    return subprocess.run(
+        ["bash", "-c", script],
+        cwd=pathlib.Path(__file__).parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        check=False,
+    )
 
   first = submit(1)
   assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]

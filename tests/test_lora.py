@@ -32,10 +32,10 @@ NEW = 12
 # A deterministic reward that varies with the text, and a sampling temperature at which the random-init model's
 # completions differ: every group has a reward spread, so the adapters get a non-zero gradient (see
 # tests/test_trainer_updates.py, where the same pair is explained).
-_LENGTH_REWARD = '''
+_LENGTH_REWARD = """
 def length_reward(prompts, completions, **kwargs):
   return [(sum(map(ord, c)) % 97) / 97.0 for c in completions]
-'''
+"""
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -56,18 +56,21 @@ def test_lora_keys_are_maxtexts_and_have_statuses():
     assert key_status.refusal(k).startswith("QLoRA")
 
 
-@pytest.mark.parametrize("overrides,needle", [
-    (["lora.enable_lora=true", "lora.lora_weight_qtype=nf4"], "'lora.lora_weight_qtype' is not supported"),
-    (["lora.enable_lora=true", "lora.lora_tile_size=64"], "'lora.lora_tile_size' is not supported"),
-    (["lora.lora_rank=8"], "'lora.lora_rank'=8 has no effect with lora.enable_lora=false"),
-    (["lora.lora_restore_path=/x"], "'lora.lora_restore_path'='/x' has no effect"),
-    (["lora.enable_lora=true", "lora.lora_alpha=8"], "'lora.lora_rank'=0: must be >= 1"),
-    (["lora.enable_lora=true", "lora.lora_rank=4"], "'lora.lora_alpha'=0.0: must be > 0"),
-    ([*LORA, "lora.lora_module_path=(("], "'lora.lora_module_path'='((': not a regular expression"),
-    ([*LORA, "lora.lora_restore_path=/no/such/adapter"], "'lora.lora_restore_path'='/no/such/adapter': no such"),
-    (["lora.enable_lora=true", "lora.no_such_key=1"], "unknown config key 'lora.no_such_key'"),
-    ([*LORA, "rollout_engine=vllm"], "'rollout_engine'='vllm' with lora.enable_lora=true: the engine takes full"),
-])
+@pytest.mark.parametrize(
+    "overrides,needle",
+    [
+        (["lora.enable_lora=true", "lora.lora_weight_qtype=nf4"], "'lora.lora_weight_qtype' is not supported"),
+        (["lora.enable_lora=true", "lora.lora_tile_size=64"], "'lora.lora_tile_size' is not supported"),
+        (["lora.lora_rank=8"], "'lora.lora_rank'=8 has no effect with lora.enable_lora=false"),
+        (["lora.lora_restore_path=/x"], "'lora.lora_restore_path'='/x' has no effect"),
+        (["lora.enable_lora=true", "lora.lora_alpha=8"], "'lora.lora_rank'=0: must be >= 1"),
+        (["lora.enable_lora=true", "lora.lora_rank=4"], "'lora.lora_alpha'=0.0: must be > 0"),
+        ([*LORA, "lora.lora_module_path=(("], "'lora.lora_module_path'='((': not a regular expression"),
+        ([*LORA, "lora.lora_restore_path=/no/such/adapter"], "'lora.lora_restore_path'='/no/such/adapter': no such"),
+        (["lora.enable_lora=true", "lora.no_such_key=1"], "unknown config key 'lora.no_such_key'"),
+        ([*LORA, "rollout_engine=vllm"], "'rollout_engine'='vllm' with lora.enable_lora=true: the engine takes full"),
+    ],
+)
 def test_bad_lora_keys_are_one_line_errors(overrides, needle):
   with pytest.raises(errors.ConfigError, match=None) as e:
     config_lib.load_config([TINY, *overrides])
@@ -150,8 +153,15 @@ def test_adapters_on_maxtexts_default_modules_and_base_arrays_shared(adapted):
   lora_state = nnx.to_pure_dict(nnx.state(actor, nnx.LoRAParam))
   layers = lora_state["base"]["decoder"]["layers"]
   adapted_modules = {f"{blk}/{m}" for blk, mods in layers.items() for m in mods}
-  assert adapted_modules == {"self_attention/query", "self_attention/key", "self_attention/value",
-                             "self_attention/out", "mlp/wi_0", "mlp/wi_1", "mlp/wo"}
+  assert adapted_modules == {
+      "self_attention/query",
+      "self_attention/key",
+      "self_attention/value",
+      "self_attention/out",
+      "mlp/wi_0",
+      "mlp/wi_1",
+      "mlp/wo",
+  }
   # Each adapter pair is A [C, L, r], B [r, L, M] for a kernel whose leading dims multiply to C (qwix's flattening).
   kernels = nnx.to_pure_dict(nnx.state(base, nnx.Param))["base"]["decoder"]["layers"]
   for blk, mods in layers.items():
@@ -224,10 +234,24 @@ def test_engine_greedy_after_adapter_sync_equals_the_adapted_model(adapted):
 def _argv(out: pathlib.Path, name: str, *extra):
   reward = out / "length_reward.py"
   reward.write_text(_LENGTH_REWARD)
-  return [TINY, f"base_output_directory={out}", f"run_name={name}", "reward_functions=length_reward",
-          f"reward_functions_path={reward}", "decode_sampling_temperature=30", "num_batches=2", "checkpoint_period=1",
-          "num_test_batches=0", "eval_before_training=false", "eval_after_training=false", "learning_rate=0.01",
-          "warmup_steps_fraction=0", "rl.grpo_beta=0.08", *LORA, *extra]
+  return [
+      TINY,
+      f"base_output_directory={out}",
+      f"run_name={name}",
+      "reward_functions=length_reward",
+      f"reward_functions_path={reward}",
+      "decode_sampling_temperature=30",
+      "num_batches=2",
+      "checkpoint_period=1",
+      "num_test_batches=0",
+      "eval_before_training=false",
+      "eval_after_training=false",
+      "learning_rate=0.01",
+      "warmup_steps_fraction=0",
+      "rl.grpo_beta=0.08",
+      *LORA,
+      *extra,
+  ]
 
 
 def _nbytes(tree) -> int:
@@ -294,8 +318,10 @@ def test_only_adapters_get_optimizer_state(lora_run):
   full_moments = sum(x.nbytes for x in jax.tree.leaves(nnx.state(full)) if getattr(x, "size", 1) > 1)
   assert full_moments == 2 * b["base_bytes"]
   full_bytes = int(copies) * b["base_bytes"]
-  print(f"\noptimizer state: LoRA {b['opt_bytes']} B ({int(copies)} x {b['adapter_bytes']} B of adapters) vs full "
-        f"fine-tuning {full_bytes} B ({int(copies)} x {b['base_bytes']} B of params): {full_bytes / b['opt_bytes']:.0f}x")
+  print(
+      f"\noptimizer state: LoRA {b['opt_bytes']} B ({int(copies)} x {b['adapter_bytes']} B of adapters) vs full "
+      f"fine-tuning {full_bytes} B ({int(copies)} x {b['base_bytes']} B of params): {full_bytes / b['opt_bytes']:.0f}x"
+  )
   assert b["opt_bytes"] * 100 < full_bytes
 
 
@@ -318,9 +344,11 @@ def test_base_frozen_adapters_trained_reference_is_the_shared_base(lora_run):
   # Params stay shared across updates (lora.keep_base_shared); RNG counters are the actor's own.
   unshared = [jax.tree_util.keystr(k) for (k, x), y in zip(mine, theirs) if x is not y and "rngs" not in str(k)]
   assert not unshared, unshared
-  print(f"\nactor + reference hold {b['held_bytes']} B before and {held_after} B after training (base "
-        f"{b['base_bytes']} B + adapters {b['adapter_bytes']} B); a cloned reference (full fine-tuning) would hold "
-        f"{2 * b['base_bytes']} B of params")
+  print(
+      f"\nactor + reference hold {b['held_bytes']} B before and {held_after} B after training (base "
+      f"{b['base_bytes']} B + adapters {b['adapter_bytes']} B); a cloned reference (full fine-tuning) would hold "
+      f"{2 * b['base_bytes']} B of params"
+  )
   assert b["held_bytes"] < b["base_bytes"] + b["adapter_bytes"] + 64 * 1024
   assert abs(held_after - b["held_bytes"]) < 1024  # RNG counters only
 
@@ -369,9 +397,15 @@ def test_export_writes_merged_maxtext_checkpoint_with_the_adapted_logits(lora_ru
   from maxtext_rl_plugin import export_lora
   from maxtext_rl_plugin import models
 
-  p = subprocess.run([sys.executable, "-m", "maxtext_rl_plugin.export_lora", "--output", str(tmp_path / "merged"),
-                      *lora_run["argv"]], cwd=REPO, capture_output=True, text=True, timeout=600, check=False,
-                     env={**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"})
+  p = subprocess.run(
+      [sys.executable, "-m", "maxtext_rl_plugin.export_lora", "--output", str(tmp_path / "merged"), *lora_run["argv"]],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=600,
+      check=False,
+      env={**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"},
+  )
   assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
   path = tmp_path / "merged" / "0" / "items"
   assert f"load_parameters_path={path}" in p.stdout
@@ -398,10 +432,23 @@ def test_disaggregated_lora_run_syncs_only_adapters(tmp_path):
 
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  cmd = [sys.executable, "-m", "maxtext_rl_plugin.train_rl", *_argv(tmp_path, "dis"), "use_pathways=true",
-         "chips_per_vm=4", "rl.verify_weight_sync=every_n", "rl.verify_weight_sync_every=1", "batch_size=4"]
+  env = {
+      **os.environ,
+      "JAX_PLATFORMS": "cpu",
+      "TF_CPP_MIN_LOG_LEVEL": "3",
+      "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+  }
+  cmd = [
+      sys.executable,
+      "-m",
+      "maxtext_rl_plugin.train_rl",
+      *_argv(tmp_path, "dis"),
+      "use_pathways=true",
+      "chips_per_vm=4",
+      "rl.verify_weight_sync=every_n",
+      "rl.verify_weight_sync_every=1",
+      "batch_size=4",
+  ]
   p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=900, check=False)
   assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
   assert "devices: trainer 4, sampler 4 (disaggregated" in p.stdout

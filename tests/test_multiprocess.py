@@ -41,9 +41,17 @@ def _env(**extra) -> dict:
 
 def test_distributed_helpers_on_two_processes(tmp_path):
   addr = f"127.0.0.1:{_free_port()}"
-  procs = [subprocess.Popen([sys.executable, str(REPO / "tests" / "_multiprocess_worker.py"), str(i), addr,
-                             str(tmp_path / f"p{i}.json")], cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for i in (0, 1)]
+  procs = [
+      subprocess.Popen(
+          [sys.executable, str(REPO / "tests" / "_multiprocess_worker.py"), str(i), addr, str(tmp_path / f"p{i}.json")],
+          cwd=REPO,
+          env=_env(),
+          stdout=subprocess.PIPE,
+          stderr=subprocess.STDOUT,
+          text=True,
+      )
+      for i in (0, 1)
+  ]
   logs = [p.communicate(timeout=240)[0] for p in procs]
   assert [p.returncode for p in procs] == [0, 0], "\n".join(l[-3000:] for l in logs)
   host = np.arange(4 * 3, dtype=np.float32).reshape(4, 3) ** 1.5
@@ -51,7 +59,7 @@ def test_distributed_helpers_on_two_processes(tmp_path):
   for i, o in enumerate(outs):
     assert o["process"] == i and not o["fully_addressable"]
     # Each process holds its own half of the rows (sharded, not replicated), bit for bit the source rows.
-    np.testing.assert_array_equal(np.asarray(o["local_rows"][0], np.float32), host[2 * i:2 * i + 2])
+    np.testing.assert_array_equal(np.asarray(o["local_rows"][0], np.float32), host[2 * i : 2 * i + 2])
     np.testing.assert_array_equal(np.asarray(o["to_host"], np.float32), host)
     np.testing.assert_allclose(o["row_sums"], host.sum(axis=1), rtol=1e-6)
     assert o["total"] == pytest.approx(float(host.sum()), rel=1e-6)
@@ -63,7 +71,9 @@ def test_distributed_helpers_on_two_processes(tmp_path):
   assert outs[0]["key_data"] == outs[1]["key_data"]
   import jax  # pylint: disable=import-outside-toplevel
 
-  np.testing.assert_array_equal(outs[0]["key_data"], np.asarray(jax.random.key_data(jax.random.split(jax.random.key(7), 2))))
+  np.testing.assert_array_equal(
+      outs[0]["key_data"], np.asarray(jax.random.key_data(jax.random.split(jax.random.key(7), 2)))
+  )
 
 
 def test_one_process_helpers_equal_jax_and_tunix():
@@ -81,7 +91,9 @@ def test_one_process_helpers_equal_jax_and_tunix():
   assert x.sharding == ref.sharding
   np.testing.assert_array_equal(distributed.to_host(x), np.asarray(ref))
   tree = {"w": ref, "b": jax.device_put(np.ones(3, np.float32), NamedSharding(mesh, P()))}
-  ours, theirs = distributed.put_on_memory_kind(tree, "pinned_host"), rl_utils.put_params_on_memory_kind(tree, "pinned_host")
+  ours, theirs = distributed.put_on_memory_kind(tree, "pinned_host"), rl_utils.put_params_on_memory_kind(
+      tree, "pinned_host"
+  )
   for k in tree:
     assert ours[k].sharding == theirs[k].sharding and ours[k].sharding.memory_kind == "pinned_host"
     np.testing.assert_array_equal(np.asarray(ours[k]), np.asarray(theirs[k]))
@@ -93,11 +105,21 @@ def test_one_process_helpers_equal_jax_and_tunix():
 # nearly one-hot, so a high sampling temperature (the loss uses the same one) and a reward that varies between
 # completions (tests/data/multiprocess_rewards.py) give non-zero advantages. The demo's 528-token tokenizer keeps the
 # output layer small.
-_RUN = ["tokenizer_path=tokenizers/arith-bpe-512", "vocab_size=528", "use_chat_template=false",
-        "data_template_path=cpu_demo_template.json", "max_prefill_predict_length=48", "max_target_length=80",
-        "decode_sampling_temperature=30", "reward_functions=alnum_share",
-        f"reward_functions_path={REPO / 'tests' / 'data' / 'multiprocess_rewards.py'}", "metrics_file=metrics.jsonl",
-        "checkpoint_period=1", "eval_before_training=false", "eval_batch_size=4"]
+_RUN = [
+    "tokenizer_path=tokenizers/arith-bpe-512",
+    "vocab_size=528",
+    "use_chat_template=false",
+    "data_template_path=cpu_demo_template.json",
+    "max_prefill_predict_length=48",
+    "max_target_length=80",
+    "decode_sampling_temperature=30",
+    "reward_functions=alnum_share",
+    f"reward_functions_path={REPO / 'tests' / 'data' / 'multiprocess_rewards.py'}",
+    "metrics_file=metrics.jsonl",
+    "checkpoint_period=1",
+    "eval_before_training=false",
+    "eval_batch_size=4",
+]
 
 
 def _records(run_dir: pathlib.Path, name: str) -> list[dict]:
@@ -106,13 +128,37 @@ def _records(run_dir: pathlib.Path, name: str) -> list[dict]:
 
 def _ray(tmp_path, *overrides, flags=(), kill_worker1_at_checkpoint: int | None = None) -> str:
   """Run the 2-worker job; with `kill_worker1_at_checkpoint`, SIGKILL worker 1 once that checkpoint is complete."""
-  argv = [sys.executable, "-m", "maxtext_rl_plugin.launch", "ray", "--num-workers", "2", "--num-cpus", "2",
-          "--config", "configs/cpu_tiny.yml", "--name", "ray2", "--storage-path", str(tmp_path / "ray"), *flags, "--",
-          f"base_output_directory={tmp_path / 'runs'}", *_RUN, *overrides]
+  argv = [
+      sys.executable,
+      "-m",
+      "maxtext_rl_plugin.launch",
+      "ray",
+      "--num-workers",
+      "2",
+      "--num-cpus",
+      "2",
+      "--config",
+      "configs/cpu_tiny.yml",
+      "--name",
+      "ray2",
+      "--storage-path",
+      str(tmp_path / "ray"),
+      *flags,
+      "--",
+      f"base_output_directory={tmp_path / 'runs'}",
+      *_RUN,
+      *overrides,
+  ]
   log = tmp_path / f"launch{len(list(tmp_path.glob('launch*.log')))}.log"
   with open(log, "w", encoding="utf-8") as f:
-    p = subprocess.Popen(argv, cwd=REPO, env=_env(RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0"), stdout=f,
-                         stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        argv,
+        cwd=REPO,
+        env=_env(RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0"),
+        stdout=f,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     killed = None
     try:
       if kill_worker1_at_checkpoint is not None:
@@ -160,14 +206,31 @@ def test_ray_two_workers_train_match_one_process_resume_and_restart(tmp_path):
   # Both processes wrote their shards of every checkpoint (Orbax multi-process).
   for step in ("1", "2"):
     assert sorted(x.name for x in (run / "checkpoints" / step / "params").glob("ocdbt.process_*")) == [
-        "ocdbt.process_0", "ocdbt.process_1"]
+        "ocdbt.process_0",
+        "ocdbt.process_1",
+    ]
 
   # The same config on one process and one device: same global batch, same samples (the sampling key does not depend
   # on the device count), so the same rewards exactly; loss and gradient agree to float32 summation order.
-  ref = subprocess.run([sys.executable, "-m", "maxtext_rl_plugin.train_rl", "configs/cpu_tiny.yml", "num_batches=1",
-                        f"base_output_directory={tmp_path / 'runs'}", "run_name=one", *_RUN,
-                        "eval_after_training=false"], cwd=REPO, env=_env(), capture_output=True, text=True,
-                       timeout=900, check=False)
+  ref = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "maxtext_rl_plugin.train_rl",
+          "configs/cpu_tiny.yml",
+          "num_batches=1",
+          f"base_output_directory={tmp_path / 'runs'}",
+          "run_name=one",
+          *_RUN,
+          "eval_after_training=false",
+      ],
+      cwd=REPO,
+      env=_env(),
+      capture_output=True,
+      text=True,
+      timeout=900,
+      check=False,
+  )
   assert ref.returncode == 0, ref.stderr[-4000:]
   (one,) = [r for r in _records(tmp_path / "runs" / "one", "metrics.jsonl") if "reward/mean" in r]
   two = recs[0]
@@ -180,8 +243,9 @@ def test_ray_two_workers_train_match_one_process_resume_and_restart(tmp_path):
 
   # Rerun with more batches and --max-failures 1: every process resumes from step 2. Once step 3's checkpoint is
   # complete, worker 1 is SIGKILLed: Ray restarts the group, which resumes from step 3 and trains step 4 only.
-  out = _ray(tmp_path, "num_batches=4", "eval_after_training=false", flags=("--max-failures", "1"),
-             kill_worker1_at_checkpoint=3)
+  out = _ray(
+      tmp_path, "num_batches=4", "eval_after_training=false", flags=("--max-failures", "1"), kill_worker1_at_checkpoint=3
+  )
   assert "from checkpoint step 2 (next batch index 2)" in out
   assert "from checkpoint step 3 (next batch index 3)" in out, out[-6000:]
   batches = _records(run, "batches.jsonl")

@@ -18,7 +18,8 @@ import pytest
 
 from maxtext_rl_plugin import errors
 
-SIMULATE = textwrap.dedent("""
+SIMULATE = textwrap.dedent(
+    """
     import json, sys
     from jax._src import xla_bridge
     import jax.extend.backend
@@ -38,27 +39,36 @@ SIMULATE = textwrap.dedent("""
       return real_register(name, factory, **kw)
 
     jax.extend.backend.register_backend_factory = spy
-    """)
+    """
+)
 
 
 def _run(body: str) -> dict:
   script = SIMULATE + textwrap.dedent(body) + "\nprint('RESULT ' + json.dumps(out))\n"
-  proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                        env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"}, check=False)
+  proc = subprocess.run(
+      [sys.executable, "-c", script],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+      check=False,
+  )
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
   assert lines, proc.stderr[-3000:]
-  return json.loads(lines[-1][len("RESULT "):])
+  return json.loads(lines[-1][len("RESULT ") :])
 
 
 def test_train_rl_main_initializes_pathways_before_any_backend():
-  out = _run("""
+  out = _run(
+      """
       from maxtext_rl_plugin import train_rl
       rc = train_rl.main(["configs/cpu_tiny.yml", "print_config=true"])
       import jax
       devices_after = len(jax.devices())  # the first backend comes up after the registration
       out = {"rc": rc, "events": events, "count": pinit._initialization_count, "devices": devices_after,
              "proxy_factory": "proxy" in xla_bridge._backend_factories}
-      """)
+      """
+  )
   assert out["rc"] == 0 and out["count"] == 1 and out["devices"] >= 1
   assert out["events"] == [["register", "proxy", False]]  # registered once, while no backend existed
   assert out["proxy_factory"]
@@ -66,7 +76,8 @@ def test_train_rl_main_initializes_pathways_before_any_backend():
 
 def test_the_simulation_catches_a_late_initialize():
   """The same spy fails the old order (a backend first, pathwaysutils.initialize() after): the test can fail."""
-  out = _run("""
+  out = _run(
+      """
       import jax
       jax.devices()
       import pathwaysutils
@@ -76,7 +87,8 @@ def test_the_simulation_catches_a_late_initialize():
       except RuntimeError as e:
         err = str(e)
       out = {"err": err, "events": events}
-      """)
+      """
+  )
   assert out["err"] == "Backend proxy already initialized" and out["events"] == [["register", "proxy", True]]
 
 

@@ -20,13 +20,20 @@ import pytest
 from maxtext_rl_plugin import run_dir as run_dir_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-FAST = ["num_test_batches=1", "eval_batch_size=2", "checkpoint_period=1", "eval_interval=0",
-        "metrics_file=metrics.jsonl"]
+FAST = ["num_test_batches=1", "eval_batch_size=2", "checkpoint_period=1", "eval_interval=0", "metrics_file=metrics.jsonl"]
 
 
 def _cmd(out, *overrides):
-  return [sys.executable, "-m", "maxtext_rl_plugin.train_rl", "configs/cpu_tiny.yml", f"base_output_directory={out}",
-          "run_name=r", *FAST, *overrides]
+  return [
+      sys.executable,
+      "-m",
+      "maxtext_rl_plugin.train_rl",
+      "configs/cpu_tiny.yml",
+      f"base_output_directory={out}",
+      "run_name=r",
+      *FAST,
+      *overrides,
+  ]
 
 
 def _env():
@@ -36,8 +43,9 @@ def _env():
 
 
 def _train(out, *overrides, check=True):
-  p = subprocess.run(_cmd(out, *overrides), cwd=REPO, capture_output=True, text=True, env=_env(), timeout=900,
-                     check=False)
+  p = subprocess.run(
+      _cmd(out, *overrides), cwd=REPO, capture_output=True, text=True, env=_env(), timeout=900, check=False
+  )
   if check:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   return p
@@ -67,8 +75,9 @@ def test_prune_jsonl_drops_later_steps_and_a_torn_line(tmp_path):
 
 def test_lock_names_a_live_holder_and_takes_over_a_dead_one(tmp_path):
   lock = run_dir_lib.RunLock(str(tmp_path))
-  (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
-                                              "heartbeat": time.time()}))
+  (tmp_path / ".lock").write_text(
+      json.dumps({"host": socket.gethostname(), "pid": os.getppid(), "heartbeat": time.time()})
+  )
   with pytest.raises(run_dir_lib.RunLockedError, match=f"in use by pid {os.getppid()} on host"):
     lock.acquire()
   dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -85,9 +94,11 @@ def test_lock_names_a_live_holder_and_takes_over_a_dead_one(tmp_path):
 
 def test_unwritable_outputs_fail_before_any_model_is_built(tmp_path):
   (tmp_path / "afile").write_text("x")
-  for override, needle in ((f"base_output_directory={tmp_path / 'afile'}", "base_output_directory"),
-                           ("base_output_directory=/proc/x", "base_output_directory"),
-                           (f"metrics_file={tmp_path}", "metrics_file")):
+  for override, needle in (
+      (f"base_output_directory={tmp_path / 'afile'}", "base_output_directory"),
+      ("base_output_directory=/proc/x", "base_output_directory"),
+      (f"metrics_file={tmp_path}", "metrics_file"),
+  ):
     t = time.time()
     cmd = [sys.executable, "-m", "maxtext_rl_plugin.train_rl", "configs/cpu_tiny.yml", override]
     if not override.startswith("base_output_directory"):
@@ -122,8 +133,9 @@ def test_finished_rerun_lock_and_corrupt_checkpoint(tmp_path):
   assert f"pid {os.getpid()}" in p.stderr and "Traceback" not in p.stderr
   (run / ".lock").unlink()
   # 3. The newest checkpoint is corrupt (a truncated array file): resume from step 2, keep the corrupt one aside.
-  victim = max((f for f in (run / "checkpoints" / "3" / "params").rglob("*") if f.is_file()),
-               key=lambda f: f.stat().st_size)
+  victim = max(
+      (f for f in (run / "checkpoints" / "3" / "params").rglob("*") if f.is_file()), key=lambda f: f.stat().st_size
+  )
   victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 3])
   p = _train(tmp_path, "num_batches=4")
   assert "skipped checkpoint step 3" in p.stdout and "resuming" in p.stdout and "from checkpoint step 2" in p.stdout
@@ -132,16 +144,21 @@ def test_finished_rerun_lock_and_corrupt_checkpoint(tmp_path):
   # Every step appears once in the records, although step 3 was trained twice (its first record was dropped).
   steps = [s for s in _steps(run / "metrics.jsonl") if s > 0]
   assert sorted(set(steps)) == [1, 2, 3, 4] and steps.count(3) <= 2  # step 3: one train record (+ its eval)
-  train_steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines()
-                 if "reward/mean" in l]
+  train_steps = [json.loads(l)["step"] for l in (run / "metrics.jsonl").read_text().splitlines() if "reward/mean" in l]
   assert train_steps == [1, 2, 3, 4]
   assert _steps(run / "batches.jsonl") == [1, 2, 3, 4]
 
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_resumes(tmp_path):
-  proc = subprocess.Popen(_cmd(tmp_path, "num_batches=60", "checkpoint_period=1000"), cwd=REPO, env=_env(),
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  proc = subprocess.Popen(
+      _cmd(tmp_path, "num_batches=60", "checkpoint_period=1000"),
+      cwd=REPO,
+      env=_env(),
+      stdout=subprocess.PIPE,
+      stderr=subprocess.PIPE,
+      text=True,
+  )
   metrics = tmp_path / "r" / "metrics.jsonl"
   deadline = time.time() + 600
   while time.time() < deadline and proc.poll() is None:

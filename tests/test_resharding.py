@@ -32,8 +32,9 @@ def env(repo_root):
 
   from maxtext_rl_plugin import models, resharding
 
-  rs = models.setup_devices([str(repo_root / TINY), "use_pathways=true", "chips_per_vm=4", "ici_fsdp_parallelism=4",
-                           "vocab_size=1024"])
+  rs = models.setup_devices(
+      [str(repo_root / TINY), "use_pathways=true", "chips_per_vm=4", "ici_fsdp_parallelism=4", "vocab_size=1024"]
+  )
   assert rs.disaggregated and len(rs.trainer_devices) == 4 and len(rs.sampler_devices) == 4
   model, tmesh = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=0)
   # The sampler mesh: MaxText's axes, TP=4 instead of FSDP=4, on the sampler's devices.
@@ -209,8 +210,9 @@ def test_guard_catches_a_dropped_chunk(env, monkeypatch):
 
   from maxtext_rl_plugin import resharding
 
-  ws = resharding.WeightSync(env["config"], env["dst"], chunk_size=4, release_old=False, verify_policy="every_n",
-                             verify_every=1)
+  ws = resharding.WeightSync(
+      env["config"], env["dst"], chunk_size=4, release_old=False, verify_policy="every_n", verify_every=1
+  )
   src = _state(env["model"])
   stale = resharding.reshard(jax.tree.map(lambda x: x * 0.5 + 1, src), env["dst"])  # the sampler's previous weights
   real_move = resharding._move
@@ -243,8 +245,11 @@ def test_guard_structure_and_dtype_mismatch(env):
     resharding.verify(src, _replace_leaf(dst, 0, leaves[0].astype(jnp.bfloat16)))
   with pytest.raises(resharding.WeightSyncError, match="trees differ"):
     resharding.verify(src, leaves[:-1])
-  wrong = jax.tree.map(lambda x: jax.sharding.NamedSharding(env["tmesh"], jax.P()), env["dst"],
-                       is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  wrong = jax.tree.map(
+      lambda x: jax.sharding.NamedSharding(env["tmesh"], jax.P()),
+      env["dst"],
+      is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
+  )
   with pytest.raises(resharding.WeightSyncError, match="expected"):
     resharding.verify(src, dst, dst_shardings=wrong)
 
@@ -272,8 +277,15 @@ def test_config_keys_are_read(env, repo_root):
   from maxtext_rl_plugin import config as config_lib
   from maxtext_rl_plugin import resharding
 
-  cfg = config_lib.load_config([str(repo_root / TINY), "rl.reshard_chunk_size=5", "reshard_donate=false",
-                                "rl.verify_weight_sync=every_n", "rl.verify_weight_sync_every=3"])
+  cfg = config_lib.load_config(
+      [
+          str(repo_root / TINY),
+          "rl.reshard_chunk_size=5",
+          "reshard_donate=false",
+          "rl.verify_weight_sync=every_n",
+          "rl.verify_weight_sync_every=3",
+      ]
+  )
   ws = resharding.WeightSync(cfg, env["dst"])
   assert (ws.chunk_size, ws.release_old, ws.verify_policy, ws.verify_every) == (5, False, "every_n", 3)
 
@@ -387,7 +399,9 @@ def test_device_put_path_logged_once(env, monkeypatch, caplog):
   monkeypatch.setattr(absl_logging, "info", lambda msg, *a: logged.append(msg % a))
   assert resharding.backend_path() == resharding.PATH_DEVICE_PUT
   assert resharding.backend_path() == resharding.PATH_DEVICE_PUT
-  assert [m for m in logged if "weight sync path" in m] == ["weight sync path: device_put (JAX_PLATFORMS has no 'proxy' (not a Pathways backend))"]
+  assert [m for m in logged if "weight sync path" in m] == [
+      "weight sync path: device_put (JAX_PLATFORMS has no 'proxy' (not a Pathways backend))"
+  ]
 
 
 def test_checksum_matches_numpy_reference_and_is_layout_independent(env):
@@ -403,8 +417,9 @@ def test_checksum_matches_numpy_reference_and_is_layout_independent(env):
     return [((i * 0x9E3779B1 + 0x7F4A7C15 * (2 * axis + 1)) | 1) % 2**32 for i in range(n)]
 
   w = [weights(n, a) for a, n in enumerate(host.shape)]
-  ref = sum(int(words[i, j, k]) * w[0][i] * w[1][j] * w[2][k]
-            for i in range(4) for j in range(7) for k in range(5)) % 2**32
+  ref = (
+      sum(int(words[i, j, k]) * w[0][i] * w[1][j] * w[2][k] for i in range(4) for j in range(7) for k in range(5)) % 2**32
+  )
   on_trainer = jax.device_put(host, jax.sharding.NamedSharding(env["tmesh"], jax.P("fsdp")))  # dim 0 split
   on_sampler = jax.device_put(host, jax.sharding.NamedSharding(env["smesh"], jax.P(None, None, None)))  # replicated
   got = resharding.checksums([on_trainer, on_sampler, host, host[:, :, ::-1].copy()])
@@ -441,7 +456,9 @@ class _TinyRollout:
         if cls.drop:
           params = jax.tree_util.tree_map_with_path(
               lambda p, new, old: old if cls.drop in jax.tree_util.keystr(p) else new,
-              params, nnx.state(self._model, nnx.Param))
+              params,
+              nnx.state(self._model, nnx.Param),
+          )
         nnx.update(self._model, params)
 
       def generate(self, prompts, rollout_config, **kwargs):
@@ -469,11 +486,15 @@ def _rl_cluster(env, engine, colocated: bool = False):
 
   Role = rl_cluster_lib.Role
   cfg = rl_cluster_lib.ClusterConfig(
-      role_to_mesh={Role.ACTOR: env["tmesh"], Role.REFERENCE: env["tmesh"],
-                    Role.ROLLOUT: env["tmesh"] if colocated else env["smesh"]},
+      role_to_mesh={
+          Role.ACTOR: env["tmesh"],
+          Role.REFERENCE: env["tmesh"],
+          Role.ROLLOUT: env["tmesh"] if colocated else env["smesh"],
+      },
       rollout_engine=engine,
-      training_config=rl_cluster_lib.RLTrainingConfig(actor_optimizer=optax.sgd(1e-3), eval_every_n_steps=1000,
-                                                      max_steps=1),
+      training_config=rl_cluster_lib.RLTrainingConfig(
+          actor_optimizer=optax.sgd(1e-3), eval_every_n_steps=1000, max_steps=1
+      ),
       rollout_config=base_rollout.RolloutConfig(),
   )
   return rl_cluster_lib.RLCluster(actor=env["model"], tokenizer=_NoTokenizer(), cluster_config=cfg)
@@ -560,12 +581,15 @@ def test_weight_sync_destinations_mesh_rules_and_sampler_model(env):
   assert ws.num_verified == 1 and all(x.is_deleted() for x in old)  # reshard_donate: old buffers released
 
 
-@pytest.mark.parametrize("policy,every,checked", [
-    ("off", 10, []),
-    ("first", 10, [1]),
-    ("every_n", 10, [1, 10, 20]),  # the first sync, then every N-th (not 1, 11, 21)
-    ("every_n", 1, list(range(1, 22))),
-])
+@pytest.mark.parametrize(
+    "policy,every,checked",
+    [
+        ("off", 10, []),
+        ("first", 10, [1]),
+        ("every_n", 10, [1, 10, 20]),  # the first sync, then every N-th (not 1, 11, 21)
+        ("every_n", 1, list(range(1, 22))),
+    ],
+)
 def test_verify_policy_is_one_schedule_for_every_engine(policy, every, checked):
   """resharding.verify_due is the one schedule: the embedded engine's WeightSync and the vLLM engine both ask it."""
   from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
@@ -575,8 +599,17 @@ def test_verify_policy_is_one_schedule_for_every_engine(policy, every, checked):
   assert [n for n in range(1, 22) if resharding.verify_due(policy, every, n)] == checked
   ws = resharding.WeightSync(None, None, verify_policy=policy, verify_every=every)
   engine = object.__new__(vllm_rollout.VllmRollout)
-  engine._config = type("C", (), {"rl": type("RL", (), {"verify_weight_sync": policy,  # pylint: disable=protected-access
-                                                          "verify_weight_sync_every": every})()})()
+  engine._config = type(
+      "C",
+      (),
+      {
+          "rl": type(
+              "RL",
+              (),
+              {"verify_weight_sync": policy, "verify_weight_sync_every": every},  # pylint: disable=protected-access
+          )()
+      },
+  )()
   got_ws, got_vllm = [], []
   for n in range(1, 22):
     ws.num_syncs = n  # the sync just done

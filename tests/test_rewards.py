@@ -15,9 +15,14 @@ from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rewards import extraction, gsm8k, verify
 
 TUNIX_DEMO_WEIGHTS = dict(  # Tunix's GSM8K GRPO demo values: every term distinguishable
-    reward_exact_answer=3.0, reward_white_space_format_match=1.5, reward_exact_format_match=3.0,
-    reward_partial_format_match=0.5, reward_ratio_guess_to_answer_high=0.5, reward_ratio_guess_to_answer_low=0.25,
-    penalty_incorrect_format=-0.5, penalty_incorrect_answer=-1.0,
+    reward_exact_answer=3.0,
+    reward_white_space_format_match=1.5,
+    reward_exact_format_match=3.0,
+    reward_partial_format_match=0.5,
+    reward_ratio_guess_to_answer_high=0.5,
+    reward_ratio_guess_to_answer_low=0.25,
+    penalty_incorrect_format=-0.5,
+    penalty_incorrect_answer=-1.0,
 )
 
 
@@ -56,7 +61,10 @@ def test_every_gsm8k_gold_solution_scores_correct_on_the_fast_path(gsm8k_rows):
   assert {s.rule for s in raw} == {"hash"}
   # The same gold written the ways models write numbers, inside the answer tags.
   styles = (lambda n: f"{n:,}", lambda n: f"${n}", lambda n: f"{n}.00", lambda n: f"\\boxed{{{n}}}", lambda n: f" {n} ")
-  tagged = [f"<reasoning>r</reasoning><answer>{styles[i % 5](_ref_gold(r['answer']))}</answer>" for i, r in enumerate(gsm8k_rows)]
+  tagged = [
+      f"<reasoning>r</reasoning><answer>{styles[i % 5](_ref_gold(r['answer']))}</answer>"
+      for i, r in enumerate(gsm8k_rows)
+  ]
   res = rewards.score_batch(tagged, [r["answer"] for r in gsm8k_rows])  # gold given as the full solution
   assert all(s.correct and s.format_ok and s.rule == "answer_tag" for s in res)
   assert _pool_workers_started() == before, "GSM8K golds must never need math_verify"
@@ -110,10 +118,25 @@ def test_extract_answer_custom_tags():
 
 @pytest.mark.parametrize(
     "text, expected",
-    [("1,200", Fraction(1200)), ("$18.00", Fraction(18)), ("-3.5", Fraction(-7, 2)), ("3/4", Fraction(3, 4)),
-     ("\\frac{3}{4}", Fraction(3, 4)), ("-\\dfrac{1}{8}", Fraction(-1, 8)), ("25%", Fraction(25)), ("72.", Fraction(72)),
-     ("18 dollars", Fraction(18)), ("\\text{18}", Fraction(18)), ("\\$5", Fraction(5)), (".5", Fraction(1, 2)),
-     ("2^3", None), ("1,2", None), ("x", None), ("", None), ("1/0", None)],
+    [
+        ("1,200", Fraction(1200)),
+        ("$18.00", Fraction(18)),
+        ("-3.5", Fraction(-7, 2)),
+        ("3/4", Fraction(3, 4)),
+        ("\\frac{3}{4}", Fraction(3, 4)),
+        ("-\\dfrac{1}{8}", Fraction(-1, 8)),
+        ("25%", Fraction(25)),
+        ("72.", Fraction(72)),
+        ("18 dollars", Fraction(18)),
+        ("\\text{18}", Fraction(18)),
+        ("\\$5", Fraction(5)),
+        (".5", Fraction(1, 2)),
+        ("2^3", None),
+        ("1,2", None),
+        ("x", None),
+        ("", None),
+        ("1/0", None),
+    ],
 )
 def test_to_number(text, expected):
   assert rewards.to_number(text) == expected
@@ -121,8 +144,19 @@ def test_to_number(text, expected):
 
 @pytest.mark.parametrize(
     "pred, gold, ok",
-    [("72", "72", True), ("72.00", "72", True), ("$1,200", "1200", True), ("0.5", "1/2", True), ("\\frac{1}{2}", "0.5", True),
-     ("-3", "-3", True), ("3", "-3", False), ("71", "72", False), ("7.2", "72", False), ("seventy", "72", False), (None, "72", False)],
+    [
+        ("72", "72", True),
+        ("72.00", "72", True),
+        ("$1,200", "1200", True),
+        ("0.5", "1/2", True),
+        ("\\frac{1}{2}", "0.5", True),
+        ("-3", "-3", True),
+        ("3", "-3", False),
+        ("71", "72", False),
+        ("7.2", "72", False),
+        ("seventy", "72", False),
+        (None, "72", False),
+    ],
 )
 def test_fast_verdicts(pred, gold, ok):
   before = _pool_workers_started()
@@ -152,10 +186,24 @@ def test_format_match_equals_maxtext_regex_on_random_texts():
 
 @pytest.mark.parametrize(
     "gold, expected",
-    [("#### 1e5", "100000"), ("#### 2.5e3", "2500"), ("#### 1 1/2", "1.5"), ("#### 3/4", "0.75"), ("#### 1/0", None),
-     ("#### 1 234", "1234"), ("#### 1\u00a0234", "1234"), ("#### 1'234", "1234"), ("#### \u20135", "-5"), ("#### \u22125", "-5"),
-     (1e20, "100000000000000000000"), (float("nan"), None), (float("inf"), None),
-     ("NaN", None), ("Infinity", None), ("-inf", None)],
+    [
+        ("#### 1e5", "100000"),
+        ("#### 2.5e3", "2500"),
+        ("#### 1 1/2", "1.5"),
+        ("#### 3/4", "0.75"),
+        ("#### 1/0", None),
+        ("#### 1 234", "1234"),
+        ("#### 1\u00a0234", "1234"),
+        ("#### 1'234", "1234"),
+        ("#### \u20135", "-5"),
+        ("#### \u22125", "-5"),
+        (1e20, "100000000000000000000"),
+        (float("nan"), None),
+        (float("inf"), None),
+        ("NaN", None),
+        ("Infinity", None),
+        ("-inf", None),
+    ],
 )
 def test_gold_is_read_whole_or_refused(gold, expected):
   """Never a truncated gold ("#### 1e5" is not "1"); non-finite golds are refused, also where non-numeric ones are kept."""
@@ -175,26 +223,39 @@ def test_gold_line_that_is_not_one_number_is_never_cut_to_one():
     "completion, gold, correct",
     [
         # Outside the tags, the whole number expression is read: a fraction is not its numerator ...
-        ("The answer is 1/2.", "1", False), ("The answer is 1/2.", "0.5", True),
-        ("#### 3/4", "3", False), ("#### 3/4", "3/4", True),
+        ("The answer is 1/2.", "1", False),
+        ("The answer is 1/2.", "0.5", True),
+        ("#### 3/4", "3", False),
+        ("#### 3/4", "3/4", True),
         # ... nor `\frac{1}{2}` its denominator, nor "1e3" its exponent, nor a mixed number its whole part.
-        ("The answer is $\\frac{1}{2}$", "2", False), ("The answer is $\\frac{1}{2}$", "0.5", True),
-        ("so it is 1e3", "3", False), ("so it is 1e3", "1000", True), ("<answer>1e3</answer>", "1000", True),
-        ("The answer is 2 1/2", "2", False), ("Answer: 2 1/2 cups", "2.5", True),
-        ("The answer is 3\\frac{1}{3}", "3", False), ("The answer is 3\\frac{1}{3}", "10/3", True),
+        ("The answer is $\\frac{1}{2}$", "2", False),
+        ("The answer is $\\frac{1}{2}$", "0.5", True),
+        ("so it is 1e3", "3", False),
+        ("so it is 1e3", "1000", True),
+        ("<answer>1e3</answer>", "1000", True),
+        ("The answer is 2 1/2", "2", False),
+        ("Answer: 2 1/2 cups", "2.5", True),
+        ("The answer is 3\\frac{1}{3}", "3", False),
+        ("The answer is 3\\frac{1}{3}", "10/3", True),
         # Thousands grouped by space, no-break/thin space or apostrophe: one number, in tags and outside.
-        ("<answer>1 234</answer>", "234", False), ("<answer>1 234</answer>", "1234", True),
-        ("<answer>1\u202f234\u202f567</answer>", "1234567", True), ("The answer is 1'234", "1234", True),
+        ("<answer>1 234</answer>", "234", False),
+        ("<answer>1 234</answer>", "1234", True),
+        ("<answer>1\u202f234\u202f567</answer>", "1234567", True),
+        ("The answer is 1'234", "1234", True),
         ("The answer is 1\u00a0234", "234", False),
         # Dash variants of the minus sign are a minus sign, not a decoration.
-        ("<answer>\u20135</answer>", "5", False), ("<answer>\u20135</answer>", "-5", True),
-        ("The answer is \u22125", "-5", True), ("#### \u20147", "7", False),
+        ("<answer>\u20135</answer>", "5", False),
+        ("<answer>\u20135</answer>", "-5", True),
+        ("The answer is \u22125", "-5", True),
+        ("#### \u20147", "7", False),
         # ... but a dash between numbers stays an operator or a range.
-        ("5-3 = 2", "2", True), ("pages 5\u20137", "7", True),
+        ("5-3 = 2", "2", True),
+        ("pages 5\u20137", "7", True),
         # A JSON float gold that is an integer matches the integer answer.
         ("<answer>100000000000000000000</answer>", 1e20, True),
         # A non-finite gold is never matched.
-        ("<answer>nan</answer>", "NaN", False), ("<answer>inf</answer>", float("inf"), False),
+        ("<answer>nan</answer>", "NaN", False),
+        ("<answer>inf</answer>", float("inf"), False),
     ],
 )
 def test_number_expressions_are_read_whole(completion, gold, correct):
@@ -217,19 +278,35 @@ def test_last_number_never_cut_at_the_scan_window():
 # weights. Where the plugin deliberately differs the MaxText value is kept in the table and the reason given.
 
 MAXTEXT_TEST_WEIGHTS = dict(
-    reward_exact_answer=3.0, reward_exact_format_match=2.0, reward_partial_format_match=0.5,
-    reward_white_space_format_match=1.5, reward_ratio_guess_to_answer_high=1.0, reward_ratio_guess_to_answer_low=0.5,
-    penalty_incorrect_format=-0.5, penalty_incorrect_answer=-0.5,
+    reward_exact_answer=3.0,
+    reward_exact_format_match=2.0,
+    reward_partial_format_match=0.5,
+    reward_white_space_format_match=1.5,
+    reward_ratio_guess_to_answer_high=1.0,
+    reward_ratio_guess_to_answer_low=0.5,
+    penalty_incorrect_format=-0.5,
+    penalty_incorrect_answer=-0.5,
 )
 
 
 @pytest.mark.parametrize(
     "completion, gold, correct, partial, format_ok",
     [  # TestScoreResponses
-        ("<reasoning>Need to use <reasoning> and </reasoning>, <answer> and </answer></reasoning><answer>11/3</answer>",
-         "11/3", True, True, True),
-        ("<reasoning>This is the sum of the cost of the suits, the pants, and the shirts: $7500 + $1500 + $1800 = $10800."
-         "\n\n</reasoning>\n<answer>10800</answer><end_of_turn>", "10,800", True, True, True),
+        (
+            "<reasoning>Need to use <reasoning> and </reasoning>, <answer> and </answer></reasoning><answer>11/3</answer>",
+            "11/3",
+            True,
+            True,
+            True,
+        ),
+        (
+            "<reasoning>This is the sum of the cost of the suits, the pants, and the shirts: $7500 + $1500 + $1800 = $10800."
+            "\n\n</reasoning>\n<answer>10800</answer><end_of_turn>",
+            "10,800",
+            True,
+            True,
+            True,
+        ),
         ("<reasoning>The item costs $16.<answer>$16</answer>", "16", True, True, False),
         ("<reasoning>The answer is 3\\frac{1}{3}.<answer>3\\frac{1}{3}</answer>", "3\\frac{1}{3}", True, True, False),
         ("<reasoning>The answer is B.<answer>B</answer>", "B", True, True, False),
@@ -284,9 +361,12 @@ def test_maxtext_check_numbers_cases(completion, gold, maxtext, plugin):
 @pytest.mark.parametrize(
     "text, gold",
     [  # TestExtractHashAnswer (MaxText returns the raw text after the first "####"; the plugin a canonical number
-       # after the last one, and None where MaxText returns "" -- such a row has no gold and is skipped)
-        ("The answer is #### 42", "42"), ("Some reasoning ####   123.45  ", "123.45"), ("####", None),
-        ("The answer is 42", None), ("", None),
+        # after the last one, and None where MaxText returns "" -- such a row has no gold and is skipped)
+        ("The answer is #### 42", "42"),
+        ("Some reasoning ####   123.45  ", "123.45"),
+        ("####", None),
+        ("The answer is 42", None),
+        ("", None),
     ],
 )
 def test_maxtext_extract_hash_answer_cases(text, gold):
@@ -335,8 +415,13 @@ def test_maxtext_json_list_golds_and_reasoning_prefilled():
 def test_math_verify_slow_path_timeout_and_recovery():
   pool = verify.get_pool(1)
   cfg = rewards.RewardConfig(reward_item_timeout_seconds=2.0, math_verify_num_procs=1)
-  comps = ["<answer>2^3</answer>", "<answer>\\sqrt{64}</answer>", "<answer>\\sqrt{63}</answer>",
-           "<answer>9^{9^{9^{9^{9}}}}</answer>", "<answer>2^{3}</answer>"]
+  comps = [
+      "<answer>2^3</answer>",
+      "<answer>\\sqrt{64}</answer>",
+      "<answer>\\sqrt{63}</answer>",
+      "<answer>9^{9^{9^{9^{9}}}}</answer>",
+      "<answer>2^{3}</answer>",
+  ]
   timeouts_before = pool.stats["killed_timeout"]
   res = rewards.score_batch(comps, ["8"] * len(comps), cfg)
   assert [r.correct for r in res] == [True, True, False, False, True]
@@ -348,8 +433,15 @@ def test_math_verify_slow_path_timeout_and_recovery():
 def test_adversarial_inputs_never_reach_math_verify():
   before = _pool_workers_started()
   pool_verified = verify._POOL.stats["verified"] if verify._POOL else 0  # pylint: disable=protected-access
-  evil = ["{" * 100_000, "\\boxed{" * 15_000, "<answer>" * 10_000, "</answer>" * 10_000,
-          "<answer>" + "\\frac{1}{" * 500 + "2" + "}" * 500 + "</answer>", "9" * 100_000, "-" * 100_000 + "1"]
+  evil = [
+      "{" * 100_000,
+      "\\boxed{" * 15_000,
+      "<answer>" * 10_000,
+      "</answer>" * 10_000,
+      "<answer>" + "\\frac{1}{" * 500 + "2" + "}" * 500 + "</answer>",
+      "9" * 100_000,
+      "-" * 100_000 + "1",
+  ]
   res = rewards.score_batch(evil, ["7"] * len(evil))
   assert not any(r.correct for r in res)
   assert res[-1].extracted.endswith("1")
@@ -385,11 +477,13 @@ def test_tunix_sequence_reward_manager_sums_our_functions():
 
   fns = rewards.reward_fns_from_config(_cfg(**TUNIX_DEMO_WEIGHTS))
   mgr = reward_manager.SequenceRewardManager(fns, GRPOConfig())
-  info = mgr(prompts=["p", "p"], completions=["<reasoning>r</reasoning><answer>72</answer>", "nothing"], answer=["72", "72"])
+  info = mgr(
+      prompts=["p", "p"], completions=["<reasoning>r</reasoning><answer>72</answer>", "nothing"], answer=["72", "72"]
+  )
   assert list(info["rewards"]) == [3.0 + 2.0 + 3.0, 0.0 - 2.0 - 0.5]
 
 
-USER_FILE = '''
+USER_FILE = """
 def tunix_style(prompts, completions, answer, **kwargs):
   return [float(len(c)) for c in completions]
 
@@ -406,7 +500,7 @@ def bad_length(prompts, completions, **kwargs):
   return [1.0]
 
 NOT_A_FUNCTION = 3
-'''
+"""
 
 
 @pytest.fixture
@@ -459,8 +553,15 @@ def test_user_reward_function_file_errors(tmp_path, user_file):
 def test_reward_keys_from_a_real_config():
   from maxtext_rl_plugin.config import load_config  # pylint: disable=import-outside-toplevel
 
-  cfg = load_config(["configs/rl.yml", "reward_exact_answer=2.5", "solution_start_token=<sol>", "solution_end_token=</sol>",
-                     "reward_functions=check_answer"])
+  cfg = load_config(
+      [
+          "configs/rl.yml",
+          "reward_exact_answer=2.5",
+          "solution_start_token=<sol>",
+          "solution_end_token=</sol>",
+          "reward_functions=check_answer",
+      ]
+  )
   (fn,) = rewards.reward_fns_from_config(cfg)
   assert fn(prompts=["p"], completions=["<sol>4</sol> then 9"], answer=["4"]) == [2.5]
   assert rewards.score("<sol>4</sol> then 9", "4", cfg).rule == "answer_tag"

@@ -72,8 +72,10 @@ def setup():
 
 def _prompts(tok):
   return [
-      tok.encode("Tom has 3 apples and buys 4 more. How many apples does he have now? Think step by step, then "
-                 "answer with the final number only. Tom also has a sister, Ann, who has twice as many."),
+      tok.encode(
+          "Tom has 3 apples and buys 4 more. How many apples does he have now? Think step by step, then "
+          "answer with the final number only. Tom also has a sister, Ann, who has twice as many."
+      ),
       tok.encode("Hi"),
       tok.encode("What is 12 * 7?"),
   ]
@@ -126,7 +128,7 @@ def test_greedy_logps_match_recomputed(setup, greedy):
   nxt, _ = setup["ref"](toks, lens, 1.0)
   for i, p in enumerate(prompts):
     n = int(res.lengths[i])
-    np.testing.assert_allclose(res.logps[i, :n], nxt[i, len(p) - 1: len(p) - 1 + n], atol=2e-4, rtol=0)
+    np.testing.assert_allclose(res.logps[i, :n], nxt[i, len(p) - 1 : len(p) - 1 + n], atol=2e-4, rtol=0)
     assert (res.logps[i, n:] == 0).all()
 
 
@@ -135,8 +137,9 @@ def test_same_bucket_does_not_recompile(setup, greedy):
   prompts, first = greedy
   before = eng.compile_count
   # 4 prompts instead of 3 (same batch bucket 4), different lengths within the same 64 prompt bucket.
-  res = eng.generate_tokens([prompts[1], prompts[0], tok.encode("Another question?"), prompts[2]], greedy=True,
-                            max_new_tokens=NEW)
+  res = eng.generate_tokens(
+      [prompts[1], prompts[0], tok.encode("Another question?"), prompts[2]], greedy=True, max_new_tokens=NEW
+  )
   assert eng.compile_count == before
   np.testing.assert_array_equal(res.tokens[1], first.tokens[0])  # batch composition does not change a row
   np.testing.assert_array_equal(res.tokens[0], first.tokens[1])
@@ -152,7 +155,7 @@ def test_stop_token_and_stop_string_end_rows(setup, greedy):
   assert eng.compile_count == before  # stop ids are a padded runtime array
   assert res.lengths[0] == k + 1 and res.finish_reason[0] == "stop_token"
   np.testing.assert_array_equal(res.tokens[0, : k + 1], row[: k + 1])
-  assert (res.tokens[0, k + 1:] == tok.pad_token_id).all() and (res.logps[0, k + 1:] == 0).all()
+  assert (res.tokens[0, k + 1 :] == tok.pad_token_id).all() and (res.logps[0, k + 1 :] == 0).all()
   np.testing.assert_allclose(res.logps[0, : k + 1], first.logps[0, : k + 1], atol=1e-6)
 
   # Stop strings, one per row: the text of a token (re-tokenising to itself) from each row's greedy output.
@@ -161,7 +164,11 @@ def test_stop_token_and_stop_string_end_rows(setup, greedy):
   rows = first.tokens.tolist()
   picks = []
   for r in rows:
-    j = next(j for j in range(4, NEW) if tok.encode(tok.decode([r[j]])) == [r[j]] and r[j] not in r[:j] and tok.decode([r[j]]).strip())
+    j = next(
+        j
+        for j in range(4, NEW)
+        if tok.encode(tok.decode([r[j]])) == [r[j]] and r[j] not in r[:j] and tok.decode([r[j]]).strip()
+    )
     picks.append(r[j])
   strings = [tok.decode([t]) for t in picks]
   res = eng.generate_tokens(prompts, greedy=True, max_new_tokens=NEW, stop_strings=strings)
@@ -185,8 +192,9 @@ def test_tunix_generate_sampling_groups_and_logps(setup):
   eng, tok, model = setup["engine"], setup["tok"], setup["model"]
   texts = ["Tom has 3 apples and buys 4 more.", "What is 12 * 7?"]
   G, T, K = 3, NEW, 20
-  rc = base_rollout.RolloutConfig(max_tokens_to_generate=T, temperature=0.7, top_k=K, top_p=0.95, seed=3,
-                                  max_prompt_length=32)
+  rc = base_rollout.RolloutConfig(
+      max_tokens_to_generate=T, temperature=0.7, top_k=K, top_p=0.95, seed=3, max_prompt_length=32
+  )
   out = eng.generate([t for t in texts for _ in range(G)], rc)
   assert len(out.tokens) == len(out.text) == len(out.logprobs) == G * len(texts)
   assert out.left_padded_prompt_tokens.shape == (G * len(texts), 32)
@@ -199,7 +207,9 @@ def test_tunix_generate_sampling_groups_and_logps(setup):
   plens = []
   for i, c in enumerate(out.tokens):
     p = tok.encode(texts[i // G])
-    assert (out.left_padded_prompt_tokens[i, -len(p):] == p).all() and (out.left_padded_prompt_tokens[i, :-len(p)] == pad).all()
+    assert (out.left_padded_prompt_tokens[i, -len(p) :] == p).all() and (
+        out.left_padded_prompt_tokens[i, : -len(p)] == pad
+    ).all()
     row = list(p) + c.tolist()
     toks[i, : len(row)] = row
     lens[i] = len(row)
@@ -248,16 +258,26 @@ def test_update_params_changes_output_without_recompiling(setup, greedy):
   assert eng.compile_count == before
 
 
-@pytest.mark.parametrize("spec_kw", [dict(temperature=0.5), dict(temperature=1.0, top_k=3),
-                                     dict(temperature=2.0, top_p=0.6), dict(temperature=0.8, top_k=4, top_p=0.7)])
+@pytest.mark.parametrize(
+    "spec_kw",
+    [
+        dict(temperature=0.5),
+        dict(temperature=1.0, top_k=3),
+        dict(temperature=2.0, top_p=0.6),
+        dict(temperature=0.8, top_k=4, top_p=0.7),
+    ],
+)
 def test_sampler_distribution_matches_numpy(spec_kw):
   """Empirical token frequencies of `sampling.sample` vs the NumPy-derived truncated distribution."""
   logits = np.array([[2.0, 1.5, 1.0, 0.3, -0.5, -1.0, 0.9]], np.float32)
   params = sampling.SamplingParams.create(spec_kw.get("temperature"), spec_kw.get("top_k"), spec_kw.get("top_p"))
   spec = params.spec(logits.shape[1])
   n = 20000
-  fn = jax.jit(lambda k: sampling.sample(jnp.repeat(jnp.asarray(logits), n, 0), k, spec, jnp.float32(params.temperature),
-                                         jnp.float32(params.top_p)))
+  fn = jax.jit(
+      lambda k: sampling.sample(
+          jnp.repeat(jnp.asarray(logits), n, 0), k, spec, jnp.float32(params.temperature), jnp.float32(params.top_p)
+      )
+  )
   toks, lps = fn(jax.random.PRNGKey(0))
   toks, lps = np.asarray(toks), np.asarray(lps)
   z = logits[0].astype(np.float64) / params.temperature
@@ -310,7 +330,8 @@ def test_data_parallel_mesh_greedy_matches_recompute(setup):
     np.testing.assert_array_equal(res.tokens[i, : res.lengths[i]], want[i, : res.lengths[i]])
   # The AR cache (layers=2, T=8, kv_heads=2, batch, head_dim=16) is sharded over the batch, not replicated.
   import re
-  (sig, compiled), = [(k, v) for k, v in eng._compiled.items() if k[0].new_tokens == 8]  # pylint: disable=protected-access
+
+  ((sig, compiled),) = [(k, v) for k, v in eng._compiled.items() if k[0].new_tokens == 8]  # pylint: disable=protected-access
   rows = sig[0].prompts * sig[0].generations
   per_device = {int(b) for b in re.findall(r"f32\[2,8,2,(\d+),16\]", compiled.as_text())}
   assert per_device == {rows // eng._dp}, (per_device, rows, eng._dp)  # pylint: disable=protected-access

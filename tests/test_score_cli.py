@@ -11,7 +11,11 @@ import pytest
 from maxtext_rl_plugin.rewards import cli
 
 ROWS = [
-    {"id": "a", "completion": "<reasoning>9 * 2</reasoning><answer>18</answer>", "answer": "She makes 9 * 2 = $18.\n#### 18"},
+    {
+        "id": "a",
+        "completion": "<reasoning>9 * 2</reasoning><answer>18</answer>",
+        "answer": "She makes 9 * 2 = $18.\n#### 18",
+    },
     "this is not json",
     {"completion": "The answer is $1,200.", "answer": 1200, "question": "How much?"},
     {"completion": 5, "answer": "5"},
@@ -38,7 +42,18 @@ def _read(path):
 def _check(out):
   assert len(out) == len(ROWS)
   assert [r.get("correct") for r in out] == [True, False, True, False, False, False, True, False, False, True]
-  assert [r.get("rule") for r in out] == ["answer_tag", "none", "answer_is", "none", "hash", "none", "answer_tag", "none", "none", "a_colon"]
+  assert [r.get("rule") for r in out] == [
+      "answer_tag",
+      "none",
+      "answer_is",
+      "none",
+      "hash",
+      "none",
+      "answer_tag",
+      "none",
+      "none",
+      "a_colon",
+  ]
   assert out[0]["id"] == "a" and out[4]["id"] == 7
   assert out[0]["extracted"] == "18" and out[0]["format_ok"] is True and out[0]["reward"] == pytest.approx(1.1)
   assert out[2]["gold"] == "1200" and out[2]["reward"] == 1.0
@@ -64,8 +79,21 @@ def test_score_module_entry_point(tmp_path):
   _write(tmp_path / "in.jsonl", ROWS)
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   p = subprocess.run(
-      [sys.executable, "-m", "maxtext_rl_plugin.rewards", "score", "--input", str(tmp_path / "in.jsonl"), "--output", "-"],
-      capture_output=True, text=True, env=env, timeout=120, check=False,
+      [
+          sys.executable,
+          "-m",
+          "maxtext_rl_plugin.rewards",
+          "score",
+          "--input",
+          str(tmp_path / "in.jsonl"),
+          "--output",
+          "-",
+      ],
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=120,
+      check=False,
   )
   assert p.returncode == 0, p.stderr
   _check([json.loads(line) for line in p.stdout.splitlines()])
@@ -73,8 +101,15 @@ def test_score_module_entry_point(tmp_path):
 
 def test_score_with_config_overrides(tmp_path):
   _write(tmp_path / "in.jsonl", ROWS[:1])
-  argv = ["score", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl"),
-          "reward_exact_answer=3.0", "reward_exact_format_match=0.5"]
+  argv = [
+      "score",
+      "--input",
+      str(tmp_path / "in.jsonl"),
+      "--output",
+      str(tmp_path / "out.jsonl"),
+      "reward_exact_answer=3.0",
+      "reward_exact_format_match=0.5",
+  ]
   assert cli.main(argv) == 0
   assert _read(tmp_path / "out.jsonl")[0]["reward"] == pytest.approx(3.5)
 

@@ -30,8 +30,17 @@ def _env():
 
 
 def train(out: pathlib.Path, run_name: str, *overrides: str, timeout=900, check=True):
-  cmd = [sys.executable, "-m", "maxtext_rl_plugin.train_rl", TINY, f"base_output_directory={out}",
-         f"run_name={run_name}", f"metrics_file={out / run_name / 'metrics.jsonl'}", *FAST, *overrides]
+  cmd = [
+      sys.executable,
+      "-m",
+      "maxtext_rl_plugin.train_rl",
+      TINY,
+      f"base_output_directory={out}",
+      f"run_name={run_name}",
+      f"metrics_file={out / run_name / 'metrics.jsonl'}",
+      *FAST,
+      *overrides,
+  ]
   p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=_env(), timeout=timeout, check=False)
   if check and p.returncode != 0:
     raise AssertionError(f"train_rl failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
@@ -94,9 +103,21 @@ def test_grpo_run_writes_checkpoints_tensorboard_metrics_and_progress(grpo_run):
   assert [r["step"] for r in evals] == [0, 3]
   assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
   first = next(r for r in recs if r["step"] == 1 and "reward/mean" in r)
-  for key in ("accuracy", "kl", "clip_fraction", "entropy", "completion/length_mean", "perf/tokens_per_s",
-              "time/rollout_s", "time/reward_s", "time/logps_s", "time/train_s", "time/weight_sync_s",
-              "reward/check_answer/mean", "reward/match_format_exactly/std"):
+  for key in (
+      "accuracy",
+      "kl",
+      "clip_fraction",
+      "entropy",
+      "completion/length_mean",
+      "perf/tokens_per_s",
+      "time/rollout_s",
+      "time/reward_s",
+      "time/logps_s",
+      "time/train_s",
+      "time/weight_sync_s",
+      "reward/check_answer/mean",
+      "reward/match_format_exactly/std",
+  ):
     assert key in first, key
   tb = read_tb_scalars(run / "tensorboard")
   assert set(tb["reward/mean"]) == {1, 2, 3}
@@ -132,8 +153,16 @@ def test_resume_continues_with_no_repeated_or_skipped_batch(out, grpo_run):
 
 def test_sigkill_during_checkpoint_write_resumes_from_previous_complete_step(out):
   run = out / "killed"
-  cmd = [sys.executable, "-m", "maxtext_rl_plugin.train_rl", TINY, f"base_output_directory={out}", "run_name=killed",
-         *FAST, "num_batches=3"]
+  cmd = [
+      sys.executable,
+      "-m",
+      "maxtext_rl_plugin.train_rl",
+      TINY,
+      f"base_output_directory={out}",
+      "run_name=killed",
+      *FAST,
+      "num_batches=3",
+  ]
   proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
   ckpts = run / "checkpoints"
   complete_before_kill: dict[str, str] = {}
@@ -217,9 +246,21 @@ def test_disaggregated_run_syncs_and_verifies_weights_every_step(tmp_path):
   """8 forced CPU devices, use_pathways=true + chips_per_vm=4: MaxText splits trainer 4 / sampler 4; every
   trainer->sampler sync goes through the plugin's resharding and is checked bit for bit."""
   env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  cmd = [sys.executable, "-m", "maxtext_rl_plugin.train_rl", TINY, f"base_output_directory={tmp_path}", "run_name=dis",
-         *FAST, "num_batches=2", "use_pathways=true", "chips_per_vm=4", "rl.verify_weight_sync=every_n",
-         "rl.verify_weight_sync_every=1", f"metrics_file={tmp_path / 'm.jsonl'}"]
+  cmd = [
+      sys.executable,
+      "-m",
+      "maxtext_rl_plugin.train_rl",
+      TINY,
+      f"base_output_directory={tmp_path}",
+      "run_name=dis",
+      *FAST,
+      "num_batches=2",
+      "use_pathways=true",
+      "chips_per_vm=4",
+      "rl.verify_weight_sync=every_n",
+      "rl.verify_weight_sync_every=1",
+      f"metrics_file={tmp_path / 'm.jsonl'}",
+  ]
   p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=900, check=False)
   assert p.returncode == 0, p.stderr[-4000:]
   assert "devices: trainer 4, sampler 4 (disaggregated" in p.stdout

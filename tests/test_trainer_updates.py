@@ -25,27 +25,44 @@ class _Cfg:
   def __init__(self, batch, mini, micro, mu, g=2, force=False, k=0, rollout_logps=False):
     self.batch_size = batch
     self.train_micro_batch_size = micro
-    self.rl = type("RL", (), dict(mini_batch_size=mini, num_iterations=mu, num_generations=g,
-                                  force_on_policy_ratio=force, off_policy_steps=k, use_rollout_logps=rollout_logps))()
+    self.rl = type(
+        "RL",
+        (),
+        dict(
+            mini_batch_size=mini,
+            num_iterations=mu,
+            num_generations=g,
+            force_on_policy_ratio=force,
+            off_policy_steps=k,
+            use_rollout_logps=rollout_logps,
+        ),
+    )()
 
 
-@pytest.mark.parametrize("batch,mini,micro,mu,upd,acc,micro_steps,needs_old", [
-    (4, None, -1, 1, 1, 1, 1, False),   # MaxText's default: one on-policy update per batch
-    (4, None, 2, 1, 1, 2, 2, False),    # gradient accumulation only: still one update
-    (4, 2, -1, 1, 2, 1, 2, True),       # two mini-batches: the second update is off-policy
-    (4, None, -1, 3, 3, 1, 3, True),    # mu = 3 passes over the batch
-    (8, 4, 2, 2, 4, 2, 8, True),
-])
+@pytest.mark.parametrize(
+    "batch,mini,micro,mu,upd,acc,micro_steps,needs_old",
+    [
+        (4, None, -1, 1, 1, 1, 1, False),  # MaxText's default: one on-policy update per batch
+        (4, None, 2, 1, 1, 2, 2, False),  # gradient accumulation only: still one update
+        (4, 2, -1, 1, 2, 1, 2, True),  # two mini-batches: the second update is off-policy
+        (4, None, -1, 3, 3, 1, 3, True),  # mu = 3 passes over the batch
+        (8, 4, 2, 2, 4, 2, 8, True),
+    ],
+)
 def test_update_plan_counts(batch, mini, micro, mu, upd, acc, micro_steps, needs_old):
   plan = updates.UpdatePlan.from_config(_Cfg(batch, mini, micro, mu))
   assert (plan.updates_per_step, plan.accumulation_steps, plan.micro_steps_per_step, plan.needs_old_logps) == (
-      upd, acc, micro_steps, needs_old)
+      upd,
+      acc,
+      micro_steps,
+      needs_old,
+  )
   rows = list(plan.micro_batch_rows())
   assert len(rows) == micro_steps
   # Each iteration covers every row exactly once, in whole prompt groups of G rows.
   per_iter = micro_steps // mu
   for it in range(mu):
-    covered = np.concatenate([np.arange(s.start, s.stop) for s in rows[it * per_iter:(it + 1) * per_iter]])
+    covered = np.concatenate([np.arange(s.start, s.stop) for s in rows[it * per_iter : (it + 1) * per_iter]])
     np.testing.assert_array_equal(covered, np.arange(batch * 2))
   assert all(s.start % 2 == 0 and (s.stop - s.start) % 2 == 0 for s in rows)
 
@@ -54,13 +71,18 @@ def test_force_on_policy_ratio_needs_no_old_logps():
   assert not updates.UpdatePlan.from_config(_Cfg(4, 2, -1, 1, force=True)).needs_old_logps
 
 
-@pytest.mark.parametrize("k,rollout_logps,needs_old", [
-    (0, True, False),   # on-policy single update: the ratio is 1 whatever the source
-    (1, False, False),  # stale, corrected by importance weights (pi_old = the trainer's weights, ratio 1 at update 1)
-    (1, True, True),    # stale, PPO ratio against the behaviour policy: the sampler's log-probs are the old policy
-])
+@pytest.mark.parametrize(
+    "k,rollout_logps,needs_old",
+    [
+        (0, True, False),  # on-policy single update: the ratio is 1 whatever the source
+        (1, False, False),  # stale, corrected by importance weights (pi_old = the trainer's weights, ratio 1 at update 1)
+        (1, True, True),  # stale, PPO ratio against the behaviour policy: the sampler's log-probs are the old policy
+    ],
+)
 def test_stale_batches_need_old_logps_only_for_a_behaviour_ratio(k, rollout_logps, needs_old):
-  assert updates.UpdatePlan.from_config(_Cfg(4, None, -1, 1, k=k, rollout_logps=rollout_logps)).needs_old_logps == needs_old
+  assert (
+      updates.UpdatePlan.from_config(_Cfg(4, None, -1, 1, k=k, rollout_logps=rollout_logps)).needs_old_logps == needs_old
+  )
 
 
 def test_slice_rows_keeps_every_array_field_aligned():
@@ -69,10 +91,14 @@ def test_slice_rows_keeps_every_array_field_aligned():
 
   n, t = 6, 3
   ex = grpo_learner.TrainExample(
-      prompt_ids=jnp.arange(n * 2).reshape(n, 2), prompt_mask=jnp.ones((n, 2), bool),
-      completion_ids=jnp.arange(n * t).reshape(n, t), completion_mask=jnp.ones((n, t), bool),
-      ref_per_token_logps=None, advantages=jnp.arange(n, dtype=jnp.float32),
-      old_per_token_logps=-jnp.arange(n * t, dtype=jnp.float32).reshape(n, t))
+      prompt_ids=jnp.arange(n * 2).reshape(n, 2),
+      prompt_mask=jnp.ones((n, 2), bool),
+      completion_ids=jnp.arange(n * t).reshape(n, t),
+      completion_mask=jnp.ones((n, t), bool),
+      ref_per_token_logps=None,
+      advantages=jnp.arange(n, dtype=jnp.float32),
+      old_per_token_logps=-jnp.arange(n * t, dtype=jnp.float32).reshape(n, t),
+  )
   part = updates.slice_rows(ex, slice(2, 4))
   np.testing.assert_array_equal(np.asarray(part.advantages), [2.0, 3.0])
   np.testing.assert_array_equal(np.asarray(part.completion_ids), np.asarray(ex.completion_ids)[2:4])
@@ -87,30 +113,56 @@ def test_slice_rows_keeps_every_array_field_aligned():
 # A deterministic reward that varies with the text: every group has a reward spread, so the policy gradient is never
 # zero (the random-init model never answers correctly and always fills its token budget, so correctness or length
 # rewards would make every advantage 0 and every test here vacuous).
-_LENGTH_REWARD = '''
+_LENGTH_REWARD = """
 def length_reward(prompts, completions, **kwargs):
   return [(sum(map(ord, c)) % 97) / 97.0 for c in completions]
-'''
+"""
 
 # One RL step whose update is linear in the gradient: no clipping, and adam_eps >> |g| makes AdamW's first step
 # lr * g / (|g| + eps) ~ lr * g / eps, so a factor-of-two error in accumulation shows as a factor of two in the delta.
-_LINEAR = ["gradient_clipping_threshold=0", "adam_eps=1000", "adam_weight_decay=0", "learning_rate=100",
-           "warmup_steps_fraction=0", "rl.grpo_beta=0", "num_test_batches=0", "eval_interval=0"]
+_LINEAR = [
+    "gradient_clipping_threshold=0",
+    "adam_eps=1000",
+    "adam_weight_decay=0",
+    "learning_rate=100",
+    "warmup_steps_fraction=0",
+    "rl.grpo_beta=0",
+    "num_test_batches=0",
+    "eval_interval=0",
+]
 
 
 def _train(tmp_path, name, *overrides):
   reward = tmp_path / "length_reward.py"
   reward.write_text(_LENGTH_REWARD)
   out = tmp_path / "runs"
-  cmd = [sys.executable, "-m", "maxtext_rl_plugin.train_rl", "configs/cpu_tiny.yml", f"base_output_directory={out}",
-         f"run_name={name}", f"metrics_file={out / name / 'metrics.jsonl'}", "reward_functions=length_reward",
-         f"reward_functions_path={reward}", "checkpoint_period=1", "batch_size=2", "rl.num_generations=2",
-         # The random-init model's next-token distribution is nearly one-hot ("\n" every time): a high sampling
-         # temperature (the loss and log-probs use the same one) gives distinct completions, so rewards vary.
-         "decode_sampling_temperature=30",
-         *overrides]
-  p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900, check=False,
-                     env={**__import__("os").environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"})
+  cmd = [
+      sys.executable,
+      "-m",
+      "maxtext_rl_plugin.train_rl",
+      "configs/cpu_tiny.yml",
+      f"base_output_directory={out}",
+      f"run_name={name}",
+      f"metrics_file={out / name / 'metrics.jsonl'}",
+      "reward_functions=length_reward",
+      f"reward_functions_path={reward}",
+      "checkpoint_period=1",
+      "batch_size=2",
+      "rl.num_generations=2",
+      # The random-init model's next-token distribution is nearly one-hot ("\n" every time): a high sampling
+      # temperature (the loss and log-probs use the same one) gives distinct completions, so rewards vary.
+      "decode_sampling_temperature=30",
+      *overrides,
+  ]
+  p = subprocess.run(
+      cmd,
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=900,
+      check=False,
+      env={**__import__("os").environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"},
+  )
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
   recs = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines() if l.strip()]
   return out / name, [r for r in recs if "reward/mean" in r]
@@ -143,9 +195,19 @@ def test_gradient_accumulation_equals_the_unsplit_update(tmp_path):
 @pytest.mark.slow
 def test_off_policy_updates_make_ratios_and_gspo_clipping_live(tmp_path):
   """mu=2 passes x 2 mini-batches = 4 updates per batch: ratios leave 1, clipping is measured, resume stays exact."""
-  common = ["rl.num_iterations=2", "rl.mini_batch_size=1", "loss_algo=gspo-token", "rl.grpo_epsilon=0.0003",
-            "rl.epsilon_high=0.0004", "learning_rate=1e-3", "num_test_batches=0", "eval_interval=0",
-            "rl.use_rollout_logps=false", "rl.log_sampler_trainer_agreement=true", "rl.rollout_is=truncate"]
+  common = [
+      "rl.num_iterations=2",
+      "rl.mini_batch_size=1",
+      "loss_algo=gspo-token",
+      "rl.grpo_epsilon=0.0003",
+      "rl.epsilon_high=0.0004",
+      "learning_rate=1e-3",
+      "num_test_batches=0",
+      "eval_interval=0",
+      "rl.use_rollout_logps=false",
+      "rl.log_sampler_trainer_agreement=true",
+      "rl.rollout_is=truncate",
+  ]
   run, recs = _train(tmp_path, "offpolicy", "num_batches=2", *common)
   assert [r["opt/updates"] for r in recs] == [4, 8]
   r = recs[-1]

@@ -32,14 +32,25 @@ def test_trainer_step_counters_and_metric_flush_exist():
 def test_public_seams_the_step_loop_uses():
   """The public API the plugin's step loop relies on instead of the learner's private step."""
   cfg_fields = {f for f in rl_cluster.RLTrainingConfig.__dataclass_fields__}
-  assert {"mini_batch_size", "train_micro_batch_size", "rollout_micro_batch_size",
-          "compute_logps_micro_batch_size"} <= cfg_fields
+  assert {
+      "mini_batch_size",
+      "train_micro_batch_size",
+      "rollout_micro_batch_size",
+      "compute_logps_micro_batch_size",
+  } <= cfg_fields
   for name in ("generate", "get_ref_per_token_logps", "get_old_per_token_logps", "update_actor", "sync_weights"):
     assert callable(getattr(rl_cluster.RLCluster, name)), name
   assert "micro_batch_size" in inspect.signature(rl_cluster.RLCluster.generate).parameters
   fields = set(grpo_learner.TrainExample.__dataclass_fields__)
-  assert {"prompt_ids", "prompt_mask", "completion_ids", "completion_mask", "ref_per_token_logps", "advantages",
-          "old_per_token_logps"} <= fields
+  assert {
+      "prompt_ids",
+      "prompt_mask",
+      "completion_ids",
+      "completion_mask",
+      "ref_per_token_logps",
+      "advantages",
+      "old_per_token_logps",
+  } <= fields
 
 
 def test_pinned_host_snapshot_goes_through_the_module_attribute_the_workaround_replaces():

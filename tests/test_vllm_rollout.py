@@ -85,8 +85,10 @@ def expected_hf(tree: dict, llama: bool) -> dict[str, np.ndarray]:
   v = _np(tree, "decoder.layers.self_attention.value.kernel")
   o = _np(tree, "decoder.layers.self_attention.out.kernel")  # [N, L, H, D]
   d, n_layers, n_heads, head_dim = q.shape
-  out = {"model.embed_tokens.weight": _np(tree, "token_embedder.embedding"),
-         "model.norm.weight": _np(tree, "decoder.decoder_norm.scale")}
+  out = {
+      "model.embed_tokens.weight": _np(tree, "token_embedder.embedding"),
+      "model.norm.weight": _np(tree, "decoder.decoder_norm.scale"),
+  }
   if llama:
     out["lm_head.weight"] = _np(tree, "decoder.logits_dense.kernel").T
   for i in range(n_layers):
@@ -176,11 +178,13 @@ def fake_engine_state(model_name: str, hc):
 
 
 class _Logprob:
+
   def __init__(self, logprob: float):
     self.logprob = logprob
 
 
 class _Completion:
+
   def __init__(self, token_ids, logprobs):
     self.token_ids = token_ids
     self.logprobs = logprobs
@@ -188,16 +192,19 @@ class _Completion:
 
 
 class _RequestOutput:
+
   def __init__(self, completion):
     self.outputs = [completion]
 
 
 class FakeSamplingParams:
+
   def __init__(self, **kwargs):
     self.kwargs = kwargs
 
 
 class FakeWorker:
+
   def __init__(self, state, log):
     self.state = state
     self.log = log
@@ -276,8 +283,13 @@ def _mesh():
 
 
 def _rollout_config(cfg, **kw):
-  base = dict(max_tokens_to_generate=int(cfg.max_target_length - cfg.max_prefill_predict_length),
-              max_prompt_length=int(cfg.max_prefill_predict_length), temperature=0.9, top_p=0.95, top_k=20)
+  base = dict(
+      max_tokens_to_generate=int(cfg.max_target_length - cfg.max_prefill_predict_length),
+      max_prompt_length=int(cfg.max_prefill_predict_length),
+      temperature=0.9,
+      top_p=0.95,
+      top_k=20,
+  )
   base.update(kw)
   return base_rollout.RolloutConfig(**base)
 
@@ -297,8 +309,9 @@ def _build(monkeypatch, cfg, tree, tokenizer, engine_state=None):
     return jax.device_put(new, shardings)
 
   monkeypatch.setattr(vllm_mod, "_reshard", fake_reshard)
-  rollout = vllm_mod.VllmRollout(rollout_actor=tree, tokenizer=tokenizer, mesh=_mesh(),
-                                 rollout_config=_rollout_config(cfg), config=cfg)
+  rollout = vllm_mod.VllmRollout(
+      rollout_actor=tree, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), config=cfg
+  )
   return rollout, module, log, state, reshard_calls
 
 
@@ -312,8 +325,7 @@ def test_missing_vllm_fails_at_construction_with_one_line(qwen, tokenizer, capsy
   cls = registry.load("rollout_engines", "vllm")
   assert cls is vllm_mod.VllmRollout
   with pytest.raises(errors.MissingExtraError) as ei:
-    cls(rollout_actor=qwen[1], tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(qwen[0]),
-        config=qwen[0])
+    cls(rollout_actor=qwen[1], tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(qwen[0]), config=qwen[0])
   msg = str(ei.value)
   assert "\n" not in msg and "rollout_engine=vllm" in msg and "pip install 'maxtext-rl-plugin[tpu]'" in msg
   # The trainer resolves rollout_engine=vllm before any model is built, inside the entry points' handler:
@@ -331,10 +343,22 @@ def test_missing_vllm_fails_at_construction_with_one_line(qwen, tokenizer, capsy
 
 
 def test_engine_kwargs_map_every_rollout_key():
-  cfg = load_config(["configs/cpu_tiny.yml", "rollout_tensor_parallelism=2", "rollout_data_parallelism=-1",
-                     "hbm_utilization_vllm=0.55", "max_num_seqs=64", "max_num_batched_tokens=2048",
-                     "async_scheduling=false", "enable_prefix_caching=true", "vllm_block_size=32",
-                     "free_kv_cache_during_weight_sync=false", "enable_dp_attention=true", "weight_dtype=bfloat16"])
+  cfg = load_config(
+      [
+          "configs/cpu_tiny.yml",
+          "rollout_tensor_parallelism=2",
+          "rollout_data_parallelism=-1",
+          "hbm_utilization_vllm=0.55",
+          "max_num_seqs=64",
+          "max_num_batched_tokens=2048",
+          "async_scheduling=false",
+          "enable_prefix_caching=true",
+          "vllm_block_size=32",
+          "free_kv_cache_during_weight_sync=false",
+          "enable_dp_attention=true",
+          "weight_dtype=bfloat16",
+      ]
+  )
   kw = vllm_mod.vllm_engine_kwargs(cfg, 8, device_ids=range(8, 16))
   assert (kw["tensor_parallel_size"], kw["data_parallel_size"], kw["enable_expert_parallel"]) == (2, 4, False)
   assert kw["gpu_memory_utilization"] == pytest.approx(0.55)
@@ -349,8 +373,14 @@ def test_engine_kwargs_map_every_rollout_key():
   assert kw["hf_overrides"]["num_hidden_layers"] == 2 and kw["hf_overrides"]["hidden_size"] == 64
   assert kw["hf_overrides"]["tie_word_embeddings"] is True
 
-  ep = load_config(["configs/cpu_tiny.yml", "rollout_tensor_parallelism=1", "rollout_data_parallelism=2",
-                    "rollout_expert_parallelism=-1"])
+  ep = load_config(
+      [
+          "configs/cpu_tiny.yml",
+          "rollout_tensor_parallelism=1",
+          "rollout_data_parallelism=2",
+          "rollout_expert_parallelism=-1",
+      ]
+  )
   kw = vllm_mod.vllm_engine_kwargs(ep, 8)
   assert (kw["tensor_parallel_size"], kw["data_parallel_size"], kw["enable_expert_parallel"]) == (1, 2, True)
   assert kw["additional_config"]["sharding"]["sharding_strategy"]["expert_parallelism"] == 4
@@ -369,9 +399,11 @@ class _Override:
 
 @pytest.mark.parametrize(
     "tp, dp, ep",
-    [(3, -1, 1),  # 8 devices not divisible by tp
-     (-1, -1, 1),  # two auto-derived sizes
-     (2, 2, 1)],  # product != device count
+    [
+        (3, -1, 1),  # 8 devices not divisible by tp
+        (-1, -1, 1),  # two auto-derived sizes
+        (2, 2, 1),
+    ],  # product != device count
 )
 def test_engine_kwargs_bad_parallelism_is_one_line_config_error(qwen, tp, dp, ep):
   cfg = _Override(qwen[0], rollout_tensor_parallelism=tp, rollout_data_parallelism=dp, rollout_expert_parallelism=ep)
@@ -382,8 +414,16 @@ def test_engine_kwargs_bad_parallelism_is_one_line_config_error(qwen, tp, dp, ep
 
 def test_sampling_kwargs_from_config():
   # Real CLI parsing of the list-valued keys, then the mapping.
-  cfg = load_config(["configs/cpu_tiny.yml", "decode_sampling_temperature=0.7", "decode_sampling_top_k=40",
-                     "decode_sampling_nucleus_p=0.9", "stop_strings=['</answer>']", "stop_token_ids=[11,12]"])
+  cfg = load_config(
+      [
+          "configs/cpu_tiny.yml",
+          "decode_sampling_temperature=0.7",
+          "decode_sampling_top_k=40",
+          "decode_sampling_nucleus_p=0.9",
+          "stop_strings=['</answer>']",
+          "stop_token_ids=[11,12]",
+      ]
+  )
   kw = vllm_mod.sampling_params_kwargs(cfg)
   assert (kw["temperature"], kw["top_k"], kw["top_p"]) == (0.7, 40, 0.9)
   assert kw["max_tokens"] == cfg.max_target_length - cfg.max_prefill_predict_length
@@ -406,7 +446,7 @@ def test_every_trainer_parameter_lands_in_exactly_one_vllm_parameter(which, requ
   assert {k: hc[k] for k in vm.hf_config_from_maxtext(cfg)} == vm.hf_config_from_maxtext(cfg)
   out = vm.map_maxtext_to_vllm(tree, cfg.model_name)
   spec = vm.vllm_param_shapes(cfg.model_name, hc)
-  assert set(out) == set(spec), (set(out) ^ set(spec))
+  assert set(out) == set(spec), set(out) ^ set(spec)
   assert ("lm_head.weight" in out) == (which == "llama")  # Qwen3-0.6B ties embeddings
   # Each MaxText leaf fans out into exactly its layers' worth of HF tensors: counts add up, nothing unmapped.
   flat = vm.flatten_params(tree)
@@ -462,11 +502,13 @@ def test_engine_layout_is_decided_by_shape_and_never_guessed():
   rng = np.random.default_rng(5)
   d, n, h = 6, 2, 3
   q_hf = jnp.asarray(rng.standard_normal((n * h, d)), jnp.float32)  # HF [out, in]
-  np.testing.assert_array_equal(vm.to_engine_layout(q_hf, (d, n, h), "x.q_proj.kernel"),
-                                np.asarray(q_hf).T.reshape(d, n, h))
+  np.testing.assert_array_equal(
+      vm.to_engine_layout(q_hf, (d, n, h), "x.q_proj.kernel"), np.asarray(q_hf).T.reshape(d, n, h)
+  )
   o_hf = jnp.asarray(rng.standard_normal((d, n * h)), jnp.float32)
-  np.testing.assert_array_equal(vm.to_engine_layout(o_hf, (n, h, d), "x.o_proj.kernel"),
-                                np.asarray(o_hf).T.reshape(n, h, d))
+  np.testing.assert_array_equal(
+      vm.to_engine_layout(o_hf, (n, h, d), "x.o_proj.kernel"), np.asarray(o_hf).T.reshape(n, h, d)
+  )
   with pytest.raises(ValueError, match="no layout"):  # tpu-inference's optional NDH q layout: refuse, don't guess
     vm.to_engine_layout(q_hf, (n, d, h), "x.q_proj.kernel")
   sq = jnp.asarray(rng.standard_normal((d, d)), jnp.float32)
@@ -511,8 +553,15 @@ def test_step0_syncs_trainer_weights_into_every_engine_parameter(which, request,
   assert llm.env_multiprocessing == "0"
   names = [e[0] if e[0] != "collective_rpc" else e[1] for e in log]
   # ... and the re-read of verify_weight_sync=first (the default) before the session closes.
-  assert names == ["LLM", "reset_prefix_cache", "start_weight_update", "get_weights_state",
-                   "refresh_model_state_leaves", "get_weights_state", "finish_weight_update"]
+  assert names == [
+      "LLM",
+      "reset_prefix_cache",
+      "start_weight_update",
+      "get_weights_state",
+      "refresh_model_state_leaves",
+      "get_weights_state",
+      "finish_weight_update",
+  ]
   assert log[2][2] == {"free_kv_cache": True}
   # Every engine leaf now holds the trainer's value in tpu-inference layout and the engine's dtype.
   expected = expected_hf(tree, llama=which == "llama")
@@ -565,7 +614,7 @@ def test_generate_sampling_params_tokens_and_logprobs(monkeypatch, qwen, tokeniz
     assert out.text[i] == tokenizer.decode(want_ids, skip_special_tokens=True)
     row = out.left_padded_prompt_tokens[i]
     assert row.shape == (cfg.max_prefill_predict_length,)
-    np.testing.assert_array_equal(row[-len(ids):], ids)
+    np.testing.assert_array_equal(row[-len(ids) :], ids)
     assert (row[: -len(ids)] == rollout.pad_id()).all()
   assert rollout.eos_id() == eos and rollout.model() is None
 
@@ -580,7 +629,7 @@ def test_generate_sampling_params_tokens_and_logprobs(monkeypatch, qwen, tokeniz
   assert lp.shape == comp.shape
   for i, t in enumerate(out.tokens):
     np.testing.assert_allclose(lp[i, : len(t)], out.logprobs[i], rtol=1e-6)
-    assert (lp[i, len(t):] == 0).all()
+    assert (lp[i, len(t) :] == 0).all()
   flipped = np.asarray(rollout.get_per_token_logps(jnp.asarray(prompt_rows[::-1]), jnp.asarray(comp[::-1])))
   np.testing.assert_array_equal(flipped, lp[::-1])
   one = np.asarray(rollout.get_per_token_logps(jnp.asarray(prompt_rows[1:]), jnp.asarray(comp[1:])))
@@ -615,8 +664,9 @@ def test_chunked_sync_keeps_kv_cache_when_configured_and_reaches_new_weights(mon
   for hf_name, ref in expected_hf(newer, llama=False).items():
     if ref.ndim == 1:
       name, shape = tpu_inference_layout(hf_name, cfg.model_name, hc)
-      np.testing.assert_allclose(np.asarray(engine[name], dtype=np.float32), engine_value(ref, hf_name, shape, hc),
-                                 rtol=1e-2, err_msg=name)
+      np.testing.assert_allclose(
+          np.asarray(engine[name], dtype=np.float32), engine_value(ref, hf_name, shape, hc), rtol=1e-2, err_msg=name
+      )
   from flax import nnx  # pylint: disable=import-outside-toplevel
 
   with pytest.raises(errors.ConfigError, match="LoRA"):
@@ -639,8 +689,9 @@ def test_sync_that_writes_a_copy_is_caught_and_blocks_sampling(monkeypatch, qwen
   cfg, tree = qwen
   rollout, module, _, state, _ = _build(monkeypatch, cfg, tree, tokenizer)
   llm = module.LLM.instances[-1]
-  llm.worker.get_weights_state = lambda: jax.tree.map(lambda x: x, fake_engine_state(
-      cfg.model_name, vm.hf_config_from_params(tree, cfg.model_name)))
+  llm.worker.get_weights_state = lambda: jax.tree.map(
+      lambda x: x, fake_engine_state(cfg.model_name, vm.hf_config_from_params(tree, cfg.model_name))
+  )
   rollout._syncs = 0  # pylint: disable=protected-access  # verify_weight_sync=first checks the next sync
   with pytest.raises(RuntimeError, match="did not take effect"):
     rollout.update_params(tree)
@@ -665,8 +716,9 @@ def test_unsupported_model_fails_before_starting_vllm(monkeypatch, tokenizer):
   module, _ = make_fake_vllm({}, 0)
   monkeypatch.setitem(sys.modules, "vllm", module)
   with pytest.raises(errors.ConfigError, match="rollout_engine=vllm"):
-    vllm_mod.VllmRollout(rollout_actor={}, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg),
-                         config=cfg)
+    vllm_mod.VllmRollout(
+        rollout_actor={}, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), config=cfg
+    )
   assert module.LLM.instances == []
 
 
@@ -734,6 +786,7 @@ def test_multi_controller_without_pathways_never_gets_vllm(monkeypatch, qwen, to
   module, _ = make_fake_vllm({}, 0)
   monkeypatch.setitem(sys.modules, "vllm", module)
   with pytest.raises(errors.ConfigError, match="single JAX controller"):
-    vllm_mod.VllmRollout(rollout_actor={}, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg),
-                         config=cfg)
+    vllm_mod.VllmRollout(
+        rollout_actor={}, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), config=cfg
+    )
   assert module.LLM.instances == []

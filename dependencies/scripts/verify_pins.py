@@ -58,8 +58,10 @@ def shared_package_dirs(path: list[str] | None = None) -> list[str]:
   """Problems: a package directory (vllm/) written by more than one distribution."""
   owners = package_owners("vllm", path)
   if len(owners) > 1:
-    return [f"vllm/: installed by {len(owners)} distributions ({', '.join(owners)}); the last one overwrote the "
-            "other's files. Keep only vllm-tpu: pip uninstall -y vllm, then reinstall vllm-tpu --no-deps"]
+    return [
+        f"vllm/: installed by {len(owners)} distributions ({', '.join(owners)}); the last one overwrote the "
+        "other's files. Keep only vllm-tpu: pip uninstall -y vllm, then reinstall vllm-tpu --no-deps"
+    ]
   return []
 
 

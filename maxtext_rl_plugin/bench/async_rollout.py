@@ -24,8 +24,14 @@ import sys
 from maxtext_rl_plugin.bench import common
 import tempfile
 
-DEFAULT_MODEL = ["base_emb_dim=256", "base_mlp_dim=1024", "base_num_decoder_layers=4", "base_num_query_heads=4",
-                 "base_num_kv_heads=2", "head_dim=64"]
+DEFAULT_MODEL = [
+    "base_emb_dim=256",
+    "base_mlp_dim=1024",
+    "base_num_decoder_layers=4",
+    "base_num_query_heads=4",
+    "base_num_kv_heads=2",
+    "head_dim=64",
+]
 _PHASES = ("rollout", "reward", "logps", "train", "weight_sync")
 
 
@@ -45,10 +51,22 @@ def _run(args, k: int, out_dir: str) -> list[dict]:
   from maxtext_rl_plugin import trainer  # pylint: disable=import-outside-toplevel
 
   split = [] if args.colocated else ["use_pathways=true", f"chips_per_vm={args.devices // 2}"]
-  argv = [args.config, *DEFAULT_MODEL, *split, f"base_output_directory={out_dir}", f"run_name=k{k}",
-          f"num_batches={args.warmup + args.steps}", "enable_checkpointing=false", "num_test_batches=0",
-          "eval_interval=0", "batch_size=4", "rl.num_generations=4", "max_target_length=192",
-          f"rl.off_policy_steps={k}", *args.overrides]
+  argv = [
+      args.config,
+      *DEFAULT_MODEL,
+      *split,
+      f"base_output_directory={out_dir}",
+      f"run_name=k{k}",
+      f"num_batches={args.warmup + args.steps}",
+      "enable_checkpointing=false",
+      "num_test_batches=0",
+      "eval_interval=0",
+      "batch_size=4",
+      "rl.num_generations=4",
+      "max_target_length=192",
+      f"rl.off_policy_steps={k}",
+      *args.overrides,
+  ]
   config = config_lib.load_config(argv)
   run = trainer.build_run(config, argv)
   run.metrics_file = os.path.join(out_dir, f"k{k}.jsonl")
@@ -71,8 +89,15 @@ def overlap_model(m: dict[str, float]) -> dict[str, float]:
   t = m["logps"] + m["train"]
   s = m["weight_sync"]
   o = max(0.0, m["step"] - r - t - s)
-  return {"R": r, "T": t, "S": s, "O": o, "sync_step": r + t + s + o, "async_step": max(r, t) + s + o,
-          "predicted_speedup": (r + t + s + o) / (max(r, t) + s + o)}
+  return {
+      "R": r,
+      "T": t,
+      "S": s,
+      "O": o,
+      "sync_step": r + t + s + o,
+      "async_step": max(r, t) + s + o,
+      "predicted_speedup": (r + t + s + o) / (max(r, t) + s + o),
+  }
 
 
 def main(argv=None) -> int:
@@ -86,13 +111,24 @@ def main(argv=None) -> int:
   print(f"{'phase (median s)':<22}{'sync':>10}{'async k=1':>12}")
   for p in (*_PHASES, "step", "wait_rollout_s", "wait_sync_s", "producer_idle_s", "policy_lag"):
     print(f"{p:<22}{sync[p]:>10.3f}{ahead[p]:>12.3f}")
-  print(f"overlap model from the synchronous phases: R={model['R']:.3f} T={model['T']:.3f} S={model['S']:.3f} "
-        f"O={model['O']:.3f}: sync {model['sync_step']:.3f}s, overlapped {model['async_step']:.3f}s, predicted "
-        f"speed-up {model['predicted_speedup']:.2f}x")
-  print(json.dumps({
-      "bench": "async", "split": "colocated" if args.colocated else f"disaggregated {args.devices // 2}+{args.devices // 2}",
-      "sync_steps_per_s": 1.0 / sync["step"], "async_steps_per_s": 1.0 / ahead["step"],
-      "measured_speedup": sync["step"] / ahead["step"], "predicted_speedup": model["predicted_speedup"],
-      "sync_phases_s": sync, "async_phases_s": ahead, "cpu_count": os.cpu_count(),
-  }))
+  print(
+      f"overlap model from the synchronous phases: R={model['R']:.3f} T={model['T']:.3f} S={model['S']:.3f} "
+      f"O={model['O']:.3f}: sync {model['sync_step']:.3f}s, overlapped {model['async_step']:.3f}s, predicted "
+      f"speed-up {model['predicted_speedup']:.2f}x"
+  )
+  print(
+      json.dumps(
+          {
+              "bench": "async",
+              "split": "colocated" if args.colocated else f"disaggregated {args.devices // 2}+{args.devices // 2}",
+              "sync_steps_per_s": 1.0 / sync["step"],
+              "async_steps_per_s": 1.0 / ahead["step"],
+              "measured_speedup": sync["step"] / ahead["step"],
+              "predicted_speedup": model["predicted_speedup"],
+              "sync_phases_s": sync,
+              "async_phases_s": ahead,
+              "cpu_count": os.cpu_count(),
+          }
+      )
+  )
   return 0

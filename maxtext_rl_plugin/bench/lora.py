@@ -26,10 +26,24 @@ from maxtext_rl_plugin.bench import common
 
 # Two sizes: ~40 MiB and ~300 MiB of float32 parameters (vocab 32768).
 SIZES = {
-    "small": ["base_emb_dim=256", "base_mlp_dim=1024", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=64",
-              "base_num_decoder_layers=2", "vocab_size=32768"],
-    "large": ["base_emb_dim=1024", "base_mlp_dim=4096", "base_num_query_heads=8", "base_num_kv_heads=4",
-              "head_dim=128", "base_num_decoder_layers=4", "vocab_size=32768"],
+    "small": [
+        "base_emb_dim=256",
+        "base_mlp_dim=1024",
+        "base_num_query_heads=4",
+        "base_num_kv_heads=2",
+        "head_dim=64",
+        "base_num_decoder_layers=2",
+        "vocab_size=32768",
+    ],
+    "large": [
+        "base_emb_dim=1024",
+        "base_mlp_dim=4096",
+        "base_num_query_heads=8",
+        "base_num_kv_heads=4",
+        "head_dim=128",
+        "base_num_decoder_layers=4",
+        "vocab_size=32768",
+    ],
 }
 
 
@@ -64,9 +78,18 @@ def _one_size(name: str, args) -> dict:
   from maxtext_rl_plugin import lora, models, resharding  # pylint: disable=import-outside-toplevel
 
   half = jax.device_count() // 2
-  argv = [args.config, *SIZES[name], "use_pathways=true", f"chips_per_vm={half}", f"ici_fsdp_parallelism={half}",
-          "enable_checkpointing=false", "lora.enable_lora=true", f"lora.lora_rank={args.rank}",
-          f"lora.lora_alpha={args.alpha}", *args.set]
+  argv = [
+      args.config,
+      *SIZES[name],
+      "use_pathways=true",
+      f"chips_per_vm={half}",
+      f"ici_fsdp_parallelism={half}",
+      "enable_checkpointing=false",
+      "lora.enable_lora=true",
+      f"lora.lora_rank={args.rank}",
+      f"lora.lora_alpha={args.alpha}",
+      *args.set,
+  ]
   rs = models.setup_devices(argv)
   cfg = rs.trainer_config
   base, tmesh = models.build_model(cfg, rs.trainer_devices)
@@ -74,8 +97,10 @@ def _one_size(name: str, args) -> dict:
   # Non-zero adapters (B starts at zero), on the adapters' own shardings, as after some training.
   st = nnx.state(actor, nnx.LoRAParam)
   keys = iter(jax.random.split(jax.random.PRNGKey(0), len(jax.tree.leaves(st))))
-  nnx.update(actor, jax.tree.map(lambda x: jax.device_put(jax.random.normal(next(keys), x.shape, x.dtype) * 0.01,
-                                                          x.sharding), st))
+  nnx.update(
+      actor,
+      jax.tree.map(lambda x: jax.device_put(jax.random.normal(next(keys), x.shape, x.dtype) * 0.01, x.sharding), st),
+  )
   shape = {k: 1 for k in tmesh.axis_names}
   shape["tensor"] = len(rs.sampler_devices)
   smesh = Mesh(np.array(rs.sampler_devices).reshape([shape[k] for k in tmesh.axis_names]), tmesh.axis_names)
@@ -111,7 +136,8 @@ def _one_size(name: str, args) -> dict:
   out["merge_s"] = round(out["merge_s"], 4)
   out["adapter_bitwise_equal"] = all(
       np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-      for a, b in zip(jax.tree.leaves(lora_src), jax.tree.leaves(nnx.state(sampler, nnx.LoRAParam))))
+      for a, b in zip(jax.tree.leaves(lora_src), jax.tree.leaves(nnx.state(sampler, nnx.LoRAParam)))
+  )
   out["bytes_ratio"] = round(out["full_bytes"] / out["adapter_bytes"], 1)
   out["sync_time_ratio"] = round(out["full_sync_s"] / out["adapter_sync_s"], 1)
   out["sync_plus_merge_ratio"] = round(out["full_sync_s"] / (out["adapter_sync_s"] + out["merge_s"]), 2)
@@ -137,16 +163,32 @@ def main(argv=None) -> int:
   with exit_on_user_error():
     for name in args.sizes:
       results[name] = _one_size(name, args)
-  print(f"LoRA rank {args.rank} alpha {args.alpha}: trainer FSDP x{n_dev // 2} -> sampler TP x{n_dev // 2}, "
-        f"path {resharding.backend_path()}, median of {args.repeats}")
-  print(f"{'size':6s} {'params MiB':>10s} {'full MiB':>9s} {'adapter MiB':>11s} {'full s':>8s} {'adapter s':>9s} "
-        f"{'merge s':>8s} {'bytes x':>8s} {'sync x':>7s} {'sync+merge x':>12s}")
+  print(
+      f"LoRA rank {args.rank} alpha {args.alpha}: trainer FSDP x{n_dev // 2} -> sampler TP x{n_dev // 2}, "
+      f"path {resharding.backend_path()}, median of {args.repeats}"
+  )
+  print(
+      f"{'size':6s} {'params MiB':>10s} {'full MiB':>9s} {'adapter MiB':>11s} {'full s':>8s} {'adapter s':>9s} "
+      f"{'merge s':>8s} {'bytes x':>8s} {'sync x':>7s} {'sync+merge x':>12s}"
+  )
   for name, r in results.items():
-    print(f"{name:6s} {r['params_mib']:10.1f} {r['full_bytes'] / 2**20:9.1f} {r['adapter_bytes'] / 2**20:11.2f} "
-          f"{r['full_sync_s']:8.4f} {r['adapter_sync_s']:9.4f} {r['merge_s']:8.4f} {r['bytes_ratio']:8.1f} "
-          f"{r['sync_time_ratio']:7.1f} {r['sync_plus_merge_ratio']:12.2f}")
-  print(json.dumps({"rank": args.rank, "alpha": args.alpha, "repeats": args.repeats, "path": resharding.backend_path(),
-                    "sizes": results}), flush=True)
+    print(
+        f"{name:6s} {r['params_mib']:10.1f} {r['full_bytes'] / 2**20:9.1f} {r['adapter_bytes'] / 2**20:11.2f} "
+        f"{r['full_sync_s']:8.4f} {r['adapter_sync_s']:9.4f} {r['merge_s']:8.4f} {r['bytes_ratio']:8.1f} "
+        f"{r['sync_time_ratio']:7.1f} {r['sync_plus_merge_ratio']:12.2f}"
+    )
+  print(
+      json.dumps(
+          {
+              "rank": args.rank,
+              "alpha": args.alpha,
+              "repeats": args.repeats,
+              "path": resharding.backend_path(),
+              "sizes": results,
+          }
+      ),
+      flush=True,
+  )
   return 0
 
 

@@ -29,15 +29,26 @@ def measure_peak_flops(n: int = 1024, repeats: int = 5, dtype: str = "float32") 
     s = time.perf_counter()
     f(a, b).block_until_ready()
     best = min(best, time.perf_counter() - s)
-  flops = 4 * 2 * n ** 3
-  return {"peak_flops": flops / best, "peak_matmul_n": n, "peak_dtype": dtype, "peak_seconds": best,
-          "peak_device": jax.devices()[0].device_kind}
+  flops = 4 * 2 * n**3
+  return {
+      "peak_flops": flops / best,
+      "peak_matmul_n": n,
+      "peak_dtype": dtype,
+      "peak_seconds": best,
+      "peak_device": jax.devices()[0].device_kind,
+  }
 
 
 def param_counts(cfg) -> dict:
   """Per-token matmul parameters of a MaxText dense decoder (embedding lookup excluded, LM head included)."""
-  emb, heads, kv, hd, mlp, layers = (int(cfg.emb_dim), int(cfg.num_query_heads), int(cfg.num_kv_heads),
-                                     int(cfg.head_dim), int(cfg.mlp_dim), int(cfg.num_decoder_layers))
+  emb, heads, kv, hd, mlp, layers = (
+      int(cfg.emb_dim),
+      int(cfg.num_query_heads),
+      int(cfg.num_kv_heads),
+      int(cfg.head_dim),
+      int(cfg.mlp_dim),
+      int(cfg.num_decoder_layers),
+  )
   attn = emb * heads * hd * 2 + emb * kv * hd * 2  # q, o; k, v
   mlp_p = 3 * emb * mlp  # gated MLP (wi_0, wi_1, wo)
   head = emb * int(cfg.vocab_size)

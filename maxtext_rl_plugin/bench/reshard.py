@@ -107,8 +107,15 @@ def main(argv=None) -> int:
     print(f"error: needs an even number >= 2 of devices, found {n_dev}", file=sys.stderr)
     return 2
   half = n_dev // 2
-  argv_cfg = [args.config, *DEFAULT_MODEL, "use_pathways=true", f"chips_per_vm={half}",
-              f"ici_fsdp_parallelism={half}", "enable_checkpointing=false", *args.set]
+  argv_cfg = [
+      args.config,
+      *DEFAULT_MODEL,
+      "use_pathways=true",
+      f"chips_per_vm={half}",
+      f"ici_fsdp_parallelism={half}",
+      "enable_checkpointing=false",
+      *args.set,
+  ]
   t_build = time.perf_counter()
   with exit_on_user_error():
     rs = models.setup_devices(argv_cfg)
@@ -125,8 +132,11 @@ def main(argv=None) -> int:
 
   # --- plugin sync (unchunked and chunked), replacing the sampler's previous weights each time ---
   results = {}
-  for name, chunk, release in (("reshard", None, True), ("reshard_chunked", args.chunk_size, True),
-                               ("reshard_keep_old", None, False)):
+  for name, chunk, release in (
+      ("reshard", None, True),
+      ("reshard_chunked", args.chunk_size, True),
+      ("reshard_keep_old", None, False),
+  ):
     ws = resharding.WeightSync(None, dst, chunk_size=chunk, release_old=release, verify_policy="off")
     state = {"held": resharding.reshard(src, dst, chunk_size=chunk)}  # warm-up: first sync, no old copy to free
 
@@ -135,8 +145,13 @@ def main(argv=None) -> int:
       return state["held"]
 
     seconds, extra_mb, held = _measure(one_sync, args.repeats)
-    results[name] = dict(seconds=seconds, extra_mb=extra_mb, max_chunk_bytes=ws.last_stats["max_chunk_bytes"],
-                         chunks=ws.last_stats["chunks"], held=held)
+    results[name] = dict(
+        seconds=seconds,
+        extra_mb=extra_mb,
+        max_chunk_bytes=ws.last_stats["max_chunk_bytes"],
+        chunks=ws.last_stats["chunks"],
+        held=held,
+    )
   held = results["reshard_chunked"]["held"]
   t_verify = time.perf_counter()
   resharding.verify(src, held, dst_shardings=dst)
@@ -197,8 +212,9 @@ def main(argv=None) -> int:
 
   try:
     ckpt_s, _, restored = _measure(save_restore, args.ckpt_repeats)
-    ckpt_equal = all(np.array_equal(np.asarray(restored[k]).view(np.uint8), a.view(np.uint8))
-                     for k, a in zip(flat_src, host_src))
+    ckpt_equal = all(
+        np.array_equal(np.asarray(restored[k]).view(np.uint8), a.view(np.uint8)) for k, a in zip(flat_src, host_src)
+    )
   finally:
     import shutil  # pylint: disable=import-outside-toplevel
 
@@ -234,8 +250,10 @@ def main(argv=None) -> int:
       "repeats": args.repeats,
       "build_s": round(build_s, 1),
   }
-  print(f"weight sync, {nbytes / 2**20:.0f} MiB in {len(leaves)} arrays, trainer FSDP x{len(rs.trainer_devices)} "
-        f"-> sampler TP x{len(rs.sampler_devices)}, path {out['path']}")
+  print(
+      f"weight sync, {nbytes / 2**20:.0f} MiB in {len(leaves)} arrays, trainer FSDP x{len(rs.trainer_devices)} "
+      f"-> sampler TP x{len(rs.sampler_devices)}, path {out['path']}"
+  )
   rows = [
       ("reshard (unchunked)", out["reshard_s"], out["reshard_peak_extra_mb"]),
       (f"reshard (chunk {args.chunk_size} arrays)", out["reshard_chunked_s"], out["reshard_chunked_peak_extra_mb"]),

@@ -29,8 +29,13 @@ _CALC = re.compile(r"<<[^<>]*>>")
 
 def _find_gsm8k(path: Optional[str]) -> pathlib.Path:
   here = pathlib.Path(__file__).resolve()
-  cands = [path, os.environ.get("GSM8K_DIR"), here.parents[3] / "shared" / "data" / "gsm8k",
-           pathlib.Path.cwd().parent / "shared" / "data" / "gsm8k", pathlib.Path("../shared/data/gsm8k")]
+  cands = [
+      path,
+      os.environ.get("GSM8K_DIR"),
+      here.parents[3] / "shared" / "data" / "gsm8k",
+      pathlib.Path.cwd().parent / "shared" / "data" / "gsm8k",
+      pathlib.Path("../shared/data/gsm8k"),
+  ]
   for c in cands:
     if c and (pathlib.Path(c) / "test.jsonl").is_file():
       return pathlib.Path(c)
@@ -49,7 +54,9 @@ def _perturb(value: str, rng: random.Random) -> str:
   n = int(value)
   for _ in range(10):
     kind = rng.randrange(4)
-    m = (n + rng.choice((-1, 1)), n + max(1, abs(n) // 10), n * 10 + (0 if n else 10), int(str(abs(n))[::-1] or 0) + 1)[kind]
+    m = (n + rng.choice((-1, 1)), n + max(1, abs(n) // 10), n * 10 + (0 if n else 10), int(str(abs(n))[::-1] or 0) + 1)[
+        kind
+    ]
     if m != n:
       return str(m)
   return str(n + 1)
@@ -69,12 +76,36 @@ def build_rows(data_dir: pathlib.Path, split: str, limit: int, seed: int = 0) ->
       gold = parse_gold(r["answer"])
       steps = _CALC.sub("", r["answer"].rsplit("####", 1)[0]).strip()
       tag = lambda v: f"<reasoning>{steps}</reasoning>\n<answer>{v}</answer>"  # noqa: E731
-      rows.append({"kind": "gold", "question": r["question"], "gold": gold, "mt_gold": raw_gold,
-                   "completion": tag(_render(gold, i)), "expect": True})
-      rows.append({"kind": "wrong", "question": r["question"], "gold": gold, "mt_gold": raw_gold,
-                   "completion": tag(_render(_perturb(gold, rng), i + 1)), "expect": False})
-      rows.append({"kind": "raw", "question": r["question"], "gold": gold, "mt_gold": raw_gold,
-                   "completion": r["answer"], "expect": True})
+      rows.append(
+          {
+              "kind": "gold",
+              "question": r["question"],
+              "gold": gold,
+              "mt_gold": raw_gold,
+              "completion": tag(_render(gold, i)),
+              "expect": True,
+          }
+      )
+      rows.append(
+          {
+              "kind": "wrong",
+              "question": r["question"],
+              "gold": gold,
+              "mt_gold": raw_gold,
+              "completion": tag(_render(_perturb(gold, rng), i + 1)),
+              "expect": False,
+          }
+      )
+      rows.append(
+          {
+              "kind": "raw",
+              "question": r["question"],
+              "gold": gold,
+              "mt_gold": raw_gold,
+              "completion": r["answer"],
+              "expect": True,
+          }
+      )
   return rows
 
 
@@ -115,11 +146,22 @@ def run_plugin(rows, bs: int) -> tuple[float, float, list[float]]:
 def _maxtext_config(num_procs: int):
   """MaxText 0.2.5 rl.yml's reward/format keys (the same values as the plugin's defaults)."""
   return types.SimpleNamespace(
-      reasoning_start_token="<reasoning>", reasoning_end_token="</reasoning>", solution_start_token="<answer>",
-      solution_end_token="</answer>", reasoning_start_token_in_prompt=False, reward_exact_answer=1.0,
-      reward_white_space_format_match=1.0, reward_exact_format_match=0.1, reward_partial_format_match=0.0,
-      reward_ratio_guess_to_answer_high=0.0, reward_ratio_guess_to_answer_low=0.0, penalty_incorrect_format=0.0,
-      penalty_incorrect_answer=0.0, math_verify_timeout=300, math_verify_num_procs=num_procs, debug=False,
+      reasoning_start_token="<reasoning>",
+      reasoning_end_token="</reasoning>",
+      solution_start_token="<answer>",
+      solution_end_token="</answer>",
+      reasoning_start_token_in_prompt=False,
+      reward_exact_answer=1.0,
+      reward_white_space_format_match=1.0,
+      reward_exact_format_match=0.1,
+      reward_partial_format_match=0.0,
+      reward_ratio_guess_to_answer_high=0.0,
+      reward_ratio_guess_to_answer_low=0.0,
+      penalty_incorrect_format=0.0,
+      penalty_incorrect_answer=0.0,
+      math_verify_timeout=300,
+      math_verify_num_procs=num_procs,
+      debug=False,
   )
 
 
@@ -131,8 +173,13 @@ def run_maxtext(rows, bs: int, num_procs: int) -> tuple[float, list[float], list
 
   cfg = _maxtext_config(num_procs)
   # Warm the spawn pool outside the timing (the plugin's fast path never starts its pool here).
-  utils_rl.check_numbers(prompts=["q"], completions=["<answer>2+2</answer>"], answer=[json.dumps(["4", "4"])],
-                         tmvp_config=cfg, question=["q"])
+  utils_rl.check_numbers(
+      prompts=["q"],
+      completions=["<answer>2+2</answer>"],
+      answer=[json.dumps(["4", "4"])],
+      tmvp_config=cfg,
+      question=["q"],
+  )
   totals: list[float] = []
   checks: list[float] = []
   t = time.perf_counter()
@@ -179,7 +226,9 @@ def adversarial_latency() -> list[tuple[str, float, bool]]:
 
 def _parse_args(argv) -> argparse.Namespace:
   ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench rewards", description=__doc__.split("\n\n")[0])
-  ap.add_argument("--data-dir", default=None, help="directory with GSM8K test.jsonl/train.jsonl (default ../shared/data/gsm8k)")
+  ap.add_argument(
+      "--data-dir", default=None, help="directory with GSM8K test.jsonl/train.jsonl (default ../shared/data/gsm8k)"
+  )
   ap.add_argument("--split", default="test", choices=("test", "train"))
   ap.add_argument("--limit", type=int, default=0, help="first N problems (0 = all)")
   ap.add_argument("--batch-size", type=int, default=64, help="completions per reward call (one RL step's batch)")
@@ -197,8 +246,12 @@ def time_plugin(tagged, raw, bs: int, repeat: int) -> dict[str, Any]:
   secs, cpu, _ = min(run_plugin(tagged, bs) for _ in range(repeat))
   secs_raw, cpu_raw, _ = min(run_plugin(raw, bs) for _ in range(repeat))
   print(f"{'stack':<28}{'rows':>8}{'wall s':>9}{'cpu s':>9}{'completions/s':>15}{'per cpu-s':>12}")
-  print(f"{'plugin (tagged gold+wrong)':<28}{len(tagged):>8}{secs:>9.3f}{cpu:>9.3f}{len(tagged) / secs:>15,.0f}{len(tagged) / cpu:>12,.0f}")
-  print(f"{'plugin (raw #### N)':<28}{len(raw):>8}{secs_raw:>9.3f}{cpu_raw:>9.3f}{len(raw) / secs_raw:>15,.0f}{len(raw) / cpu_raw:>12,.0f}")
+  print(
+      f"{'plugin (tagged gold+wrong)':<28}{len(tagged):>8}{secs:>9.3f}{cpu:>9.3f}{len(tagged) / secs:>15,.0f}{len(tagged) / cpu:>12,.0f}"
+  )
+  print(
+      f"{'plugin (raw #### N)':<28}{len(raw):>8}{secs_raw:>9.3f}{cpu_raw:>9.3f}{len(raw) / secs_raw:>15,.0f}{len(raw) / cpu_raw:>12,.0f}"
+  )
   return {
       "plugin_completions_per_s": round(len(tagged) / secs, 1),
       "plugin_completions_per_cpu_s": round(len(tagged) / max(cpu, 1e-9), 1),
@@ -232,7 +285,9 @@ def compare_maxtext(rows, tagged, raw, verdicts, plugin_secs: float, bs: int, pr
   cfg = _maxtext_config(procs)
   ours = {id(r): v for r, v in zip(rows, verdicts)}
   disagree = [(r, c) for r, c in zip(tagged, checks) if (c >= cfg.reward_exact_answer) != ours[id(r)].correct]
-  print(f"{'maxtext 0.2.5 (same rows)':<28}{len(tagged):>8}{mt_secs:>9.3f}{'-':>9}{len(tagged) / mt_secs:>15,.0f}{'-':>12}")
+  print(
+      f"{'maxtext 0.2.5 (same rows)':<28}{len(tagged):>8}{mt_secs:>9.3f}{'-':>9}{len(tagged) / mt_secs:>15,.0f}{'-':>12}"
+  )
   for r, c in disagree[:5]:
     print(f"  verdict differs: kind={r['kind']} gold={r['mt_gold']!r} answer={r['completion'][-40:]!r} maxtext={c}")
   return {
@@ -260,8 +315,14 @@ def main(argv=None) -> int:
   rows = build_rows(_find_gsm8k(args.data_dir), args.split, args.limit)
   tagged = [r for r in rows if r["kind"] != "raw"]
   raw = [r for r in rows if r["kind"] == "raw"]
-  res: dict[str, Any] = {"bench": "rewards", "split": args.split, "problems": len(raw), "batch_size": args.batch_size,
-                         "plugin_repeats": args.repeat, "loadavg_1m": round(os.getloadavg()[0], 2)}
+  res: dict[str, Any] = {
+      "bench": "rewards",
+      "split": args.split,
+      "problems": len(raw),
+      "batch_size": args.batch_size,
+      "plugin_repeats": args.repeat,
+      "loadavg_1m": round(os.getloadavg()[0], 2),
+  }
   timing = time_plugin(tagged, raw, args.batch_size, args.repeat)
   plugin_secs = timing.pop("_secs")
   res.update(timing)

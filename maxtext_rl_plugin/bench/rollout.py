@@ -74,8 +74,13 @@ def _recompute_program(model, prompt_len: int, new_tokens: int, last_position_on
       pos = jnp.maximum(jnp.cumsum(seg, axis=1) - 1, 0)
       if last_position_only:
         base = m.base
-        _, hidden, _ = base.decoder(shared_embedding=base.token_embedder, decoder_input_tokens=toks, decoder_positions=pos,
-                                    decoder_segment_ids=seg, deterministic=True)[:3]
+        _, hidden, _ = base.decoder(
+            shared_embedding=base.token_embedder,
+            decoder_input_tokens=toks,
+            decoder_positions=pos,
+            decoder_segment_ids=seg,
+            deterministic=True,
+        )[:3]
         h = jax.lax.dynamic_slice_in_dim(hidden, cur - 1, 1, axis=1)
         last = base.logits_from_hidden_states_for_vocab_tiling(h, deterministic=True, model_mode="train")[:, 0]
       else:
@@ -100,7 +105,7 @@ def _time_recompute(model, mesh, cfg, prompts, pad_id, T, last_position_only, re
   B, lp = len(prompts), max(len(p) for p in prompts)
   toks = np.full((B, lp + T), pad_id, np.int32)
   for i, p in enumerate(prompts):
-    toks[i, lp - len(p): lp] = p
+    toks[i, lp - len(p) : lp] = p
   lens = jnp.asarray([len(p) for p in prompts], jnp.int32)
   toks = jnp.asarray(toks)
   state = nnx.state(model)
@@ -132,8 +137,12 @@ def _tunix_error(model, tok, cfg, mesh) -> str:
 def _tunix_cache_config(cfg, cache_size: int):
   from tunix.generate import sampler as tunix_sampler  # pylint: disable=import-outside-toplevel
 
-  return tunix_sampler.CacheConfig(cache_size=cache_size, num_layers=int(cfg.num_decoder_layers),
-                                   num_kv_heads=int(cfg.num_kv_heads), head_dim=int(cfg.head_dim))
+  return tunix_sampler.CacheConfig(
+      cache_size=cache_size,
+      num_layers=int(cfg.num_decoder_layers),
+      num_kv_heads=int(cfg.num_kv_heads),
+      head_dim=int(cfg.head_dim),
+  )
 
 
 def tunix_qwen3_like(model, cfg):
@@ -148,27 +157,45 @@ def tunix_qwen3_like(model, cfg):
 
   if not cfg.scan_layers or not cfg.logits_via_embedding:
     raise NotImplementedError("the Tunix Qwen3 copy needs scan_layers=true and tied embeddings")
-  tc = q3.ModelConfig(num_layers=int(cfg.num_decoder_layers), vocab_size=int(cfg.vocab_size), embed_dim=int(cfg.emb_dim),
-                      hidden_dim=int(cfg.mlp_dim), num_heads=int(cfg.num_query_heads), head_dim=int(cfg.head_dim),
-                      num_kv_heads=int(cfg.num_kv_heads), rope_theta=int(cfg.rope_max_timescale),
-                      norm_eps=float(cfg.normalization_layer_epsilon), use_tied_embedding=True)
+  tc = q3.ModelConfig(
+      num_layers=int(cfg.num_decoder_layers),
+      vocab_size=int(cfg.vocab_size),
+      embed_dim=int(cfg.emb_dim),
+      hidden_dim=int(cfg.mlp_dim),
+      num_heads=int(cfg.num_query_heads),
+      head_dim=int(cfg.head_dim),
+      num_kv_heads=int(cfg.num_kv_heads),
+      rope_theta=int(cfg.rope_max_timescale),
+      norm_eps=float(cfg.normalization_layer_epsilon),
+      use_tied_embedding=True,
+  )
   t = nnx.eval_shape(lambda: q3.Qwen3(tc, rngs=nnx.Rngs(0)))
   src = nnx.to_pure_dict(nnx.state(model, nnx.Param))["base"]
   dec, lay = src["decoder"], src["decoder"]["layers"]
   a = jnp.asarray
-  dst = {"embedder": {"input_embedding": a(src["token_embedder"]["embedding"])},
-         "final_norm": {"w": a(dec["decoder_norm"]["scale"])}, "layers": {}}
+  dst = {
+      "embedder": {"input_embedding": a(src["token_embedder"]["embedding"])},
+      "final_norm": {"w": a(dec["decoder_norm"]["scale"])},
+      "layers": {},
+  }
   for i in range(tc.num_layers):
     sa = lay["self_attention"]
     dst["layers"][i] = {
-        "attn": {"q_proj": {"w": a(sa["query"]["kernel"][:, i])}, "k_proj": {"w": a(sa["key"]["kernel"][:, i])},
-                 "v_proj": {"w": a(sa["value"]["kernel"][:, i])}, "o_proj": {"w": a(sa["out"]["kernel"][:, i])},
-                 "q_norm": {"w": a(sa["query_norm"]["scale"][:, i])}, "k_norm": {"w": a(sa["key_norm"]["scale"][:, i])}},
+        "attn": {
+            "q_proj": {"w": a(sa["query"]["kernel"][:, i])},
+            "k_proj": {"w": a(sa["key"]["kernel"][:, i])},
+            "v_proj": {"w": a(sa["value"]["kernel"][:, i])},
+            "o_proj": {"w": a(sa["out"]["kernel"][:, i])},
+            "q_norm": {"w": a(sa["query_norm"]["scale"][:, i])},
+            "k_norm": {"w": a(sa["key_norm"]["scale"][:, i])},
+        },
         "input_layernorm": {"w": a(lay["pre_self_attention_layer_norm"]["scale"][:, i])},
         "post_attention_layernorm": {"w": a(lay["post_self_attention_layer_norm"]["scale"][:, i])},
-        "mlp": {"gate_proj": {"kernel": a(lay["mlp"]["wi_0"]["kernel"][:, i])},
-                "up_proj": {"kernel": a(lay["mlp"]["wi_1"]["kernel"][:, i])},
-                "down_proj": {"kernel": a(lay["mlp"]["wo"]["kernel"][:, i])}},
+        "mlp": {
+            "gate_proj": {"kernel": a(lay["mlp"]["wi_0"]["kernel"][:, i])},
+            "up_proj": {"kernel": a(lay["mlp"]["wi_1"]["kernel"][:, i])},
+            "down_proj": {"kernel": a(lay["mlp"]["wo"]["kernel"][:, i])},
+        },
     }
   graphdef, state = nnx.split(t)
   nnx.replace_by_pure_dict(state, dst)
@@ -194,7 +221,7 @@ def _time_tunix(tmodel, tok, cfg, prompts_text, T, repeats):
   toks = np.full((len(prompts_text), T), -1, np.int64)
   for i, r in enumerate(out.tokens):
     r = np.asarray(r)[:T]
-    toks[i, :len(r)] = r
+    toks[i, : len(r)] = r
   return toks, best, first
 
 
@@ -206,11 +233,19 @@ def main(argv=None) -> int:
   ap.add_argument("--new-tokens", type=int, default=128)
   ap.add_argument("--repeats", type=int, default=3, help="timed engine runs per batch size (best is reported)")
   ap.add_argument("--recompute-repeats", type=int, default=1, help="timed runs of each recompute baseline")
-  ap.add_argument("--recompute-max-batch", type=int, default=8,
-                  help="skip the full-logits recompute baseline above this batch size (it is quadratic: B x (prompt + "
-                       "new) x vocab per step; ~10 min at 32 x 128 on 2 cores)")
-  ap.add_argument("--tunix", action=argparse.BooleanOptionalAction, default=True,
-                  help="also time Tunix's own KV-cache Sampler (on a Tunix Qwen3 with the same weights)")
+  ap.add_argument(
+      "--recompute-max-batch",
+      type=int,
+      default=8,
+      help="skip the full-logits recompute baseline above this batch size (it is quadratic: B x (prompt + "
+      "new) x vocab per step; ~10 min at 32 x 128 on 2 cores)",
+  )
+  ap.add_argument(
+      "--tunix",
+      action=argparse.BooleanOptionalAction,
+      default=True,
+      help="also time Tunix's own KV-cache Sampler (on a Tunix Qwen3 with the same weights)",
+  )
   ap.add_argument("--peak-n", type=int, default=1024, help="matmul size of the in-run peak FLOP/s measurement")
   ap.add_argument("--decoder-scale", type=float, default=3.0, help="random-init decoder weight scale (see docstring)")
   args = ap.parse_args(argv)
@@ -240,13 +275,18 @@ def main(argv=None) -> int:
     scale = lambda path, x: x * args.decoder_scale if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x  # noqa: E731
     nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
   engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh, config=cfg)
-  print(f"model {cfg.model_name} ({cfg.num_decoder_layers} layers, emb {cfg.emb_dim}, vocab {cfg.vocab_size}) on "
-        f"{len(rs.sampler_devices)} {jax.devices()[0].platform} device(s); setup {time.perf_counter() - t0:.1f}s",
-        flush=True)
+  print(
+      f"model {cfg.model_name} ({cfg.num_decoder_layers} layers, emb {cfg.emb_dim}, vocab {cfg.vocab_size}) on "
+      f"{len(rs.sampler_devices)} {jax.devices()[0].platform} device(s); setup {time.perf_counter() - t0:.1f}s",
+      flush=True,
+  )
 
   peak = bench_peak.measure_peak_flops(args.peak_n)
-  print(f"peak {peak['peak_flops'] / 1e9:.1f} GFLOP/s ({args.peak_n}^3 f32 matmul); per-token params "
-        f"{bench_peak.param_counts(cfg)}", flush=True)
+  print(
+      f"peak {peak['peak_flops'] / 1e9:.1f} GFLOP/s ({args.peak_n}^3 f32 matmul); per-token params "
+      f"{bench_peak.param_counts(cfg)}",
+      flush=True,
+  )
   tunix_error, tmodel = "", None
   if args.tunix:
     tunix_error = _tunix_error(model, tok, cfg, mesh)
@@ -277,40 +317,63 @@ def main(argv=None) -> int:
     eng_tps = B * T / eng_s
     lp = max(len(p) for p in prompts)
     flops = bench_peak.decode_flops(cfg, B, lp, T)
-    row = {"batch": B, "new_tokens": int(res.lengths.min()), "engine_tokens_per_s": round(eng_tps, 1),
-           "engine_seconds": round(eng_s, 3), "engine_compile_seconds": round(compile_s, 2),
-           "engine_flops_per_s": round(flops / eng_s),
-           "engine_fraction_of_peak": round(flops / eng_s / peak["peak_flops"], 4)}
+    row = {
+        "batch": B,
+        "new_tokens": int(res.lengths.min()),
+        "engine_tokens_per_s": round(eng_tps, 1),
+        "engine_seconds": round(eng_s, 3),
+        "engine_compile_seconds": round(compile_s, 2),
+        "engine_flops_per_s": round(flops / eng_s),
+        "engine_fraction_of_peak": round(flops / eng_s / peak["peak_flops"], 4),
+    }
     if tmodel is not None:
       t_s = float(np.median(ttimes))
       match = bool(np.array_equal(tunix_toks, res.tokens))
-      row.update({"tunix_tokens_per_s": round(B * T / t_s, 1), "tunix_seconds": round(t_s, 3),
-                  "tunix_first_call_seconds": round(tunix_first, 2), "speedup_vs_tunix": round(t_s / eng_s, 2),
-                  "tunix_fraction_of_peak": round(flops / t_s / peak["peak_flops"], 4), "tunix_greedy_match": match,
-                  "tunix_first_mismatch_step": None if match else int(np.argmax((tunix_toks != res.tokens).any(0)))})
+      row.update(
+          {
+              "tunix_tokens_per_s": round(B * T / t_s, 1),
+              "tunix_seconds": round(t_s, 3),
+              "tunix_first_call_seconds": round(tunix_first, 2),
+              "speedup_vs_tunix": round(t_s / eng_s, 2),
+              "tunix_fraction_of_peak": round(flops / t_s / peak["peak_flops"], 4),
+              "tunix_greedy_match": match,
+              "tunix_first_mismatch_step": None if match else int(np.argmax((tunix_toks != res.tokens).any(0))),
+          }
+      )
 
     for name, last_only, limit in (("recompute", False, args.recompute_max_batch), ("recompute_lastpos", True, 1 << 30)):
       if B > limit:
         continue
-      ref, secs, rc_compile = _time_recompute(model, mesh, cfg, prompts, tok.pad_token_id, T, last_only,
-                                              args.recompute_repeats)
+      ref, secs, rc_compile = _time_recompute(
+          model, mesh, cfg, prompts, tok.pad_token_id, T, last_only, args.recompute_repeats
+      )
       match = bool(np.array_equal(ref, res.tokens))
-      row.update({f"{name}_tokens_per_s": round(B * T / secs, 1), f"{name}_seconds": round(secs, 3),
-                  f"{name}_compile_seconds": round(rc_compile, 2), f"{name}_speedup": round(eng_tps * secs / (B * T), 2),
-                  f"{name}_greedy_match": match,
-                  f"{name}_first_mismatch_step": None if match else int(np.argmax((ref != res.tokens).any(0)))})
+      row.update(
+          {
+              f"{name}_tokens_per_s": round(B * T / secs, 1),
+              f"{name}_seconds": round(secs, 3),
+              f"{name}_compile_seconds": round(rc_compile, 2),
+              f"{name}_speedup": round(eng_tps * secs / (B * T), 2),
+              f"{name}_greedy_match": match,
+              f"{name}_first_mismatch_step": None if match else int(np.argmax((ref != res.tokens).any(0))),
+          }
+      )
     rows.append(row)
     print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
   print()
-  print(f"{'batch':>6} {'engine tok/s':>13} {'recompute tok/s':>16} {'x':>6} {'lastpos tok/s':>14} {'x':>6} "
-        f"{'match':>6} {'compile s':>10}")
+  print(
+      f"{'batch':>6} {'engine tok/s':>13} {'recompute tok/s':>16} {'x':>6} {'lastpos tok/s':>14} {'x':>6} "
+      f"{'match':>6} {'compile s':>10}"
+  )
   nan = float("nan")
   for r in rows:
     matches = [v for k, v in r.items() if k.endswith("greedy_match") and not k.startswith("tunix")]
-    print(f"{r['batch']:>6} {r['engine_tokens_per_s']:>13.1f} {r.get('recompute_tokens_per_s', nan):>16.1f} "
-          f"{r.get('recompute_speedup', nan):>6.2f} {r.get('recompute_lastpos_tokens_per_s', nan):>14.1f} "
-          f"{r.get('recompute_lastpos_speedup', nan):>6.2f} {str(all(matches)):>6} {r['engine_compile_seconds']:>10.1f}")
+    print(
+        f"{r['batch']:>6} {r['engine_tokens_per_s']:>13.1f} {r.get('recompute_tokens_per_s', nan):>16.1f} "
+        f"{r.get('recompute_speedup', nan):>6.2f} {r.get('recompute_lastpos_tokens_per_s', nan):>14.1f} "
+        f"{r.get('recompute_lastpos_speedup', nan):>6.2f} {str(all(matches)):>6} {r['engine_compile_seconds']:>10.1f}"
+    )
   head = max((r for r in rows if "recompute_speedup" in r), key=lambda r: r["batch"], default=rows[-1])
   summary = {
       "benchmark": "rollout",
@@ -322,16 +385,18 @@ def main(argv=None) -> int:
       "speedup": head.get("recompute_speedup"),
       "recompute_lastpos_tokens_per_s": head.get("recompute_lastpos_tokens_per_s"),
       "speedup_vs_lastpos": head.get("recompute_lastpos_speedup"),
-      "greedy_match": all(v for r in rows for k, v in r.items()
-                          if k.endswith("greedy_match") and not k.startswith("tunix")),
+      "greedy_match": all(
+          v for r in rows for k, v in r.items() if k.endswith("greedy_match") and not k.startswith("tunix")
+      ),
       "engine_tokens_per_s_by_batch": {str(r["batch"]): r["engine_tokens_per_s"] for r in rows},
       "engine_compile_seconds": round(sum(r["engine_compile_seconds"] for r in rows), 2),
       "engine_compile_count": engine.compile_count,
       **{k: v for k, v in peak.items() if k != "peak_seconds"},
       "engine_fraction_of_peak_by_batch": {str(r["batch"]): r["engine_fraction_of_peak"] for r in rows},
       "tunix_maxtext_error": tunix_error if args.tunix else None,
-      "tunix_tokens_per_s_by_batch": {str(r["batch"]): r["tunix_tokens_per_s"]
-                                      for r in rows if "tunix_tokens_per_s" in r},
+      "tunix_tokens_per_s_by_batch": {
+          str(r["batch"]): r["tunix_tokens_per_s"] for r in rows if "tunix_tokens_per_s" in r
+      },
       "speedup_vs_tunix_by_batch": {str(r["batch"]): r["speedup_vs_tunix"] for r in rows if "speedup_vs_tunix" in r},
       "tunix_greedy_match": all(r["tunix_greedy_match"] for r in rows) if args.tunix else None,
       "by_batch": rows,

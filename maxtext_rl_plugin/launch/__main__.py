@@ -31,13 +31,14 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
   argv = list(argv)
   if "--" in argv:
     i = argv.index("--")
-    return argv[:i], argv[i + 1:]
+    return argv[:i], argv[i + 1 :]
   return argv, []
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = _Parser(prog="python -m maxtext_rl_plugin.launch", description=__doc__,
-              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = _Parser(
+      prog="python -m maxtext_rl_plugin.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+  )
   sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
 
   x = sub.add_parser("xpk", help="xpk workload create-pathways for train_rl")
@@ -71,16 +72,26 @@ def _parser() -> argparse.ArgumentParser:
   r.add_argument("--cpus-per-worker", type=float, default=1.0, help="CPU workers only")
   r.add_argument("--cpu-devices-per-worker", type=int, default=1, help="JAX host devices per CPU worker")
   r.add_argument("--config", default=xpk_lib.DEFAULT_CONFIG)
-  r.add_argument("--entry", default="train_rl", choices=("train_rl", "smoke"),
-                 help="train_rl, or smoke: one tiny GRPO step to check the cluster's multi-process JAX")
-  r.add_argument("--name", default=None, help="Ray run name; also train_rl's run_name unless overridden (the same name resumes)")
+  r.add_argument(
+      "--entry",
+      default="train_rl",
+      choices=("train_rl", "smoke"),
+      help="train_rl, or smoke: one tiny GRPO step to check the cluster's multi-process JAX",
+  )
+  r.add_argument(
+      "--name", default=None, help="Ray run name; also train_rl's run_name unless overridden (the same name resumes)"
+  )
   r.add_argument("--storage-path", default=None, help="Ray Train storage (shared across nodes, e.g. /data or gs://)")
   r.add_argument("--result-dir", default=None, help="smoke: write each worker's metrics to <dir>/rank<i>.json")
   r.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
   r.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray cluster started by the launcher")
-  r.add_argument("--max-failures", type=int, default=0,
-                 help="Ray FailureConfig(max_failures): restart the worker group after a failure up to N times "
-                      "(-1: forever); train_rl resumes from the newest checkpoint")
+  r.add_argument(
+      "--max-failures",
+      type=int,
+      default=0,
+      help="Ray FailureConfig(max_failures): restart the worker group after a failure up to N times "
+      "(-1: forever); train_rl resumes from the newest checkpoint",
+  )
   r.add_argument("--dry-run", action="store_true", help="print the JaxTrainer setup and run nothing")
   return p
 
@@ -95,9 +106,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(flags)  # -h/--help: argparse prints the subcommand's help and exits 0
     if args.cmd == "xpk":
       cmd = xpk_lib.build_create(
-          workload=args.workload, cluster=args.cluster, tpu_type=args.tpu_type, project=args.project,
-          docker_image=args.docker_image, overrides=overrides, num_slices=args.num_slices, priority=args.priority,
-          zone=args.zone, max_restarts=args.max_restarts, config=args.config,
+          workload=args.workload,
+          cluster=args.cluster,
+          tpu_type=args.tpu_type,
+          project=args.project,
+          docker_image=args.docker_image,
+          overrides=overrides,
+          num_slices=args.num_slices,
+          priority=args.priority,
+          zone=args.zone,
+          max_restarts=args.max_restarts,
+          config=args.config,
       )
       for w in xpk_lib.warnings_for(overrides, args.max_restarts, dict(os.environ)):
         print(f"warning: {w}", file=sys.stderr, flush=True)
@@ -105,11 +124,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if overrides and args.cmd != "ray":
       raise xpk_lib.LaunchError(f"{args.cmd} takes no train_rl overrides (got '{overrides[0]}')")
     if args.cmd == "xpk-delete":
-      return xpk_lib.run(xpk_lib.build_delete(workload=args.workload, cluster=args.cluster, project=args.project,
-                                              zone=args.zone, force=args.force), dry_run=args.dry_run)
+      return xpk_lib.run(
+          xpk_lib.build_delete(
+              workload=args.workload, cluster=args.cluster, project=args.project, zone=args.zone, force=args.force
+          ),
+          dry_run=args.dry_run,
+      )
     if args.cmd == "xpk-list":
-      return xpk_lib.run(xpk_lib.build_list(cluster=args.cluster, project=args.project, zone=args.zone,
-                                            workload=args.workload), dry_run=args.dry_run)
+      return xpk_lib.run(
+          xpk_lib.build_list(cluster=args.cluster, project=args.project, zone=args.zone, workload=args.workload),
+          dry_run=args.dry_run,
+      )
     from maxtext_rl_plugin.launch import ray as ray_lib  # pylint: disable=import-outside-toplevel
 
     return ray_lib.run(ray_lib.from_args(args, overrides), dry_run=args.dry_run)

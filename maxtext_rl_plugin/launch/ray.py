@@ -98,7 +98,10 @@ class RayLaunch:
     if self.use_tpu:
       env = dict(TPU_WORKER_ENV)
     else:
-      env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": _cpu_xla_flags(environ.get("XLA_FLAGS", ""), self.cpu_devices_per_worker)}
+      env = {
+          "JAX_PLATFORMS": "cpu",
+          "XLA_FLAGS": _cpu_xla_flags(environ.get("XLA_FLAGS", ""), self.cpu_devices_per_worker),
+      }
     env["RAY_TRAIN_V2_ENABLED"] = "1"
     token = self.hf_token() or environ.get(xpk_lib.SECRET_ENV)
     if token:
@@ -243,8 +246,11 @@ def build_trainer(launch: RayLaunch):
     scaling = ScalingConfig(**launch.scaling_config_kwargs())
   except ValueError as e:
     raise xpk_lib.LaunchError(f"Ray rejected the scaling config: {' '.join(str(e).split())}") from None
-  run_kwargs: dict[str, Any] = {"name": launch.run_name(), "worker_runtime_env": {"env_vars": launch.worker_env()},
-                                "failure_config": FailureConfig(**launch.failure_config_kwargs())}
+  run_kwargs: dict[str, Any] = {
+      "name": launch.run_name(),
+      "worker_runtime_env": {"env_vars": launch.worker_env()},
+      "failure_config": FailureConfig(**launch.failure_config_kwargs()),
+  }
   if launch.storage_path:
     run_kwargs["storage_path"] = launch.storage_path
   return JaxTrainer(

@@ -18,7 +18,9 @@ from typing import Any
 import numpy as np
 
 
-def make_batch(*, seed: int, prompts: int, num_generations: int, length: int, dim: int, vocab: int) -> dict[str, np.ndarray]:
+def make_batch(
+    *, seed: int, prompts: int, num_generations: int, length: int, dim: int, vocab: int
+) -> dict[str, np.ndarray]:
   """Sampled completions of a group rollout: features, tokens, masks, rewards, old/ref log-probs (NumPy)."""
   rng = np.random.default_rng(seed)
   b = prompts * num_generations
@@ -31,8 +33,14 @@ def make_batch(*, seed: int, prompts: int, num_generations: int, length: int, di
   rewards = hits.astype(np.float32)
   old_shift = (0.05 * rng.standard_normal((b, length))).astype(np.float32)
   ref_shift = (0.05 * rng.standard_normal((b, length))).astype(np.float32)
-  return {"feats": feats, "tokens": tokens, "mask": mask, "rewards": rewards, "old_shift": old_shift,
-          "ref_shift": ref_shift}
+  return {
+      "feats": feats,
+      "tokens": tokens,
+      "mask": mask,
+      "rewards": rewards,
+      "old_shift": old_shift,
+      "ref_shift": ref_shift,
+  }
 
 
 def grpo_step(
@@ -78,8 +86,16 @@ def grpo_step(
 
   def loss_fn(w, b, old, ref):
     return algorithms.policy_loss(
-        token_logps(w, b), old, ref, b["advantages"], b["mask"], loss_algo=loss_algo, epsilon=0.2, beta=beta,
-        kl_estimator="k3", loss_agg_mode="sequence-mean-token-mean",
+        token_logps(w, b),
+        old,
+        ref,
+        b["advantages"],
+        b["mask"],
+        loss_algo=loss_algo,
+        epsilon=0.2,
+        beta=beta,
+        kl_estimator="k3",
+        loss_agg_mode="sequence-mean-token-mean",
     )
 
   def step(w, b):

@@ -76,10 +76,12 @@ def check_name(flag: str, value: str) -> str:
   try:
     from xpk.parser.validators import name_type  # pylint: disable=import-outside-toplevel
   except ImportError:
+
     def name_type(v: str) -> str:
       if not _NAME_RE.fullmatch(v) or len(v) > _NAME_MAX:
         raise argparse.ArgumentTypeError(v)
       return v
+
   try:
     name_type(value)
   except argparse.ArgumentTypeError:
@@ -226,8 +228,20 @@ def build_create(
   if validate:
     validate_overrides(config, train_args)
   token = environ.get(SECRET_ENV) or None
-  argv = ["workload", "create-pathways", "--workload", workload, "--cluster", cluster, "--tpu-type", tpu_type,
-          "--num-slices", str(num_slices), "--project", project]
+  argv = [
+      "workload",
+      "create-pathways",
+      "--workload",
+      workload,
+      "--cluster",
+      cluster,
+      "--tpu-type",
+      tpu_type,
+      "--num-slices",
+      str(num_slices),
+      "--project",
+      project,
+  ]
   if zone:
     argv += ["--zone", zone]
   argv += ["--priority", priority]
@@ -241,8 +255,9 @@ def build_create(
   return Command(argv=tuple(argv), shown="xpk " + render(shown, token))
 
 
-def build_delete(*, workload: str, cluster: str, project: str | None = None, zone: str | None = None,
-                 force: bool = False) -> Command:
+def build_delete(
+    *, workload: str, cluster: str, project: str | None = None, zone: str | None = None, force: bool = False
+) -> Command:
   check_name("--workload", workload)
   check_name("--cluster", cluster)
   argv = ["workload", "delete", "--workload", workload, "--cluster", cluster]
@@ -252,7 +267,9 @@ def build_delete(*, workload: str, cluster: str, project: str | None = None, zon
   return Command(argv=tuple(argv), shown="xpk " + render(argv))
 
 
-def build_list(*, cluster: str, project: str | None = None, zone: str | None = None, workload: str | None = None) -> Command:
+def build_list(
+    *, cluster: str, project: str | None = None, zone: str | None = None, workload: str | None = None
+) -> Command:
   check_name("--cluster", cluster)
   argv = ["workload", "list", "--cluster", cluster]
   argv += _project_zone(project, zone)
@@ -307,4 +324,6 @@ def run(cmd: Command, *, dry_run: bool) -> int:
   try:
     return subprocess.run([*xpk_executable(), *cmd.argv], check=False).returncode
   except FileNotFoundError as e:
-    raise LaunchError(f"could not run xpk ({e.filename}); install it with: pipx install xpk==1.16.0 (or set MAXTEXT_RL_XPK)") from None
+    raise LaunchError(
+        f"could not run xpk ({e.filename}); install it with: pipx install xpk==1.16.0 (or set MAXTEXT_RL_XPK)"
+    ) from None

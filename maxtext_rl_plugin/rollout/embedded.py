@@ -145,8 +145,11 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     self._stop_ids = [self._eos_id] + [t for t in dict.fromkeys(extra) if t != self._eos_id]
     self._stop_strings = [s for s in (getattr(cfg, "stop_strings", None) or []) if s]
     if self._pad_id in self._stop_ids:
-      logging.warning("EmbeddedRollout: stop token %d is also the pad id; Tunix's 'not pad' completion mask will "
-                      "not train it (GenerationResult.lengths still counts it)", self._pad_id)
+      logging.warning(
+          "EmbeddedRollout: stop token %d is also the pad id; Tunix's 'not pad' completion mask will "
+          "not train it (GenerationResult.lengths still counts it)",
+          self._pad_id,
+      )
     self._prefill_buckets = list(getattr(cfg, "rollout_prefill_buckets", None) or [32, 64, 128, 256, 512, 1024, 2048])
     self._batch_buckets = list(getattr(cfg, "rollout_batch_buckets", None) or [1, 2, 4, 8, 16, 32, 64, 128, 256])
     self._default_sampling = sampling.SamplingParams.create(
@@ -187,7 +190,8 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     # run one replica per data shard). Here one program serves the whole data-parallel batch, so the cache
     # is sharded over the same axes as the batch (first matching rule wins, so prepending overrides).
     self._rules = tuple((name, self._batch_axes) for name in ("cache_batch", "cache_batch_prefill")) + tuple(
-        (k, v) for k, v in cfg.logical_axis_rules if k not in ("cache_batch", "cache_batch_prefill"))
+        (k, v) for k, v in cfg.logical_axis_rules if k not in ("cache_batch", "cache_batch_prefill")
+    )
 
     self._compiled: dict[Any, Any] = {}
     self._rest: dict | None = None  # RNG-stream state of the decode model (never drawn from; built once)
@@ -197,8 +201,13 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     self.compile_seconds = 0.0
     self._logps_fns: dict[Any, Any] = {}
     self._lora_merger = lora_lib.Merger(cfg) if lora_lib.has_adapters(self._actor) else None
-    logging.info("EmbeddedRollout: stop ids %s, stop strings %s, data-parallel %d over %s", self._stop_ids,
-                 self._stop_strings, self._dp, self._batch_axes)
+    logging.info(
+        "EmbeddedRollout: stop ids %s, stop strings %s, data-parallel %d over %s",
+        self._stop_ids,
+        self._stop_strings,
+        self._dp,
+        self._batch_axes,
+    )
 
   # ------------------------------------------------------------------ Tunix BaseRollout contract
   def pad_id(self) -> int:
@@ -258,7 +267,9 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     params = jax.tree.map(lambda x: x.astype(dst_dtype) if x.dtype != dst_dtype else x, params)
     nnx.update(self._actor, params)
 
-  def generate(self, prompts: list[str], rollout_config: base_rollout.RolloutConfig, **kwargs) -> base_rollout.RolloutOutput:
+  def generate(
+      self, prompts: list[str], rollout_config: base_rollout.RolloutConfig, **kwargs
+  ) -> base_rollout.RolloutOutput:
     """Tunix entry: GRPO passes each prompt repeated `num_generations` times consecutively; such runs
     are prefilled once and sampled G times."""
     del kwargs
@@ -266,7 +277,9 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     ids = [self._tokenizer.encode(p) for p in prompts]
     max_prompt = int(rollout_config.max_prompt_length)
     if any(len(x) > max_prompt for x in ids):
-      logging.warning("EmbeddedRollout: prompts longer than max_prompt_length=%d are cut to their last tokens", max_prompt)
+      logging.warning(
+          "EmbeddedRollout: prompts longer than max_prompt_length=%d are cut to their last tokens", max_prompt
+      )
       ids = [x[-max_prompt:] for x in ids]
     unique, group = _consecutive_groups(ids)
     eos_tokens = rollout_config.eos_tokens
@@ -280,8 +293,13 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     if seed is None:
       rng = jax.random.fold_in(rng, self._generate_calls)
     res = self.generate_tokens(
-        unique, num_generations=group, max_new_tokens=int(rollout_config.max_tokens_to_generate), rng=rng,
-        sampling_params=params, extra_stop_ids=eos_tokens, prompt_pad_to=max_prompt,
+        unique,
+        num_generations=group,
+        max_new_tokens=int(rollout_config.max_tokens_to_generate),
+        rng=rng,
+        sampling_params=params,
+        extra_stop_ids=eos_tokens,
+        prompt_pad_to=max_prompt,
     )
     return base_rollout.RolloutOutput(
         text=res.texts,
@@ -291,24 +309,40 @@ class EmbeddedRollout(base_rollout.BaseRollout):
         logprobs=[res.logps[i, : res.lengths[i]] for i in range(len(res.texts))],
     )
 
-  def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array,
-                          temperature: float | None = None) -> jax.Array:
+  def get_per_token_logps(
+      self, prompt_tokens: jax.Array, completion_tokens: jax.Array, temperature: float | None = None
+  ) -> jax.Array:
     """Log-probs of `completion_tokens` under the rollout weights (full forward, no cache), at the
     rollout temperature like Tunix's trainer/reference log-probs."""
     if temperature is None:
-      temperature = self._rollout_config.temperature if self._rollout_config is not None else self._default_sampling.temperature
+      temperature = (
+          self._rollout_config.temperature if self._rollout_config is not None else self._default_sampling.temperature
+      )
     temperature = float(temperature) if temperature and temperature > 0 else 1.0
     graphdef, state = nnx.split(self._actor)
     fn = self._logps_fns.get(temperature)  # the actor's graph is fixed; weights are an argument
     if fn is None:
+
       def _logps(state, prompt_tokens, completion_tokens):
         return tunix_common.compute_per_token_logps(
-            graphdef, state, prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, pad_id=self._pad_id,
-            eos_id=self._eos_id, stop_gradient=True, return_logits=False, temperature=temperature)
+            graphdef,
+            state,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            pad_id=self._pad_id,
+            eos_id=self._eos_id,
+            stop_gradient=True,
+            return_logits=False,
+            temperature=temperature,
+        )
+
       fn = self._logps_fns[temperature] = jax.jit(_logps)
     with self._mesh, logical_axis_rules(self.config.logical_axis_rules):
-      return fn(state, distributed.global_batch(prompt_tokens, self._mesh, self._batch_axes),
-                distributed.global_batch(completion_tokens, self._mesh, self._batch_axes))
+      return fn(
+          state,
+          distributed.global_batch(prompt_tokens, self._mesh, self._batch_axes),
+          distributed.global_batch(completion_tokens, self._mesh, self._batch_axes),
+      )
 
   # ------------------------------------------------------------------ direct API
   def generate_tokens(
@@ -359,15 +393,16 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     parts = []
     for start in range(0, len(prompt_token_lists), per_call):
       rng, sub = jax.random.split(rng)
-      parts.append(self._generate_chunk(prompt_token_lists[start:start + per_call], G, T, spec, params, stop_ids,
-                                        stop_seqs, sub))
+      parts.append(
+          self._generate_chunk(prompt_token_lists[start : start + per_call], G, T, spec, params, stop_ids, stop_seqs, sub)
+      )
     tokens = np.concatenate([p[0] for p in parts])
     logps = np.concatenate([p[1] for p in parts])
     prompt_lens = np.repeat(np.array([len(p) for p in prompt_token_lists], np.int32), G)
     width = max(int(prompt_pad_to or 0), int(prompt_lens.max()))
     left = np.full((len(prompt_lens), width), self._pad_id, np.int32)
     for i, p in enumerate(prompt_token_lists):
-      left[i * G:(i + 1) * G, width - len(p):] = np.asarray(p, np.int32)
+      left[i * G : (i + 1) * G, width - len(p) :] = np.asarray(p, np.int32)
     return self._finalize(tokens, logps, prompt_lens, left, stop_ids, strings)
 
   # ------------------------------------------------------------------ internals
@@ -383,7 +418,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
       if not ids or len(ids) > _STOP_WINDOW or row == _MAX_STOP_SEQS:
         continue
       seqs[row] = -1
-      seqs[row, _STOP_WINDOW - len(ids):] = ids
+      seqs[row, _STOP_WINDOW - len(ids) :] = ids
       row += 1
     return seqs
 
@@ -395,7 +430,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     toks = np.full((pb, lp), self._pad_id, np.int32)
     lens = np.ones((pb,), np.int32)
     for i, p in enumerate(prompts):
-      toks[i, lp - len(p):] = np.asarray(p, np.int32)
+      toks[i, lp - len(p) :] = np.asarray(p, np.int32)
       lens[i] = len(p)
     active = np.zeros((pb * G,), bool)
     active[: n_prompts * G] = True
@@ -409,7 +444,8 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     rest = self._rest
     batch_sh = NamedSharding(self._mesh, P(self._batch_axes or None))
     args = (
-        state, rest,
+        state,
+        rest,
         # Every process holds the same prompts (distributed.py); each places the shards its devices hold.
         distributed.global_array(toks, NamedSharding(self._mesh, P(self._batch_axes or None, None))),
         distributed.global_array(lens, batch_sh),
@@ -555,9 +591,14 @@ class EmbeddedRollout(base_rollout.BaseRollout):
       # The decoder's hidden states, then the output head on the last position only: Transformer.__call__
       # would project every prompt position onto the vocabulary (B x L x 150k), which dominates prefill;
       # the decoder's own full-sequence logits are unused and dead-code-eliminated by XLA.
-      _, hidden, _ = model.decoder(shared_embedding=model.token_embedder, decoder_input_tokens=tokens,
-                                   decoder_positions=positions, decoder_segment_ids=segment_ids, deterministic=True,
-                                   model_mode=mode)[:3]
+      _, hidden, _ = model.decoder(
+          shared_embedding=model.token_embedder,
+          decoder_input_tokens=tokens,
+          decoder_positions=positions,
+          decoder_segment_ids=segment_ids,
+          deterministic=True,
+          model_mode=mode,
+      )[:3]
       logits = model.logits_from_hidden_states_for_vocab_tiling(hidden[:, -1:, :], deterministic=True, model_mode=mode)
       return logits, nnx.to_pure_dict(nnx.state(model, nnx.Cache))
 
@@ -571,8 +612,9 @@ class EmbeddedRollout(base_rollout.BaseRollout):
       # Prefill: left-padded prompts; pads get segment 0 (masked), real tokens positions 0..len-1.
       segment = (jnp.arange(L)[None, :] >= (L - lens)[:, None]).astype(jnp.int32)
       positions = jnp.maximum(jnp.cumsum(segment, axis=1) - 1, 0)
-      logits, cache = run_model(gd_prefill, params, rest, self._zero_cache(B, L, T), tokens, positions, segment,
-                                prefill_mode)
+      logits, cache = run_model(
+          gd_prefill, params, rest, self._zero_cache(B, L, T), tokens, positions, segment, prefill_mode
+      )
       last = jnp.repeat(logits[:, -1, :], G, axis=0)
       cache = self._shard_cache(self._repeat_cache(cache, G, N, T))
       lens_n = jnp.repeat(lens, G)
@@ -645,8 +687,12 @@ def _on_rollout_mesh(actor: Any, mesh: jax.sharding.Mesh, cfg: Any) -> Any:
     return actor
   from maxtext_rl_plugin import resharding  # pylint: disable=import-outside-toplevel
 
-  logging.info("EmbeddedRollout: disaggregated (trainer on %d devices, rollout mesh %s); copying the actor onto the "
-               "rollout mesh", len(actor_devices), dict(mesh.shape))
+  logging.info(
+      "EmbeddedRollout: disaggregated (trainer on %d devices, rollout mesh %s); copying the actor onto the "
+      "rollout mesh",
+      len(actor_devices),
+      dict(mesh.shape),
+  )
   with logical_axis_rules(cfg.logical_axis_rules):
     return resharding.model_on_mesh(actor, mesh, cfg.logical_axis_rules)
 
@@ -664,6 +710,7 @@ def _consecutive_groups(ids: list[list[int]]) -> tuple[list[list[int]], int]:
 
 def _stop_string_cut(tokenizer, tokens: np.ndarray, stop_strings: list[str]) -> int | None:
   """Number of tokens up to and including the one whose decoded prefix first contains a stop string."""
+
   def contains(k: int) -> bool:
     text = tokenizer.decode(tokens[:k].tolist(), skip_special_tokens=False)
     return any(s in text for s in stop_strings)

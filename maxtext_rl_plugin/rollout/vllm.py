@@ -54,9 +54,11 @@ def multi_controller_reason(process_count: int, on_pathways: bool) -> str | None
   so engine start-up fails with a KeyError. Pathways is a single controller: every device is local to it.
   """
   if process_count > 1 and not on_pathways:
-    return (f"rollout_engine=vllm needs a single JAX controller (Pathways, or one host); this run has "
-            f"{process_count} JAX processes without Pathways and tpu-inference looks the rollout mesh's device ids up "
-            "in jax.local_devices(). Use rollout_engine=embedded (or auto) for multi-controller runs")
+    return (
+        f"rollout_engine=vllm needs a single JAX controller (Pathways, or one host); this run has "
+        f"{process_count} JAX processes without Pathways and tpu-inference looks the rollout mesh's device ids up "
+        "in jax.local_devices(). Use rollout_engine=embedded (or auto) for multi-controller runs"
+    )
   return None
 
 
@@ -327,10 +329,10 @@ class VllmRollout(base_rollout.BaseRollout):
       written: dict[str, jax.Array] = {}
       for i in range(0, len(keys), step):
         chunk = {k: flat[k] for k in keys[i : i + step]}
-        hf = vllm_mapping.map_maxtext_to_vllm(chunk, cfg.model_name, hf_config,
-                                              param_scan_axis=int(cfg.param_scan_axis))
-        new, _ = vllm_mapping.to_engine_state(hf, engine_flat, require_all=False, head_dim=hf_config["head_dim"],
-                                              flax_layout=flax_layout)
+        hf = vllm_mapping.map_maxtext_to_vllm(chunk, cfg.model_name, hf_config, param_scan_axis=int(cfg.param_scan_axis))
+        new, _ = vllm_mapping.to_engine_state(
+            hf, engine_flat, require_all=False, head_dim=hf_config["head_dim"], flax_layout=flax_layout
+        )
         new = _reshard(new, {k: engine_flat[k].sharding for k in new})
         new = _unaliased(new, trainer_buffers)
         set_leaves(new)
@@ -346,8 +348,12 @@ class VllmRollout(base_rollout.BaseRollout):
       llm.collective_rpc("finish_weight_update")
     self._weights_valid = True
     self._syncs += 1
-    logging.info("synced %d trainer tensors into vLLM (sync %d, kv cache %s)", len(written), self._syncs,
-                 "freed" if free_kv else "kept")
+    logging.info(
+        "synced %d trainer tensors into vLLM (sync %d, kv cache %s)",
+        len(written),
+        self._syncs,
+        "freed" if free_kv else "kept",
+    )
 
   def _should_verify(self) -> bool:
     """The same policy as every other engine's guard (resharding.verify_due), for the sync about to complete."""
@@ -387,7 +393,6 @@ class VllmRollout(base_rollout.BaseRollout):
     return kw
 
 
-
 def _buffer_ids(x: Any) -> set:
   """Identities of the device buffers behind `x` (a jax.Array can share buffers with a different Array)."""
   ids = {("obj", id(x))}
@@ -425,6 +430,7 @@ def _verify_engine_holds(worker: Any, written: Mapping[str, jax.Array]) -> None:
     same = got is want or (got is not None and bool(jnp.array_equal(jnp.asarray(got), want)))
     if not same:
       raise RuntimeError(f"vLLM weight sync did not take effect: engine parameter {name} differs from the trainer's")
+
 
 def _actor_params(rollout_actor: Any) -> Any:
   """The trainer's parameters: `nnx.state(model, nnx.Param)` for a module, the tree itself otherwise."""

@@ -271,8 +271,9 @@ def _heads(weight, n_dst: int, h_dst: int, head_axis: int, name: str):
   return weight
 
 
-def to_engine_layout(weight, dst_shape: tuple[int, ...], engine_name: str, *, head_dim: int | None = None,
-                     flax_layout: bool | None = None):
+def to_engine_layout(
+    weight, dst_shape: tuple[int, ...], engine_name: str, *, head_dim: int | None = None, flax_layout: bool | None = None
+):
   """An HF-layout tensor in the engine's layout, decided by shape (by layout/name only where shapes cannot tell).
 
   HF linear weights are `[out, in]`; flax kernels are `[in, ...out]`, split per head for attention:
@@ -300,8 +301,7 @@ def to_engine_layout(weight, dst_shape: tuple[int, ...], engine_name: str, *, he
           return _heads(jnp.reshape(weight.T, (in_dim, flat_dim // hd, hd)), dst[1], dst[2], 1, engine_name)
         return _heads(jnp.reshape(weight.T, (flat_dim // hd, hd, out_dim)), dst[0], dst[1], 0, engine_name)
   elif weight.ndim == 2 and len(dst) == 2:
-    flax = flax_layout if flax_layout is not None else (
-        engine_name.endswith(".kernel") or engine_name == "model.lm_head")
+    flax = flax_layout if flax_layout is not None else (engine_name.endswith(".kernel") or engine_name == "model.lm_head")
     prefer_t = flax and "embed" not in engine_name  # embeddings are [vocab, hidden] in both layouts
     for transpose in (prefer_t, not prefer_t):  # both fit only when square: the layout decides
       w = weight.T if transpose else weight
@@ -312,13 +312,24 @@ def to_engine_layout(weight, dst_shape: tuple[int, ...], engine_name: str, *, he
         pad = [(0, 0), (0, 0)]
         pad[vax] = (0, dst[vax] - w.shape[vax])
         return jnp.pad(w, pad)  # zero rows, as tpu-inference's load_nnx_param_from_reshaped_torch pads vocab
-  elif (weight.ndim == 1 and len(dst) == 1 and shape[0] == head_dim and shape[0] < dst[0]
-        and ("q_norm" in engine_name or "k_norm" in engine_name)):
+  elif (
+      weight.ndim == 1
+      and len(dst) == 1
+      and shape[0] == head_dim
+      and shape[0] < dst[0]
+      and ("q_norm" in engine_name or "k_norm" in engine_name)
+  ):
     # Written as its loader would pad it, but tpu-inference then normalises q/k over the padded width: a Qwen3 with
     # head_dim < 128 (only shrunk test models; its own Qwen3 loader refuses them) samples from different numerics.
-    logging.log_first_n(logging.WARNING, "vLLM parameter %s: head_dim %d padded to %d; tpu-inference's q/k RMS norm "
-                        "then averages over the padded width, so its samples do not match the trainer's model", 1,
-                        engine_name, shape[0], dst[0])
+    logging.log_first_n(
+        logging.WARNING,
+        "vLLM parameter %s: head_dim %d padded to %d; tpu-inference's q/k RMS norm "
+        "then averages over the padded width, so its samples do not match the trainer's model",
+        1,
+        engine_name,
+        shape[0],
+        dst[0],
+    )
     return jnp.pad(weight, (0, dst[0] - shape[0]))
   elif shape == dst:
     return weight
@@ -352,8 +363,9 @@ def to_engine_state(
         dst = engine_params[cand]
         if cand in new:
           raise ValueError(f"two vLLM tensors map to engine parameter {cand}")
-        new[cand] = to_engine_layout(w, tuple(dst.shape), cand, head_dim=head_dim,
-                                     flax_layout=flax_layout).astype(dst.dtype)
+        new[cand] = to_engine_layout(w, tuple(dst.shape), cand, head_dim=head_dim, flax_layout=flax_layout).astype(
+            dst.dtype
+        )
         names[hf_name] = cand
         break
     else:
@@ -374,9 +386,7 @@ def check_all_written(engine_params: Mapping[str, Any], written) -> None:
   written_ids = {id(engine_params[n]) for n in written if n in engine_params}
   unwritten = sorted(n for n in set(engine_params) - set(written) if id(engine_params[n]) not in written_ids)
   if unwritten:
-    raise ValueError(
-        f"{len(unwritten)} vLLM parameters would keep their dummy initialisation, e.g. {unwritten[:3]}"
-    )
+    raise ValueError(f"{len(unwritten)} vLLM parameters would keep their dummy initialisation, e.g. {unwritten[:3]}")
 
 
 def engine_state_setter(state: Any) -> Callable[[Mapping[str, Any]], None]:

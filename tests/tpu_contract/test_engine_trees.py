@@ -46,7 +46,9 @@ def test_real_trees_have_the_padded_shapes_the_mapping_handles(model_dir):
   assert tuple(qwen["lm_head.weight"].shape) == (128, 1004)
   assert tuple(qwen["model.layers.0.mlp.gate_proj.weight"].shape) == (128, 256)
   assert tuple(qwen["model.layers.0.self_attn.q_norm.weight"].shape) == (128,)
-  assert len(qwen) == 25 and not any(k.startswith("rng.") for k in vm.flatten_params(_state(build(model_dir, "qwen3")[0])))
+  assert len(qwen) == 25 and not any(
+      k.startswith("rng.") for k in vm.flatten_params(_state(build(model_dir, "qwen3")[0]))
+  )
   assert vm.engine_name_candidates("lm_head.weight")[0] == "lm_head.weight"
 
 
@@ -56,8 +58,11 @@ def test_padded_kv_kernel_is_repeated_heads_with_zero_padded_head_dim(model_dir)
   dst = weights["model.layers.0.self_attn.k_proj.kernel"]
   kv, hd, d = 2, 32, 128
   hf_k = np.arange(kv * hd * d, dtype=np.float32).reshape(kv * hd, d)
-  got = np.asarray(vm.to_engine_layout(jnp.asarray(hf_k), tuple(dst.shape), "model.layers.0.self_attn.k_proj.kernel",
-                                       head_dim=hd, flax_layout=True))
+  got = np.asarray(
+      vm.to_engine_layout(
+          jnp.asarray(hf_k), tuple(dst.shape), "model.layers.0.self_attn.k_proj.kernel", head_dim=hd, flax_layout=True
+      )
+  )
   per_head = hf_k.T.reshape(d, kv, hd)  # [D, kv, hd]
   for engine_head, src_head in enumerate([0, 0, 1, 1]):  # kv head k serves the same query heads as before
     np.testing.assert_array_equal(got[:, engine_head, :hd], per_head[:, src_head])
@@ -84,20 +89,34 @@ def test_llama_mapping_equals_tpu_inference_own_loader(model_dir):
   params = nnx.state(model)
   shardings = nnx.get_named_sharding(params, mesh)
   names = {
-      "model.embed_tokens": "model.embed.embedding", "model.norm": "model.norm.scale", "lm_head": "model.lm_head",
-      **{f"model.layers.*.{k}": f"model.layers.*.{k}.{'scale' if 'norm' in k else 'kernel'}" for k in (
-          "input_layernorm", "post_attention_layernorm", "mlp.down_proj", "mlp.gate_proj", "mlp.up_proj",
-          "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")},
+      "model.embed_tokens": "model.embed.embedding",
+      "model.norm": "model.norm.scale",
+      "lm_head": "model.lm_head",
+      **{
+          f"model.layers.*.{k}": f"model.layers.*.{k}.{'scale' if 'norm' in k else 'kernel'}"
+          for k in (
+              "input_layernorm",
+              "post_attention_layernorm",
+              "mlp.down_proj",
+              "mlp.gate_proj",
+              "mlp.up_proj",
+              "self_attn.q_proj",
+              "self_attn.k_proj",
+              "self_attn.v_proj",
+              "self_attn.o_proj",
+          )
+      },
   }
   metadata = weight_utils.get_default_maps(vllm_config.model_config, mesh, names)
   with jax.set_mesh(mesh):
     for hf_name, w in hf.items():
       weight_utils._load_and_shard_weight(  # pylint: disable=protected-access
-          vllm_config, params, shardings, metadata, mesh, hf_name, jnp.asarray(w),
-          keep_hf_weight_suffix_when_match=[])
+          vllm_config, params, shardings, metadata, mesh, hf_name, jnp.asarray(w), keep_hf_weight_suffix_when_match=[]
+      )
   theirs = vm.engine_weights(params)
-  ours, _ = vm.to_engine_state({k: jnp.asarray(v) for k, v in hf.items()}, vm.engine_weights(nnx.state(model)),
-                               head_dim=32, flax_layout=True)
+  ours, _ = vm.to_engine_state(
+      {k: jnp.asarray(v) for k, v in hf.items()}, vm.engine_weights(nnx.state(model)), head_dim=32, flax_layout=True
+  )
   assert set(ours) == set(theirs)
   for name, got in ours.items():
     want = theirs[name]
@@ -116,8 +135,12 @@ def test_qwen3_mapping_equals_tpu_inference_own_loader(model_dir):
   model, _, mesh = build(model_dir, "qwen3", abstract=False, tp=2, head_dim=128)
   assert tuple(vm.engine_weights(nnx.state(model))["lm_head.weight"].shape) == (128, 1002)
   hf = hf_tensors("qwen3", hf_config(head_dim=128), seed=4)
-  ours, _ = vm.to_engine_state({k: jnp.asarray(v) for k, v in hf.items()}, vm.engine_weights(nnx.state(model)),
-                               head_dim=128, flax_layout=vm.is_flax_layout(nnx.state(model)))
+  ours, _ = vm.to_engine_state(
+      {k: jnp.asarray(v) for k, v in hf.items()},
+      vm.engine_weights(nnx.state(model)),
+      head_dim=128,
+      flax_layout=vm.is_flax_layout(nnx.state(model)),
+  )
   with jax.set_mesh(mesh):
     model.load_weights((k, torch.from_numpy(v).to(torch.bfloat16)) for k, v in hf.items())
   theirs = vm.engine_weights(nnx.state(model))
@@ -141,8 +164,9 @@ def test_written_values_land_in_the_real_state(model_dir):
   vm.engine_state_setter(state)(new)
   now = vm.engine_weights(nnx.state(model))
   np.testing.assert_array_equal(np.asarray(now["model.norm.scale"], np.float32), np.asarray(hf["model.norm.weight"]))
-  np.testing.assert_array_equal(np.asarray(jax.random.key_data(vm.flatten_params(nnx.state(model))["rng.default.key"])),
-                                rng_before)
+  np.testing.assert_array_equal(
+      np.asarray(jax.random.key_data(vm.flatten_params(nnx.state(model))["rng.default.key"])), rng_before
+  )
   partial = dict(hf)
   partial.pop("model.layers.1.mlp.up_proj.weight")
   with pytest.raises(ValueError, match="dummy initialisation"):
@@ -153,10 +177,19 @@ def test_written_values_land_in_the_real_state(model_dir):
 # classes' leaves for the trainer configs it uses (configs/cpu_tiny.yml's Qwen3, and Llama 3.1 shrunk alike), one
 # device. Regenerate with MAXTEXT_RL_REGENERATE_TREES=1 after a tpu-inference upgrade.
 TREES_FILE = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "tpu_inference_trees.json"
-CPU_TINY = {"vocab_size": 151936, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128}
-TRAINER_CONFIGS = {"qwen3-0.6b": ("qwen3", {**CPU_TINY, "tie_word_embeddings": True}),
-                   "llama3.1-8b": ("llama", {**CPU_TINY, "vocab_size": 128256, "tie_word_embeddings": False})}
+CPU_TINY = {
+    "vocab_size": 151936,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+}
+TRAINER_CONFIGS = {
+    "qwen3-0.6b": ("qwen3", {**CPU_TINY, "tie_word_embeddings": True}),
+    "llama3.1-8b": ("llama", {**CPU_TINY, "vocab_size": 128256, "tie_word_embeddings": False}),
+}
 
 
 def _leaves(state) -> dict:

@@ -16,9 +16,19 @@ def test_dockerfile_import_check_passes_with_the_image_pins():
   assert len(checks) == 1, "the Dockerfile's build check no longer imports vllm / tpu_inference"
   code = checks[0]
   assert re.search(r"\bvllm\b", code.replace("rollout.vllm", ""))
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False, timeout=300,
-                     env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "TPU_ACCELERATOR_TYPE": "v5litepod-1",
-                          "PYTHONPATH": str(REPO)})
+  r = subprocess.run(
+      [sys.executable, "-c", code],
+      capture_output=True,
+      text=True,
+      check=False,
+      timeout=300,
+      env={
+          "PATH": "/usr/bin:/bin",
+          "JAX_PLATFORMS": "cpu",
+          "TPU_ACCELERATOR_TYPE": "v5litepod-1",
+          "PYTHONPATH": str(REPO),
+      },
+  )
   assert r.returncode == 0, r.stderr[-3000:]
 
 

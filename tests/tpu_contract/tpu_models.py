@@ -23,9 +23,18 @@ import numpy as np  # pylint: disable=wrong-import-position
 TP = 4
 # hidden 128, 4 query heads, 2 kv heads, head_dim 32 (padded to 128 by tpu-inference), vocab 1001 (not a
 # multiple of TP: Qwen3 pads it to 1004).
-TINY = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 32, "num_hidden_layers": 2, "vocab_size": 1001, "max_position_embeddings": 512,
-        "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+TINY = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "num_hidden_layers": 2,
+    "vocab_size": 1001,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
 ARCH = {
     "llama": ("llama3", "LlamaForCausalLM", {"model_type": "llama", "rms_norm_eps": 1e-5, "rope_theta": 500000.0}),
     "qwen3": ("qwen3", "Qwen3ForCausalLM", {"model_type": "qwen3", "rms_norm_eps": 1e-6, "rope_theta": 1e6}),
@@ -78,12 +87,22 @@ def hf_tensors(arch: str, hf_config: dict, seed: int = 0) -> dict[str, np.ndarra
   from maxtext_rl_plugin.rollout import vllm_mapping as vm  # pylint: disable=import-outside-toplevel
 
   rng = np.random.default_rng(seed)
-  return {name: rng.standard_normal(shape).astype(ml_dtypes.bfloat16).astype(np.float32)
-          for name, shape in vm.vllm_param_shapes(MAXTEXT_NAME[arch], hf_config).items()}
+  return {
+      name: rng.standard_normal(shape).astype(ml_dtypes.bfloat16).astype(np.float32)
+      for name, shape in vm.vllm_param_shapes(MAXTEXT_NAME[arch], hf_config).items()
+  }
 
 
 def hf_config(**overrides) -> dict:
-  keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-          "head_dim", "intermediate_size", "tie_word_embeddings")
+  keys = (
+      "vocab_size",
+      "hidden_size",
+      "num_hidden_layers",
+      "num_attention_heads",
+      "num_key_value_heads",
+      "head_dim",
+      "intermediate_size",
+      "tie_word_embeddings",
+  )
   cfg = {**TINY, **overrides}
   return {k: cfg[k] for k in keys}
