@@ -1,11 +1,11 @@
 """`maxtext-rl` console script: one front door to the plugin's commands.
 
-  maxtext-rl train <config.yml> [key=value ...]   (= python -m maxtext_rl_plugin.train_rl)
-  maxtext-rl score --input IN.jsonl --output OUT.jsonl
-  maxtext-rl export-lora --output DIR [--step N] <config.yml> [key=value ...]   (merged LoRA weights)
-  maxtext-rl bench {rewards,rollout,reshard,lora} ...
-  maxtext-rl launch {xpk,xpk-delete,xpk-list,ray} ...
-  maxtext-rl list                                  (registered configs, rewards, engines)
+maxtext-rl train <config.yml> [key=value ...]   (= python -m maxtext_rl_plugin.train_rl)
+maxtext-rl score --input IN.jsonl --output OUT.jsonl
+maxtext-rl export-lora --output DIR [--step N] <config.yml> [key=value ...]   (merged LoRA weights)
+maxtext-rl bench {rewards,rollout,reshard,lora} ...
+maxtext-rl launch {xpk,xpk-delete,xpk-list,ray} ...
+maxtext-rl list                                  (registered configs, rewards, engines)
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ if [ $# -eq 0 ] && [ "${MAXTEXT_RL_SKIP_TPU_CONTRACT:-0}" != "1" ]; then
   bash "$ROOT/scripts/tpu_contract_venv.sh" >"$tpu_log" 2>&1 &
   tpu_pid=$!
 fi
+# Style (MaxText's pyink and pylint settings, ~2 min) on a full run: a finding fails the run, after the tests.
+if [ $# -eq 0 ]; then bash "$ROOT/scripts/lint.sh" || status=1; fi
 # `network` tests ask the package registry; they are an explicit check before changing pins (docs/DEVELOPMENT.md).
 "$VENV/bin/python" -m pytest -q -rs -m "not multidevice and not network" "$@" || status=$?
 # pytest exits 5 when nothing is collected. On a full run that means the `multidevice` marker was lost and every

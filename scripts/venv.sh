@@ -5,7 +5,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
-EXTRAS="${MAXTEXT_RL_EXTRAS:-cpu,test,launch}"
+EXTRAS="${MAXTEXT_RL_EXTRAS:-cpu,test,launch,lint}"
 
 find_python() {
   for cand in "${PYTHON:-}" python3.12 "$(pyenv root 2>/dev/null)/versions/3.12.1/bin/python3.12" \

@@ -18,8 +18,7 @@ import pytest
 
 from maxtext_rl_plugin import errors
 
-SIMULATE = textwrap.dedent(
-    """
+SIMULATE = textwrap.dedent("""
     import json, sys
     from jax._src import xla_bridge
     import jax.extend.backend
@@ -39,8 +38,7 @@ SIMULATE = textwrap.dedent(
       return real_register(name, factory, **kw)
 
     jax.extend.backend.register_backend_factory = spy
-    """
-)
+    """)
 
 
 def _run(body: str) -> dict:
@@ -59,16 +57,14 @@ def _run(body: str) -> dict:
 
 
 def test_train_rl_main_initializes_pathways_before_any_backend():
-  out = _run(
-      """
+  out = _run("""
       from maxtext_rl_plugin import train_rl
       rc = train_rl.main(["configs/cpu_tiny.yml", "print_config=true"])
       import jax
       devices_after = len(jax.devices())  # the first backend comes up after the registration
       out = {"rc": rc, "events": events, "count": pinit._initialization_count, "devices": devices_after,
              "proxy_factory": "proxy" in xla_bridge._backend_factories}
-      """
-  )
+      """)
   assert out["rc"] == 0 and out["count"] == 1 and out["devices"] >= 1
   assert out["events"] == [["register", "proxy", False]]  # registered once, while no backend existed
   assert out["proxy_factory"]
@@ -76,8 +72,7 @@ def test_train_rl_main_initializes_pathways_before_any_backend():
 
 def test_the_simulation_catches_a_late_initialize():
   """The same spy fails the old order (a backend first, pathwaysutils.initialize() after): the test can fail."""
-  out = _run(
-      """
+  out = _run("""
       import jax
       jax.devices()
       import pathwaysutils
@@ -87,8 +82,7 @@ def test_the_simulation_catches_a_late_initialize():
       except RuntimeError as e:
         err = str(e)
       out = {"err": err, "events": events}
-      """
-  )
+      """)
   assert out["err"] == "Backend proxy already initialized" and out["events"] == [["register", "proxy", True]]
 
 

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# MaxText's style checks on this repo: pyink (2-space indent, 122 columns; pyproject.toml) and pylint (pylintrc).
+# Run by the README's test command (scripts/test.sh); `bash scripts/lint.sh --fix` rewrites the formatting.
+# Uses .venv (the `lint` extra pins MaxText's tool versions); creates/refreshes it like every other script.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+source "$ROOT/scripts/venv.sh"
+cd "$ROOT"
+PATHS=(maxtext_rl_plugin rewards tests scripts)
+status=0
+if [ "${1:-}" = "--fix" ]; then
+  "$VENV/bin/pyink" "${PATHS[@]}"
+else
+  "$VENV/bin/pyink" --check --diff "${PATHS[@]}" || { status=1; echo "lint: pyink would reformat (bash scripts/lint.sh --fix)"; }
+fi
+"$VENV/bin/pylint" --rcfile=pylintrc --recursive=y "${PATHS[@]}" || { status=1; echo "lint: pylint findings above"; }
+[ $status -eq 0 ] && echo "lint: pyink and pylint clean"
+exit $status
