@@ -9,10 +9,10 @@ cd "$ROOT"
 PATHS=(maxtext_rl_plugin rewards tests scripts)
 status=0
 if [ "${1:-}" = "--fix" ]; then
-  "$VENV/bin/pyink" "${PATHS[@]}"
+  "$VENV/bin/python" -m pyink "${PATHS[@]}"
 else
-  "$VENV/bin/pyink" --check --diff "${PATHS[@]}" || { status=1; echo "lint: pyink would reformat (bash scripts/lint.sh --fix)"; }
+  "$VENV/bin/python" -m pyink --check --diff "${PATHS[@]}" || { status=1; echo "lint: pyink would reformat (bash scripts/lint.sh --fix)"; }
 fi
-"$VENV/bin/pylint" --rcfile=pylintrc --recursive=y "${PATHS[@]}" || { status=1; echo "lint: pylint findings above"; }
+"$VENV/bin/python" -m pylint --rcfile=pylintrc --recursive=y "${PATHS[@]}" || { status=1; echo "lint: pylint findings above"; }
 [ $status -eq 0 ] && echo "lint: pyink and pylint clean"
 exit $status
