@@ -8,12 +8,60 @@ incomplete temporary directory is never picked up on restore.
 
 from __future__ import annotations
 
+import errno
 import os
+import time
 from typing import Any
 
 from absl import logging
+import jax
+import orbax.checkpoint as ocp
 
+from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin import run_dir
 from maxtext_rl_plugin.errors import CheckpointError
+
+
+def open_manager(
+    directory: str, item_names: tuple[str, ...], *, max_to_keep: int | None = None, async_save: bool = False
+) -> ocp.CheckpointManager:
+  """The Orbax manager of every checkpoint this plugin writes (the RL run's and the SFT warm start's): numbered
+  step directories with no prefix, MaxText's layout; `max_to_keep` None or <= 0 keeps every step."""
+  return ocp.CheckpointManager(
+      directory,
+      item_names=item_names,
+      options=ocp.CheckpointManagerOptions(
+          max_to_keep=max_to_keep if max_to_keep and max_to_keep > 0 else None,
+          create=True,
+          enable_async_checkpointing=async_save,  # MaxText's async_checkpointing
+          step_prefix=None,
+      ),
+  )
+
+
+def save_items(manager: ocp.CheckpointManager, step: int, trees: dict[str, Any], meta: dict[str, Any]) -> None:
+  """Write `step`: each of `trees` as a standard item and `meta` as JSON; returns once it is on disk."""
+  items = {name: ocp.args.StandardSave(tree) for name, tree in trees.items()}
+  manager.save(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)), force=True)
+  manager.wait_until_finished()
+
+
+def abstract_tree(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
+  """Shape/dtype/sharding of each array leaf of `tree` (other leaves as they are): the target Orbax restores into,
+  so a checkpoint comes back laid out like the live model (`distributed.restore_sharding`)."""
+  return jax.tree_util.tree_map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=distributed.restore_sharding(x, mesh))
+      if hasattr(x, "shape")
+      else x,
+      tree,
+  )
+
+
+def restore_items(manager: ocp.CheckpointManager, step: int, targets: dict[str, Any], mesh) -> tuple[dict, dict]:
+  """Restore `step`'s standard items into the layout of `targets` (abstract or concrete trees) and its JSON meta."""
+  items = {name: ocp.args.StandardRestore(abstract_tree(tree, mesh)) for name, tree in targets.items()}
+  restored = manager.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
+  return {name: restored[name] for name in targets}, dict(restored.meta)
 
 
 class RunCheckpointer:
@@ -22,42 +70,31 @@ class RunCheckpointer:
   def __init__(
       self, directory: str, *, period: int, max_to_keep: int | None = None, enabled: bool = True, async_save: bool = False
   ):
-    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
     self.directory = os.path.abspath(directory)
     self.period = max(1, int(period))
     self.enabled = enabled
-    self._ocp = ocp
     self._manager = None
     if enabled:
       os.makedirs(self.directory, exist_ok=True)
-      self._manager = ocp.CheckpointManager(
-          self.directory,
-          item_names=("params", "opt_state", "meta"),
-          options=ocp.CheckpointManagerOptions(
-              max_to_keep=max_to_keep if max_to_keep and max_to_keep > 0 else None,
-              create=True,
-              enable_async_checkpointing=async_save,  # MaxText's async_checkpointing
-              step_prefix=None,
-          ),
+      self._manager = open_manager(
+          self.directory, ("params", "opt_state", "meta"), max_to_keep=max_to_keep, async_save=async_save
       )
 
   def latest_step(self) -> int | None:
+    """The newest complete step on disk (None: none, or checkpointing disabled)."""
     return self._manager.latest_step() if self._manager else None
 
   def all_steps(self) -> list[int]:
+    """Every complete step on disk, for the fallback to an older one when the newest does not restore."""
     return list(self._manager.all_steps()) if self._manager else []
 
   def should_save(self, step: int, last_step: int) -> bool:
+    """Every `period` steps and at the last step, so a finished run always ends on a checkpoint."""
     return self.enabled and (step % self.period == 0 or step == last_step)
 
   def set_aside(self, step: int) -> str:
     """Rename a checkpoint that does not restore to `<step>.corrupt-<unix time>`: kept for inspection, never
     deleted, and no longer a step Orbax lists or overwrites. Returns the new path."""
-    import time  # pylint: disable=import-outside-toplevel
-
-    from maxtext_rl_plugin import distributed  # pylint: disable=import-outside-toplevel
-
     src = os.path.join(self.directory, str(step))
     # One name for every process (process 0's clock); process 0 alone renames, the others wait for it.
     dst = f"{src}.corrupt-{distributed.agree_from_writer(int(time.time()))}"
@@ -75,12 +112,10 @@ class RunCheckpointer:
       return
     try:
       self._save(step, params, opt_state, meta)
-    except Exception as e:  # pylint: disable=broad-exception-caught  (Orbax wraps OSError in several types)
+    except Exception as e:  # pylint: disable=broad-exception-caught  # Orbax wraps OSError in several types
       cause = _os_error_in(e)
       if cause is None:
         raise
-      from maxtext_rl_plugin import run_dir  # pylint: disable=import-outside-toplevel
-
       raise CheckpointError(
           f"checkpoint step {step} was not written: "
           f"{run_dir.describe_os_error(cause, self.directory)}; the run can resume from "
@@ -88,54 +123,23 @@ class RunCheckpointer:
       ) from None
 
   def _save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
-    ocp = self._ocp
-    self._manager.save(
-        step,
-        args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params),
-            opt_state=ocp.args.StandardSave(opt_state),
-            meta=ocp.args.JsonSave(meta),
-        ),
-        force=True,
-    )
-    self._manager.wait_until_finished()
+    save_items(self._manager, step, {"params": params, "opt_state": opt_state}, meta)
     logging.info("saved checkpoint step %d to %s", step, self.directory)
 
   def restore(self, step: int, params_target: Any, opt_state_target: Any) -> tuple[Any, Any, dict[str, Any]]:
     """Restore `step` into the shardings/dtypes of the targets (abstract or concrete trees)."""
-    import jax  # pylint: disable=import-outside-toplevel
-
-    ocp = self._ocp
-
-    from maxtext_rl_plugin import distributed  # pylint: disable=import-outside-toplevel
-
-    mesh = distributed.mesh_of(params_target)
-
-    def abstract(tree):
-      return jax.tree_util.tree_map(
-          lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=distributed.restore_sharding(x, mesh))
-          if hasattr(x, "shape")
-          else x,
-          tree,
-      )
-
+    targets = {"params": params_target, "opt_state": opt_state_target}
     try:
-      restored = self._manager.restore(
-          step,
-          args=ocp.args.Composite(
-              params=ocp.args.StandardRestore(abstract(params_target)),
-              opt_state=ocp.args.StandardRestore(abstract(opt_state_target)),
-              meta=ocp.args.JsonRestore(),
-          ),
-      )
+      restored, meta = restore_items(self._manager, step, targets, distributed.mesh_of(params_target))
     except (ValueError, KeyError, FileNotFoundError) as e:
       raise CheckpointError(
           f"checkpoint {self.directory}/{step} does not match this model/optimizer "
           f"({type(e).__name__}: {str(e).splitlines()[0][:200]})"
       ) from None
-    return restored.params, restored.opt_state, dict(restored.meta)
+    return restored["params"], restored["opt_state"], meta
 
   def close(self) -> None:
+    """Wait for an async save in flight and release Orbax's threads."""
     if self._manager:
       self._manager.close()
 
@@ -148,8 +152,6 @@ def _os_error_in(e: BaseException) -> OSError | None:
     if isinstance(e, OSError) and e.errno is not None:
       return e
     if "No space left on device" in str(e):
-      import errno  # pylint: disable=import-outside-toplevel
-
       return OSError(errno.ENOSPC, "No space left on device")
     e = e.__cause__ or e.__context__
   return None

@@ -14,18 +14,24 @@ import os
 import time
 
 from absl import logging
+from flax import nnx
+from flax.linen import partitioning as nn_partitioning
+import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 
+from maxtext_rl_plugin import checkpointing
+from maxtext_rl_plugin import data
 from maxtext_rl_plugin import distributed
-from maxtext_rl_plugin.metrics import format_duration, is_writer
+from maxtext_rl_plugin.metrics import format_duration
+from maxtext_rl_plugin.metrics import is_writer
 
 _DATA_AXES = ("data", "fsdp")
 
 
 def _tokenize_batch(examples, tokenizer, config, length: int):
   """Right-padded [prompt + target + eos] rows and a loss mask over the target and eos tokens."""
-  from maxtext_rl_plugin import data  # pylint: disable=import-outside-toplevel
-
   pad = tokenizer.pad_token_id
   tokens = np.full((len(examples), length), pad, dtype=np.int32)
   mask = np.zeros((len(examples), length), dtype=np.float32)
@@ -46,38 +52,18 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-def _checkpointer(path: str):
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
-  return ocp.CheckpointManager(
-      path,
-      item_names=("params", "meta"),
-      options=ocp.CheckpointManagerOptions(max_to_keep=1, create=True, enable_async_checkpointing=False),
-  )
-
-
 def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dict:
   """Train `model` in place for `config.sft_warmup_steps` steps, or restore the finished warm start."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import optax  # pylint: disable=import-outside-toplevel
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from flax.linen import partitioning as nn_partitioning  # pylint: disable=import-outside-toplevel
-
   steps = config.sft_warmup_steps
   ckpt_dir = os.path.join(os.path.abspath(run_dir), "checkpoints", "sft")
-  manager = _checkpointer(ckpt_dir)
+  manager = checkpointing.open_manager(ckpt_dir, ("params", "meta"), max_to_keep=1)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   if manager.latest_step() == steps:
-    abstract = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
-    restored = manager.restore(
-        steps, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
-    )
-    nnx.update(model, restored.params)
+    restored, meta = checkpointing.restore_items(manager, steps, {"params": params}, mesh)
+    nnx.update(model, restored["params"])
     manager.close()
     _say(f"SFT warm start: restored {steps} steps from {ckpt_dir} (skipping)")
-    return dict(restored.meta)
+    return meta
 
   length = config.max_target_length
   schedule = optax.warmup_cosine_decay_schedule(
@@ -122,10 +108,7 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
         )
   nnx.update(model, params)
   meta = {"steps": steps, "final_loss": float(np.mean(losses[-10:])), "seconds": time.time() - t0}
-  manager.save(
-      steps, args=ocp.args.Composite(params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(meta)), force=True
-  )
-  manager.wait_until_finished()
+  checkpointing.save_items(manager, steps, {"params": params}, meta)
   manager.close()
   logging.info("SFT warm start done: %s", json.dumps(meta))
   return meta
