@@ -9,18 +9,12 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TPU_VENV="${TPU_VENV:-$ROOT/.venv-tpu}"
 TPU_REQS="$ROOT/dependencies/tpu-contract-requirements.txt"
-source "$ROOT/scripts/venv.sh" --find-python-only
+source "$ROOT/scripts/venv.sh" --functions-only
 
-if [ ! -x "$TPU_VENV/bin/python" ] || ! "$TPU_VENV/bin/python" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-  PY="$(find_python)"
-  echo "[tpu-venv] creating $TPU_VENV with $PY"
-  rm -rf "$TPU_VENV"
-  "$PY" -m venv "$TPU_VENV"
-fi
-
+ensure_venv "$TPU_VENV" tpu-venv
 TPU_STAMP="$TPU_VENV/.tpu_contract.stamp"
 TPU_WANT="$(sha256sum "$TPU_REQS" | cut -d' ' -f1)"
-if [ ! -f "$TPU_STAMP" ] || [ "$(cat "$TPU_STAMP")" != "$TPU_WANT" ]; then
+if stamp_stale "$TPU_STAMP" "$TPU_WANT"; then
   echo "[tpu-venv] installing the TPU image's pins (--no-deps, $(grep -c '==' "$TPU_REQS") packages); first time takes ~12 min"
   t0=$SECONDS
   # --no-deps: the pins are the whole closure; pip's resolver would reject the image's qwix override.

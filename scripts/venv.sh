@@ -18,19 +18,30 @@ find_python() {
   echo "error: Python 3.12 not found (MaxText needs >= 3.12); set PYTHON=/path/to/python3.12" >&2
   return 1
 }
-# scripts/tpu_contract_venv.sh borrows find_python only.
-if [ "${1:-}" = "--find-python-only" ]; then return 0; fi
 
-if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-  PY="$(find_python)"
-  echo "[venv] creating $VENV with $PY"
-  rm -rf "$VENV"
-  "$PY" -m venv "$VENV"
-fi
+# ensure_venv DIR TAG: (re)create DIR as a Python 3.12 virtual environment unless it already is one.
+ensure_venv() {
+  if [ ! -x "$1/bin/python" ] || ! "$1/bin/python" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+    local py
+    py="$(find_python)"
+    echo "[$2] creating $1 with $py"
+    rm -rf "$1"
+    "$py" -m venv "$1"
+  fi
+}
 
+# stamp_stale STAMP WANT: true when the install recorded in STAMP is not WANT (then install, and write WANT to STAMP).
+stamp_stale() {
+  [ ! -f "$1" ] || [ "$(cat "$1")" != "$2" ]
+}
+
+# scripts/tpu_contract_venv.sh borrows the functions above only.
+if [ "${1:-}" = "--functions-only" ]; then return 0; fi
+
+ensure_venv "$VENV" venv
 STAMP="$VENV/.maxtext_rl_plugin.stamp"
 WANT="$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1) $EXTRAS"
-if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
+if stamp_stale "$STAMP" "$WANT"; then
   echo "[venv] installing maxtext-rl-plugin[$EXTRAS] (editable); first time takes ~2 min"
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e "$ROOT[$EXTRAS]" 2>&1 \
