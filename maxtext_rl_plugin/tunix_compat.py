@@ -1,13 +1,19 @@
-"""The one module that touches Tunix 0.1.7's private names, each with the reason.
+"""The one module that touches Tunix 0.1.7's and MaxText 0.2.5's private names, each with the reason.
 
 The plugin drives Tunix's actor trainer step by step (instead of `GrpoLearner.train()`) to get exact resume,
-greedy evaluation and per-phase timing. Three things have no public API in Tunix 0.1.7:
+greedy evaluation and per-phase timing. What has no public API in Tunix 0.1.7 or MaxText 0.2.5:
 
 * the trainer's step counters, which a resumed run must set to the restored optimizer-update count (Tunix's own
   resume reads them from its own checkpoint manager, which the plugin does not use);
 * flushing the trainer's buffered metrics: Tunix writes an update's loss/KL/clip fraction one update late (to
   overlap I/O), so without a flush a step's metrics would be logged with the next step;
 * the learner's reward aggregation is private too, but the plugin computes rewards itself (`experience.py`);
+* MaxText 0.2.5's pyconfig (`pyconfig_reads`): `_initialize_pydantic` is the only entry point that raises instead of
+  logging many lines and calling sys.exit(2); it reads the yml chain through the module-level `_load_config`, which
+  the plugin swaps for the chain `config.py` already read and merged (plugin-config bases, no temporary copies);
+* MaxText 0.2.5's math_verify spawn pool (`math_verify_pool._shutdown_pool`) for the rewards benchmark, which runs
+  MaxText's reward stack side by side with the plugin's: left to interpreter exit, its finalizer can block on
+  orphaned locks, and MaxText has no public way to stop it;
 * multi-process runs (`multiprocess_workarounds`): `RLCluster` snapshots the actor's whole state to pinned host memory
   with one `jax.device_put` (`tunix.rl.utils.put_params_on_memory_kind`, at construction and on every sync), which
   in a multi-controller program rejects the model's typed PRNG-key leaves on a global mesh. The plugin swaps in
@@ -17,9 +23,18 @@ greedy evaluation and per-phase timing. Three things have no public API in Tunix
 `tests/test_tunix_compat.py` checks each name against the pinned Tunix, so an upgrade fails there, not in a run.
 """
 
+# Tunix's RL utils and MaxText's pyconfig and RL trainer package are imported inside the functions that need them:
+# they are heavy (the whole Tunix/MaxText training stack), and the step-counter helpers need none of them.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import copy
+
+# MaxText 0.2.5's math_verify_pool annotates with multiprocessing.pool.Pool but imports only multiprocessing.
+import multiprocessing.pool  # pylint: disable=unused-import  # must be loaded before math_verify_pool
+from typing import Any, Callable, Iterator
 
 from maxtext_rl_plugin import distributed
 
@@ -48,6 +63,26 @@ def multiprocess_workarounds() -> None:
   `distributed.put_on_memory_kind` (see the module docstring). A no-op on one process."""
   if not distributed.is_multiprocess():
     return
-  from tunix.rl import utils as rl_utils  # pylint: disable=import-outside-toplevel
+  from tunix.rl import utils as rl_utils
 
   rl_utils.put_params_on_memory_kind = distributed.put_on_memory_kind
+
+
+def shutdown_maxtext_math_verify_pool() -> None:
+  """Stop MaxText's math_verify worker pool now (see the module docstring); a no-op when it never started."""
+  from maxtext.trainers.post_train.rl import math_verify_pool
+
+  math_verify_pool._shutdown_pool()  # pylint: disable=protected-access
+
+
+@contextlib.contextmanager
+def pyconfig_reads(merged: Any) -> Iterator[Callable[..., Any]]:
+  """Yield MaxText's `pyconfig._initialize_pydantic` reading `merged` (an OmegaConf mapping) as its yml chain."""
+  from maxtext.configs import pyconfig
+
+  original = pyconfig._load_config  # pylint: disable=protected-access
+  pyconfig._load_config = lambda _path: copy.deepcopy(merged)  # pylint: disable=protected-access
+  try:
+    yield pyconfig._initialize_pydantic  # pylint: disable=protected-access
+  finally:
+    pyconfig._load_config = original  # pylint: disable=protected-access

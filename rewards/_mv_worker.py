@@ -5,14 +5,20 @@ the imports are warm, so start-up is not charged to the first item's deadline. K
 verify.py so the worker imports nothing but math_verify/sympy.
 """
 
+# math_verify is imported in the worker's main so that a missing install is reported to the parent as "broken"
+# (non-numeric answers then score as wrong) instead of the worker dying on import.
+# pylint: disable=import-outside-toplevel
+
 import json
 import sys
 
 
 def math_verify_equal(gold: str, pred: str) -> bool:
   """math_verify's parse + verify on `\\boxed{}`-wrapped strings (the way MaxText feeds it)."""
-  from math_verify import parse, verify  # pylint: disable=import-outside-toplevel
-  from math_verify.parser import ExprExtractionConfig, LatexExtractionConfig  # pylint: disable=import-outside-toplevel
+  from math_verify import parse
+  from math_verify import verify
+  from math_verify.parser import ExprExtractionConfig
+  from math_verify.parser import LatexExtractionConfig
 
   targets = (ExprExtractionConfig(), LatexExtractionConfig())
 

@@ -22,7 +22,9 @@ import tempfile
 import time
 from typing import Any, Iterable, Iterator, Optional, TextIO
 
-from maxtext_rl_plugin.errors import DataError, exit_on_user_error
+from maxtext_rl_plugin.config import load_config
+from maxtext_rl_plugin.errors import DataError
+from maxtext_rl_plugin.errors import exit_on_user_error
 from maxtext_rl_plugin.rewards import extraction as ex
 from maxtext_rl_plugin.rewards import gsm8k
 
@@ -56,6 +58,7 @@ def _parse_row(raw: bytes, lineno: int) -> tuple[Optional[dict], Optional[str]]:
 
 
 def _error_row(row: Any, err: str) -> dict:
+  """The output row of an input that could not be scored: zero reward and the error."""
   out = {
       "correct": False,
       "reward": 0.0,
@@ -191,7 +194,9 @@ def _output(path: str, input_path: str):
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.rewards", description=__doc__.split("\n\n")[0])
+  parser = argparse.ArgumentParser(
+      prog="python -m maxtext_rl_plugin.rewards", description=__doc__.split("\n\n", maxsplit=1)[0]
+  )
   sub = parser.add_subparsers(dest="cmd", required=True)
   p = sub.add_parser("score", help="grade completions in a JSONL file")
   p.add_argument(
@@ -205,8 +210,6 @@ def main(argv: Optional[list[str]] = None) -> int:
   with exit_on_user_error():
     config = None
     if args.config:
-      from maxtext_rl_plugin.config import load_config  # pylint: disable=import-outside-toplevel
-
       argv_cfg = args.config if not args.config[0].count("=") else ["configs/rl.yml", *args.config]
       config = gsm8k.RewardConfig.of(load_config(argv_cfg))
     t0 = time.perf_counter()

@@ -10,10 +10,10 @@ curve can be read together with *how* answers were found.
 
 from __future__ import annotations
 
+from fractions import Fraction
 import functools
 import math
 import re
-from fractions import Fraction
 from typing import NamedTuple, Optional
 
 # Rule names, in priority order (recorded in ScoreResult.rule and the score CLI's output).
@@ -148,6 +148,7 @@ def to_number(text: Optional[str]) -> Optional[Fraction]:
 
 @functools.lru_cache(maxsize=65536)
 def _to_number_cached(text: str) -> Optional[Fraction]:
+  """`to_number` for a short string, cached: rewards parse the same golds and answers again every batch."""
   s = _clean(text)
   if not s:
     return None
@@ -160,6 +161,11 @@ def _to_number_cached(text: str) -> Optional[Fraction]:
   if m and m.group(1) != s:
     return _to_number_cached(m.group(1))
   return None
+
+
+def clear_number_cache() -> None:
+  """Forget every parsed number: a benchmark's timed pass then pays for parsing as a fresh batch would."""
+  _to_number_cached.cache_clear()
 
 
 def _number_value(s: str) -> Optional[Fraction]:

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 from absl import logging
 
+from maxtext_rl_plugin import registry
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rewards import gsm8k
 
@@ -57,7 +58,8 @@ class RewardFn:
       ) from None
     if len(values) != len(completions):
       raise ConfigError(
-          f"reward function '{self.__name__}' ({self.source}) returned {len(values)} values for {len(completions)} completions"
+          f"reward function '{self.__name__}' ({self.source}) returned {len(values)} values for "
+          f"{len(completions)} completions"
       )
     return values
 
@@ -102,6 +104,7 @@ def check_signature(fn: Any, name: str, source: str) -> bool:
 
 
 def _load_user_module(path: str):
+  """Import reward_functions_path as a uniquely named module; a missing or broken file is a ConfigError."""
   if not os.path.isfile(path):
     raise ConfigError(f"reward_functions_path='{path}': file not found")
   stem = os.path.splitext(os.path.basename(path))[0]
@@ -120,9 +123,8 @@ def _load_user_module(path: str):
 
 
 def _registered(name: str):
+  """The reward function another package registered under `name` (entry points), or None."""
   try:
-    from maxtext_rl_plugin import registry  # pylint: disable=import-outside-toplevel
-
     eps = registry.entry_points("reward_functions")
   except Exception:  # pylint: disable=broad-exception-caught
     return None
@@ -172,7 +174,8 @@ def reward_fns_from_config(config: Any) -> list[Callable]:
   path = (getattr(config, "reward_functions_path", "") or "").strip()
   if path and not names_raw:
     raise ConfigError(
-        f"reward_functions_path='{path}' is set but reward_functions is empty; name the functions to use (comma-separated)"
+        f"reward_functions_path='{path}' is set but reward_functions is empty; name the functions to use "
+        "(comma-separated)"
     )
   names = [n.strip() for n in names_raw.split(",") if n.strip()] or list(gsm8k.DEFAULT_STACK)
   if len(set(names)) != len(names):

@@ -96,6 +96,7 @@ class _Worker:
     return [ln.decode() for ln in lines]
 
   def kill(self) -> None:
+    """SIGKILL the worker (one stuck in sympy's C code ignores gentler signals); already gone is fine."""
     try:
       self.proc.kill()
       self.proc.wait(timeout=5)
@@ -129,6 +130,7 @@ class MathVerifyPool:
     return _Worker()
 
   def verify_many(self, items: Sequence[tuple[str, str]], timeout: float = DEFAULT_TIMEOUT_SECONDS) -> list[bool]:
+    """math_verify's verdict per (prediction, gold) pair; a pair that runs past `timeout` is False."""
     results = [False] * len(items)
     if not items or self._broken:
       return results
@@ -166,6 +168,7 @@ class MathVerifyPool:
     return results
 
   def _read(self, w: _Worker, results: list[bool]) -> None:
+    """Record the verdicts `w` has written so far into `results`."""
     try:
       lines = w.read_lines()
     except (EOFError, OSError):
@@ -215,6 +218,11 @@ def get_pool(num_procs: Optional[int] = None) -> MathVerifyPool:
         _POOL.close()
       _POOL = MathVerifyPool(want)
     return _POOL
+
+
+def pool_stats() -> collections.Counter:
+  """The process-wide pool's counters (workers_started, verified, killed_*); empty before it first starts."""
+  return collections.Counter(_POOL.stats) if _POOL is not None else collections.Counter()
 
 
 @atexit.register

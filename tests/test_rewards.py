@@ -1,18 +1,23 @@
 """Reward stack: extraction rules, exact/numeric verification, MaxText-compatible reward values, the
 math_verify pool's timeout path, user reward functions, and every real GSM8K gold solution."""
 
+from fractions import Fraction
 import json
 import pickle
 import random
 import re
 import types
-from fractions import Fraction
 
 import pytest
+from tunix.rl import reward_manager
+from tunix.rl.grpo.grpo_learner import GRPOConfig
 
 from maxtext_rl_plugin import rewards
+from maxtext_rl_plugin.config import load_config
 from maxtext_rl_plugin.errors import ConfigError
-from maxtext_rl_plugin.rewards import extraction, gsm8k, verify
+from maxtext_rl_plugin.rewards import extraction
+from maxtext_rl_plugin.rewards import gsm8k
+from maxtext_rl_plugin.rewards import verify
 
 TUNIX_DEMO_WEIGHTS = dict(  # Tunix's GSM8K GRPO demo values: every term distinguishable
     reward_exact_answer=3.0,
@@ -32,11 +37,11 @@ def _ref_gold(answer_text: str) -> int:
 
 
 def _pool_workers_started() -> int:
-  return verify._POOL.stats["workers_started"] if verify._POOL else 0  # pylint: disable=protected-access
+  return verify.pool_stats()["workers_started"]
 
 
-@pytest.fixture(scope="module", params=["fixture", "full"])
-def gsm8k_rows(request, gsm8k_fixture_dir):
+@pytest.fixture(name="gsm8k_rows", scope="module", params=["fixture", "full"])
+def gsm8k_rows_fixture(request, gsm8k_fixture_dir):
   """Real GSM8K rows: the 400 shipped in tests/data, then (full-size check) all 8,792 when ../shared has them."""
   d, n = (gsm8k_fixture_dir, 400) if request.param == "fixture" else (request.getfixturevalue("gsm8k_dir"), 8792)
   rows = []
@@ -206,7 +211,8 @@ def test_format_match_equals_maxtext_regex_on_random_texts():
     ],
 )
 def test_gold_is_read_whole_or_refused(gold, expected):
-  """Never a truncated gold ("#### 1e5" is not "1"); non-finite golds are refused, also where non-numeric ones are kept."""
+  """Never a truncated gold ("#### 1e5" is not "1"); non-finite golds are refused, also where non-numeric ones are
+  kept."""
   assert rewards.parse_gold(gold) == expected
   assert gsm8k.gold_alternatives(gold) == ((expected,) if expected is not None else ())
 
@@ -293,14 +299,16 @@ MAXTEXT_TEST_WEIGHTS = dict(
     "completion, gold, correct, partial, format_ok",
     [  # TestScoreResponses
         (
-            "<reasoning>Need to use <reasoning> and </reasoning>, <answer> and </answer></reasoning><answer>11/3</answer>",
+            "<reasoning>Need to use <reasoning> and </reasoning>, <answer> and "
+            "</answer></reasoning><answer>11/3</answer>",
             "11/3",
             True,
             True,
             True,
         ),
         (
-            "<reasoning>This is the sum of the cost of the suits, the pants, and the shirts: $7500 + $1500 + $1800 = $10800."
+            "<reasoning>This is the sum of the cost of the suits, the pants, and the shirts: $7500 + $1500 + "
+            "$1800 = $10800."
             "\n\n</reasoning>\n<answer>10800</answer><end_of_turn>",
             "10,800",
             True,
@@ -432,7 +440,7 @@ def test_math_verify_slow_path_timeout_and_recovery():
 
 def test_adversarial_inputs_never_reach_math_verify():
   before = _pool_workers_started()
-  pool_verified = verify._POOL.stats["verified"] if verify._POOL else 0  # pylint: disable=protected-access
+  pool_verified = verify.pool_stats()["verified"]
   evil = [
       "{" * 100_000,
       "\\boxed{" * 15_000,
@@ -446,7 +454,7 @@ def test_adversarial_inputs_never_reach_math_verify():
   assert not any(r.correct for r in res)
   assert res[-1].extracted.endswith("1")
   assert _pool_workers_started() == before
-  assert (verify._POOL.stats["verified"] if verify._POOL else 0) == pool_verified  # pylint: disable=protected-access
+  assert verify.pool_stats()["verified"] == pool_verified
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -472,9 +480,6 @@ def test_default_stack_names_and_tunix_call():
 
 
 def test_tunix_sequence_reward_manager_sums_our_functions():
-  from tunix.rl import reward_manager  # pylint: disable=import-outside-toplevel
-  from tunix.rl.grpo.grpo_learner import GRPOConfig  # pylint: disable=import-outside-toplevel
-
   fns = rewards.reward_fns_from_config(_cfg(**TUNIX_DEMO_WEIGHTS))
   mgr = reward_manager.SequenceRewardManager(fns, GRPOConfig())
   info = mgr(
@@ -503,8 +508,8 @@ NOT_A_FUNCTION = 3
 """
 
 
-@pytest.fixture
-def user_file(tmp_path):
+@pytest.fixture(name="user_file")
+def user_file_fixture(tmp_path):
   p = tmp_path / "my_rewards.py"
   p.write_text(USER_FILE)
   return str(p)
@@ -551,8 +556,6 @@ def test_user_reward_function_file_errors(tmp_path, user_file):
 
 
 def test_reward_keys_from_a_real_config():
-  from maxtext_rl_plugin.config import load_config  # pylint: disable=import-outside-toplevel
-
   cfg = load_config(
       [
           "configs/rl.yml",

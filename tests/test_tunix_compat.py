@@ -3,7 +3,10 @@ means what the plugin assumes. A Tunix upgrade that renames or repurposes one fa
 
 import importlib.metadata
 import inspect
+import multiprocessing.pool  # pylint: disable=unused-import  # MaxText's math_verify_pool needs it loaded first
 
+from maxtext.configs import pyconfig
+from maxtext.trainers.post_train.rl import math_verify_pool
 from tunix.rl import rl_cluster
 from tunix.rl.grpo import grpo_learner
 from tunix.sft import peft_trainer
@@ -31,7 +34,7 @@ def test_trainer_step_counters_and_metric_flush_exist():
 
 def test_public_seams_the_step_loop_uses():
   """The public API the plugin's step loop relies on instead of the learner's private step."""
-  cfg_fields = {f for f in rl_cluster.RLTrainingConfig.__dataclass_fields__}
+  cfg_fields = set(rl_cluster.RLTrainingConfig.__dataclass_fields__)
   assert {
       "mini_batch_size",
       "train_micro_batch_size",
@@ -62,3 +65,23 @@ def test_pinned_host_snapshot_goes_through_the_module_attribute_the_workaround_r
   assert "rl_utils.put_params_on_memory_kind(" in inspect.getsource(rl_cluster.RLCluster.sync_weights)
   assert "jax.device_put(" in inspect.getsource(rl_utils.put_params_on_memory_kind)
   assert list(inspect.signature(rl_utils.put_params_on_memory_kind).parameters) == ["params", "memory_kind"]
+
+
+def test_maxtext_math_verify_pool_shutdown_exists_and_is_idempotent():
+  src = inspect.getsource(math_verify_pool._shutdown_pool)  # pylint: disable=protected-access
+  assert "_POOL = None" in src and "SIGKILL" in src
+  tunix_compat.shutdown_maxtext_math_verify_pool()  # never started here: a no-op, twice
+  tunix_compat.shutdown_maxtext_math_verify_pool()
+  assert math_verify_pool._POOL is None  # pylint: disable=protected-access
+
+
+def test_pyconfig_private_contract():
+  # tunix_compat.pyconfig_reads swaps pyconfig._load_config under pyconfig._initialize_pydantic (MaxText 0.2.5).
+  src = inspect.getsource(pyconfig._initialize_pydantic)  # pylint: disable=protected-access
+  assert "_load_config(config_path)" in src and "config_class(**pydantic_kwargs)" in src
+  assert callable(pyconfig._load_config)  # pylint: disable=protected-access
+  real = pyconfig._load_config  # pylint: disable=protected-access
+  with tunix_compat.pyconfig_reads({"run_name": "probe"}) as initialize:
+    assert initialize is pyconfig._initialize_pydantic  # pylint: disable=protected-access
+    assert pyconfig._load_config("ignored.yml") == {"run_name": "probe"}  # pylint: disable=protected-access
+  assert pyconfig._load_config is real  # pylint: disable=protected-access

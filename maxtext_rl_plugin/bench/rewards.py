@@ -11,6 +11,10 @@ MaxText's math_verify pool gets `math_verify_num_procs` workers (default 1, "one
 compared wherever MaxText can extract an answer. Ends with one JSON line.
 """
 
+# MaxText's RL utilities are imported inside the functions that run them: they pull in MaxText's and Tunix's whole
+# training stack, which `--skip-maxtext` (plugin only) never needs.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import argparse
@@ -24,10 +28,20 @@ import time
 import types
 from typing import Any, Optional
 
+# Reward stacks need no accelerator: JAX (imported below through tunix_compat, and by MaxText) stays off any TPU.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from maxtext_rl_plugin import rewards
+from maxtext_rl_plugin import tunix_compat
+from maxtext_rl_plugin.rewards import extraction
+from maxtext_rl_plugin.rewards import gsm8k
+from maxtext_rl_plugin.rewards import verify
+
 _CALC = re.compile(r"<<[^<>]*>>")
 
 
 def _find_gsm8k(path: Optional[str]) -> pathlib.Path:
+  """The GSM8K directory: --data-dir, $GSM8K_DIR, then the shared data folder next to the checkout."""
   here = pathlib.Path(__file__).resolve()
   cands = [
       path,
@@ -51,6 +65,7 @@ def _render(value: str, style: int) -> str:
 
 
 def _perturb(value: str, rng: random.Random) -> str:
+  """A wrong answer close to `value` (off by one, by 10%, x10, digits reversed): what a model gets wrong."""
   n = int(value)
   for _ in range(10):
     kind = rng.randrange(4)
@@ -62,9 +77,13 @@ def _perturb(value: str, rng: random.Random) -> str:
   return str(n + 1)
 
 
-def build_rows(data_dir: pathlib.Path, split: str, limit: int, seed: int = 0) -> list[dict[str, Any]]:
-  from maxtext_rl_plugin.rewards import parse_gold  # pylint: disable=import-outside-toplevel
+def _tagged(steps: str, value: str) -> str:
+  """A completion in the plugin's (and MaxText's) answer format."""
+  return f"<reasoning>{steps}</reasoning>\n<answer>{value}</answer>"
 
+
+def build_rows(data_dir: pathlib.Path, split: str, limit: int, seed: int = 0) -> list[dict[str, Any]]:
+  """Three rows per GSM8K problem (gold, wrong, raw; see the module docstring) from the first `limit` of `split`."""
   rng = random.Random(seed)
   rows = []
   with open(data_dir / f"{split}.jsonl", encoding="utf-8") as f:
@@ -73,16 +92,15 @@ def build_rows(data_dir: pathlib.Path, split: str, limit: int, seed: int = 0) ->
         break
       r = json.loads(line)
       raw_gold = r["answer"].rsplit("####", 1)[1].strip()
-      gold = parse_gold(r["answer"])
+      gold = rewards.parse_gold(r["answer"])
       steps = _CALC.sub("", r["answer"].rsplit("####", 1)[0]).strip()
-      tag = lambda v: f"<reasoning>{steps}</reasoning>\n<answer>{v}</answer>"  # noqa: E731
       rows.append(
           {
               "kind": "gold",
               "question": r["question"],
               "gold": gold,
               "mt_gold": raw_gold,
-              "completion": tag(_render(gold, i)),
+              "completion": _tagged(steps, _render(gold, i)),
               "expect": True,
           }
       )
@@ -92,7 +110,7 @@ def build_rows(data_dir: pathlib.Path, split: str, limit: int, seed: int = 0) ->
               "question": r["question"],
               "gold": gold,
               "mt_gold": raw_gold,
-              "completion": tag(_render(_perturb(gold, rng), i + 1)),
+              "completion": _tagged(steps, _render(_perturb(gold, rng), i + 1)),
               "expect": False,
           }
       )
@@ -120,14 +138,9 @@ def run_plugin(rows, bs: int) -> tuple[float, float, list[float]]:
   The stack runs in this process only (the math_verify pool is not touched by these rows), so CPU
   seconds of this process are its single-core cost even when other jobs share the cores.
   """
-  from maxtext_rl_plugin import rewards  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.rewards import extraction  # pylint: disable=import-outside-toplevel
-
   fns = rewards.reward_fns_from_config(rewards.RewardConfig())
-  from maxtext_rl_plugin.rewards import gsm8k  # pylint: disable=import-outside-toplevel
-
   # Cold caches: every timed pass pays for number parsing and gold parsing as a fresh batch would.
-  extraction._to_number_cached.cache_clear()  # pylint: disable=protected-access
+  extraction.clear_number_cache()
   gsm8k.gold_alternatives.cache_clear()
   out: list[float] = []
   t, c = time.perf_counter(), time.process_time()
@@ -167,9 +180,7 @@ def _maxtext_config(num_procs: int):
 
 def run_maxtext(rows, bs: int, num_procs: int) -> tuple[float, list[float], list[float]]:
   """Seconds for MaxText's stack over `rows`; per-row summed reward and check_numbers score."""
-  import multiprocessing.pool  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import  (math_verify_pool needs it)
-
-  from maxtext.trainers.post_train.rl import utils_rl  # pylint: disable=import-outside-toplevel
+  from maxtext.trainers.post_train.rl import utils_rl  # after tunix_compat: it loads multiprocessing.pool first
 
   cfg = _maxtext_config(num_procs)
   # Warm the spawn pool outside the timing (the plugin's fast path never starts its pool here).
@@ -188,13 +199,12 @@ def run_maxtext(rows, bs: int, num_procs: int) -> tuple[float, list[float], list
   finally:
     secs = time.perf_counter() - t
     # Tear the spawn pool down now: left to interpreter exit, its finalizer can block on orphaned locks.
-    from maxtext.trainers.post_train.rl import math_verify_pool  # pylint: disable=import-outside-toplevel
-
-    math_verify_pool._shutdown_pool()  # pylint: disable=protected-access
+    tunix_compat.shutdown_maxtext_math_verify_pool()
   return secs, totals, checks
 
 
 def _maxtext_loop(utils_rl, cfg, rows, bs, totals, checks) -> None:
+  """MaxText's three reward functions over `rows` in batches of `bs`, as its RL trainer calls them."""
   for b in _batches(rows, bs):
     prompts = [r["question"] for r in b]
     comps = [r["completion"] for r in b]
@@ -207,8 +217,7 @@ def _maxtext_loop(utils_rl, cfg, rows, bs, totals, checks) -> None:
 
 
 def adversarial_latency() -> list[tuple[str, float, bool]]:
-  from maxtext_rl_plugin import rewards  # pylint: disable=import-outside-toplevel
-
+  """Seconds the plugin takes on inputs built to be slow (huge, deeply nested, unbounded towers): (name, s, verdict)."""
   cases = {
       "100KB of '{'": "{" * 100_000,
       "100KB nested \\boxed{": "\\boxed{" * 15_000,
@@ -225,7 +234,10 @@ def adversarial_latency() -> list[tuple[str, float, bool]]:
 
 
 def _parse_args(argv) -> argparse.Namespace:
-  ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench rewards", description=__doc__.split("\n\n")[0])
+  """The command line (`argv`, or sys.argv[1:] when None)."""
+  ap = argparse.ArgumentParser(
+      prog="python -m maxtext_rl_plugin.bench rewards", description=__doc__.split("\n\n", maxsplit=1)[0]
+  )
   ap.add_argument(
       "--data-dir", default=None, help="directory with GSM8K test.jsonl/train.jsonl (default ../shared/data/gsm8k)"
   )
@@ -239,33 +251,29 @@ def _parse_args(argv) -> argparse.Namespace:
   return ap.parse_args(sys.argv[1:] if argv is None else argv)
 
 
-def time_plugin(tagged, raw, bs: int, repeat: int) -> dict[str, Any]:
+def time_plugin(tagged, raw, bs: int, repeat: int) -> tuple[float, dict[str, Any]]:
   """Best-of-`repeat` throughput of the plugin's stack on tagged and raw rows (the usual guard against other
-  processes on shared cores), wall and CPU; prints the table's plugin lines."""
+  processes on shared cores), wall and CPU; prints the table's plugin lines. Returns the tagged rows' best wall
+  seconds (the speedup's denominator) and the JSON fields."""
   run_plugin(tagged[:bs], bs)  # warm-up (first-call imports)
   secs, cpu, _ = min(run_plugin(tagged, bs) for _ in range(repeat))
   secs_raw, cpu_raw, _ = min(run_plugin(raw, bs) for _ in range(repeat))
   print(f"{'stack':<28}{'rows':>8}{'wall s':>9}{'cpu s':>9}{'completions/s':>15}{'per cpu-s':>12}")
-  print(
-      f"{'plugin (tagged gold+wrong)':<28}{len(tagged):>8}{secs:>9.3f}{cpu:>9.3f}{len(tagged) / secs:>15,.0f}{len(tagged) / cpu:>12,.0f}"
-  )
-  print(
-      f"{'plugin (raw #### N)':<28}{len(raw):>8}{secs_raw:>9.3f}{cpu_raw:>9.3f}{len(raw) / secs_raw:>15,.0f}{len(raw) / cpu_raw:>12,.0f}"
-  )
-  return {
+  for name, n, wall, cpu_s in (
+      ("plugin (tagged gold+wrong)", len(tagged), secs, cpu),
+      ("plugin (raw #### N)", len(raw), secs_raw, cpu_raw),
+  ):
+    print(f"{name:<28}{n:>8}{wall:>9.3f}{cpu_s:>9.3f}{n / wall:>15,.0f}{n / cpu_s:>12,.0f}")
+  return secs, {
       "plugin_completions_per_s": round(len(tagged) / secs, 1),
       "plugin_completions_per_cpu_s": round(len(tagged) / max(cpu, 1e-9), 1),
       "plugin_raw_completions_per_s": round(len(raw) / secs_raw, 1),
       "plugin_raw_completions_per_cpu_s": round(len(raw) / max(cpu_raw, 1e-9), 1),
-      "_secs": secs,
   }
 
 
 def plugin_verdicts(rows) -> tuple[list, dict[str, Any]]:
   """The plugin's verdict per row and how many match each row's expectation, by kind."""
-  from maxtext_rl_plugin import rewards  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.rewards import verify  # pylint: disable=import-outside-toplevel
-
   verdicts = rewards.score_batch([r["completion"] for r in rows], [r["gold"] for r in rows])
   by_kind: dict[str, list[bool]] = {}
   for r, v in zip(rows, verdicts):
@@ -274,7 +282,7 @@ def plugin_verdicts(rows) -> tuple[list, dict[str, Any]]:
       "plugin_gold_correct": f"{sum(by_kind['gold'])}/{len(by_kind['gold'])}",
       "plugin_wrong_rejected": f"{sum(by_kind['wrong'])}/{len(by_kind['wrong'])}",
       "plugin_raw_correct": f"{sum(by_kind['raw'])}/{len(by_kind['raw'])}",
-      "plugin_math_verify_workers_started": verify._POOL.stats["workers_started"] if verify._POOL else 0,  # pylint: disable=protected-access
+      "plugin_math_verify_workers_started": verify.pool_stats()["workers_started"],
   }
 
 
@@ -301,6 +309,7 @@ def compare_maxtext(rows, tagged, raw, verdicts, plugin_secs: float, bs: int, pr
 
 
 def report_adversarial() -> dict[str, Any]:
+  """Print the adversarial latencies; the slowest one for the JSON line."""
   adv = adversarial_latency()
   print(f"{'adversarial input':<34}{'seconds':>10}  correct")
   for name, s, ok in adv:
@@ -309,9 +318,9 @@ def report_adversarial() -> dict[str, Any]:
 
 
 def main(argv=None) -> int:
-  """Build the rows, time the plugin, check its verdicts, compare with MaxText, probe adversarial inputs; one JSON line."""
+  """Build the rows, time the plugin, check its verdicts, compare with MaxText, probe adversarial inputs; prints one
+  JSON line."""
   args = _parse_args(argv)
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
   rows = build_rows(_find_gsm8k(args.data_dir), args.split, args.limit)
   tagged = [r for r in rows if r["kind"] != "raw"]
   raw = [r for r in rows if r["kind"] == "raw"]
@@ -323,8 +332,7 @@ def main(argv=None) -> int:
       "plugin_repeats": args.repeat,
       "loadavg_1m": round(os.getloadavg()[0], 2),
   }
-  timing = time_plugin(tagged, raw, args.batch_size, args.repeat)
-  plugin_secs = timing.pop("_secs")
+  plugin_secs, timing = time_plugin(tagged, raw, args.batch_size, args.repeat)
   res.update(timing)
   verdicts, checks = plugin_verdicts(rows)
   res.update(checks)
