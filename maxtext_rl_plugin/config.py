@@ -15,26 +15,29 @@ nested blocks such as `rl.kl_estimator=k3`). What this module adds on top of `py
   `rl.loss_algo`): a dotted override is rewritten to its flat twin, which MaxText routes into the
   nested block, and the flat copy is then re-synced from the nested one.
 
-MaxText modules (`pyconfig`, `globals`, the schema) are imported inside functions: they import JAX, and
-`--help` or a launcher's dry run should not pay for that.
+MaxText's `pyconfig` and schema (and `config_types`, `tunix_compat`, built on them) are imported inside functions:
+they import JAX (~5 s), and `--help` or a launcher's dry run should not pay for that.
 """
+
+# JAX-importing modules are imported on first parse (see the module docstring).
+# pylint: disable=import-outside-toplevel
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 import difflib
 import functools
 import os
-import warnings
 from typing import Any, Sequence
+import warnings
 
+from maxtext.utils import globals as mt_globals
 import omegaconf
 import pydantic
 import yaml
 
 from maxtext_rl_plugin import key_status
+from maxtext_rl_plugin import lora
 from maxtext_rl_plugin.errors import ConfigError
 
 CONFIGS_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -65,11 +68,9 @@ def resolve_yml(path: str) -> str:
 
 def _resolve_base(path: str, base: str) -> str:
   """Where `base_config: <base>` of `path` points: next to it, else a shipped plugin config, else MaxText's."""
-  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
-
   if os.path.isabs(base):
     return base
-  for d in (os.path.dirname(path), configs_dir(), MAXTEXT_CONFIGS_DIR):
+  for d in (os.path.dirname(path), configs_dir(), mt_globals.MAXTEXT_CONFIGS_DIR):
     cand = os.path.join(d, base)
     if os.path.isfile(cand):
       return cand
@@ -77,8 +78,9 @@ def _resolve_base(path: str, base: str) -> str:
 
 
 @functools.cache
-def _config_class():
-  from maxtext_rl_plugin.config_types import PluginRLConfig  # pylint: disable=import-outside-toplevel
+def config_class():
+  """The plugin's pydantic schema (MaxText's RL config plus the plugin's keys), imported on first use."""
+  from maxtext_rl_plugin.config_types import PluginRLConfig
 
   return PluginRLConfig
 
@@ -93,6 +95,7 @@ def _nested_models(cls) -> dict[str, Any]:
 
 
 def _all_flat_keys(cls) -> set[str]:
+  """Every key a flat `key=value` may name: the top-level fields and those of each nested block."""
   keys = set(cls.model_fields)
   for model in _nested_models(cls).values():
     keys |= set(model.model_fields)
@@ -100,12 +103,14 @@ def _all_flat_keys(cls) -> set[str]:
 
 
 def _unknown_key_error(key: str, where: str, candidates: set[str]) -> ConfigError:
-  close = difflib.get_close_matches(key.split(".")[-1], sorted(candidates), n=1, cutoff=0.75)
+  """An unknown key as one line, with the closest known key when there is one."""
+  close = difflib.get_close_matches(key.rsplit(".", maxsplit=1)[-1], sorted(candidates), n=1, cutoff=0.75)
   hint = f"; did you mean '{close[0]}'?" if close else ""
   return ConfigError(f"unknown config key '{key}' ({where}){hint}")
 
 
 def _check_key(key: str, where: str, cls) -> None:
+  """Raise for a key that is not in the schema (top-level, flat twin, or `<block>.<key>` of a nested block)."""
   nested = _nested_models(cls)
   flat = _all_flat_keys(cls)
   head, _, tail = key.partition(".")
@@ -114,7 +119,7 @@ def _check_key(key: str, where: str, cls) -> None:
       raise _unknown_key_error(key, where, flat)
     return
   if head in nested:
-    inner, _, rest = tail.partition(".")
+    inner = tail.partition(".")[0]
     if inner not in nested[head].model_fields:
       raise _unknown_key_error(key, where, set(nested[head].model_fields))
     return
@@ -154,11 +159,12 @@ def _parse_overrides(overrides: Sequence[str], cls) -> list[str]:
 
 
 def _format_validation_error(e) -> str:
+  """A pydantic ValidationError as one line naming the key and the bad value."""
   # MaxText validates a key both flat and nested (`loss_algo`, `rl.loss_algo`): report it once.
   seen: dict[str, dict] = {}
   for err in e.errors():
     loc = ".".join(str(p) for p in err.get("loc", ()) if not isinstance(p, int)) or "config"
-    seen.setdefault(loc.split(".")[-1], {**err, "loc_str": loc})
+    seen.setdefault(loc.rsplit(".", maxsplit=1)[-1], {**err, "loc_str": loc})
   errs = sorted(seen.values(), key=lambda x: -x["loc_str"].count("."))
   err = errs[0]
   msg = err.get("msg", "invalid value")
@@ -180,9 +186,8 @@ def _sync_flat_from_nested(pc) -> None:
 
 
 def _check_model_name(model_name: str) -> None:
-  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
-
-  models_dir = os.path.join(MAXTEXT_CONFIGS_DIR, "models")
+  """Refuse a model_name MaxText 0.2.5 has no models/<name>.yml for, naming the closest ones."""
+  models_dir = os.path.join(mt_globals.MAXTEXT_CONFIGS_DIR, "models")
   known = sorted(f[:-4] for f in os.listdir(models_dir) if f.endswith(".yml"))
   base = model_name.replace("-Instruct", "")
   if model_name != "default" and base not in known:
@@ -198,8 +203,6 @@ def _resolve_tokenizer_path(overrides: list[str], raw: dict) -> list[str]:
   This lets shipped configs say `tokenizer_path: tokenizers/qwen3-tokenizer` (inside the maxtext wheel)
   while hub ids such as `meta-llama/Llama-3.1-8B-Instruct` pass through unchanged.
   """
-  from maxtext.utils import globals as mt_globals  # pylint: disable=import-outside-toplevel
-
   value = raw.get("tokenizer_path")
   for arg in overrides:
     if arg.startswith("tokenizer_path="):
@@ -215,12 +218,12 @@ def _resolve_tokenizer_path(overrides: list[str], raw: dict) -> list[str]:
 
 
 def _maxtext_configs_dir() -> str:
-  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
-
-  return os.path.realpath(MAXTEXT_CONFIGS_DIR)
+  """MaxText's configs directory, symlinks resolved."""
+  return os.path.realpath(mt_globals.MAXTEXT_CONFIGS_DIR)
 
 
 def _is_maxtext_file(path: str) -> bool:
+  """Whether `path` is one of MaxText's own configs (its keys are MaxText's, not checked by us)."""
   return os.path.realpath(path).startswith(_maxtext_configs_dir() + os.sep)
 
 
@@ -232,13 +235,13 @@ def _read_yml(path: str, shown: str):
     raise ConfigError(f"config file '{shown}' not found") from None
   except OSError as e:  # OmegaConf's "Invalid loaded object type: int" for a yml that is a scalar
     raise ConfigError(f"config file '{shown}' must be a mapping of key: value ({str(e).splitlines()[0]})") from None
-  except Exception as e:  # pylint: disable=broad-exception-caught  (yaml/omegaconf parse errors)
+  except Exception as e:  # pylint: disable=broad-exception-caught  # yaml/omegaconf parse errors
     raise ConfigError(f"config file '{shown}' is not valid YAML: {str(e).splitlines()[0]}") from None
   if isinstance(cfg, omegaconf.ListConfig):
     raise ConfigError(f"config file '{shown}' must be a mapping of key: value, not a list")
   if not cfg:
     raise ConfigError(f"config file '{shown}' is empty; start it with 'base_config: rl.yml' and the keys to change")
-  for block in _nested_models(_config_class()):
+  for block in _nested_models(config_class()):
     if block in cfg and cfg[block] is not None and not isinstance(cfg[block], omegaconf.DictConfig):
       raise ConfigError(
           f"config file '{shown}': '{block}' must be a block of keys ({block}:\\n  key: value), got {cfg[block]!r}"
@@ -290,7 +293,7 @@ def merged_chain(yml: str) -> dict[str, Any]:
 
 def nested_models(cls=None) -> dict[str, Any]:
   """Nested blocks of the schema (`rl`, `dataset`, `reward`, ...) and their pydantic classes."""
-  return _nested_models(cls or _config_class())
+  return _nested_models(cls or config_class())
 
 
 def _model_file_overrides(chain, raw: dict, overrides: list[str]) -> dict[str, Any]:
@@ -322,7 +325,7 @@ def _model_file_overrides(chain, raw: dict, overrides: list[str]) -> dict[str, A
 
 def _flatten_user_keys(data: dict, out: dict[str, Any]) -> None:
   """Status-table names (`rl.x`, flat others) -> value, for one yml mapping or the command line."""
-  blocks = _nested_models(_config_class())
+  blocks = _nested_models(config_class())
   for key, value in data.items():
     if key == "base_config":
       continue
@@ -345,7 +348,7 @@ def _user_set_values(chain, overrides: list[str]) -> dict[str, Any]:
   for path, cfg in reversed(chain):
     if not _is_maxtext_file(path):
       _flatten_user_keys(omegaconf.OmegaConf.to_container(cfg, resolve=False), out)
-  fields = _config_class().model_fields
+  fields = config_class().model_fields
   for env_key, value in os.environ.items():  # MaxText's `M_<KEY>` environment overrides of top-level keys
     if env_key.startswith("M_") and env_key[2:].lower() in fields:
       overrides = [f"{env_key[2:].lower()}={value}", *overrides]
@@ -368,7 +371,7 @@ def _maxtext_rl_defaults() -> dict[str, Any]:
 
 
 def _schema_default(key: str) -> Any:
-  cls = _config_class()
+  cls = config_class()
   head, _, inner = key.partition(".")
   if inner and head in key_status.DOTTED_BLOCKS:
     field = _nested_models(cls)[head].model_fields.get(inner)
@@ -446,31 +449,10 @@ def validate(pc) -> None:
     )
   if rl.force_on_policy_ratio and rl.num_iterations > 1:
     raise _bad("rl.force_on_policy_ratio", True, f"valid only with rl.num_iterations=1 (got {rl.num_iterations})")
-  from maxtext_rl_plugin import lora  # pylint: disable=import-outside-toplevel
-
   lora.validate(pc)
 
 
 # --- parsing, once ------------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _pyconfig_reads(merged):
-  """Make MaxText's pyconfig use our already-read, already-merged yml chain.
-
-  `pyconfig._initialize_pydantic` is the only entry point that raises instead of logging many lines and calling
-  sys.exit(2); it reads the yml chain through the module-level `pyconfig._load_config`, which we swap for the
-  chain `_read_chain` resolved (plugin-config bases, no temporary copies). Both private names are pinned by
-  tests/test_config.py::test_pyconfig_private_contract; this is the only module that touches them.
-  """
-  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
-
-  original = pyconfig._load_config  # pylint: disable=protected-access
-  pyconfig._load_config = lambda _path: copy.deepcopy(merged)  # pylint: disable=protected-access
-  try:
-    yield pyconfig._initialize_pydantic  # pylint: disable=protected-access
-  finally:
-    pyconfig._load_config = original  # pylint: disable=protected-access
 
 
 @dataclasses.dataclass
@@ -490,10 +472,13 @@ class Parsed:
 
 
 def _initialize(yml: str, merged, overrides: list[str], kwargs: dict[str, Any]):
+  """MaxText's pydantic initialization of the merged yml chain plus overrides; its errors as one-line ConfigErrors."""
+  from maxtext_rl_plugin import tunix_compat
+
   try:
-    with warnings.catch_warnings(), _pyconfig_reads(merged) as initialize:
+    with warnings.catch_warnings(), tunix_compat.pyconfig_reads(merged) as initialize:
       warnings.simplefilter("ignore")
-      pc = initialize(["", yml, *overrides], config_class=_config_class(), **kwargs)
+      pc = initialize(["", yml, *overrides], config_class=config_class(), **kwargs)
   except pydantic.ValidationError as e:
     raise ConfigError(_format_validation_error(e)) from None
   except omegaconf.errors.OmegaConfBaseException as e:
@@ -505,10 +490,11 @@ def _initialize(yml: str, merged, overrides: list[str], kwargs: dict[str, Any]):
 
 
 def _parse_uncached(argv: Sequence[str]) -> Parsed:
+  """Read, check and validate `[yml, key=value, ...]` (see `parse`, which caches this)."""
   if not argv:
     raise ConfigError("usage: python -m maxtext_rl_plugin.train_rl <config.yml> [key=value ...]")
   given = argv[0]
-  cls = _config_class()
+  cls = config_class()
   chain = _read_chain(given)
   overrides = _parse_overrides(argv[1:], cls)
   for path, cfg in chain:
@@ -558,7 +544,7 @@ def load_config(argv: Sequence[str]):
 
 def to_hyperparameters(pc):
   """MaxText's read-only attribute view (`config.rl.loss_algo`, `config.emb_dim`)."""
-  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
+  from maxtext.configs import pyconfig
 
   _sync_flat_from_nested(pc)
   with warnings.catch_warnings():

@@ -15,6 +15,12 @@ import os
 import sys
 from typing import Any, Sequence
 
+import omegaconf
+
+from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import errors
+from maxtext_rl_plugin import key_status
+
 REGENERATE = "python -m maxtext_rl_plugin.config_doc > docs/config_reference.md"
 DEFAULT_YML = "configs/rl.yml"
 
@@ -25,10 +31,6 @@ def _raw_chain(yml: str) -> tuple[dict[str, Any], dict[str, Any], str]:
   Raw yml values, not `load_pydantic` output: MaxText's post-processing fills machine-dependent values (absolute
   asset paths, timestamped run names) that would make the generated file differ between machines.
   """
-  import omegaconf  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
-
   path = config_lib.resolve_yml(yml)
   merged = config_lib.merged_chain(path)
   own = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(path), resolve=False)
@@ -36,6 +38,7 @@ def _raw_chain(yml: str) -> tuple[dict[str, Any], dict[str, Any], str]:
 
 
 def _fmt_value(value: Any) -> str:
+  """A default as one short inline-code cell (JSON, cut at 80 characters)."""
   if value is None:
     text = "null"
   elif isinstance(value, str):
@@ -48,22 +51,20 @@ def _fmt_value(value: Any) -> str:
 
 
 def _fmt_desc(text: str | None) -> str:
+  """A description on one line, safe inside a Markdown table cell."""
   return " ".join((text or "").split()).replace("|", "\\|")
 
 
 def _fmt_status(key: str) -> str:
-  from maxtext_rl_plugin import key_status  # pylint: disable=import-outside-toplevel
-
+  """The key's status (`key_status.py`) as a table cell."""
   return _fmt_desc(key_status.status(key) or "(no status)")
 
 
 def rows(yml: str = DEFAULT_YML) -> list[tuple[str, str, str, str]]:
   """(key, default, meaning, source) for every key of the resolved yml, nested blocks flattened as `rl.key`."""
-  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.config_types import PluginRLConfig  # pylint: disable=import-outside-toplevel
-
+  schema = config_lib.config_class()
   merged, own, base = _raw_chain(yml)
-  nested = config_lib.nested_models(PluginRLConfig)
+  nested = config_lib.nested_models(schema)
   plugin_src = os.path.basename(config_lib.resolve_yml(yml))
   out = []
   for key, value in merged.items():
@@ -76,16 +77,14 @@ def rows(yml: str = DEFAULT_YML) -> list[tuple[str, str, str, str]]:
         src = plugin_src if inner in own_block else base
         out.append((f"{key}.{inner}", _fmt_value(inner_value), _fmt_desc(field.description if field else ""), src))
       continue
-    field = PluginRLConfig.model_fields.get(key)
+    field = schema.model_fields.get(key)
     src = plugin_src if key in own else base
     out.append((key, _fmt_value(value), _fmt_desc(field.description if field else ""), src))
   return out
 
 
 def render(yml: str = DEFAULT_YML) -> str:
-  from maxtext_rl_plugin import key_status  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.config_types import PluginRLConfig  # pylint: disable=import-outside-toplevel
-
+  """The whole reference page (Markdown) for `yml`."""
   all_rows = rows(yml)
   _, _, base = _raw_chain(yml)
   name = os.path.basename(yml)
@@ -108,7 +107,8 @@ def render(yml: str = DEFAULT_YML) -> str:
       "anything but MaxText's own RL default (`post_train/rl.yml` over `base.yml`) is an error, so no key is ever",
       "accepted and then ignored (`maxtext_rl_plugin/key_status.py`).",
       "",
-      f"The schema accepts {len(PluginRLConfig.model_fields)} top-level keys in all; those not listed here keep",
+      f"The schema accepts {len(config_lib.config_class().model_fields)} top-level keys in all; those not "
+      "listed here keep",
       "MaxText's defaults (`configs/base.yml`, model files under `configs/models/`). `print_config=true` prints every",
       "resolved value of a run and exits.",
       "",
@@ -135,11 +135,11 @@ def render(yml: str = DEFAULT_YML) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+  """Print the reference for argv[0] (default configs/rl.yml) to stdout."""
   argv = list(sys.argv[1:] if argv is None else argv)
   if argv and argv[0] in ("-h", "--help"):
     print(__doc__)
     return 0
-  from maxtext_rl_plugin import errors  # pylint: disable=import-outside-toplevel
 
   with errors.exit_on_user_error():
     sys.stdout.write(render(argv[0] if argv else DEFAULT_YML))

@@ -12,7 +12,9 @@ from __future__ import annotations
 from typing import Literal, Optional
 
 from maxtext.configs import types
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel
+from pydantic import Field
+from pydantic import field_validator
 
 
 class PluginRL(types.RL):
@@ -38,7 +40,10 @@ class PluginRL(types.RL):
   )
   advantage_norm: Literal["group_std", "none"] = Field(
       "group_std",
-      description="Group advantage: (r - mean_g) / (std_g + 1e-6) with ddof=1 ('group_std', GRPO) or r - mean_g ('none', Dr.GRPO).",
+      description=(
+          "Group advantage: (r - mean_g) / (std_g + 1e-6) with ddof=1 ('group_std', GRPO) or r - "
+          "mean_g ('none', Dr.GRPO)."
+      ),
   )
   rollout_is: Literal["off", "truncate", "mask"] = Field(
       "off",
@@ -52,7 +57,10 @@ class PluginRL(types.RL):
   rollout_is_cap: float = Field(2.0, gt=1.0, description="C of rl.rollout_is: the truncation cap / mask range [1/C, C].")
   verify_weight_sync: Literal["off", "first", "every_n"] = Field(
       "first",
-      description="Check after a trainer->sampler weight sync that the sampler holds the new weights: never, on the first sync, or every `verify_weight_sync_every` syncs.",
+      description=(
+          "Check after a trainer->sampler weight sync that the sampler holds the new weights: never, "
+          "on the first sync, or every `verify_weight_sync_every` syncs."
+      ),
   )
   verify_weight_sync_every: int = Field(
       10, ge=1, description="Period (in syncs) of the check when verify_weight_sync=every_n."
@@ -90,13 +98,19 @@ class PluginKeys(BaseModel):
   stop_token_ids: list[int] = Field([], description="Extra token ids that end a completion, besides the tokenizer's EOS.")
   rollout_seed: int = Field(
       0,
-      description="Seed of rollout sampling; step k samples with a key derived from (rollout_seed, k), so resumed runs sample identically.",
+      description=(
+          "Seed of rollout sampling; step k samples with a key derived from (rollout_seed, k), so "
+          "resumed runs sample identically."
+      ),
   )
 
   # --- data (maxtext_rl_plugin.data) ---
   train_data_path: str = Field(
       "",
-      description="Local JSONL or Parquet file(s) of GSM8K-style rows (question, answer '... #### N'); overrides dataset_name for training.",
+      description=(
+          "Local JSONL or Parquet file(s) of GSM8K-style rows (question, answer '... #### N'); "
+          "overrides dataset_name for training."
+      ),
   )
   eval_data_path: str = Field(
       "", description="Local JSONL or Parquet file(s) for evaluation; overrides eval_dataset_name."

@@ -10,11 +10,14 @@ A MaxText user who switches from MaxText's `train_rl` to this plugin must lose n
 
 Statuses are given per mixin class of `RLConfig` (e.g. every `ModelArchitecture` key is read by MaxText's model
 code, which the plugin builds through `from_pretrained`; every `Goodput` key is pre-training telemetry) with
-per-key overrides. A class missing from `_CLASS_STATUS` fails tests/test_config.py, so a MaxText upgrade that adds
+per-key overrides. A class missing from `CLASS_STATUS` fails tests/test_config.py, so a MaxText upgrade that adds
 a mixin or a key cannot add a silently ignored key. Keys of the `rl:` block are named `rl.<key>`; keys of MaxText's
 other nested blocks (`dataset`, `reward`, `vllm`, ...) are also top-level fields and are named flat, as in
 `post_train/rl.yml`.
 """
+
+# The schema (config_types) imports JAX and config.py imports this module: it is imported on first use.
+# pylint: disable=import-outside-toplevel
 
 from __future__ import annotations
 
@@ -52,7 +55,7 @@ _CONVERTER = (
 )
 
 # One status per mixin class of RLConfig (and of the nested blocks); per-key overrides in _KEY_STATUS.
-_CLASS_STATUS: dict[str, str] = {
+CLASS_STATUS: dict[str, str] = {
     # Model code: MaxText builds the trainer and rollout models from these.
     "LogitsAndLoss": MODEL,
     "Engram": MODEL,
@@ -404,8 +407,8 @@ _KEY_STATUS.update(
         "lora.lora_alpha": "honoured (lora.py: qwix LoraProvider alpha; the update is alpha/rank * A @ B)",
         "lora.lora_module_path": "honoured (lora.py: modules to adapt; empty = MaxText's post_train/lora_module_path.yml "
         "entry for model_name)",
-        "lora.lora_restore_path": "honoured (lora.py: MaxText's restore_lora_from_path before training; ignored on resume, "
-        "as in MaxText)",
+        "lora.lora_restore_path": "honoured (lora.py: MaxText's restore_lora_from_path before training; ignored on "
+        "resume, as in MaxText)",
         "lora.lora_weight_qtype": _QLORA,
         "lora.lora_tile_size": _QLORA,
     }
@@ -418,8 +421,9 @@ DOTTED_BLOCKS = ("rl", "lora")
 
 
 def _config_class():
-  # The schema imports MaxText's types (and JAX); imported when first needed, as config.py does.
-  from maxtext_rl_plugin.config_types import PluginRLConfig  # pylint: disable=import-outside-toplevel
+  """The schema, imported when first needed: it imports MaxText's types (and JAX), and config.py, which would
+  give it to us, imports this module."""
+  from maxtext_rl_plugin.config_types import PluginRLConfig
 
   return PluginRLConfig
 
@@ -437,7 +441,7 @@ def _declaring_class() -> dict[str, str]:
     for name in own(klass):
       out.setdefault(name, klass.__name__)
   for block in DOTTED_BLOCKS:
-    for klass in cls.model_fields[block].annotation.__mro__:
+    for klass in cls.model_fields.get(block).annotation.__mro__:
       for name in own(klass):
         out.setdefault(f"{block}.{name}", klass.__name__)
   return out
@@ -469,7 +473,7 @@ def status(key: str) -> str | None:
   if key in _KEY_STATUS:
     return _KEY_STATUS[key]
   owner = _declaring_class().get(key)
-  return _CLASS_STATUS.get(owner) if owner else None
+  return CLASS_STATUS.get(owner) if owner else None
 
 
 def refusal(key: str) -> str | None:

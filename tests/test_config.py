@@ -3,18 +3,32 @@
 import os
 import subprocess
 import sys
+import tempfile
+import types as pytypes
 
+from maxtext.configs import pyconfig
+from maxtext.configs import types
+from maxtext.utils import model_creation_utils
+from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
 import pytest
 import yaml
 
 from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import evaluation
+from maxtext_rl_plugin import key_status
+from maxtext_rl_plugin import models
+from maxtext_rl_plugin import registry
+from maxtext_rl_plugin import tunix_compat
+from maxtext_rl_plugin.config_types import PluginKeys
+from maxtext_rl_plugin.config_types import PluginRL
 from maxtext_rl_plugin.errors import ConfigError
 
 TINY = "configs/cpu_tiny.yml"
 
 
-@pytest.fixture(scope="module")
-def tiny():
+@pytest.fixture(name="tiny", scope="module")
+def tiny_fixture():
+  """The tiny CPU config, parsed once for the module."""
   return config_lib.load_config([TINY])
 
 
@@ -148,8 +162,6 @@ def test_cli_print_config_prints_resolved_yaml_and_exits_zero():
 
 
 def test_console_script_lists_registered_components():
-  from maxtext_rl_plugin import registry
-
   d = registry.describe()
   assert "embedded" in d["rollout_engines"] and "vllm" in d["rollout_engines"]
   assert {"rl", "cpu_tiny"} <= set(d["configs"])
@@ -158,13 +170,9 @@ def test_console_script_lists_registered_components():
 
 # --- every key has a status; refused keys are errors when set -------------------------------------------------------
 
-from maxtext_rl_plugin import key_status  # pylint: disable=wrong-import-position
-
 
 def _maxtext_rl_yml_keys() -> set[str]:
   """Keys of MaxText's own configs/post_train/rl.yml file (not its base), read with plain PyYAML."""
-  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
-
   with open(os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "rl.yml"), encoding="utf-8") as f:
     raw = yaml.safe_load(f)
   keys = set()
@@ -176,12 +184,8 @@ def _maxtext_rl_yml_keys() -> set[str]:
 
 
 def test_every_maxtext_and_plugin_key_has_a_status():
-  from maxtext.configs import types  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin.config_types import PluginKeys, PluginRL  # pylint: disable=import-outside-toplevel
-
   keys = set(types.RLConfig.model_fields) - set(key_status.BLOCKS)
-  keys |= {f"rl.{k}" for k in PluginRL.model_fields}  # MaxText's rl block and the plugin's additions
+  keys |= {f"rl.{k}" for k in PluginRL.model_fields.keys()}  # MaxText's rl block and the plugin's additions
   for block in key_status.BLOCKS[1:]:
     keys |= set(types.RLConfig.model_fields[block].annotation.model_fields)
   keys |= set(PluginKeys.model_fields) | _maxtext_rl_yml_keys()
@@ -193,16 +197,15 @@ def test_every_maxtext_and_plugin_key_has_a_status():
     assert s.startswith("honoured (") or (s.startswith("refused: ") and len(s) > 20), (k, s)
   assert set(key_status.all_keys()) >= {key_status.canonical(k) for k in keys}
   # A plugin key says which module reads it (a new key without its own entry fails here).
-  generic = key_status._CLASS_STATUS["PluginKeys"]  # pylint: disable=protected-access
+  generic = key_status.CLASS_STATUS["PluginKeys"]
   assert not [k for k in keys if key_status.status(k) == generic]
 
 
 def test_every_mixin_class_of_rlconfig_has_a_class_status():
   # A MaxText upgrade adding a mixin class (a family of keys) must fail here, not default silently.
-  from maxtext.configs import types  # pylint: disable=import-outside-toplevel
 
   classes = {k.__name__ for k in types.RLConfig.__mro__ if "model_fields" in dir(k) and k.__module__ == types.__name__}
-  assert not classes - set(key_status._CLASS_STATUS)  # pylint: disable=protected-access
+  assert not classes - set(key_status.CLASS_STATUS)
 
 
 @pytest.mark.parametrize(
@@ -299,8 +302,6 @@ def test_refused_key_at_maxtext_default_is_accepted():
 
 def test_generation_configs_reach_the_eval_sampling(tmp_path):
   """generation_configs is honoured (evaluation.py): a user's per-strategy value reaches the eval sampling."""
-  from maxtext_rl_plugin import evaluation  # pylint: disable=import-outside-toplevel
-
   f = tmp_path / "gen.yml"
   f.write_text(
       "base_config: cpu_tiny.yml\neval_sampling_strategy: standard\ngeneration_configs:\n  standard:\n"
@@ -428,7 +429,6 @@ def test_user_yml_with_a_token_is_never_copied_to_disk(tmp_path, monkeypatch):
   tmp = tmp_path / "tmp"
   tmp.mkdir()
   monkeypatch.setenv("TMPDIR", str(tmp))
-  import tempfile  # pylint: disable=import-outside-toplevel
 
   monkeypatch.setattr(tempfile, "tempdir", None)
   f = tmp_path / "secret.yml"
@@ -442,25 +442,10 @@ def test_user_yml_with_a_token_is_never_copied_to_disk(tmp_path, monkeypatch):
 # --- parse once --------------------------------------------------------------------------------------------------
 
 
-def test_pyconfig_private_contract():
-  # config._pyconfig_reads swaps pyconfig._load_config under pyconfig._initialize_pydantic (MaxText 0.2.5).
-  import inspect  # pylint: disable=import-outside-toplevel
-
-  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
-
-  src = inspect.getsource(pyconfig._initialize_pydantic)  # pylint: disable=protected-access
-  assert "_load_config(config_path)" in src and "config_class(**pydantic_kwargs)" in src
-  assert callable(pyconfig._load_config)  # pylint: disable=protected-access
-
-
 def test_config_is_parsed_once_per_argv(monkeypatch):
-  from maxtext.configs import pyconfig  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
-
   argv = [TINY, "run_name=parse_once_probe"]
   calls = []
-  real = pyconfig._initialize_pydantic  # pylint: disable=protected-access
+  real = pyconfig._initialize_pydantic  # pylint: disable=protected-access  # counts every MaxText parse, ours or not
   monkeypatch.setattr(pyconfig, "_initialize_pydantic", lambda *a, **k: calls.append(a) or real(*a, **k))
   config_lib.load_config(argv)
   rs = models.setup_devices(argv)
@@ -471,18 +456,14 @@ def test_config_is_parsed_once_per_argv(monkeypatch):
 
 def _maxtext_split(argv):
   """MaxText's own setup_configs_and_devices on the same parsed inputs (it re-parses argv itself)."""
-  from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
-
   parsed = config_lib.parse(argv)
-  with config_lib._pyconfig_reads(parsed.merged):  # pylint: disable=protected-access
+  with tunix_compat.pyconfig_reads(parsed.merged):
     return model_creation_utils.setup_configs_and_devices(
-        ["", parsed.yml, *parsed.overrides], parsed.kwargs, config_class=config_lib._config_class()
-    )  # pylint: disable=protected-access
+        ["", parsed.yml, *parsed.overrides], parsed.kwargs, config_class=config_lib.config_class()
+    )
 
 
 def _assert_same_split(argv):
-  from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
-
   t_pc, s_pc, t_dev, s_dev = _maxtext_split(argv)
   rs = models.setup_devices(argv)
   assert rs.trainer_devices == list(t_dev) and rs.sampler_devices == list(s_dev)
@@ -505,8 +486,6 @@ def test_device_split_matches_maxtext_pathways_fractions():
 
 
 def test_slice_counts_must_agree():
-  from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
-
   with pytest.raises(ConfigError, match="num_samplers_slices` must be both -1 or both positive"):
     models.setup_devices([TINY, "num_trainer_slices=2"])
 
@@ -519,11 +498,6 @@ def test_refused_key_set_through_maxtext_environment_override(monkeypatch):
 
 def test_multislice_split_and_configs_match_maxtext(monkeypatch):
   # MaxText groups jax.devices() by slice_index; fakes with two slices of 4 stand in for a 2-slice TPU job.
-  import types as pytypes  # pylint: disable=import-outside-toplevel
-
-  from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
 
   fakes = [pytypes.SimpleNamespace(id=i, slice_index=i // 4) for i in range(8)]
   monkeypatch.setattr(model_creation_utils.jax, "devices", lambda: fakes)
