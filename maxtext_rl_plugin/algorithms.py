@@ -463,16 +463,16 @@ def tunix_algo_config(config: Any, **overrides: Any) -> PluginGrpoConfig:
         "loss_algo=gspo-token with num_iterations=1: on-policy ratios are 1, so the gradient is exactly "
         "GRPO's under the same loss_agg_mode (GSPO differs only through its sequence-level clipping)"
     )
-  kwargs = dict(
-      num_generations=int(rl.num_generations),
-      num_iterations=int(rl.num_iterations),
-      beta=float(rl.grpo_beta),
-      epsilon=epsilon,
-      epsilon_high=epsilon_high,
-      loss_algo=rl.loss_algo,
-      loss_agg_mode=rl.loss_agg_mode,
-      kl_estimator=rl.kl_estimator,
-      advantage_estimator=ADVANTAGE_ESTIMATOR_NAMES[rl.advantage_norm],
-  )
+  kwargs = {
+      "num_generations": int(rl.num_generations),
+      "num_iterations": int(rl.num_iterations),
+      "beta": float(rl.grpo_beta),
+      "epsilon": epsilon,
+      "epsilon_high": epsilon_high,
+      "loss_algo": rl.loss_algo,
+      "loss_agg_mode": rl.loss_agg_mode,
+      "kl_estimator": rl.kl_estimator,
+      "advantage_estimator": ADVANTAGE_ESTIMATOR_NAMES[rl.advantage_norm],
+  }
   kwargs.update(overrides)
   return PluginGrpoConfig(**kwargs)

@@ -93,6 +93,7 @@ class RolloutProducer:
 
   # ---------------------------------------------------------------------------------------------- producer thread
   def _run(self) -> None:
+    """The producer thread: sample each batch once the sampler holds its weight version; errors reach take()."""
     try:
       for b in range(self.start, self.end):
         v = behaviour_version(b, self.k, self.start)
@@ -116,6 +117,7 @@ class RolloutProducer:
         self._cv.notify_all()
 
   def _produce(self, b: int, v: int) -> Produced:
+    """Sample batch `b` with weight version `v`, holding the engine while it runs."""
     phases: dict[str, float] = {}
     with self._engine:
       value = self._sample_fn(b, phases)

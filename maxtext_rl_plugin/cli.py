@@ -8,6 +8,10 @@ maxtext-rl launch {xpk,xpk-delete,xpk-list,ray} ...
 maxtext-rl list                                  (registered configs, rewards, engines)
 """
 
+# Each subcommand's module is imported when that subcommand runs: train_rl and export-lora import JAX, MaxText
+# and Tunix (seconds), which `maxtext-rl score` or `--help` should not pay for.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import sys
@@ -20,27 +24,27 @@ def main(argv=None) -> int:
     return 0 if argv else 2
   cmd, rest = argv[0], argv[1:]
   if cmd == "train":
-    from maxtext_rl_plugin import train_rl  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin import train_rl
 
     return train_rl.main(rest)
   if cmd == "score":
-    from maxtext_rl_plugin.rewards import __main__ as score  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin.rewards import __main__ as score
 
     return score.main(["score", *rest])
   if cmd == "export-lora":
-    from maxtext_rl_plugin import export_lora  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin import export_lora
 
     return export_lora.main(rest)
   if cmd == "bench":
-    from maxtext_rl_plugin.bench import __main__ as bench  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin.bench import __main__ as bench
 
     return bench.main(rest)
   if cmd == "launch":
-    from maxtext_rl_plugin.launch import __main__ as launch  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin.launch import __main__ as launch
 
     return launch.main(rest)
   if cmd == "list":
-    from maxtext_rl_plugin import registry  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin import registry
 
     for group, names in registry.describe().items():
       print(f"{group}: {', '.join(names) or '(none)'}")

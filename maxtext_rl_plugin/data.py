@@ -14,6 +14,9 @@ filtering, silently). Splits are random-access and deterministic: batch k of a s
 of (seed, k), so a resumed run continues at its data position with no repeated or skipped batch.
 """
 
+# pyarrow (Parquet files) and datasets (the HF hub) are optional extras, imported where a config asks for them.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import abc
@@ -28,8 +31,12 @@ import sys
 from typing import Any, Iterable, Iterator, Optional, Sequence
 
 from absl import logging
+import maxtext
 
-from maxtext_rl_plugin.errors import ConfigError, DataError
+from maxtext_rl_plugin.config import configs_dir
+from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.errors import DataError
+from maxtext_rl_plugin.errors import MissingExtraError
 from maxtext_rl_plugin.rewards import extraction
 from maxtext_rl_plugin.rewards import gsm8k
 
@@ -68,19 +75,13 @@ class Example:
 
 
 def _template_candidates(path: str) -> list[str]:
+  """Where a relative data_template_path may live: as given, MaxText's package root, the shipped configs."""
   cands = [path]
   if not os.path.isabs(path):
-    try:
-      import maxtext  # pylint: disable=import-outside-toplevel
-
-      pkg = os.path.dirname(os.path.abspath(maxtext.__file__))
-      cands.append(os.path.join(os.path.dirname(pkg), path))  # MaxText's own resolution (site-packages root)
-      if path.startswith("maxtext/"):
-        cands.append(os.path.join(pkg, path[len("maxtext/") :]))
-    except ImportError:
-      pass
-    from maxtext_rl_plugin.config import configs_dir  # pylint: disable=import-outside-toplevel
-
+    pkg = os.path.dirname(os.path.abspath(maxtext.__file__))
+    cands.append(os.path.join(os.path.dirname(pkg), path))  # MaxText's own resolution (site-packages root)
+    if path.startswith("maxtext/"):
+      cands.append(os.path.join(pkg, path[len("maxtext/") :]))
     cands.append(os.path.join(configs_dir(), path))
   return cands
 
@@ -125,7 +126,7 @@ def _tokens(config) -> dict[str, str]:
 
 def system_prompt(config) -> str:
   """The instruction to answer as `<reasoning>...</reasoning><answer>...</answer>` (configured tokens)."""
-  tpl = load_template(getattr(config, "data_template_path", "") or "")
+  tpl = load_template(config.data_template_path or "")
   try:
     return tpl["SYSTEM_PROMPT"].format(**_tokens(config))
   except (KeyError, IndexError) as e:
@@ -149,21 +150,21 @@ def build_prompt(question: str, tokenizer, config) -> str:
   With `reasoning_start_token_in_prompt`, the prompt ends with the reasoning start token.
   """
   sp = system_prompt(config)
-  if getattr(config, "use_chat_template", True) and _has_chat_template(tokenizer):
+  if config.use_chat_template and _has_chat_template(tokenizer):
     msgs = [{"role": "system", "content": sp}, {"role": "user", "content": question}]
     try:
       prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-    except Exception:  # pylint: disable=broad-exception-caught  (jinja raises for unsupported roles)
+    except Exception:  # pylint: disable=broad-exception-caught  # jinja raises for unsupported roles
       prompt = tokenizer.apply_chat_template(
           [{"role": "user", "content": f"{sp}\n\n{question}"}], add_generation_prompt=True, tokenize=False
       )
   else:
-    tpl = load_template(getattr(config, "data_template_path", "") or "")
+    tpl = load_template(config.data_template_path or "")
     try:
       prompt = tpl["TEMPLATE"].format(system_prompt=sp, question=question)
     except (KeyError, IndexError) as e:
       raise ConfigError(f"data_template_path: TEMPLATE has an unknown placeholder {e}") from None
-  if getattr(config, "reasoning_start_token_in_prompt", False):
+  if config.reasoning_start_token_in_prompt:
     rs = _tokens(config)["reasoning_start_token"]
     if not prompt.endswith(rs):
       prompt += rs
@@ -182,7 +183,7 @@ def format_target(example: Example, config) -> str:
   reasoning, _, final = sol.rpartition("####") if "####" in sol else (sol, "", "")
   reasoning = _CALC_ANNOTATION_RE.sub("", reasoning).strip()
   shown = final.strip() or example.answer  # the demonstration's own answer (a flawed teacher's may be wrong)
-  rs = "" if getattr(config, "reasoning_start_token_in_prompt", False) else t["reasoning_start_token"]
+  rs = "" if config.reasoning_start_token_in_prompt else t["reasoning_start_token"]
   return f"{rs}{reasoning}{t['reasoning_end_token']}\n{t['solution_start_token']}{shown}{t['solution_end_token']}"
 
 
@@ -582,6 +583,8 @@ def _synthetic_eval(cfg: SyntheticConfig, n: int, tokenizer, config, max_tokens:
 
 @dataclasses.dataclass
 class _Skips:
+  """Counts of the rows a file loses, by reason, for the one-line skip summary."""
+
   rows: int = 0
   bad_json: int = 0
   not_utf8: int = 0
@@ -656,6 +659,7 @@ def rows_to_examples(rows: Iterable[Any], source: str, unit: str = "") -> tuple[
 
 
 def _expand_paths(spec: str, key: str) -> list[str]:
+  """The files a comma-separated path/glob spec names; a part matching nothing is a DataError."""
   paths = []
   for part in (p.strip() for p in spec.split(",")):
     if not part:
@@ -680,10 +684,8 @@ def _read_rows(path: str, key: str) -> tuple[list[tuple[int, Any]], str]:
   ext = os.path.splitext(path)[1].lower()
   if ext == ".parquet":
     try:
-      import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+      import pyarrow.parquet as pq
     except ImportError as e:
-      from maxtext_rl_plugin.errors import MissingExtraError  # pylint: disable=import-outside-toplevel
-
       raise MissingExtraError("reading Parquet data", "pyarrow", "cpu") from e
     try:
       return list(enumerate(pq.read_table(path).to_pylist(), 1)), "row"
@@ -730,7 +732,8 @@ def load_file_rows(spec: str, key: str) -> list[tuple[str, str, str, str]]:
     rows, sk = rows_to_examples(numbered, os.path.basename(path), unit=unit)
     if not rows:
       raise DataError(
-          f"{key}='{path}': no usable rows of {sk.rows} (expected JSON objects with 'question' and 'answer' ending in '#### N')"
+          f"{key}='{path}': no usable rows of {sk.rows} (expected JSON objects with 'question' and 'answer' "
+          "ending in '#### N')"
       )
     out.extend(rows)
   return out
@@ -741,20 +744,19 @@ def load_hub_rows(
 ) -> list[tuple[str, str, str, str]]:
   """Usable rows of a Hugging Face hub dataset split (`datasets.load_dataset(name, subset, split=split)`)."""
   try:
-    import datasets  # pylint: disable=import-outside-toplevel
+    import datasets
   except ImportError as e:
-    from maxtext_rl_plugin.errors import MissingExtraError  # pylint: disable=import-outside-toplevel
-
     raise MissingExtraError("loading datasets from the Hugging Face hub", "datasets", "cpu") from e
   kwargs = {"split": split}
   if token:
     kwargs["token"] = token
   try:
     ds = datasets.load_dataset(dataset_name, subset or None, **kwargs)
-  except Exception as e:  # pylint: disable=broad-exception-caught  (network, auth, unknown split...)
+  except Exception as e:  # pylint: disable=broad-exception-caught  # network, auth, unknown split...
     msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
     raise DataError(
-        f"dataset_name='{dataset_name}' (hf_subset='{subset}', split='{split}'): could not load from the Hugging Face hub "
+        f"dataset_name='{dataset_name}' (hf_subset='{subset}', split='{split}'): could not load from the "
+        "Hugging Face hub "
         f"({type(e).__name__}: {msg}); offline, use train_data_path=/eval_data_path= or dataset_name={SYNTHETIC}"
     ) from None
   rows, sk = rows_to_examples(iter(ds), f"{dataset_name}/{split}")
@@ -771,13 +773,15 @@ def load_hub_rows(
 
 
 def _max_prompt_tokens(config) -> Optional[int]:
-  v = getattr(config, "max_prefill_predict_length", None)
+  """The prompt token limit (max_prefill_predict_length), None when unset."""
+  v = config.max_prefill_predict_length
   return int(v) if v and v > 0 else None
 
 
 def _materialize(
     rows: list[tuple[str, str, str, str]], tokenizer, config, name: str, drop_questions: frozenset = frozenset()
 ) -> list[Example]:
+  """Rows as Examples with built prompts, dropping eval questions and prompts over the token limit."""
   if drop_questions:
     kept = [r for r in rows if r[0] not in drop_questions]
     if not kept:  # train and eval are the same data: the user asked for it (e.g. a smoke test)
@@ -806,15 +810,15 @@ def _materialize(
 
 
 def _synthetic_cfg(config) -> SyntheticConfig:
-  lo, hi = int(getattr(config, "synthetic_min_steps", 1)), int(getattr(config, "synthetic_max_steps", 2))
+  lo, hi = int(config.synthetic_min_steps), int(config.synthetic_max_steps)
   if hi < lo:
     raise ConfigError(f"invalid value for 'synthetic_max_steps'={hi}: must be >= synthetic_min_steps={lo}")
   return SyntheticConfig(
-      int(getattr(config, "synthetic_seed", 1234)),
+      int(config.synthetic_seed),
       lo,
       hi,
-      int(getattr(config, "synthetic_max_value", 20)),
-      float(getattr(config, "synthetic_teacher_error_rate", 0.0) or 0.0),
+      int(config.synthetic_max_value),
+      float(config.synthetic_teacher_error_rate or 0.0),
   )
 
 
@@ -823,11 +827,11 @@ def _rows_for(config, which: str) -> Optional[list[tuple[str, str, str, str]]]:
   path = getattr(config, f"{which}_data_path", "") or ""
   if path:
     return load_file_rows(path, f"{which}_data_path")
-  name = config.dataset_name if which == "train" else (getattr(config, "eval_dataset_name", "") or config.dataset_name)
+  name = config.dataset_name if which == "train" else (config.eval_dataset_name or config.dataset_name)
   if name == SYNTHETIC:
     return None
   split = getattr(config, "train_split" if which == "train" else "eval_split")
-  return load_hub_rows(name, getattr(config, "hf_subset", "") or "", split, getattr(config, "hf_access_token", None))
+  return load_hub_rows(name, config.hf_subset or "", split, config.hf_access_token)
 
 
 def load_splits(config, tokenizer) -> tuple[DatasetSplit, DatasetSplit]:
@@ -837,7 +841,7 @@ def load_splits(config, tokenizer) -> tuple[DatasetSplit, DatasetSplit]:
   eval_rows = _rows_for(config, "eval")
   if eval_rows is None:
     eval_split: DatasetSplit = _synthetic_eval(
-        _synthetic_cfg(config), int(getattr(config, "synthetic_num_eval", 256)), tokenizer, config, max_tokens
+        _synthetic_cfg(config), int(config.synthetic_num_eval), tokenizer, config, max_tokens
     )
   else:
     eval_split = ListSplit(_materialize(eval_rows, tokenizer, config, "eval"), "eval")
@@ -857,7 +861,7 @@ def load_splits(config, tokenizer) -> tuple[DatasetSplit, DatasetSplit]:
     train_split = ListSplit(
         _materialize(train_rows, tokenizer, config, "train", eval_questions),
         "train",
-        seed=int(getattr(config, "data_shuffle_seed", 0)),
+        seed=int(config.data_shuffle_seed),
         repeat=True,
     )
   logging.info(

@@ -17,6 +17,14 @@ import os
 import random
 import sys
 
+from tokenizers import decoders
+from tokenizers import models
+from tokenizers import pre_tokenizers
+from tokenizers import Tokenizer
+from tokenizers import trainers
+
+from maxtext_rl_plugin import data
+
 SPECIALS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
 TAGS = ["<reasoning>", "</reasoning>", "<answer>", "</answer>"]
 VOCAB_SIZE = 512
@@ -24,8 +32,6 @@ VOCAB_SIZE = 512
 
 def corpus(n: int = 20000, seed: int = 0):
   """Prompts and solutions from the synthetic generator over every difficulty the knobs allow."""
-  from maxtext_rl_plugin import data  # pylint: disable=import-outside-toplevel
-
   rng = random.Random(seed)
   for i in range(n):
     cfg = data.SyntheticConfig(seed=seed, min_steps=1, max_steps=1 + i % 4, max_value=(10, 20, 50, 100)[i % 4])
@@ -37,8 +43,7 @@ def corpus(n: int = 20000, seed: int = 0):
 
 
 def build(out_dir: str) -> str:
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # pylint: disable=import-outside-toplevel
-
+  """Train the demo's BPE tokenizer on `corpus()` and save it under `out_dir`; returns the tokenizer.json path."""
   tok = Tokenizer(models.BPE(unk_token=None, byte_fallback=False))
   tok.pre_tokenizer = pre_tokenizers.Sequence(
       [

@@ -17,7 +17,18 @@ import argparse
 import os
 import sys
 
-from maxtext_rl_plugin.errors import CheckpointError, ConfigError
+from flax import nnx
+import jax
+from maxtext.common import checkpointing as mt_checkpointing
+import orbax.checkpoint as ocp
+
+from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import errors
+from maxtext_rl_plugin import lora
+from maxtext_rl_plugin import models
+from maxtext_rl_plugin import sft
+from maxtext_rl_plugin.errors import CheckpointError
+from maxtext_rl_plugin.errors import ConfigError
 
 
 def _parse(argv):
@@ -33,10 +44,6 @@ def _parse(argv):
 
 def restore_adapters(model, ckpt_dir: str, step: int | None) -> int:
   """Load the adapters (the `params` item) of RL checkpoint `step` (newest when None) into `model`; returns the step."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
   if not os.path.isdir(ckpt_dir):
     raise CheckpointError(f"no checkpoints in {ckpt_dir}: run training with this config first")
   manager = ocp.CheckpointManager(
@@ -69,13 +76,6 @@ def restore_adapters(model, ckpt_dir: str, step: int | None) -> int:
 
 def export(argv, output: str, step: int | None = None) -> str:
   """Build the run's base, apply and restore its adapters, merge, save; returns the `load_parameters_path`."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from maxtext.common import checkpointing as mt_checkpointing  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin import lora  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
-
   config = config_lib.load_config(argv)
   if not lora.enabled(config):
     raise ConfigError(
@@ -88,8 +88,6 @@ def export(argv, output: str, step: int | None = None) -> str:
   tokenizer = models.load_tokenizer(config)
   actor, mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
   if config.sft_warmup_steps > 0:
-    from maxtext_rl_plugin import sft  # pylint: disable=import-outside-toplevel
-
     sft_dir = os.path.join(os.path.abspath(run_dir), "checkpoints", "sft", str(config.sft_warmup_steps))
     if not os.path.isdir(sft_dir):
       raise CheckpointError(f"the run's base is its SFT warm start, but {sft_dir} does not exist")
@@ -112,8 +110,6 @@ def export(argv, output: str, step: int | None = None) -> str:
 
 
 def main(argv=None) -> int:
-  from maxtext_rl_plugin import errors  # pylint: disable=import-outside-toplevel
-
   args = _parse(list(sys.argv[1:] if argv is None else argv))
   with errors.exit_on_user_error():
     export(args.config, args.output, args.step)

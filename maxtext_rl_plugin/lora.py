@@ -17,6 +17,10 @@ matched by `lora_module_path`, else MaxText's `post_train/lora_module_path.yml` 
   merged weights as a MaxText params checkpoint that `load_parameters_path` loads.
 """
 
+# JAX, Flax, Tunix and MaxText's LoRA utilities are imported inside the functions that use them: config.py
+# imports this module for `validate`, and loading a config must not import JAX (see config.py).
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import math
@@ -83,9 +87,9 @@ def check_engine(config, engine_name: str) -> None:
 
 def module_path(config) -> str:
   """The regex MaxText applies LoRA to: lora.lora_module_path, else lora_module_path.yml's entry for model_name."""
-  from maxtext.utils import lora_utils  # pylint: disable=import-outside-toplevel
+  from maxtext.utils import lora_utils
 
-  return lora_utils._get_lora_module_path(config)  # pylint: disable=protected-access  (MaxText's resolution, as is)
+  return lora_utils._get_lora_module_path(config)  # pylint: disable=protected-access  # MaxText's resolution, as is
 
 
 def apply(config, actor, mesh, pad_id: int | None = None) -> tuple[Any, Any]:
@@ -96,11 +100,11 @@ def apply(config, actor, mesh, pad_id: int | None = None) -> tuple[Any, Any]:
   """
   if not enabled(config):
     return actor, None
-  import jax  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from flax.core.spmd import logical_axis_rules  # pylint: disable=import-outside-toplevel
-  from maxtext.integration.tunix.tunix_adapter import TunixMaxTextAdapter  # pylint: disable=import-outside-toplevel
-  from maxtext.utils import lora_utils  # pylint: disable=import-outside-toplevel
+  from flax import nnx
+  from flax.core.spmd import logical_axis_rules
+  import jax
+  from maxtext.integration.tunix.tunix_adapter import TunixMaxTextAdapter
+  from maxtext.utils import lora_utils
 
   with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
     try:
@@ -137,7 +141,7 @@ def keep_base_shared(rl_cluster, frozen_base) -> None:
   """
   if frozen_base is None:
     return
-  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from flax import nnx
 
   original = rl_cluster.update_actor
 
@@ -151,14 +155,14 @@ def keep_base_shared(rl_cluster, frozen_base) -> None:
 
 def trainable(model) -> Any:
   """The nnx filter of what the trainer updates and checkpoints: adapters on a LoRA model, else every Param."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from tunix.sft import utils as sft_utils  # pylint: disable=import-outside-toplevel
+  from flax import nnx
+  from tunix.sft import utils as sft_utils
 
   return nnx.LoRAParam if sft_utils.is_lora_enabled(model) else nnx.Param
 
 
 def has_adapters(model) -> bool:
-  from tunix.sft import utils as sft_utils  # pylint: disable=import-outside-toplevel
+  from tunix.sft import utils as sft_utils
 
   return sft_utils.is_lora_enabled(model)
 
@@ -175,7 +179,7 @@ def merge_kernel(w, a, b, scale: float, scan_axis: int):
   scanned-layer axis sits at `param_scan_axis` in w, A and B alike). MaxText kernels put the contracting dims first,
   so the delta is (A @ B) reshaped to the per-layer kernel shape.
   """
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp
 
   scanned = a.ndim == 3
   if a.ndim not in (2, 3) or b.ndim != a.ndim:
@@ -232,8 +236,9 @@ class Merger:
     self.num_merges = 0
 
   def merged(self, module):
-    import jax  # pylint: disable=import-outside-toplevel
-    from flax import nnx  # pylint: disable=import-outside-toplevel
+    """The adapted weights, merged once per adapter change (the same adapter leaves reuse the last merge)."""
+    from flax import nnx
+    import jax
 
     adapters = nnx.state(module, nnx.LoRAParam)
     leaves = jax.tree.leaves(adapters)

@@ -14,7 +14,11 @@ import sys
 import time
 from typing import Any, Mapping
 
+import jax
 import numpy as np
+from tensorboardX import SummaryWriter
+
+from maxtext_rl_plugin import run_dir
 
 
 def _scalar(value: Any) -> float | None:
@@ -63,8 +67,6 @@ class TunixTee:
 def is_writer() -> bool:
   """Whether this process writes logs, metrics, summaries and the console line: process 0 of a multi-process JAX
   program (every process computes the same metrics), always true for one process."""
-  import jax  # pylint: disable=import-outside-toplevel
-
   return jax.process_index() == 0
 
 
@@ -74,8 +76,6 @@ class RunLogger:
   def __init__(
       self, tensorboard_dir: str, metrics_file: str | None, total_steps: int, start_step: int = 0, log_period: int = 1
   ):
-    from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
-
     self.writer = is_writer()
     self.tensorboard_dir = tensorboard_dir
     self._tb = None
@@ -92,6 +92,7 @@ class RunLogger:
     self.history: list[dict[str, Any]] = []
 
   def _write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
+    """Write one record (scalars only) to TensorBoard and metrics_file; returns it."""
     record: dict[str, Any] = {"step": int(step)}
     for k, v in metrics.items():
       s = _scalar(v)
@@ -105,8 +106,6 @@ class RunLogger:
         with open(self._metrics_file, "a", encoding="utf-8") as f:
           f.write(json.dumps(record) + "\n")  # one write per record: a failure leaves at most a torn last line
       except OSError as e:
-        from maxtext_rl_plugin import run_dir  # pylint: disable=import-outside-toplevel
-
         raise run_dir.OutputError(f"metrics_file: {run_dir.describe_os_error(e, self._metrics_file)}") from None
     self.history.append(record)
     return record

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import warnings
 from typing import Any
+import warnings
 
 from absl import logging
+import jax
+from jax.sharding import Mesh
+from maxtext.utils import maxtext_utils
+from maxtext.utils import model_creation_utils
+from transformers import AutoTokenizer
 
 from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin.errors import CheckpointError, ConfigError
+from maxtext_rl_plugin.errors import CheckpointError
+from maxtext_rl_plugin.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -41,8 +47,6 @@ def setup_devices(argv, devices=None) -> RunSetup:
   devices by `trainer_devices_fraction` / `sampler_devices_fraction`; multislice derives the trainer and sampler
   configs (slice counts, fsdp/tensor parallelism) from the parsed one, as MaxText's kwargs do.
   """
-  import jax  # pylint: disable=import-outside-toplevel
-
   parsed = config_lib.parse(argv)
   pc = parsed.config
   devices = list(jax.devices() if devices is None else devices)
@@ -95,8 +99,6 @@ def setup_devices(argv, devices=None) -> RunSetup:
 
 def load_tokenizer(config):
   """The HF tokenizer at `tokenizer_path` (local dir or hub id); pad falls back to EOS."""
-  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
-
   path = config.tokenizer_path
   try:
     tok = AutoTokenizer.from_pretrained(path, token=config.hf_access_token or None)
@@ -123,9 +125,6 @@ def check_load_parameters_path(config) -> None:
 
 def build_model(config, devices, pad_id: int | None = None, rng_seed: int | None = None):
   """A `TunixMaxTextAdapter` and its mesh on `devices` (weights from load_parameters_path or random init)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
-
   check_load_parameters_path(config)
   seed = config.init_weights_seed if rng_seed is None else rng_seed
   with warnings.catch_warnings():
@@ -150,7 +149,4 @@ def build_model(config, devices, pad_id: int | None = None, rng_seed: int | None
 
 def build_sampler_mesh(sampler_config, sampler_devices):
   """The rollout mesh MaxText would build for `sampler_devices`."""
-  from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
-  from maxtext.utils import maxtext_utils  # pylint: disable=import-outside-toplevel
-
   return Mesh(maxtext_utils.create_device_mesh(sampler_config, sampler_devices), sampler_config.mesh_axes)

@@ -8,6 +8,9 @@ first thing; so does the plugin's (`train_rl.main` -> `initialize()`), and nothi
 caller that skipped it gets one error line at the first weight sync (`require_initialized`).
 """
 
+# pathwaysutils is optional: only Pathways runs need it.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import os
@@ -36,7 +39,7 @@ def initialize() -> bool:
   if not requested():
     return False
   try:
-    import pathwaysutils  # pylint: disable=import-outside-toplevel  (optional: only Pathways runs need it)
+    import pathwaysutils
   except ImportError:
     raise ConfigError(
         "JAX_PLATFORMS=proxy (Pathways) needs pathwaysutils: pip install 'maxtext-rl-plugin[tpu]'"

@@ -34,6 +34,7 @@ class GracefulStop:
     self._previous: dict[int, Any] = {}
 
   def _handle(self, signum, frame):
+    """First SIGTERM/SIGINT inside the step loop: stop after the step; otherwise, or a second one: stop now."""
     del frame
     name = signal.Signals(signum).name
     if self.in_loop and self.requested is None:

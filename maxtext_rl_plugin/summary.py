@@ -1,5 +1,8 @@
 """End-of-run summary: a before/after table on the console and a reward/accuracy plot (summary.png)."""
 
+# matplotlib is optional (write_plot) and slow to import: imported only to draw the plot.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import os
@@ -7,12 +10,14 @@ from typing import Any
 
 
 def _fmt(v, pct=False) -> str:
+  """A summary table cell: '-' for missing, a percentage or three decimals."""
   if v is None:
     return "-"
   return f"{100 * v:.1f}%" if pct else f"{v:.3f}"
 
 
 def table(summary: dict[str, Any]) -> str:
+  """The before/after RL table printed at the end of a run."""
   before, after = summary.get("eval_before") or {}, summary.get("eval_after") or {}
   rows = [
       ("eval accuracy", "accuracy", True),
@@ -39,10 +44,10 @@ def table(summary: dict[str, Any]) -> str:
 def plot(summary: dict[str, Any], path: str) -> str | None:
   """Reward and accuracy per RL step (with eval points) as a PNG; None when matplotlib is missing."""
   try:
-    import matplotlib  # pylint: disable=import-outside-toplevel
+    import matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    import matplotlib.pyplot as plt
   except ImportError:
     return None
   hist = [r for r in summary.get("history", []) if "reward/mean" in r]
@@ -93,6 +98,7 @@ def plot(summary: dict[str, Any], path: str) -> str | None:
 
 
 def report(config, summary: dict[str, Any]) -> None:
+  """Print the table and, with write_plot, save the reward/accuracy plot next to the run."""
   print("\n" + table(summary), flush=True)
   if config.write_plot:
     png = plot(summary, os.path.join(summary["run_dir"], "summary.png"))

@@ -5,6 +5,10 @@ as `configs/rl.yml`), then pyconfig `key=value` overrides. `print_config=true` p
 configuration and exits. Configuration and input mistakes end with one `error: ...` line, exit 2.
 """
 
+# Imported in order inside _main: Pathways' backend factory must be registered before anything (config loading
+# included) creates a JAX backend, and `--help` should not import JAX at all.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import os
@@ -34,19 +38,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: list[str]) -> int:
+  """Pathways set-up, config, then training, with user errors as one line."""
   with exit_on_user_error():
     # First, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
     # must be registered now, as MaxText's train_rl.main does; later JAX refuses it.
-    from maxtext_rl_plugin import pathways  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin import pathways
 
     pathways.initialize()
-    from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin import config as config_lib
 
     config = config_lib.load_config(argv)
     if config.print_config:
       sys.stdout.write(config_lib.dump_yaml(config))
       return 0
-    from maxtext_rl_plugin import trainer  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin import trainer
 
     trainer.run(config, argv)
   return 0

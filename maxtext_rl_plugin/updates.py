@@ -46,6 +46,7 @@ class UpdatePlan:
 
   @classmethod
   def from_config(cls, config: Any) -> "UpdatePlan":
+    """The plan of `config`'s batch, mini-batch, micro-batch and iteration sizes."""
     b = int(config.batch_size)
     mini = config.rl.mini_batch_size
     mini = b if mini is None or int(mini) <= 0 else int(mini)

@@ -6,6 +6,8 @@ import pathlib
 
 import pytest
 
+from maxtext_rl_plugin.launch import __main__ as launch_main
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -49,7 +51,6 @@ def repo_root() -> pathlib.Path:
 @pytest.fixture
 def launch_cli(capsys):
   """Runs `python -m maxtext_rl_plugin.launch ARGV` in-process; returns (exit code, stdout, stderr)."""
-  from maxtext_rl_plugin.launch import __main__ as launch_main  # pylint: disable=import-outside-toplevel
 
   def run(argv):
     try:

@@ -8,6 +8,7 @@ vectorised JAX code.
 from __future__ import annotations
 
 import functools
+import multiprocessing.pool  # pylint: disable=unused-import  # MaxText's utils_rl needs it loaded first
 import statistics
 import types
 from unittest import mock
@@ -15,13 +16,18 @@ from unittest import mock
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from maxtext.trainers.post_train.rl import utils_rl
 import numpy as np
+import optax
 import pytest
 from tunix.rl import function_registry
 from tunix.rl import rl_learner
 from tunix.rl.grpo import grpo_learner
 
 from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import trainer
+from maxtext_rl_plugin.config import load_config
 from maxtext_rl_plugin.errors import ConfigError
 
 AGG_MODES = algorithms.LOSS_AGG_MODES
@@ -452,8 +458,6 @@ def test_grpo_learner_uses_plugin_loss(algo, kl, agg):
 
 
 def test_tunix_algo_config_maps_rl_keys():
-  from maxtext_rl_plugin.config import load_config  # pylint: disable=import-outside-toplevel
-
   cfg = load_config(
       [
           "configs/cpu_tiny.yml",
@@ -505,8 +509,6 @@ def _adamw_reference(grads, params, lrs, b1, b2, eps, wd, clip):
 
 
 def _run_optimizer(tx, params, grads):
-  import optax  # pylint: disable=import-outside-toplevel
-
   state = tx.init(params)
   p = list(params)
   for g in grads:
@@ -519,23 +521,16 @@ def _run_optimizer(tx, params, grads):
 def test_optimizer_is_maxtexts_and_honours_adam_eps(eps):
   """The plugin's optimizer is MaxText's chain (same outputs as utils_rl.get_optimizer at default eps), honours
   adam_eps, and its schedule counts optimizer updates; all checked against a NumPy AdamW."""
-  import multiprocessing.pool  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import  (utils_rl needs it)
-
-  from maxtext.trainers.post_train.rl import utils_rl  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin import config as config_lib, trainer  # pylint: disable=import-outside-toplevel
-
-  cfg = config_lib.load_config(
-      [
-          "configs/cpu_tiny.yml",
-          "num_batches=4",
-          "learning_rate=0.01",
-          f"adam_eps={eps}",
-          "warmup_steps_fraction=0.25",
-          "adam_weight_decay=0.1",
-          "gradient_clipping_threshold=1.0",
-      ]
-  )
+  argv = [
+      "configs/cpu_tiny.yml",
+      "num_batches=4",
+      "learning_rate=0.01",
+      f"adam_eps={eps}",
+      "warmup_steps_fraction=0.25",
+      "adam_weight_decay=0.1",
+      "gradient_clipping_threshold=1.0",
+  ]
+  cfg = config_lib.load_config(argv)
   tx = trainer.build_optimizer(cfg)
   rng = np.random.default_rng(0)
   params = [rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(5,)).astype(np.float32)]
@@ -549,18 +544,7 @@ def test_optimizer_is_maxtexts_and_honours_adam_eps(eps):
   for a, b in zip(p, ref):
     np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=1e-7)
   # With 2 mini-batches per batch the same 4 updates are half a run of 8: warmup 2 updates, then cosine over 8.
-  cfg2 = config_lib.load_config(
-      [
-          "configs/cpu_tiny.yml",
-          "num_batches=4",
-          "learning_rate=0.01",
-          f"adam_eps={eps}",
-          "warmup_steps_fraction=0.25",
-          "adam_weight_decay=0.1",
-          "gradient_clipping_threshold=1.0",
-          "rl.mini_batch_size=1",
-      ]
-  )
+  cfg2 = config_lib.load_config([*argv, "rl.mini_batch_size=1"])
   assert trainer.total_updates(cfg2) == 8
   lrs2 = [0.0, 0.005, 0.01, 0.01 * 0.5 * (1 + np.cos(np.pi * 1 / 6))]
   ref2 = _adamw_reference(grads, params, lrs2, cfg.adam_b1, cfg.adam_b2, eps, 0.1, 1.0)

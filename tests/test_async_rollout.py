@@ -9,13 +9,16 @@ against the trainer's (they differ only when the batch really was sampled by old
 import json
 import random
 import shutil
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
+from test_trainer_updates import _train
 
 from maxtext_rl_plugin import async_rollout
-from test_trainer_updates import _train
+from maxtext_rl_plugin.bench import async_rollout as bench
 
 
 @pytest.mark.parametrize(
@@ -198,9 +201,6 @@ def test_off_policy_steps_trains_stale_batches_deterministically_and_resumes(tmp
 
 
 def test_off_policy_steps_without_a_correction_is_refused(tmp_path):
-  import subprocess  # pylint: disable=import-outside-toplevel
-  import sys  # pylint: disable=import-outside-toplevel
-
   p = subprocess.run(
       [
           sys.executable,
@@ -251,8 +251,6 @@ def test_off_policy_steps_on_a_disaggregated_split_syncs_bit_exact_while_samplin
 
 
 def test_overlap_model_of_bench_async():
-  from maxtext_rl_plugin.bench import async_rollout as bench  # pylint: disable=import-outside-toplevel
-
   # R = 2 + 1, T = 0.5 + 2.5, S = 0.5, O = 10 - 6.5 = 3.5: 10 s synchronous, max(3, 3) + 4 = 7 s overlapped.
   m = bench.overlap_model({"rollout": 2.0, "reward": 1.0, "logps": 0.5, "train": 2.5, "weight_sync": 0.5, "step": 10.0})
   assert (m["R"], m["T"], m["S"], m["O"]) == (3.0, 3.0, 0.5, 3.5)

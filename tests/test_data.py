@@ -7,20 +7,23 @@ import logging
 import os
 import re
 
+import datasets
+import maxtext
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
+from transformers import AutoTokenizer
 import yaml
 
-from maxtext_rl_plugin import data, rewards
+from maxtext_rl_plugin import data
+from maxtext_rl_plugin import rewards
 from maxtext_rl_plugin.config import load_config
-from maxtext_rl_plugin.errors import ConfigError, DataError
+from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.errors import DataError
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
-
-  import maxtext  # pylint: disable=import-outside-toplevel
-
+@pytest.fixture(name="tokenizer", scope="module")
+def tokenizer_fixture():
   path = os.path.join(os.path.dirname(maxtext.__file__), "assets", "tokenizers", "qwen3-tokenizer")
   return AutoTokenizer.from_pretrained(path)
 
@@ -170,7 +173,8 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
   assert [e.question for e in train] == [e.question for e in ev]  # same file for both: kept, with a warning
   msg = " ".join(r.getMessage() for r in caplog.records)
   assert (
-      "mixed.jsonl: skipped 5 of 9 rows (invalid JSON: 2, not UTF-8: 0, no question: 2, no parsable gold answer ('#### N'): 1); "
+      "mixed.jsonl: skipped 5 of 9 rows (invalid JSON: 2, not UTF-8: 0, no question: 2, no parsable gold "
+      "answer ('#### N'): 1); "
       "first at line 2"
   ) in msg
 
@@ -196,7 +200,8 @@ def test_jsonl_rows_split_on_newlines_only_numbered_by_file_line(tmp_path, caplo
       ("Q6?", "6", "d.jsonl:6"),
   ]
   assert (
-      "d.jsonl: skipped 1 of 4 rows (invalid JSON: 0, not UTF-8: 1, no question: 0, no parsable gold answer ('#### N'): 0); "
+      "d.jsonl: skipped 1 of 4 rows (invalid JSON: 0, not UTF-8: 1, no question: 0, no parsable gold answer "
+      "('#### N'): 0); "
       "first at line 4"
   ) in caplog.text
 
@@ -255,9 +260,6 @@ def test_train_questions_in_eval_are_dropped(tmp_path):
 
 
 def test_parquet_and_globs_equal_jsonl(tmp_path):
-  import pyarrow as pa  # pylint: disable=import-outside-toplevel
-  import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
-
   rows = [{"question": f"Q{i}?", "answer": f"s\n#### {i * 1000:,}"} for i in range(6)]
   pq.write_table(pa.Table.from_pylist(rows[:3]), tmp_path / "p1.parquet")
   pq.write_table(pa.Table.from_pylist(rows[3:]), tmp_path / "p2.parquet")
@@ -295,8 +297,6 @@ def test_no_usable_rows_is_an_error(tmp_path):
 
 
 def test_hub_loading_calls_load_dataset(monkeypatch):
-  import datasets  # pylint: disable=import-outside-toplevel
-
   calls = []
 
   def fake_load_dataset(name, subset=None, **kwargs):
@@ -316,8 +316,6 @@ def test_hub_loading_calls_load_dataset(monkeypatch):
 
 
 def test_hub_failure_is_a_data_error(monkeypatch):
-  import datasets  # pylint: disable=import-outside-toplevel
-
   def offline(*a, **k):
     raise ConnectionError("Couldn't reach 'openai/gsm8k' on the Hub")
 
@@ -502,8 +500,6 @@ def load_config_error(override):
 
 def test_prompt_tags_default_to_the_reward_stacks_which_are_maxtext_rl_yml():
   """One place for tag defaults: a config without tag keys prompts for exactly the tags the rewards grade."""
-  import maxtext  # pylint: disable=import-outside-toplevel
-
   with open(os.path.join(os.path.dirname(maxtext.__file__), "configs", "post_train", "rl.yml"), encoding="utf-8") as f:
     rl_yml = yaml.safe_load(f)
   keys = ("reasoning_start_token", "reasoning_end_token", "solution_start_token", "solution_end_token")

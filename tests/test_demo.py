@@ -12,6 +12,11 @@ import pathlib
 import subprocess
 import sys
 
+from transformers import AutoTokenizer
+
+from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import data
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 40
 SHORT = [f"num_batches={STEPS}", "num_test_batches=2", "eval_batch_size=32"]
@@ -36,10 +41,6 @@ def _run(out, *overrides):
 
 
 def test_demo_tokenizer_round_trips_the_synthetic_distribution():
-  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin import config as config_lib, data  # pylint: disable=import-outside-toplevel
-
   cfg = config_lib.load_config(["configs/cpu_demo.yml"])
   tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
   assert len(tok) <= cfg.vocab_size and tok.pad_token_id != tok.eos_token_id

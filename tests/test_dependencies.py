@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import configparser
+import importlib.metadata as md
 import json
 import os
 import pathlib
@@ -18,9 +19,9 @@ import re
 import subprocess
 import sys
 
-import pytest
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
+import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DEPS = REPO / "dependencies"
@@ -182,8 +183,6 @@ def test_pins_are_exact_and_agree_with_setup_cfg():
 
 
 def test_verify_pins_script(tmp_path):
-  import importlib.metadata as md  # pylint: disable=import-outside-toplevel
-
   good = tmp_path / "good.txt"
   good.write_text(f"# comment\n-c other.txt\nnumpy=={md.version('numpy')}\nabsl-py=={md.version('absl-py')}\n")
   run = lambda p: subprocess.run(

@@ -11,7 +11,11 @@ import shlex
 import subprocess
 import sys
 
+from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
 import pytest
+import yaml
+
+from maxtext_rl_plugin import config_doc
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
@@ -33,21 +37,15 @@ EXAMPLE_ENV = {
 
 
 def test_config_reference_is_current():
-  from maxtext_rl_plugin import config_doc  # pylint: disable=import-outside-toplevel
-
   committed = (DOCS / "config_reference.md").read_text(encoding="utf-8")
   assert config_doc.render() == committed, f"docs/config_reference.md is stale; regenerate: {config_doc.REGENERATE}"
 
 
 def test_config_reference_lists_every_key_with_a_meaning():
-  from maxtext_rl_plugin import config_doc  # pylint: disable=import-outside-toplevel
-
   rows = config_doc.rows()
   keys = [r[0] for r in rows]
   assert len(keys) == len(set(keys))
   # Independent reference: the keys of the two yml files themselves.
-  import yaml  # pylint: disable=import-outside-toplevel
-  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
 
   expected = set()
   for path in (REPO / "configs" / "rl.yml", pathlib.Path(MAXTEXT_CONFIGS_DIR) / "post_train" / "rl.yml"):

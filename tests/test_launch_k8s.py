@@ -12,6 +12,8 @@ import pytest
 yaml = pytest.importorskip("yaml")
 pytest.importorskip("ray.train.v2.jax", reason="ray[train] not installed")
 
+import configparser
+
 from maxtext_rl_plugin.launch import __main__ as launch_main  # pylint: disable=wrong-import-position
 
 K8S = pathlib.Path(__file__).resolve().parents[1] / "dependencies" / "k8s"
@@ -73,8 +75,6 @@ def test_raycluster_is_the_rayjob_cluster():
 def test_one_ray_version_everywhere():
   """setup.cfg's launch pin, the image's Ray and the manifests' rayVersion must agree (KubeRay needs the
   cluster's Ray to match the image's)."""
-  import configparser  # pylint: disable=import-outside-toplevel
-
   cfg = configparser.ConfigParser()
   cfg.read(K8S.parents[1] / "setup.cfg")
   pins = re.findall(r"ray\[[\w,]+\]==([\d.]+)", cfg["options.extras_require"]["launch"])

@@ -20,6 +20,7 @@ import pytest
 xpk_parser_core = pytest.importorskip("xpk.parser.core", reason="xpk==1.16.0 not installed (pip install xpk==1.16.0)")
 yaml = pytest.importorskip("yaml")
 
+from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin.launch import xpk as xpk_lib  # pylint: disable=wrong-import-position
 
 TOKEN = "hf_test_Zq9SECRETtoken42"
@@ -53,8 +54,8 @@ def xpk_parse(line: str) -> argparse.Namespace:
   return parser.parse_args(argv[1:])
 
 
-@pytest.fixture
-def token_env(monkeypatch):
+@pytest.fixture(name="token_env")
+def token_env_fixture(monkeypatch):
   monkeypatch.setenv("HF_TOKEN", TOKEN)
   return TOKEN
 
@@ -262,8 +263,6 @@ def _container_train_argv(cmd: xpk_lib.Command) -> list[str]:
 
 def test_resubmission_targets_the_same_checkpoint_directory(tmp_path):
   """What train_rl inside the container resolves from the command: <base_output_directory>/<workload>."""
-  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
-
   dirs = set()
   for _ in range(2):
     cmd = xpk_lib.build_create(

@@ -5,23 +5,32 @@ References are independent of the code under test: the adapted model's own forwa
 of that model; the real Tunix optimizer / MaxText checkpoint loader for sizes and the export.
 """
 
+import json
 import os
 import pathlib
 import shutil
 import subprocess
 import sys
 
+from flax import nnx
 import jax
 import jax.numpy as jnp
+from maxtext.configs import types
+from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 import yaml
-from flax import nnx
 
+from maxtext_rl_plugin import cli
 from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin import errors
+from maxtext_rl_plugin import export_lora
 from maxtext_rl_plugin import key_status
 from maxtext_rl_plugin import lora
+from maxtext_rl_plugin import models
+from maxtext_rl_plugin import trainer
+from maxtext_rl_plugin.rollout import embedded
 
 TINY = "configs/cpu_tiny.yml"
 LORA = ["lora.enable_lora=true", "lora.lora_rank=4", "lora.lora_alpha=8"]
@@ -44,8 +53,6 @@ def length_reward(prompts, completions, **kwargs):
 
 
 def test_lora_keys_are_maxtexts_and_have_statuses():
-  from maxtext.configs import types  # pylint: disable=import-outside-toplevel
-
   c = config_lib.load_config([TINY, *LORA, "lora.lora_module_path=decoder/layers/.*mlp/wo"])
   assert c.lora.enable_lora and c.lora.lora_rank == 4 and c.lora.lora_alpha == 8.0
   assert c.lora.lora_module_path == "decoder/layers/.*mlp/wo"
@@ -85,8 +92,6 @@ def test_vllm_engine_refuses_lora_with_the_reason():
 
 
 def test_default_module_path_is_maxtexts_per_model_entry():
-  from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # pylint: disable=import-outside-toplevel
-
   with open(os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "lora_module_path.yml"), encoding="utf-8") as f:
     table = yaml.safe_load(f)
   c = config_lib.load_config([TINY, *LORA])  # model_name qwen3-0.6b
@@ -100,10 +105,8 @@ def test_default_module_path_is_maxtexts_per_model_entry():
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def adapted():
-  from maxtext_rl_plugin import models
-
+@pytest.fixture(name="adapted", scope="module")
+def adapted_fixture():
   rs = models.setup_devices([TINY, *LORA])
   cfg = rs.trainer_config
   tok = models.load_tokenizer(cfg)
@@ -198,8 +201,6 @@ def test_merged_weights_give_the_adapted_models_logits(adapted):
 def test_engine_greedy_after_adapter_sync_equals_the_adapted_model(adapted):
   """The engine receives only adapter tensors (update_params with nnx.LoRAParam, as RLCluster.sync_weights sends
   them); its greedy output equals greedy decoding of the adapted model, token for token, before and after a sync."""
-  from maxtext_rl_plugin.rollout import embedded
-
   actor, tok = adapted["actor"], adapted["tok"]
   before = jax.tree.map(lambda x: x, nnx.state(actor, nnx.LoRAParam))  # a snapshot (nnx.state is live)
   try:
@@ -219,9 +220,9 @@ def test_engine_greedy_after_adapter_sync_equals_the_adapted_model(adapted):
         assert n > 0 and list(res.tokens[i, :n]) == list(want[i, :n]), (seed, i)
       outs.append(res.tokens.copy())
     assert (outs[0] != outs[1]).any()  # the new adapters reached the decode weights
-    assert eng._lora_merger.num_merges == 2  # pylint: disable=protected-access  (once per adapter change)
+    assert eng._lora_merger.num_merges == 2  # pylint: disable=protected-access  # once per adapter change
     eng.generate_tokens(prompts, greedy=True, max_new_tokens=2)
-    assert eng._lora_merger.num_merges == 2  # pylint: disable=protected-access  (unchanged adapters: no re-merge)
+    assert eng._lora_merger.num_merges == 2  # pylint: disable=protected-access  # unchanged adapters: no re-merge
   finally:
     nnx.update(actor, before)
 
@@ -280,10 +281,8 @@ def _np(tree) -> dict:
   return out
 
 
-@pytest.fixture(scope="module")
-def lora_run(tmp_path_factory):
-  from maxtext_rl_plugin import trainer
-
+@pytest.fixture(name="lora_run", scope="module")
+def lora_run_fixture(tmp_path_factory):
   out = tmp_path_factory.mktemp("lora_runs")
   argv = _argv(out, "lora")
   run = trainer.build_run(config_lib.load_config(argv), argv)
@@ -301,8 +300,6 @@ def lora_run(tmp_path_factory):
 
 
 def test_only_adapters_get_optimizer_state(lora_run):
-  from maxtext_rl_plugin import trainer
-
   b = lora_run["before"]
   run = lora_run["run"]
   opt = nnx.state(run.rl_cluster.actor_trainer.optimizer)
@@ -361,8 +358,6 @@ def test_kl_is_against_the_base(lora_run):
 
 
 def test_checkpoint_holds_only_adapters(lora_run):
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
   step = lora_run["out"] / "lora" / "checkpoints" / "2"
   params = _np(ocp.StandardCheckpointer().restore(step / "params"))
   assert params and all("_lora_a" in k or "_lora_b" in k for k in params)
@@ -374,10 +369,6 @@ def test_checkpoint_holds_only_adapters(lora_run):
 
 def test_resume_restores_adapters_and_optimizer_exactly(lora_run):
   """Step 2 of a run resumed from checkpoint 1 equals the uninterrupted run's step 2, bit for bit."""
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin import trainer
-
   out = lora_run["out"]
   shutil.copytree(out / "lora", out / "resumed")
   shutil.rmtree(out / "resumed" / "checkpoints" / "2")
@@ -394,9 +385,6 @@ def test_resume_restores_adapters_and_optimizer_exactly(lora_run):
 
 
 def test_export_writes_merged_maxtext_checkpoint_with_the_adapted_logits(lora_run, tmp_path):
-  from maxtext_rl_plugin import export_lora
-  from maxtext_rl_plugin import models
-
   p = subprocess.run(
       [sys.executable, "-m", "maxtext_rl_plugin.export_lora", "--output", str(tmp_path / "merged"), *lora_run["argv"]],
       cwd=REPO,
@@ -428,10 +416,6 @@ def test_export_writes_merged_maxtext_checkpoint_with_the_adapted_logits(lora_ru
 def test_disaggregated_lora_run_syncs_only_adapters(tmp_path):
   """8 forced CPU devices split trainer 4 / sampler 4: each sync moves the adapters only (bytes = adapter bytes,
   read back from the run's checkpoint), checked bit for bit on the sampler."""
-  import json  # pylint: disable=import-outside-toplevel
-
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
   env = {
       **os.environ,
       "JAX_PLATFORMS": "cpu",
@@ -459,8 +443,6 @@ def test_disaggregated_lora_run_syncs_only_adapters(tmp_path):
 
 
 def test_export_lora_cli_refuses_a_full_fine_tuning_run(tmp_path, capsys):
-  from maxtext_rl_plugin import cli
-
   with pytest.raises(SystemExit) as e:
     cli.main(["export-lora", "--output", str(tmp_path / "x"), TINY])
   assert e.value.code == 2

@@ -9,14 +9,20 @@ already exists (which on CPU nothing else would enforce).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
 import textwrap
 
+import pathwaysutils
+import pathwaysutils._initialize as pinit
 import pytest
 
 from maxtext_rl_plugin import errors
+from maxtext_rl_plugin import pathways
+from maxtext_rl_plugin import resharding
+from maxtext_rl_plugin import trainer
 
 SIMULATE = textwrap.dedent("""
     import json, sys
@@ -88,11 +94,6 @@ def test_the_simulation_catches_a_late_initialize():
 
 def test_resharding_never_initializes_late(monkeypatch):
   """A Pathways process that skipped initialisation gets one error line at the first sync, not a late call."""
-  import pathwaysutils
-  import pathwaysutils._initialize as pinit
-
-  from maxtext_rl_plugin import pathways, resharding
-
   monkeypatch.setenv("JAX_PLATFORMS", "proxy")
   monkeypatch.setattr(pinit, "_initialization_count", 0)
   monkeypatch.setattr(pathwaysutils, "initialize", lambda: pytest.fail("pathwaysutils.initialize() called late"))
@@ -107,14 +108,11 @@ def test_resharding_never_initializes_late(monkeypatch):
 
 
 def test_one_decision_point(monkeypatch):
-  from maxtext_rl_plugin import pathways, resharding, trainer
-
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   assert not pathways.requested() and not pathways.initialize()  # off Pathways: nothing to do
   monkeypatch.setattr(pathways, "requested", lambda: True)
   assert resharding.pathways_requested()
   cfg = type("C", (), {"rollout_engine": "auto"})()
-  import importlib.util  # pylint: disable=import-outside-toplevel
 
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
   assert trainer._resolve_engine_name(cfg) == "vllm"  # pylint: disable=protected-access

@@ -15,8 +15,15 @@ import subprocess
 import sys
 import time
 
+import maxtext
 import numpy as np
 import pytest
+from tensorboardX.proto import event_pb2
+
+from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import models
+from maxtext_rl_plugin import trainer
+from maxtext_rl_plugin.errors import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = "configs/cpu_tiny.yml"
@@ -29,18 +36,23 @@ def _env():
   return env
 
 
-def train(out: pathlib.Path, run_name: str, *overrides: str, timeout=900, check=True):
-  cmd = [
+def train_command(out: pathlib.Path, run_name: str, *overrides: str) -> list[str]:
+  """The fast tiny-config train_rl command line of run `run_name` under `out`."""
+  return [
       sys.executable,
       "-m",
       "maxtext_rl_plugin.train_rl",
       TINY,
       f"base_output_directory={out}",
       f"run_name={run_name}",
-      f"metrics_file={out / run_name / 'metrics.jsonl'}",
       *FAST,
       *overrides,
   ]
+
+
+def train(out: pathlib.Path, run_name: str, *overrides: str, timeout=900, check=True):
+  """Run train_rl to completion (with a metrics_file); a failure raises with the output's tail."""
+  cmd = train_command(out, run_name, f"metrics_file={out / run_name / 'metrics.jsonl'}", *overrides)
   p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=_env(), timeout=timeout, check=False)
   if check and p.returncode != 0:
     raise AssertionError(f"train_rl failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
@@ -53,8 +65,6 @@ def read_jsonl(path):
 
 def read_tb_scalars(logdir) -> dict[str, dict[int, float]]:
   """Parse TensorBoard event files (TFRecord framing + Event protos) without TensorFlow."""
-  from tensorboardX.proto import event_pb2
-
   out: dict[str, dict[int, float]] = {}
   for f in pathlib.Path(logdir).glob("events.out.tfevents.*"):
     data = f.read_bytes()
@@ -77,13 +87,13 @@ def params_digest(step_dir: pathlib.Path) -> str:
   return h.hexdigest()
 
 
-@pytest.fixture(scope="module")
-def out(tmp_path_factory):
+@pytest.fixture(name="out", scope="module")
+def out_fixture(tmp_path_factory):
   return tmp_path_factory.mktemp("runs")
 
 
-@pytest.fixture(scope="module")
-def grpo_run(out):
+@pytest.fixture(name="grpo_run", scope="module")
+def grpo_run_fixture(out):
   """A fresh 3-step GRPO run; the reference for the output and resume tests."""
   p = train(out, "grpo", "num_batches=3")
   return p, out / "grpo"
@@ -153,32 +163,25 @@ def test_resume_continues_with_no_repeated_or_skipped_batch(out, grpo_run):
 
 def test_sigkill_during_checkpoint_write_resumes_from_previous_complete_step(out):
   run = out / "killed"
-  cmd = [
-      sys.executable,
-      "-m",
-      "maxtext_rl_plugin.train_rl",
-      TINY,
-      f"base_output_directory={out}",
-      "run_name=killed",
-      *FAST,
-      "num_batches=3",
-  ]
-  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+  cmd = train_command(out, "killed", "num_batches=3")
   ckpts = run / "checkpoints"
   complete_before_kill: dict[str, str] = {}
   killed = False
   deadline = time.time() + 600
-  while proc.poll() is None and time.time() < deadline:
-    if ckpts.is_dir():
-      names = os.listdir(ckpts)
-      tmp = [n for n in names if "tmp" in n and n.split(".")[0] == "2"]
-      if tmp:
-        complete_before_kill = {n: params_digest(ckpts / n) for n in names if n.isdigit()}
-        proc.send_signal(signal.SIGKILL)
-        killed = True
-        break
-    time.sleep(0.002)
-  proc.wait(timeout=60)
+  with subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env()) as proc:
+    while proc.poll() is None and time.time() < deadline:
+      if ckpts.is_dir():
+        names = os.listdir(ckpts)
+        tmp = [n for n in names if "tmp" in n and n.split(".")[0] == "2"]
+        if tmp:
+          complete_before_kill = {n: params_digest(ckpts / n) for n in names if n.isdigit()}
+          proc.send_signal(signal.SIGKILL)
+          killed = True
+          break
+      time.sleep(0.002)
+    if not killed:
+      proc.kill()  # stalled past the deadline: do not leave it running (the assert below reports it)
+    proc.wait(timeout=60)
   assert killed, "the run finished or stalled before step 2's checkpoint write could be interrupted"
   assert "1" in complete_before_kill and "2" not in complete_before_kill
   p = train(out, "killed", "num_batches=3")
@@ -214,8 +217,6 @@ def test_resume_with_incompatible_batch_size_refuses(out, grpo_run):
 
 
 def test_tokenizer_without_chat_template_is_one_line_error(out, tmp_path):
-  import maxtext  # pylint: disable=import-outside-toplevel
-
   tok_src = pathlib.Path(maxtext.__file__).parent / "assets" / "tokenizers" / "qwen3-tokenizer"
   tok = tmp_path / "no-template"
   tok.mkdir()
@@ -231,9 +232,6 @@ def test_tokenizer_without_chat_template_is_one_line_error(out, tmp_path):
 
 
 def test_batch_not_divisible_by_trainer_devices_is_one_line_error():
-  from maxtext_rl_plugin import config as config_lib, models, trainer  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.errors import ConfigError  # pylint: disable=import-outside-toplevel
-
   cfg = config_lib.load_config([TINY, "batch_size=3", "rl.num_generations=3"])
   fake_devices = list(range(4))  # the check only counts devices; 9 rows over 4 trainer devices
   rs = models.RunSetup(cfg, cfg, fake_devices, fake_devices)

@@ -8,11 +8,16 @@ ratios against the on-policy identity (ratio == 1 exactly when a batch gets one 
 
 import json
 import pathlib
+import shutil
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
+from tunix.rl.grpo import grpo_learner
 
 from maxtext_rl_plugin import updates
 
@@ -86,9 +91,6 @@ def test_stale_batches_need_old_logps_only_for_a_behaviour_ratio(k, rollout_logp
 
 
 def test_slice_rows_keeps_every_array_field_aligned():
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from tunix.rl.grpo import grpo_learner  # pylint: disable=import-outside-toplevel
-
   n, t = 6, 3
   ex = grpo_learner.TrainExample(
       prompt_ids=jnp.arange(n * 2).reshape(n, 2),
@@ -169,9 +171,6 @@ def _train(tmp_path, name, *overrides):
 
 
 def _params(step_dir: pathlib.Path) -> dict[str, np.ndarray]:
-  import jax  # pylint: disable=import-outside-toplevel
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-
   tree = ocp.StandardCheckpointer().restore(step_dir / "params")
   return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
@@ -223,7 +222,6 @@ def test_off_policy_updates_make_ratios_and_gspo_clipping_live(tmp_path):
   meta = json.loads((run / "checkpoints" / "2" / "meta" / "metadata").read_text())
   assert meta["optimizer_updates"] == 8 and meta["updates_per_step"] == 4
   # Resume from step 1 reproduces step 2 exactly (same batch, same sampling, same optimizer-update count).
-  import shutil  # pylint: disable=import-outside-toplevel
 
   shutil.rmtree(run / "checkpoints" / "2")
   (run / "metrics.jsonl").unlink()

@@ -18,6 +18,7 @@ _PIN = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*([^\s;#]+)")
 
 
 def read_pins(path: str) -> dict[str, str]:
+  """`name==version` pins of a requirements file (comments and pip options skipped)."""
   pins = {}
   with open(path, encoding="utf-8") as f:
     for line in f:
@@ -32,6 +33,7 @@ def read_pins(path: str) -> dict[str, str]:
 
 
 def mismatches(pins: dict[str, str]) -> list[str]:
+  """One line per pinned package whose installed version differs from its pin (or that is missing)."""
   bad = []
   for name, want in sorted(pins.items()):
     try:

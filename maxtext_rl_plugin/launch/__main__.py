@@ -9,6 +9,9 @@ Everything after `--` is passed to train_rl as overrides of the config (default 
 here first. Mistakes end with one `error: ...` line and exit 2. See docs/tutorial.md.
 """
 
+# Ray is optional (the `ray` extra): imported only by the ray subcommand.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import argparse
@@ -36,6 +39,7 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 def _parser() -> argparse.ArgumentParser:
+  """The launcher's command line: one subcommand per target (xpk, xpk-delete, xpk-list, ray, ...)."""
   p = _Parser(
       prog="python -m maxtext_rl_plugin.launch", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
   )
@@ -56,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
   for name, helptext in (("xpk-delete", "xpk workload delete"), ("xpk-list", "xpk workload list")):
     d = sub.add_parser(name, help=helptext)
-    d.add_argument("--workload", required=(name == "xpk-delete"))
+    d.add_argument("--workload", required=name == "xpk-delete")
     d.add_argument("--cluster", required=True)
     d.add_argument("--project", default=None)
     d.add_argument("--zone", default=None)
@@ -135,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           xpk_lib.build_list(cluster=args.cluster, project=args.project, zone=args.zone, workload=args.workload),
           dry_run=args.dry_run,
       )
-    from maxtext_rl_plugin.launch import ray as ray_lib  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin.launch import ray as ray_lib
 
     return ray_lib.run(ray_lib.from_args(args, overrides), dry_run=args.dry_run)
   return 2

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
+
+from maxtext_rl_plugin import algorithms
 
 
 def make_batch(
@@ -56,12 +63,6 @@ def grpo_step(
     beta: float = 0.04,
 ) -> dict[str, Any]:
   """Run one GRPO update on all devices of all processes; returns the replicated metrics as Python floats."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin import algorithms  # pylint: disable=import-outside-toplevel
-
   devices = np.asarray(jax.devices())
   if (prompts * num_generations) % devices.size:
     raise ValueError(f"global batch {prompts * num_generations} is not divisible by {devices.size} devices")
