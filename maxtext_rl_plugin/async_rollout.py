@@ -86,6 +86,11 @@ class RolloutProducer:
   def asynchronous(self) -> bool:
     return self.k > 0
 
+  @property
+  def producing(self) -> bool:
+    """Whether the producer thread is running (never in the synchronous off_policy_steps=0 mode)."""
+    return self._thread is not None
+
   def start_producing(self) -> None:
     if self.asynchronous and self._thread is None and self.start < self.end:
       self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)

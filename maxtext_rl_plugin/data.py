@@ -117,7 +117,7 @@ def load_template(path: str) -> dict[str, str]:
   return tpl
 
 
-def _tokens(config) -> dict[str, str]:
+def tag_tokens(config) -> dict[str, str]:
   """The four tag tokens of `config`; missing keys default to the reward stack's (MaxText rl.yml) values."""
   default = gsm8k.RewardConfig()
   keys = ("reasoning_start_token", "reasoning_end_token", "solution_start_token", "solution_end_token")
@@ -128,7 +128,7 @@ def system_prompt(config) -> str:
   """The instruction to answer as `<reasoning>...</reasoning><answer>...</answer>` (configured tokens)."""
   tpl = load_template(config.data_template_path or "")
   try:
-    return tpl["SYSTEM_PROMPT"].format(**_tokens(config))
+    return tpl["SYSTEM_PROMPT"].format(**tag_tokens(config))
   except (KeyError, IndexError) as e:
     raise ConfigError(f"data_template_path: SYSTEM_PROMPT has an unknown placeholder {e}") from None
 
@@ -165,7 +165,7 @@ def build_prompt(question: str, tokenizer, config) -> str:
     except (KeyError, IndexError) as e:
       raise ConfigError(f"data_template_path: TEMPLATE has an unknown placeholder {e}") from None
   if config.reasoning_start_token_in_prompt:
-    rs = _tokens(config)["reasoning_start_token"]
+    rs = tag_tokens(config)["reasoning_start_token"]
     if not prompt.endswith(rs):
       prompt += rs
   return prompt
@@ -176,7 +176,7 @@ def format_target(example: Example, config) -> str:
 
   Steps are the reference solution without its `#### N` line and GSM8K's `<<calculator>>` notes.
   """
-  t = _tokens(config)
+  t = tag_tokens(config)
   sol = example.solution or ""
   if t["solution_start_token"] in sol and t["solution_end_token"] in sol:
     return sol
@@ -810,6 +810,7 @@ def _materialize(
 
 
 def _synthetic_cfg(config) -> SyntheticConfig:
+  """The synthetic generator's settings from `config`; min_steps > max_steps is a ConfigError."""
   lo, hi = int(config.synthetic_min_steps), int(config.synthetic_max_steps)
   if hi < lo:
     raise ConfigError(f"invalid value for 'synthetic_max_steps'={hi}: must be >= synthetic_min_steps={lo}")

@@ -486,6 +486,7 @@ def same_value(a: Any, b: Any) -> bool:
   """Equality of a user value and a default as YAML/CLI spell them (`null`/`None`, 1 vs 1.0, tuples vs lists)."""
 
   def norm(v):
+    """A yml value as MaxText compares it: 'none'/'null'/'~' are None, tuples are lists."""
     if isinstance(v, str) and v.strip().lower() in ("none", "null", "~"):
       return None
     if isinstance(v, tuple):

@@ -87,9 +87,9 @@ def check_engine(config, engine_name: str) -> None:
 
 def module_path(config) -> str:
   """The regex MaxText applies LoRA to: lora.lora_module_path, else lora_module_path.yml's entry for model_name."""
-  from maxtext.utils import lora_utils
+  from maxtext_rl_plugin import tunix_compat
 
-  return lora_utils._get_lora_module_path(config)  # pylint: disable=protected-access  # MaxText's resolution, as is
+  return tunix_compat.maxtext_lora_module_path(config)
 
 
 def apply(config, actor, mesh, pad_id: int | None = None) -> tuple[Any, Any]:

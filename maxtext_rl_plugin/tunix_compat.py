@@ -11,6 +11,8 @@ greedy evaluation and per-phase timing. What has no public API in Tunix 0.1.7 or
 * MaxText 0.2.5's pyconfig (`pyconfig_reads`): `_initialize_pydantic` is the only entry point that raises instead of
   logging many lines and calling sys.exit(2); it reads the yml chain through the module-level `_load_config`, which
   the plugin swaps for the chain `config.py` already read and merged (plugin-config bases, no temporary copies);
+* MaxText 0.2.5's LoRA target resolution (`lora_utils._get_lora_module_path`: lora.lora_module_path, else
+  lora_module_path.yml's entry for the model), used as is so the plugin adapts the same modules MaxText would;
 * MaxText 0.2.5's math_verify spawn pool (`math_verify_pool._shutdown_pool`) for the rewards benchmark, which runs
   MaxText's reward stack side by side with the plugin's: left to interpreter exit, its finalizer can block on
   orphaned locks, and MaxText has no public way to stop it;
@@ -86,3 +88,10 @@ def pyconfig_reads(merged: Any) -> Iterator[Callable[..., Any]]:
     yield pyconfig._initialize_pydantic  # pylint: disable=protected-access
   finally:
     pyconfig._load_config = original  # pylint: disable=protected-access
+
+
+def maxtext_lora_module_path(config: Any) -> str:
+  """The regex of the modules MaxText applies LoRA to for `config` (see the module docstring)."""
+  from maxtext.utils import lora_utils
+
+  return lora_utils._get_lora_module_path(config)  # pylint: disable=protected-access

@@ -85,6 +85,7 @@ def score_stream(lines: Iterable[bytes], out: TextIO, config: Any = None) -> col
   buf: list[tuple[Optional[dict], Optional[str]]] = []
 
   def flush():
+    """Score the buffered rows in one batch and write them in input order (bad rows as error rows)."""
     good = [(i, r) for i, (r, e) in enumerate(buf) if e is None]
     results = gsm8k.score_batch(
         [r["completion"] for _, r in good],

@@ -105,7 +105,7 @@ def np_policy_loss(lp, old, ref, adv, mask, *, algo, eps, eps_high, beta, kl, ag
       ratios.append(r)
       clipped_lo.append(adv[i] < 0 and r < 1 - eps)
       clipped_hi.append(adv[i] > 0 and r > 1 + eh)
-  info = dict(ratios=np.array(ratios), lo=np.mean(clipped_lo), hi=np.mean(clipped_hi))
+  info = {"ratios": np.array(ratios), "lo": np.mean(clipped_lo), "hi": np.mean(clipped_hi)}
   return loss, grad, info
 
 
@@ -158,7 +158,14 @@ def f32(*arrays):
 def test_value_grad_and_metrics_match_numpy(algo, kl, agg):
   eps, eps_high = EPS[algo]
   lp, old, ref, adv, mask = make_batch(seed=1)
-  kw = dict(loss_algo=algo, epsilon=eps, epsilon_high=eps_high, beta=0.04, kl_estimator=kl, loss_agg_mode=agg)
+  kw = {
+      "loss_algo": algo,
+      "epsilon": eps,
+      "epsilon_high": eps_high,
+      "beta": 0.04,
+      "kl_estimator": kl,
+      "loss_agg_mode": agg,
+  }
   want, want_grad, info = np_policy_loss(
       lp, old, ref, adv, mask, algo=algo, eps=eps, eps_high=eps_high, beta=0.04, kl=kl, agg=agg
   )
@@ -190,7 +197,7 @@ def test_value_grad_and_metrics_match_numpy(algo, kl, agg):
 def test_numpy_reference_gradient_matches_finite_differences(kl):
   """Guards the analytic NumPy gradient the JAX gradient is compared against."""
   lp, old, ref, adv, mask = make_batch(seed=2)
-  kw = dict(algo="grpo", eps=0.2, eps_high=0.28, beta=0.1, kl=kl, agg="sequence-mean-token-mean")
+  kw = {"algo": "grpo", "eps": 0.2, "eps_high": 0.28, "beta": 0.1, "kl": kl, "agg": "sequence-mean-token-mean"}
   _, analytic, _ = np_policy_loss(lp, old, ref, adv, mask, **kw)
   numeric = finite_diff(lambda x: np_policy_loss(x, old, ref, adv, mask, **kw)[0], lp, mask)
   np.testing.assert_allclose(analytic, numeric, rtol=1e-5, atol=1e-9)
@@ -200,7 +207,10 @@ def test_numpy_reference_gradient_matches_finite_differences(kl):
 def test_gspo_token_gradient_equals_sequence_level_gspo(beta):
   eps, eps_high = EPS["gspo-token"]
   lp, old, ref, adv, mask = make_batch(seed=3)
-  seq_loss = lambda x: np_sequence_gspo(x, old, ref, adv, mask, eps=eps, eps_high=eps_high, beta=beta, kl="k3")
+
+  def seq_loss(x):
+    return np_sequence_gspo(x, old, ref, adv, mask, eps=eps, eps_high=eps_high, beta=beta, kl="k3")
+
   want_grad = finite_diff(seq_loss, lp, mask)
   assert np.count_nonzero(np.abs(want_grad) > 1e-8) > 0
   got, grad, aux = jax_loss_and_grad(
@@ -223,8 +233,8 @@ def test_gspo_token_gradient_equals_sequence_level_gspo(beta):
 
 def test_gspo_token_differs_from_grpo_per_token():
   """Independent check that the two algorithms are really different objectives on the same batch."""
-  lp, old, ref, adv, mask = make_batch(seed=4)
-  kw = dict(epsilon=0.2, beta=0.0, loss_agg_mode="sequence-mean-token-mean")
+  lp, old, _, adv, mask = make_batch(seed=4)
+  kw = {"epsilon": 0.2, "beta": 0.0, "loss_agg_mode": "sequence-mean-token-mean"}
   _, g_grpo, _ = jax_loss_and_grad(*f32(lp, old, None, adv, mask), loss_algo="grpo", **kw)
   _, g_gspo, _ = jax_loss_and_grad(*f32(lp, old, None, adv, mask), loss_algo="gspo-token", **kw)
   assert np.max(np.abs(g_grpo - g_gspo)) > 1e-3
@@ -234,7 +244,7 @@ def test_gspo_token_differs_from_grpo_per_token():
 def test_padding_is_inert(algo):
   """Garbage (NaN, inf) in padded positions changes neither the loss nor any gradient; pads get exactly 0."""
   lp, old, ref, adv, mask = make_batch(seed=5)
-  kw = dict(loss_algo=algo, epsilon=0.2, epsilon_high=0.28, beta=0.04, kl_estimator="k3")
+  kw = {"loss_algo": algo, "epsilon": 0.2, "epsilon_high": 0.28, "beta": 0.04, "kl_estimator": "k3"}
   clean = [x.copy() for x in (lp, old, ref)]
   for x in clean:
     x[mask == 0] = -1.0
@@ -250,7 +260,7 @@ def test_padding_is_inert(algo):
 
 def test_bool_mask_and_token_level_advantages():
   lp, old, ref, adv, mask = make_batch(seed=6)
-  kw = dict(loss_algo="grpo", epsilon=0.2, beta=0.04, loss_agg_mode="token-mean")
+  kw = {"loss_algo": "grpo", "epsilon": 0.2, "beta": 0.04, "loss_agg_mode": "token-mean"}
   want, _, _ = jax_loss_and_grad(*f32(lp, old, ref, adv, mask), **kw)
   adv_bt = np.repeat(adv[:, None], T, axis=1)
   got, _, _ = jax_loss_and_grad(*f32(lp, old, ref), jnp.asarray(adv_bt, jnp.float32), jnp.asarray(mask > 0), **kw)
@@ -266,7 +276,7 @@ def test_epsilon_high_changes_which_tokens_clip():
   old = lp - log_r
   mask = np.ones((2, 4))
   adv = np.array([1.0, -1.0])
-  base = dict(loss_algo="grpo", beta=0.0, loss_agg_mode="token-mean")
+  base = {"loss_algo": "grpo", "beta": 0.0, "loss_agg_mode": "token-mean"}
   _, g_sym, a_sym = jax_loss_and_grad(*f32(lp, old, None, adv, mask), epsilon=0.2, epsilon_high=None, **base)
   _, g_hi, a_hi = jax_loss_and_grad(*f32(lp, old, None, adv, mask), epsilon=0.2, epsilon_high=0.28, **base)
   # Symmetric 0.2: 1.25 and 1.35 clip high, 0.75 clips low, 0.85 does not.
@@ -282,7 +292,7 @@ def test_epsilon_high_changes_which_tokens_clip():
 
 def test_beta_zero_ignores_reference():
   lp, old, ref, adv, mask = make_batch(seed=7)
-  kw = dict(loss_algo="grpo", epsilon=0.2, beta=0.0, kl_estimator="k3")
+  kw = {"loss_algo": "grpo", "epsilon": 0.2, "beta": 0.0, "kl_estimator": "k3"}
   l_none, g_none, aux = jax_loss_and_grad(*f32(lp, old, None, adv, mask), **kw)
   l_nan, g_nan, _ = jax_loss_and_grad(*f32(lp, old, np.full_like(ref, np.nan), adv, mask), **kw)
   want, want_grad, _ = np_policy_loss(
@@ -311,7 +321,7 @@ def test_on_policy_without_old_logps(algo):
 
 def test_unknown_options_raise():
   lp, old, ref, adv, mask = f32(*make_batch(seed=9))
-  for kw in (dict(loss_algo="ppo"), dict(kl_estimator="k2"), dict(loss_agg_mode="seq-mean-token-sum")):
+  for kw in ({"loss_algo": "ppo"}, {"kl_estimator": "k2"}, {"loss_agg_mode": "seq-mean-token-sum"}):
     with pytest.raises(ValueError):
       algorithms.policy_loss(lp, old, ref, adv, mask, **kw)
 
@@ -560,7 +570,7 @@ def test_on_policy_gspo_token_has_grpos_gradient(agg):
   """With ratios at 1 (one update per rollout) the two objectives coincide under any aggregation; the CPU demo's
   GSPO runs reproduce GRPO's bit for bit. They part only once ratios leave 1 (sequence vs token clipping)."""
   lp, _, _, adv, mask = make_batch(seed=6)
-  kw = dict(epsilon=0.2, beta=0.0, loss_agg_mode=agg)
+  kw = {"epsilon": 0.2, "beta": 0.0, "loss_agg_mode": agg}
   _, g_grpo, _ = jax_loss_and_grad(*f32(lp, lp, None, adv, mask), loss_algo="grpo", **kw)
   _, g_gspo, _ = jax_loss_and_grad(*f32(lp, lp, None, adv, mask), loss_algo="gspo-token", **kw)
   assert np.max(np.abs(g_grpo)) > 1e-3
@@ -615,9 +625,14 @@ def test_is_weights_scale_the_policy_gradient_not_the_kl(algo):
   lp, old, ref, adv, mask = make_batch(seed=12)
   w = np.where(mask > 0, np.random.default_rng(5).uniform(0.0, 2.0, size=lp.shape), 0.0)
   eps, eh = EPS[algo]
-  kw = dict(
-      loss_algo=algo, epsilon=eps, epsilon_high=eh, beta=0.05, kl_estimator="k3", loss_agg_mode="sequence-mean-token-mean"
-  )
+  kw = {
+      "loss_algo": algo,
+      "epsilon": eps,
+      "epsilon_high": eh,
+      "beta": 0.05,
+      "kl_estimator": "k3",
+      "loss_agg_mode": "sequence-mean-token-mean",
+  }
   (loss, _), grad = jax.value_and_grad(
       lambda x: algorithms.policy_loss(x, *f32(old, ref, adv, mask), **kw, is_weights=jnp.asarray(w, jnp.float32)),
       has_aux=True,

@@ -56,6 +56,7 @@ class _Sampler:
       self.in_use -= 1
 
   def sample(self, b, phases):
+    """Record the weight version batch `b` was sampled with; fails if the weights change meanwhile."""
     self._enter()
     try:
       v = self.version
@@ -105,7 +106,7 @@ def test_synchronous_producer_runs_no_thread():
   sampler = _Sampler(0, random.Random(0))
   prod = async_rollout.RolloutProducer(sampler.sample, off_policy_steps=0, start=0, end=3)
   prod.start_producing()
-  assert not prod.asynchronous and prod._thread is None  # pylint: disable=protected-access
+  assert not prod.asynchronous and not prod.producing
   assert threading.current_thread() is threading.main_thread()
   assert prod.take(0).version == 0
   prod.publish(1, lambda: sampler.install(1))
@@ -144,7 +145,7 @@ def test_close_stops_sampling_ahead():
   n = len(calls)
   time.sleep(0.05)
   assert len(calls) == n <= 4  # batches 0..3 (version 0) at most; never past the staleness bound
-  assert prod._thread is None  # pylint: disable=protected-access
+  assert not prod.producing
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -138,16 +138,11 @@ def test_train_batches_deterministic_resumable_and_epoch_exact(gsm8k_fixture_dir
   assert positions[n:] != positions[: len(positions) - n]  # a new order each epoch
   other = data.load_splits(
       cfg(
-          *[
-              a
-              for a in [
-                  f"train_data_path={gsm8k_fixture_dir / 'train.jsonl'}",
-                  "eval_dataset_name=synthetic",
-                  "use_chat_template=false",
-                  "synthetic_num_eval=4",
-                  "data_shuffle_seed=8",
-              ]
-          ]
+          f"train_data_path={gsm8k_fixture_dir / 'train.jsonl'}",
+          "eval_dataset_name=synthetic",
+          "use_chat_template=false",
+          "synthetic_num_eval=4",
+          "data_shuffle_seed=8",
       ),
       None,
   )[0]
@@ -386,6 +381,7 @@ _STEP = re.compile(r"^(\d+) ([-+*/]) (\d+) = (\d+)$")
 
 
 def _check_solution(e: data.Example, max_value: int, min_steps: int, max_steps: int):
+  """A synthetic solution is well formed: step count in range, every step's arithmetic right, values bounded."""
   lines = e.solution.splitlines()
   assert lines[-1] == f"#### {e.answer}"
   steps = lines[:-1]
@@ -504,5 +500,5 @@ def test_prompt_tags_default_to_the_reward_stacks_which_are_maxtext_rl_yml():
     rl_yml = yaml.safe_load(f)
   keys = ("reasoning_start_token", "reasoning_end_token", "solution_start_token", "solution_end_token")
   bare = type("Bare", (), {"data_template_path": ""})()
-  assert data._tokens(bare) == {k: rl_yml[k] for k in keys}  # pylint: disable=protected-access
+  assert data.tag_tokens(bare) == {k: rl_yml[k] for k in keys}
   assert all(rl_yml[k] in data.system_prompt(bare) for k in keys)

@@ -23,6 +23,7 @@ SHORT = [f"num_batches={STEPS}", "num_test_batches=2", "eval_batch_size=32"]
 
 
 def _run(out, *overrides):
+  """Run the shortened demo under `out` as the README does; returns the finished process."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   env.pop("XLA_FLAGS", None)
   cmd = [

@@ -14,7 +14,7 @@ pytest.importorskip("ray.train.v2.jax", reason="ray[train] not installed")
 
 import configparser
 
-from maxtext_rl_plugin.launch import __main__ as launch_main  # pylint: disable=wrong-import-position
+from maxtext_rl_plugin.launch import __main__ as launch_main
 
 K8S = pathlib.Path(__file__).resolve().parents[1] / "dependencies" / "k8s"
 VALUES = {

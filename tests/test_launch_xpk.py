@@ -5,6 +5,9 @@ and `xpk workload create-pathways --dry-run --output-manifest-file` (offline wit
 temporary HOME). Nothing here talks to a cluster.
 """
 
+# xpk is optional (a separate environment): tests that check against its validators import it where installed.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +24,7 @@ xpk_parser_core = pytest.importorskip("xpk.parser.core", reason="xpk==1.16.0 not
 yaml = pytest.importorskip("yaml")
 
 from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin.launch import xpk as xpk_lib  # pylint: disable=wrong-import-position
+from maxtext_rl_plugin.launch import xpk as xpk_lib
 
 TOKEN = "hf_test_Zq9SECRETtoken42"
 BASE = [
@@ -121,7 +124,7 @@ def test_bad_workload_names_rejected_like_xpk(name, launch_cli):
   assert rc == 2 and out == ""
   assert err.count("\n") == 1 and err.startswith("error: invalid --workload"), err
   with pytest.raises(argparse.ArgumentTypeError):  # the reference: xpk's own validator rejects it too
-    from xpk.parser.validators import name_type  # pylint: disable=import-outside-toplevel
+    from xpk.parser.validators import name_type
 
     name_type(name)
 
@@ -132,7 +135,7 @@ def test_good_workload_names_accepted(name):
 
 
 def test_tpu_types_are_xpks_table():
-  from xpk.core import system_characteristics as sc  # pylint: disable=import-outside-toplevel
+  from xpk.core import system_characteristics as sc
 
   table = sc.UserFacingNameToSystemCharacteristics
   tpus = xpk_lib.tpu_types()
@@ -214,7 +217,7 @@ def test_delete_and_list_parse(launch_cli):
 
 def test_xpk_dry_run_writes_pathways_jobset(token_env, tmp_path, launch_cli):
   """xpk's own --dry-run --output-manifest-file on our command: the JobSet runs train_rl with our env."""
-  rc, out, _ = launch_cli([*BASE, "--zone", "us-east5-a", "--dry-run", "--", *OVERRIDES])
+  rc, _, _ = launch_cli([*BASE, "--zone", "us-east5-a", "--dry-run", "--", *OVERRIDES])
   assert rc == 0
   cmd = xpk_lib.build_create(
       workload="llama-grpo",
@@ -290,6 +293,7 @@ def test_container_command_resumes_when_resubmitted(tmp_path):
   base = tmp_path / "runs"
 
   def submit(num_batches: int) -> subprocess.CompletedProcess:
+    """Run the container command xpk would start, with `num_batches`, against the same run directory."""
     cmd = xpk_lib.build_create(
         workload="resume-e2e",
         cluster="c",

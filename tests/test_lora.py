@@ -107,6 +107,7 @@ def test_default_module_path_is_maxtexts_per_model_entry():
 
 @pytest.fixture(name="adapted", scope="module")
 def adapted_fixture():
+  """A tiny LoRA model whose adapters change greedy continuations, with its config, tokenizer and mesh."""
   rs = models.setup_devices([TINY, *LORA])
   cfg = rs.trainer_config
   tok = models.load_tokenizer(cfg)
@@ -141,7 +142,7 @@ def adapted_fixture():
       lens = lens + 1
     return out
 
-  return dict(cfg=cfg, tok=tok, mesh=mesh, actor=actor, base=base, greedy_reference=greedy_reference)
+  return {"cfg": cfg, "tok": tok, "mesh": mesh, "actor": actor, "base": base, "greedy_reference": greedy_reference}
 
 
 def _random_adapters(actor, seed: int, scale: float = 0.5):
@@ -233,6 +234,7 @@ def test_engine_greedy_after_adapter_sync_equals_the_adapted_model(adapted):
 
 
 def _argv(out: pathlib.Path, name: str, *extra):
+  """The tiny LoRA run's argv (a length reward, so adapters learn something visible) under `out`."""
   reward = out / "length_reward.py"
   reward.write_text(_LENGTH_REWARD)
   return [
@@ -283,20 +285,21 @@ def _np(tree) -> dict:
 
 @pytest.fixture(name="lora_run", scope="module")
 def lora_run_fixture(tmp_path_factory):
+  """A 2-step LoRA run: its argv, run, and the actor's base/adapter weights before and after."""
   out = tmp_path_factory.mktemp("lora_runs")
   argv = _argv(out, "lora")
   run = trainer.build_run(config_lib.load_config(argv), argv)
   actor = run.rl_cluster.actor_trainer.model
-  before = dict(
-      base=_np(nnx.state(actor, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))),
-      adapters=_np(nnx.state(actor, nnx.LoRAParam)),
-      opt_bytes=_nbytes(nnx.state(run.rl_cluster.actor_trainer.optimizer)),
-      adapter_bytes=_nbytes(nnx.state(actor, nnx.LoRAParam)),
-      base_bytes=_nbytes(nnx.state(actor, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))),
-      held_bytes=_unique_bytes(nnx.state(actor), nnx.state(_reference(run))),
-  )
+  before = {
+      "base": _np(nnx.state(actor, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))),
+      "adapters": _np(nnx.state(actor, nnx.LoRAParam)),
+      "opt_bytes": _nbytes(nnx.state(run.rl_cluster.actor_trainer.optimizer)),
+      "adapter_bytes": _nbytes(nnx.state(actor, nnx.LoRAParam)),
+      "base_bytes": _nbytes(nnx.state(actor, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))),
+      "held_bytes": _unique_bytes(nnx.state(actor), nnx.state(_reference(run))),
+  }
   summary = trainer.train(run)
-  return dict(out=out, argv=argv, run=run, before=before, summary=summary)
+  return {"out": out, "argv": argv, "run": run, "before": before, "summary": summary}
 
 
 def test_only_adapters_get_optimizer_state(lora_run):
@@ -330,7 +333,7 @@ def test_base_frozen_adapters_trained_reference_is_the_shared_base(lora_run):
   for k, v in base_after.items():
     np.testing.assert_array_equal(v, b["base"][k], err_msg=k)
   adapters_after = _np(nnx.state(actor, nnx.LoRAParam))
-  moved = [k for k in adapters_after if np.abs(adapters_after[k] - b["adapters"][k]).max() > 1e-6]
+  moved = [k for k, v in adapters_after.items() if np.abs(v - b["adapters"][k]).max() > 1e-6]
   assert moved, "no adapter changed after two RL steps"
   # The KL reference is the frozen base itself: no adapters, and the actor's own base arrays (one copy in memory).
   assert not lora.has_adapters(ref)
@@ -380,8 +383,8 @@ def test_resume_restores_adapters_and_optimizer_exactly(lora_run):
     a = _np(ocp.StandardCheckpointer().restore(out / "lora" / "checkpoints" / "2" / item))
     b = _np(ocp.StandardCheckpointer().restore(out / "resumed" / "checkpoints" / "2" / item))
     assert a.keys() == b.keys()
-    for k in a:
-      np.testing.assert_array_equal(a[k], b[k], err_msg=f"{item}{k}")
+    for k, v in a.items():
+      np.testing.assert_array_equal(v, b[k], err_msg=f"{item}{k}")
 
 
 def test_export_writes_merged_maxtext_checkpoint_with_the_adapted_logits(lora_run, tmp_path):

@@ -48,6 +48,7 @@ SIMULATE = textwrap.dedent("""
 
 
 def _run(body: str) -> dict:
+  """Run `body` after the Pathways simulation in a fresh interpreter; returns its `out` dict."""
   script = SIMULATE + textwrap.dedent(body) + "\nprint('RESULT ' + json.dumps(out))\n"
   proc = subprocess.run(
       [sys.executable, "-c", script],

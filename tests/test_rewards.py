@@ -19,16 +19,16 @@ from maxtext_rl_plugin.rewards import extraction
 from maxtext_rl_plugin.rewards import gsm8k
 from maxtext_rl_plugin.rewards import verify
 
-TUNIX_DEMO_WEIGHTS = dict(  # Tunix's GSM8K GRPO demo values: every term distinguishable
-    reward_exact_answer=3.0,
-    reward_white_space_format_match=1.5,
-    reward_exact_format_match=3.0,
-    reward_partial_format_match=0.5,
-    reward_ratio_guess_to_answer_high=0.5,
-    reward_ratio_guess_to_answer_low=0.25,
-    penalty_incorrect_format=-0.5,
-    penalty_incorrect_answer=-1.0,
-)
+TUNIX_DEMO_WEIGHTS = {  # Tunix's GSM8K GRPO demo values: every term distinguishable
+    "reward_exact_answer": 3.0,
+    "reward_white_space_format_match": 1.5,
+    "reward_exact_format_match": 3.0,
+    "reward_partial_format_match": 0.5,
+    "reward_ratio_guess_to_answer_high": 0.5,
+    "reward_ratio_guess_to_answer_low": 0.25,
+    "penalty_incorrect_format": -0.5,
+    "penalty_incorrect_answer": -1.0,
+}
 
 
 def _ref_gold(answer_text: str) -> int:
@@ -283,16 +283,16 @@ def test_last_number_never_cut_at_the_scan_window():
 # Apache-2.0; the version for 0.2.5's utils_rl/evaluate_rl), run against the plugin's reward functions with the same
 # weights. Where the plugin deliberately differs the MaxText value is kept in the table and the reason given.
 
-MAXTEXT_TEST_WEIGHTS = dict(
-    reward_exact_answer=3.0,
-    reward_exact_format_match=2.0,
-    reward_partial_format_match=0.5,
-    reward_white_space_format_match=1.5,
-    reward_ratio_guess_to_answer_high=1.0,
-    reward_ratio_guess_to_answer_low=0.5,
-    penalty_incorrect_format=-0.5,
-    penalty_incorrect_answer=-0.5,
-)
+MAXTEXT_TEST_WEIGHTS = {
+    "reward_exact_answer": 3.0,
+    "reward_exact_format_match": 2.0,
+    "reward_partial_format_match": 0.5,
+    "reward_white_space_format_match": 1.5,
+    "reward_ratio_guess_to_answer_high": 1.0,
+    "reward_ratio_guess_to_answer_low": 0.5,
+    "penalty_incorrect_format": -0.5,
+    "penalty_incorrect_answer": -0.5,
+}
 
 
 @pytest.mark.parametrize(
@@ -463,7 +463,7 @@ def test_adversarial_inputs_never_reach_math_verify():
 
 
 def _cfg(**kw):
-  base = dict(reward_functions="", reward_functions_path="", **rewards.RewardConfig().__dict__)
+  base = {"reward_functions": "", "reward_functions_path": "", **rewards.RewardConfig().__dict__}
   base.update(kw)
   return types.SimpleNamespace(**base)
 

@@ -40,6 +40,7 @@ def _read(path):
 
 
 def _check(out):
+  """The scored ROWS have the expected verdicts, rules and answers (shared by every input path)."""
   assert len(out) == len(ROWS)
   assert [r.get("correct") for r in out] == [True, False, True, False, False, False, True, False, False, True]
   assert [r.get("rule") for r in out] == [

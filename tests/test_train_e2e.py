@@ -60,7 +60,7 @@ def train(out: pathlib.Path, run_name: str, *overrides: str, timeout=900, check=
 
 
 def read_jsonl(path):
-  return [json.loads(l) for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+  return [json.loads(l) for l in pathlib.Path(path).read_text(encoding="utf-8").splitlines() if l.strip()]
 
 
 def read_tb_scalars(logdir) -> dict[str, dict[int, float]]:

@@ -33,14 +33,14 @@ class _Cfg:
     self.rl = type(
         "RL",
         (),
-        dict(
-            mini_batch_size=mini,
-            num_iterations=mu,
-            num_generations=g,
-            force_on_policy_ratio=force,
-            off_policy_steps=k,
-            use_rollout_logps=rollout_logps,
-        ),
+        {
+            "mini_batch_size": mini,
+            "num_iterations": mu,
+            "num_generations": g,
+            "force_on_policy_ratio": force,
+            "off_policy_steps": k,
+            "use_rollout_logps": rollout_logps,
+        },
     )()
 
 
@@ -135,6 +135,7 @@ _LINEAR = [
 
 
 def _train(tmp_path, name, *overrides):
+  """Run train_rl (tiny config, length reward) as a subprocess; returns its run directory and reward records."""
   reward = tmp_path / "length_reward.py"
   reward.write_text(_LENGTH_REWARD)
   out = tmp_path / "runs"

@@ -4,10 +4,13 @@ means what the plugin assumes. A Tunix upgrade that renames or repurposes one fa
 import importlib.metadata
 import inspect
 import multiprocessing.pool  # pylint: disable=unused-import  # MaxText's math_verify_pool needs it loaded first
+import types
 
 from maxtext.configs import pyconfig
 from maxtext.trainers.post_train.rl import math_verify_pool
+from maxtext.utils import lora_utils
 from tunix.rl import rl_cluster
+from tunix.rl import utils as rl_utils
 from tunix.rl.grpo import grpo_learner
 from tunix.sft import peft_trainer
 
@@ -59,8 +62,6 @@ def test_public_seams_the_step_loop_uses():
 def test_pinned_host_snapshot_goes_through_the_module_attribute_the_workaround_replaces():
   """tunix_compat.multiprocess_workarounds swaps `tunix.rl.utils.put_params_on_memory_kind`: RLCluster must look it up
   through that module at call time (construction and sync_weights), and it must be one jax.device_put of the tree."""
-  from tunix.rl import utils as rl_utils  # pylint: disable=import-outside-toplevel
-
   assert "rl_utils.put_params_on_memory_kind(" in inspect.getsource(rl_cluster.RLCluster._init_cluster)  # pylint: disable=protected-access
   assert "rl_utils.put_params_on_memory_kind(" in inspect.getsource(rl_cluster.RLCluster.sync_weights)
   assert "jax.device_put(" in inspect.getsource(rl_utils.put_params_on_memory_kind)
@@ -85,3 +86,10 @@ def test_pyconfig_private_contract():
     assert initialize is pyconfig._initialize_pydantic  # pylint: disable=protected-access
     assert pyconfig._load_config("ignored.yml") == {"run_name": "probe"}  # pylint: disable=protected-access
   assert pyconfig._load_config is real  # pylint: disable=protected-access
+
+
+def test_maxtext_lora_module_path_resolution_exists():
+  src = inspect.getsource(lora_utils._get_lora_module_path)  # pylint: disable=protected-access
+  assert "lora_module_path" in src and "_load_lora_module_configs" in src
+  explicit = types.SimpleNamespace(lora=types.SimpleNamespace(lora_module_path="decoder/.*/mlp"), model_name="x")
+  assert tunix_compat.maxtext_lora_module_path(explicit) == "decoder/.*/mlp"

@@ -86,6 +86,7 @@ def grpo_step(
     return jnp.take_along_axis(jax.nn.log_softmax(logits, -1), b["tokens"][..., None], -1)[..., 0]
 
   def loss_fn(w, b, old, ref):
+    """The plugin's GRPO loss of one batch (the same policy_loss training uses)."""
     return algorithms.policy_loss(
         token_logps(w, b),
         old,

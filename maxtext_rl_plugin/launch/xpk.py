@@ -20,10 +20,16 @@ command after a preemption or failure continues the run. That only survives a po
 `gs://` bucket, which is why a local path is warned about.
 """
 
+# xpk is optional and kept out of the training environment (its pins clash with training's; setup.cfg's `xpk`
+# extra): it is imported only where a command needs its validators or TPU catalogue.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
+import importlib.metadata
 import os
 import re
 import shlex
@@ -34,6 +40,7 @@ from typing import Sequence
 
 from absl import logging
 
+from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin import errors
 
 # The Pathways client environment of the MaxText RL tutorial: JAX talks to the Pathways proxy sidecar that xpk
@@ -71,10 +78,8 @@ class Command:
 
 def check_name(flag: str, value: str) -> str:
   """Workload/cluster names exactly as xpk validates them (its `name_type`, else the same pattern), one line."""
-  import argparse  # pylint: disable=import-outside-toplevel
-
   try:
-    from xpk.parser.validators import name_type  # pylint: disable=import-outside-toplevel
+    from xpk.parser.validators import name_type
   except ImportError:
 
     def name_type(v: str) -> str:
@@ -96,7 +101,7 @@ def tpu_types() -> list[str] | None:
   """TPU types the installed xpk knows (its system-characteristics table), e.g. v5p-128, v6e-16; None when xpk
   is not importable here (installed with pipx / in another venv), in which case xpk itself rejects bad types."""
   try:
-    from xpk.core import system_characteristics as sc  # pylint: disable=import-outside-toplevel
+    from xpk.core import system_characteristics as sc
   except ImportError:
     return None
   return sc.get_system_characteristics_keys_by_accelerator_type([sc.AcceleratorType.TPU])
@@ -126,8 +131,6 @@ def override_value(overrides: Sequence[str], key: str) -> str | None:
 
 def validate_overrides(config: str, overrides: Sequence[str]) -> None:
   """Load `<config> <overrides>` as train_rl will inside the container; raises ConfigError (one line)."""
-  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
-
   # MaxText logs notes about cluster-side defaults (e.g. a local base_output_directory) while loading: noise here.
   verbosity = logging.get_verbosity()
   logging.set_verbosity(logging.ERROR)
@@ -186,7 +189,7 @@ def xpk_executable() -> list[str]:
   if exe:
     return shlex.split(exe)
   try:
-    import xpk  # pylint: disable=import-outside-toplevel,unused-import
+    import xpk  # pylint: disable=unused-import
 
     return [sys.executable, "-m", "xpk.main"]
   except ImportError:
@@ -299,8 +302,6 @@ def warnings_for(overrides: Sequence[str], max_restarts: int | None, environ: di
   if not environ.get(SECRET_ENV):
     out.append(f"{SECRET_ENV} is not set: gated Hugging Face models/tokenizers/datasets will fail to download")
   try:
-    import importlib.metadata  # pylint: disable=import-outside-toplevel
-
     version = importlib.metadata.version("xpk")
   except importlib.metadata.PackageNotFoundError:
     version = None
