@@ -71,7 +71,7 @@ def validate(config) -> None:
   path = lora.lora_restore_path
   if path and not str(path).startswith("gs://") and not os.path.exists(path):
     raise ConfigError(f"invalid value for 'lora.lora_restore_path'='{path}': no such checkpoint directory")
-  check_engine(config, getattr(config, "rollout_engine", "auto"))  # 'auto' is checked again once resolved
+  check_engine(config, config.rollout_engine)  # 'auto' is checked again once resolved
 
 
 def check_engine(config, engine_name: str) -> None:
