@@ -8,6 +8,10 @@
 - The scripts run against stub `docker`/`gcloud` executables that record their arguments.
 """
 
+# Two imports stay where they are used: dockerfile (optional, the test falls back to its own parser) and
+# dependencies/scripts/verify_pins.py (a script, importable only once its directory is put on sys.path).
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import configparser
@@ -107,7 +111,7 @@ def test_dockerfile_parses_and_references_exist():
   instrs = parse_dockerfile(text)
   assert all(i in VALID for i, _ in instrs), [i for i, _ in instrs if i not in VALID]
   try:
-    import dockerfile  # pylint: disable=import-outside-toplevel
+    import dockerfile
   except ImportError:
     dockerfile = None
   if dockerfile is not None:  # BuildKit's parser agrees on the instruction sequence
@@ -385,7 +389,7 @@ def _fake_dist(site: pathlib.Path, name: str, version: str, files: list[str]) ->
 def test_verify_pins_catches_a_second_vllm_sharing_the_vllm_directory(tmp_path):
   """Upstream vllm and vllm-tpu both ship vllm/: the one installed last overwrote the other's files."""
   sys.path.insert(0, str(SCRIPTS))
-  import verify_pins  # pylint: disable=import-outside-toplevel
+  import verify_pins
 
   site = tmp_path / "site"
   _fake_dist(site, "vllm-tpu", "0.32.0", ["vllm/__init__.py", "vllm/config/__init__.py"])

@@ -116,4 +116,4 @@ def test_one_decision_point(monkeypatch):
   cfg = type("C", (), {"rollout_engine": "auto"})()
 
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
-  assert trainer._resolve_engine_name(cfg) == "vllm"  # pylint: disable=protected-access
+  assert trainer._resolve_engine_name(cfg) == "vllm"  # pylint: disable=protected-access  # the one resolution point
