@@ -142,7 +142,7 @@ def test_chunked_and_unchunked_agree(env):
   src = _state(env["model"])
   n = len(jax.tree.leaves(src))
   stats_all, stats_chunked = {}, {}
-  whole = resharding.reshard(src, env["dst"], stats=stats_all)
+  whole = resharding.reshard(src, env["dst"], chunk_bytes=None, stats=stats_all)
   chunked = resharding.reshard(src, env["dst"], chunk_size=3, stats=stats_chunked)
   assert stats_all["chunks"] == 1 and stats_chunked["chunks"] == -(-n // 3)
   assert stats_chunked["max_chunk_bytes"] < stats_all["max_chunk_bytes"] == stats_all["bytes"]
@@ -151,6 +151,36 @@ def test_chunked_and_unchunked_agree(env):
     assert a.sharding == b.sharding
     np.testing.assert_array_equal(_bits(a), _bits(b))
   _assert_bitwise_on(src, chunked, env["dst"], env["rs"].sampler_devices)
+
+
+def test_byte_chunks_bound_each_chunk_and_stay_bit_exact(env):
+  """The device_put default chunks by bytes: every chunk within the budget unless one array alone exceeds it."""
+  import jax
+
+  from maxtext_rl_plugin import resharding
+
+  src = _state(env["model"])
+  sizes = [x.nbytes for x in jax.tree.leaves(src)]
+  limit = sorted(sizes)[len(sizes) // 2] * 2  # a budget that splits the tree and that the largest array exceeds
+  stats = {}
+  out = resharding.reshard(src, env["dst"], chunk_bytes=limit, stats=stats)
+  assert 1 < stats["chunks"] < len(sizes)
+  assert stats["max_chunk_bytes"] <= max(limit, max(sizes))
+  _assert_bitwise_on(src, out, env["dst"], env["rs"].sampler_devices)
+  auto = {}
+  resharding.reshard(src, env["dst"], stats=auto)  # 'auto': DEFAULT_CHUNK_BYTES on this (device_put) path
+  assert auto["chunks"] == len(resharding.chunks_by_bytes(sizes, resharding.DEFAULT_CHUNK_BYTES))
+
+
+def testchunks_by_bytes_partitions_in_order():
+  from maxtext_rl_plugin import resharding
+
+  sizes = [5, 1, 1, 9, 2, 2, 2, 20, 1]
+  chunks = resharding.chunks_by_bytes(sizes, 6)
+  assert [list(c) for c in chunks] == [[0, 1], [2], [3], [4, 5, 6], [7], [8]]
+  assert [i for c in chunks for i in c] == list(range(len(sizes)))
+  assert all(sum(sizes[i] for i in c) <= 6 or len(c) == 1 for c in chunks)
+  assert resharding.chunks_by_bytes([], 6) == [range(0)]
 
 
 def test_two_phase_device_put(env):

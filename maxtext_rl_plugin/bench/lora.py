@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 from maxtext_rl_plugin.bench import common
 
@@ -57,15 +55,6 @@ def _parse(argv):
   p.add_argument("--devices", type=int, default=8, help="forced host devices on CPU (half trainer, half sampler)")
   p.add_argument("--repeats", type=int, default=5, help="timed repetitions per method (median reported)")
   return p.parse_args(argv)
-
-
-def _median(fn, repeats: int) -> tuple[float, object]:
-  times, out = [], None
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), out
 
 
 def _one_size(name: str, args) -> dict:
@@ -119,8 +108,9 @@ def _one_size(name: str, args) -> dict:
       return held
 
     sync()  # warm-up (first sync compiles nothing, but faults in the destination buffers)
-    seconds, held = _median(sync, args.repeats)
-    out[f"{kind}_sync_s"] = round(seconds, 4)
+    t = common.timed(sync, args.repeats)
+    held = t.result
+    out[f"{kind}_sync_s"] = round(t.seconds, 4)
     out[f"{kind}_bytes"] = int(ws.last_bytes)
     out[f"{kind}_arrays"] = len(jax.tree.leaves(held))
   merger = lora.Merger(cfg)
@@ -132,8 +122,7 @@ def _one_size(name: str, args) -> dict:
     return m
 
   merge()  # compiles
-  out["merge_s"], _ = _median(merge, args.repeats)
-  out["merge_s"] = round(out["merge_s"], 4)
+  out["merge_s"] = round(common.timed(merge, args.repeats).seconds, 4)
   out["adapter_bitwise_equal"] = all(
       np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
       for a, b in zip(jax.tree.leaves(lora_src), jax.tree.leaves(nnx.state(sampler, nnx.LoRAParam)))
