@@ -188,6 +188,96 @@ def _put_mixed(moving: list, shardings: list, staged_idx: set[int]) -> list:
   return out
 
 
+# On the CPU device_put path, build each destination shard straight from the source shards (`_put_cpu`) instead of
+# JAX's gather of every array into a new host array; False restores JAX's own path (bench reshard compares both).
+HOST_ASSEMBLY = True
+
+
+class _Scratch:
+  """One reusable host buffer for `_assemble_on_host` (grown to the largest chunk, then kept): its pages are faulted
+  in once, where a fresh buffer per sync would fault every page of every sync again."""
+
+  buf = np.empty((0,), np.uint8)
+
+  @classmethod
+  def take(cls, nbytes: int) -> np.ndarray:
+    if cls.buf.nbytes < nbytes:
+      cls.buf = np.empty((nbytes,), np.uint8)
+    return cls.buf
+
+
+_ALIGN = 64  # bytes: each destination shard's slice of the scratch buffer starts on a cache line
+
+
+def _bounds(index: tuple, shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+  return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+
+
+def _needs_host_assembly(x, sharding) -> bool:
+  """A CPU array headed for other devices *and* another layout: what JAX's `device_put` gathers on the host."""
+  if not isinstance(x, jax.Array) or not isinstance(sharding, jax.sharding.Sharding) or not x.is_fully_addressable:
+    return False
+  if next(iter(x.devices())).platform != "cpu" or x.sharding.device_set == sharding.device_set:
+    return False
+  src = {_bounds(sh.index, x.shape) for sh in x.addressable_shards}
+  return not all(_bounds(i, x.shape) in src for i in sharding.addressable_devices_indices_map(x.shape).values())
+
+
+def _assemble_on_host(x: jax.Array, sharding, scratch: np.ndarray, offset: int) -> tuple[jax.Array, int]:
+  """`x` on `sharding`, each destination shard copied straight from the source shards that overlap it (read in place:
+  on CPU a shard's buffer is host memory) into `scratch[offset:]`, then onto its device; returns (array, new offset).
+
+  JAX's own path (`x._value`) first gathers the whole array into a new host array -- one more copy, and fresh pages
+  to fault in on every sync, since each sync's source arrays are new -- then slices it.
+  """
+  sources, seen = [], set()
+  for sh in x.addressable_shards:
+    b = _bounds(sh.index, x.shape)
+    if b not in seen:  # replicated source shards: read one
+      seen.add(b)
+      sources.append((b, np.asarray(sh.data)))
+  singles = []
+  for device, index in sharding.addressable_devices_indices_map(x.shape).items():
+    dst = _bounds(index, x.shape)
+    shape = tuple(hi - lo for lo, hi in dst)
+    nbytes = math.prod(shape) * x.dtype.itemsize
+    piece = scratch[offset : offset + nbytes].view(x.dtype).reshape(shape)
+    for src, data in sources:
+      overlap = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(dst, src)]
+      if any(lo >= hi for lo, hi in overlap):
+        continue
+      piece[tuple(slice(lo - d0, hi - d0) for (lo, hi), (d0, _) in zip(overlap, dst))] = data[
+          tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(overlap, src))
+      ]
+    singles.append(jax.device_put(piece, device))
+    offset += -(-nbytes // _ALIGN) * _ALIGN
+  return jax.make_array_from_single_device_arrays(x.shape, sharding, singles), offset
+
+
+def _put_cpu(arrays: list, shardings: list) -> list:
+  """`jax.device_put(arrays, shardings)`, except that CPU arrays needing a host gather are assembled shard by shard
+  (`_assemble_on_host`) in a reused scratch buffer. The caller waits for the chunk before the scratch is reused."""
+  assemble = [_needs_host_assembly(x, s) for x, s in zip(arrays, shardings)]
+  if not any(assemble):
+    return list(jax.device_put(arrays, shardings))
+  need = sum(
+      -(-(math.prod(hi - lo for lo, hi in _bounds(i, x.shape)) * x.dtype.itemsize) // _ALIGN) * _ALIGN
+      for x, s, a in zip(arrays, shardings, assemble)
+      if a
+      for i in s.addressable_devices_indices_map(x.shape).values()
+  )
+  scratch, offset = _Scratch.take(need), 0
+  out = list(arrays)
+  rest = [i for i, a in enumerate(assemble) if not a]
+  if rest:
+    for i, y in zip(rest, jax.device_put([arrays[i] for i in rest], [shardings[i] for i in rest])):
+      out[i] = y
+  for i, a in enumerate(assemble):
+    if a:
+      out[i], offset = _assemble_on_host(arrays[i], shardings[i], scratch, offset)
+  return out
+
+
 def _use_two_phase(arrays: list, two_phase: bool | None) -> bool:
   if two_phase is not None:
     return two_phase
@@ -205,6 +295,8 @@ def _move(arrays: list, shardings: list, *, donate: bool, path: str, two_phase: 
     # the host. On CPU host memory is device memory, so allow it even inside Tunix's sync_weights, which
     # forbids device<->host transfers on CPU; on GPU/TPU the two-phase path never touches the host.
     with jax.transfer_guard_device_to_host("allow"), jax.transfer_guard_host_to_device("allow"):
+      if not donate and HOST_ASSEMBLY:
+        return _put_cpu(arrays, shardings)
       return list(jax.device_put(arrays, shardings, donate=donate))
   if path == PATH_PATHWAYS_EXPERIMENTAL:
     from pathwaysutils.experimental import reshard as pw  # pylint: disable=import-outside-toplevel

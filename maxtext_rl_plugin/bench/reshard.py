@@ -9,9 +9,11 @@ the other half, derived from the same logical axes. In one run it measures, each
 * `reshard_unchunked_s`: the whole tree in one chunk (the default before byte chunks);
 * `reshard_chunked_s`: `--chunk-size` parameter arrays per chunk (MaxText's `rl.reshard_chunk_size`);
 * `reshard_keep_old_s`: the default chunks with `reshard_donate=false` (old sampler copy kept until replaced);
-* `reshard_fresh_src_s`: the default, from a new copy of the trainer's arrays each time, as after an optimizer step
-  (the other rows reshard the same source arrays again, and JAX caches the host copy its cross-device-set
-  `device_put` makes of a source array, so they skip that gather);
+* `reshard_fresh_src_s`: the default, from a new copy of the trainer's arrays each time, as after an optimizer step;
+* `reshard_jax_gather_s`, `reshard_jax_gather_fresh_src_s`: the previous default, unchunked through JAX's own
+  `device_put` (`resharding.HOST_ASSEMBLY = False`), which gathers each array into a new host array first; with the
+  same source arrays again JAX serves that gather from the host copy it cached on the array, so only the fresh-source
+  row shows what a training step pays;
 * `memcpy_s`: a plain host `memcpy` of the same bytes into fresh buffers (NumPy `copy`: allocation and first-touch page
   faults included, as in any sync that creates new arrays); `memcpy_prefaulted_s`: the same into already-touched
   buffers (raw copy bandwidth), the reference of the `*_vs_memcpy_prefaulted` ratios;
@@ -126,15 +128,18 @@ def _measure_syncs(s: Setup, args) -> dict:
 
   from maxtext_rl_plugin import resharding
 
-  variants = {  # name: (chunk_size, chunk_bytes, release_old, fresh source each time)
-      "reshard": (None, "auto", True, False),
-      "reshard_unchunked": (None, None, True, False),
-      "reshard_chunked": (args.chunk_size, None, True, False),
-      "reshard_keep_old": (None, "auto", False, False),
-      "reshard_fresh_src": (None, "auto", True, True),
+  variants = {  # name: (chunk_size, chunk_bytes, release_old, fresh source each time, host assembly)
+      "reshard": (None, "auto", True, False, True),
+      "reshard_unchunked": (None, None, True, False, True),
+      "reshard_chunked": (args.chunk_size, None, True, False, True),
+      "reshard_keep_old": (None, "auto", False, False, True),
+      "reshard_fresh_src": (None, "auto", True, True, True),
+      "reshard_jax_gather": (None, None, True, False, False),
+      "reshard_jax_gather_fresh_src": (None, None, True, True, False),
   }
   out = {}
-  for name, (chunk, chunk_bytes, release, fresh) in variants.items():
+  for name, (chunk, chunk_bytes, release, fresh, assemble) in variants.items():
+    resharding.HOST_ASSEMBLY = assemble
     ws = resharding.WeightSync(
         None, s.dst, chunk_size=chunk, chunk_bytes=chunk_bytes, release_old=release, verify_policy="off"
     )
@@ -152,6 +157,7 @@ def _measure_syncs(s: Setup, args) -> dict:
     if name not in ("reshard", "reshard_chunked"):
       del out[name]["held"], state["held"]  # keep RSS down (the 1 GiB run): two held copies are enough to compare
     state["src"] = None
+  resharding.HOST_ASSEMBLY = True
   return out
 
 
