@@ -36,7 +36,10 @@ _PHASES = ("rollout", "reward", "logps", "train", "weight_sync")
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench async", description=__doc__.split("\n")[0])
+  """The command line (see --help)."""
+  p = argparse.ArgumentParser(
+      prog="python -m maxtext_rl_plugin.bench async", description=__doc__.split("\n", maxsplit=1)[0]
+  )
   p.add_argument("--steps", type=int, default=6, help="measured RL steps per mode (after --warmup)")
   p.add_argument("--warmup", type=int, default=2, help="steps dropped from the medians (compilation)")
   p.add_argument("--devices", type=int, default=8, help="forced host devices on CPU (half trainer, half sampler)")

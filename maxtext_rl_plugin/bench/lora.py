@@ -46,6 +46,7 @@ SIZES = {
 
 
 def _parse(argv):
+  """The command line (see --help)."""
   p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench lora", description=__doc__.splitlines()[0])
   p.add_argument("--config", default="configs/cpu_tiny.yml", help="base yml (the model is sized by SIZES / --set)")
   p.add_argument("--set", nargs="*", default=[], metavar="K=V", help="extra config overrides (both sizes)")
@@ -116,7 +117,7 @@ def _one_size(name: str, args) -> dict:
   merger = lora.Merger(cfg)
 
   def merge():
-    merger._key = None  # pylint: disable=protected-access  (force the re-merge an adapter sync triggers)
+    merger._key = None  # pylint: disable=protected-access  # forces the re-merge that an adapter sync triggers
     m = merger.merged(sampler.base)
     jax.block_until_ready(m)
     return m

@@ -55,6 +55,7 @@ DEFAULT_MODEL = [
 
 
 def _parse(argv):
+  """The command line (see --help)."""
   p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench reshard", description=__doc__.splitlines()[0])
   p.add_argument("--config", default="configs/cpu_tiny.yml", help="base yml (the model is scaled by --set)")
   p.add_argument("--set", nargs="*", default=[], metavar="K=V", help="extra config overrides (model size etc.)")
@@ -121,11 +122,26 @@ def _bits(x):
   return np.asarray(x).view(np.uint8)
 
 
+class _Sampler:
+  """The sampler's current weights, replaced by each sync (and freed chunk by chunk when the sync releases them)."""
+
+  def __init__(self, ws, src, held):
+    self.ws, self.base, self.src, self.held = ws, src, src, held
+
+  def new_source(self) -> None:
+    """New trainer arrays with the same values, as after an optimizer step (no host copy cached on them by JAX)."""
+    import jax
+    import jax.numpy as jnp
+
+    self.src = jax.block_until_ready(jax.tree.map(jnp.copy, self.base))
+
+  def sync(self):
+    self.held = self.ws.sync(self.src, current=self.held)
+    return self.held
+
+
 def _measure_syncs(s: Setup, args) -> dict:
   """Each sync variant, replacing the sampler's previous weights every time; the last result of each is kept."""
-  import jax
-  import jax.numpy as jnp
-
   from maxtext_rl_plugin import resharding
 
   variants = {  # name: (chunk_size, chunk_bytes, release_old, fresh source each time, host assembly)
@@ -143,20 +159,12 @@ def _measure_syncs(s: Setup, args) -> dict:
     ws = resharding.WeightSync(
         None, s.dst, chunk_size=chunk, chunk_bytes=chunk_bytes, release_old=release, verify_policy="off"
     )
-    state = {"src": s.src, "held": resharding.reshard(s.src, s.dst, chunk_size=chunk, chunk_bytes=chunk_bytes)}
-
-    def new_source(state=state):
-      state["src"] = jax.block_until_ready(jax.tree.map(jnp.copy, s.src))  # new buffers, no cached host copy
-
-    def one_sync(ws=ws, state=state):
-      state["held"] = ws.sync(state["src"], current=state["held"])
-      return state["held"]
-
-    t = common.timed(one_sync, args.repeats, setup=new_source if fresh else None, peak=True)
+    sampler = _Sampler(ws, s.src, resharding.reshard(s.src, s.dst, chunk_size=chunk, chunk_bytes=chunk_bytes))
+    t = common.timed(sampler.sync, args.repeats, setup=sampler.new_source if fresh else None, peak=True)
     out[name] = {"seconds": t.seconds, "extra_mb": t.extra_mb, "held": t.result, **ws.last_stats}
     if name not in ("reshard", "reshard_chunked"):
-      del out[name]["held"], state["held"]  # keep RSS down (the 1 GiB run): two held copies are enough to compare
-    state["src"] = None
+      del out[name]["held"]  # keep RSS down (the 1 GiB run): two held copies are enough to compare
+    del sampler
   resharding.HOST_ASSEMBLY = True
   return out
 

@@ -44,6 +44,7 @@ def _parse(argv):
   p.add_argument("--steps", type=int, default=4, help="measured (warm) steps per side")
   p.add_argument("--warmup", type=int, default=2, help="steps per side dropped from the medians (compilation)")
   p.add_argument("--devices", type=int, default=8, help="forced host devices on CPU (half trainer, half sampler)")
+  p.add_argument("--colocated", action="store_true", help="trainer and sampler share the devices (no weight sync)")
   p.add_argument("overrides", nargs="*", help="extra key=value config overrides (model size, batch, ...)")
   return p.parse_args(argv)
 
@@ -79,10 +80,18 @@ class StepClock:
     run.trainer_logps = wrap("logps", blocking(run.trainer_logps))
     cluster.update_actor = wrap("update", blocking(cluster.update_actor, update_done))
     run.reward_fns[:] = [wrap("reward", fn) for fn in run.reward_fns]
-    sync = wrap("sync", cluster.sync_weights)
+    # A step ends with its weight sync; colocated runs (the sampler shares the trainer's arrays) have none and end
+    # with their update (one optimizer update per step unless rl.num_iterations > 1 or mini-batches are set).
+    if run.learner.should_sync_weights:
+      cluster.sync_weights = self._closing_step(wrap("sync", cluster.sync_weights))
+    else:
+      cluster.update_actor = self._closing_step(cluster.update_actor)
 
-    def sync_and_close_step(*args, **kwargs):
-      out = sync(*args, **kwargs)
+  def _closing_step(self, fn):
+    """`fn`, after which the current step is recorded as ended."""
+
+    def call(*args, **kwargs):
+      out = fn(*args, **kwargs)
       now = time.perf_counter()
       phases = {p: 0.0 for p in PHASES} | self.timer.reset()
       phases["total"] = now - self._last_end
@@ -90,7 +99,7 @@ class StepClock:
       self._last_end = now
       return out
 
-    cluster.sync_weights = sync_and_close_step
+    return call
 
   def start(self) -> None:
     """The first step starts now (after the build, which is not part of any step)."""
@@ -110,10 +119,10 @@ def build(args, side: str, out_dir: str):
   from maxtext_rl_plugin import config as config_lib
   from maxtext_rl_plugin import trainer
 
+  split = [] if args.colocated else ["use_pathways=true", f"chips_per_vm={args.devices // 2}"]
   argv = [
       args.config,
-      "use_pathways=true",
-      f"chips_per_vm={args.devices // 2}",
+      *split,
       f"base_output_directory={out_dir}",
       f"run_name={side}",
       f"num_batches={args.warmup + args.steps}",
@@ -155,14 +164,17 @@ def measure(args, out_dir: str) -> dict:
   clock.start()
   run.learner.train(tunix_dataset(run))
   tunix = clock.warm(args.warmup)
+  tunix_steps = clock.steps
   run, clock = build(args, "plugin", out_dir)
   clock.start()
   trainer.train(run)
   plugin = clock.warm(args.warmup)
+  plugin_steps = clock.steps
   cfg = run.config
   return {
       "plugin": plugin,
       "tunix": tunix,
+      "per_step": {"plugin": plugin_steps, "tunix": tunix_steps},
       "batch": f"{cfg.batch_size} prompts x {cfg.rl.num_generations} generations",
       "new_tokens": int(cfg.max_target_length) - int(cfg.max_prefill_predict_length),
       "model": f"{cfg.model_name} emb {cfg.emb_dim} x {cfg.num_decoder_layers} layers, vocab {cfg.vocab_size}",
@@ -189,19 +201,22 @@ def report(m: dict, args) -> dict:
       "model": m["model"],
       "batch": m["batch"],
       "new_tokens": m["new_tokens"],
-      "devices": f"{args.devices // 2}+{args.devices // 2}",
+      "devices": "colocated" if args.colocated else f"{args.devices // 2}+{args.devices // 2}",
       "warm_steps": plugin["steps"],
       "plugin_s": {k: round(plugin[k], 4) for k in rows},
       "tunix_s": {k: round(tunix[k], 4) for k in rows},
       "plugin_over_tunix": {k: None if v is None else round(v, 3) for k, v in ratios.items()},
       "plugin_overhead_fraction": round(plugin["overhead"] / plugin["total"], 4),
       "tunix_overhead_fraction": round(tunix["overhead"] / tunix["total"], 4),
+      "per_step_s": {  # every step, compile steps included, for spotting outliers in the medians
+          side: [{k: round(v, 3) for k, v in r.items()} for r in rows_] for side, rows_ in m["per_step"].items()
+      },
   }
 
 
 def main(argv=None) -> int:
   args = _parse(sys.argv[1:] if argv is None else argv)
-  if args.devices < 2 or args.devices % 2:
+  if not args.colocated and (args.devices < 2 or args.devices % 2):
     print(f"error: --devices must be an even number >= 2, got {args.devices}", file=sys.stderr)
     return 2
   common.force_host_devices(args.devices)
