@@ -160,6 +160,7 @@ def _stage(xs: list, staging: list, donate: bool) -> list:
 
 
 def _device_put_two_phase(arrays: list, shardings: list, *, donate: bool) -> list:
+  """Phase 1 re-partitions on the source devices (one program per device set), phase 2 copies shard for shard."""
   staged: dict[frozenset, list[int]] = collections.defaultdict(list)
   stagings: list = [None] * len(arrays)
   for i, (x, s) in enumerate(zip(arrays, shardings)):
@@ -422,10 +423,10 @@ def _zip_shardings(state: PyTree, mesh_specs: PyTree, mesh) -> PyTree:
 # ---------------------------------------------------------------------------------------------------
 
 
-# Default chunk budget on the `jax.device_put` path when `rl.reshard_chunk_size` is unset. Measured (bench reshard, 8
-# forced CPU devices): moving the whole tree at once frees every old buffer and then faults in every new one, and the
-# shards glibc maps fresh (>= 32 MiB) dominate the sync; in chunks of about this size each chunk's new buffers land in
-# memory the previous chunk just freed, the sync runs 1.7x faster and the sampler's peak is one chunk over one copy.
+# Default chunk budget on the `jax.device_put` path when `rl.reshard_chunk_size` is unset. It bounds the host scratch
+# buffer that `_put_cpu` keeps (one chunk, not the model) and the sampler's peak (one chunk over one copy); under memory
+# pressure (bench reshard, 1 GiB model on a loaded 24 GiB host) the whole tree at once was 2.8x slower than these
+# chunks. With room to spare, one chunk and these chunks time within noise of each other (docs/performance.md).
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 
@@ -664,6 +665,7 @@ def verify(src_tree: PyTree, dst_tree: PyTree, *, dst_shardings: PyTree | None =
 
 
 def _config_value(config, name: str, default):
+  """`config.rl.<name>`, else `config.<name>`, else `default` (WeightSync takes MaxText configs and plain objects)."""
   rl = getattr(config, "rl", None)
   for obj in (rl, config):
     if obj is None:
@@ -716,7 +718,8 @@ class WeightSync:
     self.verify_every = int(verify_every or _config_value(config, "verify_weight_sync_every", 10))
     if self.verify_policy not in VERIFY_POLICIES:
       raise ConfigError(
-          f"invalid value for 'rl.verify_weight_sync'='{self.verify_policy}': expected one of {', '.join(VERIFY_POLICIES)}"
+          f"invalid value for 'rl.verify_weight_sync'='{self.verify_policy}': expected one of "
+          + ", ".join(VERIFY_POLICIES)
       )
     if self.chunk_size is not None and int(self.chunk_size) < 1:
       raise ConfigError(

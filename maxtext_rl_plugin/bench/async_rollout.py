@@ -50,6 +50,7 @@ def _parse(argv):
 
 
 def _run(args, k: int, out_dir: str) -> list[dict]:
+  """One GRPO job with rl.off_policy_steps=k; its per-step metric records."""
   from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin import trainer  # pylint: disable=import-outside-toplevel
 

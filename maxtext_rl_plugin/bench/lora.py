@@ -59,6 +59,7 @@ def _parse(argv):
 
 
 def _one_size(name: str, args) -> dict:
+  """Build one model size with LoRA, then time its full and adapter-only syncs and the engine's re-merge."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
