@@ -73,7 +73,7 @@ def test_bench_step_tiny_reports_every_phase_and_totals_add_up(capsys):
           "1",
           "--warmup",
           "0",
-          "batch_size=2",
+          "batch_size=4",
           "rl.num_generations=2",
           "max_target_length=136",
       ]
