@@ -13,7 +13,8 @@ rollout (`generate`), reward (the reward functions), logps (`get_ref_per_token_l
 plugin's trainer-side old log-probs), update (`update_actor`), sync (`sync_weights`); each phase is timed until
 its results are ready (JAX dispatches asynchronously). A step runs from the end of one
 weight sync to the end of the next; its overhead is what the loop spends outside those phases (batching, advantages,
-metrics, logging). Steps up to `--warmup` compile and are dropped; the rest are medians ("warm step").
+metrics, logging). Steps up to `--warmup` compile and are dropped; of the rest, the step with the median total is
+reported ("warm step").
 """
 
 # jax, and everything that imports it, is imported inside the functions: XLA reads the forced host device count
@@ -26,7 +27,6 @@ import argparse
 import functools
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -106,9 +106,10 @@ class StepClock:
     self._last_end = time.perf_counter()
 
   def warm(self, warmup: int) -> dict[str, float]:
-    """Median of every phase over the steps after `warmup`, and the overhead = total - sum of the phases."""
-    rows = self.steps[warmup:] or self.steps
-    out = {k: statistics.median(r[k] for r in rows) for k in (*PHASES, "total")}
+    """The median warm step (by total; the lower middle for an even count) with its phases and overhead = total - sum
+    of its phases: one real step, so the parts add up (medians taken phase by phase need not, and can go negative)."""
+    rows = sorted(self.steps[warmup:] or self.steps, key=lambda r: r["total"])
+    out = dict(rows[(len(rows) - 1) // 2])
     out["overhead"] = out["total"] - sum(out[p] for p in PHASES)
     out["steps"] = len(rows)
     return out
@@ -186,7 +187,7 @@ def report(m: dict, args) -> dict:
   """Print the side-by-side table; return the final JSON record (ratios plugin / Tunix)."""
   plugin, tunix = m["plugin"], m["tunix"]
   rows = (*PHASES, "overhead", "total")
-  print(f"warm GRPO step (medians of {plugin['steps']} steps after {args.warmup} compile steps), seconds")
+  print(f"warm GRPO step (the median of {plugin['steps']} steps after {args.warmup} compile steps), seconds")
   print(f"{'phase':<10}{'plugin':>10}{'Tunix':>10}{'plugin/Tunix':>14}")
   ratios = {}
   for k in rows:
