@@ -14,10 +14,11 @@ from the trainer layout to the sampler layout. This module is the one place that
   source and *one* destination sharding; Tunix and MaxText pass whole pytrees, so it never finds one
   for them. We therefore call it once per (source sharding, destination sharding) group, which is
   what lets an FSDP-8 -> TP-4 weight avoid the all-gather.
-* **Chunking** (`rl.reshard_chunk_size` = parameter arrays per chunk, MaxText's meaning): each chunk
-  is moved and waited for before the next one starts, and -- with `reshard_donate` -- the sampler's
-  previous buffers of that chunk are freed as soon as its new buffers are ready, so the sampler
-  holds at most one chunk more than one copy of the weights instead of two full copies.
+* **Chunking** (`rl.reshard_chunk_size` = parameter arrays per chunk, MaxText's meaning; unset: chunks of at
+  most `DEFAULT_CHUNK_BYTES` on the device_put path, one chunk on Pathways): each chunk is moved and waited
+  for before the next one starts, and -- with `reshard_donate` -- the sampler's previous buffers of that
+  chunk are freed just before its new ones are made, so the sampler holds at most one chunk more than one
+  copy of the weights instead of two full copies.
 * **Guard** (`rl.verify_weight_sync` = off | first | every_n): per-array checksums computed on device
   on both sides (a wrapping uint32 sum of the bit patterns weighted by odd, position-dependent
   weights: any single changed element or bit changes it, and so do permutations) and compared on the
@@ -159,6 +160,7 @@ def _stage(xs: list, staging: list, donate: bool) -> list:
 
 
 def _device_put_two_phase(arrays: list, shardings: list, *, donate: bool) -> list:
+  """Phase 1 re-partitions on the source devices (one program per device set), phase 2 copies shard for shard."""
   staged: dict[frozenset, list[int]] = collections.defaultdict(list)
   stagings: list = [None] * len(arrays)
   for i, (x, s) in enumerate(zip(arrays, shardings)):
@@ -187,6 +189,96 @@ def _put_mixed(moving: list, shardings: list, staged_idx: set[int]) -> list:
   return out
 
 
+# On the CPU device_put path, build each destination shard straight from the source shards (`_put_cpu`) instead of
+# JAX's gather of every array into a new host array; False restores JAX's own path (bench reshard compares both).
+HOST_ASSEMBLY = True
+
+
+class _Scratch:
+  """One reusable host buffer for `_assemble_on_host` (grown to the largest chunk, then kept): its pages are faulted
+  in once, where a fresh buffer per sync would fault every page of every sync again."""
+
+  buf = np.empty((0,), np.uint8)
+
+  @classmethod
+  def take(cls, nbytes: int) -> np.ndarray:
+    if cls.buf.nbytes < nbytes:
+      cls.buf = np.empty((nbytes,), np.uint8)
+    return cls.buf
+
+
+_ALIGN = 64  # bytes: each destination shard's slice of the scratch buffer starts on a cache line
+
+
+def _bounds(index: tuple, shape: Sequence[int]) -> tuple[tuple[int, int], ...]:
+  return tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
+
+
+def _needs_host_assembly(x, sharding) -> bool:
+  """A CPU array headed for other devices *and* another layout: what JAX's `device_put` gathers on the host."""
+  if not isinstance(x, jax.Array) or not isinstance(sharding, jax.sharding.Sharding) or not x.is_fully_addressable:
+    return False
+  if next(iter(x.devices())).platform != "cpu" or x.sharding.device_set == sharding.device_set:
+    return False
+  src = {_bounds(sh.index, x.shape) for sh in x.addressable_shards}
+  return not all(_bounds(i, x.shape) in src for i in sharding.addressable_devices_indices_map(x.shape).values())
+
+
+def _assemble_on_host(x: jax.Array, sharding, scratch: np.ndarray, offset: int) -> tuple[jax.Array, int]:
+  """`x` on `sharding`, each destination shard copied straight from the source shards that overlap it (read in place:
+  on CPU a shard's buffer is host memory) into `scratch[offset:]`, then onto its device; returns (array, new offset).
+
+  JAX's own path (`x._value`) first gathers the whole array into a new host array -- one more copy, and fresh pages
+  to fault in on every sync, since each sync's source arrays are new -- then slices it.
+  """
+  sources, seen = [], set()
+  for sh in x.addressable_shards:
+    b = _bounds(sh.index, x.shape)
+    if b not in seen:  # replicated source shards: read one
+      seen.add(b)
+      sources.append((b, np.asarray(sh.data)))
+  singles = []
+  for device, index in sharding.addressable_devices_indices_map(x.shape).items():
+    dst = _bounds(index, x.shape)
+    shape = tuple(hi - lo for lo, hi in dst)
+    nbytes = math.prod(shape) * x.dtype.itemsize
+    piece = scratch[offset : offset + nbytes].view(x.dtype).reshape(shape)
+    for src, data in sources:
+      overlap = [(max(a0, b0), min(a1, b1)) for (a0, a1), (b0, b1) in zip(dst, src)]
+      if any(lo >= hi for lo, hi in overlap):
+        continue
+      piece[tuple(slice(lo - d0, hi - d0) for (lo, hi), (d0, _) in zip(overlap, dst))] = data[
+          tuple(slice(lo - s0, hi - s0) for (lo, hi), (s0, _) in zip(overlap, src))
+      ]
+    singles.append(jax.device_put(piece, device))
+    offset += -(-nbytes // _ALIGN) * _ALIGN
+  return jax.make_array_from_single_device_arrays(x.shape, sharding, singles), offset
+
+
+def _put_cpu(arrays: list, shardings: list) -> list:
+  """`jax.device_put(arrays, shardings)`, except that CPU arrays needing a host gather are assembled shard by shard
+  (`_assemble_on_host`) in a reused scratch buffer. The caller waits for the chunk before the scratch is reused."""
+  assemble = [_needs_host_assembly(x, s) for x, s in zip(arrays, shardings)]
+  if not any(assemble):
+    return list(jax.device_put(arrays, shardings))
+  need = sum(
+      -(-(math.prod(hi - lo for lo, hi in _bounds(i, x.shape)) * x.dtype.itemsize) // _ALIGN) * _ALIGN
+      for x, s, a in zip(arrays, shardings, assemble)
+      if a
+      for i in s.addressable_devices_indices_map(x.shape).values()
+  )
+  scratch, offset = _Scratch.take(need), 0
+  out = list(arrays)
+  rest = [i for i, a in enumerate(assemble) if not a]
+  if rest:
+    for i, y in zip(rest, jax.device_put([arrays[i] for i in rest], [shardings[i] for i in rest])):
+      out[i] = y
+  for i, a in enumerate(assemble):
+    if a:
+      out[i], offset = _assemble_on_host(arrays[i], shardings[i], scratch, offset)
+  return out
+
+
 def _use_two_phase(arrays: list, two_phase: bool | None) -> bool:
   if two_phase is not None:
     return two_phase
@@ -204,6 +296,8 @@ def _move(arrays: list, shardings: list, *, donate: bool, path: str, two_phase: 
     # the host. On CPU host memory is device memory, so allow it even inside Tunix's sync_weights, which
     # forbids device<->host transfers on CPU; on GPU/TPU the two-phase path never touches the host.
     with jax.transfer_guard_device_to_host("allow"), jax.transfer_guard_host_to_device("allow"):
+      if not donate and HOST_ASSEMBLY:
+        return _put_cpu(arrays, shardings)
       return list(jax.device_put(arrays, shardings, donate=donate))
   if path == PATH_PATHWAYS_EXPERIMENTAL:
     from pathwaysutils.experimental import reshard as pw  # pylint: disable=import-outside-toplevel
@@ -329,10 +423,43 @@ def _zip_shardings(state: PyTree, mesh_specs: PyTree, mesh) -> PyTree:
 # ---------------------------------------------------------------------------------------------------
 
 
+# Default chunk budget on the `jax.device_put` path when `rl.reshard_chunk_size` is unset. It bounds the host scratch
+# buffer that `_put_cpu` keeps (one chunk, not the model) and the sampler's peak (one chunk over one copy); under memory
+# pressure (bench reshard, 1 GiB model on a loaded 24 GiB host) the whole tree at once was 2.8x slower than these
+# chunks. With room to spare, one chunk and these chunks time within noise of each other (docs/performance.md).
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+
 def _chunks(n: int, chunk_size: int | None) -> list[range]:
   if chunk_size is None or chunk_size <= 0 or chunk_size >= n:
     return [range(n)]
   return [range(i, min(i + chunk_size, n)) for i in range(0, n, chunk_size)]
+
+
+def chunks_by_bytes(nbytes: Sequence[int], limit: int) -> list[range]:
+  """Consecutive arrays grouped into chunks of at most `limit` bytes (an array larger than that is a chunk alone)."""
+  chunks, start, size = [], 0, 0
+  for i, n in enumerate(nbytes):
+    if i > start and size + n > limit:
+      chunks.append(range(start, i))
+      start, size = i, 0
+    size += n
+  if start < len(nbytes):
+    chunks.append(range(start, len(nbytes)))
+  return chunks or [range(0)]
+
+
+def _plan_chunks(nbytes: Sequence[int], chunk_size: int | None, chunk_bytes: int | str | None, path: str) -> list[range]:
+  """Chunks by array count (`chunk_size`, MaxText's `rl.reshard_chunk_size`) when given, else by bytes:
+  `chunk_bytes` = 'auto' is `DEFAULT_CHUNK_BYTES` on the device_put path and one chunk on Pathways (which plans the
+  whole transfer itself), None one chunk."""
+  if chunk_size is not None:
+    return _chunks(len(nbytes), chunk_size)
+  if chunk_bytes == "auto":
+    chunk_bytes = DEFAULT_CHUNK_BYTES if path == PATH_DEVICE_PUT else None
+  if not chunk_bytes:
+    return [range(len(nbytes))]
+  return chunks_by_bytes(nbytes, int(chunk_bytes))
 
 
 def _release(old, keep: Sequence) -> None:
@@ -347,6 +474,7 @@ def reshard(
     dst_shardings: PyTree,
     *,
     chunk_size: int | None = None,
+    chunk_bytes: int | str | None = "auto",
     donate: bool = False,
     release: PyTree | None = None,
     stats: dict | None = None,
@@ -354,7 +482,9 @@ def reshard(
 ) -> PyTree:
   """`src_tree` moved to `dst_shardings` (same structure; leaves Shardings or arrays whose sharding is used).
 
-  `chunk_size`: parameter arrays per chunk (None = all at once); each chunk is waited for before the next.
+  `chunk_size`: parameter arrays per chunk; each chunk is waited for before the next. When None, `chunk_bytes`
+  bounds each chunk's bytes instead: 'auto' (the default) = `DEFAULT_CHUNK_BYTES` on the device_put path and all
+  at once on Pathways; None = all at once.
   `donate`: donate the *source* buffers (only when the caller no longer needs them, e.g. a cast copy).
   `release`: the sampler's current arrays (same structure); each chunk's old buffers are deleted once its
   new ones are ready, which bounds the sampler's peak to one copy plus one chunk.
@@ -373,7 +503,7 @@ def reshard(
     _check_same_structure(src_paths, src_def, rel_paths, rel_def, "reshard release")
   out: list = [None] * len(src)
   nbytes = [int(getattr(x, "nbytes", 0)) for x in src]
-  chunks = _chunks(len(src), chunk_size)
+  chunks = _plan_chunks(nbytes, chunk_size, chunk_bytes, path)
   for chunk in chunks:
     if old is not None:  # the sampler is idle during a sync: free its old chunk before the new one lands
       for i in chunk:
@@ -535,6 +665,7 @@ def verify(src_tree: PyTree, dst_tree: PyTree, *, dst_shardings: PyTree | None =
 
 
 def _config_value(config, name: str, default):
+  """`config.rl.<name>`, else `config.<name>`, else `default` (WeightSync takes MaxText configs and plain objects)."""
   rl = getattr(config, "rl", None)
   for obj in (rl, config):
     if obj is None:
@@ -564,7 +695,8 @@ class WeightSync:
   axes). The trainer's and the sampler's trees are the same (the embedded engine runs the same MaxText module;
   engines with another layout, vLLM, map and reshard in their own update_params).
   Options come from `config` (`rl.reshard_chunk_size`, `reshard_donate`, `rl.verify_weight_sync`,
-  `rl.verify_weight_sync_every`); keyword arguments override them.
+  `rl.verify_weight_sync_every`); keyword arguments override them. Without a chunk size, `chunk_bytes` bounds each
+  chunk's bytes ('auto': `DEFAULT_CHUNK_BYTES` on the device_put path, one chunk on Pathways; None: one chunk).
   """
 
   def __init__(
@@ -575,6 +707,7 @@ class WeightSync:
       mesh: jax.sharding.Mesh | None = None,
       rules=None,
       chunk_size: int | None | str = "config",
+      chunk_bytes: int | None | str = "auto",
       release_old: bool | None = None,
       verify_policy: str | None = None,
       verify_every: int | None = None,
@@ -585,13 +718,15 @@ class WeightSync:
     self.verify_every = int(verify_every or _config_value(config, "verify_weight_sync_every", 10))
     if self.verify_policy not in VERIFY_POLICIES:
       raise ConfigError(
-          f"invalid value for 'rl.verify_weight_sync'='{self.verify_policy}': expected one of {', '.join(VERIFY_POLICIES)}"
+          f"invalid value for 'rl.verify_weight_sync'='{self.verify_policy}': expected one of "
+          + ", ".join(VERIFY_POLICIES)
       )
     if self.chunk_size is not None and int(self.chunk_size) < 1:
       raise ConfigError(
           f"invalid value for 'rl.reshard_chunk_size'={self.chunk_size}: expected a positive integer or null"
       )
     self.chunk_size = None if self.chunk_size is None else int(self.chunk_size)
+    self.chunk_bytes = chunk_bytes  # used when chunk_size is None; 'auto': see reshard()
     self._model = dst if _is_nnx_module(dst) else None
     self._dst_shardings = (
         None if (dst is None or self._model is not None) else jax.tree.map(_as_sharding, dst, is_leaf=_is_sharding)
@@ -649,6 +784,7 @@ class WeightSync:
         mapped,
         dst_shardings,
         chunk_size=self.chunk_size,
+        chunk_bytes=self.chunk_bytes,
         release=current if self.release_old else None,
         stats=stats,
     )

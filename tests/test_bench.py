@@ -61,3 +61,29 @@ def test_bench_rollout_tiny_emits_tunix_and_roofline_keys(capsys):
   assert "attention_mask" in out["tunix_maxtext_error"]  # the adapter's exact refusal, recorded
   assert 0 < out["engine_fraction_of_peak_by_batch"]["1"] < 1
   assert np.isfinite(out["speedup_vs_tunix_by_batch"]["1"])
+
+
+def test_bench_step_tiny_reports_every_phase_and_totals_add_up(capsys):
+  """One step of each loop (colocated, tiny batch): the JSON has every phase for both, and phases + overhead = total."""
+  rc = bench_main.main(
+      [
+          "step",
+          "--colocated",
+          "--steps",
+          "1",
+          "--warmup",
+          "0",
+          "batch_size=4",
+          "rl.num_generations=2",
+          "max_target_length=136",
+      ]
+  )
+  assert rc == 0
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert out["bench"] == "step" and out["warm_steps"] == 1
+  for side in ("plugin_s", "tunix_s"):
+    row = out[side]
+    assert set(row) == {"rollout", "reward", "logps", "update", "sync", "overhead", "total"}
+    assert row["rollout"] > 0 and row["update"] > 0 and row["total"] > 0
+    assert abs(sum(v for k, v in row.items() if k != "total") - row["total"]) < 1e-3
+  assert set(out["plugin_over_tunix"]) == set(out["plugin_s"])

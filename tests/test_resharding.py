@@ -5,11 +5,29 @@ sampler: TP=4 on devices 4-7, shardings derived from the same logical axes. Refe
 trainer's own arrays read back to NumPy and compared bit for bit.
 """
 
-import json
-import os
+# pathwaysutils (the TPU extra) and vLLM are optional: the tests that use them import them where they run.
+# pylint: disable=import-outside-toplevel
+# pytest injects the `env` fixture by parameter name, which pylint reads as shadowing the fixture function.
+# pylint: disable=redefined-outer-name
 
+import concurrent.futures
+import json
+import sys
+
+from absl import logging as absl_logging
+import flax.linen as nn
+from flax import nnx
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
 import numpy as np
+import optax
 import pytest
+from tunix.rl import rl_cluster as rl_cluster_lib
+from tunix.rl.rollout import base_rollout
+
+from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import models, pathways, resharding
 
 pytestmark = pytest.mark.multidevice
 
@@ -23,14 +41,9 @@ def _bits(x) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def env(repo_root):
-  import jax
-
+  """The trainer model on devices 0-3 (FSDP) and the sampler's TP shardings on devices 4-7."""
   if jax.device_count() < 8:
     pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
-  from flax import nnx
-  from jax.sharding import Mesh
-
-  from maxtext_rl_plugin import models, resharding
 
   rs = models.setup_devices(
       [str(repo_root / TINY), "use_pathways=true", "chips_per_vm=4", "ici_fsdp_parallelism=4", "vocab_size=1024"]
@@ -43,23 +56,15 @@ def env(repo_root):
   smesh = Mesh(np.array(rs.sampler_devices).reshape([shape[k] for k in tmesh.axis_names]), tmesh.axis_names)
   state = nnx.state(model, nnx.Param)
   dst = resharding.logical_shardings(state, smesh, rs.trainer_config.logical_axis_rules)
-  return dict(rs=rs, model=model, tmesh=tmesh, smesh=smesh, dst=dst, config=rs.trainer_config)
+  return {"rs": rs, "model": model, "tmesh": tmesh, "smesh": smesh, "dst": dst, "config": rs.trainer_config}
 
 
 def _state(model):
-  from flax import nnx
-
   return nnx.state(model, nnx.Param)
 
 
 def _train_step(env, seed: int) -> float:
   """One real optimizer step on the trainer mesh (Adam on a next-token loss), jitted once per module."""
-  import flax.linen as nn
-  import jax
-  import jax.numpy as jnp
-  import optax
-  from flax import nnx
-
   if "step" not in env:
     env["opt"] = nnx.Optimizer(env["model"], optax.adam(1e-2), wrt=nnx.Param)
 
@@ -83,15 +88,10 @@ def _train_step(env, seed: int) -> float:
 
 def _perturb(model, scale: float) -> None:
   """New trainer weights without another compile (the real optimizer step is tested above)."""
-  import jax
-  from flax import nnx
-
   nnx.update(model, jax.tree.map(lambda x: x * scale + 0.25, _state(model)))
 
 
 def _assert_bitwise_on(src, dst, dst_shardings, devices):
-  import jax
-
   s_leaves = jax.tree_util.tree_leaves_with_path(src)
   d_leaves = jax.tree.leaves(dst)
   e_leaves = jax.tree.leaves(dst_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
@@ -103,8 +103,6 @@ def _assert_bitwise_on(src, dst, dst_shardings, devices):
 
 
 def test_layouts_really_differ(env):
-  import jax
-
   src = jax.tree.leaves(_state(env["model"]))
   dst = jax.tree.leaves(env["dst"], is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
   assert not set(src[0].sharding.device_set) & set(dst[0].device_set)
@@ -113,10 +111,6 @@ def test_layouts_really_differ(env):
 
 
 def test_sync_after_training_step_is_bitwise_on_sampler_mesh(env):
-  import jax
-
-  from maxtext_rl_plugin import resharding
-
   before = [np.asarray(x).copy() for x in jax.tree.leaves(_state(env["model"]))]
   ws = resharding.WeightSync(env["config"], env["dst"], verify_policy="every_n", verify_every=1)
   first = ws.sync(_state(env["model"]))
@@ -135,14 +129,10 @@ def test_sync_after_training_step_is_bitwise_on_sampler_mesh(env):
 
 
 def test_chunked_and_unchunked_agree(env):
-  import jax
-
-  from maxtext_rl_plugin import resharding
-
   src = _state(env["model"])
   n = len(jax.tree.leaves(src))
   stats_all, stats_chunked = {}, {}
-  whole = resharding.reshard(src, env["dst"], stats=stats_all)
+  whole = resharding.reshard(src, env["dst"], chunk_bytes=None, stats=stats_all)
   chunked = resharding.reshard(src, env["dst"], chunk_size=3, stats=stats_chunked)
   assert stats_all["chunks"] == 1 and stats_chunked["chunks"] == -(-n // 3)
   assert stats_chunked["max_chunk_bytes"] < stats_all["max_chunk_bytes"] == stats_all["bytes"]
@@ -153,12 +143,32 @@ def test_chunked_and_unchunked_agree(env):
   _assert_bitwise_on(src, chunked, env["dst"], env["rs"].sampler_devices)
 
 
+def test_byte_chunks_bound_each_chunk_and_stay_bit_exact(env):
+  """The device_put default chunks by bytes: every chunk within the budget unless one array alone exceeds it."""
+  src = _state(env["model"])
+  sizes = [x.nbytes for x in jax.tree.leaves(src)]
+  limit = sorted(sizes)[len(sizes) // 2] * 2  # a budget that splits the tree and that the largest array exceeds
+  stats = {}
+  out = resharding.reshard(src, env["dst"], chunk_bytes=limit, stats=stats)
+  assert 1 < stats["chunks"] < len(sizes)
+  assert stats["max_chunk_bytes"] <= max(limit, *sizes)
+  _assert_bitwise_on(src, out, env["dst"], env["rs"].sampler_devices)
+  auto = {}
+  resharding.reshard(src, env["dst"], stats=auto)  # 'auto': DEFAULT_CHUNK_BYTES on this (device_put) path
+  assert auto["chunks"] == len(resharding.chunks_by_bytes(sizes, resharding.DEFAULT_CHUNK_BYTES))
+
+
+def testchunks_by_bytes_partitions_in_order():
+  sizes = [5, 1, 1, 9, 2, 2, 2, 20, 1]
+  chunks = resharding.chunks_by_bytes(sizes, 6)
+  assert [list(c) for c in chunks] == [[0, 1], [2], [3], [4, 5, 6], [7], [8]]
+  assert [i for c in chunks for i in c] == list(range(len(sizes)))
+  assert all(sum(sizes[i] for i in c) <= 6 or len(c) == 1 for c in chunks)
+  assert resharding.chunks_by_bytes([], 6) == [range(0)]
+
+
 def test_two_phase_device_put(env):
   """The GPU/TPU default without Pathways: re-partition on the trainer devices, then shard-for-shard copy."""
-  import jax
-
-  from maxtext_rl_plugin import resharding
-
   src = _state(env["model"])
   staged = resharding.reshard(src, env["dst"], chunk_size=5, two_phase=True)
   _assert_bitwise_on(src, staged, env["dst"], env["rs"].sampler_devices)
@@ -168,13 +178,11 @@ def test_two_phase_device_put(env):
   assert not any(x.is_deleted() for x in jax.tree.leaves(src))
   x = jax.tree.leaves(src)[1]
   target = jax.tree.leaves(env["dst"], is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))[1]
-  staging = resharding._staging_sharding(x, target)  # dst's layout on the trainer's devices
+  staging = resharding._staging_sharding(x, target)  # pylint: disable=protected-access  # the unit under test
   assert staging.device_set == x.sharding.device_set and staging.spec == target.spec != x.sharding.spec
 
 
 def _replace_leaf(tree, index, new):
-  import jax
-
   leaves, treedef = jax.tree.flatten(tree)
   leaves[index] = new
   return jax.tree.unflatten(treedef, leaves)
@@ -182,10 +190,6 @@ def _replace_leaf(tree, index, new):
 
 @pytest.mark.parametrize("corruption", ["one_bit", "swap"])
 def test_guard_catches_a_corrupted_array(env, corruption):
-  import jax
-
-  from maxtext_rl_plugin import resharding
-
   src = _state(env["model"])
   dst = resharding.reshard(src, env["dst"])
   resharding.verify(src, dst, dst_shardings=env["dst"])  # clean sync passes
@@ -206,16 +210,12 @@ def test_guard_catches_a_corrupted_array(env, corruption):
 
 
 def test_guard_catches_a_dropped_chunk(env, monkeypatch):
-  import jax
-
-  from maxtext_rl_plugin import resharding
-
   ws = resharding.WeightSync(
       env["config"], env["dst"], chunk_size=4, release_old=False, verify_policy="every_n", verify_every=1
   )
   src = _state(env["model"])
   stale = resharding.reshard(jax.tree.map(lambda x: x * 0.5 + 1, src), env["dst"])  # the sampler's previous weights
-  real_move = resharding._move
+  real_move = resharding._move  # pylint: disable=protected-access  # wrapped to record each chunk's call
   calls = []
 
   def lossy_move(arrays, shardings, **kw):  # the third chunk "arrives" with the sampler's old buffers
@@ -233,11 +233,6 @@ def test_guard_catches_a_dropped_chunk(env, monkeypatch):
 
 
 def test_guard_structure_and_dtype_mismatch(env):
-  import jax
-  import jax.numpy as jnp
-
-  from maxtext_rl_plugin import resharding
-
   src = _state(env["model"])
   dst = resharding.reshard(src, env["dst"])
   leaves = jax.tree.leaves(dst)
@@ -255,8 +250,6 @@ def test_guard_structure_and_dtype_mismatch(env):
 
 
 def test_verify_policy_cadence(env, monkeypatch):
-  from maxtext_rl_plugin import resharding
-
   src = _state(env["model"])
   seen = []
   real_verify = resharding.verify
@@ -274,9 +267,6 @@ def test_verify_policy_cadence(env, monkeypatch):
 
 
 def test_config_keys_are_read(env, repo_root):
-  from maxtext_rl_plugin import config as config_lib
-  from maxtext_rl_plugin import resharding
-
   cfg = config_lib.load_config(
       [
           str(repo_root / TINY),
@@ -300,10 +290,6 @@ class _FakePluginExecutable:
     type(self).requests.append(json.loads(prog_str))
 
   def call(self, in_arr=(), out_shardings=(), out_avals=(), out_committed=True):
-    import concurrent.futures
-
-    import jax
-
     type(self).calls.append((len(in_arr), tuple(out_shardings)))
     fut = concurrent.futures.Future()
     fut.set_result(None)
@@ -314,24 +300,19 @@ def _initialized_at_startup(monkeypatch):
   """What train_rl.main does first on Pathways (pathways.initialize); resharding no longer initialises late."""
   import pathwaysutils._initialize as pinit
 
-  from maxtext_rl_plugin import pathways
-
   monkeypatch.setattr(pinit, "_initialization_count", 0)
   assert pathways.initialize()
 
 
 def test_pathways_experimental_path_with_faked_plugin_program(env, monkeypatch):
-  import jax
   from pathwaysutils import plugin_executable
   from pathwaysutils.experimental import reshard as pw_experimental
-
-  from maxtext_rl_plugin import resharding
 
   monkeypatch.setenv("JAX_PLATFORMS", "proxy")
   _initialized_at_startup(monkeypatch)
   monkeypatch.setattr(plugin_executable, "PluginExecutable", _FakePluginExecutable)
   monkeypatch.setattr(resharding, "_logged_paths", set())
-  pw_experimental._get_resharding_plan_cached.cache_clear()
+  pw_experimental._get_resharding_plan_cached.cache_clear()  # pylint: disable=protected-access  # test isolation
   _FakePluginExecutable.requests, _FakePluginExecutable.calls = [], []
   assert resharding.backend_path() == resharding.PATH_PATHWAYS_EXPERIMENTAL
 
@@ -359,12 +340,7 @@ def test_pathways_experimental_path_with_faked_plugin_program(env, monkeypatch):
 
 
 def test_pathways_stable_path_when_experimental_missing(env, monkeypatch):
-  import sys
-
-  import jax
   from pathwaysutils import reshard as pw_reshard
-
-  from maxtext_rl_plugin import resharding
 
   monkeypatch.setenv("JAX_PLATFORMS", "proxy")
   _initialized_at_startup(monkeypatch)
@@ -389,10 +365,6 @@ def test_pathways_stable_path_when_experimental_missing(env, monkeypatch):
 
 
 def test_device_put_path_logged_once(env, monkeypatch, caplog):
-  from absl import logging as absl_logging
-
-  from maxtext_rl_plugin import resharding
-
   monkeypatch.setattr(resharding, "_logged_paths", set())
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   logged = []
@@ -405,10 +377,6 @@ def test_device_put_path_logged_once(env, monkeypatch, caplog):
 
 
 def test_checksum_matches_numpy_reference_and_is_layout_independent(env):
-  import jax
-
-  from maxtext_rl_plugin import resharding
-
   rng = np.random.default_rng(0)
   host = rng.standard_normal((4, 7, 5)).astype(np.float32)  # odd dims exercise the halving's carry
   words = host.view(np.uint32)
@@ -436,13 +404,10 @@ class _TinyRollout:
 
   @classmethod
   def make(cls):
-    import jax
-    from flax import nnx
-    from tunix.rl.rollout import base_rollout
-
-    from maxtext_rl_plugin import resharding
+    """A BaseRollout subclass whose model() is `cls`'s sampler module."""
 
     class Engine(base_rollout.BaseRollout):
+      """The smallest engine Tunix's RLCluster accepts."""
 
       def __init__(self, rollout_actor, tokenizer, mesh, rollout_config):
         del tokenizer, rollout_config
@@ -464,7 +429,9 @@ class _TinyRollout:
       def generate(self, prompts, rollout_config, **kwargs):
         raise NotImplementedError
 
-      def get_per_token_logps(self, prompt_tokens, completion_tokens, pad_id, eos_id, **kwargs):
+      def get_per_token_logps(  # pylint: disable=arguments-differ  # Tunix's own engines take these
+          self, prompt_tokens, completion_tokens, pad_id, eos_id, **kwargs
+      ):
         raise NotImplementedError
 
       def pad_id(self):
@@ -480,10 +447,7 @@ class _TinyRollout:
 
 
 def _rl_cluster(env, engine, colocated: bool = False):
-  import optax
-  from tunix.rl import rl_cluster as rl_cluster_lib
-  from tunix.rl.rollout import base_rollout
-
+  """A Tunix RLCluster over the env's trainer model and `engine` (disaggregated unless `colocated`)."""
   Role = rl_cluster_lib.Role
   cfg = rl_cluster_lib.ClusterConfig(
       role_to_mesh={
@@ -522,10 +486,6 @@ class _NoTokenizer:
 @pytest.mark.parametrize("buggy_engine,release", [(False, True), (True, True), (True, False)])
 def test_rl_cluster_sync_weights_goes_through_the_plugin(env, buggy_engine, release):
   """Tunix's own RLCluster.sync_weights (transfer guards, anchor snapshot, step counter) with the hook installed."""
-  import jax
-
-  from maxtext_rl_plugin import resharding
-
   _TinyRollout.dst, _TinyRollout.drop, _TinyRollout.rules = env["dst"], None, env["config"].logical_axis_rules
   cluster = _rl_cluster(env, _TinyRollout.make())
   assert cluster.rollout.model() is not cluster.actor_trainer.model
@@ -552,8 +512,6 @@ def test_rl_cluster_sync_weights_goes_through_the_plugin(env, buggy_engine, rele
 
 
 def test_attach_is_a_no_op_when_colocated(env):
-  from maxtext_rl_plugin import resharding
-
   _TinyRollout.dst, _TinyRollout.drop = None, None
   cluster = _rl_cluster(env, _TinyRollout.make(), colocated=True)
   assert resharding.attach_to_rl_cluster(cluster, env["config"]) is None
@@ -562,10 +520,6 @@ def test_attach_is_a_no_op_when_colocated(env):
 
 def test_weight_sync_destinations_mesh_rules_and_sampler_model(env):
   """The other two ways to name the destination: a sampler mesh + rules, or the sampler's nnx model."""
-  import jax
-
-  from maxtext_rl_plugin import resharding
-
   src = _state(env["model"])
   by_mesh = resharding.WeightSync(env["config"], mesh=env["smesh"], rules=env["config"].logical_axis_rules)
   _assert_bitwise_on(src, by_mesh.sync(src), env["dst"], env["rs"].sampler_devices)
@@ -594,12 +548,10 @@ def test_verify_policy_is_one_schedule_for_every_engine(policy, every, checked):
   """resharding.verify_due is the one schedule: the embedded engine's WeightSync and the vLLM engine both ask it."""
   from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
 
-  from maxtext_rl_plugin import resharding  # pylint: disable=import-outside-toplevel
-
   assert [n for n in range(1, 22) if resharding.verify_due(policy, every, n)] == checked
   ws = resharding.WeightSync(None, None, verify_policy=policy, verify_every=every)
   engine = object.__new__(vllm_rollout.VllmRollout)
-  engine._config = type(
+  engine._config = type(  # pylint: disable=protected-access  # an engine without its heavy constructor
       "C",
       (),
       {

@@ -14,6 +14,7 @@ BENCHMARKS = {
     "async": "maxtext_rl_plugin.bench.async_rollout",
     "peak": "maxtext_rl_plugin.bench.peak",
     "lora": "maxtext_rl_plugin.bench.lora",
+    "step": "maxtext_rl_plugin.bench.step",
 }
 
 

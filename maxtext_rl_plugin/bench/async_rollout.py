@@ -36,7 +36,10 @@ _PHASES = ("rollout", "reward", "logps", "train", "weight_sync")
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench async", description=__doc__.split("\n")[0])
+  """The command line (see --help)."""
+  p = argparse.ArgumentParser(
+      prog="python -m maxtext_rl_plugin.bench async", description=__doc__.split("\n", maxsplit=1)[0]
+  )
   p.add_argument("--steps", type=int, default=6, help="measured RL steps per mode (after --warmup)")
   p.add_argument("--warmup", type=int, default=2, help="steps dropped from the medians (compilation)")
   p.add_argument("--devices", type=int, default=8, help="forced host devices on CPU (half trainer, half sampler)")
@@ -47,6 +50,7 @@ def _parse(argv):
 
 
 def _run(args, k: int, out_dir: str) -> list[dict]:
+  """One GRPO job with rl.off_policy_steps=k; its per-step metric records."""
   from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin import trainer  # pylint: disable=import-outside-toplevel
 

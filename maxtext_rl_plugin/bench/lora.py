@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 from maxtext_rl_plugin.bench import common
 
@@ -48,6 +46,7 @@ SIZES = {
 
 
 def _parse(argv):
+  """The command line (see --help)."""
   p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench lora", description=__doc__.splitlines()[0])
   p.add_argument("--config", default="configs/cpu_tiny.yml", help="base yml (the model is sized by SIZES / --set)")
   p.add_argument("--set", nargs="*", default=[], metavar="K=V", help="extra config overrides (both sizes)")
@@ -59,16 +58,8 @@ def _parse(argv):
   return p.parse_args(argv)
 
 
-def _median(fn, repeats: int) -> tuple[float, object]:
-  times, out = [], None
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    out = fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times), out
-
-
 def _one_size(name: str, args) -> dict:
+  """Build one model size with LoRA, then time its full and adapter-only syncs and the engine's re-merge."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from flax import nnx  # pylint: disable=import-outside-toplevel
@@ -119,21 +110,21 @@ def _one_size(name: str, args) -> dict:
       return held
 
     sync()  # warm-up (first sync compiles nothing, but faults in the destination buffers)
-    seconds, held = _median(sync, args.repeats)
-    out[f"{kind}_sync_s"] = round(seconds, 4)
+    t = common.timed(sync, args.repeats)
+    held = t.result
+    out[f"{kind}_sync_s"] = round(t.seconds, 4)
     out[f"{kind}_bytes"] = int(ws.last_bytes)
     out[f"{kind}_arrays"] = len(jax.tree.leaves(held))
   merger = lora.Merger(cfg)
 
   def merge():
-    merger._key = None  # pylint: disable=protected-access  (force the re-merge an adapter sync triggers)
+    merger._key = None  # pylint: disable=protected-access  # forces the re-merge that an adapter sync triggers
     m = merger.merged(sampler.base)
     jax.block_until_ready(m)
     return m
 
   merge()  # compiles
-  out["merge_s"], _ = _median(merge, args.repeats)
-  out["merge_s"] = round(out["merge_s"], 4)
+  out["merge_s"] = round(common.timed(merge, args.repeats).seconds, 4)
   out["adapter_bitwise_equal"] = all(
       np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
       for a, b in zip(jax.tree.leaves(lora_src), jax.tree.leaves(nnx.state(sampler, nnx.LoRAParam)))

@@ -16,7 +16,6 @@ def measure_peak_flops(n: int = 1024, repeats: int = 5, dtype: str = "float32") 
   cores, so one device is the machine's peak on CPU; on an accelerator it is that chip's).
   """
   import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
   ka, kb = jax.random.split(jax.random.PRNGKey(0))
   a = jax.random.normal(ka, (n, n), dtype)

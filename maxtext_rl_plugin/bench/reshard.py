@@ -1,35 +1,47 @@
 """Trainer -> sampler weight sync benchmark: `python -m maxtext_rl_plugin.bench reshard [--help]`.
 
-A MaxText Qwen3-shaped model (>= 256 MiB of float32 parameters by default) is built by MaxText on the
-trainer mesh (FSDP over the first half of the devices); the sampler layout is TP over the other half,
-derived from the same logical axes. In one run it measures, each as the median of several repetitions:
+A MaxText Qwen3-shaped model (308 MiB of float32 parameters by default; `--set base_num_decoder_layers=15` makes it
+1 GiB) is built by MaxText on the trainer mesh (FSDP over the first half of the devices); the sampler layout is TP over
+the other half, derived from the same logical axes. In one run it measures, each as the median of several repetitions:
 
-* `reshard_s`: `resharding.WeightSync.sync` (unchunked), replacing the sampler's previous weights;
-* `reshard_chunked_s`: the same with `--chunk-size` parameter arrays per chunk;
-* `reshard_keep_old_s`: unchunked with `reshard_donate=false` (old sampler copy kept until replaced);
-* `memcpy_s`: a plain host `memcpy` of the same bytes into fresh buffers (NumPy `copy`: allocation and
-  first-touch page faults included, as in any sync that creates new arrays); `memcpy_prefaulted_s`: the
-  same into already-touched buffers (raw copy bandwidth);
-* `checkpoint_reload_s`: the legacy path, Orbax save of the trainer params + restore into the sampler
-  shardings;
-* peak extra resident memory during a sync (Linux `VmHWM` after resetting it through
-  `/proc/self/clear_refs`, minus the RSS before the sync), against the largest chunk's bytes;
+* `reshard_s`: `resharding.WeightSync.sync` as configured by default (on the device_put path: chunks of at most
+  `resharding.DEFAULT_CHUNK_BYTES`), replacing the sampler's previous weights;
+* `reshard_unchunked_s`: the whole tree in one chunk (the default before byte chunks);
+* `reshard_chunked_s`: `--chunk-size` parameter arrays per chunk (MaxText's `rl.reshard_chunk_size`);
+* `reshard_keep_old_s`: the default chunks with `reshard_donate=false` (old sampler copy kept until replaced);
+* `reshard_fresh_src_s`: the default, from a new copy of the trainer's arrays each time, as after an optimizer step;
+* `reshard_jax_gather_s`, `reshard_jax_gather_fresh_src_s`: the previous default, unchunked through JAX's own
+  `device_put` (`resharding.HOST_ASSEMBLY = False`), which gathers each array into a new host array first; with the
+  same source arrays again JAX serves that gather from the host copy it cached on the array, so only the fresh-source
+  row shows what a training step pays;
+* `memcpy_s`: a plain host `memcpy` of the same bytes into fresh buffers (NumPy `copy`: allocation and first-touch page
+  faults included, as in any sync that creates new arrays); `memcpy_prefaulted_s`: the same into already-touched
+  buffers (raw copy bandwidth), the reference of the `*_vs_memcpy_prefaulted` ratios;
+* `checkpoint_reload_s`: the legacy path, Orbax save of the trainer params + restore into the sampler shardings;
+* peak extra resident memory during a sync (Linux `VmHWM` after resetting it through `/proc/self/clear_refs`, minus
+  the RSS before the sync), against the largest chunk's bytes;
 * the checksum guard (`verify_s`), and `bitwise_equal` (sampler arrays vs the trainer's, read back).
 
 On CPU the 8 devices are forced host devices (`--devices`); the same code runs on TPU/Pathways.
 """
 
+# jax, and everything that imports it, is imported inside the functions: XLA reads the forced host device count
+# (common.force_host_devices) once, when the backend starts, so main() must set it before any jax import.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
-import statistics
+import shutil
 import sys
-
-from maxtext_rl_plugin.bench import common
 import tempfile
 import time
+from typing import Any
+
+from maxtext_rl_plugin.bench import common
 
 DEFAULT_MODEL = [
     "base_emb_dim=1024",
@@ -42,71 +54,47 @@ DEFAULT_MODEL = [
 ]
 
 
-def _status_kb(field: str) -> int:
-  with open("/proc/self/status", encoding="ascii") as f:
-    for line in f:
-      if line.startswith(field + ":"):
-        return int(line.split()[1])
-  return 0
-
-
-def _reset_peak() -> bool:
-  """Reset VmHWM to the current RSS (Linux >= 4.0); False where not permitted."""
-  try:
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-      f.write("5")
-    return True
-  except OSError:
-    return False
-
-
-def _measure(fn, repeats: int) -> tuple[float, float | None, object]:
-  """(median seconds, max extra peak RSS in MiB over the runs or None, last result)."""
-  times, extras, result = [], [], None
-  for _ in range(repeats):
-    can_peak = _reset_peak()
-    rss0 = _status_kb("VmRSS")
-    t0 = time.perf_counter()
-    result = fn()
-    times.append(time.perf_counter() - t0)
-    if can_peak:
-      extras.append((_status_kb("VmHWM") - rss0) / 1024)
-  return statistics.median(times), (max(extras) if extras else None), result
-
-
 def _parse(argv):
+  """The command line (see --help)."""
   p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench reshard", description=__doc__.splitlines()[0])
   p.add_argument("--config", default="configs/cpu_tiny.yml", help="base yml (the model is scaled by --set)")
   p.add_argument("--set", nargs="*", default=[], metavar="K=V", help="extra config overrides (model size etc.)")
   p.add_argument("--devices", type=int, default=8, help="forced host devices on CPU (half trainer, half sampler)")
   p.add_argument("--repeats", type=int, default=5, help="timed repetitions per method (median reported)")
-  p.add_argument("--ckpt-repeats", type=int, default=2, help="repetitions of the Orbax save+restore baseline")
-  p.add_argument("--chunk-size", type=int, default=4, help="parameter arrays per chunk for the chunked sync")
+  p.add_argument("--ckpt-repeats", type=int, default=2, help="repetitions of the Orbax baseline (0: skip it)")
+  p.add_argument("--chunk-size", type=int, default=4, help="parameter arrays per chunk for the array-count variant")
+  p.add_argument("--no-two-phase", action="store_true", help="skip the two-phase (GPU/TPU default) variant")
   p.add_argument("--tmpdir", default=None, help="where the checkpoint baseline writes (default: system temp)")
   return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-  args = _parse(sys.argv[1:] if argv is None else argv)
-  common.force_host_devices(args.devices)
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+@dataclasses.dataclass
+class Setup:
+  """The trainer's params on the trainer mesh and the sampler's destination shardings."""
 
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  from absl import logging  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
+  src: Any
+  dst: Any
+  sampler_devices: list
+  trainer_devices: list
+  build_s: float
 
-  from maxtext_rl_plugin import models, resharding  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.errors import exit_on_user_error  # pylint: disable=import-outside-toplevel
+  @property
+  def nbytes(self) -> int:
+    import jax
 
-  logging.set_verbosity(logging.WARNING)
-  n_dev = jax.device_count()
-  if n_dev < 2 or n_dev % 2:
-    print(f"error: needs an even number >= 2 of devices, found {n_dev}", file=sys.stderr)
-    return 2
-  half = n_dev // 2
+    return sum(x.nbytes for x in jax.tree.leaves(self.src))
+
+
+def build(args) -> Setup:
+  """MaxText builds the model on the trainer half (FSDP); the sampler layout is TP over the other half."""
+  import jax
+  import numpy as np
+  from flax import nnx
+  from jax.sharding import Mesh
+
+  from maxtext_rl_plugin import models, resharding
+
+  half = jax.device_count() // 2
   argv_cfg = [
       args.config,
       *DEFAULT_MODEL,
@@ -117,88 +105,115 @@ def main(argv=None) -> int:
       *args.set,
   ]
   t_build = time.perf_counter()
-  with exit_on_user_error():
-    rs = models.setup_devices(argv_cfg)
-    model, tmesh = models.build_model(rs.trainer_config, rs.trainer_devices)
+  rs = models.setup_devices(argv_cfg)
+  model, tmesh = models.build_model(rs.trainer_config, rs.trainer_devices)
   src = nnx.state(model, nnx.Param)
   jax.block_until_ready(src)
-  build_s = time.perf_counter() - t_build
   shape = {k: 1 for k in tmesh.axis_names}
   shape["tensor"] = len(rs.sampler_devices)
   smesh = Mesh(np.array(rs.sampler_devices).reshape([shape[k] for k in tmesh.axis_names]), tmesh.axis_names)
   dst = resharding.logical_shardings(src, smesh, rs.trainer_config.logical_axis_rules)
-  leaves = jax.tree.leaves(src)
-  nbytes = sum(x.nbytes for x in leaves)
+  return Setup(src, dst, list(rs.sampler_devices), list(rs.trainer_devices), time.perf_counter() - t_build)
 
-  # --- plugin sync (unchunked and chunked), replacing the sampler's previous weights each time ---
-  results = {}
-  for name, chunk, release in (
-      ("reshard", None, True),
-      ("reshard_chunked", args.chunk_size, True),
-      ("reshard_keep_old", None, False),
-  ):
-    ws = resharding.WeightSync(None, dst, chunk_size=chunk, release_old=release, verify_policy="off")
-    state = {"held": resharding.reshard(src, dst, chunk_size=chunk)}  # warm-up: first sync, no old copy to free
 
-    def one_sync(ws=ws, state=state):
-      state["held"] = ws.sync(src, current=state["held"])
-      return state["held"]
+def _bits(x):
+  import numpy as np
 
-    seconds, extra_mb, held = _measure(one_sync, args.repeats)
-    results[name] = dict(
-        seconds=seconds,
-        extra_mb=extra_mb,
-        max_chunk_bytes=ws.last_stats["max_chunk_bytes"],
-        chunks=ws.last_stats["chunks"],
-        held=held,
+  return np.asarray(x).view(np.uint8)
+
+
+class _Sampler:
+  """The sampler's current weights, replaced by each sync (and freed chunk by chunk when the sync releases them)."""
+
+  def __init__(self, ws, src, held):
+    self.ws, self.base, self.src, self.held = ws, src, src, held
+
+  def new_source(self) -> None:
+    """New trainer arrays with the same values, as after an optimizer step (no host copy cached on them by JAX)."""
+    import jax
+    import jax.numpy as jnp
+
+    self.src = jax.block_until_ready(jax.tree.map(jnp.copy, self.base))
+
+  def sync(self):
+    self.held = self.ws.sync(self.src, current=self.held)
+    return self.held
+
+
+def _measure_syncs(s: Setup, args) -> dict:
+  """Each sync variant, replacing the sampler's previous weights every time; the last result of each is kept."""
+  from maxtext_rl_plugin import resharding
+
+  variants = {  # name: (chunk_size, chunk_bytes, release_old, fresh source each time, host assembly)
+      "reshard": (None, "auto", True, False, True),
+      "reshard_unchunked": (None, None, True, False, True),
+      "reshard_chunked": (args.chunk_size, None, True, False, True),
+      "reshard_keep_old": (None, "auto", False, False, True),
+      "reshard_fresh_src": (None, "auto", True, True, True),
+      "reshard_jax_gather": (None, None, True, False, False),
+      "reshard_jax_gather_fresh_src": (None, None, True, True, False),
+  }
+  out = {}
+  for name, (chunk, chunk_bytes, release, fresh, assemble) in variants.items():
+    resharding.HOST_ASSEMBLY = assemble
+    ws = resharding.WeightSync(
+        None, s.dst, chunk_size=chunk, chunk_bytes=chunk_bytes, release_old=release, verify_policy="off"
     )
-  held = results["reshard_chunked"]["held"]
-  t_verify = time.perf_counter()
-  resharding.verify(src, held, dst_shardings=dst)
-  verify_first_s = time.perf_counter() - t_verify  # includes compiling the two checksum programs
-  verify_s, _, _ = _measure(lambda: resharding.verify(src, held, dst_shardings=dst), max(2, args.repeats // 2))
-  # Two-phase device_put (re-partition on the trainer devices, then shard-for-shard copy): the default on
-  # GPU/TPU without Pathways; measured here for reference (XLA:CPU collectives make it slower on CPU).
-  staged = {"held": resharding.reshard(src, dst, two_phase=True)}
+    sampler = _Sampler(ws, s.src, resharding.reshard(s.src, s.dst, chunk_size=chunk, chunk_bytes=chunk_bytes))
+    t = common.timed(sampler.sync, args.repeats, setup=sampler.new_source if fresh else None, peak=True)
+    out[name] = {"seconds": t.seconds, "extra_mb": t.extra_mb, "held": t.result, **ws.last_stats}
+    if name not in ("reshard", "reshard_chunked"):
+      del out[name]["held"]  # keep RSS down (the 1 GiB run): two held copies are enough to compare
+    del sampler
+  resharding.HOST_ASSEMBLY = True
+  return out
+
+
+def _measure_two_phase(s: Setup, args) -> float | None:
+  """Re-partition on the trainer devices, then shard-for-shard copy: the default on GPU/TPU without Pathways; here
+  for reference (XLA:CPU collectives make it slower on CPU)."""
+  if args.no_two_phase:
+    return None
+  from maxtext_rl_plugin import resharding
+
+  staged = {"held": resharding.reshard(s.src, s.dst, two_phase=True)}
 
   def two_phase_sync():
-    staged["held"] = resharding.reshard(src, dst, release=staged["held"], two_phase=True)
+    staged["held"] = resharding.reshard(s.src, s.dst, release=staged["held"], two_phase=True)
     return staged["held"]
 
-  two_phase_s, _, two_phase_held = _measure(two_phase_sync, max(2, args.repeats // 2))
-  resharding.verify(src, two_phase_held, dst_shardings=dst)
-  del staged, two_phase_held
-  host_src = [np.asarray(x) for x in leaves]
-  bitwise = all(
-      np.array_equal(a.view(np.uint8), np.asarray(b).view(np.uint8)) and b.sharding.device_set == set(rs.sampler_devices)
-      for a, b in zip(host_src, jax.tree.leaves(held))
-  ) and all(
-      np.array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-      for a, b in zip(jax.tree.leaves(results["reshard"]["held"]), jax.tree.leaves(held))
-  )
-  for k in ("reshard", "reshard_keep_old"):
-    del results[k]["held"]
+  t = common.timed(two_phase_sync, max(2, args.repeats // 2))
+  resharding.verify(s.src, t.result, dst_shardings=s.dst)
+  return t.seconds
 
-  # --- host memcpy of the same bytes: into fresh buffers (what any sync into new arrays pays: allocation
-  # and first-touch page faults) and into already-faulted buffers (the raw copy bandwidth) ---
-  def memcpy_fresh():
-    return [a.copy() for a in host_src]
 
-  memcpy_s, _, _ = _measure(memcpy_fresh, args.repeats)
+def _measure_memcpy(host_src: list, repeats: int) -> tuple[float, float]:
+  """Host memcpy of the same bytes into fresh buffers and into already-faulted ones (seconds, seconds)."""
+  import numpy as np
+
+  fresh = common.timed(lambda: [a.copy() for a in host_src], repeats).seconds
   host_dst = [np.empty_like(a) for a in host_src]
 
-  def memcpy_prefaulted():
+  def prefaulted():
     for a, b in zip(host_src, host_dst):
       np.copyto(b, a)
 
-  memcpy_prefaulted()
-  memcpy_prefaulted_s, _, _ = _measure(memcpy_prefaulted, args.repeats)
-  del host_dst
+  prefaulted()
+  return fresh, common.timed(prefaulted, repeats).seconds
 
-  # --- legacy: Orbax save + restore into the sampler shardings ---
+
+def _measure_checkpoint(s: Setup, host_src: list, args) -> tuple[float | None, bool]:
+  """Orbax save + restore into the sampler shardings (seconds, bit-exact); (None, True) when skipped."""
+  if args.ckpt_repeats <= 0:
+    return None, True
+  import jax
+  import numpy as np
+  import orbax.checkpoint as ocp
+
+  leaves = jax.tree.leaves(s.src)
   flat_src = {f"p{i:04d}": x for i, x in enumerate(leaves)}
-  flat_dst = jax.tree.leaves(dst, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
-  target = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for (k, x), s in zip(flat_src.items(), flat_dst)}
+  flat_dst = jax.tree.leaves(s.dst, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+  target = {k: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=d) for (k, x), d in zip(flat_src.items(), flat_dst)}
   ckptr = ocp.StandardCheckpointer()
   base = tempfile.mkdtemp(prefix="reshard_bench_", dir=args.tmpdir)
   counter = [0]
@@ -211,65 +226,125 @@ def main(argv=None) -> int:
     return ckptr.restore(path, target)
 
   try:
-    ckpt_s, _, restored = _measure(save_restore, args.ckpt_repeats)
-    ckpt_equal = all(
-        np.array_equal(np.asarray(restored[k]).view(np.uint8), a.view(np.uint8)) for k, a in zip(flat_src, host_src)
-    )
+    t = common.timed(save_restore, args.ckpt_repeats)
+    equal = all(np.array_equal(_bits(t.result[k]), a.view(np.uint8)) for k, a in zip(flat_src, host_src))
   finally:
-    import shutil  # pylint: disable=import-outside-toplevel
-
     shutil.rmtree(base, ignore_errors=True)
-  del restored
+  return t.seconds, equal
 
-  r, rc, rk = results["reshard"], results["reshard_chunked"], results["reshard_keep_old"]
+
+def measure(s: Setup, args) -> dict:
+  """Every method on the same bytes, in one process; bit-exactness of what the sampler ends up holding."""
+  import jax
+  import numpy as np
+
+  from maxtext_rl_plugin import resharding
+
+  syncs = _measure_syncs(s, args)
+  held = syncs["reshard_chunked"].pop("held")
+  default_held = syncs["reshard"].pop("held")
+  t_verify = time.perf_counter()
+  resharding.verify(s.src, held, dst_shardings=s.dst)
+  verify_first_s = time.perf_counter() - t_verify  # includes compiling the two checksum programs
+  verify_s = common.timed(lambda: resharding.verify(s.src, held, dst_shardings=s.dst), max(2, args.repeats // 2))
+  host_src = [np.asarray(x) for x in jax.tree.leaves(s.src)]
+  bitwise = all(
+      np.array_equal(a.view(np.uint8), _bits(b)) and b.sharding.device_set == set(s.sampler_devices)
+      for a, b in zip(host_src, jax.tree.leaves(held))
+  ) and all(np.array_equal(a.view(np.uint8), _bits(b)) for a, b in zip(host_src, jax.tree.leaves(default_held)))
+  del held, default_held
+  two_phase_s = _measure_two_phase(s, args)
+  memcpy_s, memcpy_prefaulted_s = _measure_memcpy(host_src, args.repeats)
+  ckpt_s, ckpt_equal = _measure_checkpoint(s, host_src, args)
+  return {
+      "syncs": syncs,
+      "verify_s": verify_s.seconds,
+      "verify_first_s": verify_first_s,
+      "two_phase_s": two_phase_s,
+      "memcpy_s": memcpy_s,
+      "memcpy_prefaulted_s": memcpy_prefaulted_s,
+      "checkpoint_s": ckpt_s,
+      "bitwise_equal": bool(bitwise and ckpt_equal),
+  }
+
+
+def _r(x, nd=4):
+  return None if x is None else round(x, nd)
+
+
+def report(s: Setup, m: dict, args) -> dict:
+  """Print the table; return the final JSON record (seconds, ratios to the pre-faulted memcpy, bytes/s)."""
+  import jax
+
+  from maxtext_rl_plugin import resharding
+
+  nbytes, syncs, pre = s.nbytes, m["syncs"], m["memcpy_prefaulted_s"]
   out = {
       "bytes": nbytes,
-      "arrays": len(leaves),
-      "devices": f"{len(rs.trainer_devices)}+{len(rs.sampler_devices)}",
+      "arrays": len(jax.tree.leaves(s.src)),
+      "devices": f"{len(s.trainer_devices)}+{len(s.sampler_devices)}",
       "path": resharding.backend_path(),
-      "reshard_s": round(r["seconds"], 4),
-      "reshard_chunked_s": round(rc["seconds"], 4),
+      "default_chunk_bytes": resharding.DEFAULT_CHUNK_BYTES,
       "chunk_size": args.chunk_size,
-      "chunks": rc["chunks"],
-      "memcpy_s": round(memcpy_s, 4),
-      "memcpy_prefaulted_s": round(memcpy_prefaulted_s, 4),
-      "checkpoint_reload_s": round(ckpt_s, 4),
-      "reshard_two_phase_s": round(two_phase_s, 4),
-      "verify_s": round(verify_s, 4),
-      "verify_first_s": round(verify_first_s, 4),
-      "reshard_vs_memcpy": round(r["seconds"] / memcpy_s, 2),
-      "reshard_vs_memcpy_prefaulted": round(r["seconds"] / memcpy_prefaulted_s, 2),
-      "checkpoint_vs_reshard": round(ckpt_s / r["seconds"], 1),
-      "bitwise_equal": bool(bitwise and ckpt_equal),
-      "max_chunk_mb": round(rc["max_chunk_bytes"] / 2**20, 1),
-      "reshard_peak_extra_mb": None if r["extra_mb"] is None else round(r["extra_mb"], 1),
-      "reshard_chunked_peak_extra_mb": None if rc["extra_mb"] is None else round(rc["extra_mb"], 1),
-      "reshard_keep_old_s": round(rk["seconds"], 4),
-      "reshard_keep_old_peak_extra_mb": None if rk["extra_mb"] is None else round(rk["extra_mb"], 1),
-      "peak_rss_mb": round(_status_kb("VmHWM") / 1024, 1),
-      "repeats": args.repeats,
-      "build_s": round(build_s, 1),
+      "memcpy_s": _r(m["memcpy_s"]),
+      "memcpy_prefaulted_s": _r(pre),
+      "checkpoint_reload_s": _r(m["checkpoint_s"]),
+      "reshard_two_phase_s": _r(m["two_phase_s"]),
+      "verify_s": _r(m["verify_s"]),
+      "verify_first_s": _r(m["verify_first_s"]),
+      "bitwise_equal": m["bitwise_equal"],
   }
+  for name, r in syncs.items():
+    out[f"{name}_s"] = _r(r["seconds"])
+    out[f"{name}_vs_memcpy_prefaulted"] = round(r["seconds"] / pre, 2)
+    out[f"{name}_chunks"] = r["chunks"]
+    out[f"{name}_max_chunk_mb"] = round(r["max_chunk_bytes"] / 2**20, 1)
+    out[f"{name}_peak_extra_mb"] = _r(r["extra_mb"], 1)
+  out["reshard_vs_memcpy"] = round(syncs["reshard"]["seconds"] / m["memcpy_s"], 2)
+  out["reshard_bytes_per_s"] = round(nbytes / syncs["reshard"]["seconds"])
+  out["reshard_fresh_src_bytes_per_s"] = round(nbytes / syncs["reshard_fresh_src"]["seconds"])
+  out["memcpy_prefaulted_bytes_per_s"] = round(nbytes / pre)
+  if m["checkpoint_s"] is not None:
+    out["checkpoint_vs_reshard"] = round(m["checkpoint_s"] / syncs["reshard"]["seconds"], 1)
+  out.update(peak_rss_mb=round(common.status_kb("VmHWM") / 1024, 1), repeats=args.repeats, build_s=round(s.build_s, 1))
   print(
-      f"weight sync, {nbytes / 2**20:.0f} MiB in {len(leaves)} arrays, trainer FSDP x{len(rs.trainer_devices)} "
-      f"-> sampler TP x{len(rs.sampler_devices)}, path {out['path']}"
+      f"weight sync, {nbytes / 2**20:.0f} MiB in {out['arrays']} arrays, trainer FSDP x{len(s.trainer_devices)} "
+      f"-> sampler TP x{len(s.sampler_devices)}, path {out['path']}, load {os.getloadavg()[0]:.1f}"
   )
-  rows = [
-      ("reshard (unchunked)", out["reshard_s"], out["reshard_peak_extra_mb"]),
-      (f"reshard (chunk {args.chunk_size} arrays)", out["reshard_chunked_s"], out["reshard_chunked_peak_extra_mb"]),
-      ("reshard (reshard_donate=false)", out["reshard_keep_old_s"], out["reshard_keep_old_peak_extra_mb"]),
-      ("reshard (two-phase, GPU/TPU default)", out["reshard_two_phase_s"], None),
-      ("host memcpy (fresh buffers)", out["memcpy_s"], None),
-      ("host memcpy (pre-faulted buffers)", out["memcpy_prefaulted_s"], None),
-      ("orbax save + restore", out["checkpoint_reload_s"], None),
-      ("checksum guard (compiled)", out["verify_s"], None),
-      ("checksum guard (first, compiles)", out["verify_first_s"], None),
-  ]
-  print(f"{'method':38s} {'median s':>10s} {'peak extra MiB':>15s}")
-  for name, s, mb in rows:
-    print(f"{name:38s} {s:10.4f} {'' if mb is None else f'{mb:15.1f}'}")
-  print(f"largest chunk {out['max_chunk_mb']} MiB; bitwise equal: {out['bitwise_equal']}")
-  print(json.dumps(out), flush=True)
+  print(f"{'method':30s} {'median s':>9s} {'x memcpy':>9s} {'chunks':>7s} {'peak extra MiB':>15s}")
+  for name, r in syncs.items():
+    mb = "" if r["extra_mb"] is None else f"{r['extra_mb']:15.1f}"
+    print(f"{name:30s} {r['seconds']:9.4f} {r['seconds'] / pre:9.2f} {r['chunks']:7d} {mb}")
+  for name, sec in (
+      ("two-phase (GPU/TPU default)", m["two_phase_s"]),
+      ("host memcpy (fresh buffers)", m["memcpy_s"]),
+      ("host memcpy (pre-faulted)", pre),
+      ("orbax save + restore", m["checkpoint_s"]),
+      ("checksum guard (compiled)", m["verify_s"]),
+  ):
+    if sec is not None:
+      print(f"{name:30s} {sec:9.4f} {sec / pre:9.2f}")
+  print(f"bitwise equal: {out['bitwise_equal']}; default path {out['reshard_bytes_per_s'] / 1e9:.2f} GB/s")
+  return out
+
+
+def main(argv=None) -> int:
+  args = _parse(sys.argv[1:] if argv is None else argv)
+  common.force_host_devices(args.devices)
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+  import jax
+  from absl import logging
+
+  from maxtext_rl_plugin.errors import exit_on_user_error
+
+  logging.set_verbosity(logging.WARNING)
+  n_dev = jax.device_count()
+  if n_dev < 2 or n_dev % 2:
+    print(f"error: needs an even number >= 2 of devices, found {n_dev}", file=sys.stderr)
+    return 2
+  with exit_on_user_error():
+    setup = build(args)
+  print(json.dumps(report(setup, measure(setup, args), args)), flush=True)
   return 0
 
 

@@ -1,0 +1,236 @@
+"""One GRPO step, the plugin's loop vs Tunix 0.1.7's `GrpoLearner.train()`: `python -m maxtext_rl_plugin.bench step`.
+
+Both sides are built by the plugin's `trainer.build_run` from the same config (same MaxText model and seed, so the
+same initial weights; the same trainer/sampler split; the same rollout engine, the plugin's embedded KV-cache engine,
+which Tunix drives through `RLCluster.generate` like any `BaseRollout`; the same reward functions, policy loss and
+weight sync). They differ only in who runs the step: `trainer.train` (the plugin's loop) or Tunix's own
+`GrpoLearner.train(dataset)` fed the same batches. Tunix's vanilla `Sampler` is not in the picture: it cannot sample
+the MaxText model (bench rollout records why), and it is not needed here, since `GrpoLearner` accepts the plugin's
+engine.
+
+Both sides are timed by the same wrappers on the same `RLCluster` methods, so a phase means the same code on each:
+rollout (`generate`), reward (the reward functions), logps (`get_ref_per_token_logps`, `get_old_per_token_logps`, the
+plugin's trainer-side old log-probs), update (`update_actor`), sync (`sync_weights`); each phase is timed until
+its results are ready (JAX dispatches asynchronously). A step runs from the end of one
+weight sync to the end of the next; its overhead is what the loop spends outside those phases (batching, advantages,
+metrics, logging). Steps up to `--warmup` compile and are dropped; of the rest, the step with the median total is
+reported ("warm step").
+"""
+
+# jax, and everything that imports it, is imported inside the functions: XLA reads the forced host device count
+# (common.force_host_devices) once, when the backend starts, so main() must set it before any jax import.
+# pylint: disable=import-outside-toplevel
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+from maxtext_rl_plugin.bench import common
+
+PHASES = ("rollout", "reward", "logps", "update", "sync")
+
+
+def _parse(argv):
+  p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench step", description=__doc__.splitlines()[0])
+  p.add_argument("--config", default="configs/cpu_tiny.yml", help="base yml")
+  p.add_argument("--steps", type=int, default=4, help="measured (warm) steps per side")
+  p.add_argument("--warmup", type=int, default=2, help="steps per side dropped from the medians (compilation)")
+  p.add_argument("--devices", type=int, default=8, help="forced host devices on CPU (half trainer, half sampler)")
+  p.add_argument("--colocated", action="store_true", help="trainer and sampler share the devices (no weight sync)")
+  p.add_argument("overrides", nargs="*", help="extra key=value config overrides (model size, batch, ...)")
+  return p.parse_args(argv)
+
+
+class StepClock:
+  """Per-phase seconds of each step, a step ending when its weight sync returns (the same wrappers on both sides)."""
+
+  def __init__(self):
+    from maxtext_rl_plugin import trainer
+
+    self.timer = trainer.PhaseTimer()
+    self.steps: list[dict[str, float]] = []
+    self._last_end = time.perf_counter()
+
+  def instrument(self, run) -> None:
+    """Wrap the run's cluster methods and reward functions (in place: the learner shares the list)."""
+    import jax
+    from flax import nnx
+
+    cluster, wrap = run.rl_cluster, self.timer.wrap
+
+    def blocking(fn, wait=jax.block_until_ready):
+      # JAX dispatches asynchronously: a phase ends when its results exist, not when its call returns, or its time
+      # would be charged to whichever later phase first waits on it (in both loops alike).
+      return functools.wraps(fn)(lambda *a, **k: wait(fn(*a, **k)))
+
+    def update_done(_):
+      jax.block_until_ready(nnx.state(cluster.actor_trainer.model, nnx.Param))
+
+    cluster.generate = wrap("rollout", cluster.generate)
+    cluster.get_ref_per_token_logps = wrap("logps", blocking(cluster.get_ref_per_token_logps))
+    cluster.get_old_per_token_logps = wrap("logps", blocking(cluster.get_old_per_token_logps))
+    run.trainer_logps = wrap("logps", blocking(run.trainer_logps))
+    cluster.update_actor = wrap("update", blocking(cluster.update_actor, update_done))
+    run.reward_fns[:] = [wrap("reward", fn) for fn in run.reward_fns]
+    # A step ends with its weight sync; colocated runs (the sampler shares the trainer's arrays) have none and end
+    # with their update (one optimizer update per step unless rl.num_iterations > 1 or mini-batches are set).
+    if run.learner.should_sync_weights:
+      cluster.sync_weights = self._closing_step(wrap("sync", cluster.sync_weights))
+    else:
+      cluster.update_actor = self._closing_step(cluster.update_actor)
+
+  def _closing_step(self, fn):
+    """`fn`, after which the current step is recorded as ended."""
+
+    def call(*args, **kwargs):
+      out = fn(*args, **kwargs)
+      now = time.perf_counter()
+      phases = {p: 0.0 for p in PHASES} | self.timer.reset()
+      phases["total"] = now - self._last_end
+      self.steps.append(phases)
+      self._last_end = now
+      return out
+
+    return call
+
+  def start(self) -> None:
+    """The first step starts now (after the build, which is not part of any step)."""
+    self._last_end = time.perf_counter()
+
+  def warm(self, warmup: int) -> dict[str, float]:
+    """The median warm step (by total; the lower middle for an even count) with its phases and overhead = total - sum
+    of its phases: one real step, so the parts add up (medians taken phase by phase need not, and can go negative)."""
+    rows = sorted(self.steps[warmup:] or self.steps, key=lambda r: r["total"])
+    out = dict(rows[(len(rows) - 1) // 2])
+    out["overhead"] = out["total"] - sum(out[p] for p in PHASES)
+    out["steps"] = len(rows)
+    return out
+
+
+def build(args, side: str, out_dir: str):
+  """A fresh run (model, meshes, engine, learner) for one side, instrumented; returns (run, clock)."""
+  from maxtext_rl_plugin import config as config_lib
+  from maxtext_rl_plugin import trainer
+
+  split = [] if args.colocated else ["use_pathways=true", f"chips_per_vm={args.devices // 2}"]
+  argv = [
+      args.config,
+      *split,
+      f"base_output_directory={out_dir}",
+      f"run_name={side}",
+      f"num_batches={args.warmup + args.steps}",
+      "enable_checkpointing=false",
+      "num_test_batches=0",
+      "eval_interval=0",
+      "eval_before_training=false",
+      "eval_after_training=false",
+      "batch_size=4",
+      "rl.num_generations=4",
+      *args.overrides,
+  ]
+  config = config_lib.load_config(argv)
+  run = trainer.build_run(config, argv)
+  run.metrics_file = os.path.join(out_dir, f"{side}.jsonl")
+  clock = StepClock()
+  clock.instrument(run)
+  return run, clock
+
+
+def tunix_dataset(run):
+  """The batches the plugin's loop trains on, as Tunix's learner reads them: numpy columns (it `jax.tree.map`s
+  `np.repeat` over a batch, so a Python list of strings would be read as one leaf per string), not yet repeated."""
+  n = int(run.config.num_batches)
+  for k in range(n):
+    batch = run.train_split.batch(k, run.config.batch_size)
+    yield {
+        "prompts": np.array([e.prompt for e in batch]),
+        "answer": np.array([e.answer for e in batch]),
+        "question": np.array([e.question for e in batch]),
+    }
+
+
+def measure(args, out_dir: str) -> dict:
+  """Tunix's loop, then the plugin's, each on its own fresh run; the warm-step medians of each."""
+  from maxtext_rl_plugin import trainer
+
+  run, clock = build(args, "tunix", out_dir)
+  clock.start()
+  run.learner.train(tunix_dataset(run))
+  tunix = clock.warm(args.warmup)
+  tunix_steps = clock.steps
+  run, clock = build(args, "plugin", out_dir)
+  clock.start()
+  trainer.train(run)
+  plugin = clock.warm(args.warmup)
+  plugin_steps = clock.steps
+  cfg = run.config
+  return {
+      "plugin": plugin,
+      "tunix": tunix,
+      "per_step": {"plugin": plugin_steps, "tunix": tunix_steps},
+      "batch": f"{cfg.batch_size} prompts x {cfg.rl.num_generations} generations",
+      "new_tokens": int(cfg.max_target_length) - int(cfg.max_prefill_predict_length),
+      "model": f"{cfg.model_name} emb {cfg.emb_dim} x {cfg.num_decoder_layers} layers, vocab {cfg.vocab_size}",
+      "engine": run.engine_name,
+  }
+
+
+def report(m: dict, args) -> dict:
+  """Print the side-by-side table; return the final JSON record (ratios plugin / Tunix)."""
+  plugin, tunix = m["plugin"], m["tunix"]
+  rows = (*PHASES, "overhead", "total")
+  print(f"warm GRPO step (the median of {plugin['steps']} steps after {args.warmup} compile steps), seconds")
+  print(f"{'phase':<10}{'plugin':>10}{'Tunix':>10}{'plugin/Tunix':>14}")
+  ratios = {}
+  for k in rows:
+    ratios[k] = plugin[k] / tunix[k] if tunix[k] > 0 else None
+    print(f"{k:<10}{plugin[k]:>10.3f}{tunix[k]:>10.3f}{'' if ratios[k] is None else f'{ratios[k]:>14.2f}'}")
+  return {
+      "bench": "step",
+      "comparison": (
+          "plugin trainer.train vs Tunix 0.1.7 GrpoLearner.train on the same RLCluster build (same MaxText model and "
+          f"weights, same '{m['engine']}' rollout engine, rewards, loss, weight sync), warm steps (compile excluded)"
+      ),
+      "model": m["model"],
+      "batch": m["batch"],
+      "new_tokens": m["new_tokens"],
+      "devices": "colocated" if args.colocated else f"{args.devices // 2}+{args.devices // 2}",
+      "warm_steps": plugin["steps"],
+      "plugin_s": {k: round(plugin[k], 4) for k in rows},
+      "tunix_s": {k: round(tunix[k], 4) for k in rows},
+      "plugin_over_tunix": {k: None if v is None else round(v, 3) for k, v in ratios.items()},
+      "plugin_overhead_fraction": round(plugin["overhead"] / plugin["total"], 4),
+      "tunix_overhead_fraction": round(tunix["overhead"] / tunix["total"], 4),
+      "per_step_s": {  # every step, compile steps included, for spotting outliers in the medians
+          side: [{k: round(v, 3) for k, v in r.items()} for r in rows_] for side, rows_ in m["per_step"].items()
+      },
+  }
+
+
+def main(argv=None) -> int:
+  args = _parse(sys.argv[1:] if argv is None else argv)
+  if not args.colocated and (args.devices < 2 or args.devices % 2):
+    print(f"error: --devices must be an even number >= 2, got {args.devices}", file=sys.stderr)
+    return 2
+  common.force_host_devices(args.devices)
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+  from absl import logging
+
+  logging.set_verbosity(logging.WARNING)
+  with tempfile.TemporaryDirectory(prefix="bench_step_") as out:
+    measured = measure(args, out)
+  print(json.dumps(report(measured, args)), flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
