@@ -791,8 +791,6 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
       saved = ckpt.should_save(step, total)
       if saved:
         _save(ckpt, run, step, summary)
-      if run.lock is not None:
-        run.lock.heartbeat()
       if stop.requested is not None and step < total:
         producer.close()  # batches sampled ahead are dropped: a resume samples them again (async_rollout.py)
         if not saved and ckpt.enabled:
@@ -877,6 +875,7 @@ def run(config, argv: Sequence[str]) -> dict[str, Any]:
   lock = run_dir_lib.RunLock(out_dir)
   if writer:
     lock.acquire()
+    lock.start_heartbeat()  # a daemon thread: a step longer than the lock's stale_after_s never looks dead
   try:
     with signals.GracefulStop() as stop:
       rl_run = build_run(config, argv)

@@ -15,9 +15,10 @@ import sys
 
 import pytest
 
-pytest.importorskip("ray.train.v2.jax", reason="ray[train] not installed (pip install 'maxtext-rl-plugin[launch]')")
+from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin.launch import ray as ray_lib  # imports ray lazily: the skip below still applies
 
-from maxtext_rl_plugin.launch import ray as ray_lib  # pylint: disable=wrong-import-position
+pytest.importorskip("ray.train.v2.jax", reason="ray[train] not installed (pip install 'maxtext-rl-plugin[launch]')")
 
 TOKEN = "hf_test_RAYsecret_77"
 
@@ -29,6 +30,14 @@ def test_cpu_workers_never_inherit_forced_devices():
   assert env["HF_TOKEN"] == TOKEN  # passed through to workers, like the XPK path
   env = ray_lib.RayLaunch(num_workers=2, overrides=[], cpu_devices_per_worker=2).worker_env(inherited)
   assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", "--xla_force_host_platform_device_count=2"]
+
+
+def test_launch_id_is_one_per_launch_and_kept_by_its_restarts():
+  launch = ray_lib.RayLaunch(num_workers=2, overrides=["run_name=r1"])
+  key = run_dir_lib.LAUNCH_ID_ENV
+  # Every restart of the worker group gets the same runtime env, hence the same id; another launch gets another id.
+  assert launch.worker_env({})[key] == launch.worker_env({})[key] == f"ray:r1:{launch.launch_id}"
+  assert ray_lib.RayLaunch(num_workers=2, overrides=["run_name=r1"]).worker_env({})[key] != launch.worker_env({})[key]
 
 
 def test_tpu_trainer_matches_the_ray_tutorial(monkeypatch):

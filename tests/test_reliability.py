@@ -92,6 +92,62 @@ def test_lock_names_a_live_holder_and_takes_over_a_dead_one(tmp_path):
   run_dir_lib.RunLock(str(tmp_path), stale_after_s=600).acquire()
 
 
+_HOLDER = """
+import sys, time
+from maxtext_rl_plugin import run_dir
+lock = run_dir.RunLock(sys.argv[1], stale_after_s=1.0, launch_id=sys.argv[2], host="pod-a")
+lock.acquire()
+lock.start_heartbeat(interval_s=0.1)
+print("held", flush=True)
+time.sleep(600)  # one long step: only the heartbeat thread keeps the lock fresh
+"""
+
+
+def _lock_info(path):
+  return json.loads((path / ".lock").read_text())
+
+
+def test_lock_heartbeat_thread_and_takeover_by_the_same_launch(tmp_path):
+  holder = subprocess.Popen(
+      [sys.executable, "-c", _HOLDER, str(tmp_path), "job-1"], cwd=REPO, stdout=subprocess.PIPE, text=True
+  )
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    first = _lock_info(tmp_path)["heartbeat"]
+    time.sleep(2.5)  # > stale_after_s: the holder's main thread never refreshed the lock, its heartbeat thread did
+    assert _lock_info(tmp_path)["heartbeat"] > first + 1.5
+    # Another launch (even on another host, where liveness cannot be probed) is refused while the heartbeat is fresh.
+    with pytest.raises(run_dir_lib.RunLockedError, match=f"in use by pid {holder.pid} on host pod-a"):
+      run_dir_lib.RunLock(str(tmp_path), stale_after_s=1.0, launch_id="job-2", host="pod-b").acquire()
+    # A restart of the same launch on another host takes over at once: the holder is its own previous attempt.
+    t = time.time()
+    restart = run_dir_lib.RunLock(str(tmp_path), stale_after_s=600.0, launch_id="job-1", host="pod-b")
+    restart.acquire()
+    assert time.time() - t < 1.0
+    time.sleep(0.5)  # the old holder's heartbeat thread sees the lock is no longer its own and leaves it alone
+    info = _lock_info(tmp_path)
+    assert (info["host"], info["pid"], info["launch_id"]) == ("pod-b", os.getpid(), "job-1")
+    assert holder.poll() is None  # the previous attempt still runs (a zombie pod) and did not steal it back
+    restart.release()
+    assert not (tmp_path / ".lock").exists()
+  finally:
+    holder.kill()
+    holder.wait()
+
+
+def test_lock_launch_id_comes_from_the_environment(tmp_path, monkeypatch):
+  monkeypatch.setenv(run_dir_lib.LAUNCH_ID_ENV, "ray:run:abc")
+  lock = run_dir_lib.RunLock(str(tmp_path))
+  lock.acquire()
+  assert _lock_info(tmp_path)["launch_id"] == "ray:run:abc" and lock.stale_after_s == 60.0
+  lock.release()
+  monkeypatch.delenv(run_dir_lib.LAUNCH_ID_ENV)
+  # Without a launch id nothing proves a live-looking holder is a previous attempt: an empty id matches nothing.
+  (tmp_path / ".lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "launch_id": "", "heartbeat": time.time()}))
+  with pytest.raises(run_dir_lib.RunLockedError):
+    run_dir_lib.RunLock(str(tmp_path)).acquire()
+
+
 def test_unwritable_outputs_fail_before_any_model_is_built(tmp_path):
   (tmp_path / "afile").write_text("x")
   for override, needle in (

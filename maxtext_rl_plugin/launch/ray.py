@@ -23,11 +23,13 @@ import os
 import re
 import socket
 import sys
+import uuid
 from typing import Any, Sequence
 
 from absl import logging
 
 from maxtext_rl_plugin import errors
+from maxtext_rl_plugin import run_dir
 from maxtext_rl_plugin.launch import xpk as xpk_lib
 
 ENTRIES = ("train_rl", "smoke")
@@ -56,6 +58,9 @@ class RayLaunch:
   address: str | None = None
   num_cpus: int | None = None
   max_failures: int = 0
+  # One id per `launch ray` invocation; every restart of its worker group (FailureConfig) keeps it, so the restarted
+  # process 0 takes over the run lock of its dead predecessor at once, wherever Ray placed either (run_dir.RunLock).
+  launch_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:16])
 
   @property
   def use_tpu(self) -> bool:
@@ -93,7 +98,8 @@ class RayLaunch:
     return {"num_workers": self.num_workers, "use_tpu": False, "resources_per_worker": {"CPU": self.cpus_per_worker}}
 
   def worker_env(self, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """env_vars of the workers' runtime_env: platform, XLA flags and the HF token passed through."""
+    """env_vars of the workers' runtime_env: platform, XLA flags, the launch id (run lock) and the HF token passed
+    through."""
     environ = os.environ if environ is None else environ
     if self.use_tpu:
       env = dict(TPU_WORKER_ENV)
@@ -103,6 +109,7 @@ class RayLaunch:
           "XLA_FLAGS": _cpu_xla_flags(environ.get("XLA_FLAGS", ""), self.cpu_devices_per_worker),
       }
     env["RAY_TRAIN_V2_ENABLED"] = "1"
+    env[run_dir.LAUNCH_ID_ENV] = f"ray:{self.run_name()}:{self.launch_id}"
     token = self.hf_token() or environ.get(xpk_lib.SECRET_ENV)
     if token:
       env[xpk_lib.SECRET_ENV] = token
