@@ -21,8 +21,13 @@ import subprocess
 import sys
 import time
 
+import jax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
+from tunix.rl import utils as rl_utils
+
+from maxtext_rl_plugin import distributed
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -39,13 +44,24 @@ def _env(**extra) -> dict:
   return env
 
 
-def test_distributed_helpers_on_two_processes(tmp_path):
+def _two_processes(tmp_path, mode: str, devices_per_process: int = 1) -> list[dict]:
+  """Run tests/_multiprocess_worker.py in `mode` as a 2-process JAX program; what each process saw."""
   addr = f"127.0.0.1:{_free_port()}"
+  extra = (
+      {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}"} if devices_per_process > 1 else {}
+  )
   procs = [
-      subprocess.Popen(
-          [sys.executable, str(REPO / "tests" / "_multiprocess_worker.py"), str(i), addr, str(tmp_path / f"p{i}.json")],
+      subprocess.Popen(  # pylint: disable=consider-using-with  # two at once, both waited for below
+          [
+              sys.executable,
+              str(REPO / "tests" / "_multiprocess_worker.py"),
+              str(i),
+              addr,
+              str(tmp_path / f"p{i}.json"),
+              mode,
+          ],
           cwd=REPO,
-          env=_env(),
+          env=_env(**extra),
           stdout=subprocess.PIPE,
           stderr=subprocess.STDOUT,
           text=True,
@@ -54,8 +70,12 @@ def test_distributed_helpers_on_two_processes(tmp_path):
   ]
   logs = [p.communicate(timeout=240)[0] for p in procs]
   assert [p.returncode for p in procs] == [0, 0], "\n".join(l[-3000:] for l in logs)
+  return [json.loads((tmp_path / f"p{i}.json").read_text()) for i in (0, 1)]
+
+
+def test_distributed_helpers_on_two_processes(tmp_path):
+  outs = _two_processes(tmp_path, "helpers")
   host = np.arange(4 * 3, dtype=np.float32).reshape(4, 3) ** 1.5
-  outs = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in (0, 1)]
   for i, o in enumerate(outs):
     assert o["process"] == i and not o["fully_addressable"]
     # Each process holds its own half of the rows (sharded, not replicated), bit for bit the source rows.
@@ -69,21 +89,36 @@ def test_distributed_helpers_on_two_processes(tmp_path):
     assert o["restore_sharding_replicated"] is True and o["agree"] == 5 and o["from_writer"] == 100
     assert o["disagree"].startswith("CheckpointError: processes disagree on the process index: [0, 1]")
   assert outs[0]["key_data"] == outs[1]["key_data"]
-  import jax  # pylint: disable=import-outside-toplevel
-
   np.testing.assert_array_equal(
       outs[0]["key_data"], np.asarray(jax.random.key_data(jax.random.split(jax.random.key(7), 2)))
   )
 
 
+def test_disaggregated_split_weight_sync_and_rollout_slices_on_two_processes(tmp_path):
+  """2 processes x 2 devices: the trainer mesh spans each process's first device, each process samples on a mesh of
+  its own second device. The weight sync lands the trainer's arrays on every process's sampler bit for bit (under
+  Tunix's transfer guards, checked by the sync's own guard, which also catches a corrupted copy); each process
+  samples its own half of the prompt groups and every process then holds the whole batch, also on the trainer mesh."""
+  outs = _two_processes(tmp_path, "split", devices_per_process=2)
+  host = np.arange(4 * 3, dtype=np.float32).reshape(4, 3) ** 1.5
+  keys = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(3), 2)))
+  texts = [f"p{i // 2}-row{i}-é" * (i + 1) for i in range(4)]
+  for i, o in enumerate(outs):
+    assert [p for p, _ in o["trainer"]] == [0, 1]  # one trainer device per process: a global mesh
+    assert [p for p, _ in o["sampler"]] == [i] and o["sampler"][0] not in o["trainer"]  # a per-host sampler mesh
+    assert o["w_global"] and o["held_local"] and set(o["held_devices"]) == {o["sampler"][0][1]}
+    np.testing.assert_array_equal(np.asarray(o["w"], np.float32), host)
+    np.testing.assert_array_equal(np.asarray(o["b"], np.float32), host[0] * -3.0)
+    np.testing.assert_array_equal(np.asarray(o["k"], np.uint32), keys)
+    assert o["num_verified"] == 1 and o["corrupt_caught"]
+    assert o["own"] == [2 * i, 2 * i + 2]
+    np.testing.assert_array_equal(np.asarray(o["rows"], np.float32), host * 2.0)
+    np.testing.assert_array_equal(np.asarray(o["on_trainer"], np.float32), host * 2.0)
+    assert o["texts"] == texts
+
+
 def test_one_process_helpers_equal_jax_and_tunix():
   """On one process the helpers are what they replace: device_put for placement, Tunix's memory-kind move."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  from tunix.rl import utils as rl_utils  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin import distributed  # pylint: disable=import-outside-toplevel
-
   mesh = Mesh(np.asarray(jax.devices()), ("fsdp",))
   host = np.arange(6, dtype=np.float32).reshape(2, 3)
   x = distributed.global_batch(host, mesh)
