@@ -26,8 +26,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 import pytest
 from tunix.rl import utils as rl_utils
+from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin import models
+from maxtext_rl_plugin.rollout import embedded
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -134,6 +137,35 @@ def test_one_process_helpers_equal_jax_and_tunix():
     np.testing.assert_array_equal(np.asarray(ours[k]), np.asarray(theirs[k]))
   assert distributed.restore_sharding(x, mesh) == x.sharding  # one process: shardings restore as they are
   assert distributed.agree(3, "x") == 3 and distributed.agree_from_writer(4) == 4
+
+
+def test_per_row_sampling_keys_do_not_depend_on_how_the_batch_is_split():
+  """The embedded engine's `prompt_offset` mode (a per-host sampler: each process samples its own prompts): a row's
+  tokens depend only on the call's key, its prompt's global index and its generation index, so sampling prompts 2-3
+  on their own (offset 2, a smaller bucket) gives exactly the rows of one call over prompts 0-3."""
+  rs = models.setup_devices(["configs/cpu_tiny.yml"])
+  tok = models.load_tokenizer(rs.trainer_config)
+  model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
+  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
+  texts = ["Tom has 3 apples.", "What is 12 * 7?", "Hi", "Name a prime number larger than ten."]
+  g = 3
+  rc = base_rollout.RolloutConfig(max_tokens_to_generate=8, temperature=30.0, seed=11, max_prompt_length=32)
+
+  def rows(prompts, offset):
+    engine.prompt_offset = offset
+    out = engine.generate([t for t in prompts for _ in range(g)], rc)
+    return [c.tolist() for c in out.tokens], out.logprobs
+
+  whole, whole_lp = rows(texts, 0)
+  first, _ = rows(texts[:2], 0)
+  second, second_lp = rows(texts[2:], 2)
+  assert first + second == whole
+  for a, b in zip(second_lp, whole_lp[2 * g :]):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # float32 logits of a 4-row vs an 8-row batch
+  assert len({tuple(r) for r in whole}) > len(texts)  # generations of a prompt differ: the keys are per row
+  shifted, _ = rows(texts[2:], 0)
+  assert shifted != second  # the global prompt index is part of the key
+  engine.prompt_offset = None
 
 
 # A run whose step-1 loss and gradient are not trivially zero: a random-init model's next-token distribution is
