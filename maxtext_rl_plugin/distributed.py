@@ -36,18 +36,25 @@ def is_multiprocess() -> bool:
 
 
 def check_device_split(trainer_devices: list, sampler_devices: list) -> None:
-  """Refuse a disaggregated trainer/sampler split in a multi-process program (one line, before any model is built).
+  """Refuse, in a multi-process program, a disaggregated split whose sampler is not this process's own devices (one
+  line, before any model is built).
 
-  Each weight sync would copy arrays between two disjoint device sets owned by different processes; multi-controller
-  JAX has no such transfer (`jax.device_put` refuses a cross-host reshard to a different device set, except an
-  experimental TPU-TFRT path), and a rollout jitted on the sampler devices could not be run by the processes that own
-  none of them. Pathways (one controller for every device) is the disaggregated path; multi-process runs colocate.
+  Multi-controller JAX cannot copy arrays to a device set that spans several processes other than the source's, and a
+  rollout jitted on such a set could not be run by the processes owning none of it. What works is a per-host sampler
+  (`split_local_devices`: every process samples on its own devices, weights reach it by `to_process_local`); a
+  multislice split (whole slices per role) is the Pathways path.
   """
-  if is_multiprocess() and list(trainer_devices) != list(sampler_devices):
+  if not is_multiprocess() or list(trainer_devices) == list(sampler_devices):
+    return
+  me = jax.process_index()
+  if any(d.process_index != me for d in sampler_devices) or {d.process_index for d in trainer_devices} != set(
+      range(jax.process_count())
+  ):
     raise ConfigError(
-        f"a disaggregated trainer/sampler split ({len(trainer_devices)} + {len(sampler_devices)} devices) needs one "
-        f"controller (Pathways), not {jax.process_count()} JAX processes: weights cannot be copied between device sets "
-        "of different processes; use the colocated split (use_pathways=false, num_trainer_slices=-1)"
+        f"a disaggregated trainer/sampler split ({len(trainer_devices)} + {len(sampler_devices)} devices) across "
+        f"{jax.process_count()} JAX processes needs every process to own trainer devices and to sample on its own "
+        "devices (use_pathways=true with chips_per_vm and trainer/sampler_devices_fraction, split per process); a "
+        "split by slices needs one controller (Pathways)"
     )
 
 

@@ -306,6 +306,8 @@ class EmbeddedRollout(base_rollout.BaseRollout):
         extra_stop_ids=eos_tokens,
         prompt_pad_to=max_prompt,
     )
+    if self.prompt_offset is not None:  # Tunix's micro-batches are consecutive calls: the next one's prompts follow
+      self.prompt_offset += len(unique)
     return base_rollout.RolloutOutput(
         text=res.texts,
         logits=None,
