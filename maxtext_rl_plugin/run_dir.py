@@ -62,6 +62,7 @@ def _write_synced(path: str, mode: str, text: str) -> None:
 
 
 def _probe_dir(path: str, key: str) -> None:
+  """Create `path` and write, fsync and remove a probe file in it (one `OutputError` line when any step fails)."""
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:
@@ -163,6 +164,8 @@ class RunLock:
     return bool(self.launch_id) and info.get("launch_id") == self.launch_id and not self._is_mine(info)
 
   def _is_stale(self, info: dict[str, Any] | None) -> bool:
+    """Whether the lock `info` may be taken over: unreadable, a previous attempt of this launch, a dead pid on this
+    host, or a heartbeat older than stale_after_s."""
     if not info:
       return True  # unreadable or empty: a holder that died between create and write
     if self._is_previous_attempt(info):

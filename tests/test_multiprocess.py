@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
@@ -53,25 +54,28 @@ def _two_processes(tmp_path, mode: str, devices_per_process: int = 1) -> list[di
   extra = (
       {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}"} if devices_per_process > 1 else {}
   )
-  procs = [
-      subprocess.Popen(  # pylint: disable=consider-using-with  # two at once, both waited for below
-          [
-              sys.executable,
-              str(REPO / "tests" / "_multiprocess_worker.py"),
-              str(i),
-              addr,
-              str(tmp_path / f"p{i}.json"),
-              mode,
-          ],
-          cwd=REPO,
-          env=_env(**extra),
-          stdout=subprocess.PIPE,
-          stderr=subprocess.STDOUT,
-          text=True,
-      )
-      for i in (0, 1)
-  ]
-  logs = [p.communicate(timeout=240)[0] for p in procs]
+  with contextlib.ExitStack() as stack:
+    procs = [
+        stack.enter_context(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(REPO / "tests" / "_multiprocess_worker.py"),
+                    str(i),
+                    addr,
+                    str(tmp_path / f"p{i}.json"),
+                    mode,
+                ],
+                cwd=REPO,
+                env=_env(**extra),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+        for i in (0, 1)
+    ]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
   assert [p.returncode for p in procs] == [0, 0], "\n".join(l[-3000:] for l in logs)
   return [json.loads((tmp_path / f"p{i}.json").read_text()) for i in (0, 1)]
 
@@ -193,7 +197,7 @@ def _records(run_dir: pathlib.Path, name: str) -> list[dict]:
   return [json.loads(l) for l in (run_dir / name).read_text().splitlines() if l.strip()]
 
 
-def _ray(tmp_path, *overrides, flags=(), kill_worker1_at_checkpoint: int | None = None) -> str:
+def _ray(tmp_path, *overrides, flags=(), kill_worker1_at_checkpoint: int | None = None, name: str = "ray2") -> str:
   """Run the 2-worker job; with `kill_worker1_at_checkpoint`, SIGKILL worker 1 once that checkpoint is complete."""
   argv = [
       sys.executable,
@@ -207,7 +211,7 @@ def _ray(tmp_path, *overrides, flags=(), kill_worker1_at_checkpoint: int | None 
       "--config",
       "configs/cpu_tiny.yml",
       "--name",
-      "ray2",
+      name,
       "--storage-path",
       str(tmp_path / "ray"),
       *flags,
@@ -217,19 +221,21 @@ def _ray(tmp_path, *overrides, flags=(), kill_worker1_at_checkpoint: int | None 
       *overrides,
   ]
   log = tmp_path / f"launch{len(list(tmp_path.glob('launch*.log')))}.log"
-  with open(log, "w", encoding="utf-8") as f:
-    p = subprocess.Popen(
-        argv,
-        cwd=REPO,
-        env=_env(RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0"),
-        stdout=f,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+  with (
+      open(log, "w", encoding="utf-8") as f,
+      subprocess.Popen(
+          argv,
+          cwd=REPO,
+          env=_env(RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0"),
+          stdout=f,
+          stderr=subprocess.STDOUT,
+          text=True,
+      ) as p,
+  ):
     killed = None
     try:
       if kill_worker1_at_checkpoint is not None:
-        done = tmp_path / "runs" / "ray2" / "checkpoints" / str(kill_worker1_at_checkpoint) / "commit_success.txt"
+        done = tmp_path / "runs" / name / "checkpoints" / str(kill_worker1_at_checkpoint) / "commit_success.txt"
         deadline = time.time() + 900
         while not done.exists() and p.poll() is None and time.time() < deadline:
           time.sleep(1)
@@ -243,6 +249,46 @@ def _ray(tmp_path, *overrides, flags=(), kill_worker1_at_checkpoint: int | None 
   out = log.read_text(errors="replace")
   assert rc == 0, out[-8000:]
   return out
+
+
+def _one_process(tmp_path, run_name: str, *overrides, devices: int = 1) -> dict:
+  """Step 1's record of the same config run by one process (train_rl, num_batches=1) on `devices` CPU devices."""
+  extra = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"} if devices > 1 else {}
+  ref = subprocess.run(
+      [
+          sys.executable,
+          "-m",
+          "maxtext_rl_plugin.train_rl",
+          "configs/cpu_tiny.yml",
+          "num_batches=1",
+          f"base_output_directory={tmp_path / 'runs'}",
+          f"run_name={run_name}",
+          *_RUN,
+          "eval_after_training=false",
+          *overrides,
+      ],
+      cwd=REPO,
+      env=_env(**extra),
+      capture_output=True,
+      text=True,
+      timeout=900,
+      check=False,
+  )
+  assert ref.returncode == 0, ref.stderr[-4000:]
+  (one,) = [r for r in _records(tmp_path / "runs" / run_name, "metrics.jsonl") if "reward/mean" in r]
+  return one
+
+
+def _assert_same_step(two: dict, one: dict) -> None:
+  """The same global batch and the same samples (sampling keys do not depend on the device or process count), so the
+  same rewards exactly; loss and gradient agree to float32 summation order (rel 1e-5: the only difference is the
+  order of the cross-process all-reduce and of the per-device partial sums)."""
+  assert two["reward/std"] > 0 and two["grad_norm"] > 1e-3  # the comparison below is not vacuous
+  assert two["reward/mean"] == one["reward/mean"] and two["reward/std"] == one["reward/std"]
+  assert two["completion/length_mean"] == one["completion/length_mean"]
+  assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-6)
+  assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+  assert two["train/pg_loss"] == pytest.approx(one["train/pg_loss"], rel=1e-5, abs=1e-6)
 
 
 def _worker_pids(out: str) -> dict[int, str]:
@@ -279,34 +325,7 @@ def test_ray_two_workers_train_match_one_process_resume_and_restart(tmp_path):
 
   # The same config on one process and one device: same global batch, same samples (the sampling key does not depend
   # on the device count), so the same rewards exactly; loss and gradient agree to float32 summation order.
-  ref = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "maxtext_rl_plugin.train_rl",
-          "configs/cpu_tiny.yml",
-          "num_batches=1",
-          f"base_output_directory={tmp_path / 'runs'}",
-          "run_name=one",
-          *_RUN,
-          "eval_after_training=false",
-      ],
-      cwd=REPO,
-      env=_env(),
-      capture_output=True,
-      text=True,
-      timeout=900,
-      check=False,
-  )
-  assert ref.returncode == 0, ref.stderr[-4000:]
-  (one,) = [r for r in _records(tmp_path / "runs" / "one", "metrics.jsonl") if "reward/mean" in r]
-  two = recs[0]
-  assert two["reward/std"] > 0 and two["grad_norm"] > 1e-3  # the comparison below is not vacuous
-  assert two["reward/mean"] == one["reward/mean"] and two["reward/std"] == one["reward/std"]
-  assert two["completion/length_mean"] == one["completion/length_mean"]
-  assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-6)
-  assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
-  assert two["train/pg_loss"] == pytest.approx(one["train/pg_loss"], rel=1e-5, abs=1e-6)
+  _assert_same_step(recs[0], _one_process(tmp_path, "one"))
 
   # Rerun with more batches and --max-failures 1: every process resumes from step 2. Once step 3's checkpoint is
   # complete, worker 1 is SIGKILLed: Ray restarts the group, which resumes from step 3 and trains step 4 only.
@@ -321,3 +340,20 @@ def test_ray_two_workers_train_match_one_process_resume_and_restart(tmp_path):
   assert len(ids) == len(set(ids)) == 8
   assert [r["step"] for r in _records(run, "metrics.jsonl") if "reward/mean" in r] == [1, 2, 3, 4]
   assert (run / "checkpoints" / "4").is_dir()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_ray_two_workers_disaggregated_match_one_process(tmp_path):
+  """2 Ray workers x 2 CPU devices, use_pathways=true + chips_per_vm=2: each process gives one device to the trainer
+  (a global 2-device mesh) and samples on its other device (a per-host sampler mesh) the prompts it owns. Every weight
+  sync is checked bit for bit; step 1 equals one process disaggregated on 2 devices (trainer 1, sampler 1)."""
+  pytest.importorskip("ray.train.v2.jax", reason="ray[train] not installed (pip install 'maxtext-rl-plugin[launch]')")
+  split = ("use_pathways=true", "rl.verify_weight_sync=every_n", "rl.verify_weight_sync_every=1")
+  out = _ray(tmp_path, "num_batches=2", "chips_per_vm=2", *split, flags=("--cpu-devices-per-worker", "2"), name="dis2")
+  assert "devices: trainer 2, sampler 1 (disaggregated" in out
+  assert "weight syncs: 2, verified bit-exact: 2" in out
+  recs = [r for r in _records(tmp_path / "runs" / "dis2", "metrics.jsonl") if "reward/mean" in r]
+  assert [r["step"] for r in recs] == [1, 2] and all(r["time/weight_sync_s"] > 0 for r in recs)
+  one = _one_process(tmp_path, "dis1", "chips_per_vm=1", *split, devices=2)
+  _assert_same_step(recs[0], one)

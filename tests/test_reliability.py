@@ -52,7 +52,7 @@ def _train(out, *overrides, check=True):
 
 
 def _steps(path):
-  return [json.loads(l)["step"] for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+  return [json.loads(l)["step"] for l in pathlib.Path(path).read_text(encoding="utf-8").splitlines() if l.strip()]
 
 
 def _digest(*paths):
@@ -80,8 +80,8 @@ def test_lock_names_a_live_holder_and_takes_over_a_dead_one(tmp_path):
   )
   with pytest.raises(run_dir_lib.RunLockedError, match=f"in use by pid {os.getppid()} on host"):
     lock.acquire()
-  dead = subprocess.Popen([sys.executable, "-c", "pass"])
-  dead.wait()
+  with subprocess.Popen([sys.executable, "-c", "pass"]) as dead:
+    pass  # leaving the block waits for it: its pid is then free
   (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "heartbeat": time.time()}))
   lock.acquire()
   assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
@@ -108,9 +108,14 @@ def _lock_info(path):
 
 
 def test_lock_heartbeat_thread_and_takeover_by_the_same_launch(tmp_path):
-  holder = subprocess.Popen(
+  with subprocess.Popen(
       [sys.executable, "-c", _HOLDER, str(tmp_path), "job-1"], cwd=REPO, stdout=subprocess.PIPE, text=True
-  )
+  ) as holder:
+    _takeover_while_the_holder_runs(tmp_path, holder)
+
+
+def _takeover_while_the_holder_runs(tmp_path, holder):
+  """The holder keeps its lock fresh from its heartbeat thread; a restart of its own launch takes it over at once."""
   try:
     assert holder.stdout.readline().strip() == "held"
     first = _lock_info(tmp_path)["heartbeat"]
@@ -207,22 +212,22 @@ def test_finished_rerun_lock_and_corrupt_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_resumes(tmp_path):
-  proc = subprocess.Popen(
+  with subprocess.Popen(
       _cmd(tmp_path, "num_batches=60", "checkpoint_period=1000"),
       cwd=REPO,
       env=_env(),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,
-  )
-  metrics = tmp_path / "r" / "metrics.jsonl"
-  deadline = time.time() + 600
-  while time.time() < deadline and proc.poll() is None:
-    if metrics.exists() and any('"reward/mean"' in l for l in metrics.read_text().splitlines()):
-      break
-    time.sleep(0.5)
-  proc.send_signal(signal.SIGTERM)
-  out, err = proc.communicate(timeout=600)
+  ) as proc:
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+      if metrics.exists() and any('"reward/mean"' in l for l in metrics.read_text().splitlines()):
+        break
+      time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=600)
   assert proc.returncode == 143, (out[-2000:], err[-2000:])
   last = err.strip().splitlines()[-1]
   assert last.startswith("error: stopped by SIGTERM after step ") and "resume from checkpoint step" in last, err[-2000:]
@@ -231,7 +236,7 @@ def test_sigterm_checkpoints_and_resumes(tmp_path):
   assert (tmp_path / "r" / "checkpoints" / str(stopped_at)).is_dir()  # written although checkpoint_period=1000
   p = _train(tmp_path, f"num_batches={stopped_at + 1}", "checkpoint_period=1000")
   assert f"from checkpoint step {stopped_at}" in p.stdout
-  assert [s for s in _steps(tmp_path / "r" / "batches.jsonl")] == list(range(1, stopped_at + 2))
+  assert _steps(tmp_path / "r" / "batches.jsonl") == list(range(1, stopped_at + 2))
 
 
 def test_a_fresh_run_refuses_another_runs_metrics_file(tmp_path):
