@@ -13,6 +13,12 @@ array from the full host copy and each process contributes only the shards its d
 (`jax.make_array_from_callback`). Nothing here takes a process-local slice: Tunix's `shard_input` does
 (`make_array_from_process_local_data`), which is why the plugin hands Tunix arrays that are already global (Tunix
 then passes them through unchanged) rather than host arrays it would concatenate across processes.
+
+Disaggregated runs across processes (`split_local_devices`): the trainer mesh spans every process's first local
+devices, the sampler mesh is each process's own last devices (per host, as tpu-inference needs). Weights reach it by
+`to_process_local` (all-gather on the trainer mesh, then a local copy; bit-exact); each process samples only its own
+prompt groups (`process_slice`), and `gather_rows` / `gather_texts` restore the convention above: every process then
+holds the whole sampled batch.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import uuid
 
 # Function-local imports: only a child process imports jax and the plugin, under the environment its parent set.
 # pylint: disable=import-outside-toplevel
@@ -48,6 +49,7 @@ def main() -> int:
   if args.devices_per_process > 1:
     flags.append(f"--xla_force_host_platform_device_count={args.devices_per_process}")
   env["XLA_FLAGS"] = " ".join(flags)
+  env.setdefault("MAXTEXT_RL_LAUNCH_ID", f"mp_run:{uuid.uuid4().hex[:16]}")  # run_dir.LAUNCH_ID_ENV: the run lock
   with contextlib.ExitStack() as stack:
     procs = [
         stack.enter_context(
