@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import types
 
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -141,6 +142,18 @@ def test_one_process_helpers_equal_jax_and_tunix():
     np.testing.assert_array_equal(np.asarray(ours[k]), np.asarray(theirs[k]))
   assert distributed.restore_sharding(x, mesh) == x.sharding  # one process: shardings restore as they are
   assert distributed.agree(3, "x") == 3 and distributed.agree_from_writer(4) == 4
+
+
+def test_split_local_devices_gives_every_process_trainer_and_its_own_sampler_devices():
+  devs = [types.SimpleNamespace(process_index=p, id=10 * p + i) for p in (0, 1) for i in range(4)]
+  trainer, sampler = distributed.split_local_devices(devs, 0.5, 0.5)
+  assert [d.id for d in trainer] == [0, 1, 10, 11]  # one global trainer mesh: the first half of every process
+  assert [d.id for d in sampler] == [2, 3]  # this process's (0) own last devices: a per-host sampler mesh
+  trainer, sampler = distributed.split_local_devices(devs, 0.75, 0.25)
+  assert [d.id for d in trainer] == [0, 1, 2, 10, 11, 12] and [d.id for d in sampler] == [3]
+  with pytest.raises(distributed.ConfigError, match="must split into >= 1 trainer and >= 1 sampler"):
+    distributed.split_local_devices(devs, 0.75, 0.5)  # 3 + 2 > 4 devices per process
+  assert distributed.process_slice(4) == slice(0, 4)  # one process samples every prompt
 
 
 def test_per_row_sampling_keys_do_not_depend_on_how_the_batch_is_split():
