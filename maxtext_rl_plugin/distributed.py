@@ -13,6 +13,12 @@ array from the full host copy and each process contributes only the shards its d
 (`jax.make_array_from_callback`). Nothing here takes a process-local slice: Tunix's `shard_input` does
 (`make_array_from_process_local_data`), which is why the plugin hands Tunix arrays that are already global (Tunix
 then passes them through unchanged) rather than host arrays it would concatenate across processes.
+
+Disaggregated runs across processes (`split_local_devices`): the trainer mesh spans every process's first local
+devices, the sampler mesh is each process's own last devices (per host, as tpu-inference needs). Weights reach it by
+`to_process_local` (all-gather on the trainer mesh, then a local copy; bit-exact); each process samples only its own
+prompt groups (`process_slice`), and `gather_rows` / `gather_texts` restore the convention above: every process then
+holds the whole sampled batch.
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
+
+from maxtext_rl_plugin.errors import CheckpointError, ConfigError
 
 
 def process_count() -> int:
@@ -33,20 +42,25 @@ def is_multiprocess() -> bool:
 
 
 def check_device_split(trainer_devices: list, sampler_devices: list) -> None:
-  """Refuse a disaggregated trainer/sampler split in a multi-process program (one line, before any model is built).
+  """Refuse, in a multi-process program, a disaggregated split whose sampler is not this process's own devices (one
+  line, before any model is built).
 
-  Each weight sync would copy arrays between two disjoint device sets owned by different processes; multi-controller
-  JAX has no such transfer (`jax.device_put` refuses a cross-host reshard to a different device set, except an
-  experimental TPU-TFRT path), and a rollout jitted on the sampler devices could not be run by the processes that own
-  none of them. Pathways (one controller for every device) is the disaggregated path; multi-process runs colocate.
+  Multi-controller JAX cannot copy arrays to a device set that spans several processes other than the source's, and a
+  rollout jitted on such a set could not be run by the processes owning none of it. What works is a per-host sampler
+  (`split_local_devices`: every process samples on its own devices, weights reach it by `to_process_local`); a
+  multislice split (whole slices per role) is the Pathways path.
   """
-  if is_multiprocess() and list(trainer_devices) != list(sampler_devices):
-    from maxtext_rl_plugin.errors import ConfigError  # pylint: disable=import-outside-toplevel
-
+  if not is_multiprocess() or list(trainer_devices) == list(sampler_devices):
+    return
+  me = jax.process_index()
+  if any(d.process_index != me for d in sampler_devices) or {d.process_index for d in trainer_devices} != set(
+      range(jax.process_count())
+  ):
     raise ConfigError(
-        f"a disaggregated trainer/sampler split ({len(trainer_devices)} + {len(sampler_devices)} devices) needs one "
-        f"controller (Pathways), not {jax.process_count()} JAX processes: weights cannot be copied between device sets "
-        "of different processes; use the colocated split (use_pathways=false, num_trainer_slices=-1)"
+        f"a disaggregated trainer/sampler split ({len(trainer_devices)} + {len(sampler_devices)} devices) across "
+        f"{jax.process_count()} JAX processes needs every process to own trainer devices and to sample on its own "
+        "devices (use_pathways=true with chips_per_vm and trainer/sampler_devices_fraction, split per process); a "
+        "split by slices needs one controller (Pathways)"
     )
 
 
@@ -55,8 +69,6 @@ def check_synchronous(off_policy_steps: int) -> None:
   thread's rollout programs and the main thread's updates would reach the cross-process collectives in an order that
   can differ between processes (a hang or a wrong reduction); no test here shows them ordered."""
   if is_multiprocess() and off_policy_steps > 0:
-    from maxtext_rl_plugin.errors import ConfigError  # pylint: disable=import-outside-toplevel
-
     raise ConfigError(
         f"invalid value for 'rl.off_policy_steps'={off_policy_steps}: rollouts running ahead in a thread "
         f"are not supported across {jax.process_count()} JAX processes (the two threads' collectives "
@@ -78,9 +90,116 @@ def global_array(host: Any, sharding: jax.sharding.Sharding) -> jax.Array:
     impl = jax.random.key_impl(host)
     return jax.random.wrap_key_data(global_array(jax.random.key_data(host), sharding), impl=impl)
   if isinstance(host, jax.Array) and not host.is_fully_addressable:
-    return host if host.sharding == sharding else jax.device_put(host, sharding)
+    if host.sharding == sharding:
+      return host
+    if sharding.is_fully_addressable:  # onto this process's own devices (a per-host sampler mesh)
+      return to_process_local([host], [sharding])[0]
+    return jax.device_put(host, sharding)
   arr = np.asarray(host)
   return jax.make_array_from_callback(arr.shape, sharding, lambda idx: arr[idx])
+
+
+def to_process_local(arrays: list, shardings: list) -> list:
+  """Global arrays (spanning other processes' devices) as this process's own full copies laid out by `shardings`,
+  each over this process's devices only: the weight sync from a trainer mesh spanning every process to a per-host
+  sampler mesh, which `jax.device_put` refuses across processes.
+
+  Two device-to-device steps, no arithmetic (bit-exact): one jit per source mesh replicates every array on its own
+  mesh (an all-gather every process joins, so every process must call this with the same arrays, in the same
+  order), then each process copies its local replica onto its local sharding. The replicated intermediate holds
+  one full copy of the chunk per source device: callers bound it by passing chunks (`resharding.reshard`).
+  Arrays already fully addressable are `jax.device_put` directly.
+  """
+  out: list = [None] * len(arrays)
+  by_mesh: dict[Any, list[int]] = {}
+  for i, (x, s) in enumerate(zip(arrays, shardings)):
+    if not s.is_fully_addressable:
+      raise ValueError(f"to_process_local: {s} spans devices of other processes")
+    if x.is_fully_addressable:
+      out[i] = _put_local(x, s)
+    else:
+      by_mesh.setdefault(x.sharding.mesh, []).append(i)
+  for mesh, idx in by_mesh.items():
+    rep = NamedSharding(mesh, P())
+    raw = [_raw(arrays[i]) for i in idx]
+    gathered = jax.jit(lambda *xs: xs, out_shardings=tuple(rep for _ in raw))(*raw)
+    for i, g in zip(idx, gathered):
+      local = g.addressable_data(0)  # this process's full copy (one of its devices)
+      out[i] = _rewrap(arrays[i], _put_local(local, shardings[i]))
+  return out
+
+
+def _raw(x: jax.Array) -> jax.Array:
+  return jax.random.key_data(x) if _is_key(x) else x
+
+
+def _rewrap(like: jax.Array, raw: jax.Array) -> jax.Array:
+  return jax.random.wrap_key_data(raw, impl=jax.random.key_impl(like)) if _is_key(like) else raw
+
+
+def _put_local(x: jax.Array, s: jax.sharding.Sharding) -> jax.Array:
+  if _is_key(x):  # a key array's sharding also lays out its key data (one more, trailing, replicated dimension)
+    return _rewrap(x, jax.device_put(jax.random.key_data(x), s))
+  return jax.device_put(x, s)
+
+
+def split_local_devices(devices: list, trainer_fraction: float, sampler_fraction: float) -> tuple[list, list]:
+  """The multi-controller disaggregated split: every process gives its first local devices to the trainer and its
+  last local devices to the sampler. Returns (trainer devices of every process: one global trainer mesh, this
+  process's own sampler devices: a per-host sampler mesh, the shape tpu-inference needs multi-host too)."""
+  by_process: dict[int, list] = {}
+  for d in devices:
+    by_process.setdefault(d.process_index, []).append(d)
+  trainer: list = []
+  sampler: list = []
+  for p in sorted(by_process):
+    local = by_process[p]
+    n_t, n_s = int(len(local) * trainer_fraction), int(len(local) * sampler_fraction)
+    if n_t < 1 or n_s < 1 or n_t + n_s > len(local):
+      raise ConfigError(
+          f"invalid value for 'trainer_devices_fraction'={trainer_fraction}: with sampler_devices_fraction="
+          f"{sampler_fraction} each process's {len(local)} devices must split into >= 1 trainer and >= 1 sampler "
+          "device without overlap"
+      )
+    trainer += local[:n_t]
+    if p == jax.process_index():
+      sampler = local[len(local) - n_s :]
+  return trainer, sampler
+
+
+def process_slice(n_groups: int) -> slice:
+  """The prompt groups this process samples when every process samples its own share (a per-host sampler mesh):
+  contiguous, in process order, the layout `global_batch` gives the rows on a process-major trainer mesh."""
+  n = jax.process_count()
+  if n_groups % n:
+    raise ConfigError(
+        f"invalid value for 'batch_size'={n_groups}: each of the {n} JAX processes samples an equal share of the "
+        "prompts (a per-host sampler mesh), so batch_size must be divisible by the process count"
+    )
+  per = n_groups // n
+  return slice(jax.process_index() * per, (jax.process_index() + 1) * per)
+
+
+def gather_rows(local: np.ndarray) -> np.ndarray:
+  """Every process's `local` rows (same shape on each) concatenated in process order, on every process."""
+  if not is_multiprocess():
+    return np.asarray(local)
+  return np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
+
+
+def gather_texts(local: list[str]) -> list[str]:
+  """Every process's strings (the same count on each) in process order, on every process (UTF-8 bytes through
+  `gather_rows`, padded to the longest)."""
+  if not is_multiprocess():
+    return list(local)
+  raw = [t.encode("utf-8") for t in local]
+  width = int(gather_rows(np.asarray([max((len(b) for b in raw), default=0)], np.int64)).max())
+  buf = np.zeros((len(raw), width + 1), np.uint8)  # +1: never a zero-width array
+  lens = np.asarray([len(b) for b in raw], np.int64)
+  for i, b in enumerate(raw):
+    buf[i, : len(b)] = np.frombuffer(b, np.uint8)
+  all_buf, all_lens = gather_rows(buf), gather_rows(lens)
+  return [bytes(row[:k]).decode("utf-8") for row, k in zip(all_buf, all_lens)]
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, axes: Any, ndim: int) -> NamedSharding:
@@ -172,8 +291,6 @@ def to_host(x: Any) -> np.ndarray:
     return np.asarray(x)
   if x.is_fully_addressable or x.is_fully_replicated:
     return np.asarray(x)
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -184,8 +301,6 @@ def is_writer_process() -> bool:
 def barrier(name: str) -> None:
   """Every process waits here until all arrive (a no-op on one process)."""
   if is_multiprocess():
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-
     multihost_utils.sync_global_devices(name)
 
 
@@ -193,8 +308,6 @@ def agree_from_writer(value: int) -> int:
   """Process 0's `value` on every process (e.g. one timestamp for a file every process names)."""
   if not is_multiprocess():
     return value
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-
   return int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(int(value), np.int64))))
 
 
@@ -203,12 +316,8 @@ def agree(value: int, what: str) -> int:
   sees another checkpoint directory fails loudly instead of training a different step."""
   if not is_multiprocess():
     return value
-  from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-
   all_values = np.asarray(multihost_utils.process_allgather(np.asarray([int(value)], np.int64))).reshape(-1)
   if not np.all(all_values == all_values[0]):
-    from maxtext_rl_plugin.errors import CheckpointError  # pylint: disable=import-outside-toplevel
-
     raise CheckpointError(
         f"processes disagree on {what}: {all_values.tolist()} (process {jax.process_index()} has "
         f"{value}); every process must see the same checkpoint directory (a shared mount or gs://)"

@@ -39,6 +39,7 @@ import numpy as np
 from tunix.rl import common as tunix_common
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
+from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin import algorithms
 from maxtext_rl_plugin import distributed
@@ -178,6 +179,52 @@ def _put(cluster: Any) -> Callable[[Any], jax.Array]:
   )
 
 
+def _gather_output(out: base_rollout.RolloutOutput, pad_id: int) -> base_rollout.RolloutOutput:
+  """Every process's `out` (its own prompts' rows, the same row count on each) as one output of the whole batch in
+  process order, on every process: the plugin's convention that every process holds the same host batch."""
+  lengths = distributed.gather_rows(np.asarray([len(t) for t in out.tokens], np.int64))
+  width = int(distributed.gather_rows(np.asarray([max((len(t) for t in out.tokens), default=0)], np.int64)).max())
+  tokens = distributed.gather_rows(pad_rows(out.tokens, max(width, 1), pad_id, np.int32))
+  logprobs = None
+  if out.logprobs is not None and all(lp is not None for lp in out.logprobs):
+    logprobs = distributed.gather_rows(pad_rows(out.logprobs, max(width, 1), 0.0, np.float32))
+  return base_rollout.RolloutOutput(
+      text=distributed.gather_texts(list(out.text)),
+      logits=None,
+      tokens=[tokens[i, :k] for i, k in enumerate(lengths)],
+      left_padded_prompt_tokens=distributed.gather_rows(np.asarray(out.left_padded_prompt_tokens, np.int32)),
+      logprobs=None if logprobs is None else [logprobs[i, :k] for i, k in enumerate(lengths)],
+  )
+
+
+def generate(run: Any, prompts: list[str], num_generations: int, micro_batch_size: int | None):
+  """The rollout of `prompts` (each repeated `num_generations` times, consecutively).
+
+  Disaggregated runs sample with per-row keys (the embedded engine's `prompt_offset`: a row's tokens depend on its
+  prompt's global index, not on the batch it is sampled in). With more than one JAX process the sampler mesh is
+  per host (distributed.split_local_devices): each process samples its own prompt groups (`process_slice`), and the
+  rows are then gathered so every process holds the whole batch, as 1 process sampling all of them would.
+  """
+  cluster = run.rl_cluster
+  rollout = cluster.rollout
+  if not run.setup.disaggregated:
+    return cluster.generate(prompts=prompts, mode=rl_cluster_lib.Mode.TRAIN, micro_batch_size=micro_batch_size)
+  g = num_generations
+  per_host = distributed.is_multiprocess()
+  own = distributed.process_slice(len(prompts) // g) if per_host else slice(0, len(prompts) // g)
+  keyed = hasattr(rollout, "prompt_offset")
+  if keyed:
+    rollout.prompt_offset = own.start
+  try:
+    out = cluster.generate(
+        prompts=prompts[own.start * g : own.stop * g], mode=rl_cluster_lib.Mode.TRAIN, micro_batch_size=micro_batch_size
+    )
+  finally:
+    if keyed:
+      rollout.prompt_offset = None
+  return _gather_output(out, int(rollout.pad_id())) if per_host else out
+
+
 def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> Sampled:
   """Rollouts, rewards and group advantages of one batch (`inputs` rows are prompts repeated G times)."""
   cfg = run.config
@@ -187,11 +234,7 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
   pad_id, eos_id = int(cluster.rollout.pad_id()), int(cluster.rollout.eos_id())
 
   t = time.perf_counter()
-  out = cluster.generate(
-      prompts=list(inputs["prompts"]),
-      mode=rl_cluster_lib.Mode.TRAIN,
-      micro_batch_size=_micro(cfg.rollout_micro_batch_size, g),
-  )
+  out = generate(run, list(inputs["prompts"]), g, _micro(cfg.rollout_micro_batch_size, g))
   timer.add("rollout", time.perf_counter() - t)
 
   completion_ids = pad_rows(out.tokens, train_rollout.max_tokens_to_generate, pad_id, np.int32)

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -290,6 +291,9 @@ def _use_two_phase(arrays: list, two_phase: bool | None) -> bool:
 def _move(arrays: list, shardings: list, *, donate: bool, path: str, two_phase: bool | None = None) -> list:
   """Move one chunk of arrays to `shardings` on `path`; returns the new arrays in order."""
   if path == PATH_DEVICE_PUT:
+    if distributed.is_multiprocess() and all(s.is_fully_addressable for s in shardings):
+      # Multi-controller: a trainer mesh spanning every process -> this process's own sampler mesh.
+      return distributed.to_process_local(arrays, shardings)
     if _use_two_phase(arrays, two_phase):
       return _device_put_two_phase(arrays, shardings, donate=donate)
     # JAX's single-controller reshard between different device sets *and* layouts assembles each array on
@@ -400,7 +404,7 @@ def model_on_mesh(model, mesh: jax.sharding.Mesh, rules):
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params = reshard(params, logical_shardings(params, mesh, rules))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  rest = jax.tree.map(lambda x: jax.device_put(x, replicated) if isinstance(x, jax.Array) else x, rest)
+  rest = jax.tree.map(lambda x: distributed.put(x, replicated) if isinstance(x, jax.Array) else x, rest)
   return nnx.merge(graphdef, params, rest)
 
 

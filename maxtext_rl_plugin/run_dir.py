@@ -4,9 +4,9 @@
   so `base_output_directory=/proc/x` or `metrics_file=/dev/full` is one `error:` line after a second, not a traceback
   after the model build.
 * `RunLock`: `<run_dir>/.lock` is created with O_EXCL (atomic on local disks and on NFS v3+/GCS FUSE), holds the
-  holder's host, pid and a heartbeat refreshed every step. A second process gets one line naming the holder; a lock
-  whose holder is dead (same host, pid gone) or silent for `stale_after_s` is taken over, so a crashed pod never
-  blocks its own restart.
+  holder's host, pid, launch id and a heartbeat a background thread refreshes. A second process gets one line naming
+  the holder; a lock whose holder is dead (same host, pid gone), silent for `stale_after_s` (60 s), or a previous
+  attempt of the same launch (a restart on another host) is taken over, so a crashed pod never blocks its own restart.
 * `prune_jsonl`: on resume, records of steps after the restored checkpoint (trained, then lost with the process) and
   a torn last line (a full disk, a kill mid-write) are dropped, so every step appears exactly once and the next
   record never lands on a half line.
@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 from typing import Any
 
@@ -61,6 +62,7 @@ def _write_synced(path: str, mode: str, text: str) -> None:
 
 
 def _probe_dir(path: str, key: str) -> None:
+  """Create `path` and write, fsync and remove a probe file in it (one `OutputError` line when any step fails)."""
   try:
     os.makedirs(path, exist_ok=True)
   except OSError as e:
@@ -122,17 +124,31 @@ def check_fresh_metrics_file(metrics_file: str | None, run_dir: str) -> None:
     )
 
 
-class RunLock:
-  """Exclusive ownership of a run directory (see the module docstring)."""
+LAUNCH_ID_ENV = "MAXTEXT_RL_LAUNCH_ID"
 
-  def __init__(self, run_dir: str, stale_after_s: float = 600.0):
+
+class RunLock:
+  """Exclusive ownership of a run directory (see the module docstring).
+
+  `launch_id` (default: `$MAXTEXT_RL_LAUNCH_ID`, which the launchers set once per launch and a restart of the same
+  launch keeps) names the launch the holder belongs to: a lock held by another process of the *same* launch is its
+  previous attempt (a Ray worker group restarted on another node, a JobSet pod rescheduled), dead by construction, and
+  is taken over at once instead of after `stale_after_s`. `start_heartbeat` refreshes the lock from a daemon thread,
+  so `stale_after_s` can be short without a long step (a big rollout, a checkpoint) looking dead.
+  """
+
+  def __init__(self, run_dir: str, stale_after_s: float = 60.0, launch_id: str | None = None, host: str | None = None):
     self.path = os.path.join(run_dir, ".lock")
     self.stale_after_s = stale_after_s
+    self.launch_id = os.environ.get(LAUNCH_ID_ENV, "") if launch_id is None else launch_id
+    self.host = host or socket.gethostname()  # `host` is for tests that play a process on another host
     self.held = False
     self._last_beat = 0.0
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
 
   def _info(self) -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}
+    return {"host": self.host, "pid": os.getpid(), "launch_id": self.launch_id, "heartbeat": time.time()}
 
   def _read(self) -> dict[str, Any] | None:
     try:
@@ -141,10 +157,20 @@ class RunLock:
     except (OSError, ValueError):
       return None
 
+  def _is_mine(self, info: dict[str, Any] | None) -> bool:
+    return bool(info) and info.get("pid") == os.getpid() and info.get("host") == self.host
+
+  def _is_previous_attempt(self, info: dict[str, Any]) -> bool:
+    return bool(self.launch_id) and info.get("launch_id") == self.launch_id and not self._is_mine(info)
+
   def _is_stale(self, info: dict[str, Any] | None) -> bool:
+    """Whether the lock `info` may be taken over: unreadable, a previous attempt of this launch, a dead pid on this
+    host, or a heartbeat older than stale_after_s."""
     if not info:
       return True  # unreadable or empty: a holder that died between create and write
-    if info.get("host") == socket.gethostname() and info.get("pid") and info.get("pid") != os.getpid():
+    if self._is_previous_attempt(info):
+      return True
+    if info.get("host") == self.host and info.get("pid") and info.get("pid") != os.getpid():
       try:
         os.kill(int(info["pid"]), 0)
       except ProcessLookupError:
@@ -154,6 +180,7 @@ class RunLock:
     return time.time() - float(info.get("heartbeat", 0)) > self.stale_after_s
 
   def acquire(self) -> None:
+    """Take the lock, or raise `RunLockedError` naming a live holder (one line)."""
     for _ in range(2):
       try:
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
@@ -166,7 +193,8 @@ class RunLock:
               f"{info.get('host')} (heartbeat {age:.0f} s ago); wait for it to finish or use another run_name "
               f"(a lock silent for {self.stale_after_s:.0f} s is taken over)"
           ) from None
-        logging.warning("taking over the stale lock %s (holder %s)", self.path, info)
+        why = "a previous attempt of this launch" if self._is_previous_attempt(info) else "stale"
+        logging.warning("taking over the lock %s (%s; holder %s)", self.path, why, info)
         try:
           os.remove(self.path)
         except FileNotFoundError:
@@ -179,9 +207,17 @@ class RunLock:
       return
     raise RunLockedError(f"could not take the lock {self.path}: another process took it at the same time")
 
-  def heartbeat(self, min_interval_s: float = 10.0) -> None:
-    if not self.held or time.time() - self._last_beat < min_interval_s:
-      return
+  def heartbeat(self, min_interval_s: float = 10.0) -> bool:
+    """Refresh the lock's heartbeat (at most every `min_interval_s`); False once the lock is no longer this
+    process's (a later attempt of the launch took it over): then this process stops claiming it."""
+    if not self.held:
+      return False
+    if time.time() - self._last_beat < min_interval_s:
+      return True
+    if not self._is_mine(self._read()):
+      logging.warning("the run lock %s was taken over by %s; no longer refreshing it", self.path, self._read())
+      self.held = False
+      return False
     tmp = f"{self.path}.{os.getpid()}.tmp"
     try:
       with open(tmp, "w", encoding="utf-8") as f:
@@ -190,12 +226,31 @@ class RunLock:
       self._last_beat = time.time()
     except OSError as e:
       logging.warning("could not refresh the run lock %s: %s", self.path, e)
+    return True
+
+  def start_heartbeat(self, interval_s: float | None = None) -> None:
+    """Refresh the lock every `interval_s` (default stale_after_s / 6) from a daemon thread until `release`."""
+    if not self.held or self._thread is not None:
+      return
+    interval = self.stale_after_s / 6 if interval_s is None else interval_s
+
+    def beat():
+      while not self._stop.wait(interval):
+        if not self.heartbeat(min_interval_s=0.0):
+          return
+
+    self._thread = threading.Thread(target=beat, name="run-lock-heartbeat", daemon=True)
+    self._thread.start()
 
   def release(self) -> None:
+    """Stop the heartbeat and remove the lock if this process still holds it."""
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
     if self.held:
       try:
-        info = self._read()
-        if info and info.get("pid") == os.getpid() and info.get("host") == socket.gethostname():
+        if self._is_mine(self._read()):
           os.remove(self.path)
       except OSError:
         pass

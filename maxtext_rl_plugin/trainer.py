@@ -23,15 +23,31 @@ import dataclasses
 import functools
 import json
 import math
+import importlib.util
 import os
+import signal as signal_lib
 import time
 from typing import Any, Callable, Sequence
 
 from absl import logging
+from flax import nnx
 import jax
+from maxtext.integration.tunix.tunix_adapter import TunixMaxTextAdapter
 import numpy as np
+import optax
+from tunix.rl import rl_cluster as rl_cluster_lib
+from tunix.rl.grpo import grpo_learner
+from tunix.rl.rollout import base_rollout
+from tunix.sft import metrics_logger
 
+from maxtext_rl_plugin import algorithms
 from maxtext_rl_plugin import async_rollout
+from maxtext_rl_plugin import data
+from maxtext_rl_plugin import experience
+from maxtext_rl_plugin import resharding
+from maxtext_rl_plugin import rewards as rewards_lib
+from maxtext_rl_plugin import sft
+from maxtext_rl_plugin import summary as summary_lib
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import evaluation as evaluation_lib
 from maxtext_rl_plugin import lora as lora_lib
@@ -42,7 +58,10 @@ from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.checkpointing import RunCheckpointer
 from maxtext_rl_plugin.errors import CheckpointError, ConfigError
+from maxtext_rl_plugin.rollout import embedded
+from maxtext_rl_plugin.rollout import vllm as vllm_rollout
 
 # Keys whose change makes a checkpoint's data position meaningless: resuming must refuse them.
 _RESUME_INVARIANTS = (
@@ -107,6 +126,21 @@ def _data_key(config) -> str:
   return config.train_data_path or config.dataset_name
 
 
+def per_host_split(rs: models.RunSetup) -> models.RunSetup:
+  """A disaggregated single-slice split in a multi-process program, redone per process: MaxText splits the global
+  device list (the first processes' devices train, the last ones' sample), which leaves a sampler no process can drive
+  alone; here every process gives its first local devices to the trainer (one global trainer mesh) and its last ones
+  to its own per-host sampler mesh (distributed.split_local_devices). Unchanged on one process, colocated or
+  multislice."""
+  cfg = rs.trainer_config
+  if not distributed.is_multiprocess() or not rs.disaggregated or cfg.num_trainer_slices != -1:
+    return rs
+  trainer, sampler = distributed.split_local_devices(
+      jax.devices(), float(cfg.trainer_devices_fraction), float(cfg.sampler_devices_fraction)
+  )
+  return dataclasses.replace(rs, trainer_devices=trainer, sampler_devices=sampler)
+
+
 def _check_runtime(config, rs: models.RunSetup) -> None:
   """Checks that need the device set, before any model is built (device-free ones: `config.validate`)."""
   distributed.check_device_split(rs.trainer_devices, rs.sampler_devices)
@@ -152,16 +186,12 @@ def total_updates(config) -> int:
 
 
 def _resolve_engine_name(config) -> str:
-  import jax  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
-
+  """`rollout_engine` resolved ('auto': vLLM on TPU when installed and one controller drives the sampler)."""
   multi = vllm_rollout.multi_controller_reason(jax.process_count(), pathways.requested())
   if config.rollout_engine == "vllm" and multi:
     raise ConfigError(multi)
   if config.rollout_engine != "auto":
     return config.rollout_engine
-  import importlib.util  # pylint: disable=import-outside-toplevel
 
   on_tpu = jax.default_backend() in ("tpu",) or pathways.requested()
   name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
@@ -180,34 +210,27 @@ def _resolve_engine_name(config) -> str:
 def rollout_engine_factory(name: str, sampler_config) -> Any:
   """A Tunix-constructible rollout engine (`functools.partial` of a `BaseRollout` subclass)."""
   if name == "embedded":
-    from maxtext_rl_plugin.rollout import embedded  # pylint: disable=import-outside-toplevel
-
     return functools.partial(embedded.EmbeddedRollout, config=sampler_config)
   if name == "vllm":
-    from maxtext_rl_plugin.rollout import vllm  # pylint: disable=import-outside-toplevel
-
-    vllm.import_vllm()  # fail before any model is built when the [tpu] extra is missing
-    return functools.partial(vllm.VllmRollout, config=sampler_config)
+    vllm_rollout.import_vllm()  # fail before any model is built when the [tpu] extra is missing
+    return functools.partial(vllm_rollout.VllmRollout, config=sampler_config)
   # `rollout_engine` is a Literal in config_types.py: the config never reaches here with another name.
   raise ValueError(f"unknown rollout engine {name!r}")
 
 
 def rollout_configs(config, tokenizer) -> dict:
   """Tunix RolloutConfigs for TRAIN (decode_sampling_* keys) and EVAL (`eval_sampling_strategy`; greedy is exact)."""
-  from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=import-outside-toplevel
-  from tunix.rl.rollout import base_rollout  # pylint: disable=import-outside-toplevel
-
   eos = [int(tokenizer.eos_token_id), *[int(t) for t in config.stop_token_ids]]
-  common = dict(
-      max_tokens_to_generate=config.max_target_length - config.max_prefill_predict_length,
-      max_prompt_length=config.max_prefill_predict_length,
-      kv_cache_size=config.max_target_length + config.kv_cache_buffer,
-      eos_tokens=eos,
-      rollout_vllm_model_version=config.tokenizer_path,
-      rollout_vllm_hbm_utilization=config.hbm_utilization_vllm,
-  )
+  common = {
+      "max_tokens_to_generate": config.max_target_length - config.max_prefill_predict_length,
+      "max_prompt_length": config.max_prefill_predict_length,
+      "kv_cache_size": config.max_target_length + config.kv_cache_buffer,
+      "eos_tokens": eos,
+      "rollout_vllm_model_version": config.tokenizer_path,
+      "rollout_vllm_hbm_utilization": config.hbm_utilization_vllm,
+  }
   top_k = config.decode_sampling_top_k if config.decode_sampling_top_k and config.decode_sampling_top_k > 0 else None
-  train = base_rollout.RolloutConfig(
+  train_config = base_rollout.RolloutConfig(
       temperature=config.decode_sampling_temperature,
       top_p=config.decode_sampling_nucleus_p,
       top_k=top_k,
@@ -221,7 +244,7 @@ def rollout_configs(config, tokenizer) -> dict:
         f"({', '.join(sorted(config.generation_configs or {})) or 'empty'})"
     ) from None
   evaluation = base_rollout.RolloutConfig(**eval_sampling, **common)
-  return {rl_cluster_lib.Mode.TRAIN: train, rl_cluster_lib.Mode.EVAL: evaluation}
+  return {rl_cluster_lib.Mode.TRAIN: train_config, rl_cluster_lib.Mode.EVAL: evaluation}
 
 
 def lr_schedule(config):
@@ -231,8 +254,6 @@ def lr_schedule(config):
   MaxText's `train_steps` when each batch gets one update per iteration), unless `learning_rate_schedule_steps` is set
   deliberately (MaxText's rule: a positive value different from `steps`, which the validator fills in when unset).
   """
-  import optax  # pylint: disable=import-outside-toplevel
-
   sched_steps = config.learning_rate_schedule_steps
   explicit = sched_steps and sched_steps > 0 and sched_steps not in (config.steps, config.train_steps)
   sched_steps = int(sched_steps) if explicit else total_updates(config)
@@ -252,7 +273,6 @@ def build_optimizer(config):
   schedule lengths agree); it is rebuilt here because that function drops `adam_eps`/`adam_eps_root` and sizes the
   schedule by `train_steps`, which undercounts updates when a batch is split into mini-batches.
   """
-  import optax  # pylint: disable=import-outside-toplevel
 
   def make(learning_rate):
     clip = (
@@ -299,19 +319,7 @@ class RLRun:
 
 def build_run(config, argv: Sequence[str]) -> RLRun:
   """Models, meshes, data, rewards, Tunix cluster and learner for `config`."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from maxtext.integration.tunix.tunix_adapter import TunixMaxTextAdapter  # pylint: disable=import-outside-toplevel
-  from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=import-outside-toplevel
-  from tunix.rl.grpo import grpo_learner  # pylint: disable=import-outside-toplevel
-  from tunix.sft import metrics_logger  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin import algorithms  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin import data  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin import experience  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin import rewards as rewards_lib  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.metrics import TunixTee  # pylint: disable=import-outside-toplevel
-
-  rs = models.setup_devices(argv)
+  rs = per_host_split(models.setup_devices(argv))
   config = rs.trainer_config
   _check_runtime(config, rs)
   plan = updates.UpdatePlan.from_config(config)
@@ -324,8 +332,6 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
 
   actor, actor_mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
   if config.sft_warmup_steps > 0:
-    from maxtext_rl_plugin import sft  # pylint: disable=import-outside-toplevel
-
     sft.warm_start(config, actor, actor_mesh, tokenizer, train_split, run_dir)
   lora_lib.check_engine(config, engine_name)
   actor, frozen_base = lora_lib.apply(config, actor, actor_mesh, tokenizer.pad_token_id)  # (actor, None) without LoRA
@@ -343,7 +349,7 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
       "disaggregated" if rs.disaggregated else "colocated",
   )
 
-  tee = TunixTee()
+  tee = metrics_lib.TunixTee()
   cluster_config = rl_cluster_lib.ClusterConfig(
       role_to_mesh={
           rl_cluster_lib.Role.ACTOR: actor_mesh,
@@ -381,7 +387,6 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   )
   lora_lib.keep_base_shared(rl_cluster, frozen_base)
   # Disaggregated runs: trainer -> sampler weights go through the plugin's resharding (chunked, guarded).
-  from maxtext_rl_plugin import resharding  # pylint: disable=import-outside-toplevel
 
   weight_sync = resharding.attach_to_rl_cluster(rl_cluster, rs.sampler_config)
   timer = PhaseTimer()
@@ -457,14 +462,12 @@ def _check_resume_compatible(config, meta: dict, path: str) -> None:
       )
 
 
-def _actor_state(run: RLRun):
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
-  trainer = run.rl_cluster.actor_trainer
+def _actor_state(rl_run: RLRun):
+  trainer = rl_run.rl_cluster.actor_trainer
   return nnx.state(trainer.model, lora_lib.trainable(trainer.model)), nnx.state(trainer.optimizer)
 
 
-def _restore_newest(run: RLRun, ckpt) -> tuple[int, dict]:
+def _restore_newest(rl_run: RLRun, ckpt) -> tuple[int, dict]:
   """Restore the newest checkpoint that restores; (0, {}) when there is none.
 
   A checkpoint that fails to restore while an older one restores is corrupt (a truncated array file, broken
@@ -472,31 +475,29 @@ def _restore_newest(run: RLRun, ckpt) -> tuple[int, dict]:
   the run resumes from the older one. When none restores, nothing is renamed and the newest failure is the error
   (e.g. a checkpoint of a different model).
   """
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
   steps = sorted(ckpt.all_steps(), reverse=True)
   failures: list[tuple[int, str]] = []
-  trainer = run.rl_cluster.actor_trainer
+  trainer = rl_run.rl_cluster.actor_trainer
   for step in steps:
-    params, opt_state = _actor_state(run)
+    params, opt_state = _actor_state(rl_run)
     try:
       params, opt_state, meta = ckpt.restore(step, params, opt_state)
-    except Exception as e:  # pylint: disable=broad-exception-caught  (any restore failure: try the next older one)
+    except Exception as e:  # pylint: disable=broad-exception-caught  # any restore failure: try the next older one
       failures.append((step, f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"))
       logging.warning("checkpoint %s/%d does not restore: %s", ckpt.directory, step, failures[-1][1])
       continue
-    _check_resume_compatible(run.config, meta, f"{ckpt.directory}/{step}")
+    _check_resume_compatible(rl_run.config, meta, f"{ckpt.directory}/{step}")
     for bad, why in failures:
       kept = ckpt.set_aside(bad)
       if metrics_lib.is_writer():
         print(f"skipped checkpoint step {bad} (does not restore: {why}); kept as {kept}", flush=True)
     nnx.update(trainer.model, params)
     nnx.update(trainer.optimizer, opt_state)
-    tunix_compat.set_trainer_steps(trainer, step * run.plan.updates_per_step, run.plan.accumulation_steps)
-    run.rl_cluster.global_steps = step
-    if run.learner.should_sync_weights:
-      run.rl_cluster.sync_weights()
-      run.rl_cluster.global_steps = step
+    tunix_compat.set_trainer_steps(trainer, step * rl_run.plan.updates_per_step, rl_run.plan.accumulation_steps)
+    rl_run.rl_cluster.global_steps = step
+    if rl_run.learner.should_sync_weights:
+      rl_run.rl_cluster.sync_weights()
+      rl_run.rl_cluster.global_steps = step
     return step, meta
   if failures:
     step, why = failures[0]
@@ -506,10 +507,11 @@ def _restore_newest(run: RLRun, ckpt) -> tuple[int, dict]:
   return 0, {}
 
 
-def _step_inputs(run: RLRun, step: int) -> tuple[dict, list]:
-  config = run.config
+def _step_inputs(rl_run: RLRun, step: int) -> tuple[dict, list]:
+  """Batch `step - 1` as Tunix inputs: each prompt, answer and question repeated num_generations times."""
+  config = rl_run.config
   # Batch k (0-based) is a pure function of (seed, k): resuming at step s replays nothing and skips nothing.
-  batch = run.train_split.batch(step - 1, config.batch_size)
+  batch = rl_run.train_split.batch(step - 1, config.batch_size)
   g = config.rl.num_generations
   inputs = {
       "prompts": [e.prompt for e in batch for _ in range(g)],
@@ -519,38 +521,34 @@ def _step_inputs(run: RLRun, step: int) -> tuple[dict, list]:
   return inputs, batch
 
 
-def _seed_rollout(run: RLRun, step: int) -> None:
+def _seed_rollout(rl_run: RLRun, step: int) -> None:
   """Sampling randomness is a function of (rollout_seed, step), so a resumed run samples what an
   uninterrupted one would have (the RNG part of the resume state)."""
-  from tunix.rl import rl_cluster as rl_cluster_lib  # pylint: disable=import-outside-toplevel
-
-  rc = run.rl_cluster.cluster_config.rollout_config[rl_cluster_lib.Mode.TRAIN]
-  rc.seed = (int(run.config.rollout_seed) * 1_000_003 + step) % (2**31 - 1)
+  rc = rl_run.rl_cluster.cluster_config.rollout_config[rl_cluster_lib.Mode.TRAIN]
+  rc.seed = (int(rl_run.config.rollout_seed) * 1_000_003 + step) % (2**31 - 1)
 
 
-def _sample_batch(run: RLRun, index: int, phases: dict[str, float]) -> tuple[list, dict, Any]:
+def _sample_batch(rl_run: RLRun, index: int, phases: dict[str, float]) -> tuple[list, dict, Any]:
   """Batch `index` (trained at step index + 1) sampled by the sampler's current weights: the rollout producer's
   `sample_fn` (async_rollout.py; in its thread when rollouts run ahead)."""
-  from maxtext_rl_plugin import experience  # pylint: disable=import-outside-toplevel
-
   step = index + 1
-  _seed_rollout(run, step)
-  inputs, batch = _step_inputs(run, step)
+  _seed_rollout(rl_run, step)
+  inputs, batch = _step_inputs(rl_run, step)
   timer = PhaseTimer()
-  sampled = experience.sample(run, inputs, run.plan, timer)
+  sampled = experience.sample(rl_run, inputs, rl_run.plan, timer)
   phases.update(timer.reset())
   return batch, inputs, sampled
 
 
-def _install_weights(run: RLRun, snapshot: bool) -> None:
+def _install_weights(rl_run: RLRun, snapshot: bool) -> None:
   """The trainer's current weights become the sampler's (after a step's updates): a weight sync when the engine has
   its own copy, else (shared arrays) a snapshot when rollouts run ahead."""
-  if run.learner.should_sync_weights:
-    run.rl_cluster.sync_weights()
+  if rl_run.learner.should_sync_weights:
+    rl_run.rl_cluster.sync_weights()
   else:
-    run.rl_cluster.global_steps += 1
+    rl_run.rl_cluster.global_steps += 1
     if snapshot:
-      run.rl_cluster.rollout.snapshot_weights()
+      rl_run.rl_cluster.rollout.snapshot_weights()
 
 
 def _audit_batch(run_dir: str, step: int, batch) -> None:
@@ -575,10 +573,9 @@ _TUNIX_RENAMES = {
 
 
 def _step_metrics(
-    run: RLRun, exp, item, answers: list, phases: dict[str, float], step: int, step_seconds: float, wait_sync_s: float
+    rl_run: RLRun, exp, item, answers: list, phases: dict[str, float], step: int, step_seconds: float, wait_sync_s: float
 ) -> dict[str, float]:
-  from maxtext_rl_plugin import rewards as rewards_lib  # pylint: disable=import-outside-toplevel
-
+  """One step's record: rewards per function, accuracy, completion lengths, Tunix's loss metrics, phase timings."""
   values = item.value[2].reward_values
   m: dict[str, float] = {}
   for name, vals in values.items():
@@ -588,7 +585,7 @@ def _step_metrics(
   m["reward/mean"] = float(exp.rewards.mean())
   m["reward/std"] = float(exp.rewards.std())
   # The check_answer reward's own grading (rewards memoise the last batch): no second pass.
-  graded = rewards_lib.score_batch(exp.texts, answers, run.config)
+  graded = rewards_lib.score_batch(exp.texts, answers, rl_run.config)
   m["accuracy"] = float(np.mean([r.correct for r in graded]))
   m["strict_accuracy"] = float(np.mean([r.correct and r.format_ok for r in graded]))
   mask = distributed.to_host(exp.example.completion_mask)
@@ -596,14 +593,14 @@ def _step_metrics(
   m["completion/length_mean"] = float(lengths.mean())
   m["completion/length_max"] = float(lengths.max())
   m["completion/stopped_fraction"] = float(np.mean(lengths < mask.shape[-1]))
-  tunix = run.tee.drain()
+  tunix = rl_run.tee.drain()
   for k, v in tunix.items():
     if not k.startswith("actor/train/"):
       continue
     name = k.split("/")[-1]
     m[_TUNIX_RENAMES.get(name, "train/" + name)] = v
   m.update(exp.metrics)
-  updates_done, _ = tunix_compat.trainer_steps(run.rl_cluster.actor_trainer)
+  updates_done, _ = tunix_compat.trainer_steps(rl_run.rl_cluster.actor_trainer)
   m["opt/updates"] = float(updates_done)
   for phase in ("rollout", "reward", "logps", "train", "weight_sync"):
     m[f"time/{phase}_s"] = phases.get(phase, 0.0)
@@ -632,16 +629,12 @@ class StepProfiler:
     self.active = False
 
   def before_step(self, step: int) -> None:
-    import jax  # pylint: disable=import-outside-toplevel
-
     if self.enabled and step == self.first and not self.active:
       jax.profiler.start_trace(self.log_dir)
       self.active = True
       logging.info("profiling RL steps %d..%d into %s", self.first, self.last, self.log_dir)
 
   def after_step(self, step: int, force: bool = False) -> None:
-    import jax  # pylint: disable=import-outside-toplevel
-
     if self.active and (step >= self.last or force):
       jax.profiler.stop_trace()
       self.active = False
@@ -663,42 +656,38 @@ def _read_history(path: str | None) -> list[dict[str, Any]] | None:
   return out
 
 
-def _save(ckpt, run: RLRun, step: int, summary: dict) -> None:
-  params, opt_state = _actor_state(run)
-  ckpt.save(step, params, opt_state, _meta(run.config, step, {"eval_before": summary["eval_before"]}))
+def _save(ckpt, rl_run: RLRun, step: int, summary: dict) -> None:
+  params, opt_state = _actor_state(rl_run)
+  ckpt.save(step, params, opt_state, _meta(rl_run.config, step, {"eval_before": summary["eval_before"]}))
 
 
-def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any]:
+def train(rl_run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any]:
   """Run (or resume) the RL loop; returns a summary dict (eval before/after, history)."""
-  from maxtext_rl_plugin import experience  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.checkpointing import RunCheckpointer  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.metrics import RunLogger  # pylint: disable=import-outside-toplevel
-
-  config = run.config
-  plan = run.plan
+  config = rl_run.config
+  plan = rl_run.plan
   stop = stop or signals.GracefulStop()
   total = num_rl_steps(config)
   ckpt = RunCheckpointer(
-      config.checkpoint_dir or os.path.join(run.run_dir, "checkpoints"),
+      config.checkpoint_dir or os.path.join(rl_run.run_dir, "checkpoints"),
       period=config.checkpoint_period,
       max_to_keep=config.max_num_checkpoints_to_keep,
       enabled=config.enable_checkpointing,
       async_save=bool(config.async_checkpointing),
   )
-  start, meta = _restore_newest(run, ckpt)  # every process joins the restore
+  start, meta = _restore_newest(rl_run, ckpt)  # every process joins the restore
   start = distributed.agree(start, "the checkpoint step to resume from")
   if metrics_lib.is_writer():
     if not start:
-      run_dir_lib.check_fresh_metrics_file(run.metrics_file, run.run_dir)
+      run_dir_lib.check_fresh_metrics_file(rl_run.metrics_file, rl_run.run_dir)
     # Records of steps after the restored checkpoint were trained and then lost with the process: drop them (and a
     # torn last line) so every step appears once. A fresh start drops a failed attempt's records likewise.
-    for path in (run.metrics_file, os.path.join(run.run_dir, "batches.jsonl")):
+    for path in (rl_run.metrics_file, os.path.join(rl_run.run_dir, "batches.jsonl")):
       run_dir_lib.prune_jsonl(path, start if start else -1)
-  out_logger = RunLogger(
-      config.tensorboard_dir, run.metrics_file, total, start, log_period=max(1, int(config.log_period))
+  out_logger = metrics_lib.RunLogger(
+      config.tensorboard_dir, rl_run.metrics_file, total, start, log_period=max(1, int(config.log_period))
   )
   summary: dict[str, Any] = {
-      "run_dir": run.run_dir,
+      "run_dir": rl_run.run_dir,
       "start_step": start,
       "total_steps": total,
       "eval_before": meta.get("eval_before"),
@@ -707,11 +696,11 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
       "eval_sampling": f"{config.eval_sampling_strategy}, {config.num_eval_passes} pass(es)",
   }
   if start:
-    out_logger.note(f"resuming {run.run_dir} from checkpoint step {start} (next batch index {start})")
+    out_logger.note(f"resuming {rl_run.run_dir} from checkpoint step {start} (next batch index {start})")
   else:
     out_logger.note(
-        f"starting {run.run_dir}: {total} RL steps of {config.rl.loss_algo}, batch {config.batch_size} x "
-        f"{config.rl.num_generations} generations, rollout engine '{run.engine_name}'"
+        f"starting {rl_run.run_dir}: {total} RL steps of {config.rl.loss_algo}, batch {config.batch_size} x "
+        f"{config.rl.num_generations} generations, rollout engine '{rl_run.engine_name}'"
     )
   out_logger.note(
       f"updates: {plan.updates_per_step} optimizer update(s) per RL step (rl.num_iterations={plan.num_iterations}, "
@@ -723,8 +712,8 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
           else ("sampler (rl.use_rollout_logps)" if config.rl.use_rollout_logps else "trainer forward")
       )
   )
-  rs = run.setup
-  sync = run.weight_sync
+  rs = rl_run.setup
+  sync = rl_run.weight_sync
   out_logger.note(
       f"devices: trainer {len(rs.trainer_devices)}, sampler {len(rs.sampler_devices)} ("
       + (
@@ -734,19 +723,19 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
       )
   )
   if start == 0 and config.eval_before_training and config.num_test_batches > 0:
-    summary["eval_before"] = evaluation_lib.evaluate(run, 0)
-    run.timer.reset()
+    summary["eval_before"] = evaluation_lib.evaluate(rl_run, 0)
+    rl_run.timer.reset()
     out_logger.log_eval(0, summary["eval_before"], "eval before RL")
 
   profiler = StepProfiler(config)
-  trainer = run.rl_cluster.actor_trainer
+  trainer = rl_run.rl_cluster.actor_trainer
   # Rollouts run up to rl.off_policy_steps batches ahead of the updates (0: sampled inline, the synchronous step).
   producer = async_rollout.RolloutProducer(
-      functools.partial(_sample_batch, run), off_policy_steps=int(config.rl.off_policy_steps), start=start, end=total
+      functools.partial(_sample_batch, rl_run), off_policy_steps=int(config.rl.off_policy_steps), start=start, end=total
   )
-  snapshot = producer.asynchronous and not run.learner.should_sync_weights
+  snapshot = producer.asynchronous and not rl_run.learner.should_sync_weights
   if snapshot:  # colocated: the producer samples a pinned version while the trainer updates the shared arrays
-    run.rl_cluster.rollout.snapshot_weights()
+    rl_run.rl_cluster.rollout.snapshot_weights()
   if producer.asynchronous:
     out_logger.note(
         f"rollouts run up to rl.off_policy_steps={producer.k} step(s) ahead of the trainer "
@@ -757,26 +746,26 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
   try:
     for step in range(start + 1, total + 1):
       t_step = time.perf_counter()
-      run.timer.reset()
+      rl_run.timer.reset()
       profiler.before_step(step)
       item = producer.take(step - 1)
       batch, inputs, sampled = item.value
-      exp = experience.score(run, sampled, plan, run.timer)
+      exp = experience.score(rl_run, sampled, plan, rl_run.timer)
       t = time.perf_counter()
-      run.rl_cluster.update_actor(updates.micro_batches(exp.example, plan), None, skip_jit=False)
+      rl_run.rl_cluster.update_actor(updates.micro_batches(exp.example, plan), None, skip_jit=False)
       # Tunix defers writing an update's metrics by one update (to overlap I/O); flush so this step's are this step's.
       tunix_compat.flush_train_metrics(trainer)
-      run.timer.add("train", time.perf_counter() - t)
+      rl_run.timer.add("train", time.perf_counter() - t)
       t = time.perf_counter()
-      wait_sync = producer.publish(step, functools.partial(_install_weights, run, snapshot))
-      run.timer.add("weight_sync", time.perf_counter() - t - wait_sync)
+      wait_sync = producer.publish(step, functools.partial(_install_weights, rl_run, snapshot))
+      rl_run.timer.add("weight_sync", time.perf_counter() - t - wait_sync)
       profiler.after_step(step)
       if out_logger.writer:  # after the update: the audit never names a step that did not train
-        _audit_batch(run.run_dir, step, batch)
-      phases = run.timer.reset()
+        _audit_batch(rl_run.run_dir, step, batch)
+      phases = rl_run.timer.reset()
       for phase, seconds in item.phases.items():  # the batch's sampling (async: overlapped with an earlier step)
         phases[phase] = phases.get(phase, 0.0) + seconds
-      metrics = _step_metrics(run, exp, item, inputs["answer"], phases, step, time.perf_counter() - t_step, wait_sync)
+      metrics = _step_metrics(rl_run, exp, item, inputs["answer"], phases, step, time.perf_counter() - t_step, wait_sync)
       if not all(math.isfinite(v) for v in metrics.values()):
         logging.warning(
             "non-finite metrics at step %d: %s", step, {k: v for k, v in metrics.items() if not math.isfinite(v)}
@@ -784,24 +773,21 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
       out_logger.log_step(step, metrics)
       if evaluation_lib.should_evaluate(config, step, total):
         with producer.engine():
-          ev = evaluation_lib.evaluate(run, step)
-        run.timer.reset()
+          ev = evaluation_lib.evaluate(rl_run, step)
+        rl_run.timer.reset()
         summary["eval_history"].append({"step": step, **ev})
         out_logger.log_eval(step, ev, "eval")
       saved = ckpt.should_save(step, total)
       if saved:
-        _save(ckpt, run, step, summary)
-      if run.lock is not None:
-        run.lock.heartbeat()
+        _save(ckpt, rl_run, step, summary)
       if stop.requested is not None and step < total:
         producer.close()  # batches sampled ahead are dropped: a resume samples them again (async_rollout.py)
         if not saved and ckpt.enabled:
-          _save(ckpt, run, step, summary)
+          _save(ckpt, rl_run, step, summary)
         where = f"checkpoint step {step} in {ckpt.directory}" if ckpt.enabled else "nowhere (enable_checkpointing=false)"
         profiler.after_step(step, force=True)
         out_logger.close()
         ckpt.close()
-        import signal as signal_lib  # pylint: disable=import-outside-toplevel
 
         raise signals.Stopped(
             f"stopped by {signal_lib.Signals(stop.requested).name} after step {step}/{total}; "
@@ -811,27 +797,29 @@ def train(run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any
   finally:
     producer.close()
   if snapshot:
-    run.rl_cluster.rollout.release_snapshot()
+    rl_run.rl_cluster.rollout.release_snapshot()
   stop.in_loop = False
   profiler.after_step(total, force=True)
 
   if config.eval_after_training and config.num_test_batches > 0 and total > start:
-    summary["eval_after"] = evaluation_lib.evaluate(run, total)
+    summary["eval_after"] = evaluation_lib.evaluate(rl_run, total)
     out_logger.log_eval(total, summary["eval_after"], "eval after RL")
-  if run.weight_sync is not None:
+  if rl_run.weight_sync is not None:
     summary["weight_syncs"] = {
-        "count": run.weight_sync.num_syncs,
-        "verified": run.weight_sync.num_verified,
-        "last_seconds": run.weight_sync.last_seconds,
-        "last_bytes": run.weight_sync.last_bytes,
+        "count": rl_run.weight_sync.num_syncs,
+        "verified": rl_run.weight_sync.num_verified,
+        "last_seconds": rl_run.weight_sync.last_seconds,
+        "last_bytes": rl_run.weight_sync.last_bytes,
     }
-    out_logger.note(f"weight syncs: {run.weight_sync.num_syncs}, verified bit-exact: {run.weight_sync.num_verified}")
+    out_logger.note(
+        f"weight syncs: {rl_run.weight_sync.num_syncs}, verified bit-exact: {rl_run.weight_sync.num_verified}"
+    )
   out_logger.close()
-  summary["history"] = _read_history(run.metrics_file) or out_logger.history
+  summary["history"] = _read_history(rl_run.metrics_file) or out_logger.history
   summary["tensorboard_dir"] = out_logger.tensorboard_dir
-  summary["metrics_file"] = run.metrics_file
+  summary["metrics_file"] = rl_run.metrics_file
   ckpt.close()
-  run.rl_cluster.close()
+  rl_run.rl_cluster.close()
   return summary
 
 
@@ -857,8 +845,6 @@ def _finished_summary(config, run_dir: str) -> dict[str, Any] | None:
 
 def run(config, argv: Sequence[str]) -> dict[str, Any]:
   """Entry point from `train_rl.main`: check outputs, lock the run directory, build, train (or resume), summarise."""
-  from maxtext_rl_plugin import summary as summary_lib  # pylint: disable=import-outside-toplevel
-
   out_dir = os.path.join(config.base_output_directory, config.run_name)
   metrics_file = run_dir_lib.resolve_metrics_file(config.metrics_file, out_dir)
   writer = metrics_lib.is_writer()  # process 0 alone checks, locks and writes the run's files
@@ -877,6 +863,7 @@ def run(config, argv: Sequence[str]) -> dict[str, Any]:
   lock = run_dir_lib.RunLock(out_dir)
   if writer:
     lock.acquire()
+    lock.start_heartbeat()  # a daemon thread: a step longer than the lock's stale_after_s never looks dead
   try:
     with signals.GracefulStop() as stop:
       rl_run = build_run(config, argv)

@@ -5,18 +5,24 @@ A development aid for iterating on multi-process code without Ray's start-up; th
 """
 
 import argparse
+import contextlib
 import os
 import socket
 import subprocess
 import sys
+import uuid
+
+# Function-local imports: only a child process imports jax and the plugin, under the environment its parent set.
+# pylint: disable=import-outside-toplevel
 
 
 def _child(pid: int, n: int, addr: str, argv: list[str]) -> int:
-  import jax  # pylint: disable=import-outside-toplevel
+  """One process of the program: jax.distributed with gloo collectives, then train_rl."""
+  import jax
 
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=addr, num_processes=n, process_id=pid)
-  from maxtext_rl_plugin import train_rl  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin import train_rl
 
   try:
     return train_rl.main(argv)
@@ -43,25 +49,29 @@ def main() -> int:
   if args.devices_per_process > 1:
     flags.append(f"--xla_force_host_platform_device_count={args.devices_per_process}")
   env["XLA_FLAGS"] = " ".join(flags)
-  procs = [
-      subprocess.Popen(
-          [
-              sys.executable,
-              __file__,
-              "--child",
-              str(i),
-              "--num-processes",
-              str(args.num_processes),
-              "--addr",
-              f"127.0.0.1:{port}",
-              "--",
-              *rest,
-          ],
-          env=env,
-      )
-      for i in range(args.num_processes)
-  ]
-  rcs = [pr.wait() for pr in procs]
+  env.setdefault("MAXTEXT_RL_LAUNCH_ID", f"mp_run:{uuid.uuid4().hex[:16]}")  # run_dir.LAUNCH_ID_ENV: the run lock
+  with contextlib.ExitStack() as stack:
+    procs = [
+        stack.enter_context(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--child",
+                    str(i),
+                    "--num-processes",
+                    str(args.num_processes),
+                    "--addr",
+                    f"127.0.0.1:{port}",
+                    "--",
+                    *rest,
+                ],
+                env=env,
+            )
+        )
+        for i in range(args.num_processes)
+    ]
+    rcs = [pr.wait() for pr in procs]
   print(f"[mp_run] exit codes {rcs}", flush=True)
   return max(rcs, key=abs)
 

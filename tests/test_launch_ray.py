@@ -15,9 +15,12 @@ import sys
 
 import pytest
 
-pytest.importorskip("ray.train.v2.jax", reason="ray[train] not installed (pip install 'maxtext-rl-plugin[launch]')")
+from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin.launch import smoke
+from maxtext_rl_plugin.launch import ray as ray_lib  # imports ray lazily: the skip below still applies
 
-from maxtext_rl_plugin.launch import ray as ray_lib  # pylint: disable=wrong-import-position
+pytest.importorskip("ray.train.v2.jax", reason="ray[train] not installed (pip install 'maxtext-rl-plugin[launch]')")
+ray_config = pytest.importorskip("ray.train.v2.api.config")
 
 TOKEN = "hf_test_RAYsecret_77"
 
@@ -29,6 +32,14 @@ def test_cpu_workers_never_inherit_forced_devices():
   assert env["HF_TOKEN"] == TOKEN  # passed through to workers, like the XPK path
   env = ray_lib.RayLaunch(num_workers=2, overrides=[], cpu_devices_per_worker=2).worker_env(inherited)
   assert env["XLA_FLAGS"].split() == ["--xla_dump_to=/tmp/d", "--xla_force_host_platform_device_count=2"]
+
+
+def test_launch_id_is_one_per_launch_and_kept_by_its_restarts():
+  launch = ray_lib.RayLaunch(num_workers=2, overrides=["run_name=r1"])
+  key = run_dir_lib.LAUNCH_ID_ENV
+  # Every restart of the worker group gets the same runtime env, hence the same id; another launch gets another id.
+  assert launch.worker_env({})[key] == launch.worker_env({})[key] == f"ray:r1:{launch.launch_id}"
+  assert ray_lib.RayLaunch(num_workers=2, overrides=["run_name=r1"]).worker_env({})[key] != launch.worker_env({})[key]
 
 
 def test_tpu_trainer_matches_the_ray_tutorial(monkeypatch):
@@ -94,12 +105,10 @@ def test_dry_run_and_one_line_errors(monkeypatch, launch_cli):
 def test_max_failures_is_rays_failure_config(launch_cli):
   """--max-failures N is Ray Train's FailureConfig(max_failures=N) (the group restart the multi-process test
   exercises); default 0 (no restart), -1 forever, below that one line."""
-  from ray.train.v2.api.config import FailureConfig  # pylint: disable=import-outside-toplevel
-
   for n in (0, 3, -1):
     trainer = ray_lib.build_trainer(ray_lib.RayLaunch(num_workers=2, overrides=["run_name=ft"], max_failures=n))
     fc = trainer.run_config.failure_config
-    assert isinstance(fc, FailureConfig) and fc.max_failures == n
+    assert isinstance(fc, ray_config.FailureConfig) and fc.max_failures == n
   rc, out, _ = launch_cli(["ray", "--num-workers", "2", "--max-failures", "2", "--dry-run", "--", "run_name=ft"])
   assert rc == 0 and 'failure={"max_failures": 2}' in out
   rc, out, err = launch_cli(["ray", "--num-workers", "2", "--max-failures", "-2", "--dry-run"])
@@ -171,8 +180,6 @@ def test_two_cpu_workers_run_one_grpo_step_as_one_jax_program(tmp_path):
   assert ranks[0]["grad_norm"] == ranks[1]["grad_norm"] and ranks[0]["grad_norm"] > 0
   # Reference: the same step in this single process (all shards local). A missing or doubled gradient all-reduce
   # would change grad_norm and the post-update loss.
-  from maxtext_rl_plugin.launch import smoke  # pylint: disable=import-outside-toplevel
-
   ref = smoke.grpo_step()
   for key in ("loss", "loss_after_step", "grad_norm", "reward_mean"):
     assert ranks[0][key] == pytest.approx(ref[key], rel=1e-5, abs=1e-7), key

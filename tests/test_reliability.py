@@ -52,7 +52,7 @@ def _train(out, *overrides, check=True):
 
 
 def _steps(path):
-  return [json.loads(l)["step"] for l in pathlib.Path(path).read_text().splitlines() if l.strip()]
+  return [json.loads(l)["step"] for l in pathlib.Path(path).read_text(encoding="utf-8").splitlines() if l.strip()]
 
 
 def _digest(*paths):
@@ -80,8 +80,8 @@ def test_lock_names_a_live_holder_and_takes_over_a_dead_one(tmp_path):
   )
   with pytest.raises(run_dir_lib.RunLockedError, match=f"in use by pid {os.getppid()} on host"):
     lock.acquire()
-  dead = subprocess.Popen([sys.executable, "-c", "pass"])
-  dead.wait()
+  with subprocess.Popen([sys.executable, "-c", "pass"]) as dead:
+    pass  # leaving the block waits for it: its pid is then free
   (tmp_path / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "heartbeat": time.time()}))
   lock.acquire()
   assert json.loads((tmp_path / ".lock").read_text())["pid"] == os.getpid()
@@ -90,6 +90,67 @@ def test_lock_names_a_live_holder_and_takes_over_a_dead_one(tmp_path):
   # Another host's lock that stopped beating for longer than stale_after_s is taken over too.
   (tmp_path / ".lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "heartbeat": time.time() - 3600}))
   run_dir_lib.RunLock(str(tmp_path), stale_after_s=600).acquire()
+
+
+_HOLDER = """
+import sys, time
+from maxtext_rl_plugin import run_dir
+lock = run_dir.RunLock(sys.argv[1], stale_after_s=1.0, launch_id=sys.argv[2], host="pod-a")
+lock.acquire()
+lock.start_heartbeat(interval_s=0.1)
+print("held", flush=True)
+time.sleep(600)  # one long step: only the heartbeat thread keeps the lock fresh
+"""
+
+
+def _lock_info(path):
+  return json.loads((path / ".lock").read_text())
+
+
+def test_lock_heartbeat_thread_and_takeover_by_the_same_launch(tmp_path):
+  with subprocess.Popen(
+      [sys.executable, "-c", _HOLDER, str(tmp_path), "job-1"], cwd=REPO, stdout=subprocess.PIPE, text=True
+  ) as holder:
+    _takeover_while_the_holder_runs(tmp_path, holder)
+
+
+def _takeover_while_the_holder_runs(tmp_path, holder):
+  """The holder keeps its lock fresh from its heartbeat thread; a restart of its own launch takes it over at once."""
+  try:
+    assert holder.stdout.readline().strip() == "held"
+    first = _lock_info(tmp_path)["heartbeat"]
+    time.sleep(2.5)  # > stale_after_s: the holder's main thread never refreshed the lock, its heartbeat thread did
+    assert _lock_info(tmp_path)["heartbeat"] > first + 1.5
+    # Another launch (even on another host, where liveness cannot be probed) is refused while the heartbeat is fresh.
+    with pytest.raises(run_dir_lib.RunLockedError, match=f"in use by pid {holder.pid} on host pod-a"):
+      run_dir_lib.RunLock(str(tmp_path), stale_after_s=1.0, launch_id="job-2", host="pod-b").acquire()
+    # A restart of the same launch on another host takes over at once: the holder is its own previous attempt.
+    t = time.time()
+    restart = run_dir_lib.RunLock(str(tmp_path), stale_after_s=600.0, launch_id="job-1", host="pod-b")
+    restart.acquire()
+    assert time.time() - t < 1.0
+    time.sleep(0.5)  # the old holder's heartbeat thread sees the lock is no longer its own and leaves it alone
+    info = _lock_info(tmp_path)
+    assert (info["host"], info["pid"], info["launch_id"]) == ("pod-b", os.getpid(), "job-1")
+    assert holder.poll() is None  # the previous attempt still runs (a zombie pod) and did not steal it back
+    restart.release()
+    assert not (tmp_path / ".lock").exists()
+  finally:
+    holder.kill()
+    holder.wait()
+
+
+def test_lock_launch_id_comes_from_the_environment(tmp_path, monkeypatch):
+  monkeypatch.setenv(run_dir_lib.LAUNCH_ID_ENV, "ray:run:abc")
+  lock = run_dir_lib.RunLock(str(tmp_path))
+  lock.acquire()
+  assert _lock_info(tmp_path)["launch_id"] == "ray:run:abc" and lock.stale_after_s == 60.0
+  lock.release()
+  monkeypatch.delenv(run_dir_lib.LAUNCH_ID_ENV)
+  # Without a launch id nothing proves a live-looking holder is a previous attempt: an empty id matches nothing.
+  (tmp_path / ".lock").write_text(json.dumps({"host": "elsewhere", "pid": 1, "launch_id": "", "heartbeat": time.time()}))
+  with pytest.raises(run_dir_lib.RunLockedError):
+    run_dir_lib.RunLock(str(tmp_path)).acquire()
 
 
 def test_unwritable_outputs_fail_before_any_model_is_built(tmp_path):
@@ -151,22 +212,22 @@ def test_finished_rerun_lock_and_corrupt_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_checkpoints_and_resumes(tmp_path):
-  proc = subprocess.Popen(
+  with subprocess.Popen(
       _cmd(tmp_path, "num_batches=60", "checkpoint_period=1000"),
       cwd=REPO,
       env=_env(),
       stdout=subprocess.PIPE,
       stderr=subprocess.PIPE,
       text=True,
-  )
-  metrics = tmp_path / "r" / "metrics.jsonl"
-  deadline = time.time() + 600
-  while time.time() < deadline and proc.poll() is None:
-    if metrics.exists() and any('"reward/mean"' in l for l in metrics.read_text().splitlines()):
-      break
-    time.sleep(0.5)
-  proc.send_signal(signal.SIGTERM)
-  out, err = proc.communicate(timeout=600)
+  ) as proc:
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+      if metrics.exists() and any('"reward/mean"' in l for l in metrics.read_text().splitlines()):
+        break
+      time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=600)
   assert proc.returncode == 143, (out[-2000:], err[-2000:])
   last = err.strip().splitlines()[-1]
   assert last.startswith("error: stopped by SIGTERM after step ") and "resume from checkpoint step" in last, err[-2000:]
@@ -175,7 +236,7 @@ def test_sigterm_checkpoints_and_resumes(tmp_path):
   assert (tmp_path / "r" / "checkpoints" / str(stopped_at)).is_dir()  # written although checkpoint_period=1000
   p = _train(tmp_path, f"num_batches={stopped_at + 1}", "checkpoint_period=1000")
   assert f"from checkpoint step {stopped_at}" in p.stdout
-  assert [s for s in _steps(tmp_path / "r" / "batches.jsonl")] == list(range(1, stopped_at + 2))
+  assert _steps(tmp_path / "r" / "batches.jsonl") == list(range(1, stopped_at + 2))
 
 
 def test_a_fresh_run_refuses_another_runs_metrics_file(tmp_path):

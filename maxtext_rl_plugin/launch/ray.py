@@ -23,11 +23,17 @@ import os
 import re
 import socket
 import sys
+import uuid
 from typing import Any, Sequence
 
 from absl import logging
 
+# Function-local imports: `ray` is an optional extra (`[launch]`), and a worker imports jax, the smoke step and
+# train_rl only after it has set JAX_PLATFORMS / XLA_FLAGS for its own devices (the driver never initialises jax).
+# pylint: disable=import-outside-toplevel
+
 from maxtext_rl_plugin import errors
+from maxtext_rl_plugin import run_dir
 from maxtext_rl_plugin.launch import xpk as xpk_lib
 
 ENTRIES = ("train_rl", "smoke")
@@ -56,12 +62,16 @@ class RayLaunch:
   address: str | None = None
   num_cpus: int | None = None
   max_failures: int = 0
+  # One id per `launch ray` invocation; every restart of its worker group (FailureConfig) keeps it, so the restarted
+  # process 0 takes over the run lock of its dead predecessor at once, wherever Ray placed either (run_dir.RunLock).
+  launch_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:16])
 
   @property
   def use_tpu(self) -> bool:
     return bool(self.tpu_topology or self.accelerator_type)
 
   def validate(self, *, check_overrides: bool = True) -> None:
+    """Reject bad flags (one `LaunchError` line) and, for train_rl, bad overrides, before Ray starts anything."""
     if self.num_workers < 1:
       raise xpk_lib.LaunchError(f"--num-workers must be >= 1, got {self.num_workers}")
     if self.entry not in ENTRIES:
@@ -81,6 +91,7 @@ class RayLaunch:
     return self.name or xpk_lib.override_value(self.overrides, "run_name") or "maxtext-rl"
 
   def scaling_config_kwargs(self) -> dict[str, Any]:
+    """`ScalingConfig` kwargs: the Ray tutorial's TPU settings (one worker per host), or CPU workers."""
     if self.use_tpu:
       return {
           "num_workers": self.num_workers,
@@ -93,7 +104,8 @@ class RayLaunch:
     return {"num_workers": self.num_workers, "use_tpu": False, "resources_per_worker": {"CPU": self.cpus_per_worker}}
 
   def worker_env(self, environ: dict[str, str] | None = None) -> dict[str, str]:
-    """env_vars of the workers' runtime_env: platform, XLA flags and the HF token passed through."""
+    """env_vars of the workers' runtime_env: platform, XLA flags, the launch id (run lock) and the HF token passed
+    through."""
     environ = os.environ if environ is None else environ
     if self.use_tpu:
       env = dict(TPU_WORKER_ENV)
@@ -103,6 +115,7 @@ class RayLaunch:
           "XLA_FLAGS": _cpu_xla_flags(environ.get("XLA_FLAGS", ""), self.cpu_devices_per_worker),
       }
     env["RAY_TRAIN_V2_ENABLED"] = "1"
+    env[run_dir.LAUNCH_ID_ENV] = f"ray:{self.run_name()}:{self.launch_id}"
     token = self.hf_token() or environ.get(xpk_lib.SECRET_ENV)
     if token:
       env[xpk_lib.SECRET_ENV] = token
@@ -154,7 +167,8 @@ class RayLaunch:
     """One line that says what would run (secrets redacted), for --dry-run and logs."""
     env = {k: ("***" if k == xpk_lib.SECRET_ENV else v) for k, v in self.worker_env().items()}
     return (
-        f"ray JaxTrainer name={self.run_name()} entry={self.entry} scaling={json.dumps(self.scaling_config_kwargs(), sort_keys=True)} "
+        f"ray JaxTrainer name={self.run_name()} entry={self.entry} "
+        f"scaling={json.dumps(self.scaling_config_kwargs(), sort_keys=True)} "
         f"worker_env={json.dumps(env, sort_keys=True)} failure={json.dumps(self.failure_config_kwargs())} "
         f"argv={json.dumps(self.loop_config()['argv'])}"
     )
@@ -175,12 +189,12 @@ def _free_port() -> int:
 
 def _init_cpu_distributed(cpu_devices: int) -> bool:
   """jax.distributed on CPU workers (Ray does not); returns True when this call initialised it."""
-  import ray.train  # pylint: disable=import-outside-toplevel
-  from ray.train import collective  # pylint: disable=import-outside-toplevel
+  import ray.train
+  from ray.train import collective
 
   os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ["XLA_FLAGS"] = _cpu_xla_flags(os.environ.get("XLA_FLAGS", ""), cpu_devices)
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
 
   ctx = ray.train.get_context()
   rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -189,7 +203,7 @@ def _init_cpu_distributed(cpu_devices: int) -> bool:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   address = None
   if rank == 0:
-    import ray.util  # pylint: disable=import-outside-toplevel
+    import ray.util
 
     address = f"{ray.util.get_node_ip_address()}:{_free_port()}"
   address = collective.broadcast_from_rank_zero(address)
@@ -200,12 +214,12 @@ def _init_cpu_distributed(cpu_devices: int) -> bool:
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
   """Runs on every Ray worker: distributed JAX setup on CPU, then train_rl (or the smoke GRPO step)."""
-  import ray.train  # pylint: disable=import-outside-toplevel
+  import ray.train
 
   initialised = False if loop_config["use_tpu"] else _init_cpu_distributed(loop_config["cpu_devices_per_worker"])
   try:
     if loop_config["entry"] == "smoke":
-      from maxtext_rl_plugin.launch import smoke  # pylint: disable=import-outside-toplevel
+      from maxtext_rl_plugin.launch import smoke
 
       metrics = smoke.grpo_step()
       rank = ray.train.get_context().get_world_rank()
@@ -216,7 +230,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
       print(f"[smoke] rank {rank}: {json.dumps(metrics, sort_keys=True)}", flush=True)
       ray.train.report(metrics)
       return
-    from maxtext_rl_plugin import train_rl  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin import train_rl
 
     argv = list(loop_config["argv"])
     if os.environ.get(xpk_lib.SECRET_ENV):  # the token came through the runtime env, not argv (never printed)
@@ -229,7 +243,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
       raise RuntimeError(f"train_rl exited with status {rc} on worker {ray.train.get_context().get_world_rank()}")
   finally:
     if initialised:
-      import jax  # pylint: disable=import-outside-toplevel
+      import jax
 
       jax.distributed.shutdown()
 
@@ -238,8 +252,8 @@ def build_trainer(launch: RayLaunch):
   """The `JaxTrainer` for `launch` (constructing it needs no cluster; `fit()` does)."""
   os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")  # JaxTrainer and ray.train.collective are Train V2 APIs
   try:
-    from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig  # pylint: disable=import-outside-toplevel
-    from ray.train.v2.jax import JaxTrainer  # pylint: disable=import-outside-toplevel
+    from ray.train.v2.api.config import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.v2.jax import JaxTrainer
   except ImportError:
     raise errors.MissingExtraError("the Ray launcher", "ray[train]", "launch") from None
   try:
@@ -270,7 +284,7 @@ def run(launch: RayLaunch, *, dry_run: bool = False) -> int:
   print(launch.describe(), file=sys.stdout if dry_run else sys.stderr, flush=True)
   if dry_run:
     return 0
-  import ray  # pylint: disable=import-outside-toplevel
+  import ray
 
   init_kwargs: dict[str, Any] = {"address": launch.address, "ignore_reinit_error": True}
   if launch.num_cpus and not launch.address and not os.environ.get("RAY_ADDRESS"):

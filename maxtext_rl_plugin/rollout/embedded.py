@@ -221,6 +221,11 @@ class EmbeddedRollout(base_rollout.BaseRollout):
 
   # Set by `resharding.attach_to_rl_cluster` on disaggregated runs: the chunked, guarded trainer -> sampler copy.
   weight_sync: Any = None
+  # When set (the plugin's trainer with a per-host sampler mesh), sampling keys are per row: generation j of prompt i
+  # draws its step-t token with fold_in(fold_in(fold_in(rng, prompt_offset + i), j), t), so a row samples the same
+  # tokens however the batch is split across calls, chunks, buckets and processes (each process samples its own
+  # prompts and passes their global index). None: one key per call for the whole batch (the default).
+  prompt_offset: Optional[int] = None
   # Set by `snapshot_weights`: the weights generate() samples with instead of the actor's current ones.
   _pinned: Any = None
 
@@ -301,6 +306,8 @@ class EmbeddedRollout(base_rollout.BaseRollout):
         extra_stop_ids=eos_tokens,
         prompt_pad_to=max_prompt,
     )
+    if self.prompt_offset is not None:  # Tunix's micro-batches are consecutive calls: the next one's prompts follow
+      self.prompt_offset += len(unique)
     return base_rollout.RolloutOutput(
         text=res.texts,
         logits=None,
@@ -392,7 +399,16 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     per_call = max(1, max_rows // G)
     parts = []
     for start in range(0, len(prompt_token_lists), per_call):
-      rng, sub = jax.random.split(rng)
+      if self.prompt_offset is None:
+        rng, sub = jax.random.split(rng)
+      else:
+        sub = _row_keys(
+            rng,
+            self.prompt_offset + start,
+            _next_bucket(min(per_call, len(prompt_token_lists) - start) * G, self._batch_buckets),
+            G,
+            self._dp,
+        )
       parts.append(
           self._generate_chunk(prompt_token_lists[start : start + per_call], G, T, spec, params, stop_ids, stop_seqs, sub)
       )
@@ -450,13 +466,18 @@ class EmbeddedRollout(base_rollout.BaseRollout):
         distributed.global_array(toks, NamedSharding(self._mesh, P(self._batch_axes or None, None))),
         distributed.global_array(lens, batch_sh),
         distributed.global_array(active, batch_sh),
-        distributed.replicated(rng, self._mesh),
+        distributed.replicated(rng, self._mesh) if np.ndim(rng) == 1 else distributed.global_array(rng, batch_sh),
         distributed.replicated(np.float32(params.temperature), self._mesh),
         distributed.replicated(np.float32(params.top_p), self._mesh),
         distributed.replicated(stop_arr, self._mesh),
         distributed.replicated(stop_seqs, self._mesh),
     )
-    sig = (key, jax.tree.structure(args), tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(args[:2])))
+    sig = (
+        key,
+        jax.tree.structure(args),
+        tuple(getattr(x, "sharding", None) for x in jax.tree.leaves(args[:2])),
+        np.shape(rng),  # one key, or one per row (prompt_offset)
+    )
     compiled = self._compiled.get(sig)
     with self._mesh, logical_axis_rules(self._rules):
       if compiled is None:
@@ -618,8 +639,12 @@ class EmbeddedRollout(base_rollout.BaseRollout):
       last = jnp.repeat(logits[:, -1, :], G, axis=0)
       cache = self._shard_cache(self._repeat_cache(cache, G, N, T))
       lens_n = jnp.repeat(lens, G)
-      rng, sub = jax.random.split(rng)
-      tok, lp = sampling.sample(last, sub, spec, temperature, top_p)
+      per_row = rng.ndim == 2  # [N, 2] raw keys, one per row (prompt_offset)
+      if per_row:
+        sub = jax.vmap(jax.random.fold_in, in_axes=(0, None))(rng, 0)
+      else:
+        rng, sub = jax.random.split(rng)
+      tok, lp = sampling.sample(last, sub, spec, temperature, top_p, per_row)
       hit, window = stopped(tok, jnp.full((N, _STOP_WINDOW), -2, jnp.int32), stop_ids, stop_seqs)
       done = hit | ~active
       out_tokens = jnp.full((N, T), pad_id, jnp.int32).at[:, 0].set(tok)
@@ -634,8 +659,11 @@ class EmbeddedRollout(base_rollout.BaseRollout):
         pos = (lens_n + step - 1)[:, None]
         logits, cache = run_model(gd_ar, params, rest, cache, tok[:, None], pos, None, ar_mode)
         cache = self._shard_cache(cache)
-        rng, sub = jax.random.split(rng)
-        new, lp = sampling.sample(logits[:, -1, :], sub, spec, temperature, top_p)
+        if per_row:
+          sub = jax.vmap(jax.random.fold_in, in_axes=(0, None))(rng, step)
+        else:
+          rng, sub = jax.random.split(rng)
+        new, lp = sampling.sample(logits[:, -1, :], sub, spec, temperature, top_p, per_row)
         new = jnp.where(done, pad_id, new)
         lp = jnp.where(done, 0.0, lp)
         out_tokens = jax.lax.dynamic_update_index_in_dim(out_tokens, new, step, axis=1)
@@ -695,6 +723,20 @@ def _on_rollout_mesh(actor: Any, mesh: jax.sharding.Mesh, cfg: Any) -> Any:
   )
   with logical_axis_rules(cfg.logical_axis_rules):
     return resharding.model_on_mesh(actor, mesh, cfg.logical_axis_rules)
+
+
+def _row_keys(rng: jax.Array, first_prompt: int, rows: int, generations: int, dp: int) -> np.ndarray:
+  """uint32[N, 2] raw keys of the rows of one chunk (N: the chunk's padded row count, as `_generate_chunk` pads it):
+  row r is generation r % G of global prompt first_prompt + r // G."""
+  n = _round_up(max(1, -(-rows // generations)), dp) * generations
+  prompt = first_prompt + np.arange(n) // generations
+  gen = np.arange(n) % generations
+  base = jax.random.key_data(rng) if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+
+  def key(p, g):
+    return jax.random.fold_in(jax.random.fold_in(base, p), g)
+
+  return np.asarray(jax.vmap(key)(jnp.asarray(prompt, jnp.uint32), jnp.asarray(gen, jnp.uint32)))
 
 
 def _consecutive_groups(ids: list[list[int]]) -> tuple[list[list[int]], int]:

@@ -83,10 +83,22 @@ def logsumexp(x: jax.Array) -> jax.Array:
   return m + jnp.log(jnp.sum(jnp.exp(x - m[:, None]), axis=-1))
 
 
+def _categorical(rng: jax.Array, logits: jax.Array, per_row: bool) -> jax.Array:
+  if per_row:  # one key per row: a row's draw does not depend on the batch it is sampled in
+    return jax.vmap(lambda k, l: jax.random.categorical(k, l, axis=-1))(rng, logits)
+  return jax.random.categorical(rng, logits, axis=-1)
+
+
 def sample(
-    logits: jax.Array, rng: jax.Array, spec: SamplingSpec, temperature: jax.Array, top_p: jax.Array
+    logits: jax.Array,
+    rng: jax.Array,
+    spec: SamplingSpec,
+    temperature: jax.Array,
+    top_p: jax.Array,
+    per_row: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-  """Draws one token per row of `logits[B, V]`; returns (tokens[B] int32, logps[B] float32)."""
+  """Draws one token per row of `logits[B, V]`; returns (tokens[B] int32, logps[B] float32). `per_row`: `rng` holds
+  one key per row (B keys)."""
   logits = logits.astype(jnp.float32)
   # logp(token) = scaled[token] - logsumexp(scaled): never materialises a [B, V] log-softmax, which
   # costs as much as the LM head at a 150k vocabulary on CPU.
@@ -101,9 +113,9 @@ def sample(
       cand_logits = jnp.take_along_axis(scaled, cand_ids, axis=-1)
     if spec.use_top_p:
       cand_logits = jnp.where(_nucleus_mask(cand_logits, top_p), cand_logits, -jnp.inf)
-    choice = jax.random.categorical(rng, cand_logits, axis=-1)
+    choice = _categorical(rng, cand_logits, per_row)
     tokens = jnp.take_along_axis(cand_ids, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
   else:
-    tokens = jax.random.categorical(rng, scaled, axis=-1).astype(jnp.int32)
+    tokens = _categorical(rng, scaled, per_row).astype(jnp.int32)
   token_logits = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
   return tokens, token_logits - logsumexp(scaled)
