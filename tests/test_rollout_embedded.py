@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from maxtext_rl_plugin.rollout import bucketing
 from maxtext_rl_plugin.rollout import sampling
 
 REF_WIDTH = 96
@@ -321,8 +322,8 @@ def test_chunked_argmax_and_logsumexp_match_numpy():
 def test_data_parallel_mesh_greedy_matches_recompute(setup):
   """On 8 host devices the batch is sharded over the rollout mesh's data axes; output is unchanged."""
   eng, tok = setup["engine"], setup["tok"]
-  if eng._dp < 2:  # pylint: disable=protected-access
-    pytest.skip(f"rollout mesh has no data-parallel axis here ({dict(eng._mesh.shape)})")  # pylint: disable=protected-access
+  if eng.sampler.dp < 2:
+    pytest.skip(f"rollout mesh has no data-parallel axis here ({dict(eng.sampler.mesh.shape)})")
   prompts = _prompts(tok)
   res = eng.generate_tokens(prompts, greedy=True, max_new_tokens=8)
   want = _greedy_reference(setup["ref"], tok.pad_token_id, prompts, 8)
@@ -331,10 +332,10 @@ def test_data_parallel_mesh_greedy_matches_recompute(setup):
   # The AR cache (layers=2, T=8, kv_heads=2, batch, head_dim=16) is sharded over the batch, not replicated.
   import re
 
-  ((sig, compiled),) = [(k, v) for k, v in eng._compiled.items() if k[0].new_tokens == 8]  # pylint: disable=protected-access
+  ((sig, compiled),) = [(k, v) for k, v in eng.sampler.compiled.items() if k[0].new_tokens == 8]
   rows = sig[0].prompts * sig[0].generations
   per_device = {int(b) for b in re.findall(r"f32\[2,8,2,(\d+),16\]", compiled.as_text())}
-  assert per_device == {rows // eng._dp}, (per_device, rows, eng._dp)  # pylint: disable=protected-access
+  assert per_device == {rows // eng.sampler.dp}, (per_device, rows, eng.sampler.dp)
 
 
 def test_registry_bucketing_and_grouping_helpers():
@@ -345,9 +346,9 @@ def test_registry_bucketing_and_grouping_helpers():
 
   assert registry.load("rollout_engines", "embedded") is embedded.EmbeddedRollout
   assert issubclass(embedded.EmbeddedRollout, base_rollout.BaseRollout)
-  assert [embedded._next_bucket(n, [32, 64, 128]) for n in (1, 32, 33, 128, 129, 300)] == [32, 32, 64, 128, 256, 384]
+  assert [bucketing.next_bucket(n, [32, 64, 128]) for n in (1, 32, 33, 128, 129, 300)] == [32, 32, 64, 128, 256, 384]
   a, b = [1, 2], [3]
-  assert embedded._consecutive_groups([a, a, b, b]) == ([a, b], 2)
-  assert embedded._consecutive_groups([a, b, a, b]) == ([a, b, a, b], 1)
-  assert embedded._consecutive_groups([a, a, a]) == ([a], 3)
-  assert embedded._consecutive_groups([a, a, b]) == ([a, a, b], 1)
+  assert bucketing.consecutive_groups([a, a, b, b]) == ([a, b], 2)
+  assert bucketing.consecutive_groups([a, b, a, b]) == ([a, b, a, b], 1)
+  assert bucketing.consecutive_groups([a, a, a]) == ([a], 3)
+  assert bucketing.consecutive_groups([a, a, b]) == ([a, a, b], 1)
