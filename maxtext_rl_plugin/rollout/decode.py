@@ -92,7 +92,9 @@ class MaxTextSampler:
     if not ar_kv:
       raise NotImplementedError(f"model {cfg.model_name} has no MaxText KVCache in autoregressive mode")
     for m in ar_kv:
-      if getattr(m, "is_gdn", False) or getattr(m, "is_deepseek_v4", False) or type(m) is not kvcache.KVCache:
+      # Exactly MaxText's KVCache: a subclass (another model's cache) has its own layout this engine does not know.
+      exact = type(m) is kvcache.KVCache  # pylint: disable=unidiomatic-typecheck  # subclasses are refused on purpose
+      if getattr(m, "is_gdn", False) or getattr(m, "is_deepseek_v4", False) or not exact:
         raise NotImplementedError(f"embedded rollout supports MaxText's standard KVCache only, not {type(m).__name__}")
 
     # Data parallelism: the batch goes over the mesh axes MaxText maps "activation_batch" to (first rule wins).

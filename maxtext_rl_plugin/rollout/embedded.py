@@ -305,7 +305,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     stop_seqs = stops.stop_sequences(self._tokenizer, strings)
 
     # Chunk so one call never exceeds the largest batch bucket.
-    max_rows = max(max(self._batch_buckets), G)
+    max_rows = max(*self._batch_buckets, G)
     per_call = max(1, max_rows // G)
     parts = []
     for start in range(0, len(prompt_token_lists), per_call):
