@@ -10,24 +10,28 @@ scale a random model just repeats one token, which would hide cache/position bug
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tunix.rl.rollout import base_rollout
 
+from maxtext_rl_plugin import models
+from maxtext_rl_plugin import registry
+from maxtext_rl_plugin.rollout import bucketing
+from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import sampling
 
 REF_WIDTH = 96
 NEW = 16
 
 
-@pytest.fixture(scope="module")
-def setup():
-  from maxtext_rl_plugin import models
-  from maxtext_rl_plugin.rollout import embedded
-
+@pytest.fixture(name="setup", scope="module")
+def setup_fixture():
+  """The tiny CPU model, its engine, and a second copy of the model as the no-cache reference."""
   rs = models.setup_devices(["configs/cpu_tiny.yml"])
   tok = models.load_tokenizer(rs.trainer_config)
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
@@ -67,7 +71,7 @@ def setup():
       return np.asarray(ref_next(*args))
     return tuple(np.asarray(x) for x in ref_scores(*args, jnp.float32(temperature)))
 
-  return dict(engine=engine, tok=tok, model=model, ref=ref)
+  return {"engine": engine, "tok": tok, "model": model, "ref": ref}
 
 
 def _prompts(tok):
@@ -82,6 +86,7 @@ def _prompts(tok):
 
 
 def _greedy_reference(ref, pad, prompts, steps):
+  """Greedy tokens by full recomputation of every prefix (no KV cache): the independent reference."""
   toks = np.full((len(prompts), REF_WIDTH), pad, np.int32)
   lens = np.array([len(p) for p in prompts], np.int32)
   for i, p in enumerate(prompts):
@@ -95,8 +100,8 @@ def _greedy_reference(ref, pad, prompts, steps):
   return out
 
 
-@pytest.fixture(scope="module")
-def greedy(setup):
+@pytest.fixture(name="greedy", scope="module")
+def greedy_fixture(setup):
   eng, tok = setup["engine"], setup["tok"]
   prompts = _prompts(tok)
   assert len(prompts[0]) > 32 > len(prompts[2]) > len(prompts[1])  # mixes prefill buckets 32 and 64
@@ -187,7 +192,6 @@ def test_tunix_generate_sampling_groups_and_logps(setup):
   """Tunix entry point: G repeated prompts are sampled from one prefill; log-probs equal the learner's
   recomputation at the rollout temperature; every token lies inside the top-k of the reference logits.
   Log-prob tolerance 2e-4 nats (float32, cached vs. full attention summation order)."""
-  from tunix.rl.rollout import base_rollout
 
   eng, tok, model = setup["engine"], setup["tok"], setup["model"]
   texts = ["Tom has 3 apples and buys 4 more.", "What is 12 * 7?"]
@@ -261,10 +265,10 @@ def test_update_params_changes_output_without_recompiling(setup, greedy):
 @pytest.mark.parametrize(
     "spec_kw",
     [
-        dict(temperature=0.5),
-        dict(temperature=1.0, top_k=3),
-        dict(temperature=2.0, top_p=0.6),
-        dict(temperature=0.8, top_k=4, top_p=0.7),
+        {"temperature": 0.5},
+        {"temperature": 1.0, "top_k": 3},
+        {"temperature": 2.0, "top_p": 0.6},
+        {"temperature": 0.8, "top_k": 4, "top_p": 0.7},
     ],
 )
 def test_sampler_distribution_matches_numpy(spec_kw):
@@ -321,33 +325,28 @@ def test_chunked_argmax_and_logsumexp_match_numpy():
 def test_data_parallel_mesh_greedy_matches_recompute(setup):
   """On 8 host devices the batch is sharded over the rollout mesh's data axes; output is unchanged."""
   eng, tok = setup["engine"], setup["tok"]
-  if eng._dp < 2:  # pylint: disable=protected-access
-    pytest.skip(f"rollout mesh has no data-parallel axis here ({dict(eng._mesh.shape)})")  # pylint: disable=protected-access
+  if eng.sampler.dp < 2:
+    pytest.skip(f"rollout mesh has no data-parallel axis here ({dict(eng.sampler.mesh.shape)})")
   prompts = _prompts(tok)
   res = eng.generate_tokens(prompts, greedy=True, max_new_tokens=8)
   want = _greedy_reference(setup["ref"], tok.pad_token_id, prompts, 8)
   for i in range(len(prompts)):
     np.testing.assert_array_equal(res.tokens[i, : res.lengths[i]], want[i, : res.lengths[i]])
   # The AR cache (layers=2, T=8, kv_heads=2, batch, head_dim=16) is sharded over the batch, not replicated.
-  import re
 
-  ((sig, compiled),) = [(k, v) for k, v in eng._compiled.items() if k[0].new_tokens == 8]  # pylint: disable=protected-access
+  ((sig, compiled),) = [(k, v) for k, v in eng.sampler.compiled.items() if k[0].new_tokens == 8]
   rows = sig[0].prompts * sig[0].generations
   per_device = {int(b) for b in re.findall(r"f32\[2,8,2,(\d+),16\]", compiled.as_text())}
-  assert per_device == {rows // eng._dp}, (per_device, rows, eng._dp)  # pylint: disable=protected-access
+  assert per_device == {rows // eng.sampler.dp}, (per_device, rows, eng.sampler.dp)
 
 
 def test_registry_bucketing_and_grouping_helpers():
-  from tunix.rl.rollout import base_rollout
-
-  from maxtext_rl_plugin import registry
-  from maxtext_rl_plugin.rollout import embedded
 
   assert registry.load("rollout_engines", "embedded") is embedded.EmbeddedRollout
   assert issubclass(embedded.EmbeddedRollout, base_rollout.BaseRollout)
-  assert [embedded._next_bucket(n, [32, 64, 128]) for n in (1, 32, 33, 128, 129, 300)] == [32, 32, 64, 128, 256, 384]
+  assert [bucketing.next_bucket(n, [32, 64, 128]) for n in (1, 32, 33, 128, 129, 300)] == [32, 32, 64, 128, 256, 384]
   a, b = [1, 2], [3]
-  assert embedded._consecutive_groups([a, a, b, b]) == ([a, b], 2)
-  assert embedded._consecutive_groups([a, b, a, b]) == ([a, b, a, b], 1)
-  assert embedded._consecutive_groups([a, a, a]) == ([a], 3)
-  assert embedded._consecutive_groups([a, a, b]) == ([a, a, b], 1)
+  assert bucketing.consecutive_groups([a, a, b, b]) == ([a, b], 2)
+  assert bucketing.consecutive_groups([a, b, a, b]) == ([a, b, a, b], 1)
+  assert bucketing.consecutive_groups([a, a, a]) == ([a], 3)
+  assert bucketing.consecutive_groups([a, a, b]) == ([a, a, b], 1)

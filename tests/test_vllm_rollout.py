@@ -10,19 +10,27 @@ with NumPy (repeat heads, zero-pad head_dim), not with the mapping.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import pathlib
 import sys
 import types
 
+from absl import logging as absl_logging
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from maxtext.utils import model_creation_utils
+from transformers import AutoTokenizer
 from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin import errors
+from maxtext_rl_plugin import pathways
+from maxtext_rl_plugin import registry
+from maxtext_rl_plugin import trainer
 from maxtext_rl_plugin.config import load_config
 from maxtext_rl_plugin.rollout import vllm as vllm_mod
 from maxtext_rl_plugin.rollout import vllm_mapping as vm
@@ -33,7 +41,7 @@ LLAMA = ["model_name=llama3.1-8b"]
 
 def _has_vllm() -> bool:
   try:
-    import vllm  # pylint: disable=unused-import,import-outside-toplevel
+    import vllm  # pylint: disable=unused-import,import-outside-toplevel  # is the optional extra installed?
   except ImportError:
     return False
   return True
@@ -41,8 +49,6 @@ def _has_vllm() -> bool:
 
 def _trainer_tree(cfg, seed: int = 0) -> dict:
   """MaxText's real parameter tree for `cfg` (abstract build), filled with random float32 values."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
 
   _, model = model_creation_utils.create_nnx_abstract_model(cfg, devices=jax.devices()[:1])
   abstract = nnx.state(model, nnx.Param).to_pure_dict()
@@ -51,14 +57,14 @@ def _trainer_tree(cfg, seed: int = 0) -> dict:
   return {"base": filled}
 
 
-@pytest.fixture(scope="module")
-def qwen():
+@pytest.fixture(name="qwen", scope="module")
+def qwen_fixture():
   cfg = load_config(["configs/cpu_tiny.yml"])
   return cfg, _trainer_tree(cfg, 0)
 
 
-@pytest.fixture(scope="module")
-def llama():
+@pytest.fixture(name="llama", scope="module")
+def llama_fixture():
   cfg = load_config(["configs/cpu_tiny.yml", *LLAMA])
   return cfg, _trainer_tree(cfg, 1)
 
@@ -84,7 +90,7 @@ def expected_hf(tree: dict, llama: bool) -> dict[str, np.ndarray]:
   k = _np(tree, "decoder.layers.self_attention.key.kernel")
   v = _np(tree, "decoder.layers.self_attention.value.kernel")
   o = _np(tree, "decoder.layers.self_attention.out.kernel")  # [N, L, H, D]
-  d, n_layers, n_heads, head_dim = q.shape
+  d, n_layers, _, head_dim = q.shape
   out = {
       "model.embed_tokens.weight": _np(tree, "token_embedder.embedding"),
       "model.norm.weight": _np(tree, "decoder.decoder_norm.scale"),
@@ -156,7 +162,6 @@ def engine_value(ref: np.ndarray, hf_name: str, shape: tuple[int, ...], hc) -> n
 
 def fake_engine_state(model_name: str, hc):
   """The worker's `get_weights_state()`: an nnx.State of tpu-inference's real leaves, weights dummy-initialised."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
 
   state: dict = {}
   for name, (shape, dtype, kind) in real_leaves(model_name, hc).items():
@@ -204,6 +209,7 @@ class FakeSamplingParams:
 
 
 class FakeWorker:
+  """tpu-inference's in-process worker as far as the adapter touches it: a weight state it writes in place."""
 
   def __init__(self, state, log):
     self.state = state
@@ -225,9 +231,12 @@ def canned_completion(prompt_ids: list[int], eos: int) -> tuple[list[int], list[
 
 
 def make_fake_vllm(engine_state: dict, eos: int):
+  """A `vllm` module whose LLM records every call the adapter makes (the boundary the TPU image provides)."""
   log: list = []
 
   class FakeLLM:
+    """vllm.LLM: generate, reset_prefix_cache, collective_rpc and the weight-update session."""
+
     instances: list = []
 
     def __init__(self, **kwargs):
@@ -254,6 +263,7 @@ def make_fake_vllm(engine_state: dict, eos: int):
       return [None]
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm=True):
+      """Deterministic completions of each prompt, ending with EOS, with per-token log-probs."""
       assert not self.session_active, "generate during a weight update"
       flat = vm.engine_weights(self.worker.state)
       emb = np.asarray(flat.get("model.embed.embedding", flat.get("model.embed_tokens.weight")), dtype=np.float32)
@@ -271,9 +281,8 @@ def make_fake_vllm(engine_state: dict, eos: int):
   return module, log
 
 
-@pytest.fixture(scope="module")
-def tokenizer(qwen):
-  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+@pytest.fixture(name="tokenizer", scope="module")
+def tokenizer_fixture(qwen):
 
   return AutoTokenizer.from_pretrained(qwen[0].tokenizer_path)
 
@@ -283,7 +292,7 @@ def _mesh():
 
 
 def _rollout_config(cfg, **kw):
-  base = dict(
+  base = dict(  # pylint: disable=use-dict-literal  # keyword arguments of RolloutConfig
       max_tokens_to_generate=int(cfg.max_target_length - cfg.max_prefill_predict_length),
       max_prompt_length=int(cfg.max_prefill_predict_length),
       temperature=0.9,
@@ -295,6 +304,7 @@ def _rollout_config(cfg, **kw):
 
 
 def _build(monkeypatch, cfg, tree, tokenizer, engine_state=None):
+  """A VllmRollout over the fake vllm module, with the engine state shaped like tpu-inference's real tree."""
   hc = vm.hf_config_from_params(tree, cfg.model_name)
   state = fake_engine_state(cfg.model_name, hc) if engine_state is None else engine_state
   module, log = make_fake_vllm(state, tokenizer.eos_token_id)
@@ -320,7 +330,6 @@ def _build(monkeypatch, cfg, tree, tokenizer, engine_state=None):
 
 @pytest.mark.skipif(_has_vllm(), reason="vllm is installed here; the missing-extra path needs a machine without it")
 def test_missing_vllm_fails_at_construction_with_one_line(qwen, tokenizer, capsys):
-  from maxtext_rl_plugin import registry  # pylint: disable=import-outside-toplevel
 
   cls = registry.load("rollout_engines", "vllm")
   assert cls is vllm_mod.VllmRollout
@@ -330,7 +339,6 @@ def test_missing_vllm_fails_at_construction_with_one_line(qwen, tokenizer, capsy
   assert "\n" not in msg and "rollout_engine=vllm" in msg and "pip install 'maxtext-rl-plugin[tpu]'" in msg
   # The trainer resolves rollout_engine=vllm before any model is built, inside the entry points' handler:
   # exit 2, one line.
-  from maxtext_rl_plugin import trainer  # pylint: disable=import-outside-toplevel
 
   with pytest.raises(SystemExit) as exit_info, errors.exit_on_user_error():
     trainer.rollout_engine_factory("vllm", qwen[0])
@@ -651,7 +659,7 @@ def test_generate_sampling_params_tokens_and_logprobs(monkeypatch, qwen, tokeniz
 
 def test_chunked_sync_keeps_kv_cache_when_configured_and_reaches_new_weights(monkeypatch, qwen, tokenizer):
   cfg = load_config(["configs/cpu_tiny.yml", "free_kv_cache_during_weight_sync=false", "reshard_chunk_size=4"])
-  rollout, module, log, state, reshard_calls = _build(monkeypatch, cfg, qwen[1], tokenizer)
+  rollout, _, log, state, reshard_calls = _build(monkeypatch, cfg, qwen[1], tokenizer)
   assert [e for e in log if e[:2] == ("collective_rpc", "start_weight_update")][0][2] == {"free_kv_cache": False}
   n_leaves = len(vm.flatten_params(qwen[1]))
   assert len(reshard_calls) == math.ceil(n_leaves / 4) > 1
@@ -667,7 +675,6 @@ def test_chunked_sync_keeps_kv_cache_when_configured_and_reaches_new_weights(mon
       np.testing.assert_allclose(
           np.asarray(engine[name], dtype=np.float32), engine_value(ref, hf_name, shape, hc), rtol=1e-2, err_msg=name
       )
-  from flax import nnx  # pylint: disable=import-outside-toplevel
 
   with pytest.raises(errors.ConfigError, match="LoRA"):
     rollout.update_params(newer, (nnx.LoRAParam,))
@@ -687,7 +694,7 @@ def test_logprobs_of_old_weights_are_dropped_at_a_sync(monkeypatch, qwen, tokeni
 def test_sync_that_writes_a_copy_is_caught_and_blocks_sampling(monkeypatch, qwen, tokenizer):
   """A worker whose get_weights_state() hands out copies: the write never reaches the engine."""
   cfg, tree = qwen
-  rollout, module, _, state, _ = _build(monkeypatch, cfg, tree, tokenizer)
+  rollout, module, _, _, _ = _build(monkeypatch, cfg, tree, tokenizer)
   llm = module.LLM.instances[-1]
   llm.worker.get_weights_state = lambda: jax.tree.map(
       lambda x: x, fake_engine_state(cfg.model_name, vm.hf_config_from_params(tree, cfg.model_name))
@@ -754,11 +761,6 @@ def test_engine_never_aliases_trainer_buffers(monkeypatch, qwen, tokenizer):
 def test_multi_controller_without_pathways_never_gets_vllm(monkeypatch, qwen, tokenizer, capsys):
   """tpu-inference looks the rollout mesh's device ids up in jax.local_devices(): with several JAX controllers and
   no Pathways that is a KeyError at engine start. auto picks embedded (and says why); explicit vllm is refused."""
-  import importlib.util  # pylint: disable=import-outside-toplevel
-
-  from absl import logging as absl_logging  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin import pathways, trainer  # pylint: disable=import-outside-toplevel
 
   assert vllm_mod.multi_controller_reason(1, False) is None and vllm_mod.multi_controller_reason(4, True) is None
   assert "jax.local_devices()" in vllm_mod.multi_controller_reason(2, False)

@@ -29,6 +29,19 @@ import json
 import sys
 import time
 
+from flax import nnx
+from flax.core.spmd import logical_axis_rules
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tunix.generate import sampler as tunix_sampler
+from tunix.models.qwen3 import model as q3
+
+from maxtext_rl_plugin import models
+from maxtext_rl_plugin.bench import peak as bench_peak
+from maxtext_rl_plugin.errors import UserError
+from maxtext_rl_plugin.rollout import embedded
+
 _QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
     "clips did Natalia sell altogether in April and May?",
@@ -57,9 +70,6 @@ def _recompute_program(model, prompt_len: int, new_tokens: int, last_position_on
   position, as a trainer-style forward returns them). `True` runs the decoder over the buffer but the
   output head on the current position only, isolating what the KV cache itself saves.
   """
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
 
   graphdef, _ = nnx.split(model)
   width = prompt_len + new_tokens
@@ -96,11 +106,6 @@ def _recompute_program(model, prompt_len: int, new_tokens: int, last_position_on
 
 def _time_recompute(model, mesh, cfg, prompts, pad_id, T, last_position_only, repeats):
   """(tokens, best seconds, compile seconds) of the recompute loop."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from flax.core.spmd import logical_axis_rules  # pylint: disable=import-outside-toplevel
 
   B, lp = len(prompts), max(len(p) for p in prompts)
   toks = np.full((B, lp + T), pad_id, np.int32)
@@ -123,19 +128,17 @@ def _time_recompute(model, mesh, cfg, prompts, pad_id, T, last_position_only, re
 
 def _tunix_error(model, tok, cfg, mesh) -> str:
   """The exact error of Tunix's `Sampler` driving the MaxText model through `TunixMaxTextAdapter` (or "")."""
-  from tunix.generate import sampler as tunix_sampler  # pylint: disable=import-outside-toplevel
 
   s = tunix_sampler.Sampler(model, tok, _tunix_cache_config(cfg, 64))
   try:
     with mesh:
       s(["What is 17 * 23?"], max_generation_steps=2, max_prompt_length=16, temperature=0.0, echo=False)
-  except Exception as e:  # pylint: disable=broad-exception-caught
+  except Exception as e:  # pylint: disable=broad-exception-caught  # any failure is the recorded answer
     return f"{type(e).__name__}: {e}"
   return ""
 
 
 def _tunix_cache_config(cfg, cache_size: int):
-  from tunix.generate import sampler as tunix_sampler  # pylint: disable=import-outside-toplevel
 
   return tunix_sampler.CacheConfig(
       cache_size=cache_size,
@@ -151,9 +154,6 @@ def tunix_qwen3_like(model, cfg):
   MaxText's scanned layers keep the layer on axis 1 of every decoder kernel; Tunix keeps one module per
   layer. Projections, norms and the (tied) embedding map one to one.
   """
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from tunix.models.qwen3 import model as q3  # pylint: disable=import-outside-toplevel
 
   if not cfg.scan_layers or not cfg.logits_via_embedding:
     raise NotImplementedError("the Tunix Qwen3 copy needs scan_layers=true and tied embeddings")
@@ -204,12 +204,10 @@ def tunix_qwen3_like(model, cfg):
 
 def _time_tunix(tmodel, tok, cfg, prompts_text, T, repeats):
   """(tokens [B, T], best seconds, first-call seconds) of Tunix's KV-cache `Sampler`, greedy, no early stop."""
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from tunix.generate import sampler as tunix_sampler  # pylint: disable=import-outside-toplevel
 
   lp = max(len(tok.encode(p)) for p in prompts_text)
   s = tunix_sampler.Sampler(tmodel, tok, _tunix_cache_config(cfg, lp + T + 8))
-  kw = dict(max_generation_steps=T, max_prompt_length=lp, temperature=0.0, echo=False, eos_tokens=[-1])
+  kw = {"max_generation_steps": T, "max_prompt_length": lp, "temperature": 0.0, "echo": False, "eos_tokens": [-1]}
   t0 = time.perf_counter()
   out = s(prompts_text, **kw)
   first = time.perf_counter() - t0
@@ -253,15 +251,6 @@ def main(argv=None) -> int:
     ap.error("--new-tokens must be >= 1")
   batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
 
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
-  from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.bench import peak as bench_peak  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.errors import UserError  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.rollout import embedded  # pylint: disable=import-outside-toplevel
-
   t0 = time.perf_counter()
   try:
     rs = models.setup_devices([args.config, *args.overrides])
@@ -272,7 +261,11 @@ def main(argv=None) -> int:
     return 2
   cfg = rs.sampler_config
   if not cfg.load_parameters_path and args.decoder_scale != 1.0:
-    scale = lambda path, x: x * args.decoder_scale if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x  # noqa: E731
+
+    def scale(path, x):
+      in_decoder = "decoder" in [getattr(k, "key", None) for k in path]
+      return x * args.decoder_scale if in_decoder and x.ndim >= 2 else x
+
     nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
   engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh, config=cfg)
   print(

@@ -15,6 +15,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,3 +120,16 @@ def sample(
     tokens = _categorical(rng, scaled, per_row).astype(jnp.int32)
   token_logits = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
   return tokens, token_logits - logsumexp(scaled)
+
+
+def row_keys(rng: jax.Array, first_prompt: int, rows: int, generations: int) -> np.ndarray:
+  """uint32[rows, 2] raw keys, one per decode row of a packed call: row r is generation r % G of global prompt
+  first_prompt + r // G, so a row samples the same tokens however prompts are split over calls or processes."""
+  prompt = first_prompt + np.arange(rows) // generations
+  gen = np.arange(rows) % generations
+  base = jax.random.key_data(rng) if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key) else rng
+
+  def key(p, g):
+    return jax.random.fold_in(jax.random.fold_in(base, p), g)
+
+  return np.asarray(jax.vmap(key)(jnp.asarray(prompt, jnp.uint32), jnp.asarray(gen, jnp.uint32)))

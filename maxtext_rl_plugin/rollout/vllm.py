@@ -25,11 +25,16 @@ import os
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from absl import logging
+from flax import nnx
+from maxtext.utils import model_creation_utils
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tunix.generate import tokenizer_adapter
+from tunix.generate import utils as tunix_gen_utils
 from tunix.rl.rollout import base_rollout
 
+from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import resharding
 from maxtext_rl_plugin.errors import ConfigError, DataError, MissingExtraError
 from maxtext_rl_plugin.rollout import vllm_mapping
@@ -40,7 +45,7 @@ TARGET_API = "vllm-tpu==0.32.0, tpu-inference==0.32.0"
 def import_vllm():
   """The `vllm` module, or a one-line MissingExtraError naming the extra to install."""
   try:
-    import vllm  # pylint: disable=import-outside-toplevel
+    import vllm  # pylint: disable=import-outside-toplevel  # optional: the `tpu` extra, TPU images only
   except ImportError:
     raise MissingExtraError("rollout_engine=vllm", "vllm", "tpu") from None
   return vllm
@@ -64,8 +69,6 @@ def multi_controller_reason(process_count: int, on_pathways: bool) -> str | None
 
 def check_single_controller() -> None:
   """Raise a one-line ConfigError when this process topology cannot run vLLM-TPU (see multi_controller_reason)."""
-  from maxtext_rl_plugin import pathways  # pylint: disable=import-outside-toplevel
-
   reason = multi_controller_reason(jax.process_count(), pathways.requested())
   if reason:
     raise ConfigError(reason)
@@ -75,6 +78,7 @@ def check_single_controller() -> None:
 
 
 def _as_dict(value: Any, key: str) -> dict:
+  """A mapping key given as a mapping or a JSON object string (both spellings reach pyconfig)."""
   if not value:
     return {}
   if isinstance(value, Mapping):
@@ -95,8 +99,6 @@ def vllm_engine_kwargs(config: Any, num_sampler_devices: int, *, device_ids: Seq
   tp/dp/ep come from `rollout_{tensor,data,expert}_parallelism` (at most one -1, derived from the device
   count, MaxText's rule); `device_ids` pins vLLM-TPU's mesh to the rollout devices.
   """
-  from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
-
   try:
     par = model_creation_utils.get_rollout_kwargs_for_parallelism(config, num_sampler_devices)
   except ValueError as e:
@@ -199,8 +201,6 @@ class VllmRollout(base_rollout.BaseRollout):
     vllm = import_vllm()
     if config is None:
       raise ValueError("VllmRollout needs the plugin config: functools.partial(VllmRollout, config=cfg)")
-    from tunix.generate import tokenizer_adapter  # pylint: disable=import-outside-toplevel
-
     vllm_mapping.check_supported(config.model_name)
     check_single_controller()
     self._vllm = vllm
@@ -251,8 +251,6 @@ class VllmRollout(base_rollout.BaseRollout):
     )
     if len(outputs) != len(prompts):
       raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-    from tunix.generate import utils as tunix_gen_utils  # pylint: disable=import-outside-toplevel
-
     texts, tokens, logps = [], [], []
     for out in outputs:
       comp = out.outputs[0]
@@ -398,7 +396,7 @@ def _buffer_ids(x: Any) -> set:
   ids = {("obj", id(x))}
   try:
     ids |= {("buf", s.device.id, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
-  except Exception:  # pylint: disable=broad-exception-caught  (backends without raw pointers: id only)
+  except Exception:  # pylint: disable=broad-exception-caught  # backends without raw pointers: id only
     pass
   return ids
 
@@ -434,8 +432,6 @@ def _verify_engine_holds(worker: Any, written: Mapping[str, jax.Array]) -> None:
 
 def _actor_params(rollout_actor: Any) -> Any:
   """The trainer's parameters: `nnx.state(model, nnx.Param)` for a module, the tree itself otherwise."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-
   if isinstance(rollout_actor, nnx.Module):
     return nnx.state(rollout_actor, nnx.Param)
   return rollout_actor

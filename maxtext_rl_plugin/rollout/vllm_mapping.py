@@ -21,7 +21,6 @@ Supported: dense Qwen3 (`qwen3-*`) and Llama 3.1 (`llama3.1-*`), scanned or unsc
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any, Callable, Mapping
 
@@ -29,6 +28,9 @@ from absl import logging
 from flax import nnx
 import jax
 import jax.numpy as jnp
+from maxtext.checkpoint_conversion.utils import param_mapping
+from maxtext.checkpoint_conversion.utils.hf_shape import HF_SHAPE
+from maxtext.checkpoint_conversion.utils.utils import apply_hook_fns
 
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -39,7 +41,6 @@ _UNSUPPORTED_QWEN3 = ("qwen3-next", "qwen3-vl", "qwen3-omni", "qwen3-coder", "qw
 
 def check_supported(model_name: str) -> None:
   """Raise a one-line ConfigError unless the vLLM weight mapping covers `model_name`."""
-  from maxtext.checkpoint_conversion.utils import param_mapping  # pylint: disable=import-outside-toplevel
 
   ok = (
       model_name.startswith(SUPPORTED_FAMILIES)
@@ -53,7 +54,7 @@ def check_supported(model_name: str) -> None:
     )
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
   parts = []
   for k in path:
     key = getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))
@@ -67,7 +68,7 @@ def flatten_params(tree: Any) -> dict[str, Any]:
     tree = tree.to_pure_dict()
   flat = {}
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    name = _path_str(path)
+    name = path_str(path)
     if name.endswith(".value"):
       name = name[: -len(".value")]
     flat[name] = getattr(leaf, "value", leaf)
@@ -130,7 +131,6 @@ def hf_config_from_maxtext(config: Any) -> dict[str, Any]:
 
 def vllm_param_shapes(model_name: str, hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
   """The inverse spec: every vLLM (HF checkpoint) parameter name -> shape, from MaxText's HF_SHAPE tables."""
-  from maxtext.checkpoint_conversion.utils.hf_shape import HF_SHAPE  # pylint: disable=import-outside-toplevel
 
   check_supported(model_name)
   shapes = {k: tuple(v) for k, v in HF_SHAPE[model_name](dict(hf_config)).items()}
@@ -160,8 +160,6 @@ def map_maxtext_to_vllm(
   `[out, in]`, Llama's query is un-scaled and both q/k RoPE halves de-interleaved, with MaxText's own
   hook functions. Arrays stay on their devices (jax ops only); dtypes are preserved.
   """
-  from maxtext.checkpoint_conversion.utils import param_mapping  # pylint: disable=import-outside-toplevel
-  from maxtext.checkpoint_conversion.utils.hf_shape import HF_SHAPE  # pylint: disable=import-outside-toplevel
 
   check_supported(model_name)
   hf_cfg = dict(hf_config) if hf_config is not None else hf_config_from_params(params_tree, model_name)
@@ -192,7 +190,6 @@ def map_maxtext_to_vllm(
 
 
 def _emit(out: dict, hf_name: str, weight, hook, shapes: Mapping[str, Any]) -> None:
-  from maxtext.checkpoint_conversion.utils.utils import apply_hook_fns  # pylint: disable=import-outside-toplevel
 
   if hf_name in out:
     raise ValueError(f"two trainer parameters map to the same vLLM parameter {hf_name}")
@@ -240,7 +237,7 @@ def engine_weights(state: Any) -> dict[str, Any]:
     value = leaf.get_value() if isinstance(leaf, nnx.Variable) else leaf
     if jax.dtypes.issubdtype(getattr(value, "dtype", None), jax.dtypes.prng_key):
       continue
-    name = _path_str(path)
+    name = path_str(path)
     flat[name[: -len(".value")] if name.endswith(".value") else name] = value
   return flat
 

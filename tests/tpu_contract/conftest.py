@@ -1,7 +1,7 @@
 """Fixtures for tests/tpu_contract (run in .venv-tpu only; see tpu_models.py)."""
 
 import pytest
-import tpu_models  # pylint: disable=unused-import  (sets JAX_PLATFORMS / XLA_FLAGS before jax is imported)
+import tpu_models  # pylint: disable=unused-import  # sets JAX_PLATFORMS / XLA_FLAGS before jax is imported
 
 
 @pytest.fixture(scope="session")

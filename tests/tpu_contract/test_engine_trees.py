@@ -4,8 +4,16 @@ Expected values come from tpu-inference itself (its loader writing the same HF t
 from NumPy (repeat/zero-pad written out here), never from the mapping under test.
 """
 
+# tpu_inference and torch are imported inside the tests that use them: they exist only in .venv-tpu and a
+# collection error in the main venv would hide which test needs them.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
+import json
+import os
+
+from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +24,6 @@ from tpu_models import TP, build, hf_config, hf_tensors
 
 
 def _state(model):
-  from flax import nnx  # pylint: disable=import-outside-toplevel
 
   return nnx.state(model)
 
@@ -80,8 +87,7 @@ def test_padded_kv_kernel_is_repeated_heads_with_zero_padded_head_dim(model_dir)
 def test_llama_mapping_equals_tpu_inference_own_loader(model_dir):
   """The same HF tensors through tpu-inference's loader (`get_default_maps` + `_load_and_shard_weight`, what
   `LlamaForCausalLM.load_weights` runs per checkpoint tensor) and through the plugin's mapping: bit for bit."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from tpu_inference.models.jax.utils import weight_utils  # pylint: disable=import-outside-toplevel
+  from tpu_inference.models.jax.utils import weight_utils
 
   # Llama does not pad its vocab: a concrete build on TP=4 needs one divisible by 4 (as every real Llama's is).
   model, vllm_config, mesh = build(model_dir, "llama", abstract=False, vocab_size=1004)
@@ -110,7 +116,7 @@ def test_llama_mapping_equals_tpu_inference_own_loader(model_dir):
   metadata = weight_utils.get_default_maps(vllm_config.model_config, mesh, names)
   with jax.set_mesh(mesh):
     for hf_name, w in hf.items():
-      weight_utils._load_and_shard_weight(  # pylint: disable=protected-access
+      weight_utils._load_and_shard_weight(  # pylint: disable=protected-access  # the loader under contract
           vllm_config, params, shardings, metadata, mesh, hf_name, jnp.asarray(w), keep_hf_weight_suffix_when_match=[]
       )
   theirs = vm.engine_weights(params)
@@ -129,8 +135,7 @@ def test_qwen3_mapping_equals_tpu_inference_own_loader(model_dir):
   This loader reshapes checkpoint tensors to the model's padded shapes and so refuses both head_dim padding and
   kv-head padding (kv heads < TP), which the default loader (Llama, above) handles: so head_dim 128 (every real
   Qwen3's) and TP=2 (= kv heads) here; the vocab is still padded (1001 -> 1002)."""
-  import torch  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
+  import torch
 
   model, _, mesh = build(model_dir, "qwen3", abstract=False, tp=2, head_dim=128)
   assert tuple(vm.engine_weights(nnx.state(model))["lm_head.weight"].shape) == (128, 1002)
@@ -154,7 +159,6 @@ def test_qwen3_mapping_equals_tpu_inference_own_loader(model_dir):
 def test_written_values_land_in_the_real_state(model_dir):
   """The adapter's write path (`engine_state_setter`) on the real nnx.State: values reach the model's Variables,
   RNG state untouched, and a state missing a weight is still caught."""
-  from flax import nnx  # pylint: disable=import-outside-toplevel
 
   model, _, _ = build(model_dir, "llama", abstract=False, vocab_size=1004)
   state = nnx.state(model)
@@ -193,23 +197,20 @@ TRAINER_CONFIGS = {
 
 
 def _leaves(state) -> dict:
-  from flax import nnx  # pylint: disable=import-outside-toplevel
 
   out = {}
   for path, var in jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-    name = vm._path_str(path)  # pylint: disable=protected-access
+    name = vm.path_str(path)
     value = var.get_value() if isinstance(var, nnx.Variable) else var
     out[name] = f"{tuple(value.shape)} {value.dtype} {type(var).__name__}"  # e.g. "(64, 4, 128) bfloat16 Param"
   return out
 
 
 def test_checked_in_trees_match_the_real_classes(model_dir):
-  import json  # pylint: disable=import-outside-toplevel
-  import os  # pylint: disable=import-outside-toplevel
 
   got = {}
   for maxtext_name, (arch, hc) in TRAINER_CONFIGS.items():
-    model, _, _ = build(model_dir, arch, tp=1, **hc)
+    model, _, _ = build(model_dir, arch, tp=1, **dict(hc))
     got[maxtext_name] = {"hf_config": hc, "tp": 1, "leaves": _leaves(_state(model))}
   if os.environ.get("MAXTEXT_RL_REGENERATE_TREES") == "1":
     TREES_FILE.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")

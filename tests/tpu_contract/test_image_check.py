@@ -34,7 +34,7 @@ def test_dockerfile_import_check_passes_with_the_image_pins():
 
 def test_only_vllm_tpu_owns_the_vllm_directory():
   sys.path.insert(0, str(REPO / "dependencies" / "scripts"))
-  import verify_pins  # pylint: disable=import-outside-toplevel
+  import verify_pins  # pylint: disable=import-outside-toplevel  # a script directory, on sys.path only here
 
   assert verify_pins.package_owners("vllm") == ["vllm-tpu"]
   assert verify_pins.shared_package_dirs() == []

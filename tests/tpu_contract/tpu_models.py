@@ -6,6 +6,10 @@ the main venv's collection. Each model is built from a tiny config.json written 
 CPU devices so tensor parallelism 4 pads the 2 kv heads, as on a TPU slice.
 """
 
+# tpu_inference, vllm and ml_dtypes are imported where used: only .venv-tpu has the first two, and the plugin
+# module is imported after the environment above is set.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import importlib
@@ -17,8 +21,11 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")  # else tpu_info po
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
 
-import jax  # pylint: disable=wrong-import-position
-import numpy as np  # pylint: disable=wrong-import-position
+# pylint: disable=wrong-import-position  # jax reads the environment above when it is imported
+import jax
+import numpy as np
+
+# pylint: enable=wrong-import-position
 
 TP = 4
 # hidden 128, 4 query heads, 2 kv heads, head_dim 32 (padded to 128 by tpu-inference), vocab 1001 (not a
@@ -50,11 +57,11 @@ def build(tmp_root, arch: str, *, abstract: bool = True, tp: int = TP, **overrid
   key = (arch, abstract, tp, tuple(sorted(overrides.items())))
   if key in _cache:
     return _cache[key]
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from tpu_inference.distributed import jax_parallel_state  # pylint: disable=import-outside-toplevel
-  from tpu_inference.layers.common.sharding import MESH_AXIS_NAMES  # pylint: disable=import-outside-toplevel
-  from tpu_inference.models.common.model_loader import to_jax_dtype  # pylint: disable=import-outside-toplevel
-  from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig  # pylint: disable=import-outside-toplevel
+  from flax import nnx
+  from tpu_inference.distributed import jax_parallel_state
+  from tpu_inference.layers.common.sharding import MESH_AXIS_NAMES
+  from tpu_inference.models.common.model_loader import to_jax_dtype
+  from vllm.config import DeviceConfig, ModelConfig, ParallelConfig, VllmConfig
 
   module, cls_name, extra = ARCH[arch]
   cfg = {**TINY, **extra, **overrides, "architectures": [cls_name]}
@@ -81,19 +88,20 @@ def build(tmp_root, arch: str, *, abstract: bool = True, tp: int = TP, **overrid
   return _cache[key]
 
 
-def hf_tensors(arch: str, hf_config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+def hf_tensors(arch: str, config: dict, seed: int = 0) -> dict[str, np.ndarray]:
   """Random float32 tensors, exactly representable in bfloat16, for every HF tensor MaxText's export names."""
-  import ml_dtypes  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.rollout import vllm_mapping as vm  # pylint: disable=import-outside-toplevel
+  import ml_dtypes
+  from maxtext_rl_plugin.rollout import vllm_mapping as vm
 
   rng = np.random.default_rng(seed)
   return {
       name: rng.standard_normal(shape).astype(ml_dtypes.bfloat16).astype(np.float32)
-      for name, shape in vm.vllm_param_shapes(MAXTEXT_NAME[arch], hf_config).items()
+      for name, shape in vm.vllm_param_shapes(MAXTEXT_NAME[arch], config).items()
   }
 
 
 def hf_config(**overrides) -> dict:
+  """The tiny HF config.json of the contract models, with `overrides`."""
   keys = (
       "vocab_size",
       "hidden_size",
