@@ -34,7 +34,7 @@ import collections
 import functools
 import math
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from absl import logging
 import jax
@@ -466,11 +466,22 @@ def _plan_chunks(nbytes: Sequence[int], chunk_size: int | None, chunk_bytes: int
   return chunks_by_bytes(nbytes, int(chunk_bytes))
 
 
-def _release(old, keep: Sequence) -> None:
-  """Free a previous sampler buffer unless it is (aliased to) something still in use."""
-  if not isinstance(old, jax.Array) or old.is_deleted() or any(old is k for k in keep):
-    return
-  old.delete()
+def buffer_ids(x: Any) -> set:
+  """Identities of the device buffers behind `x` (a jax.Array can share buffers with a different Array)."""
+  ids = {("obj", id(x))}
+  try:
+    ids |= {("buf", s.device.id, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+  except Exception:  # pylint: disable=broad-exception-caught  # backends without raw pointers: the id only
+    pass
+  return ids
+
+
+def release_buffers(old: Iterable[Any], keep: set) -> None:
+  """Free a sampler's previous arrays now instead of at the next GC (`rl.reshard_donate`), every engine's one rule:
+  never one that shares a buffer (`buffer_ids`) with anything in `keep` (the new weights, the trainer's arrays)."""
+  for x in old:
+    if isinstance(x, jax.Array) and not x.is_deleted() and not buffer_ids(x) & keep:
+      x.delete()
 
 
 def reshard(
@@ -510,8 +521,7 @@ def reshard(
   chunks = _plan_chunks(nbytes, chunk_size, chunk_bytes, path)
   for chunk in chunks:
     if old is not None:  # the sampler is idle during a sync: free its old chunk before the new one lands
-      for i in chunk:
-        _release(old[i], keep=(src[i],))
+      release_buffers([old[i] for i in chunk], keep=set().union(*(buffer_ids(src[i]) for i in chunk)))
     moved = _move([src[i] for i in chunk], [shardings[i] for i in chunk], donate=donate, path=path, two_phase=two_phase)
     jax.block_until_ready(moved)
     for i, y in zip(chunk, moved):

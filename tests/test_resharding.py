@@ -569,3 +569,15 @@ def test_verify_policy_is_one_schedule_for_every_engine(policy, every, checked):
     got_ws += [n] if ws._verify_due() else []  # pylint: disable=protected-access
     got_vllm += [n] if engine._should_verify() else []  # pylint: disable=protected-access
   assert got_ws == got_vllm == checked
+
+
+def test_release_buffers_is_one_rule_for_every_engine():
+  """The embedded sync and the vLLM sync free old sampler arrays through one function: an array sharing a buffer
+  with anything kept survives (even as a different Array object), the rest are deleted."""
+  kept = jnp.arange(8.0)
+  alias = jax.device_put(kept, kept.sharding)  # same buffer, possibly another Array object
+  stale = jnp.ones(8)
+  resharding.release_buffers([alias, stale, "not an array"], keep=resharding.buffer_ids(kept))
+  assert not kept.is_deleted() and not alias.is_deleted()
+  assert stale.is_deleted()
+  np.testing.assert_array_equal(np.asarray(kept), np.arange(8.0))

@@ -323,7 +323,7 @@ class VllmRollout(base_rollout.BaseRollout):
       engine_flat = vllm_mapping.engine_weights(state)  # weights only: tpu-inference's Llama also holds RNG state
       flax_layout = vllm_mapping.is_flax_layout(state)
       set_leaves = vllm_mapping.engine_state_setter(state)
-      trainer_buffers = set().union(*(_buffer_ids(v) for v in flat.values()))
+      trainer_buffers = set().union(*(resharding.buffer_ids(v) for v in flat.values()))
       written: dict[str, jax.Array] = {}
       for i in range(0, len(keys), step):
         chunk = {k: flat[k] for k in keys[i : i + step]}
@@ -335,7 +335,8 @@ class VllmRollout(base_rollout.BaseRollout):
         new = _unaliased(new, trainer_buffers)
         set_leaves(new)
         if cfg.reshard_donate:
-          _delete_replaced(engine_flat, new, trainer_buffers)
+          keep = set(trainer_buffers).union(*(resharding.buffer_ids(v) for v in new.values()))
+          resharding.release_buffers([engine_flat[k] for k in new], keep)
         written.update(new)
         del hf, new
       vllm_mapping.check_all_written(engine_flat, written)
@@ -391,29 +392,10 @@ class VllmRollout(base_rollout.BaseRollout):
     return kw
 
 
-def _buffer_ids(x: Any) -> set:
-  """Identities of the device buffers behind `x` (a jax.Array can share buffers with a different Array)."""
-  ids = {("obj", id(x))}
-  try:
-    ids |= {("buf", s.device.id, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
-  except Exception:  # pylint: disable=broad-exception-caught  # backends without raw pointers: id only
-    pass
-  return ids
-
-
 def _unaliased(new: dict, trainer_buffers: set) -> dict:
   """Copy leaves backed by the trainer's own buffers (same layout, dtype and sharding, e.g. a colocated bf16
   norm): the train step donates its parameters, which would delete the engine's weight under it."""
-  return {k: (jnp.copy(v) if _buffer_ids(v) & trainer_buffers else v) for k, v in new.items()}
-
-
-def _delete_replaced(engine_flat: Mapping[str, Any], new: Mapping[str, Any], trainer_buffers: set) -> None:
-  """Free the engine's previous buffers now (`reshard_donate`) instead of at the next GC; never one still in use."""
-  keep = set(trainer_buffers).union(*(_buffer_ids(v) for v in new.values()))
-  for name in new:
-    old = engine_flat[name]
-    if isinstance(old, jax.Array) and not old.is_deleted() and not _buffer_ids(old) & keep:
-      old.delete()
+  return {k: (jnp.copy(v) if resharding.buffer_ids(v) & trainer_buffers else v) for k, v in new.items()}
 
 
 def _verify_engine_holds(worker: Any, written: Mapping[str, jax.Array]) -> None:
