@@ -37,13 +37,19 @@ import time
 from typing import Any, Callable, Iterable, Sequence
 
 from absl import logging
+from flax import nnx
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tunix.rl import utils as rl_utils
 
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin.errors import ConfigError
+
+# pathwaysutils is optional (Pathways images, the `tpu` extra): imported only where a Pathways path is taken.
+# pylint: disable=import-outside-toplevel
 
 PATH_PATHWAYS_EXPERIMENTAL = "pathways_experimental"
 PATH_PATHWAYS = "pathways"
@@ -84,7 +90,7 @@ def backend_path() -> str:
   path, why = PATH_DEVICE_PUT, "JAX_PLATFORMS has no 'proxy' (not a Pathways backend)"
   if pathways_requested():
     try:
-      import pathwaysutils  # pylint: disable=import-outside-toplevel
+      import pathwaysutils
     except ImportError:
       path, why = (
           PATH_DEVICE_PUT,
@@ -94,12 +100,12 @@ def backend_path() -> str:
       del pathwaysutils
       pathways.require_initialized()  # train_rl.main initialised it before JAX started; too late to do it here
       try:
-        from pathwaysutils.experimental import reshard as _  # pylint: disable=import-outside-toplevel,unused-import
+        from pathwaysutils.experimental import reshard as _  # pylint: disable=unused-import  # a probe
 
         path, why = PATH_PATHWAYS_EXPERIMENTAL, "sidechannel reshard with intermediate sharding, cached plans"
       except ImportError:
         try:
-          from pathwaysutils import reshard as _  # pylint: disable=import-outside-toplevel,unused-import,reimported
+          from pathwaysutils import reshard as _  # pylint: disable=unused-import,reimported  # a probe
 
           path, why = (
               PATH_PATHWAYS,
@@ -134,7 +140,7 @@ def _staging_sharding(x, dst) -> jax.sharding.NamedSharding | None:
   """
   if not isinstance(dst, jax.sharding.NamedSharding) or not isinstance(x, jax.Array) or not x.is_fully_addressable:
     return None
-  src_devices = list(x.sharding._device_assignment)  # pylint: disable=protected-access
+  src_devices = list(x.sharding._device_assignment)  # pylint: disable=protected-access  # JAX has no public ordered device list for every Sharding kind
   if len(src_devices) != dst.mesh.size or set(src_devices) == set(dst.device_set):
     return None
   mesh = jax.sharding.Mesh(
@@ -304,13 +310,13 @@ def _move(arrays: list, shardings: list, *, donate: bool, path: str, two_phase: 
         return _put_cpu(arrays, shardings)
       return list(jax.device_put(arrays, shardings, donate=donate))
   if path == PATH_PATHWAYS_EXPERIMENTAL:
-    from pathwaysutils.experimental import reshard as pw  # pylint: disable=import-outside-toplevel
+    from pathwaysutils.experimental import reshard as pw
 
     def fn(xs, src, dst):
       return pw.sidechannel_reshard_with_intermediate_sharding(xs, src, dst, donate=donate, cache_resharding_plans=True)
 
   else:
-    from pathwaysutils import reshard as pw  # pylint: disable=import-outside-toplevel,reimported
+    from pathwaysutils import reshard as pw  # pylint: disable=reimported  # the older location
 
     def fn(xs, src, dst):
       return pw.reshard_with_intermediate_sharding(xs, src, dst, donate=donate)
@@ -384,8 +390,6 @@ def logical_shardings(state: PyTree, mesh: jax.sharding.Mesh, rules) -> PyTree:
   the same model definition; mesh axes that do not divide a dimension are dropped (replicated) so small
   models and odd head counts still shard.
   """
-  import flax.linen as nn  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
 
   logical = nnx.get_partition_spec(state)
   return _zip_shardings(state, nn.logical_to_mesh(logical, rules), mesh)
@@ -399,7 +403,6 @@ def model_on_mesh(model, mesh: jax.sharding.Mesh, rules):
   rollout mesh; otherwise it samples on the trainer's devices and `sync_weights` is never called
   (Tunix sees shared arrays). Params get `logical_shardings`; other state (RNG keys) is replicated.
   """
-  from flax import nnx  # pylint: disable=import-outside-toplevel
 
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   params = reshard(params, logical_shardings(params, mesh, rules))
@@ -693,10 +696,6 @@ def _config_value(config, name: str, default):
 
 
 def _is_nnx_module(x) -> bool:
-  try:
-    from flax import nnx  # pylint: disable=import-outside-toplevel
-  except ImportError:
-    return False
   return isinstance(x, nnx.Module)
 
 
@@ -758,7 +757,6 @@ class WeightSync:
     return verify_due(self.verify_policy, self.verify_every, self.num_syncs)
 
   def _model_state(self):
-    from flax import nnx  # pylint: disable=import-outside-toplevel
 
     return nnx.state(self._model, nnx.Param)
 
@@ -805,7 +803,6 @@ class WeightSync:
     if apply is not None:
       held = apply(new)
     elif self._model is not None:
-      from flax import nnx  # pylint: disable=import-outside-toplevel
 
       nnx.update(self._model, new)
       held = self._model_state()
@@ -861,7 +858,6 @@ def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
   which is why we neither subclass nor replace it. Engines whose `model()` is not the nnx module
   holding the weights (vLLM) map and reshard inside their own `update_params` instead.
   """
-  from flax import nnx  # pylint: disable=import-outside-toplevel
 
   rollout = rl_cluster.rollout
   if not isinstance(rollout.model(), nnx.Module):
@@ -869,8 +865,8 @@ def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
         f"{type(rollout).__name__}.model() is not an nnx.Module holding the sampler weights; "
         "that engine must reshard inside its own update_params (e.g. with resharding.reshard)"
     )
-  if getattr(rollout, "_maxtext_rl_weight_sync", None) is not None:
-    rollout._maxtext_rl_weight_sync = weight_sync  # pylint: disable=protected-access
+  if getattr(rollout, "maxtext_rl_weight_sync", None) is not None:
+    rollout.maxtext_rl_weight_sync = weight_sync
     return
   original = rollout.update_params
 
@@ -882,10 +878,10 @@ def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
       original(new, None)
       return nnx.state(rollout.model(), *filt)
 
-    rollout._maxtext_rl_weight_sync.sync(params, current=current, apply=apply)  # pylint: disable=protected-access
+    rollout.maxtext_rl_weight_sync.sync(params, current=current, apply=apply)
 
-  rollout._maxtext_rl_weight_sync = weight_sync  # pylint: disable=protected-access
-  rollout._maxtext_rl_original_update_params = original  # pylint: disable=protected-access
+  rollout.maxtext_rl_weight_sync = weight_sync
+  rollout.maxtext_rl_original_update_params = original
   rollout.update_params = update_params
   logging.info(
       "RLCluster weight sync routed through maxtext_rl_plugin.resharding (%s, chunk_size=%s, verify=%s)",
@@ -905,8 +901,6 @@ def attach_to_rl_cluster(rl_cluster, config) -> WeightSync | None:
   shares the actor's arrays (Tunix then never calls sync_weights) -- or when the engine keeps its weights
   outside an nnx module (vLLM, which reshards in its own update_params).
   """
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from tunix.rl import utils as rl_utils  # pylint: disable=import-outside-toplevel
 
   sampler = rl_cluster.rollout.model()
   if not isinstance(sampler, nnx.Module):

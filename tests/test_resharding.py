@@ -515,7 +515,7 @@ def test_attach_is_a_no_op_when_colocated(env):
   _TinyRollout.dst, _TinyRollout.drop = None, None
   cluster = _rl_cluster(env, _TinyRollout.make(), colocated=True)
   assert resharding.attach_to_rl_cluster(cluster, env["config"]) is None
-  assert not hasattr(cluster.rollout, "_maxtext_rl_weight_sync")
+  assert not hasattr(cluster.rollout, "maxtext_rl_weight_sync")
 
 
 def test_weight_sync_destinations_mesh_rules_and_sampler_model(env):
