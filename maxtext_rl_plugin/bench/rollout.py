@@ -223,7 +223,8 @@ def _time_tunix(tmodel, tok, cfg, prompts_text, T, repeats):
   return toks, best, first
 
 
-def main(argv=None) -> int:
+def _parse_args(argv):
+  """The command line (flags documented in --help)."""
   ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench rollout", description=__doc__.splitlines()[0])
   ap.add_argument("--config", default="configs/cpu_tiny.yml", help="plugin/MaxText yml (default: the tiny CPU model)")
   ap.add_argument("overrides", nargs="*", help="extra key=value config overrides")
@@ -249,16 +250,16 @@ def main(argv=None) -> int:
   args = ap.parse_args(argv)
   if args.new_tokens < 1:
     ap.error("--new-tokens must be >= 1")
-  batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+  args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
+  return args
 
+
+def _build(args):
+  """(config, tokenizer, model, mesh, engine, sampler device count): the sampler-side model and its engine."""
   t0 = time.perf_counter()
-  try:
-    rs = models.setup_devices([args.config, *args.overrides])
-    tok = models.load_tokenizer(rs.trainer_config)
-    model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
-  except UserError as e:
-    print(f"error: {e}", file=sys.stderr)
-    return 2
+  rs = models.setup_devices([args.config, *args.overrides])
+  tok = models.load_tokenizer(rs.trainer_config)
+  model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
   cfg = rs.sampler_config
   if not cfg.load_parameters_path and args.decoder_scale != 1.0:
 
@@ -273,87 +274,80 @@ def main(argv=None) -> int:
       f"{len(rs.sampler_devices)} {jax.devices()[0].platform} device(s); setup {time.perf_counter() - t0:.1f}s",
       flush=True,
   )
+  return cfg, tok, model, mesh, engine
 
-  peak = bench_peak.measure_peak_flops(args.peak_n)
-  print(
-      f"peak {peak['peak_flops'] / 1e9:.1f} GFLOP/s ({args.peak_n}^3 f32 matmul); per-token params "
-      f"{bench_peak.param_counts(cfg)}",
-      flush=True,
-  )
-  tunix_error, tmodel = "", None
-  if args.tunix:
-    tunix_error = _tunix_error(model, tok, cfg, mesh)
-    print(f"Tunix Sampler on the MaxText model (TunixMaxTextAdapter): {tunix_error or 'ok'}", flush=True)
-    tmodel = tunix_qwen3_like(model, cfg)
 
+def _measure_batch(args, batch, ctx, peak, tmodel) -> dict:
+  """One batch size: the engine, Tunix's sampler (interleaved, same repetitions) and the recompute baselines."""
+  cfg, tok, model, mesh, engine = ctx
   T = args.new_tokens
-  rows = []
-  for B in batch_sizes:
-    prompts = _prompts(tok, B)
-    # Engine: first call compiles (timed separately inside the engine), then timed runs, interleaved with
-    # Tunix's sampler when it runs (same repetitions side by side; shared cores make medians the figure).
-    c0 = engine.compile_seconds
+  prompts = _prompts(tok, batch)
+  # Engine: first call compiles (timed separately inside the engine), then timed runs, interleaved with
+  # Tunix's sampler when it runs (same repetitions side by side; shared cores make medians the figure).
+  c0 = engine.compile_seconds
+  res = engine.generate_tokens(prompts, greedy=True, max_new_tokens=T, ignore_stop=True)
+  compile_s = engine.compile_seconds - c0
+  times, ttimes = [], []
+  tunix_toks = None
+  if tmodel is not None:
+    tunix_toks, _, tunix_first = _time_tunix(tmodel, tok, cfg, _prompt_texts(batch), T, 0)
+  for _ in range(args.repeats):
+    s = time.perf_counter()
     res = engine.generate_tokens(prompts, greedy=True, max_new_tokens=T, ignore_stop=True)
-    compile_s = engine.compile_seconds - c0
-    times, ttimes = [], []
-    tunix_toks = None
+    times.append(time.perf_counter() - s)
     if tmodel is not None:
-      tunix_toks, _, tunix_first = _time_tunix(tmodel, tok, cfg, _prompt_texts(B), T, 0)
-    for _ in range(args.repeats):
-      s = time.perf_counter()
-      res = engine.generate_tokens(prompts, greedy=True, max_new_tokens=T, ignore_stop=True)
-      times.append(time.perf_counter() - s)
-      if tmodel is not None:
-        _, secs, _ = _time_tunix(tmodel, tok, cfg, _prompt_texts(B), T, 1)
-        ttimes.append(secs)
-    eng_s = float(np.median(times))
-    eng_tps = B * T / eng_s
-    lp = max(len(p) for p in prompts)
-    flops = bench_peak.decode_flops(cfg, B, lp, T)
-    row = {
-        "batch": B,
-        "new_tokens": int(res.lengths.min()),
-        "engine_tokens_per_s": round(eng_tps, 1),
-        "engine_seconds": round(eng_s, 3),
-        "engine_compile_seconds": round(compile_s, 2),
-        "engine_flops_per_s": round(flops / eng_s),
-        "engine_fraction_of_peak": round(flops / eng_s / peak["peak_flops"], 4),
-    }
-    if tmodel is not None:
-      t_s = float(np.median(ttimes))
-      match = bool(np.array_equal(tunix_toks, res.tokens))
-      row.update(
-          {
-              "tunix_tokens_per_s": round(B * T / t_s, 1),
-              "tunix_seconds": round(t_s, 3),
-              "tunix_first_call_seconds": round(tunix_first, 2),
-              "speedup_vs_tunix": round(t_s / eng_s, 2),
-              "tunix_fraction_of_peak": round(flops / t_s / peak["peak_flops"], 4),
-              "tunix_greedy_match": match,
-              "tunix_first_mismatch_step": None if match else int(np.argmax((tunix_toks != res.tokens).any(0))),
-          }
-      )
+      _, secs, _ = _time_tunix(tmodel, tok, cfg, _prompt_texts(batch), T, 1)
+      ttimes.append(secs)
+  eng_s = float(np.median(times))
+  eng_tps = batch * T / eng_s
+  lp = max(len(p) for p in prompts)
+  flops = bench_peak.decode_flops(cfg, batch, lp, T)
+  row = {
+      "batch": batch,
+      "new_tokens": int(res.lengths.min()),
+      "engine_tokens_per_s": round(eng_tps, 1),
+      "engine_seconds": round(eng_s, 3),
+      "engine_compile_seconds": round(compile_s, 2),
+      "engine_flops_per_s": round(flops / eng_s),
+      "engine_fraction_of_peak": round(flops / eng_s / peak["peak_flops"], 4),
+  }
+  if tmodel is not None:
+    t_s = float(np.median(ttimes))
+    match = bool(np.array_equal(tunix_toks, res.tokens))
+    row.update(
+        {
+            "tunix_tokens_per_s": round(batch * T / t_s, 1),
+            "tunix_seconds": round(t_s, 3),
+            "tunix_first_call_seconds": round(tunix_first, 2),
+            "speedup_vs_tunix": round(t_s / eng_s, 2),
+            "tunix_fraction_of_peak": round(flops / t_s / peak["peak_flops"], 4),
+            "tunix_greedy_match": match,
+            "tunix_first_mismatch_step": None if match else int(np.argmax((tunix_toks != res.tokens).any(0))),
+        }
+    )
 
-    for name, last_only, limit in (("recompute", False, args.recompute_max_batch), ("recompute_lastpos", True, 1 << 30)):
-      if B > limit:
-        continue
-      ref, secs, rc_compile = _time_recompute(
-          model, mesh, cfg, prompts, tok.pad_token_id, T, last_only, args.recompute_repeats
-      )
-      match = bool(np.array_equal(ref, res.tokens))
-      row.update(
-          {
-              f"{name}_tokens_per_s": round(B * T / secs, 1),
-              f"{name}_seconds": round(secs, 3),
-              f"{name}_compile_seconds": round(rc_compile, 2),
-              f"{name}_speedup": round(eng_tps * secs / (B * T), 2),
-              f"{name}_greedy_match": match,
-              f"{name}_first_mismatch_step": None if match else int(np.argmax((ref != res.tokens).any(0))),
-          }
-      )
-    rows.append(row)
-    print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+  for name, last_only, limit in (("recompute", False, args.recompute_max_batch), ("recompute_lastpos", True, 1 << 30)):
+    if batch > limit:
+      continue
+    ref, secs, rc_compile = _time_recompute(
+        model, mesh, cfg, prompts, tok.pad_token_id, T, last_only, args.recompute_repeats
+    )
+    match = bool(np.array_equal(ref, res.tokens))
+    row.update(
+        {
+            f"{name}_tokens_per_s": round(batch * T / secs, 1),
+            f"{name}_seconds": round(secs, 3),
+            f"{name}_compile_seconds": round(rc_compile, 2),
+            f"{name}_speedup": round(eng_tps * secs / (batch * T), 2),
+            f"{name}_greedy_match": match,
+            f"{name}_first_mismatch_step": None if match else int(np.argmax((ref != res.tokens).any(0))),
+        }
+    )
+  return row
 
+
+def _print_table(rows) -> None:
+  """The human-readable table (the JSON line that follows it holds every number)."""
   print()
   print(
       f"{'batch':>6} {'engine tok/s':>13} {'recompute tok/s':>16} {'x':>6} {'lastpos tok/s':>14} {'x':>6} "
@@ -367,8 +361,12 @@ def main(argv=None) -> int:
         f"{r.get('recompute_speedup', nan):>6.2f} {r.get('recompute_lastpos_tokens_per_s', nan):>14.1f} "
         f"{r.get('recompute_lastpos_speedup', nan):>6.2f} {str(all(matches)):>6} {r['engine_compile_seconds']:>10.1f}"
     )
+
+
+def _summary(args, cfg, engine, rows, peak, tunix_error) -> dict:
+  """The final JSON line: the largest batch that ran every baseline as the headline, then every row."""
   head = max((r for r in rows if "recompute_speedup" in r), key=lambda r: r["batch"], default=rows[-1])
-  summary = {
+  return {
       "benchmark": "rollout",
       "model": cfg.model_name,
       "new_tokens": min(r["new_tokens"] for r in rows),
@@ -394,7 +392,33 @@ def main(argv=None) -> int:
       "tunix_greedy_match": all(r["tunix_greedy_match"] for r in rows) if args.tunix else None,
       "by_batch": rows,
   }
-  print(json.dumps(summary))
+
+
+def main(argv=None) -> int:
+  args = _parse_args(argv)
+  try:
+    ctx = _build(args)
+  except UserError as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  cfg, tok, model, mesh, engine = ctx
+  peak = bench_peak.measure_peak_flops(args.peak_n)
+  print(
+      f"peak {peak['peak_flops'] / 1e9:.1f} GFLOP/s ({args.peak_n}^3 f32 matmul); per-token params "
+      f"{bench_peak.param_counts(cfg)}",
+      flush=True,
+  )
+  tunix_error, tmodel = "", None
+  if args.tunix:
+    tunix_error = _tunix_error(model, tok, cfg, mesh)
+    print(f"Tunix Sampler on the MaxText model (TunixMaxTextAdapter): {tunix_error or 'ok'}", flush=True)
+    tmodel = tunix_qwen3_like(model, cfg)
+  rows = []
+  for batch in args.batch_sizes:
+    rows.append(_measure_batch(args, batch, ctx, peak, tmodel))
+    print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+  _print_table(rows)
+  print(json.dumps(_summary(args, cfg, engine, rows, peak, tunix_error)))
   return 0
 
 
