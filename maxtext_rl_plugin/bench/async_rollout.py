@@ -20,9 +20,13 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 
 from maxtext_rl_plugin.bench import common
-import tempfile
+
+# JAX (and every plugin module that imports it) is imported inside functions, after `common.force_host_devices`
+# has set XLA_FLAGS: XLA reads the host device count once, when the backend starts.
+# pylint: disable=import-outside-toplevel
 
 DEFAULT_MODEL = [
     "base_emb_dim=256",
@@ -51,8 +55,8 @@ def _parse(argv):
 
 def _run(args, k: int, out_dir: str) -> list[dict]:
   """One GRPO job with rl.off_policy_steps=k; its per-step metric records."""
-  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin import trainer  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin import config as config_lib
+  from maxtext_rl_plugin import trainer
 
   split = [] if args.colocated else ["use_pathways=true", f"chips_per_vm={args.devices // 2}"]
   argv = [

@@ -22,6 +22,10 @@ import sys
 
 from maxtext_rl_plugin.bench import common
 
+# JAX (and every plugin module that imports it) is imported inside functions, after `common.force_host_devices`
+# has set XLA_FLAGS: XLA reads the host device count once, when the backend starts.
+# pylint: disable=import-outside-toplevel
+
 # Two sizes: ~40 MiB and ~300 MiB of float32 parameters (vocab 32768).
 SIZES = {
     "small": [
@@ -60,13 +64,13 @@ def _parse(argv):
 
 def _one_size(name: str, args) -> dict:
   """Build one model size with LoRA, then time its full and adapter-only syncs and the engine's re-merge."""
-  import jax  # pylint: disable=import-outside-toplevel
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  from flax import nnx  # pylint: disable=import-outside-toplevel
-  from flax.core.spmd import logical_axis_rules  # pylint: disable=import-outside-toplevel
-  from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
+  import jax
+  import numpy as np
+  from flax import nnx
+  from flax.core.spmd import logical_axis_rules
+  from jax.sharding import Mesh
 
-  from maxtext_rl_plugin import lora, models, resharding  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin import lora, models, resharding
 
   half = jax.device_count() // 2
   argv = [
@@ -139,11 +143,11 @@ def main(argv=None) -> int:
   args = _parse(sys.argv[1:] if argv is None else argv)
   common.force_host_devices(args.devices)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-  import jax  # pylint: disable=import-outside-toplevel
-  from absl import logging  # pylint: disable=import-outside-toplevel
+  import jax
+  from absl import logging
 
-  from maxtext_rl_plugin import resharding  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.errors import exit_on_user_error  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin import resharding
+  from maxtext_rl_plugin.errors import exit_on_user_error
 
   logging.set_verbosity(logging.WARNING)
   n_dev = jax.device_count()

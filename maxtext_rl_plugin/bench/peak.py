@@ -6,7 +6,13 @@ peak" is against what XLA achieves on these devices right now (shared cores incl
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
+
+# JAX (and every plugin module that imports it) is imported inside functions, after `common.force_host_devices`
+# has set XLA_FLAGS: XLA reads the host device count once, when the backend starts.
+# pylint: disable=import-outside-toplevel
 
 
 def measure_peak_flops(n: int = 1024, repeats: int = 5, dtype: str = "float32") -> dict:
@@ -15,7 +21,7 @@ def measure_peak_flops(n: int = 1024, repeats: int = 5, dtype: str = "float32") 
   The matmul runs on the default device (sharded matmuls of several forced CPU devices share the same
   cores, so one device is the machine's peak on CPU; on an accelerator it is that chip's).
   """
-  import jax  # pylint: disable=import-outside-toplevel
+  import jax
 
   ka, kb = jax.random.split(jax.random.PRNGKey(0))
   a = jax.random.normal(ka, (n, n), dtype)
@@ -73,9 +79,6 @@ def train_flops(cfg, tokens: int, seq_len: int, passes: float = 3.0) -> float:
 
 
 def main(argv=None) -> int:
-  import argparse  # pylint: disable=import-outside-toplevel
-  import json  # pylint: disable=import-outside-toplevel
-
   ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench peak", description=__doc__.splitlines()[0])
   ap.add_argument("--n", type=int, default=1024)
   ap.add_argument("--repeats", type=int, default=5)
