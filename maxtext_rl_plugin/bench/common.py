@@ -63,3 +63,19 @@ def timed(fn: Callable[[], Any], repeats: int, *, setup: Callable[[], None] | No
     if can_peak:
       extras.append((status_kb("VmHWM") - rss0) / 1024)
   return Timing(statistics.median(times), max(extras) if extras else None, result)
+
+
+def start_split_bench(devices: int) -> int | None:
+  """The first step of a trainer/sampler-split benchmark: `devices` forced host devices (before JAX starts), quiet
+  logs; the device count, or None after an `error:` line when it cannot be split in two halves."""
+  force_host_devices(devices)
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+  import jax  # pylint: disable=import-outside-toplevel  # only now: XLA_FLAGS are read when the backend starts
+  from absl import logging  # pylint: disable=import-outside-toplevel
+
+  logging.set_verbosity(logging.WARNING)
+  n_dev = jax.device_count()
+  if n_dev < 2 or n_dev % 2:
+    print(f"error: needs an even number >= 2 of devices, found {n_dev}", file=sys.stderr)
+    return None
+  return n_dev

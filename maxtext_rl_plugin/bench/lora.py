@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from maxtext_rl_plugin.bench import common
@@ -141,19 +140,12 @@ def _one_size(name: str, args) -> dict:
 
 def main(argv=None) -> int:
   args = _parse(sys.argv[1:] if argv is None else argv)
-  common.force_host_devices(args.devices)
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-  import jax
-  from absl import logging
-
+  n_dev = common.start_split_bench(args.devices)
+  if n_dev is None:
+    return 2
   from maxtext_rl_plugin import resharding
   from maxtext_rl_plugin.errors import exit_on_user_error
 
-  logging.set_verbosity(logging.WARNING)
-  n_dev = jax.device_count()
-  if n_dev < 2 or n_dev % 2:
-    print(f"error: needs an even number >= 2 of devices, found {n_dev}", file=sys.stderr)
-    return 2
   results = {}
   with exit_on_user_error():
     for name in args.sizes:

@@ -330,18 +330,10 @@ def report(s: Setup, m: dict, args) -> dict:
 
 def main(argv=None) -> int:
   args = _parse(sys.argv[1:] if argv is None else argv)
-  common.force_host_devices(args.devices)
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-  import jax
-  from absl import logging
-
+  if common.start_split_bench(args.devices) is None:
+    return 2
   from maxtext_rl_plugin.errors import exit_on_user_error
 
-  logging.set_verbosity(logging.WARNING)
-  n_dev = jax.device_count()
-  if n_dev < 2 or n_dev % 2:
-    print(f"error: needs an even number >= 2 of devices, found {n_dev}", file=sys.stderr)
-    return 2
   with exit_on_user_error():
     setup = build(args)
   print(json.dumps(report(setup, measure(setup, args), args)), flush=True)
