@@ -26,7 +26,6 @@ from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from absl import logging
 from flax import nnx
-from maxtext.utils import model_creation_utils
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -99,6 +98,10 @@ def vllm_engine_kwargs(config: Any, num_sampler_devices: int, *, device_ids: Seq
   tp/dp/ep come from `rollout_{tensor,data,expert}_parallelism` (at most one -1, derived from the device
   count, MaxText's rule); `device_ids` pins vLLM-TPU's mesh to the rollout devices.
   """
+  # Here, not at the top: model_creation_utils imports MaxText's whole model zoo and its tokenizer dependencies
+  # (tiktoken, ...), which the TPU image's vLLM import check (tests/tpu_contract/test_image_check.py) does not have.
+  from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
+
   try:
     par = model_creation_utils.get_rollout_kwargs_for_parallelism(config, num_sampler_devices)
   except ValueError as e:
