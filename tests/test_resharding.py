@@ -11,6 +11,7 @@ trainer's own arrays read back to NumPy and compared bit for bit.
 # pylint: disable=redefined-outer-name
 
 import concurrent.futures
+import gc
 import json
 import sys
 
@@ -581,3 +582,64 @@ def test_release_buffers_is_one_rule_for_every_engine():
   assert not kept.is_deleted() and not alias.is_deleted()
   assert stale.is_deleted()
   np.testing.assert_array_equal(np.asarray(kept), np.arange(8.0))
+
+
+def _host_assembled(out) -> list:
+  """The arrays of `out` that took the host-assembly path (their shards adopted from `resharding.HOST_BUFFERS`)."""
+  pool = resharding.HOST_BUFFERS.addresses()
+  return [x for x in jax.tree.leaves(out) if all(s.data.unsafe_buffer_pointer() in pool for s in x.addressable_shards)]
+
+
+def test_a_live_sampler_array_is_never_overwritten_by_a_later_sync(env):
+  """XLA:CPU adopts the assembled host buffers zero-copy, so a buffer may be refilled only once no array holds it:
+  weights kept alive (a pinned rollout snapshot, `reshard_donate=false`) keep their values bit for bit through later
+  syncs of other values, chunk by chunk. (The single reused scratch buffer this replaced failed it whenever that buffer
+  happened to be 64-byte aligned: the next chunk overwrote the previous chunk's adopted shards.)"""
+  src = _state(env["model"])
+  want = [np.asarray(x).copy() for x in jax.tree.leaves(src)]
+  kept = resharding.reshard(src, env["dst"], chunk_size=1)
+  for k in range(3):
+    other = jax.tree.map(lambda x, k=k: x * (2.0 + k) + 1.0, src)
+    newest = resharding.reshard(other, env["dst"], chunk_size=1)
+    _assert_bitwise_on(other, newest, env["dst"], env["rs"].sampler_devices)
+  for w, x in zip(want, jax.tree.leaves(kept)):
+    np.testing.assert_array_equal(w.view(np.uint8), _bits(x).view(np.uint8))
+
+
+def test_released_buffers_are_refilled_in_place(env):
+  """One copy per sync and no new pages: the sampler's new shards are the very host buffers its released arrays held,
+  and a sync that keeps the old arrays gets new buffers instead (checked by buffer address)."""
+  src = _state(env["model"])
+  first = resharding.reshard(src, env["dst"])
+  assembled = len(_host_assembled(first))
+  assert assembled >= len(jax.tree.leaves(first)) // 2  # FSDP -> TP: most arrays take this path
+
+  def ptrs(tree):
+    return {s.data.unsafe_buffer_pointer() for x in _host_assembled(tree) for s in x.addressable_shards}
+
+  old = ptrs(first)
+  second = resharding.reshard(jax.tree.map(lambda x: x + 1.0, src), env["dst"], release=first)
+  assert all(x.is_deleted() for x in jax.tree.leaves(first))
+  assert ptrs(second) == old and len(_host_assembled(second)) == assembled
+  third = resharding.reshard(src, env["dst"])  # `second` still alive: fresh buffers
+  assert not ptrs(third) & ptrs(second)
+  _assert_bitwise_on(src, third, env["dst"], env["rs"].sampler_devices)
+  held = resharding.HOST_BUFFERS.held_bytes()
+  del second, third
+  gc.collect()
+  assert 0 < resharding.HOST_BUFFERS.trim() <= held  # buffers of collected arrays are dropped, not kept forever
+
+
+def test_host_buffer_pool_hands_out_only_unheld_buffers():
+  pool = resharding._HostBuffers()  # pylint: disable=protected-access  # a private pool, not the module's
+  a = pool.take(4096)
+  assert a.ctypes.data % 64 == 0 and a.nbytes == 4096
+  held = jax.device_put(a.view(np.float32), jax.devices()[0], may_alias=True)
+  del a
+  b = pool.take(4096)  # the first buffer is held by the array: a second one
+  assert b.ctypes.data != held.addressable_shards[0].data.unsafe_buffer_pointer()
+  b_ptr = b.ctypes.data
+  del b
+  assert pool.take(4096).ctypes.data == b_ptr  # released views free the buffer again
+  held.delete()
+  assert pool.trim() == 2 * 4096 and pool.held_bytes() == 0

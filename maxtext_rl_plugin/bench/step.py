@@ -24,6 +24,7 @@ reported ("warm step").
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import os
@@ -57,14 +58,32 @@ class StepClock:
 
     self.timer = trainer.PhaseTimer()
     self.steps: list[dict[str, float]] = []
+    self._counts = collections.Counter()
     self._last_end = time.perf_counter()
+
+  def _counted(self, phase: str, fn):
+    """`fn` timed as `phase`, its calls counted (the FLOP count of a step multiplies per-call work by them)."""
+    timed = self.timer.wrap(phase, fn)
+
+    def call(*args, **kwargs):
+      out = timed(*args, **kwargs)
+      if phase == "rollout":
+        self._counts["rows"] += len(out.tokens)
+        self._counts["generated_tokens"] += sum(len(t) for t in out.tokens)
+      elif phase == "logps":  # (prompt_tokens, completion_tokens, ...): the padded shape the forward computes
+        rows, seq = args[0].shape[0], args[0].shape[1] + args[1].shape[1]
+        self._counts["logps_tokens"] += rows * seq
+        self._counts["seq_len"] = seq
+      return out
+
+    return functools.wraps(fn)(call)
 
   def instrument(self, run) -> None:
     """Wrap the run's cluster methods and reward functions (in place: the learner shares the list)."""
     import jax
     from flax import nnx
 
-    cluster, wrap = run.rl_cluster, self.timer.wrap
+    cluster, wrap = run.rl_cluster, self._counted
 
     def blocking(fn, wait=jax.block_until_ready):
       # JAX dispatches asynchronously: a phase ends when its results exist, not when its call returns, or its time
@@ -95,6 +114,8 @@ class StepClock:
       now = time.perf_counter()
       phases = {p: 0.0 for p in PHASES} | self.timer.reset()
       phases["total"] = now - self._last_end
+      phases["counts"] = dict(self._counts)
+      self._counts = collections.Counter()
       self.steps.append(phases)
       self._last_end = now
       return out
@@ -113,6 +134,25 @@ class StepClock:
     out["overhead"] = out["total"] - sum(out[p] for p in PHASES)
     out["steps"] = len(rows)
     return out
+
+
+def step_flops(cfg, counts: dict) -> dict[str, float]:
+  """FLOPs of one step's phases (`bench.peak`'s counts: 2 x matmul params per token and pass, plus attention):
+  rollout = prefill of each row's padded prompt + decode of the tokens really generated; logps = one forward over each
+  scored sequence at the padded shape it is computed at; update = forward + backward (3 passes) over every row at that
+  shape, `rl.num_iterations` times (both loops feed each row that often)."""
+  from maxtext_rl_plugin.bench import peak as bench_peak
+
+  rows = counts.get("rows", 0)
+  prompt = int(cfg.max_prefill_predict_length)
+  seq = counts.get("seq_len", int(cfg.max_target_length))
+  new = counts.get("generated_tokens", 0) / rows if rows else 0.0
+  return {
+      "rollout": bench_peak.train_flops(cfg, rows * prompt, prompt, passes=1)
+      + bench_peak.decode_flops(cfg, rows, prompt, new),
+      "logps": bench_peak.train_flops(cfg, counts.get("logps_tokens", 0), seq, passes=1),
+      "update": bench_peak.train_flops(cfg, rows * seq * int(cfg.rl.num_iterations), seq, passes=3),
+  }
 
 
 def build(args, side: str, out_dir: str):
@@ -160,7 +200,9 @@ def tunix_dataset(run):
 def measure(args, out_dir: str) -> dict:
   """Tunix's loop, then the plugin's, each on its own fresh run; the warm-step medians of each."""
   from maxtext_rl_plugin import trainer
+  from maxtext_rl_plugin.bench import peak as bench_peak
 
+  peak = bench_peak.measure_peak_flops()
   run, clock = build(args, "tunix", out_dir)
   clock.start()
   run.learner.train(tunix_dataset(run))
@@ -172,7 +214,10 @@ def measure(args, out_dir: str) -> dict:
   plugin = clock.warm(args.warmup)
   plugin_steps = clock.steps
   cfg = run.config
+  for side in (plugin, tunix):
+    side["flops"] = step_flops(cfg, side.pop("counts"))
   return {
+      "peak": peak,
       "plugin": plugin,
       "tunix": tunix,
       "per_step": {"plugin": plugin_steps, "tunix": tunix_steps},
@@ -210,9 +255,29 @@ def report(m: dict, args) -> dict:
       "plugin_overhead_fraction": round(plugin["overhead"] / plugin["total"], 4),
       "tunix_overhead_fraction": round(tunix["overhead"] / tunix["total"], 4),
       "per_step_s": {  # every step, compile steps included, for spotting outliers in the medians
-          side: [{k: round(v, 3) for k, v in r.items()} for r in rows_] for side, rows_ in m["per_step"].items()
+          side: [{k: round(v, 3) for k, v in r.items() if k != "counts"} for r in rows_]
+          for side, rows_ in m["per_step"].items()
       },
+      **_roofline(m),
   }
+
+
+def _roofline(m: dict) -> dict:
+  """Achieved FLOP/s of the compute phases of each side's warm step, and their fraction of the in-run matmul peak."""
+  peak = m["peak"]["peak_flops"]
+  print(f"achieved FLOP/s (fraction of the in-run peak, {peak / 1e9:.1f} GFLOP/s)")
+  out = {"peak_flops": round(peak), "flops": {}, "fraction_of_peak": {}}
+  for name, side in (("plugin", m["plugin"]), ("tunix", m["tunix"])):
+    out["flops"][name] = {p: round(f) for p, f in side["flops"].items()}
+    frac = {p: f / side[p] / peak if side[p] > 0 else None for p, f in side["flops"].items()}
+    out["fraction_of_peak"][name] = {p: None if v is None else round(v, 4) for p, v in frac.items()}
+    print(
+        f"  {name:<8}"
+        + "".join(
+            f"{p} {f / side[p] / 1e9:.2f} GFLOP/s ({frac[p]:.1%})  " for p, f in side["flops"].items() if side[p] > 0
+        )
+    )
+  return out
 
 
 def main(argv=None) -> int:
