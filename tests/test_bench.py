@@ -6,6 +6,8 @@ import numpy as np
 
 from maxtext_rl_plugin.bench import __main__ as bench_main
 from maxtext_rl_plugin.bench import peak
+from maxtext_rl_plugin.bench import rollout as rollout_bench
+from maxtext_rl_plugin.bench import step as bench_step
 
 
 class _Cfg:
@@ -58,6 +60,8 @@ def test_bench_rollout_tiny_emits_tunix_and_roofline_keys(capsys):
     assert key in out, key
   assert out["tunix_greedy_match"] is True
   assert out["greedy_match"] is True
+  forced = out["by_batch"][0]["tunix_teacher_forced"]
+  assert forced["positions"] == 4 and forced["argmax_disagreements"] == 0 and forced["identical_up_to_ties"] is True
   assert "attention_mask" in out["tunix_maxtext_error"]  # the adapter's exact refusal, recorded
   assert 0 < out["engine_fraction_of_peak_by_batch"]["1"] < 1
   assert np.isfinite(out["speedup_vs_tunix_by_batch"]["1"])
@@ -87,3 +91,44 @@ def test_bench_step_tiny_reports_every_phase_and_totals_add_up(capsys):
     assert row["rollout"] > 0 and row["update"] > 0 and row["total"] > 0
     assert abs(sum(v for k, v in row.items() if k != "total") - row["total"]) < 1e-3
   assert set(out["plugin_over_tunix"]) == set(out["plugin_s"])
+  # Roofline: both loops did the same work (same batches, same shapes), a fraction of the in-run peak each.
+  assert out["flops"]["plugin"] == out["flops"]["tunix"] and min(out["flops"]["plugin"].values()) > 0
+  for side in ("plugin", "tunix"):
+    assert all(0 < f < 1 for f in out["fraction_of_peak"][side].values()), out["fraction_of_peak"]
+  assert set(out["phase_medians_plugin_over_tunix"]) == {"rollout", "reward", "logps", "update", "sync", "total"}
+
+
+class _StepCfg(_Cfg):
+  max_prefill_predict_length, max_target_length = 16, 24
+
+  class rl:  # pylint: disable=invalid-name  # MaxText's config attribute name
+    num_iterations = 2
+
+
+def test_step_flops_are_prefill_decode_forward_and_three_pass_update():
+  c = _StepCfg()
+  rows, seq = 6, 20
+  counts = {"rows": rows, "generated_tokens": rows * 5, "logps_tokens": 2 * rows * seq, "seq_len": seq}
+  f = bench_step.step_flops(c, counts)
+  forward = peak.train_flops(c, rows * seq, seq, passes=1)  # one forward over every row's scored sequence
+  assert f["logps"] == 2 * forward  # two log-prob passes (reference and old policy)
+  assert f["update"] == 3 * 2 * forward  # forward + backward, rl.num_iterations = 2 times
+  assert f["rollout"] == peak.train_flops(c, rows * 16, 16, passes=1) + peak.decode_flops(c, rows, 16, 5)
+
+
+def test_teacher_forced_check_tells_a_tie_from_a_wrong_model():
+  """The Tunix copy of the engine's model agrees on the engine's own greedy tokens; a 5% change to one Tunix weight
+  is not a float tie, and the verdict says so."""
+  args = rollout_bench._parse_args(["--batch-sizes", "2"])  # pylint: disable=protected-access  # the bench's own build
+  cfg, tok, model, mesh, engine = rollout_bench._build(args)  # pylint: disable=protected-access
+  tmodel = rollout_bench.tunix_qwen3_like(model, cfg)
+  prompts = [tok.encode("What is 17 * 23?"), tok.encode("Solve for x: 3x + 5 = 20.")]
+  res = engine.generate_tokens(prompts, greedy=True, max_new_tokens=8, ignore_stop=True)
+  same = rollout_bench.teacher_forced_agreement(model, tmodel, cfg, mesh, prompts, res.tokens)
+  assert same["positions"] == 16 and same["identical_up_to_ties"] is True
+  assert same["max_abs_logit_diff"] <= rollout_bench.FLOAT_TIE_RTOL * same["max_abs_logit"]
+  down = tmodel.layers[0].mlp.down_proj.kernel
+  down.value = down.value * 1.05
+  wrong = rollout_bench.teacher_forced_agreement(model, tmodel, cfg, mesh, prompts, res.tokens)
+  assert wrong["identical_up_to_ties"] is False
+  assert wrong["max_abs_logit_diff"] > 10 * same["max_abs_logit_diff"]

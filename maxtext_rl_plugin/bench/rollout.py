@@ -13,9 +13,11 @@ median of `--repeats` (engine, Tunix) / best of `--recompute-repeats` (baselines
 
 Peer: Tunix 0.1.7's KV-cache `Sampler` (what its vanilla rollout runs). It cannot drive the MaxText model
 (`TunixMaxTextAdapter` rejects the sampler's [B, L, cache] attention mask and returns no cache; the exact
-error is printed and in the JSON), so it runs a Tunix-native Qwen3 of the same shape holding the same
-weights, and `tunix_greedy_match` checks the two produce the same greedy tokens. Roofline: achieved decode
-FLOP/s (2 x per-token params x tokens + attention, `peak.py`) as a fraction of an in-run matmul peak.
+error is printed and in the JSON), so it runs Tunix-native Qwen3 copies of the same shape holding the same
+weights: Tunix's own tied Qwen3 (the speed peer, `speedup_vs_tunix`), and one whose output head reproduces MaxText
+0.2.5's bfloat16 rounding of the tied table (`tunix_qwen3_like`), the same function as the MaxText model, against
+which `tunix_greedy_match` checks token identity and `tunix_teacher_forced` compares logits step by step. Roofline:
+achieved decode FLOP/s (2 x per-token params x tokens + attention, `peak.py`) as a fraction of an in-run matmul peak.
 
 With random init (no load_parameters_path) the decoder weights are scaled by `--decoder-scale`
 (default 3) so greedy continuations depend on the context and `greedy_match` means something; at init
@@ -148,11 +150,16 @@ def _tunix_cache_config(cfg, cache_size: int):
   )
 
 
-def tunix_qwen3_like(model, cfg):
+def tunix_qwen3_like(model, cfg, maxtext_head: bool = True):
   """A Tunix-native `Qwen3` of the MaxText model's shape holding the MaxText model's weights (copied).
 
   MaxText's scanned layers keep the layer on axis 1 of every decoder kernel; Tunix keeps one module per
-  layer. Projections, norms and the (tied) embedding map one to one.
+  layer. Projections, norms and the input embedding map one to one. The output head does not: MaxText 0.2.5's
+  tied head (`embeddings.attend_on_embedding`) rounds the embedding table to bfloat16 whatever `dtype` says, while
+  Tunix's tied head uses the table as it is -- logits ~2e-3 apart (relative), enough to flip greedy near-ties after a
+  few dozen tokens. So with `maxtext_head` the copy gets an untied `lm_head` holding the bfloat16-rounded table (in
+  float32), which computes what MaxText's head computes; without it, the copy is Tunix's own tied Qwen3 (the shape
+  Qwen3-0.6B has), the peer a user would run.
   """
 
   if not cfg.scan_layers or not cfg.logits_via_embedding:
@@ -167,17 +174,20 @@ def tunix_qwen3_like(model, cfg):
       num_kv_heads=int(cfg.num_kv_heads),
       rope_theta=int(cfg.rope_max_timescale),
       norm_eps=float(cfg.normalization_layer_epsilon),
-      use_tied_embedding=True,
+      use_tied_embedding=not maxtext_head,
   )
   t = nnx.eval_shape(lambda: q3.Qwen3(tc, rngs=nnx.Rngs(0)))
   src = nnx.to_pure_dict(nnx.state(model, nnx.Param))["base"]
   dec, lay = src["decoder"], src["decoder"]["layers"]
   a = jnp.asarray
+  table = a(src["token_embedder"]["embedding"])
   dst = {
-      "embedder": {"input_embedding": a(src["token_embedder"]["embedding"])},
+      "embedder": {"input_embedding": table},
       "final_norm": {"w": a(dec["decoder_norm"]["scale"])},
       "layers": {},
   }
+  if maxtext_head:
+    dst["lm_head"] = {"w": table.astype(jnp.bfloat16).astype(table.dtype).T}
   for i in range(tc.num_layers):
     sa = lay["self_attention"]
     dst["layers"][i] = {
@@ -200,6 +210,48 @@ def tunix_qwen3_like(model, cfg):
   graphdef, state = nnx.split(t)
   nnx.replace_by_pure_dict(state, dst)
   return nnx.merge(graphdef, state)
+
+
+FLOAT_TIE_RTOL = 1e-4  # two float32 implementations of one model: logits apart by rounding, ~1e-6 of their size
+
+
+def teacher_forced_agreement(model, tmodel, cfg, mesh, prompts, completions, rows: int = 8) -> dict:
+  """Both models scored on the plugin's own greedy sequences (prompt + completion, one forward each, no cache): how
+  far their logits are apart, and whether every step where their argmax differs is a float tie.
+
+  Free-running greedy decoding compounds: once one near-tied argmax flips, the two continuations differ from then on,
+  so a first-mismatch step alone cannot tell a rounding tie from a wrong model. Teacher forcing compares every step on
+  the same context. A disagreement is a tie when the gap between the two models' chosen tokens, in either model's
+  logits, is within the largest logit difference between the models (`max_abs_logit_diff`); the verdict
+  `identical_up_to_ties` also needs that difference to be float32 rounding (`FLOAT_TIE_RTOL` of the largest logit),
+  which a wrong weight copy or a wrong model far exceeds.
+  """
+  stats = {"positions": 0, "max_abs_logit_diff": 0.0, "max_abs_logit": 0.0}
+  gaps = []
+  for prompt, completion in list(zip(prompts, completions))[:rows]:
+    toks = jnp.asarray(np.concatenate([np.asarray(prompt), np.asarray(completion)])[None].astype(np.int32))
+    n = toks.shape[1]
+    pos = jnp.arange(n, dtype=jnp.int32)[None]
+    with mesh, logical_axis_rules(cfg.logical_axis_rules):
+      lm, _ = model(toks, pos, None, None, decoder_segment_ids=jnp.ones_like(toks))
+    lt, _ = tmodel(toks, pos, None, jnp.tril(jnp.ones((1, n, n), jnp.bool_)))
+    # Logits at position p predict token p + 1: the completion's tokens are predicted from len(prompt) - 1 on.
+    lm = np.asarray(lm[0, len(prompt) - 1 : n - 1], np.float64)
+    lt = np.asarray(lt[0, len(prompt) - 1 : n - 1], np.float64)
+    am, at = lm.argmax(-1), lt.argmax(-1)
+    stats["positions"] += len(am)
+    stats["max_abs_logit_diff"] = max(stats["max_abs_logit_diff"], float(np.abs(lm - lt).max()))
+    stats["max_abs_logit"] = max(stats["max_abs_logit"], float(np.abs(lm).max()))
+    for p in np.nonzero(am != at)[0]:
+      gap = max(lm[p, am[p]] - lm[p, at[p]], lt[p, at[p]] - lt[p, am[p]])
+      gaps.append(float(gap))
+  stats["argmax_disagreements"] = len(gaps)
+  stats["max_gap_at_disagreement"] = max(gaps, default=0.0)
+  stats["all_disagreements_are_ties"] = all(g <= stats["max_abs_logit_diff"] for g in gaps)
+  stats["identical_up_to_ties"] = stats["all_disagreements_are_ties"] and (
+      stats["max_abs_logit_diff"] <= FLOAT_TIE_RTOL * stats["max_abs_logit"]
+  )
+  return {k: round(v, 8) if isinstance(v, float) else v for k, v in stats.items()}
 
 
 def _time_tunix(tmodel, tok, cfg, prompts_text, T, repeats):
@@ -277,27 +329,30 @@ def _build(args):
   return cfg, tok, model, mesh, engine
 
 
-def _measure_batch(args, batch, ctx, peak, tmodel) -> dict:
-  """One batch size: the engine, Tunix's sampler (interleaved, same repetitions) and the recompute baselines."""
+def _measure_batch(args, batch, ctx, peak, tmodels) -> dict:
+  """One batch size: the engine and Tunix's sampler on both Tunix copies (interleaved, same repetitions), then the
+  recompute baselines. `tmodels`: (Tunix's tied Qwen3, the copy with MaxText's head rounding) or None."""
   cfg, tok, model, mesh, engine = ctx
   T = args.new_tokens
   prompts = _prompts(tok, batch)
+  texts = _prompt_texts(batch)
   # Engine: first call compiles (timed separately inside the engine), then timed runs, interleaved with
   # Tunix's sampler when it runs (same repetitions side by side; shared cores make medians the figure).
   c0 = engine.compile_seconds
   res = engine.generate_tokens(prompts, greedy=True, max_new_tokens=T, ignore_stop=True)
   compile_s = engine.compile_seconds - c0
-  times, ttimes = [], []
-  tunix_toks = None
-  if tmodel is not None:
-    tunix_toks, _, tunix_first = _time_tunix(tmodel, tok, cfg, _prompt_texts(batch), T, 0)
+  times, ttimes = [], {"tied": [], "maxtext_head": []}
+  first = {}
+  if tmodels is not None:
+    tied_toks, _, first["tied"] = _time_tunix(tmodels[0], tok, cfg, texts, T, 0)
+    tunix_toks, _, first["maxtext_head"] = _time_tunix(tmodels[1], tok, cfg, texts, T, 0)
   for _ in range(args.repeats):
     s = time.perf_counter()
     res = engine.generate_tokens(prompts, greedy=True, max_new_tokens=T, ignore_stop=True)
     times.append(time.perf_counter() - s)
-    if tmodel is not None:
-      _, secs, _ = _time_tunix(tmodel, tok, cfg, _prompt_texts(batch), T, 1)
-      ttimes.append(secs)
+    if tmodels is not None:
+      for name, tm in zip(ttimes, tmodels):
+        ttimes[name].append(_time_tunix(tm, tok, cfg, texts, T, 1)[1])
   eng_s = float(np.median(times))
   eng_tps = batch * T / eng_s
   lp = max(len(p) for p in prompts)
@@ -311,18 +366,24 @@ def _measure_batch(args, batch, ctx, peak, tmodel) -> dict:
       "engine_flops_per_s": round(flops / eng_s),
       "engine_fraction_of_peak": round(flops / eng_s / peak["peak_flops"], 4),
   }
-  if tmodel is not None:
-    t_s = float(np.median(ttimes))
+  if tmodels is not None:
+    t_s, x_s = float(np.median(ttimes["tied"])), float(np.median(ttimes["maxtext_head"]))
     match = bool(np.array_equal(tunix_toks, res.tokens))
+    tied_match = bool(np.array_equal(tied_toks, res.tokens))
     row.update(
         {
             "tunix_tokens_per_s": round(batch * T / t_s, 1),
             "tunix_seconds": round(t_s, 3),
-            "tunix_first_call_seconds": round(tunix_first, 2),
+            "tunix_first_call_seconds": round(first["tied"], 2),
             "speedup_vs_tunix": round(t_s / eng_s, 2),
             "tunix_fraction_of_peak": round(flops / t_s / peak["peak_flops"], 4),
+            "tunix_maxtext_head_tokens_per_s": round(batch * T / x_s, 1),
+            "speedup_vs_tunix_maxtext_head": round(x_s / eng_s, 2),
+            # Token identity against the copy that computes MaxText's function (bf16-rounded tied head).
             "tunix_greedy_match": match,
             "tunix_first_mismatch_step": None if match else int(np.argmax((tunix_toks != res.tokens).any(0))),
+            "tunix_tied_first_mismatch_step": (None if tied_match else int(np.argmax((tied_toks != res.tokens).any(0)))),
+            "tunix_teacher_forced": teacher_forced_agreement(model, tmodels[1], cfg, mesh, prompts, res.tokens),
         }
     )
 
@@ -389,6 +450,9 @@ def _summary(args, cfg, engine, rows, peak, tunix_error) -> dict:
           str(r["batch"]): r["tunix_tokens_per_s"] for r in rows if "tunix_tokens_per_s" in r
       },
       "speedup_vs_tunix_by_batch": {str(r["batch"]): r["speedup_vs_tunix"] for r in rows if "speedup_vs_tunix" in r},
+      "speedup_vs_tunix_maxtext_head_by_batch": {
+          str(r["batch"]): r["speedup_vs_tunix_maxtext_head"] for r in rows if "speedup_vs_tunix" in r
+      },
       "tunix_greedy_match": all(r["tunix_greedy_match"] for r in rows) if args.tunix else None,
       "by_batch": rows,
   }
@@ -408,14 +472,14 @@ def main(argv=None) -> int:
       f"{bench_peak.param_counts(cfg)}",
       flush=True,
   )
-  tunix_error, tmodel = "", None
+  tunix_error, tmodels = "", None
   if args.tunix:
     tunix_error = _tunix_error(model, tok, cfg, mesh)
     print(f"Tunix Sampler on the MaxText model (TunixMaxTextAdapter): {tunix_error or 'ok'}", flush=True)
-    tmodel = tunix_qwen3_like(model, cfg)
+    tmodels = (tunix_qwen3_like(model, cfg, maxtext_head=False), tunix_qwen3_like(model, cfg, maxtext_head=True))
   rows = []
   for batch in args.batch_sizes:
-    rows.append(_measure_batch(args, batch, ctx, peak, tmodel))
+    rows.append(_measure_batch(args, batch, ctx, peak, tmodels))
     print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
   _print_table(rows)
   print(json.dumps(_summary(args, cfg, engine, rows, peak, tunix_error)))

@@ -37,13 +37,15 @@ import numpy as np
 from maxtext_rl_plugin.bench import common
 
 PHASES = ("rollout", "reward", "logps", "update", "sync")
+LOGPS_ARGS = ("prompt_tokens", "completion_tokens")  # the first two parameters of every log-probs method timed
 
 
 def _parse(argv):
   p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench step", description=__doc__.splitlines()[0])
   p.add_argument("--config", default="configs/cpu_tiny.yml", help="base yml")
   p.add_argument("--steps", type=int, default=4, help="measured (warm) steps per side")
-  p.add_argument("--warmup", type=int, default=2, help="steps per side dropped from the medians (compilation)")
+  p.add_argument("--warmup", type=int, default=2, help="steps per run dropped from the medians (compilation)")
+  p.add_argument("--rounds", type=int, default=1, help="runs per side, in ABBA order (Tunix, plugin, plugin, Tunix..)")
   p.add_argument("--devices", type=int, default=8, help="forced host devices on CPU (half trainer, half sampler)")
   p.add_argument("--colocated", action="store_true", help="trainer and sampler share the devices (no weight sync)")
   p.add_argument("overrides", nargs="*", help="extra key=value config overrides (model size, batch, ...)")
@@ -71,7 +73,8 @@ class StepClock:
         self._counts["rows"] += len(out.tokens)
         self._counts["generated_tokens"] += sum(len(t) for t in out.tokens)
       elif phase == "logps":  # (prompt_tokens, completion_tokens, ...): the padded shape the forward computes
-        rows, seq = args[0].shape[0], args[0].shape[1] + args[1].shape[1]
+        prompt, completion = (args[i] if len(args) > i else kwargs[k] for i, k in enumerate(LOGPS_ARGS))
+        rows, seq = prompt.shape[0], prompt.shape[1] + completion.shape[1]
         self._counts["logps_tokens"] += rows * seq
         self._counts["seq_len"] = seq
       return out
@@ -126,14 +129,15 @@ class StepClock:
     """The first step starts now (after the build, which is not part of any step)."""
     self._last_end = time.perf_counter()
 
-  def warm(self, warmup: int) -> dict[str, float]:
-    """The median warm step (by total; the lower middle for an even count) with its phases and overhead = total - sum
-    of its phases: one real step, so the parts add up (medians taken phase by phase need not, and can go negative)."""
-    rows = sorted(self.steps[warmup:] or self.steps, key=lambda r: r["total"])
-    out = dict(rows[(len(rows) - 1) // 2])
-    out["overhead"] = out["total"] - sum(out[p] for p in PHASES)
-    out["steps"] = len(rows)
-    return out
+
+def median_step(rows: list[dict]) -> dict:
+  """The median warm step (by total; the lower middle for an even count) with its phases and overhead = total - sum
+  of its phases: one real step, so the parts add up (medians taken phase by phase need not, and can go negative)."""
+  rows = sorted(rows, key=lambda r: r["total"])
+  out = dict(rows[(len(rows) - 1) // 2])
+  out["overhead"] = out["total"] - sum(out[p] for p in PHASES)
+  out["steps"] = len(rows)
+  return out
 
 
 def step_flops(cfg, counts: dict) -> dict[str, float]:
@@ -198,21 +202,25 @@ def tunix_dataset(run):
 
 
 def measure(args, out_dir: str) -> dict:
-  """Tunix's loop, then the plugin's, each on its own fresh run; the warm-step medians of each."""
+  """`--rounds` rounds of both loops, each run on its own fresh build, in ABBA order (Tunix then the plugin, then the
+  plugin then Tunix, ...) so a drift of the shared host's speed weighs on both sides alike; each side's warm steps are
+  pooled over its runs."""
   from maxtext_rl_plugin import trainer
   from maxtext_rl_plugin.bench import peak as bench_peak
 
   peak = bench_peak.measure_peak_flops()
-  run, clock = build(args, "tunix", out_dir)
-  clock.start()
-  run.learner.train(tunix_dataset(run))
-  tunix = clock.warm(args.warmup)
-  tunix_steps = clock.steps
-  run, clock = build(args, "plugin", out_dir)
-  clock.start()
-  trainer.train(run)
-  plugin = clock.warm(args.warmup)
-  plugin_steps = clock.steps
+  runs: dict[str, list[list[dict]]] = {"plugin": [], "tunix": []}
+  for r in range(args.rounds):
+    for side in ("tunix", "plugin") if r % 2 == 0 else ("plugin", "tunix"):
+      run, clock = build(args, f"{side}{r}", out_dir)
+      clock.start()
+      if side == "tunix":
+        run.learner.train(tunix_dataset(run))
+      else:
+        trainer.train(run)
+      runs[side].append(clock.steps)
+  warm = {side: [row for steps in lists for row in steps[args.warmup :]] for side, lists in runs.items()}
+  plugin, tunix = median_step(warm["plugin"]), median_step(warm["tunix"])
   cfg = run.config
   for side in (plugin, tunix):
     side["flops"] = step_flops(cfg, side.pop("counts"))
@@ -220,7 +228,10 @@ def measure(args, out_dir: str) -> dict:
       "peak": peak,
       "plugin": plugin,
       "tunix": tunix,
-      "per_step": {"plugin": plugin_steps, "tunix": tunix_steps},
+      "phase_medians": {
+          side: {k: float(np.median([row[k] for row in rows])) for k in (*PHASES, "total")} for side, rows in warm.items()
+      },
+      "per_step": runs,
       "batch": f"{cfg.batch_size} prompts x {cfg.rl.num_generations} generations",
       "new_tokens": int(cfg.max_target_length) - int(cfg.max_prefill_predict_length),
       "model": f"{cfg.model_name} emb {cfg.emb_dim} x {cfg.num_decoder_layers} layers, vocab {cfg.vocab_size}",
@@ -254,9 +265,13 @@ def report(m: dict, args) -> dict:
       "plugin_over_tunix": {k: None if v is None else round(v, 3) for k, v in ratios.items()},
       "plugin_overhead_fraction": round(plugin["overhead"] / plugin["total"], 4),
       "tunix_overhead_fraction": round(tunix["overhead"] / tunix["total"], 4),
-      "per_step_s": {  # every step, compile steps included, for spotting outliers in the medians
-          side: [{k: round(v, 3) for k, v in r.items() if k != "counts"} for r in rows_]
-          for side, rows_ in m["per_step"].items()
+      "phase_medians_plugin_over_tunix": {
+          k: round(m["phase_medians"]["plugin"][k] / v, 3) if v > 0 else None
+          for k, v in m["phase_medians"]["tunix"].items()
+      },
+      "per_step_s": {  # every step of every run, compile steps included, for spotting outliers in the medians
+          side: [[{k: round(v, 3) for k, v in r.items() if k != "counts"} for r in steps] for steps in runs]
+          for side, runs in m["per_step"].items()
       },
       **_roofline(m),
   }
