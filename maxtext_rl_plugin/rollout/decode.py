@@ -42,6 +42,7 @@ from maxtext.inference import kvcache
 from maxtext.utils import model_creation_utils
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.rollout import bucketing
+from maxtext_rl_plugin.rollout import head
 from maxtext_rl_plugin.rollout import kv_cache
 from maxtext_rl_plugin.rollout import sampling
 from maxtext_rl_plugin.rollout import stops
@@ -114,6 +115,9 @@ class MaxTextSampler:
     self.rules = tuple((name, self.batch_axes) for name in ("cache_batch", "cache_batch_prefill")) + tuple(
         (k, v) for k, v in cfg.logical_axis_rules if k not in ("cache_batch", "cache_batch_prefill")
     )
+    # On CPU the tied output head runs from a table prepared once per weight version (head.py).
+    self._tied_head = head.TiedHead.from_config(cfg)
+    self._head_tables = head.TableCache() if head.applies(cfg, mesh) else None
     self.compiled: dict[Any, Any] = {}
     self.compile_count = 0
     self.compile_seconds = 0.0
@@ -167,6 +171,7 @@ class MaxTextSampler:
         distributed.replicated(np.float32(sampling_params.top_p), self.mesh),
         distributed.replicated(stop_ids, self.mesh),
         distributed.replicated(stop_seqs, self.mesh),
+        None if self._head_tables is None else self._head_tables.table(params),
     )
     sig = (
         key,
@@ -208,7 +213,7 @@ class MaxTextSampler:
     pad_id = self.pad_id
     cache_layout = self.cache
 
-    def run_model(graphdef, params, rest, cache, tokens, positions, segment_ids, mode):
+    def run_model(graphdef, params, rest, cache, tokens, positions, segment_ids, mode, table):
       _, _, cache_state, rest_state = nnx.split(self._abstract[mode], nnx.Param, nnx.Cache, ...)
       nnx.replace_by_pure_dict(cache_state, cache)
       nnx.replace_by_pure_dict(rest_state, rest)
@@ -224,7 +229,10 @@ class MaxTextSampler:
           deterministic=True,
           model_mode=mode,
       )[:3]
-      logits = model.logits_from_hidden_states_for_vocab_tiling(hidden[:, -1:, :], deterministic=True, model_mode=mode)
+      if table is None:
+        logits = model.logits_from_hidden_states_for_vocab_tiling(hidden[:, -1:, :], deterministic=True, model_mode=mode)
+      else:  # the same function from the prepared table (head.py)
+        logits = self._tied_head(model, hidden[:, -1:, :], table)
       return logits, nnx.to_pure_dict(nnx.state(model, nnx.Cache))
 
     def draw(rng, step, per_row):
@@ -233,12 +241,12 @@ class MaxTextSampler:
         return rng, jax.vmap(jax.random.fold_in, in_axes=(0, None))(rng, step)
       return jax.random.split(rng)
 
-    def program(params, rest, tokens, lens, active, rng, temperature, top_p, stop_ids, stop_seqs):
+    def program(params, rest, tokens, lens, active, rng, temperature, top_p, stop_ids, stop_seqs, table):
       # Prefill: left-padded prompts; pads get segment 0 (masked), real tokens positions 0..len-1.
       segment = (jnp.arange(L)[None, :] >= (L - lens)[:, None]).astype(jnp.int32)
       positions = jnp.maximum(jnp.cumsum(segment, axis=1) - 1, 0)
       logits, cache = run_model(
-          gd_prefill, params, rest, cache_layout.zeros(B, L, T), tokens, positions, segment, prefill_mode
+          gd_prefill, params, rest, cache_layout.zeros(B, L, T), tokens, positions, segment, prefill_mode, table
       )
       last = jnp.repeat(logits[:, -1, :], G, axis=0)
       cache = cache_layout.shard(cache_layout.repeat(cache, G, N, T))
@@ -258,7 +266,7 @@ class MaxTextSampler:
       def body(carry):
         step, tok, done, cache, out_tokens, out_logps, rng, window = carry
         pos = (lens_n + step - 1)[:, None]
-        logits, cache = run_model(gd_ar, params, rest, cache, tok[:, None], pos, None, ar_mode)
+        logits, cache = run_model(gd_ar, params, rest, cache, tok[:, None], pos, None, ar_mode, table)
         cache = cache_layout.shard(cache)
         rng, sub = draw(rng, step, per_row)
         new, lp = sampling.sample(logits[:, -1, :], sub, spec, temperature, top_p, per_row)
