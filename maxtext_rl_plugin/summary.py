@@ -1,10 +1,11 @@
-"""End-of-run summary: a before/after table on the console and a reward/accuracy plot (summary.png)."""
+"""End-of-run summary: a before/after table on the console, a reward/accuracy plot (summary.png), summary.json."""
 
 # matplotlib is optional (write_plot) and slow to import: imported only to draw the plot.
 # pylint: disable=import-outside-toplevel
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -14,6 +15,30 @@ def _fmt(v, pct=False) -> str:
   if v is None:
     return "-"
   return f"{100 * v:.1f}%" if pct else f"{v:.3f}"
+
+
+def read_history(path: str | None) -> list[dict[str, Any]] | None:
+  """Every record of the run's metrics file (steps before a resume included), or None without a file."""
+  if not path or not os.path.isfile(path):
+    return None
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      try:
+        rec = json.loads(line)
+      except ValueError:
+        continue
+      if isinstance(rec, dict):
+        out.append(rec)
+  return out
+
+
+def write_json(run_dir: str, summary: dict[str, Any]) -> None:
+  """`<run>/summary.json` (all but the history), replaced atomically: a rerun of a finished run reads it."""
+  tmp = os.path.join(run_dir, f".summary.json.{os.getpid()}")
+  with open(tmp, "w", encoding="utf-8") as f:
+    json.dump({k: v for k, v in summary.items() if k != "history"}, f, indent=2, default=str)
+  os.replace(tmp, os.path.join(run_dir, "summary.json"))
 
 
 def table(summary: dict[str, Any]) -> str:

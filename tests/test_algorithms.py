@@ -26,7 +26,7 @@ from tunix.rl.grpo import grpo_learner
 
 from maxtext_rl_plugin import algorithms
 from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin import trainer
+from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.config import load_config
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -541,7 +541,7 @@ def test_optimizer_is_maxtexts_and_honours_adam_eps(eps):
       "gradient_clipping_threshold=1.0",
   ]
   cfg = config_lib.load_config(argv)
-  tx = trainer.build_optimizer(cfg)
+  tx = build.build_optimizer(cfg)
   rng = np.random.default_rng(0)
   params = [rng.normal(size=(3, 4)).astype(np.float32), rng.normal(size=(5,)).astype(np.float32)]
   grads = [[rng.normal(scale=s, size=p.shape).astype(np.float32) for p in params] for s in (1e-4, 2.0, 1e-3, 1e-4)]
@@ -555,10 +555,10 @@ def test_optimizer_is_maxtexts_and_honours_adam_eps(eps):
     np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=1e-7)
   # With 2 mini-batches per batch the same 4 updates are half a run of 8: warmup 2 updates, then cosine over 8.
   cfg2 = config_lib.load_config([*argv, "rl.mini_batch_size=1"])
-  assert trainer.total_updates(cfg2) == 8
+  assert build.total_updates(cfg2) == 8
   lrs2 = [0.0, 0.005, 0.01, 0.01 * 0.5 * (1 + np.cos(np.pi * 1 / 6))]
   ref2 = _adamw_reference(grads, params, lrs2, cfg.adam_b1, cfg.adam_b2, eps, 0.1, 1.0)
-  for a, b in zip(_run_optimizer(trainer.build_optimizer(cfg2), params, grads), ref2):
+  for a, b in zip(_run_optimizer(build.build_optimizer(cfg2), params, grads), ref2):
     np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=1e-7)
   # The eps matters: with eps=1e-3 the tiny-gradient steps are SGD-like and far smaller than Adam's.
   other = _adamw_reference(grads, params, lrs, cfg.adam_b1, cfg.adam_b2, 1e-3 if eps == 1e-8 else 1e-8, 0.1, 1.0)

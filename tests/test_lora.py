@@ -30,6 +30,7 @@ from maxtext_rl_plugin import key_status
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import trainer
+from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.rollout import embedded
 
 TINY = "configs/cpu_tiny.yml"
@@ -288,7 +289,7 @@ def lora_run_fixture(tmp_path_factory):
   """A 2-step LoRA run: its argv, run, and the actor's base/adapter weights before and after."""
   out = tmp_path_factory.mktemp("lora_runs")
   argv = _argv(out, "lora")
-  run = trainer.build_run(config_lib.load_config(argv), argv)
+  run = build.build_run(config_lib.load_config(argv), argv)
   actor = run.rl_cluster.actor_trainer.model
   before = {
       "base": _np(nnx.state(actor, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))),
@@ -314,7 +315,7 @@ def test_only_adapters_get_optimizer_state(lora_run):
   copies = sum(x.nbytes for x in big) / b["adapter_bytes"]
   assert copies == int(copies) and copies >= 2
   # The same optimizer over every base param (what full fine-tuning allocates), from Tunix's own nnx.Optimizer.
-  full = nnx.Optimizer(_reference(run), trainer.build_optimizer(run.config), wrt=nnx.Param)
+  full = nnx.Optimizer(_reference(run), build.build_optimizer(run.config), wrt=nnx.Param)
   full_moments = sum(x.nbytes for x in jax.tree.leaves(nnx.state(full)) if getattr(x, "size", 1) > 1)
   assert full_moments == 2 * b["base_bytes"]
   full_bytes = int(copies) * b["base_bytes"]
@@ -376,7 +377,7 @@ def test_resume_restores_adapters_and_optimizer_exactly(lora_run):
   shutil.copytree(out / "lora", out / "resumed")
   shutil.rmtree(out / "resumed" / "checkpoints" / "2")
   argv = _argv(out, "resumed")
-  run = trainer.build_run(config_lib.load_config(argv), argv)
+  run = build.build_run(config_lib.load_config(argv), argv)
   summary = trainer.train(run)
   assert summary["start_step"] == 1
   for item in ("params", "opt_state"):

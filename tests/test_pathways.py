@@ -22,7 +22,7 @@ import pytest
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import resharding
-from maxtext_rl_plugin import trainer
+from maxtext_rl_plugin.run import build
 
 SIMULATE = textwrap.dedent("""
     import json, sys
@@ -116,4 +116,4 @@ def test_one_decision_point(monkeypatch):
   cfg = type("C", (), {"rollout_engine": "auto"})()
 
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
-  assert trainer._resolve_engine_name(cfg) == "vllm"  # pylint: disable=protected-access  # the one resolution point
+  assert build._resolve_engine_name(cfg) == "vllm"  # pylint: disable=protected-access  # the one resolution point

@@ -22,7 +22,7 @@ from tensorboardX.proto import event_pb2
 
 from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin import models
-from maxtext_rl_plugin import trainer
+from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.errors import ConfigError
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -236,7 +236,7 @@ def test_batch_not_divisible_by_trainer_devices_is_one_line_error():
   fake_devices = list(range(4))  # the check only counts devices; 9 rows over 4 trainer devices
   rs = models.RunSetup(cfg, cfg, fake_devices, fake_devices)
   with pytest.raises(ConfigError, match=r"'batch_size'=3.*9 rows must be divisible by the 4 trainer devices"):
-    trainer._check_runtime(cfg, rs)  # pylint: disable=protected-access  # the check itself, without a run
+    build._check_runtime(cfg, rs)  # pylint: disable=protected-access  # the check itself, without a run
 
 
 @pytest.mark.multidevice

@@ -30,7 +30,7 @@ from tunix.rl.rollout import base_rollout
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import registry
-from maxtext_rl_plugin import trainer
+from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.config import load_config
 from maxtext_rl_plugin.rollout import vllm as vllm_mod
 from maxtext_rl_plugin.rollout import vllm_mapping as vm
@@ -341,7 +341,7 @@ def test_missing_vllm_fails_at_construction_with_one_line(qwen, tokenizer, capsy
   # exit 2, one line.
 
   with pytest.raises(SystemExit) as exit_info, errors.exit_on_user_error():
-    trainer.rollout_engine_factory("vllm", qwen[0])
+    build.rollout_engine_factory("vllm", qwen[0])
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
   assert err.startswith("error: rollout_engine=vllm needs the 'vllm' package") and err.count("\n") == 1
@@ -771,18 +771,18 @@ def test_multi_controller_without_pathways_never_gets_vllm(monkeypatch, qwen, to
   logged = []
   monkeypatch.setattr(absl_logging, "info", lambda msg, *a: logged.append(msg % a))
   auto = _Override(cfg, rollout_engine="auto")
-  assert trainer._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access  # one controller
+  assert build._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access  # one controller
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  assert trainer._resolve_engine_name(auto) == "embedded"  # pylint: disable=protected-access
+  assert build._resolve_engine_name(auto) == "embedded"  # pylint: disable=protected-access
   assert "2 JAX processes run without Pathways" in logged[-1]
   with pytest.raises(SystemExit) as exit_info, errors.exit_on_user_error():
-    trainer._resolve_engine_name(_Override(cfg, rollout_engine="vllm"))  # pylint: disable=protected-access
+    build._resolve_engine_name(_Override(cfg, rollout_engine="vllm"))  # pylint: disable=protected-access
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
   assert err.startswith("error: rollout_engine=vllm needs a single JAX controller") and err.count("\n") == 1
   # Pathways is one controller: vLLM is fine there.
   monkeypatch.setattr(pathways, "requested", lambda: True)
-  assert trainer._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access
+  assert build._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access
   # The engine itself refuses too (library use), before vLLM starts.
   monkeypatch.setattr(pathways, "requested", lambda: False)
   module, _ = make_fake_vllm({}, 0)

@@ -57,6 +57,7 @@ def _run(args, k: int, out_dir: str) -> list[dict]:
   """One GRPO job with rl.off_policy_steps=k; its per-step metric records."""
   from maxtext_rl_plugin import config as config_lib
   from maxtext_rl_plugin import trainer
+  from maxtext_rl_plugin.run import build
 
   split = [] if args.colocated else ["use_pathways=true", f"chips_per_vm={args.devices // 2}"]
   argv = [
@@ -76,7 +77,7 @@ def _run(args, k: int, out_dir: str) -> list[dict]:
       *args.overrides,
   ]
   config = config_lib.load_config(argv)
-  run = trainer.build_run(config, argv)
+  run = build.build_run(config, argv)
   run.metrics_file = os.path.join(out_dir, f"k{k}.jsonl")
   history = trainer.train(run)["history"]
   return [r for r in history if "perf/step_s" in r]

@@ -1,6 +1,6 @@
 """One GRPO step, the plugin's loop vs Tunix 0.1.7's `GrpoLearner.train()`: `python -m maxtext_rl_plugin.bench step`.
 
-Both sides are built by the plugin's `trainer.build_run` from the same config (same MaxText model and seed, so the
+Both sides are built by the plugin's `run/build.build_run` from the same config (same MaxText model and seed, so the
 same initial weights; the same trainer/sampler split; the same rollout engine, the plugin's embedded KV-cache engine,
 which Tunix drives through `RLCluster.generate` like any `BaseRollout`; the same reward functions, policy loss and
 weight sync). They differ only in who runs the step: `trainer.train` (the plugin's loop) or Tunix's own
@@ -56,9 +56,9 @@ class StepClock:
   """Per-phase seconds of each step, a step ending when its weight sync returns (the same wrappers on both sides)."""
 
   def __init__(self):
-    from maxtext_rl_plugin import trainer
+    from maxtext_rl_plugin.run import step as step_lib
 
-    self.timer = trainer.PhaseTimer()
+    self.timer = step_lib.PhaseTimer()
     self.steps: list[dict[str, float]] = []
     self._counts = collections.Counter()
     self._last_end = time.perf_counter()
@@ -162,7 +162,7 @@ def step_flops(cfg, counts: dict) -> dict[str, float]:
 def build(args, side: str, out_dir: str):
   """A fresh run (model, meshes, engine, learner) for one side, instrumented; returns (run, clock)."""
   from maxtext_rl_plugin import config as config_lib
-  from maxtext_rl_plugin import trainer
+  from maxtext_rl_plugin.run import build as run_build
 
   split = [] if args.colocated else ["use_pathways=true", f"chips_per_vm={args.devices // 2}"]
   argv = [
@@ -181,7 +181,7 @@ def build(args, side: str, out_dir: str):
       *args.overrides,
   ]
   config = config_lib.load_config(argv)
-  run = trainer.build_run(config, argv)
+  run = run_build.build_run(config, argv)
   run.metrics_file = os.path.join(out_dir, f"{side}.jsonl")
   clock = StepClock()
   clock.instrument(run)
