@@ -107,7 +107,7 @@ def to_process_local(arrays: list, shardings: list) -> list:
   Two device-to-device steps, no arithmetic (bit-exact): one jit per source mesh replicates every array on its own
   mesh (an all-gather every process joins, so every process must call this with the same arrays, in the same
   order), then each process copies its local replica onto its local sharding. The replicated intermediate holds
-  one full copy of the chunk per source device: callers bound it by passing chunks (`resharding.reshard`).
+  one full copy of the chunk per source device: callers bound it by passing chunks (`move.reshard`).
   Arrays already fully addressable are `jax.device_put` directly.
   """
   out: list = [None] * len(arrays)

@@ -14,7 +14,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from maxtext_rl_plugin import distributed
-from maxtext_rl_plugin import resharding
+from maxtext_rl_plugin.resharding import sync
+from maxtext_rl_plugin.resharding import trees
+from maxtext_rl_plugin.resharding import verify
 
 HOST = np.arange(4 * 3, dtype=np.float32).reshape(4, 3) ** 1.5  # the same on both processes
 
@@ -60,7 +62,7 @@ def split() -> dict:
       "k": distributed.global_array(jax.random.split(jax.random.key(3), 2), NamedSharding(t_mesh, P())),
   }
   dst = jax.tree.map(lambda _: NamedSharding(s_mesh, P()), params)
-  sync = resharding.WeightSync(dst=dst, verify_policy="first", chunk_size=1)
+  sync = sync.WeightSync(dst=dst, verify_policy="first", chunk_size=1)
   # Under the transfer guards Tunix's sync_weights sets on CPU: the sync is device to device only.
   with jax.transfer_guard_device_to_host("disallow_explicit"), jax.transfer_guard_host_to_device("disallow_explicit"):
     held = sync.sync(params)
@@ -78,9 +80,9 @@ def split() -> dict:
   # A corrupted sampler copy is caught by the same guard (the check is not vacuous).
   bad = dict(held, w=jax.device_put(np.asarray(held["w"]) + 1.0, held["w"].sharding))
   try:
-    resharding.verify(params, bad)
+    verify.verify(params, bad)
     out["corrupt_caught"] = False
-  except resharding.WeightSyncError:
+  except trees.WeightSyncError:
     out["corrupt_caught"] = True
   # Rollouts: each process samples its own groups; every process then holds the whole batch.
   own = distributed.process_slice(4)

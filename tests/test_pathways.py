@@ -21,7 +21,8 @@ import pytest
 
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import pathways
-from maxtext_rl_plugin import resharding
+from maxtext_rl_plugin.resharding import backend
+from maxtext_rl_plugin.resharding import move
 from maxtext_rl_plugin.run import build
 
 SIMULATE = textwrap.dedent("""
@@ -98,13 +99,13 @@ def test_resharding_never_initializes_late(monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "proxy")
   monkeypatch.setattr(pinit, "_initialization_count", 0)
   monkeypatch.setattr(pathwaysutils, "initialize", lambda: pytest.fail("pathwaysutils.initialize() called late"))
-  monkeypatch.setattr(resharding, "_logged_paths", set())
+  monkeypatch.setattr(backend, "_logged_paths", set())
   with pytest.raises(errors.ConfigError, match="did not run before JAX started") as ei:
-    resharding.backend_path()
+    backend.backend_path()
   assert "\n" not in str(ei.value)
-  assert not hasattr(resharding, "_ensure_pathwaysutils_initialized")
+  assert not any(hasattr(m, "_ensure_pathwaysutils_initialized") for m in (backend, move))
   monkeypatch.setattr(pinit, "_initialization_count", 1)  # what train_rl.main leaves behind
-  assert resharding.backend_path() in (resharding.PATH_PATHWAYS_EXPERIMENTAL, resharding.PATH_PATHWAYS)
+  assert backend.backend_path() in (backend.PATH_PATHWAYS_EXPERIMENTAL, backend.PATH_PATHWAYS)
   assert pathways.initialized()
 
 
@@ -112,7 +113,7 @@ def test_one_decision_point(monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   assert not pathways.requested() and not pathways.initialize()  # off Pathways: nothing to do
   monkeypatch.setattr(pathways, "requested", lambda: True)
-  assert resharding.pathways_requested()
+  assert backend.pathways_requested()
   cfg = type("C", (), {"rollout_engine": "auto"})()
 
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)

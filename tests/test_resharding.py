@@ -28,7 +28,14 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin import models, pathways, resharding
+from maxtext_rl_plugin import models, pathways
+from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.resharding import backend
+from maxtext_rl_plugin.resharding import host_buffers
+from maxtext_rl_plugin.resharding import move
+from maxtext_rl_plugin.resharding import sync
+from maxtext_rl_plugin.resharding import trees
+from maxtext_rl_plugin.resharding import verify
 
 pytestmark = pytest.mark.multidevice
 
@@ -56,7 +63,7 @@ def env(repo_root):
   shape["tensor"] = 4
   smesh = Mesh(np.array(rs.sampler_devices).reshape([shape[k] for k in tmesh.axis_names]), tmesh.axis_names)
   state = nnx.state(model, nnx.Param)
-  dst = resharding.logical_shardings(state, smesh, rs.trainer_config.logical_axis_rules)
+  dst = trees.logical_shardings(state, smesh, rs.trainer_config.logical_axis_rules)
   return {"rs": rs, "model": model, "tmesh": tmesh, "smesh": smesh, "dst": dst, "config": rs.trainer_config}
 
 
@@ -113,7 +120,7 @@ def test_layouts_really_differ(env):
 
 def test_sync_after_training_step_is_bitwise_on_sampler_mesh(env):
   before = [np.asarray(x).copy() for x in jax.tree.leaves(_state(env["model"]))]
-  ws = resharding.WeightSync(env["config"], env["dst"], verify_policy="every_n", verify_every=1)
+  ws = sync.WeightSync(env["config"], env["dst"], verify_policy="every_n", verify_every=1)
   first = ws.sync(_state(env["model"]))
   _train_step(env, seed=0)
   after = _state(env["model"])
@@ -123,7 +130,7 @@ def test_sync_after_training_step_is_bitwise_on_sampler_mesh(env):
   _assert_bitwise_on(after, second, env["dst"], env["rs"].sampler_devices)
   assert ws.num_syncs == 2 and ws.num_verified == 2
   assert ws.last_bytes == sum(x.nbytes for x in jax.tree.leaves(after)) and ws.last_seconds > 0
-  assert ws.path == resharding.PATH_DEVICE_PUT
+  assert ws.path == backend.PATH_DEVICE_PUT
   # reshard_donate (default true): the sampler's previous buffers were freed, the trainer's were not.
   assert all(x.is_deleted() for x in jax.tree.leaves(first))
   assert not any(x.is_deleted() for x in jax.tree.leaves(after))
@@ -133,8 +140,8 @@ def test_chunked_and_unchunked_agree(env):
   src = _state(env["model"])
   n = len(jax.tree.leaves(src))
   stats_all, stats_chunked = {}, {}
-  whole = resharding.reshard(src, env["dst"], chunk_bytes=None, stats=stats_all)
-  chunked = resharding.reshard(src, env["dst"], chunk_size=3, stats=stats_chunked)
+  whole = move.reshard(src, env["dst"], chunk_bytes=None, stats=stats_all)
+  chunked = move.reshard(src, env["dst"], chunk_size=3, stats=stats_chunked)
   assert stats_all["chunks"] == 1 and stats_chunked["chunks"] == -(-n // 3)
   assert stats_chunked["max_chunk_bytes"] < stats_all["max_chunk_bytes"] == stats_all["bytes"]
   assert jax.tree.structure(whole) == jax.tree.structure(chunked) == jax.tree.structure(src)
@@ -150,36 +157,36 @@ def test_byte_chunks_bound_each_chunk_and_stay_bit_exact(env):
   sizes = [x.nbytes for x in jax.tree.leaves(src)]
   limit = sorted(sizes)[len(sizes) // 2] * 2  # a budget that splits the tree and that the largest array exceeds
   stats = {}
-  out = resharding.reshard(src, env["dst"], chunk_bytes=limit, stats=stats)
+  out = move.reshard(src, env["dst"], chunk_bytes=limit, stats=stats)
   assert 1 < stats["chunks"] < len(sizes)
   assert stats["max_chunk_bytes"] <= max(limit, *sizes)
   _assert_bitwise_on(src, out, env["dst"], env["rs"].sampler_devices)
   auto = {}
-  resharding.reshard(src, env["dst"], stats=auto)  # 'auto': DEFAULT_CHUNK_BYTES on this (device_put) path
-  assert auto["chunks"] == len(resharding.chunks_by_bytes(sizes, resharding.DEFAULT_CHUNK_BYTES))
+  move.reshard(src, env["dst"], stats=auto)  # 'auto': DEFAULT_CHUNK_BYTES on this (device_put) path
+  assert auto["chunks"] == len(move.chunks_by_bytes(sizes, move.DEFAULT_CHUNK_BYTES))
 
 
 def testchunks_by_bytes_partitions_in_order():
   sizes = [5, 1, 1, 9, 2, 2, 2, 20, 1]
-  chunks = resharding.chunks_by_bytes(sizes, 6)
+  chunks = move.chunks_by_bytes(sizes, 6)
   assert [list(c) for c in chunks] == [[0, 1], [2], [3], [4, 5, 6], [7], [8]]
   assert [i for c in chunks for i in c] == list(range(len(sizes)))
   assert all(sum(sizes[i] for i in c) <= 6 or len(c) == 1 for c in chunks)
-  assert resharding.chunks_by_bytes([], 6) == [range(0)]
+  assert move.chunks_by_bytes([], 6) == [range(0)]
 
 
 def test_two_phase_device_put(env):
   """The GPU/TPU default without Pathways: re-partition on the trainer devices, then shard-for-shard copy."""
   src = _state(env["model"])
-  staged = resharding.reshard(src, env["dst"], chunk_size=5, two_phase=True)
+  staged = move.reshard(src, env["dst"], chunk_size=5, two_phase=True)
   _assert_bitwise_on(src, staged, env["dst"], env["rs"].sampler_devices)
-  again = resharding.reshard(src, env["dst"], chunk_size=5, two_phase=True, release=staged)
+  again = move.reshard(src, env["dst"], chunk_size=5, two_phase=True, release=staged)
   _assert_bitwise_on(src, again, env["dst"], env["rs"].sampler_devices)
   assert all(x.is_deleted() for x in jax.tree.leaves(staged))
   assert not any(x.is_deleted() for x in jax.tree.leaves(src))
   x = jax.tree.leaves(src)[1]
   target = jax.tree.leaves(env["dst"], is_leaf=lambda s: isinstance(s, jax.sharding.Sharding))[1]
-  staging = resharding._staging_sharding(x, target)  # pylint: disable=protected-access  # the unit under test
+  staging = move._staging_sharding(x, target)  # pylint: disable=protected-access  # the unit under test
   assert staging.device_set == x.sharding.device_set and staging.spec == target.spec != x.sharding.spec
 
 
@@ -192,8 +199,8 @@ def _replace_leaf(tree, index, new):
 @pytest.mark.parametrize("corruption", ["one_bit", "swap"])
 def test_guard_catches_a_corrupted_array(env, corruption):
   src = _state(env["model"])
-  dst = resharding.reshard(src, env["dst"])
-  resharding.verify(src, dst, dst_shardings=env["dst"])  # clean sync passes
+  dst = move.reshard(src, env["dst"])
+  verify.verify(src, dst, dst_shardings=env["dst"])  # clean sync passes
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(src)]
   k = next(i for i, p in enumerate(paths) if "wi_0" in p)
   leaf = jax.tree.leaves(dst)[k]
@@ -206,17 +213,17 @@ def test_guard_catches_a_corrupted_array(env, corruption):
     assert flat[i] != flat[j]
     flat[i], flat[j] = flat[j], flat[i].copy()
   bad = _replace_leaf(dst, k, jax.device_put(host, leaf.sharding))
-  with pytest.raises(resharding.WeightSyncError, match=r"wi_0.*1 of \d+ arrays differ"):
-    resharding.verify(src, bad)
+  with pytest.raises(trees.WeightSyncError, match=r"wi_0.*1 of \d+ arrays differ"):
+    verify.verify(src, bad)
 
 
 def test_guard_catches_a_dropped_chunk(env, monkeypatch):
-  ws = resharding.WeightSync(
+  ws = sync.WeightSync(
       env["config"], env["dst"], chunk_size=4, release_old=False, verify_policy="every_n", verify_every=1
   )
   src = _state(env["model"])
-  stale = resharding.reshard(jax.tree.map(lambda x: x * 0.5 + 1, src), env["dst"])  # the sampler's previous weights
-  real_move = resharding._move  # pylint: disable=protected-access  # wrapped to record each chunk's call
+  stale = move.reshard(jax.tree.map(lambda x: x * 0.5 + 1, src), env["dst"])  # the sampler's previous weights
+  real_move = move._move  # pylint: disable=protected-access  # wrapped to record each chunk's call
   calls = []
 
   def lossy_move(arrays, shardings, **kw):  # the third chunk "arrives" with the sampler's old buffers
@@ -227,44 +234,44 @@ def test_guard_catches_a_dropped_chunk(env, monkeypatch):
       out = [jax.tree.leaves(stale)[start + i] for i in range(len(out))]
     return out
 
-  monkeypatch.setattr(resharding, "_move", lossy_move)
-  with pytest.raises(resharding.WeightSyncError, match="differs from the trainer"):
+  monkeypatch.setattr(move, "_move", lossy_move)
+  with pytest.raises(trees.WeightSyncError, match="differs from the trainer"):
     ws.sync(src, current=stale)
   assert calls[:3] == [4, 4, 4]
 
 
 def test_guard_structure_and_dtype_mismatch(env):
   src = _state(env["model"])
-  dst = resharding.reshard(src, env["dst"])
+  dst = move.reshard(src, env["dst"])
   leaves = jax.tree.leaves(dst)
-  with pytest.raises(resharding.WeightSyncError, match="bfloat16"):
-    resharding.verify(src, _replace_leaf(dst, 0, leaves[0].astype(jnp.bfloat16)))
-  with pytest.raises(resharding.WeightSyncError, match="trees differ"):
-    resharding.verify(src, leaves[:-1])
+  with pytest.raises(trees.WeightSyncError, match="bfloat16"):
+    verify.verify(src, _replace_leaf(dst, 0, leaves[0].astype(jnp.bfloat16)))
+  with pytest.raises(trees.WeightSyncError, match="trees differ"):
+    verify.verify(src, leaves[:-1])
   wrong = jax.tree.map(
       lambda x: jax.sharding.NamedSharding(env["tmesh"], jax.P()),
       env["dst"],
       is_leaf=lambda x: isinstance(x, jax.sharding.Sharding),
   )
-  with pytest.raises(resharding.WeightSyncError, match="expected"):
-    resharding.verify(src, dst, dst_shardings=wrong)
+  with pytest.raises(trees.WeightSyncError, match="expected"):
+    verify.verify(src, dst, dst_shardings=wrong)
 
 
 def test_verify_policy_cadence(env, monkeypatch):
   src = _state(env["model"])
   seen = []
-  real_verify = resharding.verify
-  monkeypatch.setattr(resharding, "verify", lambda *a, **k: (seen.append(1), real_verify(*a, **k)))
+  real_verify = verify.verify
+  monkeypatch.setattr(verify, "verify", lambda *a, **k: (seen.append(1), real_verify(*a, **k)))
   counts = {}
   for policy in ("off", "first", "every_n"):
-    ws = resharding.WeightSync(env["config"], env["dst"], verify_policy=policy, verify_every=2, release_old=False)
+    ws = sync.WeightSync(env["config"], env["dst"], verify_policy=policy, verify_every=2, release_old=False)
     for _ in range(5):
       ws.sync(src)
     counts[policy] = ws.num_verified
   assert counts == {"off": 0, "first": 1, "every_n": 3}  # every_n: syncs 1, 2, 4
   assert len(seen) == 4
-  with pytest.raises(resharding.ConfigError, match="verify_weight_sync"):
-    resharding.WeightSync(env["config"], env["dst"], verify_policy="sometimes")
+  with pytest.raises(ConfigError, match="verify_weight_sync"):
+    sync.WeightSync(env["config"], env["dst"], verify_policy="sometimes")
 
 
 def test_config_keys_are_read(env, repo_root):
@@ -277,7 +284,7 @@ def test_config_keys_are_read(env, repo_root):
           "rl.verify_weight_sync_every=3",
       ]
   )
-  ws = resharding.WeightSync(cfg, env["dst"])
+  ws = sync.WeightSync(cfg, env["dst"])
   assert (ws.chunk_size, ws.release_old, ws.verify_policy, ws.verify_every) == (5, False, "every_n", 3)
 
 
@@ -312,15 +319,15 @@ def test_pathways_experimental_path_with_faked_plugin_program(env, monkeypatch):
   monkeypatch.setenv("JAX_PLATFORMS", "proxy")
   _initialized_at_startup(monkeypatch)
   monkeypatch.setattr(plugin_executable, "PluginExecutable", _FakePluginExecutable)
-  monkeypatch.setattr(resharding, "_logged_paths", set())
+  monkeypatch.setattr(backend, "_logged_paths", set())
   pw_experimental._get_resharding_plan_cached.cache_clear()  # pylint: disable=protected-access  # test isolation
   _FakePluginExecutable.requests, _FakePluginExecutable.calls = [], []
-  assert resharding.backend_path() == resharding.PATH_PATHWAYS_EXPERIMENTAL
+  assert backend.backend_path() == backend.PATH_PATHWAYS_EXPERIMENTAL
 
   src = _state(env["model"])
   n = len(jax.tree.leaves(src))
-  ws = resharding.WeightSync(env["config"], env["dst"], chunk_size=4, release_old=False, verify_policy="first")
-  assert ws.path == resharding.PATH_PATHWAYS_EXPERIMENTAL
+  ws = sync.WeightSync(env["config"], env["dst"], chunk_size=4, release_old=False, verify_policy="first")
+  assert ws.path == backend.PATH_PATHWAYS_EXPERIMENTAL
   out = ws.sync(src)
   _assert_bitwise_on(src, out, env["dst"], env["rs"].sampler_devices)
   calls = _FakePluginExecutable.calls
@@ -349,7 +356,7 @@ def test_pathways_stable_path_when_experimental_missing(env, monkeypatch):
 
   monkeypatch.setitem(sys.modules, "pathwaysutils.experimental.reshard", None)  # import raises ImportError
   monkeypatch.delattr(pathwaysutils.experimental, "reshard", raising=False)
-  monkeypatch.setattr(resharding, "_logged_paths", set())
+  monkeypatch.setattr(backend, "_logged_paths", set())
   seen = []
 
   def fake_transfer(array_info, *, donate):  # the IFRT RemapArrays boundary (raises on CPU)
@@ -357,21 +364,21 @@ def test_pathways_stable_path_when_experimental_missing(env, monkeypatch):
     return jax.device_put(array_info["arrays"], array_info["dst_shardings"])
 
   monkeypatch.setattr(pw_reshard, "_ifrt_jax_array_reshard", fake_transfer)
-  assert resharding.backend_path() == resharding.PATH_PATHWAYS
+  assert backend.backend_path() == backend.PATH_PATHWAYS
   src = _state(env["model"])
-  out = resharding.reshard(src, env["dst"], chunk_size=5)
+  out = move.reshard(src, env["dst"], chunk_size=5)
   _assert_bitwise_on(src, out, env["dst"], env["rs"].sampler_devices)
   assert sum(s[0] for s in seen) == len(jax.tree.leaves(src)) and max(s[0] for s in seen) <= 5
   assert not any(s[1] for s in seen)
 
 
 def test_device_put_path_logged_once(env, monkeypatch, caplog):
-  monkeypatch.setattr(resharding, "_logged_paths", set())
+  monkeypatch.setattr(backend, "_logged_paths", set())
   monkeypatch.setenv("JAX_PLATFORMS", "cpu")
   logged = []
   monkeypatch.setattr(absl_logging, "info", lambda msg, *a: logged.append(msg % a))
-  assert resharding.backend_path() == resharding.PATH_DEVICE_PUT
-  assert resharding.backend_path() == resharding.PATH_DEVICE_PUT
+  assert backend.backend_path() == backend.PATH_DEVICE_PUT
+  assert backend.backend_path() == backend.PATH_DEVICE_PUT
   assert [m for m in logged if "weight sync path" in m] == [
       "weight sync path: device_put (JAX_PLATFORMS has no 'proxy' (not a Pathways backend))"
   ]
@@ -391,7 +398,7 @@ def test_checksum_matches_numpy_reference_and_is_layout_independent(env):
   )
   on_trainer = jax.device_put(host, jax.sharding.NamedSharding(env["tmesh"], jax.P("fsdp")))  # dim 0 split
   on_sampler = jax.device_put(host, jax.sharding.NamedSharding(env["smesh"], jax.P(None, None, None)))  # replicated
-  got = resharding.checksums([on_trainer, on_sampler, host, host[:, :, ::-1].copy()])
+  got = verify.checksums([on_trainer, on_sampler, host, host[:, :, ::-1].copy()])
   assert int(got[0]) == int(got[1]) == int(got[2]) == ref
   assert int(got[3]) != ref  # same values, permuted
 
@@ -416,7 +423,7 @@ class _TinyRollout:
         if cls.dst is None:  # colocated: generate with the actor's own arrays
           self._model = rollout_actor
           return
-        self._model = resharding.model_on_mesh(rollout_actor, mesh, cls.rules)
+        self._model = move.model_on_mesh(rollout_actor, mesh, cls.rules)
 
       def update_params(self, params, filter_types=None):
         if cls.drop:
@@ -493,17 +500,17 @@ def test_rl_cluster_sync_weights_goes_through_the_plugin(env, buggy_engine, rele
   held = _state(cluster.rollout.model())  # model_on_mesh: the engine's own copy, in the sampler layout
   _assert_bitwise_on(_state(cluster.actor_trainer.model), held, env["dst"], env["rs"].sampler_devices)
   if buggy_engine:
-    ws = resharding.WeightSync(env["config"], release_old=release, verify_policy="every_n", verify_every=1)
-    resharding.install_into_rl_cluster(cluster, ws)
+    ws = sync.WeightSync(env["config"], release_old=release, verify_policy="every_n", verify_every=1)
+    sync.install_into_rl_cluster(cluster, ws)
   else:  # the trainer's one call; cpu_tiny.yml: verify_weight_sync=first, reshard_donate=true
-    ws = resharding.attach_to_rl_cluster(cluster, env["config"])
+    ws = sync.attach_to_rl_cluster(cluster, env["config"])
     assert ws is not None and ws.verify_policy == "first" and ws.release_old
   _perturb(cluster.actor_trainer.model, scale=1.5 + buggy_engine + release)  # new trainer weights, cheaply
   trainer = _state(cluster.actor_trainer.model)
   _TinyRollout.drop = "wo" if buggy_engine else None  # the engine forgets to install mlp/wo
   if buggy_engine:
     why = "released buffer" if release else "differs from the trainer"
-    with pytest.raises(resharding.WeightSyncError, match=r"\['wo'\].*" + why):
+    with pytest.raises(trees.WeightSyncError, match=r"\['wo'\].*" + why):
       cluster.sync_weights()
     return
   cluster.sync_weights()
@@ -515,21 +522,21 @@ def test_rl_cluster_sync_weights_goes_through_the_plugin(env, buggy_engine, rele
 def test_attach_is_a_no_op_when_colocated(env):
   _TinyRollout.dst, _TinyRollout.drop = None, None
   cluster = _rl_cluster(env, _TinyRollout.make(), colocated=True)
-  assert resharding.attach_to_rl_cluster(cluster, env["config"]) is None
+  assert sync.attach_to_rl_cluster(cluster, env["config"]) is None
   assert not hasattr(cluster.rollout, "maxtext_rl_weight_sync")
 
 
 def test_weight_sync_destinations_mesh_rules_and_sampler_model(env):
   """The other two ways to name the destination: a sampler mesh + rules, or the sampler's nnx model."""
   src = _state(env["model"])
-  by_mesh = resharding.WeightSync(env["config"], mesh=env["smesh"], rules=env["config"].logical_axis_rules)
+  by_mesh = sync.WeightSync(env["config"], mesh=env["smesh"], rules=env["config"].logical_axis_rules)
   _assert_bitwise_on(src, by_mesh.sync(src), env["dst"], env["rs"].sampler_devices)
 
-  sampler = resharding.model_on_mesh(env["model"], env["smesh"], env["config"].logical_axis_rules)
+  sampler = move.model_on_mesh(env["model"], env["smesh"], env["config"].logical_axis_rules)
   old = jax.tree.leaves(_state(sampler))
   _perturb(env["model"], scale=0.5)
   src = _state(env["model"])
-  ws = resharding.WeightSync(env["config"], sampler)  # updates the sampler model in place
+  ws = sync.WeightSync(env["config"], sampler)  # updates the sampler model in place
   held = ws.sync(src)
   _assert_bitwise_on(src, _state(sampler), env["dst"], env["rs"].sampler_devices)
   _assert_bitwise_on(src, held, env["dst"], env["rs"].sampler_devices)
@@ -546,11 +553,11 @@ def test_weight_sync_destinations_mesh_rules_and_sampler_model(env):
     ],
 )
 def test_verify_policy_is_one_schedule_for_every_engine(policy, every, checked):
-  """resharding.verify_due is the one schedule: the embedded engine's WeightSync and the vLLM engine both ask it."""
+  """verify.verify_due is the one schedule: the embedded engine's WeightSync and the vLLM engine both ask it."""
   from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
 
-  assert [n for n in range(1, 22) if resharding.verify_due(policy, every, n)] == checked
-  ws = resharding.WeightSync(None, None, verify_policy=policy, verify_every=every)
+  assert [n for n in range(1, 22) if verify.verify_due(policy, every, n)] == checked
+  ws = sync.WeightSync(None, None, verify_policy=policy, verify_every=every)
   engine = object.__new__(vllm_rollout.VllmRollout)
   engine._config = type(  # pylint: disable=protected-access  # an engine without its heavy constructor
       "C",
@@ -578,15 +585,15 @@ def test_release_buffers_is_one_rule_for_every_engine():
   kept = jnp.arange(8.0)
   alias = jax.device_put(kept, kept.sharding)  # same buffer, possibly another Array object
   stale = jnp.ones(8)
-  resharding.release_buffers([alias, stale, "not an array"], keep=resharding.buffer_ids(kept))
+  move.release_buffers([alias, stale, "not an array"], keep=move.buffer_ids(kept))
   assert not kept.is_deleted() and not alias.is_deleted()
   assert stale.is_deleted()
   np.testing.assert_array_equal(np.asarray(kept), np.arange(8.0))
 
 
 def _host_assembled(out) -> list:
-  """The arrays of `out` that took the host-assembly path (their shards adopted from `resharding.HOST_BUFFERS`)."""
-  pool = resharding.HOST_BUFFERS.addresses()
+  """The arrays of `out` that took the host-assembly path (their shards adopted from `host_buffers.HOST_BUFFERS`)."""
+  pool = host_buffers.HOST_BUFFERS.addresses()
   return [x for x in jax.tree.leaves(out) if all(s.data.unsafe_buffer_pointer() in pool for s in x.addressable_shards)]
 
 
@@ -597,10 +604,10 @@ def test_a_live_sampler_array_is_never_overwritten_by_a_later_sync(env):
   happened to be 64-byte aligned: the next chunk overwrote the previous chunk's adopted shards.)"""
   src = _state(env["model"])
   want = [np.asarray(x).copy() for x in jax.tree.leaves(src)]
-  kept = resharding.reshard(src, env["dst"], chunk_size=1)
+  kept = move.reshard(src, env["dst"], chunk_size=1)
   for k in range(3):
     other = jax.tree.map(lambda x, k=k: x * (2.0 + k) + 1.0, src)
-    newest = resharding.reshard(other, env["dst"], chunk_size=1)
+    newest = move.reshard(other, env["dst"], chunk_size=1)
     _assert_bitwise_on(other, newest, env["dst"], env["rs"].sampler_devices)
   for w, x in zip(want, jax.tree.leaves(kept)):
     np.testing.assert_array_equal(w.view(np.uint8), _bits(x).view(np.uint8))
@@ -610,7 +617,7 @@ def test_released_buffers_are_refilled_in_place(env):
   """One copy per sync and no new pages: the sampler's new shards are the very host buffers its released arrays held,
   and a sync that keeps the old arrays gets new buffers instead (checked by buffer address)."""
   src = _state(env["model"])
-  first = resharding.reshard(src, env["dst"])
+  first = move.reshard(src, env["dst"])
   assembled = len(_host_assembled(first))
   assert assembled >= len(jax.tree.leaves(first)) // 2  # FSDP -> TP: most arrays take this path
 
@@ -618,20 +625,20 @@ def test_released_buffers_are_refilled_in_place(env):
     return {s.data.unsafe_buffer_pointer() for x in _host_assembled(tree) for s in x.addressable_shards}
 
   old = ptrs(first)
-  second = resharding.reshard(jax.tree.map(lambda x: x + 1.0, src), env["dst"], release=first)
+  second = move.reshard(jax.tree.map(lambda x: x + 1.0, src), env["dst"], release=first)
   assert all(x.is_deleted() for x in jax.tree.leaves(first))
   assert ptrs(second) == old and len(_host_assembled(second)) == assembled
-  third = resharding.reshard(src, env["dst"])  # `second` still alive: fresh buffers
+  third = move.reshard(src, env["dst"])  # `second` still alive: fresh buffers
   assert not ptrs(third) & ptrs(second)
   _assert_bitwise_on(src, third, env["dst"], env["rs"].sampler_devices)
-  held = resharding.HOST_BUFFERS.held_bytes()
+  held = host_buffers.HOST_BUFFERS.held_bytes()
   del second, third
   gc.collect()
-  assert 0 < resharding.HOST_BUFFERS.trim() <= held  # buffers of collected arrays are dropped, not kept forever
+  assert 0 < host_buffers.HOST_BUFFERS.trim() <= held  # buffers of collected arrays are dropped, not kept forever
 
 
 def test_host_buffer_pool_hands_out_only_unheld_buffers():
-  pool = resharding._HostBuffers()  # pylint: disable=protected-access  # a private pool, not the module's
+  pool = host_buffers._HostBuffers()  # pylint: disable=protected-access  # a private pool, not the module's
   a = pool.take(4096)
   assert a.ctypes.data % 64 == 0 and a.nbytes == 4096
   held = jax.device_put(a.view(np.float32), jax.devices()[0], may_alias=True)

@@ -4,7 +4,7 @@ For each of two MaxText Qwen3-shaped model sizes, the actor is built by MaxText 
 (FSDP) with LoRA applied by MaxText's `apply_lora_to_model` (`lora.*` keys), and the sampler copy is laid out on the
 other half (TP), as in a disaggregated run. Measured in one run, each as the median of several repetitions:
 
-* `full`: `resharding.WeightSync.sync` of every base parameter (what a full fine-tuning run moves per sync);
+* `full`: `sync.WeightSync.sync` of every base parameter (what a full fine-tuning run moves per sync);
 * `adapter`: the same sync of the `nnx.LoRAParam` state only (what `RLCluster.sync_weights` sends a LoRA actor's
   engine), plus `merge`: the embedded engine re-merging `W + alpha/rank * A @ B` into its decode weights, which it
   does once after each adapter sync (`lora.Merger`);
@@ -69,7 +69,8 @@ def _one_size(name: str, args) -> dict:
   from flax.core.spmd import logical_axis_rules
   from jax.sharding import Mesh
 
-  from maxtext_rl_plugin import lora, models, resharding
+  from maxtext_rl_plugin import lora, models
+  from maxtext_rl_plugin.resharding import move
 
   half = jax.device_count() // 2
   argv = [
@@ -99,13 +100,13 @@ def _one_size(name: str, args) -> dict:
   shape["tensor"] = len(rs.sampler_devices)
   smesh = Mesh(np.array(rs.sampler_devices).reshape([shape[k] for k in tmesh.axis_names]), tmesh.axis_names)
   with logical_axis_rules(cfg.logical_axis_rules):
-    sampler = resharding.model_on_mesh(actor, smesh, cfg.logical_axis_rules)
+    sampler = move.model_on_mesh(actor, smesh, cfg.logical_axis_rules)
   base_only = nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam))
   full_src, lora_src = nnx.state(actor, base_only), nnx.state(actor, nnx.LoRAParam)
   jax.block_until_ready((full_src, lora_src))
   out = {"params_mib": round(sum(x.nbytes for x in jax.tree.leaves(full_src)) / 2**20, 1)}
   for kind, src, filt in (("full", full_src, base_only), ("adapter", lora_src, nnx.LoRAParam)):
-    ws = resharding.WeightSync(cfg, sampler, verify_policy="off")
+    ws = sync.WeightSync(cfg, sampler, verify_policy="off")
 
     def sync(ws=ws, src=src, filt=filt):
       held = ws.sync(src, current=nnx.state(sampler, filt), apply=lambda new: (nnx.update(sampler, new), new)[1])
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
   n_dev = common.start_split_bench(args.devices)
   if n_dev is None:
     return 2
-  from maxtext_rl_plugin import resharding
+  from maxtext_rl_plugin.resharding import backend, sync
   from maxtext_rl_plugin.errors import exit_on_user_error
 
   results = {}
@@ -152,7 +153,7 @@ def main(argv=None) -> int:
       results[name] = _one_size(name, args)
   print(
       f"LoRA rank {args.rank} alpha {args.alpha}: trainer FSDP x{n_dev // 2} -> sampler TP x{n_dev // 2}, "
-      f"path {resharding.backend_path()}, median of {args.repeats}"
+      f"path {backend.backend_path()}, median of {args.repeats}"
   )
   print(
       f"{'size':6s} {'params MiB':>10s} {'full MiB':>9s} {'adapter MiB':>11s} {'full s':>8s} {'adapter s':>9s} "
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
               "rank": args.rank,
               "alpha": args.alpha,
               "repeats": args.repeats,
-              "path": resharding.backend_path(),
+              "path": backend.backend_path(),
               "sizes": results,
           }
       ),

@@ -4,14 +4,14 @@ A MaxText Qwen3-shaped model (308 MiB of float32 parameters by default; `--set b
 1 GiB) is built by MaxText on the trainer mesh (FSDP over the first half of the devices); the sampler layout is TP over
 the other half, derived from the same logical axes. In one run it measures, each as the median of several repetitions:
 
-* `reshard_s`: `resharding.WeightSync.sync` as configured by default (on the device_put path: chunks of at most
-  `resharding.DEFAULT_CHUNK_BYTES`), replacing the sampler's previous weights;
+* `reshard_s`: `sync.WeightSync.sync` as configured by default (on the device_put path: chunks of at most
+  `move.DEFAULT_CHUNK_BYTES`), replacing the sampler's previous weights;
 * `reshard_unchunked_s`: the whole tree in one chunk (the default before byte chunks);
 * `reshard_chunked_s`: `--chunk-size` parameter arrays per chunk (MaxText's `rl.reshard_chunk_size`);
 * `reshard_keep_old_s`: the default chunks with `reshard_donate=false` (old sampler copy kept until replaced);
 * `reshard_fresh_src_s`: the default, from a new copy of the trainer's arrays each time, as after an optimizer step;
 * `reshard_jax_gather_s`, `reshard_jax_gather_fresh_src_s`: the previous default, unchunked through JAX's own
-  `device_put` (`resharding.HOST_ASSEMBLY = False`), which gathers each array into a new host array first; with the
+  `device_put` (`host_buffers.HOST_ASSEMBLY = False`), which gathers each array into a new host array first; with the
   same source arrays again JAX serves that gather from the host copy it cached on the array, so only the fresh-source
   row shows what a training step pays;
 * `memcpy_s`: a plain host `memcpy` of the same bytes into fresh buffers (NumPy `copy`: allocation and first-touch page
@@ -92,7 +92,8 @@ def build(args) -> Setup:
   from flax import nnx
   from jax.sharding import Mesh
 
-  from maxtext_rl_plugin import models, resharding
+  from maxtext_rl_plugin import models
+  from maxtext_rl_plugin.resharding import trees
 
   half = jax.device_count() // 2
   argv_cfg = [
@@ -112,7 +113,7 @@ def build(args) -> Setup:
   shape = {k: 1 for k in tmesh.axis_names}
   shape["tensor"] = len(rs.sampler_devices)
   smesh = Mesh(np.array(rs.sampler_devices).reshape([shape[k] for k in tmesh.axis_names]), tmesh.axis_names)
-  dst = resharding.logical_shardings(src, smesh, rs.trainer_config.logical_axis_rules)
+  dst = trees.logical_shardings(src, smesh, rs.trainer_config.logical_axis_rules)
   return Setup(src, dst, list(rs.sampler_devices), list(rs.trainer_devices), time.perf_counter() - t_build)
 
 
@@ -142,7 +143,7 @@ class _Sampler:
 
 def _measure_syncs(s: Setup, args) -> dict:
   """Each sync variant, replacing the sampler's previous weights every time; the last result of each is kept."""
-  from maxtext_rl_plugin import resharding
+  from maxtext_rl_plugin.resharding import host_buffers, move, sync
 
   variants = {  # name: (chunk_size, chunk_bytes, release_old, fresh source each time, host assembly)
       "reshard": (None, "auto", True, False, True),
@@ -155,17 +156,15 @@ def _measure_syncs(s: Setup, args) -> dict:
   }
   out = {}
   for name, (chunk, chunk_bytes, release, fresh, assemble) in variants.items():
-    resharding.HOST_ASSEMBLY = assemble
-    ws = resharding.WeightSync(
-        None, s.dst, chunk_size=chunk, chunk_bytes=chunk_bytes, release_old=release, verify_policy="off"
-    )
-    sampler = _Sampler(ws, s.src, resharding.reshard(s.src, s.dst, chunk_size=chunk, chunk_bytes=chunk_bytes))
+    host_buffers.HOST_ASSEMBLY = assemble
+    ws = sync.WeightSync(None, s.dst, chunk_size=chunk, chunk_bytes=chunk_bytes, release_old=release, verify_policy="off")
+    sampler = _Sampler(ws, s.src, move.reshard(s.src, s.dst, chunk_size=chunk, chunk_bytes=chunk_bytes))
     t = common.timed(sampler.sync, args.repeats, setup=sampler.new_source if fresh else None, peak=True)
     out[name] = {"seconds": t.seconds, "extra_mb": t.extra_mb, "held": t.result, **ws.last_stats}
     if name not in ("reshard", "reshard_chunked"):
       del out[name]["held"]  # keep RSS down (the 1 GiB run): two held copies are enough to compare
     del sampler
-  resharding.HOST_ASSEMBLY = True
+  host_buffers.HOST_ASSEMBLY = True
   return out
 
 
@@ -174,16 +173,16 @@ def _measure_two_phase(s: Setup, args) -> float | None:
   for reference (XLA:CPU collectives make it slower on CPU)."""
   if args.no_two_phase:
     return None
-  from maxtext_rl_plugin import resharding
+  from maxtext_rl_plugin.resharding import move, verify
 
-  staged = {"held": resharding.reshard(s.src, s.dst, two_phase=True)}
+  staged = {"held": move.reshard(s.src, s.dst, two_phase=True)}
 
   def two_phase_sync():
-    staged["held"] = resharding.reshard(s.src, s.dst, release=staged["held"], two_phase=True)
+    staged["held"] = move.reshard(s.src, s.dst, release=staged["held"], two_phase=True)
     return staged["held"]
 
   t = common.timed(two_phase_sync, max(2, args.repeats // 2))
-  resharding.verify(s.src, t.result, dst_shardings=s.dst)
+  verify.verify(s.src, t.result, dst_shardings=s.dst)
   return t.seconds
 
 
@@ -238,15 +237,15 @@ def measure(s: Setup, args) -> dict:
   import jax
   import numpy as np
 
-  from maxtext_rl_plugin import resharding
+  from maxtext_rl_plugin.resharding import verify
 
   syncs = _measure_syncs(s, args)
   held = syncs["reshard_chunked"].pop("held")
   default_held = syncs["reshard"].pop("held")
   t_verify = time.perf_counter()
-  resharding.verify(s.src, held, dst_shardings=s.dst)
+  verify.verify(s.src, held, dst_shardings=s.dst)
   verify_first_s = time.perf_counter() - t_verify  # includes compiling the two checksum programs
-  verify_s = common.timed(lambda: resharding.verify(s.src, held, dst_shardings=s.dst), max(2, args.repeats // 2))
+  verify_s = common.timed(lambda: verify.verify(s.src, held, dst_shardings=s.dst), max(2, args.repeats // 2))
   host_src = [np.asarray(x) for x in jax.tree.leaves(s.src)]
   bitwise = all(
       np.array_equal(a.view(np.uint8), _bits(b)) and b.sharding.device_set == set(s.sampler_devices)
@@ -276,15 +275,15 @@ def report(s: Setup, m: dict, args) -> dict:
   """Print the table; return the final JSON record (seconds, ratios to the pre-faulted memcpy, bytes/s)."""
   import jax
 
-  from maxtext_rl_plugin import resharding
+  from maxtext_rl_plugin.resharding import backend, move
 
   nbytes, syncs, pre = s.nbytes, m["syncs"], m["memcpy_prefaulted_s"]
   out = {
       "bytes": nbytes,
       "arrays": len(jax.tree.leaves(s.src)),
       "devices": f"{len(s.trainer_devices)}+{len(s.sampler_devices)}",
-      "path": resharding.backend_path(),
-      "default_chunk_bytes": resharding.DEFAULT_CHUNK_BYTES,
+      "path": backend.backend_path(),
+      "default_chunk_bytes": move.DEFAULT_CHUNK_BYTES,
       "chunk_size": args.chunk_size,
       "memcpy_s": _r(m["memcpy_s"]),
       "memcpy_prefaulted_s": _r(pre),

@@ -34,7 +34,8 @@ from tunix.generate import utils as tunix_gen_utils
 from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin import pathways
-from maxtext_rl_plugin import resharding
+from maxtext_rl_plugin.resharding import move
+from maxtext_rl_plugin.resharding import verify
 from maxtext_rl_plugin.errors import ConfigError, DataError, MissingExtraError
 from maxtext_rl_plugin.rollout import vllm_mapping
 
@@ -181,7 +182,7 @@ def sampling_params_kwargs(config: Any, *, greedy: bool = False) -> dict:
 def _reshard(tree: dict, shardings: dict) -> dict:
   """Move mapped weights onto the engine's shardings through the plugin's resharding (Pathways-aware, chunk-ready)."""
   # donate=False: identity-layout leaves can alias the trainer's own buffers. Chunking happens upstream.
-  return resharding.reshard(tree, shardings, chunk_size=None, donate=False)
+  return move.reshard(tree, shardings, chunk_size=None, donate=False)
 
 
 def _driver_worker(llm: Any) -> Any:
@@ -326,7 +327,7 @@ class VllmRollout(base_rollout.BaseRollout):
       engine_flat = vllm_mapping.engine_weights(state)  # weights only: tpu-inference's Llama also holds RNG state
       flax_layout = vllm_mapping.is_flax_layout(state)
       set_leaves = vllm_mapping.engine_state_setter(state)
-      trainer_buffers = set().union(*(resharding.buffer_ids(v) for v in flat.values()))
+      trainer_buffers = set().union(*(move.buffer_ids(v) for v in flat.values()))
       written: dict[str, jax.Array] = {}
       for i in range(0, len(keys), step):
         chunk = {k: flat[k] for k in keys[i : i + step]}
@@ -338,8 +339,8 @@ class VllmRollout(base_rollout.BaseRollout):
         new = _unaliased(new, trainer_buffers)
         set_leaves(new)
         if cfg.reshard_donate:
-          keep = set(trainer_buffers).union(*(resharding.buffer_ids(v) for v in new.values()))
-          resharding.release_buffers([engine_flat[k] for k in new], keep)
+          keep = set(trainer_buffers).union(*(move.buffer_ids(v) for v in new.values()))
+          move.release_buffers([engine_flat[k] for k in new], keep)
         written.update(new)
         del hf, new
       vllm_mapping.check_all_written(engine_flat, written)
@@ -358,9 +359,9 @@ class VllmRollout(base_rollout.BaseRollout):
     )
 
   def _should_verify(self) -> bool:
-    """The same policy as every other engine's guard (resharding.verify_due), for the sync about to complete."""
+    """The same policy as every other engine's guard (verify.verify_due), for the sync about to complete."""
     rl = self._config.rl
-    return resharding.verify_due(rl.verify_weight_sync, rl.verify_weight_sync_every, self._syncs + 1)
+    return verify.verify_due(rl.verify_weight_sync, rl.verify_weight_sync_every, self._syncs + 1)
 
   def pad_id(self) -> int:
     return self._tokenizer.pad_id()
@@ -398,7 +399,7 @@ class VllmRollout(base_rollout.BaseRollout):
 def _unaliased(new: dict, trainer_buffers: set) -> dict:
   """Copy leaves backed by the trainer's own buffers (same layout, dtype and sharding, e.g. a colocated bf16
   norm): the train step donates its parameters, which would delete the engine's weight under it."""
-  return {k: (jnp.copy(v) if resharding.buffer_ids(v) & trainer_buffers else v) for k, v in new.items()}
+  return {k: (jnp.copy(v) if move.buffer_ids(v) & trainer_buffers else v) for k, v in new.items()}
 
 
 def _verify_engine_holds(worker: Any, written: Mapping[str, jax.Array]) -> None:

@@ -32,12 +32,12 @@ from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import pathways
-from maxtext_rl_plugin import resharding
 from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import sft
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
 from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.resharding import sync
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import vllm as vllm_rollout
 from maxtext_rl_plugin.run.step import PhaseTimer, RewardRecorder
@@ -305,7 +305,7 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   lora_lib.keep_base_shared(rl_cluster, frozen_base)
   # Disaggregated runs: trainer -> sampler weights go through the plugin's resharding (chunked, guarded).
 
-  weight_sync = resharding.attach_to_rl_cluster(rl_cluster, rs.sampler_config)
+  weight_sync = sync.attach_to_rl_cluster(rl_cluster, rs.sampler_config)
   timer = PhaseTimer()
   recorder = RewardRecorder()
   reward_fns = [recorder.wrap(fn) for fn in rewards_lib.reward_fns_from_config(config)]
