@@ -62,10 +62,10 @@ def split() -> dict:
       "k": distributed.global_array(jax.random.split(jax.random.key(3), 2), NamedSharding(t_mesh, P())),
   }
   dst = jax.tree.map(lambda _: NamedSharding(s_mesh, P()), params)
-  sync = sync.WeightSync(dst=dst, verify_policy="first", chunk_size=1)
+  ws = sync.WeightSync(dst=dst, verify_policy="first", chunk_size=1)
   # Under the transfer guards Tunix's sync_weights sets on CPU: the sync is device to device only.
   with jax.transfer_guard_device_to_host("disallow_explicit"), jax.transfer_guard_host_to_device("disallow_explicit"):
-    held = sync.sync(params)
+    held = ws.sync(params)
   out = {
       "trainer": [[d.process_index, d.id] for d in trainer],
       "sampler": [[d.process_index, d.id] for d in sampler],
@@ -75,7 +75,7 @@ def split() -> dict:
       "w": np.asarray(held["w"]).tolist(),
       "b": np.asarray(held["b"]).tolist(),
       "k": np.asarray(jax.random.key_data(held["k"])).tolist(),
-      "num_verified": sync.num_verified,
+      "num_verified": ws.num_verified,
   }
   # A corrupted sampler copy is caught by the same guard (the check is not vacuous).
   bad = dict(held, w=jax.device_put(np.asarray(held["w"]) + 1.0, held["w"].sharding))
