@@ -8,7 +8,7 @@ batches while the current one trains, so a step costs about `max(rollout, train)
 Weight versions and the schedule (this function is the one place that decides which weights sampled which batch):
 
     version v       the weights after v RL steps (v optimizer-update groups); step s trains with version s - 1
-    batch b         0-based, trained at step b + 1 (batch b is a pure function of (seed, b): data.py)
+    batch b         0-based, trained at step b + 1 (batch b is a pure function of (seed, b): data/splits.py)
     behaviour_version(b) = max(start, b - k)          start = the step the run (re)started from
     policy lag of the batch trained at step s = (s - 1) - behaviour_version(s - 1) = min(s - 1 - start, k) <= k
 

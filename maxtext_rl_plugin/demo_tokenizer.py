@@ -23,7 +23,7 @@ from tokenizers import pre_tokenizers
 from tokenizers import Tokenizer
 from tokenizers import trainers
 
-from maxtext_rl_plugin import data
+from maxtext_rl_plugin.data import synthetic
 
 SPECIALS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
 TAGS = ["<reasoning>", "</reasoning>", "<answer>", "</answer>"]
@@ -34,8 +34,8 @@ def corpus(n: int = 20000, seed: int = 0):
   """Prompts and solutions from the synthetic generator over every difficulty the knobs allow."""
   rng = random.Random(seed)
   for i in range(n):
-    cfg = data.SyntheticConfig(seed=seed, min_steps=1, max_steps=1 + i % 4, max_value=(10, 20, 50, 100)[i % 4])
-    question, answer, solution = data.synthetic_problem(rng, cfg)
+    cfg = synthetic.SyntheticConfig(seed=seed, min_steps=1, max_steps=1 + i % 4, max_value=(10, 20, 50, 100)[i % 4])
+    question, answer, solution = synthetic.synthetic_problem(rng, cfg)
     body = "\n".join(solution.splitlines()[:-1])
     yield f"Question: {question}\nAnswer with <reasoning>...</reasoning><answer>N</answer>.\n"
     yield f"<reasoning>{body}</reasoning>\n<answer>{answer}</answer>"

@@ -2,7 +2,7 @@
 
 RL can only sharpen behaviour the policy already samples: a random-init or base model that never emits
 the answer format gets zero reward everywhere and zero advantage. A short SFT phase on reference
-solutions (the data module's `format_target`) puts it where GRPO has signal. It is a small optax loop
+solutions (`data/prompts.format_target`) puts it where GRPO has signal. It is a small optax loop
 on the same MaxText model (next-token cross-entropy on completion tokens only, stop token included),
 checkpointed with Orbax under `<run>/checkpoints/sft/` so a rerun of the same command skips it.
 """
@@ -22,8 +22,8 @@ import numpy as np
 import optax
 
 from maxtext_rl_plugin import checkpointing
-from maxtext_rl_plugin import data
 from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin.data import prompts
 from maxtext_rl_plugin.metrics import format_duration
 from maxtext_rl_plugin.metrics import is_writer
 
@@ -37,7 +37,7 @@ def _tokenize_batch(examples, tokenizer, config, length: int):
   mask = np.zeros((len(examples), length), dtype=np.float32)
   for i, ex in enumerate(examples):
     p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
-    t = tokenizer(data.format_target(ex, config), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    t = tokenizer(prompts.format_target(ex, config), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     row = (p + t)[:length]
     tokens[i, : len(row)] = row
     # position j predicts token j+1: supervise predictions of target tokens only.

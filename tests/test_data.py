@@ -15,9 +15,13 @@ import pytest
 from transformers import AutoTokenizer
 import yaml
 
-from maxtext_rl_plugin import data
 from maxtext_rl_plugin import rewards
 from maxtext_rl_plugin.config import load_config
+from maxtext_rl_plugin.data import load
+from maxtext_rl_plugin.data import prompts
+from maxtext_rl_plugin.data import rows as rows_lib
+from maxtext_rl_plugin.data import splits
+from maxtext_rl_plugin.data import synthetic
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.errors import DataError
 
@@ -78,7 +82,7 @@ def _jsonl(path, rows):
 def test_gsm8k_jsonl_splits(gsm8k_fixture_dir):
   d = gsm8k_fixture_dir
   c = cfg(f"train_data_path={d / 'train.jsonl'}", f"eval_data_path={d / 'test.jsonl'}", "use_chat_template=false")
-  train, ev = data.load_splits(c, None)
+  train, ev = load.load_splits(c, None)
   with open(d / "test.jsonl", encoding="utf-8") as f:
     test_rows = [json.loads(line) for line in f]
   assert len(ev) == len(test_rows) == 100
@@ -108,7 +112,7 @@ def test_gsm8k_jsonl_splits(gsm8k_fixture_dir):
     )
     assert e.prompt == tpl["TEMPLATE"].format(system_prompt=sp, question=r["question"])
   # The SFT target of every eval example is well formed and scores correct.
-  targets = [data.format_target(e, c) for e in ev]
+  targets = [prompts.format_target(e, c) for e in ev]
   res = rewards.score_batch(targets, [e.answer for e in ev], c)
   assert all(r.correct and r.format_ok and r.rule == "answer_tag" for r in res)
   assert not any("####" in t or "<<" in t for t in targets)
@@ -122,7 +126,7 @@ def test_train_batches_deterministic_resumable_and_epoch_exact(gsm8k_fixture_dir
       "synthetic_num_eval=4",
       "data_shuffle_seed=7",
   )
-  train, _ = data.load_splits(c, None)
+  train, _ = load.load_splits(c, None)
   n, bs = len(train), 16
   per_epoch = n // bs
   full = [[e.id for e in b] for b in train.batches(bs, num_batches=2 * per_epoch + 3)]
@@ -136,7 +140,7 @@ def test_train_batches_deterministic_resumable_and_epoch_exact(gsm8k_fixture_dir
   assert positions[:n] != [e.id for e in train]  # ... and shuffled
   assert len(positions) > n + 100
   assert positions[n:] != positions[: len(positions) - n]  # a new order each epoch
-  other = data.load_splits(
+  other = load.load_splits(
       cfg(
           f"train_data_path={gsm8k_fixture_dir / 'train.jsonl'}",
           "eval_dataset_name=synthetic",
@@ -163,7 +167,7 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
   ]
   path = _jsonl(tmp_path / "mixed.jsonl", rows)
   caplog.set_level(logging.WARNING)
-  train, ev = data.load_splits(cfg(f"train_data_path={path}", f"eval_data_path={path}", "use_chat_template=false"), None)
+  train, ev = load.load_splits(cfg(f"train_data_path={path}", f"eval_data_path={path}", "use_chat_template=false"), None)
   assert [(e.question, e.answer) for e in ev] == [("Q1?", "2"), ("Q6?", "1234.5"), ("Q7?", "-4"), ("Q8?", "12")]
   assert [e.question for e in train] == [e.question for e in ev]  # same file for both: kept, with a warning
   msg = " ".join(r.getMessage() for r in caplog.records)
@@ -188,7 +192,7 @@ def test_jsonl_rows_split_on_newlines_only_numbered_by_file_line(tmp_path, caplo
   ]
   (tmp_path / "d.jsonl").write_bytes(b"\n".join(lines) + b"\n")
   caplog.set_level(logging.WARNING)
-  rows = data.load_file_rows(str(tmp_path / "d.jsonl"), "eval_data_path")
+  rows = rows_lib.load_file_rows(str(tmp_path / "d.jsonl"), "eval_data_path")
   assert [(q, g, i) for q, g, _, i in rows] == [
       ("Q1?", "1", "d.jsonl:1"),
       (odd["question"], "3", "d.jsonl:3"),
@@ -203,10 +207,10 @@ def test_jsonl_rows_split_on_newlines_only_numbered_by_file_line(tmp_path, caplo
 
 def test_json_array_with_bom_and_non_utf8_json_refused(tmp_path):
   (tmp_path / "a.json").write_bytes(b"\xef\xbb\xbf" + json.dumps([{"question": "Q?", "answer": "#### 2"}]).encode())
-  assert [r[:2] for r in data.load_file_rows(str(tmp_path / "a.json"), "train_data_path")] == [("Q?", "2")]
+  assert [r[:2] for r in rows_lib.load_file_rows(str(tmp_path / "a.json"), "train_data_path")] == [("Q?", "2")]
   (tmp_path / "b.json").write_bytes(b'[{"question": "Q\xe9?", "answer": "#### 2"}]')
   with pytest.raises(DataError, match=r"train_data_path='.*b.json': not UTF-8 \(byte 17\)"):
-    data.load_file_rows(str(tmp_path / "b.json"), "train_data_path")
+    rows_lib.load_file_rows(str(tmp_path / "b.json"), "train_data_path")
 
 
 @pytest.mark.parametrize(
@@ -228,13 +232,13 @@ def test_json_array_with_bom_and_non_utf8_json_refused(tmp_path):
 def test_gold_answers_are_read_whole_or_the_row_is_skipped(tmp_path, answer, gold):
   """Never train against a truncated gold ("#### 1e5" is not "1"); an unreadable one skips the row."""
   path = _jsonl(tmp_path / "g.jsonl", [{"question": "Q?", "answer": answer}, {"question": "R?", "answer": "#### 7"}])
-  rows = data.load_file_rows(path, "train_data_path")
+  rows = rows_lib.load_file_rows(path, "train_data_path")
   assert [r[1] for r in rows] == ([gold] if gold is not None else []) + ["7"]
 
 
 def test_batch_larger_than_the_split_is_reported_once(tmp_path, caplog):
   path = _jsonl(tmp_path / "s.jsonl", [{"question": f"Q{i}?", "answer": f"#### {i}"} for i in range(5)])
-  train, _ = data.load_splits(
+  train, _ = load.load_splits(
       cfg(f"train_data_path={path}", "eval_dataset_name=synthetic", "synthetic_num_eval=4", "use_chat_template=false"),
       None,
   )
@@ -249,7 +253,7 @@ def test_batch_larger_than_the_split_is_reported_once(tmp_path, caplog):
 def test_train_questions_in_eval_are_dropped(tmp_path):
   a = _jsonl(tmp_path / "a.jsonl", [{"question": f"Q{i}", "answer": f"#### {i}"} for i in range(10)])
   b = _jsonl(tmp_path / "b.jsonl", [{"question": f"Q{i}", "answer": f"#### {i}"} for i in range(8, 12)])
-  train, ev = data.load_splits(cfg(f"train_data_path={a}", f"eval_data_path={b}", "use_chat_template=false"), None)
+  train, ev = load.load_splits(cfg(f"train_data_path={a}", f"eval_data_path={b}", "use_chat_template=false"), None)
   assert sorted(e.question for e in train) == [f"Q{i}" for i in range(8)]
   assert len(ev) == 4
 
@@ -259,7 +263,7 @@ def test_parquet_and_globs_equal_jsonl(tmp_path):
   pq.write_table(pa.Table.from_pylist(rows[:3]), tmp_path / "p1.parquet")
   pq.write_table(pa.Table.from_pylist(rows[3:]), tmp_path / "p2.parquet")
   j = _jsonl(tmp_path / "all.jsonl", rows)
-  _, ev_pq = data.load_splits(
+  _, ev_pq = load.load_splits(
       cfg(f"train_data_path={j}", f"eval_data_path={tmp_path}/p*.parquet", "use_chat_template=false"), None
   )
   assert [(e.question, e.answer) for e in ev_pq] == [(r["question"], str(i * 1000)) for i, r in enumerate(rows)]
@@ -276,14 +280,14 @@ def test_parquet_and_globs_equal_jsonl(tmp_path):
 )
 def test_user_errors_are_one_line(override, err, fragment):
   with pytest.raises(err) as e:
-    data.load_splits(cfg(*override.split(), "use_chat_template=false"), None)
+    load.load_splits(cfg(*override.split(), "use_chat_template=false"), None)
   assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
 def test_no_usable_rows_is_an_error(tmp_path):
   bad = _jsonl(tmp_path / "bad.jsonl", [{"question": "q", "answer": "none"}] * 3)
   with pytest.raises(DataError, match=r"bad.jsonl': no usable rows of 3"):
-    data.load_splits(cfg(f"eval_data_path={bad}", "use_chat_template=false"), None)
+    load.load_splits(cfg(f"eval_data_path={bad}", "use_chat_template=false"), None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -302,7 +306,7 @@ def test_hub_loading_calls_load_dataset(monkeypatch):
     )
 
   monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-  train, ev = data.load_splits(
+  train, ev = load.load_splits(
       real_cfg("dataset_name=openai/gsm8k", "eval_dataset_name=openai/gsm8k", "use_chat_template=false"), None
   )
   assert calls == [("openai/gsm8k", "main", {"split": "test"}), ("openai/gsm8k", "main", {"split": "train"})]
@@ -316,7 +320,7 @@ def test_hub_failure_is_a_data_error(monkeypatch):
 
   monkeypatch.setattr(datasets, "load_dataset", offline)
   with pytest.raises(DataError, match=r"dataset_name='openai/gsm8k'.*ConnectionError.*train_data_path"):
-    data.load_splits(cfg("dataset_name=openai/gsm8k", "eval_dataset_name=openai/gsm8k"), None)
+    load.load_splits(cfg("dataset_name=openai/gsm8k", "eval_dataset_name=openai/gsm8k"), None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -331,16 +335,16 @@ def test_chat_template_prompt_with_configured_tokens(tokenizer):
       "solution_start_token=<ans>",
       "solution_end_token=</ans>",
   )
-  p = data.build_prompt("What is 2+2?", tokenizer, c)
+  p = prompts.build_prompt("What is 2+2?", tokenizer, c)
   assert p.startswith("<|im_start|>system\n") and p.endswith("<|im_start|>assistant\n")
   system = p.split("<|im_end|>")[0]
   assert all(t in system for t in ("<think>", "</think>", "<ans>", "</ans>")) and "<reasoning>" not in system
   assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in p
-  ex = data.Example("q", "4", "2+2=4\n#### 4", p, "x")
-  assert data.format_target(ex, c) == "<think>2+2=4</think>\n<ans>4</ans>"
+  ex = splits.Example("q", "4", "2+2=4\n#### 4", p, "x")
+  assert prompts.format_target(ex, c) == "<think>2+2=4</think>\n<ans>4</ans>"
   prefilled = cfg("reasoning_start_token_in_prompt=true")
-  assert data.build_prompt("q", tokenizer, prefilled).endswith("assistant\n<reasoning>")
-  assert data.format_target(ex, prefilled).startswith("2+2=4</reasoning>")
+  assert prompts.build_prompt("q", tokenizer, prefilled).endswith("assistant\n<reasoning>")
+  assert prompts.format_target(ex, prefilled).startswith("2+2=4</reasoning>")
 
 
 def test_template_without_system_role_falls_back_to_user_turn():
@@ -353,7 +357,7 @@ def test_template_without_system_role_falls_back_to_user_turn():
         raise ValueError("System role not supported")
       return "".join(f"<{m['role']}>{m['content']}" for m in msgs) + "<model>"
 
-  p = data.build_prompt("Q?", NoSystemTokenizer(), cfg())
+  p = prompts.build_prompt("Q?", NoSystemTokenizer(), cfg())
   assert p.startswith("<user>") and p.endswith("\n\nQ?<model>") and "<answer>" in p
 
 
@@ -362,11 +366,11 @@ def test_long_prompts_filtered_with_count(gsm8k_fixture_dir, tokenizer, tmp_path
     rows = [json.loads(line) for _, line in zip(range(200), f)]
   path = _jsonl(tmp_path / "t.jsonl", rows)
   c = cfg("dataset_name=synthetic", f"eval_data_path={path}", "max_prefill_predict_length=150")
-  lengths = [len(tokenizer(data.build_prompt(r["question"], tokenizer, c))["input_ids"]) for r in rows]
+  lengths = [len(tokenizer(prompts.build_prompt(r["question"], tokenizer, c))["input_ids"]) for r in rows]
   want = [r["question"] for r, n in zip(rows, lengths) if n <= 150]
   assert 0 < len(want) < len(rows)  # the limit really bites
   caplog.set_level(logging.WARNING)
-  _, ev = data.load_splits(c, tokenizer)
+  _, ev = load.load_splits(c, tokenizer)
   assert [e.question for e in ev] == want
   assert (
       f"eval: filtered {len(rows) - len(want)} of 200 prompts longer than max_prefill_predict_length=150" in caplog.text
@@ -380,7 +384,7 @@ def test_long_prompts_filtered_with_count(gsm8k_fixture_dir, tokenizer, tmp_path
 _STEP = re.compile(r"^(\d+) ([-+*/]) (\d+) = (\d+)$")
 
 
-def _check_solution(e: data.Example, max_value: int, min_steps: int, max_steps: int):
+def _check_solution(e: splits.Example, max_value: int, min_steps: int, max_steps: int):
   """A synthetic solution is well formed: step count in range, every step's arithmetic right, values bounded."""
   lines = e.solution.splitlines()
   assert lines[-1] == f"#### {e.answer}"
@@ -412,7 +416,7 @@ def test_synthetic_problems_are_exact_and_reproducible(tokenizer):
       "synthetic_num_eval=64",
       "data_template_path=''",
   )
-  train, ev = data.load_splits(c, tokenizer)
+  train, ev = load.load_splits(c, tokenizer)
   assert train.unlimited and len(ev) == 64
   items = [train[i] for i in range(300)]
   for e in items + list(ev):
@@ -420,14 +424,14 @@ def test_synthetic_problems_are_exact_and_reproducible(tokenizer):
   assert {len(e.solution.splitlines()) - 1 for e in items} == {1, 2, 3}
   eval_q = {e.question for e in ev}
   assert len(eval_q) == 64 and not eval_q & {e.question for e in items}  # deduped, disjoint
-  train2, ev2 = data.load_splits(c, tokenizer)
+  train2, ev2 = load.load_splits(c, tokenizer)
   assert [train2[i] for i in range(50)] == items[:50] and list(ev2) == list(ev)
-  other, _ = data.load_splits(cfg("synthetic_seed=6", "synthetic_max_value=12", "data_template_path=''"), tokenizer)
+  other, _ = load.load_splits(cfg("synthetic_seed=6", "synthetic_max_value=12", "data_template_path=''"), tokenizer)
   assert [other[i].question for i in range(20)] != [e.question for e in items[:20]]
   # Short prompts for the CPU demo's tiny model, and SFT targets that the reward stack accepts.
-  lengths = data.prompt_lengths(tokenizer, [e.prompt for e in items])
+  lengths = prompts.prompt_lengths(tokenizer, [e.prompt for e in items])
   assert max(lengths) <= 100
-  res = rewards.score_batch([data.format_target(e, c) for e in items], [e.answer for e in items], c)
+  res = rewards.score_batch([prompts.format_target(e, c) for e in items], [e.answer for e in items], c)
   assert all(r.correct and r.format_ok for r in res)
   assert [e.id for e in train.batch(3, 4)] == [f"synthetic-train-{i}" for i in range(12, 16)]
   assert [[e.id for e in b] for b in train.batches(4, start_batch=2, num_batches=4)] == [
@@ -436,7 +440,7 @@ def test_synthetic_problems_are_exact_and_reproducible(tokenizer):
 
 
 def test_synthetic_eval_batches_are_finite(tokenizer):
-  _, ev = data.load_splits(cfg("synthetic_num_eval=10"), tokenizer)
+  _, ev = load.load_splits(cfg("synthetic_num_eval=10"), tokenizer)
   got = list(ev.batches(4))
   assert [len(b) for b in got] == [4, 4, 2]
   assert [e.id for b in got for e in b] == [e.id for e in ev]
@@ -445,14 +449,14 @@ def test_synthetic_eval_batches_are_finite(tokenizer):
 
 
 def test_adding_teacher_reads_every_step_as_an_addition():
-  assert data.adding_teacher("7 * 3 = 21\n#### 21") == ("7 + 3 = 10\n#### 10", 10)
-  assert data.adding_teacher("12 / 4 = 3\n3 * 2 = 6\n6 - 1 = 5\n#### 5") == (
+  assert synthetic.adding_teacher("7 * 3 = 21\n#### 21") == ("7 + 3 = 10\n#### 10", 10)
+  assert synthetic.adding_teacher("12 / 4 = 3\n3 * 2 = 6\n6 - 1 = 5\n#### 5") == (
       "12 + 4 = 16\n16 + 2 = 18\n18 + 1 = 19\n#### 19",
       19,
   )
-  assert data.adding_teacher("2 + 3 = 5\n#### 5") == ("2 + 3 = 5\n#### 5", 5)
+  assert synthetic.adding_teacher("2 + 3 = 5\n#### 5") == ("2 + 3 = 5\n#### 5", 5)
   with pytest.raises(ValueError):
-    data.adding_teacher("no steps here")
+    synthetic.adding_teacher("no steps here")
 
 
 def test_flawed_teacher_changes_sft_demonstrations_only(tokenizer):
@@ -465,8 +469,8 @@ def test_flawed_teacher_changes_sft_demonstrations_only(tokenizer):
       "synthetic_num_eval=32",
       "data_template_path=''",
   )
-  clean_train, clean_eval = data.load_splits(cfg(*knobs), tokenizer)
-  train, ev = data.load_splits(cfg(*knobs, "synthetic_teacher_error_rate=0.75"), tokenizer)
+  clean_train, clean_eval = load.load_splits(cfg(*knobs), tokenizer)
+  train, ev = load.load_splits(cfg(*knobs, "synthetic_teacher_error_rate=0.75"), tokenizer)
   assert list(ev) == list(clean_eval)
   flawed = non_add = 0
   for i in range(400):
@@ -479,9 +483,9 @@ def test_flawed_teacher_changes_sft_demonstrations_only(tokenizer):
     non_add += 1
     if e.solution != c.solution:
       flawed += 1
-      sol, value = data.adding_teacher(c.solution)
+      sol, value = synthetic.adding_teacher(c.solution)
       assert e.solution == sol
-      demo = rewards.score(data.format_target(e, cfg(*knobs)), e.answer)
+      demo = rewards.score(prompts.format_target(e, cfg(*knobs)), e.answer)
       assert demo.extracted == str(value) and demo.correct == (str(value) == e.answer)  # 2 * 2 = 2 + 2
   assert non_add > 200 and abs(flawed / non_add - 0.75) < 0.08
   assert str(load_config_error("synthetic_teacher_error_rate=1.5")).count("\n") == 0
@@ -500,5 +504,5 @@ def test_prompt_tags_default_to_the_reward_stacks_which_are_maxtext_rl_yml():
     rl_yml = yaml.safe_load(f)
   keys = ("reasoning_start_token", "reasoning_end_token", "solution_start_token", "solution_end_token")
   bare = type("Bare", (), {"data_template_path": ""})()
-  assert data.tag_tokens(bare) == {k: rl_yml[k] for k in keys}
-  assert all(rl_yml[k] in data.system_prompt(bare) for k in keys)
+  assert prompts.tag_tokens(bare) == {k: rl_yml[k] for k in keys}
+  assert all(rl_yml[k] in prompts.system_prompt(bare) for k in keys)

@@ -15,7 +15,8 @@ import sys
 from transformers import AutoTokenizer
 
 from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin import data
+from maxtext_rl_plugin.data import load
+from maxtext_rl_plugin.data import prompts
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -45,9 +46,9 @@ def test_demo_tokenizer_round_trips_the_synthetic_distribution():
   cfg = config_lib.load_config(["configs/cpu_demo.yml"])
   tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
   assert len(tok) <= cfg.vocab_size and tok.pad_token_id != tok.eos_token_id
-  train, evaluation = data.load_splits(cfg, tok)
+  train, evaluation = load.load_splits(cfg, tok)
   for ex in [*train.batch(0, 50), *(evaluation[i] for i in range(50))]:
-    for text in (ex.prompt, data.format_target(ex, cfg)):
+    for text in (ex.prompt, prompts.format_target(ex, cfg)):
       assert tok.decode(tok.encode(text)) == text
   ids = tok.encode("<answer>123</answer>")
   assert [tok.decode([i]) for i in ids] == ["<answer>", "1", "2", "3", "</answer>"]

@@ -24,7 +24,6 @@ from tunix.rl.rollout import base_rollout
 from tunix.sft import metrics_logger
 
 from maxtext_rl_plugin import algorithms
-from maxtext_rl_plugin import data
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import evaluation as evaluation_lib
 from maxtext_rl_plugin import experience
@@ -36,6 +35,7 @@ from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import sft
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.data import load
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import sync
 from maxtext_rl_plugin.rollout import embedded
@@ -242,7 +242,7 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   plan = updates.UpdatePlan.from_config(config)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
   tokenizer = models.load_tokenizer(config)
-  train_split, eval_split = data.load_splits(config, tokenizer)
+  train_split, eval_split = load.load_splits(config, tokenizer)
   engine_name = _resolve_engine_name(config)
   rollout_factory = rollout_engine_factory(engine_name, rs.sampler_config)
   rollout_cfgs = rollout_configs(config, tokenizer)

@@ -1,0 +1,212 @@
+"""Rows from files (JSONL, JSON, Parquet) and the HF hub, decoded to (question, gold, solution, id).
+
+Gold answers are parsed once here (`#### 1,200` -> "1200"). Malformed rows (no question, no parsable gold, bad JSON,
+not UTF-8) are skipped and counted in one warning per source instead of failing a run hours in.
+"""
+
+# pyarrow (Parquet files) and datasets (the HF hub) are optional extras, imported where a config asks for them.
+# pylint: disable=import-outside-toplevel
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from typing import Any, Iterable, Optional, Sequence
+
+from absl import logging
+
+from maxtext_rl_plugin.data import synthetic
+from maxtext_rl_plugin.errors import DataError
+from maxtext_rl_plugin.errors import MissingExtraError
+from maxtext_rl_plugin.rewards import extraction
+
+_QUESTION_KEYS = ("question", "problem", "prompt")
+_ANSWER_KEYS = ("answer", "solution", "expected_answer")
+
+
+@dataclasses.dataclass
+class _Skips:
+  """Counts of the rows a file loses, by reason, for the one-line skip summary."""
+
+  rows: int = 0
+  bad_json: int = 0
+  not_utf8: int = 0
+  no_question: int = 0
+  no_answer: int = 0
+  first_bad: Optional[int] = None
+
+  def bad(self, row: int, kind: str) -> None:
+    setattr(self, kind, getattr(self, kind) + 1)
+    if self.first_bad is None:
+      self.first_bad = row
+
+  @property
+  def skipped(self) -> int:
+    return self.bad_json + self.not_utf8 + self.no_question + self.no_answer
+
+
+def _first(row: dict, keys: Sequence[str]) -> Any:
+  for k in keys:
+    if k in row and row[k] is not None:
+      return row[k]
+  return None
+
+
+class NotUtf8:
+  """Stands for a data-file line whose bytes are not UTF-8 (counted and skipped, never trained on as U+FFFD)."""
+
+
+def rows_to_examples(rows: Iterable[Any], source: str, unit: str = "") -> tuple[list[tuple[str, str, str, str]], _Skips]:
+  """(question, gold, solution, id) per usable row; malformed rows are counted, not raised.
+
+  A row is a dict with `question` (or `problem`/`prompt`) and `answer` (or `solution`/`expected_answer`)
+  whose gold is the value after `####`, or the whole answer if it is a plain number. `None` rows stand
+  for lines that were not valid JSON, `NotUtf8` for lines that were not UTF-8. With a `unit` ("line", "row"),
+  `rows` holds (number, row) pairs, so ids and messages name file lines; else rows are counted from 1.
+  """
+  out = []
+  sk = _Skips()
+  for n, row in rows if unit else enumerate(rows, 1):
+    sk.rows += 1
+    if isinstance(row, NotUtf8):
+      sk.bad(n, "not_utf8")
+      continue
+    if not isinstance(row, dict):
+      sk.bad(n, "bad_json")
+      continue
+    q = _first(row, _QUESTION_KEYS)
+    if not isinstance(q, str) or not q.strip():
+      sk.bad(n, "no_question")
+      continue
+    a = _first(row, _ANSWER_KEYS)
+    gold = extraction.parse_gold(a) if a is not None else None
+    if gold is None:
+      sk.bad(n, "no_answer")
+      continue
+    out.append((q.strip(), gold, str(a), f"{source}:{n}"))
+  if sk.skipped:
+    logging.warning(
+        "%s: skipped %d of %d rows (invalid JSON: %d, not UTF-8: %d, no question: %d, no parsable gold answer "
+        "('#### N'): %d); first at %s %d",
+        source,
+        sk.skipped,
+        sk.rows,
+        sk.bad_json,
+        sk.not_utf8,
+        sk.no_question,
+        sk.no_answer,
+        unit or "row",
+        sk.first_bad,
+    )
+  return out, sk
+
+
+def _expand_paths(spec: str, key: str) -> list[str]:
+  """The files a comma-separated path/glob spec names; a part matching nothing is a DataError."""
+  paths = []
+  for part in (p.strip() for p in spec.split(",")):
+    if not part:
+      continue
+    matches = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
+    if not matches:
+      raise DataError(f"{key}='{part}': no files match")
+    for m in matches:
+      if not os.path.isfile(m):
+        raise DataError(f"{key}='{m}': file not found")
+      paths.append(m)
+  if not paths:
+    raise DataError(f"{key}='{spec}': no files given")
+  return paths
+
+
+def _read_rows(path: str, key: str) -> tuple[list[tuple[int, Any]], str]:
+  """((number, row) pairs, "line" or "row") of a JSONL/JSON/Parquet file.
+
+  A row is the parsed value, None for invalid JSON, or NotUtf8.
+  """
+  ext = os.path.splitext(path)[1].lower()
+  if ext == ".parquet":
+    try:
+      import pyarrow.parquet as pq
+    except ImportError as e:
+      raise MissingExtraError("reading Parquet data", "pyarrow", "cpu") from e
+    try:
+      return list(enumerate(pq.read_table(path).to_pylist(), 1)), "row"
+    except Exception as e:  # pylint: disable=broad-exception-caught
+      raise DataError(f"{key}='{path}': not a readable Parquet file ({type(e).__name__}: {e})") from None
+  try:
+    with open(path, "rb") as f:
+      raw = f.read()
+  except OSError as e:
+    raise DataError(f"{key}='{path}': {e.strerror}") from None
+  if raw.startswith(b"\xef\xbb\xbf"):
+    raw = raw[3:]  # UTF-8 byte order mark (Windows editors write one)
+  if ext == ".json" and raw.lstrip().startswith(b"["):
+    try:
+      rows = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+      raise DataError(f"{key}='{path}': not UTF-8 (byte {e.start + 1})") from None
+    except ValueError as e:
+      raise DataError(f"{key}='{path}': invalid JSON ({e})") from None
+    return list(enumerate(rows if isinstance(rows, list) else [rows], 1)), "row"
+  # JSONL: split on "\n" only (str.splitlines would also cut at U+2028/U+0085 inside a valid row) and number
+  # rows by file line, blank lines included, so ids and messages point at the line to fix.
+  rows: list[tuple[int, Any]] = []
+  for lineno, line in enumerate(raw.split(b"\n"), 1):
+    if not line.strip():
+      continue
+    try:
+      text = line.decode("utf-8")
+    except UnicodeDecodeError:
+      rows.append((lineno, NotUtf8()))
+      continue
+    try:
+      rows.append((lineno, json.loads(text)))
+    except ValueError:
+      rows.append((lineno, None))
+  return rows, "line"
+
+
+def load_file_rows(spec: str, key: str) -> list[tuple[str, str, str, str]]:
+  """Usable rows of local JSONL/JSON/Parquet file(s) named by config key `key`."""
+  out = []
+  for path in _expand_paths(spec, key):
+    numbered, unit = _read_rows(path, key)
+    rows, sk = rows_to_examples(numbered, os.path.basename(path), unit=unit)
+    if not rows:
+      raise DataError(
+          f"{key}='{path}': no usable rows of {sk.rows} (expected JSON objects with 'question' and 'answer' "
+          "ending in '#### N')"
+      )
+    out.extend(rows)
+  return out
+
+
+def load_hub_rows(
+    dataset_name: str, subset: str, split: str, token: Optional[str] = None
+) -> list[tuple[str, str, str, str]]:
+  """Usable rows of a Hugging Face hub dataset split (`datasets.load_dataset(name, subset, split=split)`)."""
+  try:
+    import datasets
+  except ImportError as e:
+    raise MissingExtraError("loading datasets from the Hugging Face hub", "datasets", "cpu") from e
+  kwargs = {"split": split}
+  if token:
+    kwargs["token"] = token
+  try:
+    ds = datasets.load_dataset(dataset_name, subset or None, **kwargs)
+  except Exception as e:  # pylint: disable=broad-exception-caught  # network, auth, unknown split...
+    msg = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    raise DataError(
+        f"dataset_name='{dataset_name}' (hf_subset='{subset}', split='{split}'): could not load from the "
+        "Hugging Face hub "
+        f"({type(e).__name__}: {msg}); offline, use train_data_path=/eval_data_path= or dataset_name={synthetic.SYNTHETIC}"
+    ) from None
+  rows, sk = rows_to_examples(iter(ds), f"{dataset_name}/{split}")
+  if not rows:
+    raise DataError(
+        f"dataset_name='{dataset_name}' split '{split}': no usable rows of {sk.rows} (need 'question' and 'answer')"
+    )
+  return rows

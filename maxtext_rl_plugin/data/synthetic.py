@@ -1,0 +1,291 @@
+"""The synthetic task: seeded arithmetic word problems with exact integer answers and worked solutions.
+
+The CPU demo's data (no download): problem i of a stream is a pure function of (synthetic_seed, stream, i), and a
+teacher that sometimes adds where it should not (`synthetic_teacher_error_rate`) gives the SFT warm-up a mode for RL
+to correct.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import random
+import re
+import sys
+from typing import Optional
+
+from absl import logging
+
+from maxtext_rl_plugin.data import prompts
+from maxtext_rl_plugin.data import splits
+from maxtext_rl_plugin.errors import DataError
+
+SYNTHETIC = "synthetic"  # the dataset_name / eval_dataset_name of this task
+
+_NAMES = (
+    "Ava",
+    "Ben",
+    "Cara",
+    "Dev",
+    "Eli",
+    "Fay",
+    "Gus",
+    "Hana",
+    "Ivan",
+    "Jo",
+    "Kai",
+    "Lena",
+    "Milo",
+    "Nia",
+    "Omar",
+    "Pia",
+    "Raj",
+    "Sara",
+    "Tom",
+    "Uma",
+    "Vic",
+    "Wen",
+    "Yara",
+    "Zoe",
+)
+_ITEMS = (
+    "apples",
+    "marbles",
+    "stickers",
+    "books",
+    "coins",
+    "pencils",
+    "cookies",
+    "shells",
+    "cards",
+    "stamps",
+    "eggs",
+    "beads",
+    "toy cars",
+    "balloons",
+    "plums",
+)
+_CONTAINERS = ("bags", "boxes", "jars", "baskets", "packs")
+
+
+def _noun(n: int, unit: str) -> str:
+  return unit[:-1] if n == 1 and unit.endswith("s") else unit
+
+
+def _count(n: int, unit: str) -> str:
+  return f"{n} {_noun(n, unit)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticConfig:
+  seed: int = 1234
+  min_steps: int = 1
+  max_steps: int = 2
+  max_value: int = 20
+  teacher_error_rate: float = 0.0
+
+
+def synthetic_problem(rng: random.Random, cfg: SyntheticConfig) -> tuple[str, int, str]:
+  """(question, answer, GSM8K-style solution ending in '#### N') with 1..N exact integer steps.
+
+  Operands are in [1, max_value]; running values stay in [0, 5 * max_value] so the answer space stays
+  small enough for a tiny model to learn. Division only when exact.
+  """
+  steps = rng.randint(cfg.min_steps, max(cfg.min_steps, cfg.max_steps))
+  mv = cfg.max_value
+  cap = 5 * mv
+  name = rng.choice(_NAMES)
+  money = rng.random() < 0.25
+  unit = "dollars" if money else rng.choice(_ITEMS)
+  sentences: list[str] = []
+  lines: list[str] = []
+  done = 0
+  if not money and steps >= 1 and rng.random() < 0.3 and mv >= 2:
+    a, b = rng.randint(2, min(mv, 10)), rng.randint(1, mv)
+    if a * b <= cap:
+      box = rng.choice(_CONTAINERS)
+      sentences.append(f"{name} has {a} {box} with {_count(b, unit)} in each.")
+      v = a * b
+      lines.append(f"{a} * {b} = {v}")
+      done = 1
+  if not done:
+    v = rng.randint(1, mv)
+    sentences.append(f"{name} has ${v}." if money else f"{name} has {_count(v, unit)}.")
+  while done < steps:
+    ops = ["add"] if v < cap else []
+    if v >= 1:
+      ops.append("sub")
+    if 2 * v <= cap and v >= 1:
+      ops.append("mul")
+    if any(v % k == 0 for k in range(2, min(5, v) + 1)):
+      ops.append("div")
+    op = rng.choice(ops)
+    if op == "add":
+      b = rng.randint(1, min(mv, cap - v))
+      s = rng.choice(
+          (f"{name} earns ${b}.", f"{name} is paid ${b} more.")
+          if money
+          else (
+              f"{name} buys {_count(b, unit)} more.",
+              f"{name} finds {b} more {_noun(b, unit)}.",
+              f"A friend gives {name} {_count(b, unit)}.",
+          )
+      )
+      r = v + b
+      lines.append(f"{v} + {b} = {r}")
+    elif op == "sub":
+      b = rng.randint(1, min(v, mv))
+      s = rng.choice(
+          (f"{name} spends ${b}.", f"{name} pays ${b} for lunch.")
+          if money
+          else (
+              f"{name} gives away {_count(b, unit)}.",
+              f"{name} loses {_count(b, unit)}.",
+              f"{name} sells {_count(b, unit)}.",
+          )
+      )
+      r = v - b
+      lines.append(f"{v} - {b} = {r}")
+    elif op == "mul":
+      k = rng.randint(2, max(2, min(5, cap // v)))
+      what = "money" if money else f"number of {unit}"
+      s = {2: f"Then {name} doubles the {what}.", 3: f"Then {name} triples the {what}."}.get(
+          k, f"Then the {what} grows {k} times."
+      )
+      r = v * k
+      lines.append(f"{v} * {k} = {r}")
+    else:
+      k = rng.choice([k for k in range(2, min(5, v) + 1) if v % k == 0])
+      s = (
+          f"{name} splits the money equally among {k} people, {name} included."
+          if money
+          else f"{name} shares the {unit} equally among {k} friends, {name} included."
+      )
+      r = v // k
+      lines.append(f"{v} / {k} = {r}")
+    sentences.append(s)
+    v = r
+    done += 1
+  if "/" in lines[-1] if lines else False:
+    q = "How many dollars does each person get?" if money else f"How many {unit} does each friend get?"
+  elif money:
+    q = f"How many dollars does {name} have now?" if len(sentences) > 1 else f"How many dollars does {name} have?"
+  else:
+    q = f"How many {unit} does {name} have now?" if len(sentences) > 1 else f"How many {unit} does {name} have?"
+  return " ".join(sentences + [q]), v, "\n".join(lines + [f"#### {v}"])
+
+
+_STEP_RE = re.compile(r"^(\d+) [-+*/] (\d+) = \d+$")
+
+
+def adding_teacher(solution: str) -> tuple[str, int]:
+  """The worked solution of a teacher who adds every pair of numbers whatever the wording says.
+
+  `7 * 3 = 21` becomes `7 + 3 = 10`; later steps continue from the teacher's own running value. Returns
+  the flawed solution and its (wrong, unless every step was an addition) final answer.
+  """
+  lines, value = [], None
+  for line in solution.splitlines():
+    m = _STEP_RE.match(line)
+    if not m:
+      continue
+    a = int(m.group(1)) if value is None else value
+    b = int(m.group(2))
+    value = a + b
+    lines.append(f"{a} + {b} = {value}")
+  if value is None:
+    raise ValueError(f"not a synthetic worked solution: {solution!r}")
+  return "\n".join(lines + [f"#### {value}"]), value
+
+
+class SyntheticSplit(splits.DatasetSplit):
+  """Synthetic problems generated from (seed, stream, index): unlimited (train) or a fixed list (eval).
+
+  Train problems whose question text appears in `exclude` (the eval questions) or whose prompt is
+  longer than the limit are redrawn from (seed, stream, index, attempt), so item i is still a pure
+  function of the seed.
+  """
+
+  def __init__(
+      self,
+      cfg: SyntheticConfig,
+      stream: str,
+      tokenizer,
+      config,
+      exclude: frozenset = frozenset(),
+      max_prompt_tokens: Optional[int] = None,
+      name: str = "",
+  ):
+    self.cfg, self.stream, self.tokenizer, self.config = cfg, stream, tokenizer, config
+    self.exclude = exclude
+    self.max_prompt_tokens = max_prompt_tokens
+    self.name = name or f"synthetic/{stream}"
+    self.unlimited = True
+    self.seed = None
+    self.filtered_long = 0
+    self.redrawn_eval_overlap = 0
+
+  def __len__(self) -> int:
+    return sys.maxsize
+
+  def _draw(self, i: int, attempt: int) -> tuple[str, int, str]:
+    rng = random.Random(f"{self.cfg.seed}:{self.stream}:{i}:{attempt}")
+    return synthetic_problem(rng, self.cfg)
+
+  @functools.lru_cache(maxsize=4096)  # noqa: B019
+  def __getitem__(self, i: int) -> splits.Example:
+    if i < 0:
+      raise IndexError(i)
+    for attempt in range(100):
+      q, a, sol = self._draw(i, attempt)
+      if q in self.exclude:
+        self.redrawn_eval_overlap += 1
+        continue
+      prompt = prompts.build_prompt(q, self.tokenizer, self.config)
+      if (
+          self.max_prompt_tokens
+          and self.tokenizer is not None
+          and prompts.prompt_lengths(self.tokenizer, [prompt])[0] > self.max_prompt_tokens
+      ):
+        self.filtered_long += 1
+        if self.filtered_long in (1, 100, 10000):
+          logging.warning(
+              "synthetic/%s: %d prompts longer than max_prefill_predict_length=%d redrawn so far",
+              self.stream,
+              self.filtered_long,
+              self.max_prompt_tokens,
+          )
+        continue
+      if (
+          self.stream == "train"
+          and self.cfg.teacher_error_rate > 0
+          and random.Random(f"{self.cfg.seed}:teacher:{i}").random() < self.cfg.teacher_error_rate
+      ):
+        sol = adding_teacher(sol)[0]  # wrong unless all steps add; the gold answer stays the true one
+      return splits.Example(q, str(a), sol, prompt, f"synthetic-{self.stream}-{i}")
+    raise DataError(
+        f"synthetic problems do not fit max_prefill_predict_length={self.max_prompt_tokens} "
+        f"(or all collide with the eval set); raise it or lower synthetic_max_steps"
+    )
+
+
+def synthetic_eval(cfg: SyntheticConfig, n: int, tokenizer, config, max_tokens: Optional[int]) -> splits.ListSplit:
+  """`n` distinct synthetic problems from the eval stream (deduplicated on question text)."""
+  gen = SyntheticSplit(cfg, "eval", tokenizer, config, max_prompt_tokens=max_tokens)
+  seen: set[str] = set()
+  out: list[splits.Example] = []
+  i = 0
+  while len(out) < n and i < 50 * n + 1000:
+    e = gen[i]
+    i += 1
+    if e.question in seen:
+      continue
+    seen.add(e.question)
+    out.append(e)
+  if len(out) < n:
+    logging.warning("synthetic eval: only %d distinct problems exist for these knobs (asked for %d)", len(out), n)
+  if gen.filtered_long:
+    logging.warning(
+        "synthetic eval: %d prompts over max_prefill_predict_length=%s redrawn", gen.filtered_long, max_tokens
+    )
+  return splits.ListSplit(out, "synthetic/eval")
