@@ -82,7 +82,10 @@ class RunLogger:
     self._metrics_file = metrics_file if self.writer else None
     if self.writer:
       os.makedirs(tensorboard_dir, exist_ok=True)
-      self._tb = SummaryWriter(logdir=tensorboard_dir, flush_secs=10)
+      # Steps after `start_step` were trained by an attempt that died and are trained again: tensorboardX's purge_step
+      # marks this file so TensorBoard drops the earlier events from `start_step + 1` on (from 0 on a fresh start,
+      # like the metrics file's prune) and shows every step once.
+      self._tb = SummaryWriter(logdir=tensorboard_dir, flush_secs=10, purge_step=start_step + 1 if start_step else 0)
     if self._metrics_file:
       os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
     self.total_steps = total_steps

@@ -24,6 +24,7 @@ xpk_parser_core = pytest.importorskip("xpk.parser.core", reason="xpk==1.16.0 not
 yaml = pytest.importorskip("yaml")
 
 from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import run_dir
 from maxtext_rl_plugin.launch import xpk as xpk_lib
 
 TOKEN = "hf_test_Zq9SECRETtoken42"
@@ -333,3 +334,32 @@ def test_container_command_resumes_when_resubmitted(tmp_path):
   out = again.stdout + again.stderr
   assert "from checkpoint step 1" in out and "step 2/2" in out and "step 1/2" not in out
   assert sorted(int(p.name) for p in ckpt.iterdir() if p.name.isdigit()) == [1, 2]
+
+
+def _launch_env(cmd: xpk_lib.Command) -> dict[str, str]:
+  """The env prefix of the container command (`K=V ... python3 -m ...`), as the container's shell sets it."""
+  container = shlex.split(cmd.argv[cmd.argv.index("--command") + 1])
+  return dict(part.split("=", 1) for part in container[: container.index("python3")])
+
+
+def test_jobset_restart_keeps_the_launch_id_and_takes_over_its_lock_at_once(tmp_path, monkeypatch):
+  """A JobSet restart reruns the pod template, so the restarted process has the submission's MAXTEXT_RL_LAUNCH_ID and
+  takes over the lock its dead previous attempt (another pod, fresh heartbeat) left, at once; a resubmission of the
+  same workload is a new launch with a new id and still waits for the lock to go stale."""
+  kw = {"workload": "llama-grpo", "cluster": "c", "tpu_type": "v5p-8", "project": "p", "docker_image": "i"}
+  first = xpk_lib.build_create(**kw, environ={}, validate=False)
+  resubmitted = xpk_lib.build_create(**kw, environ={}, validate=False)
+  launch_id = _launch_env(first)[run_dir.LAUNCH_ID_ENV]
+  assert launch_id.startswith("xpk:llama-grpo:") and launch_id in first.shown
+  assert _launch_env(resubmitted)[run_dir.LAUNCH_ID_ENV] != launch_id
+
+  run = tmp_path / "run"
+  run.mkdir()
+  run_dir.RunLock(str(run), launch_id=launch_id, host="attempt-0-pod").acquire()  # then the pod dies
+  monkeypatch.setenv(run_dir.LAUNCH_ID_ENV, launch_id)  # what the container's env prefix sets
+  restarted = run_dir.RunLock(str(run), host="attempt-1-pod")
+  restarted.acquire()
+  assert restarted.held and json.loads((run / ".lock").read_text())["host"] == "attempt-1-pod"
+  other = run_dir.RunLock(str(run), launch_id=_launch_env(resubmitted)[run_dir.LAUNCH_ID_ENV], host="other-pod")
+  with pytest.raises(run_dir.RunLockedError, match="in use by pid"):
+    other.acquire()

@@ -11,12 +11,14 @@ import os
 import pathlib
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
 
 import pytest
 
+from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -62,6 +64,42 @@ def _digest(*paths):
 # ----------------------------------------------------------------------------------------------------------------------
 # Units
 # ----------------------------------------------------------------------------------------------------------------------
+
+
+def _tensorboard_scalars(logdir) -> dict[str, list[tuple[int, float]]]:
+  """What TensorBoard shows of `logdir`'s event files, read from the bytes: TFRecords (u64 length, u32 crc, an `Event`
+  proto, u32 crc) in file-name (= creation time) order, and TensorBoard's restart rule (its EventAccumulator): a
+  SessionLog START event at step s hides every event read before it whose step is >= s."""
+  from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel  # the proto only, for reading
+
+  scalars: dict[str, list[tuple[int, float]]] = {}
+  for path in sorted(pathlib.Path(logdir).glob("events.out.tfevents.*")):
+    data, pos = path.read_bytes(), 0
+    while pos < len(data):
+      (n,) = struct.unpack("<Q", data[pos : pos + 8])
+      event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + n])
+      pos += 12 + n + 4
+      if event.HasField("session_log") and event.session_log.status == event_pb2.SessionLog.START:
+        scalars = {tag: [(s, v) for s, v in pts if s < event.step] for tag, pts in scalars.items()}
+      for value in event.summary.value:
+        scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
+  return scalars
+
+
+def test_resumed_run_shows_each_step_once_in_tensorboard(tmp_path):
+  """An attempt logs steps 1-4 and dies after its checkpoint at step 2; the resumed run logs steps 3-4 again. The
+  event files on disk hold both attempts; TensorBoard must show steps 1, 2 from the first and 3, 4 from the second."""
+  tb = tmp_path / "tensorboard"
+  first = metrics_lib.RunLogger(str(tb), None, total_steps=4)
+  for step in range(1, 5):
+    first.log_step(step, {"loss": float(step)})
+  first.close()
+  time.sleep(1.1)  # event file names carry the creation second: the resumed run's file sorts after the first's
+  resumed = metrics_lib.RunLogger(str(tb), None, total_steps=4, start_step=2)
+  for step in (3, 4):
+    resumed.log_step(step, {"loss": 10.0 * step})
+  resumed.close()
+  assert _tensorboard_scalars(tb)["loss"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
 
 
 def test_prune_jsonl_drops_later_steps_and_a_torn_line(tmp_path):

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import functools
 import importlib.metadata
 import os
 import re
@@ -37,11 +38,13 @@ import shutil
 import subprocess
 import sys
 from typing import Sequence
+import uuid
 
 from absl import logging
 
 from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin import errors
+from maxtext_rl_plugin import run_dir
 
 # The Pathways client environment of the MaxText RL tutorial: JAX talks to the Pathways proxy sidecar that xpk
 # runs in the same pod (hostNetwork), and Pathways keeps compiled executables across the run.
@@ -155,12 +158,18 @@ def _shown_override(o: str) -> str:
   return o
 
 
-def container_command(config: str, overrides: Sequence[str], *, pass_hf_token: bool, redact: bool = False) -> str:
+def container_command(
+    config: str, overrides: Sequence[str], *, pass_hf_token: bool, redact: bool = False, launch_id: str = ""
+) -> str:
   """The shell command xpk runs in the main container (env prefix + train_rl), as in the tutorial.
 
-  `redact=True` renders secret-valued overrides (`hf_access_token=...`) as `***` for printing.
+  `redact=True` renders secret-valued overrides (`hf_access_token=...`) as `***` for printing. `launch_id` becomes
+  `MAXTEXT_RL_LAUNCH_ID`: it is part of the JobSet's pod template, so every restart of the JobSet runs with the same
+  id and takes over its previous attempt's run lock at once (run_dir.RunLock) instead of after the lock's 60 s.
   """
   parts = [f"{k}={v}" for k, v in PATHWAYS_ENV]
+  if launch_id:
+    parts.append(f"{run_dir.LAUNCH_ID_ENV}={shlex.quote(launch_id)}")
   parts += ["python3", "-m", "maxtext_rl_plugin.train_rl", shlex.quote(config)]
   parts += [shlex.quote(_shown_override(o) if redact else o) for o in overrides]
   if pass_hf_token and override_value(overrides, "hf_access_token") is None:
@@ -253,8 +262,11 @@ def build_create(
   argv += ["--docker-image", docker_image]
   if token:
     argv += ["--env", f"{SECRET_ENV}={token}"]
-  shown = [*argv, "--command", container_command(config, train_args, pass_hf_token=bool(token), redact=True)]
-  argv += ["--command", container_command(config, train_args, pass_hf_token=bool(token))]
+  # One id per submission, fixed in the pod template: a JobSet restart keeps it, a resubmission gets a new one.
+  launch_id = f"xpk:{workload}:{uuid.uuid4().hex[:16]}"
+  command = functools.partial(container_command, config, train_args, pass_hf_token=bool(token), launch_id=launch_id)
+  shown = [*argv, "--command", command(redact=True)]
+  argv += ["--command", command()]
   return Command(argv=tuple(argv), shown="xpk " + render(shown, token))
 
 
