@@ -102,13 +102,17 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
 
 
-def kl_estimate(per_token_logps: jax.Array, ref_per_token_logps: jax.Array, estimator: str = "k3") -> jax.Array:
-  """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (see module docstring)."""
+def kl_estimate(
+    per_token_logps: jax.Array, ref_per_token_logps: jax.Array, estimator: str = "k3", xp: Any = jnp
+) -> jax.Array:
+  """Per-token estimate of KL(pi_theta || pi_ref) from samples of pi_theta (see module docstring).
+
+  `xp=np` evaluates the same formula in NumPy at the inputs' precision (host-side diagnostics in float64)."""
   _check_choice("kl_estimator", estimator, KL_ESTIMATORS)
-  d = jnp.clip(ref_per_token_logps - per_token_logps, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+  d = xp.clip(ref_per_token_logps - per_token_logps, -_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
   if estimator == "k1":
     return -d
-  return jnp.exp(d) - d - 1.0
+  return xp.exp(d) - d - 1.0
 
 
 def aggregate(per_token: jax.Array, completion_mask: jax.Array, loss_agg_mode: str) -> jax.Array:

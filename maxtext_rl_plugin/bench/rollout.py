@@ -329,6 +329,11 @@ def _build(args):
   return cfg, tok, model, mesh, engine
 
 
+def _first_mismatch(ref: np.ndarray, tokens: np.ndarray) -> int | None:
+  """The first decode step at which any row of `ref` differs from `tokens` [B, T]; None when they are identical."""
+  return None if np.array_equal(ref, tokens) else int(np.argmax((ref != tokens).any(0)))
+
+
 def _measure_batch(args, batch, ctx, peak, tmodels) -> dict:
   """One batch size: the engine and Tunix's sampler on both Tunix copies (interleaved, same repetitions), then the
   recompute baselines. `tmodels`: (Tunix's tied Qwen3, the copy with MaxText's head rounding) or None."""
@@ -368,21 +373,21 @@ def _measure_batch(args, batch, ctx, peak, tmodels) -> dict:
   }
   if tmodels is not None:
     t_s, x_s = float(np.median(ttimes["tied"])), float(np.median(ttimes["maxtext_head"]))
-    match = bool(np.array_equal(tunix_toks, res.tokens))
-    tied_match = bool(np.array_equal(tied_toks, res.tokens))
+    mismatch, tied_mismatch = _first_mismatch(tunix_toks, res.tokens), _first_mismatch(tied_toks, res.tokens)
     row.update(
         {
             "tunix_tokens_per_s": round(batch * T / t_s, 1),
             "tunix_seconds": round(t_s, 3),
             "tunix_first_call_seconds": round(first["tied"], 2),
+            "tunix_maxtext_head_first_call_seconds": round(first["maxtext_head"], 2),
             "speedup_vs_tunix": round(t_s / eng_s, 2),
             "tunix_fraction_of_peak": round(flops / t_s / peak["peak_flops"], 4),
             "tunix_maxtext_head_tokens_per_s": round(batch * T / x_s, 1),
             "speedup_vs_tunix_maxtext_head": round(x_s / eng_s, 2),
             # Token identity against the copy that computes MaxText's function (bf16-rounded tied head).
-            "tunix_greedy_match": match,
-            "tunix_first_mismatch_step": None if match else int(np.argmax((tunix_toks != res.tokens).any(0))),
-            "tunix_tied_first_mismatch_step": (None if tied_match else int(np.argmax((tied_toks != res.tokens).any(0)))),
+            "tunix_greedy_match": mismatch is None,
+            "tunix_first_mismatch_step": mismatch,
+            "tunix_tied_first_mismatch_step": tied_mismatch,
             "tunix_teacher_forced": teacher_forced_agreement(model, tmodels[1], cfg, mesh, prompts, res.tokens),
         }
     )
@@ -393,15 +398,15 @@ def _measure_batch(args, batch, ctx, peak, tmodels) -> dict:
     ref, secs, rc_compile = _time_recompute(
         model, mesh, cfg, prompts, tok.pad_token_id, T, last_only, args.recompute_repeats
     )
-    match = bool(np.array_equal(ref, res.tokens))
+    mismatch = _first_mismatch(ref, res.tokens)
     row.update(
         {
             f"{name}_tokens_per_s": round(batch * T / secs, 1),
             f"{name}_seconds": round(secs, 3),
             f"{name}_compile_seconds": round(rc_compile, 2),
             f"{name}_speedup": round(eng_tps * secs / (batch * T), 2),
-            f"{name}_greedy_match": match,
-            f"{name}_first_mismatch_step": None if match else int(np.argmax((ref != res.tokens).any(0))),
+            f"{name}_greedy_match": mismatch is None,
+            f"{name}_first_mismatch_step": mismatch,
         }
     )
   return row
