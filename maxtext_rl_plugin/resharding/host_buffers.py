@@ -49,14 +49,20 @@ class _HostBuffers:
     start = -raw.ctypes.data % _ALIGN
     return raw[start : start + nbytes]
 
+  @staticmethod
+  def drain() -> None:
+    """Let XLA drop its references to the host buffers of arrays deleted a moment ago, once per batch of `take`s.
+
+    XLA drops its reference to a deleted array's host buffer from a queue that JAX drains in a gc callback
+    (`jax._src.lib`, jax#14882), so a buffer released a moment ago looks held until the next collection. One
+    young-generation collection per chunk, before its takes, frees what that chunk's release freed (one per shard
+    only repeated it)."""
+    gc.collect(0)
+
   def take(self, nbytes: int) -> np.ndarray:
-    """A 64-byte-aligned uint8 buffer of `nbytes` that no array holds (reused if one is free, else new)."""
+    """A 64-byte-aligned uint8 buffer of `nbytes` that no array holds (reused if one is free, else new); `drain`
+    first when arrays were just deleted."""
     buf = self._reuse(nbytes)
-    if buf is None and self._bufs.get(nbytes):
-      # XLA drops its reference to a deleted array's host buffer from a queue that JAX drains in a gc callback
-      # (`jax._src.lib`, jax#14882), so a buffer released a moment ago looks held until the next collection.
-      gc.collect(0)
-      buf = self._reuse(nbytes)
     if buf is None:
       with self._lock:
         self._bufs[nbytes].append(np.empty((nbytes + _ALIGN,), np.uint8))
@@ -74,7 +80,7 @@ class _HostBuffers:
 
   def trim(self) -> int:
     """Drop the buffers no array holds (after a sync: what it did not reuse); returns the bytes dropped."""
-    gc.collect(0)  # see `take`
+    self.drain()
     dropped = 0
     with self._lock:
       for nbytes, bufs in list(self._bufs.items()):
@@ -150,6 +156,7 @@ def put_cpu(arrays: list, shardings: list) -> list:
   assemble = [_needs_host_assembly(x, s) for x, s in zip(arrays, shardings)]
   if not any(assemble):
     return list(jax.device_put(arrays, shardings))
+  HOST_BUFFERS.drain()  # the sampler's buffers of this chunk were released just before (move.reshard)
   out = list(arrays)
   rest = [i for i, a in enumerate(assemble) if not a]
   if rest:
