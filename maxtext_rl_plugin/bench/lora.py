@@ -71,6 +71,7 @@ def _one_size(name: str, args) -> dict:
 
   from maxtext_rl_plugin import lora, models
   from maxtext_rl_plugin.resharding import move
+  from maxtext_rl_plugin.resharding import sync as sync_lib
 
   half = jax.device_count() // 2
   argv = [
@@ -106,7 +107,7 @@ def _one_size(name: str, args) -> dict:
   jax.block_until_ready((full_src, lora_src))
   out = {"params_mib": round(sum(x.nbytes for x in jax.tree.leaves(full_src)) / 2**20, 1)}
   for kind, src, filt in (("full", full_src, base_only), ("adapter", lora_src, nnx.LoRAParam)):
-    ws = sync.WeightSync(cfg, sampler, verify_policy="off")
+    ws = sync_lib.WeightSync(cfg, sampler, verify_policy="off")
 
     def sync(ws=ws, src=src, filt=filt):
       held = ws.sync(src, current=nnx.state(sampler, filt), apply=lambda new: (nnx.update(sampler, new), new)[1])
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
   n_dev = common.start_split_bench(args.devices)
   if n_dev is None:
     return 2
-  from maxtext_rl_plugin.resharding import backend, sync
+  from maxtext_rl_plugin.resharding import backend
   from maxtext_rl_plugin.errors import exit_on_user_error
 
   results = {}

@@ -202,7 +202,8 @@ def load_hub_rows(
     raise DataError(
         f"dataset_name='{dataset_name}' (hf_subset='{subset}', split='{split}'): could not load from the "
         "Hugging Face hub "
-        f"({type(e).__name__}: {msg}); offline, use train_data_path=/eval_data_path= or dataset_name={synthetic.SYNTHETIC}"
+        f"({type(e).__name__}: {msg}); offline, use train_data_path=/eval_data_path= or "
+        f"dataset_name={synthetic.SYNTHETIC}"
     ) from None
   rows, sk = rows_to_examples(iter(ds), f"{dataset_name}/{split}")
   if not rows:

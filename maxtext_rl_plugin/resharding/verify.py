@@ -154,7 +154,8 @@ def verify(src_tree: PyTree, dst_tree: PyTree, *, dst_shardings: PyTree | None =
       )
     if expected is not None and not trees.as_sharding(expected[i]).is_equivalent_to(b.sharding, b.ndim):
       raise trees.WeightSyncError(
-          f"weight sync check failed at '{p}': sampler array is on {b.sharding}, expected {trees.as_sharding(expected[i])}"
+          f"weight sync check failed at '{p}': sampler array is on {b.sharding}, "
+          f"expected {trees.as_sharding(expected[i])}"
       )
   cs, cd = checksums(src), checksums(dst)
   bad = np.nonzero(cs != cd)[0]

@@ -29,7 +29,6 @@ from tunix.rl.rollout import base_rollout
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin.resharding import move
-from maxtext_rl_plugin.resharding import sync
 from maxtext_rl_plugin.rollout import bucketing
 from maxtext_rl_plugin.rollout import decode
 from maxtext_rl_plugin.rollout import sampling
@@ -132,7 +131,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
   def model(self) -> Any:
     return self._actor
 
-  # Set by `sync.attach_to_rl_cluster` on disaggregated runs: the chunked, guarded trainer -> sampler copy.
+  # Set by `resharding/sync.attach_to_rl_cluster` on disaggregated runs: the chunked, guarded trainer -> sampler copy.
   weight_sync: Any = None
   # When set (the plugin's trainer with a per-host sampler mesh), sampling keys are per row: generation j of prompt i
   # draws its step-t token with fold_in(fold_in(fold_in(rng, prompt_offset + i), j), t), so a row samples the same
