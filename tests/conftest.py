@@ -100,6 +100,7 @@ def launch_cli(capsys):
   return run
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the groups into node ids
 def pytest_collection_modifyitems(items):
   """For pytest-xdist's `--dist loadgroup` (scripts/test.sh): tests that share a module-scoped fixture (one training
   run, one built model), directly or through another test, form one group, so one worker builds that fixture once and
