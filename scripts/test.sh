@@ -47,8 +47,9 @@ lint_log="$(mktemp)"
 trap 'rm -rf "$MAXTEXT_RL_TEST_JAX_CACHE" "$tpu_log" "$lint_log"' EXIT
 XDIST=()
 if "$VENV/bin/python" -c 'import xdist' >/dev/null 2>&1; then
-  # loadgroup: the tests sharing a module-scoped fixture stay on one worker (tests/conftest.py groups them).
-  XDIST=(-n "${MAXTEXT_RL_TEST_WORKERS:-2}" --dist loadgroup)
+  # loadfile: a module's tests stay on one worker, so a module-scoped fixture (a training run, a built model) is
+  # built once. (loadgroup does not group with pytest 9.2 + xdist 3.8: measured, docs/DEVELOPMENT.md.)
+  XDIST=(-n "${MAXTEXT_RL_TEST_WORKERS:-2}" --dist loadfile)
 fi
 status=0
 # The third pass's environment installs in the background while the first two passes run (its first install is

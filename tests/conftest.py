@@ -98,32 +98,3 @@ def launch_cli(capsys):
     return rc, out, err
 
   return run
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the groups into node ids
-def pytest_collection_modifyitems(items):
-  """For pytest-xdist's `--dist loadgroup` (scripts/test.sh): tests that share a module-scoped fixture (one training
-  run, one built model), directly or through another test, form one group, so one worker builds that fixture once and
-  runs them all; every other test is scheduled on its own. (Tests that start a local Ray cluster say so themselves:
-  xdist_group("ray").)"""
-  parent: dict[str, str] = {}
-
-  def root(name: str) -> str:
-    while parent.setdefault(name, name) != name:
-      name = parent[name]
-    return name
-
-  shared = {}
-  for item in items:
-    info = getattr(item, "_fixtureinfo", None)  # pytest's resolved fixture closure of the test (no public accessor)
-    names = sorted(
-        f"{item.module.__name__}::{name}"
-        for name, defs in (info.name2fixturedefs.items() if info else ())
-        if defs and defs[-1].scope in ("module", "package")
-    )
-    for name in names[1:]:
-      parent[root(name)] = root(names[0])
-    shared[item] = names
-  for item, names in shared.items():
-    if names:
-      item.add_marker(pytest.mark.xdist_group(root(names[0])))

@@ -313,7 +313,6 @@ def _worker_pids(out: str) -> dict[int, str]:
   return pids
 
 
-@pytest.mark.xdist_group("ray")  # one local Ray cluster at a time under pytest-xdist
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_ray_two_workers_train_match_one_process_resume_and_restart(tmp_path):
@@ -356,7 +355,6 @@ def test_ray_two_workers_train_match_one_process_resume_and_restart(tmp_path):
   assert (run / "checkpoints" / "4").is_dir()
 
 
-@pytest.mark.xdist_group("ray")  # one local Ray cluster at a time under pytest-xdist
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 def test_ray_two_workers_disaggregated_match_one_process(tmp_path):
