@@ -4,11 +4,20 @@
 # disjoint meshes) need 8 forced host devices, which XLA only honours at process start; tests/tpu_contract runs
 # in .venv-tpu (the TPU image's pins on CPU, scripts/tpu_contract_venv.sh) against the real tpu-inference models.
 # MAXTEXT_RL_SKIP_TPU_CONTRACT=1 skips the third pass (it says so); CI leaves it unset and installs .venv-tpu.
+# Speed (docs/DEVELOPMENT.md, "Test-suite time"): passes 1-2 run on pytest-xdist workers (MAXTEXT_RL_TEST_WORKERS,
+# default 2; `-n 0` among the arguments runs serially), every process of the run shares one JAX compilation cache
+# (a temporary directory of this run only, removed at exit), lint runs niced beside the tests, and each pass
+# prints its 25 slowest tests plus the time of every step ("[time] ...").
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+T_RUN=$SECONDS
+took() { echo "[time] $1: $((SECONDS - $2)) s"; }
+t=$SECONDS
 source "$ROOT/scripts/venv.sh"
+took "venv (installs only when setup.cfg changed)" "$t"
 cd "$ROOT"
 # xpk (launcher tests) lives outside the resolver on purpose: see the `xpk` extra in setup.cfg.
+t=$SECONDS
 if ! "$VENV/bin/python" -c 'import xpk.parser.core' >/dev/null 2>&1; then
   echo "[venv] installing xpk 1.16.0 for the launcher tests (--no-deps, pinned closure)"
   # Only what the main install lacks, so no package the plugin resolved is replaced.
@@ -26,27 +35,62 @@ PY
   # shellcheck disable=SC2086
   [ -z "$missing" ] || "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps $missing 2>&1 \
     | grep -v "^WARNING: Location 'file:" || true
+  took "xpk install" "$t"
 fi
 export JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3
+# One JAX persistent compilation cache for every process of this run (both xdist workers of every pass and the
+# train_rl subprocesses they start; tests/conftest.py points JAX at it). Never a user's cache: a fresh directory.
+MAXTEXT_RL_TEST_JAX_CACHE="$(mktemp -d -t maxtext-rl-test-jax-cache.XXXXXX)"
+export MAXTEXT_RL_TEST_JAX_CACHE
+tpu_log="$(mktemp)"
+lint_log="$(mktemp)"
+trap 'rm -rf "$MAXTEXT_RL_TEST_JAX_CACHE" "$tpu_log" "$lint_log"' EXIT
+XDIST=()
+if "$VENV/bin/python" -c 'import xdist' >/dev/null 2>&1; then
+  # loadfile: a module's tests stay on one worker, so a module-scoped fixture (a training run, a built model) is
+  # built once. (loadgroup does not group with pytest 9.2 + xdist 3.8: measured, docs/DEVELOPMENT.md.)
+  XDIST=(-n "${MAXTEXT_RL_TEST_WORKERS:-2}" --dist loadfile)
+fi
 status=0
 # The third pass's environment installs in the background while the first two passes run (its first install is
 # mostly download: ~12 min); its output is shown when the third pass starts.
 tpu_pid=""
 if [ $# -eq 0 ] && [ "${MAXTEXT_RL_SKIP_TPU_CONTRACT:-0}" != "1" ]; then
-  tpu_log="$(mktemp)"
-  bash "$ROOT/scripts/tpu_contract_venv.sh" >"$tpu_log" 2>&1 &
+  (
+    t=$SECONDS
+    rc=0
+    bash "$ROOT/scripts/tpu_contract_venv.sh" || rc=$?
+    took ".venv-tpu install (background)" "$t"
+    exit $rc
+  ) >"$tpu_log" 2>&1 &
   tpu_pid=$!
 fi
-# Style (MaxText's pyink and pylint settings, ~2 min) on a full run: a finding fails the run, after the tests.
-if [ $# -eq 0 ]; then bash "$ROOT/scripts/lint.sh" || status=1; fi
+# Style (MaxText's pyink and pylint settings, ~2 min of one core) on a full run, niced beside the tests so it only
+# takes idle cycles off the critical path: a finding fails the run; its output is shown at the end.
+lint_pid=""
+if [ $# -eq 0 ]; then
+  (
+    t=$SECONDS
+    rc=0
+    nice -n 10 bash "$ROOT/scripts/lint.sh" || rc=$?
+    took "lint (background)" "$t"
+    exit $rc
+  ) >"$lint_log" 2>&1 &
+  lint_pid=$!
+fi
 # `network` tests ask the package registry; they are an explicit check before changing pins (docs/DEVELOPMENT.md).
-"$VENV/bin/python" -m pytest -q -rs -m "not multidevice and not network" "$@" || status=$?
+t=$SECONDS
+"$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m "not multidevice and not network" "$@" \
+  || status=$?
+took "pass 1 (one CPU device)" "$t"
 # pytest exits 5 when nothing is collected. On a full run that means the `multidevice` marker was lost and every
 # multidevice test silently vanished: a failure. Only a filtered run (extra arguments) may legitimately select none.
+t=$SECONDS
 rc=0
 XLA_FLAGS="--xla_force_host_platform_device_count=8" \
-  "$VENV/bin/python" -m pytest -q -rs -m multidevice "$@" || rc=$?
+  "$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m multidevice "$@" || rc=$?
 if [ $rc -ne 0 ] && { [ $rc -ne 5 ] || [ $# -eq 0 ]; }; then status=$rc; fi
+took "pass 2 (multidevice, 8 forced CPU devices)" "$t"
 # Third pass only on a full run (extra arguments select main-venv tests).
 if [ $# -eq 0 ]; then
   if [ "${MAXTEXT_RL_SKIP_TPU_CONTRACT:-0}" = "1" ]; then
@@ -54,18 +98,26 @@ if [ $# -eq 0 ]; then
   else
     TPU_VENV="$ROOT/.venv-tpu"
     tpu_rc=0
+    t=$SECONDS
     wait "$tpu_pid" || tpu_rc=$?
+    took "waiting for .venv-tpu" "$t"
     cat "$tpu_log"
-    rm -f "$tpu_log"
     if [ $tpu_rc -eq 0 ]; then
+      t=$SECONDS
       rc=0
       PYTHONPATH="$ROOT" XLA_FLAGS="--xla_force_host_platform_device_count=4" TPU_ACCELERATOR_TYPE=v5litepod-4 \
-        "$TPU_VENV/bin/python" -m pytest -q -rs -p no:cacheprovider tests/tpu_contract || rc=$?
+        "$TPU_VENV/bin/python" -m pytest -q -rs --durations=25 -p no:cacheprovider tests/tpu_contract || rc=$?
       if [ $rc -ne 0 ]; then status=$rc; fi
+      took "pass 3 (tests/tpu_contract in .venv-tpu)" "$t"
     else
       # Only when the install itself is impossible (no PyPI, no disk): say so, do not hide it in a pass.
       echo "SKIPPED tests/tpu_contract: installing .venv-tpu failed (see the lines above)"
     fi
   fi
+  t=$SECONDS
+  wait "$lint_pid" || status=1
+  took "waiting for lint" "$t"
+  cat "$lint_log"
 fi
+took "scripts/test.sh total" "$T_RUN"
 exit $status

@@ -1,15 +1,51 @@
-"""Shared fixtures. JAX runs on CPU; tests that need 8 devices are marked `multidevice`."""
+"""Shared fixtures. JAX runs on CPU; tests that need 8 devices are marked `multidevice`.
 
+One JAX persistent compilation cache per test run: every process of the run (this one, pytest-xdist's workers, the
+`train_rl` subprocesses the end-to-end tests start) compiles each program once. The directory is the run's own
+(`MAXTEXT_RL_TEST_JAX_CACHE`, made by scripts/test.sh for its passes, else a temporary directory removed when this
+pytest exits) and replaces any JAX_COMPILATION_CACHE_DIR of the caller's shell, so a test run never reads or fills the
+cache of a user's own runs. The thresholds are zero so the tiny test programs (milliseconds to compile) are cached too.
+"""
+
+import atexit
 import importlib.util
 import os
 import pathlib
+import shutil
+import tempfile
 
+import jax
 import pytest
 
 from maxtext_rl_plugin.launch import __main__ as launch_main
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+TEST_JAX_CACHE_ENV = "MAXTEXT_RL_TEST_JAX_CACHE"
+
+
+def _use_run_compilation_cache() -> str:
+  """Point this process and every process it starts at the test run's compilation cache; returns its path."""
+  path = os.environ.get(TEST_JAX_CACHE_ENV)
+  if not path:  # pytest run by hand: this process (the xdist controller, if any) makes it; workers inherit the env
+    path = tempfile.mkdtemp(prefix="maxtext-rl-test-jax-cache-")
+    os.environ[TEST_JAX_CACHE_ENV] = path
+    atexit.register(shutil.rmtree, path, True)
+  flags = {
+      "jax_compilation_cache_dir": path,
+      "jax_persistent_cache_min_compile_time_secs": 0,
+      "jax_persistent_cache_min_entry_size_bytes": -1,
+      # A size bound turns on JAX's file lock around each read and write: the run's processes share the directory.
+      "jax_compilation_cache_max_size": 8 << 30,
+  }
+  for name, value in flags.items():
+    os.environ[name.upper()] = str(value)  # read by `import jax` in subprocesses
+    jax.config.update(name, value)  # this process imported jax already
+  return path
+
+
+_use_run_compilation_cache()
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 # tests/tpu_contract needs the TPU image's stack (.venv-tpu, scripts/tpu_contract_venv.sh); scripts/test.sh runs it

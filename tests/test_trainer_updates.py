@@ -210,6 +210,8 @@ def test_off_policy_updates_make_ratios_and_gspo_clipping_live(tmp_path):
   ]
   run, recs = _train(tmp_path, "offpolicy", "num_batches=2", *common)
   assert [r["opt/updates"] for r in recs] == [4, 8]
+  # (Also the GSPO-token end-to-end check: its sequence-ratio metrics from step 1 on and a finite loss.)
+  assert "train/seq_ratio_mean" in recs[0] and all(np.isfinite(x["loss"]) for x in recs)
   r = recs[-1]
   assert r["train/ratio_min"] < 1.0 or r["train/ratio_max"] > 1.0  # updates 2..4 see moved weights
   assert r["train/seq_ratio_mean"] != pytest.approx(1.0, abs=1e-7)
