@@ -74,13 +74,17 @@ def test_hf_state_dict_computes_what_the_maxtext_kernels_compute():
   for i in (0, L - 1):
     sa = base.decoder.layers.self_attention
     q = np.einsum("be,ehd->bhd", x, np.asarray(sa.query.kernel.value[:, i], np.float32))
-    np.testing.assert_allclose(x @ sd[f"model.layers.{i}.self_attn.q_proj.weight"].T, q.reshape(3, -1), rtol=1e-5)
+    np.testing.assert_allclose(
+        x @ sd[f"model.layers.{i}.self_attn.q_proj.weight"].T, q.reshape(3, -1), rtol=1e-5, atol=1e-5
+    )
     o_in = q  # [b, heads, head_dim] -> emb
     o = np.einsum("bhd,hde->be", o_in, np.asarray(sa.out.kernel.value[:, i], np.float32))
-    np.testing.assert_allclose(o_in.reshape(3, -1) @ sd[f"model.layers.{i}.self_attn.o_proj.weight"].T, o, rtol=1e-4)
+    np.testing.assert_allclose(
+        o_in.reshape(3, -1) @ sd[f"model.layers.{i}.self_attn.o_proj.weight"].T, o, rtol=1e-4, atol=1e-4
+    )
     wo = np.asarray(base.decoder.layers.mlp.wo.kernel.value[:, i], np.float32)  # [mlp, emb]
     h = np.random.default_rng(1).standard_normal((3, wo.shape[0])).astype(np.float32)
-    np.testing.assert_allclose(h @ sd[f"model.layers.{i}.mlp.down_proj.weight"].T, h @ wo, rtol=1e-5)
+    np.testing.assert_allclose(h @ sd[f"model.layers.{i}.mlp.down_proj.weight"].T, h @ wo, rtol=1e-5, atol=1e-5)
   np.testing.assert_array_equal(
       sd["model.embed_tokens.weight"], np.asarray(base.token_embedder.embedding.value, np.float32)
   )

@@ -143,7 +143,12 @@ def device_info() -> dict:
   import jax
 
   d = jax.devices()[0]
-  return {"backend": jax.default_backend(), "device": d.device_kind, "devices": jax.device_count(), "jax": jax.__version__}
+  return {
+      "backend": jax.default_backend(),
+      "device": d.device_kind,
+      "devices": jax.device_count(),
+      "jax": jax.__version__,
+  }
 
 
 def hardware_overrides() -> list[str]:
@@ -248,7 +253,9 @@ def _timed_generate(engine, prompts, new_tokens: int, repeats: int):
   import numpy as np
 
   res = engine.generate_tokens(prompts, greedy=True, max_new_tokens=new_tokens, ignore_stop=True)
-  t = common.timed(lambda: engine.generate_tokens(prompts, greedy=True, max_new_tokens=new_tokens, ignore_stop=True), repeats)
+  t = common.timed(
+      lambda: engine.generate_tokens(prompts, greedy=True, max_new_tokens=new_tokens, ignore_stop=True), repeats
+  )
   return t.seconds, np.asarray(res.tokens)
 
 
@@ -265,7 +272,10 @@ def hf_state_dict(model, cfg) -> dict:
   def a(x):
     return np.asarray(x, np.float32)
 
-  sd = {"model.embed_tokens.weight": a(src["token_embedder"]["embedding"]), "model.norm.weight": a(dec["decoder_norm"]["scale"])}
+  sd = {
+      "model.embed_tokens.weight": a(src["token_embedder"]["embedding"]),
+      "model.norm.weight": a(dec["decoder_norm"]["scale"]),
+  }
   for i in range(int(cfg.num_decoder_layers)):
     p = f"model.layers.{i}."
     for hf, mt in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
@@ -301,7 +311,7 @@ def _hf_model(model, cfg, copy_weights: bool):
       "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_max_timescale)},
   }
   cls = transformers.Qwen3Config if cfg.decoder_block.value == "qwen3" else transformers.LlamaConfig
-  hf_cfg = cls(**common_kw)
+  hf_cfg = cls(**common_kw)  # pylint: disable=unexpected-keyword-arg  # transformers 5 configs take **kwargs
   dev = "cuda" if torch.cuda.is_available() else "cpu"
   with torch.device(dev):
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
@@ -364,9 +374,7 @@ def _rollout_model(args, name: str, ref: dict, peers: bool, done: dict) -> dict:
   from maxtext_rl_plugin.rollout import embedded
 
   P, T = args.prompt_len, args.new_tokens
-  argv = _config_argv(
-      args, name, [*BF16, f"max_prefill_predict_length={P}", f"max_target_length={P + T}"]
-  )
+  argv = _config_argv(args, name, [*BF16, f"max_prefill_predict_length={P}", f"max_target_length={P + T}"])
   rs = models.setup_devices(argv)
   tok = models.load_tokenizer(rs.sampler_config)
   cfg = rs.sampler_config
@@ -382,7 +390,7 @@ def _rollout_model(args, name: str, ref: dict, peers: bool, done: dict) -> dict:
   wbytes = read_weight_bytes(model, cfg)
   out = {"model": name, "params": bench_peak.param_counts(cfg), "read_weight_bytes": wbytes, "by_batch": []}
   done["models"].append(out)
-  hf, peer_note = None, None
+  hf, dev, peer_note = None, None, None
   if peers:
     try:
       hf, dev = _hf_model(model, cfg, copy_weights=name != "llama3.1-8b" and cfg.decoder_block.value == "qwen3")
@@ -429,6 +437,7 @@ def _rollout_model(args, name: str, ref: dict, peers: bool, done: dict) -> dict:
 
 
 def rollout_part(args) -> dict:
+  """The references, then every `--models` shape; the HF peer where torch sees a GPU (or `--peers`)."""
   ref = references(args)
   peers, reason = args.peers, None
   try:
@@ -457,7 +466,12 @@ def step_part(args) -> dict:
 
   ref = references(args)
   model = "tiny" if args.dry else "qwen3-0.6b"
-  sets = args.step_set or ["batch_size=8", "rl.num_generations=8", "max_prefill_predict_length=128", "max_target_length=384"]
+  sets = args.step_set or [
+      "batch_size=8",
+      "rl.num_generations=8",
+      "max_prefill_predict_length=128",
+      "max_target_length=384",
+  ]
   argv = [
       "--colocated",
       "--steps",
@@ -524,6 +538,7 @@ def _one_device_sync(args, name: str) -> dict:
 
 
 def sync_part(args) -> dict:
+  """Each `--models` shape's weights: `bench reshard` across two device halves, or one device's copy (see above)."""
   import jax
 
   from maxtext_rl_plugin.bench import reshard as bench_reshard
@@ -648,7 +663,10 @@ def markdown(res: dict) -> str:
     ]
   y = res.get("sync", {})
   if "models" in y:
-    lines += ["| weights | bytes | sync s | sync GB/s | copy GB/s | method |", "| --- | ---: | ---: | ---: | ---: | --- |"]
+    lines += [
+        "| weights | bytes | sync s | sync GB/s | copy GB/s | method |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
     for m in y["models"]:
       sec = m.get("reshard_s")
       bps = None if m.get("aliases_source") else m.get("reshard_bytes_per_s")  # zero-copy: no bandwidth to speak of
