@@ -410,7 +410,7 @@ def _rollout_model(args, name: str, ref: dict, peers: bool, done: dict) -> dict:
         "decode_tokens_per_s": round(B / step_s, 1) if step_s > 0 else None,
         "generate_s": round(full_s, 4),
         "prefill_s": round(prefill_s, 4),
-        "decode_step_ms": round(1e3 * step_s, 3),
+        "decode_step_ms": round(1e3 * step_s, 3) if step_s > 0 else None,  # None: within noise of the prefill
         "decode_bytes_per_step": int(step_bytes),
         "decode_fraction_of_roofline": round(step_bytes / ref["copy_bytes_per_s"] / step_s, 4) if step_s > 0 else None,
         "prefill_fraction_of_peak": round(prefill_flops / prefill_s / ref["peak_flops"], 4),
@@ -640,7 +640,7 @@ def markdown(res: dict) -> str:
         best = max((x for x in hf if x), default=None)
         eq = (b.get("hf_static_greedy") or {}).get("rows_identical")
         lines.append(
-            f"| {m['model']} | {b['batch']} | {_fmt(b['tokens_per_s'])} | {b['decode_step_ms']} | "
+            f"| {m['model']} | {b['batch']} | {_fmt(b['tokens_per_s'])} | {_fmt(b['decode_step_ms'])} | "
             f"{_fmt(b['decode_fraction_of_roofline'], True)} | {_fmt(b['prefill_fraction_of_peak'], True)} | "
             f"{_fmt(hf[0])} | {_fmt(hf[1])} | {_fmt(best and round(b['tokens_per_s'] / best, 2))} | {_fmt(eq, True)} |"
         )
