@@ -488,8 +488,8 @@ def step_part(args) -> dict:
   ]
   r = _run_main(bench_step, argv)
   upd = r["flops"]["plugin"]["update"]
-  mfu = {side: upd / r[f"{side}_s"]["update"] / ref["peak_flops"] for side in ("plugin", "tunix")}
-  return {"references": ref, "bench_step": r, "update_mfu": {k: float(f"{v:.4g}") for k, v in mfu.items()}, **peak_memory()}
+  mfu = {side: float(f'{upd / r[f"{side}_s"]["update"] / ref["peak_flops"]:.4g}') for side in ("plugin", "tunix")}
+  return {"references": ref, "bench_step": r, "update_mfu": mfu, **peak_memory()}
 
 
 def _one_device_sync(args, name: str) -> dict:
