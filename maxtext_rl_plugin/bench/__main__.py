@@ -15,6 +15,7 @@ BENCHMARKS = {
     "peak": "maxtext_rl_plugin.bench.peak",
     "lora": "maxtext_rl_plugin.bench.lora",
     "step": "maxtext_rl_plugin.bench.step",
+    "gpu": "maxtext_rl_plugin.bench.gpu",
 }
 
 
