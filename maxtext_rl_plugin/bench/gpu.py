@@ -501,23 +501,24 @@ def _one_device_sync(args, name: str) -> dict:
   from flax import nnx
   from jax.sharding import Mesh
 
-  from maxtext_rl_plugin import models, resharding
+  from maxtext_rl_plugin import models
+  from maxtext_rl_plugin.resharding import move, trees
 
   rs = models.setup_devices(_config_argv(args, name, [*BF16]))
   model, mesh = models.build_model(rs.trainer_config, rs.trainer_devices)
   src = nnx.state(model, nnx.Param)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(src))
   smesh = Mesh(np.array(rs.sampler_devices).reshape(mesh.devices.shape), mesh.axis_names)
-  dst = resharding.logical_shardings(src, smesh, rs.trainer_config.logical_axis_rules)
-  held = {"w": resharding.reshard(src, dst)}
+  dst = trees.logical_shardings(src, smesh, rs.trainer_config.logical_axis_rules)
+  held = {"w": move.reshard(src, dst)}
 
   def sync():
-    held["w"] = resharding.reshard(src, dst, release=held["w"])
+    held["w"] = move.reshard(src, dst, release=held["w"])
     return held["w"]
 
   t_sync = common.timed(sync, args.repeats)
-  keep = set().union(*(resharding.buffer_ids(x) for x in jax.tree.leaves(src)))
-  aliases = any(resharding.buffer_ids(x) & keep for x in jax.tree.leaves(t_sync.result))
+  keep = set().union(*(move.buffer_ids(x) for x in jax.tree.leaves(src)))
+  aliases = any(move.buffer_ids(x) & keep for x in jax.tree.leaves(t_sync.result))
   copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t))
   jax.block_until_ready(copy(src))
   t_copy = common.timed(lambda: jax.block_until_ready(copy(src)), args.repeats)
