@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Sequence
 
+from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin import validation
 from maxtext_rl_plugin.errors import exit_on_user_error
 
 
@@ -48,9 +50,11 @@ def _main(argv: list[str]) -> int:
     from maxtext_rl_plugin import config as config_lib
 
     config = config_lib.load_config(argv)
+    validation.check_run(config)  # print_config=true refuses what training refuses
     if config.print_config:
       sys.stdout.write(config_lib.dump_yaml(config))
       return 0
+    run_identity.preflight(config)  # path and rerun refusals before the trainer's seconds of imports
     from maxtext_rl_plugin import trainer
 
     trainer.run(config, argv)

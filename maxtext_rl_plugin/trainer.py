@@ -55,6 +55,7 @@ from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
@@ -447,6 +448,7 @@ def _meta(config, step: int, extra: dict | None = None) -> dict:
       "loss_algo": config.rl.loss_algo,
       "model_name": config.model_name,
       "rollout_seed": int(config.rollout_seed),
+      **run_identity.identity(config),
       **(extra or {}),
   }
 
@@ -860,6 +862,7 @@ def run(config, argv: Sequence[str]) -> dict[str, Any]:
       )
       print("\n" + summary_lib.table(finished), flush=True)
     return finished
+  run_identity.check_rerun(config, out_dir, num_rl_steps(config))  # nothing written when asked to stop earlier
   lock = run_dir_lib.RunLock(out_dir)
   if writer:
     lock.acquire()
