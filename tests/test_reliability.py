@@ -59,6 +59,11 @@ def _digest(*paths):
   return [hashlib.sha256(pathlib.Path(p).read_bytes()).hexdigest() for p in paths]
 
 
+def _tree(root):
+  """Every file under `root` with its content digest: 'changes no byte' compared whole."""
+  return {str(p.relative_to(root)): _digest(p)[0] for p in sorted(pathlib.Path(root).rglob("*")) if p.is_file()}
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Units
 # ----------------------------------------------------------------------------------------------------------------------
@@ -187,6 +192,24 @@ def test_finished_rerun_lock_and_corrupt_checkpoint(tmp_path):
   p = _train(tmp_path, "num_batches=3")
   assert "already finished all 3 RL steps" in p.stdout and "eval accuracy" in p.stdout
   assert _digest(*files) == before
+  # 1b. A rerun asked to stop before where the run already is says so and changes no byte (it used to resume,
+  # rewrite summary.json with start_step 3 / total_steps 2 and replace summary.png).
+  tree = _tree(run)
+  p = _train(tmp_path, "num_batches=2", check=False)
+  assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+  assert p.stderr.strip().splitlines()[-1].startswith(f"error: {run} already trained 3 RL steps"), p.stderr[-2000:]
+  assert _tree(run) == tree
+  # 1c. A resume whose data or model would differ is refused in one line, before any model is built.
+  for override, needle in (
+      ("synthetic_max_steps=3", "synthetic_seed=1234, synthetic_min_steps=1, synthetic_max_steps=2"),
+      ("synthetic_seed=7", "synthetic_seed=1234"),
+      ("model_name=qwen3-1.7b", "model_name='qwen3-0.6b'"),
+  ):
+    p = _train(tmp_path, "num_batches=4", override, check=False)
+    errs = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+    assert p.returncode == 2 and len(errs) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert errs[0].startswith(f"error: cannot resume {run}: its checkpoints were written with") and needle in errs[0]
+    assert _tree(run) == tree
   # 2. A live holder of the run directory: the second process gets one line naming it.
   (run / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}))
   p = _train(tmp_path, "num_batches=4", check=False)
