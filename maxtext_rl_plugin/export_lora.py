@@ -102,10 +102,6 @@ def export(argv, output: str, step: int | None = None) -> str:
   """Build the run's base, apply and restore its adapters, merge, save; returns the `load_parameters_path`."""
   config = config_lib.load_config(argv)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
-  out = os.path.join(os.path.abspath(output), "0")
-  if os.path.exists(out):
-    raise ConfigError(f"invalid value for '--output'='{output}': {out} already exists")
-  run_dir_lib.probe_dir(os.path.abspath(output), "--output")  # before any model is built
   argv = _lora_from_run(list(argv), config, os.path.abspath(run_identity.checkpoint_dir(config, run_dir)), step)
   config = config_lib.load_config(argv)
   if not lora.enabled(config):
@@ -113,6 +109,10 @@ def export(argv, output: str, step: int | None = None) -> str:
         "export_lora needs the training run's lora.enable_lora=true (a full fine-tuning run's "
         "checkpoints already hold every weight)"
     )
+  out = os.path.join(os.path.abspath(output), "0")
+  if os.path.exists(out):
+    raise ConfigError(f"invalid value for '--output'='{output}': {out} already exists")
+  run_dir_lib.probe_dir(os.path.abspath(output), "--output")  # writable, before any model is built
   rs = models.setup_devices(argv)
   config = rs.trainer_config
   tokenizer = models.load_tokenizer(config)

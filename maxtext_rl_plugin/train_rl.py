@@ -37,6 +37,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   except KeyboardInterrupt:  # Ctrl-C before the trainer installed its handlers (config loading): one line, no trace
     print("error: interrupted before training started; nothing was written", file=sys.stderr, flush=True)
     return 130
+  finally:
+    _close_writers()
+
+
+def _close_writers() -> None:
+  """Close TensorBoard writers an error left open while threads can still start (metrics.close_all says why);
+  metrics is looked up, not imported: a run that never reached it has none."""
+  metrics = sys.modules.get("maxtext_rl_plugin.metrics")
+  if metrics is not None:
+    metrics.close_all()
 
 
 def _main(argv: list[str]) -> int:

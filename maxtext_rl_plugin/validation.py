@@ -166,7 +166,9 @@ def check_run(config) -> None:
   while the summary lands in the base directory: a second, unrelated run would resume from the first one's state."""
   if not config.run_name or not config.base_output_directory:
     key = "run_name" if not config.run_name else "base_output_directory"
-    raise _bad(key, getattr(config, key), "must be set for a run (its outputs live in <base_output_directory>/<run_name>)")
+    raise _bad(
+        key, getattr(config, key), "must be set for a run (its outputs live in <base_output_directory>/<run_name>)"
+    )
 
 
 def _check_batches(pc) -> None:
@@ -204,9 +206,7 @@ def _check_algorithm(pc) -> None:
 
 def _check_synthetic(pc) -> None:
   if pc.synthetic_max_steps < pc.synthetic_min_steps:
-    raise _bad(
-        "synthetic_max_steps", pc.synthetic_max_steps, f"must be >= synthetic_min_steps={pc.synthetic_min_steps}"
-    )
+    raise _bad("synthetic_max_steps", pc.synthetic_max_steps, f"must be >= synthetic_min_steps={pc.synthetic_min_steps}")
 
 
 def _check_lora_rank(pc) -> None:

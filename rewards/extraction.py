@@ -62,12 +62,12 @@ _WORD_SIGN_RE = re.compile(r"(?:negative|minus)\s{1,2}(?=[\d.\\])", re.IGNORECAS
 _FRAC_ARG = r"(?:\{[ \t]{0,4}" + _MINUS_CLASS + r"?" + _UNSIGNED + r"[ \t]{0,4}\}|\d)"
 _MIXED_ARG = r"(?:\{[ \t]{0,4}\d+[ \t]{0,4}\}|\d)"
 _LATEX_GAP = r"(?:[ \t~]|\\[ ,;:!]){0,4}"
-_NUM = (
-    r"(?:(?<![\w)\].])" + _MINUS_CLASS + r"|" + _WORD_SIGN + r")?(?:"
-    r"\\[dt]?frac" + _FRAC_ARG + _FRAC_ARG + r"|\d+" + _LATEX_GAP + r"\\[dt]?frac" + _MIXED_ARG + _MIXED_ARG + r"|\d+[ \u00a0]\d+[ \t]{0,2}/[ \t]{0,2}\d+(?!\d|\.\d)"
-    r"|" + _UNSIGNED + r"(?:[ \t]{0,2}/[ \t]{0,2}\d+(?:\.\d+)?(?!\d|\.\d))?"
-    r")"
-)
+_FRAC = r"\\[dt]?frac" + _FRAC_ARG + _FRAC_ARG
+_MIXED_FRAC = r"\d+" + _LATEX_GAP + r"\\[dt]?frac" + _MIXED_ARG + _MIXED_ARG
+_SIGN = r"(?:(?<![\w)\].])" + _MINUS_CLASS + r"|" + _WORD_SIGN + r")?"
+_MIXED_SLASH = r"\d+[ \u00a0]\d+[ \t]{0,2}/[ \t]{0,2}\d+(?!\d|\.\d)"
+_PLAIN = _UNSIGNED + r"(?:[ \t]{0,2}/[ \t]{0,2}\d+(?:\.\d+)?(?!\d|\.\d))?"
+_NUM = _SIGN + r"(?:" + "|".join((_FRAC, _MIXED_FRAC, _MIXED_SLASH, _PLAIN)) + r")"
 _NUM_RE = re.compile(_NUM)
 _HASH_RE = re.compile(r"####[ \t]{0,16}\$?[ \t]{0,4}(" + _NUM + ")")
 _ANSWER_IS_RE = re.compile(

@@ -123,9 +123,7 @@ class RewardFn:
             f"reward function {self.where()} returned a {type(out).__name__} whose item {i} is {_shown(v)}; {expected}"
         )
       if not math.isfinite(float(v)):
-        raise RewardFunctionError(
-            f"reward function {self.where()} returned {float(v)} for completion {i}; {expected}"
-        )
+        raise RewardFunctionError(f"reward function {self.where()} returned {float(v)} for completion {i}; {expected}")
       values.append(float(v))
     return values
 

@@ -272,3 +272,25 @@ def test_a_fresh_run_refuses_another_runs_metrics_file(tmp_path):
   own.parent.mkdir(parents=True)
   own.write_text('{"step": 1}\n')
   run_dir_lib.check_fresh_metrics_file(str(own), str(tmp_path / "runs" / "b"))  # this run's own: no error
+
+
+_EXITING_REWARD = """
+import sys
+
+def quits(prompts, completions, **kwargs):
+  sys.exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_exits_ends_the_run_with_one_line_not_success(tmp_path):
+  # sys.exit(0) inside a user's reward function used to end the run with exit code 0 and no step trained; once
+  # training has started, tensorboardX's exit handler also printed a second traceback after any error.
+  reward = tmp_path / "hostile.py"
+  reward.write_text(_EXITING_REWARD)
+  p = _train(tmp_path, "num_batches=2", "reward_functions=quits", f"reward_functions_path={reward}", check=False)
+  assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-3000:]
+  errs = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+  assert len(errs) == 1 and errs[0].startswith(f"error: reward function 'quits' ({reward}:4) called sys.exit(0)"), errs
+  assert "Traceback" not in p.stderr and "can't create new thread" not in p.stderr, p.stderr[-3000:]
+  assert not (tmp_path / "r" / "summary.json").exists()

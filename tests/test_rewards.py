@@ -463,7 +463,12 @@ def test_adversarial_inputs_never_reach_math_verify():
 
 
 def _cfg(**kw):
-  base = {"reward_functions": "", "reward_functions_path": "", "reward_call_timeout_seconds": 30.0, **rewards.RewardConfig().__dict__}
+  base = {
+      "reward_functions": "",
+      "reward_functions_path": "",
+      "reward_call_timeout_seconds": 30.0,
+      **rewards.RewardConfig().__dict__,
+  }
   base.update(kw)
   return types.SimpleNamespace(**base)
 

@@ -44,7 +44,10 @@ def tiny_pc_fixture():
         (["generation_configs.greedy.eval_temperature=-0.5"], "'generation_configs.greedy.eval_temperature'=-0.5"),
         (["adam_b1=1.0"], "'adam_b1'=1.0: must be in [0, 1)"),
         (["adam_b2=-0.1"], "'adam_b2'=-0.1: must be in [0, 1)"),
-        (["lora.enable_lora=true", "lora.lora_rank=128", "lora.lora_alpha=8"], "'lora.lora_rank'=128: must be <= emb_dim"),
+        (
+            ["lora.enable_lora=true", "lora.lora_rank=128", "lora.lora_alpha=8"],
+            "'lora.lora_rank'=128: must be <= emb_dim",
+        ),
         (["num_eval_passes=0"], "'num_eval_passes'=0: must be >= 1"),
         (["max_prefill_predict_length=0"], "'max_prefill_predict_length'=0: must be >= 1"),
         (["rl.grpo_epsilon=2"], "'rl.grpo_epsilon'=2.0: must be >= 0 and <= 1"),
