@@ -120,6 +120,10 @@ RANGES: dict[str, tuple[_Check, str]] = {
     "rl.epsilon_high": (_ge(0.0), "must be >= 0 (or null for rl.grpo_epsilon)"),
     "rl.grpo_beta": (_ge(0.0), "must be >= 0 (0 disables the KL term and the reference model)"),
     "rl.num_iterations": (_ge(1), "must be >= 1"),
+    "rl.off_policy_steps": (_ge(0), "must be >= 0 (0 = synchronous rollouts)"),
+    "rl.reshard_chunk_size": (_ge(1), "must be >= 1 (or null: one chunk)"),
+    "log_period": (_ge(1), "must be >= 1 (steps between progress lines and TensorBoard flushes)"),
+    "stop_token_ids": (lambda v: all(t >= 0 for t in v), "must be token ids >= 0"),
     "reward_item_timeout_seconds": (_gt(0.0), "must be > 0"),
 }
 # Each sampling strategy of generation_configs (evaluation.py): the same conventions as the rollout's keys.

@@ -43,12 +43,12 @@ _DIGIT_GLUE = ",'\u2019"
 # One unsigned number: digits in groups of three ("1,234", "1 234 567"; a group is never followed by a 4th digit),
 # the Indian grouping (lakh, crore: "1,00,000", "12,34,567") or plain digits, an optional decimal part, an optional
 # exponent ("1e5", "2.5E-3"; not the "e" of a word). Never a fragment of a longer run of digits and separators: a
-# number does not start right after a digit or a digit + comma, nor end before a comma + digit, so "1,0000" or the
-# European "3,5" is no number at all (flagged: no answer) rather than its "0000" or "5".
+# number does not start right after a digit or a digit + comma/point, nor end before a digit or a comma/point + digit,
+# so "1,0000", the European "3,5" or "1.000.000" is no number at all (flagged: no answer), never its last group.
 _UNSIGNED = (
-    r"(?<!\d)(?<!\d[" + re.escape(_DIGIT_GLUE) + r"])"
+    r"(?<!\d)(?<!\d[." + re.escape(_DIGIT_GLUE) + r"])"
     r"(?:(?:\d{1,2}(?:,\d{2})+,\d{3}(?!\d)|\d{1,3}(?:" + _SEP_CLASS + r"\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+)"
-    r"(?:[eE][-+]?\d{1,4}(?![\w]))?(?![" + re.escape(_DIGIT_GLUE) + r"]\d)"
+    r"(?:[eE][-+]?\d{1,4}(?![\w]))?(?!\d|[." + re.escape(_DIGIT_GLUE) + r"]\d)"
 )
 # A sign written as a word ("negative 5", "minus 5"), read as "-" when it does not follow a number (then "minus" is
 # the operator of "7 minus 2").

@@ -668,6 +668,9 @@ def test_a_numpy_array_of_rewards_is_accepted(tmp_path):
         ("1,0000", None),
         ("3,5", None),
         ("1,000,00", None),
+        ("12,5", None),  # never its "1" (a shorter run of the same digits)
+        ("1.000.000", None),
+        ("2.0.1", None),
     ],
 )
 def test_number_grammar_reads_whole_or_flags(text, value):
@@ -689,6 +692,8 @@ def test_number_grammar_reads_whole_or_flags(text, value):
         ("The temperature fell to minus 12 degrees.", "-12", True),
         ("7 minus 2 is 5", "5", True),  # "minus" after a number is the operator
         ("The answer is 1,0000.", "0", False),  # irregular grouping: flagged, not its last group
+        ("The total is 1.000.000 euros", "0", False),  # dotted groups: flagged, not ".000" / "000"
+        ("It rose 12,5%", "1", False),
     ],
 )
 def test_completions_with_these_numbers_are_scored_whole(completion, gold, correct):

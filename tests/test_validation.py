@@ -56,6 +56,10 @@ def tiny_pc_fixture():
         (["rollout_batch_buckets=[0]"], "'rollout_batch_buckets'=[0]"),
         (["num_batches=99999999999999999999"], "'num_batches'=99999999999999999999: must fit a 64-bit integer"),
         (["synthetic_min_steps=3"], "'synthetic_max_steps'=2: must be >= synthetic_min_steps=3"),
+        (["log_period=0"], "'log_period'=0: must be >= 1"),
+        (["stop_token_ids=[-1]"], "'stop_token_ids'=[-1]: must be token ids >= 0"),
+        (["rl.off_policy_steps=-1"], "'rl.off_policy_steps'=-1: must be >= 0"),
+        (["rl.reshard_chunk_size=0"], "'rl.reshard_chunk_size'=0: must be >= 1"),
         # A run_name that would put outputs outside one run directory.
         (["run_name=a/b"], "'run_name'='a/b': must be one directory name"),
         (["run_name=.."], "'run_name'='..': must be one directory name"),
