@@ -124,7 +124,7 @@ def _shown(key: str, value: Any) -> str:
   return f"{key}={value!r}"
 
 
-def check_rerun(config, run_dir: str, total_steps: int) -> None:
+def check_rerun(config, run_dir: str, asked_steps: int) -> None:
   """Refuse (one line, nothing written) a rerun that asks to stop before the newest checkpoint, or whose model or
   data differ from the newest checkpoint's (see the module docstring)."""
   directory = checkpoint_dir(config, run_dir)
@@ -132,10 +132,10 @@ def check_rerun(config, run_dir: str, total_steps: int) -> None:
   if not steps:
     return
   newest = steps[0]
-  if newest > total_steps:
+  if newest > asked_steps:
     raise CheckpointError(
         f"{run_dir} already trained {newest} RL steps (checkpoint step {newest} in {directory}) and this run asks for "
-        f"{total_steps} (num_batches); nothing was changed: ask for at least {newest} steps to continue it, or use a "
+        f"{asked_steps} (num_batches); nothing was changed: ask for at least {newest} steps to continue it, or use a "
         "new run_name"
     )
   meta = next((m for m in (read_meta(directory, s) for s in steps) if m is not None), None)

@@ -176,6 +176,7 @@ def check_run(config) -> None:
 
 
 def _check_batches(pc) -> None:
+  """Mini-batches divide the rollout batch and micro-batches divide a mini-batch (Tunix accumulates over them)."""
   rl = pc.rl
   mini = pc.batch_size if rl.mini_batch_size is None else rl.mini_batch_size
   if mini < 1 or pc.batch_size % mini:
@@ -193,6 +194,7 @@ def _check_batches(pc) -> None:
 
 
 def _check_lengths(pc) -> None:
+  """The completion budget max_target_length - max_prefill_predict_length is positive."""
   if pc.max_target_length <= pc.max_prefill_predict_length:
     raise _bad(
         "max_target_length",
@@ -203,12 +205,14 @@ def _check_lengths(pc) -> None:
 
 
 def _check_algorithm(pc) -> None:
+  """rl.force_on_policy_ratio sets the ratio to 1, which is only true on the first of rl.num_iterations updates."""
   rl = pc.rl
   if rl.force_on_policy_ratio and rl.num_iterations > 1:
     raise _bad("rl.force_on_policy_ratio", True, f"valid only with rl.num_iterations=1 (got {rl.num_iterations})")
 
 
 def _check_synthetic(pc) -> None:
+  """The synthetic task's range of operations is not empty."""
   if pc.synthetic_max_steps < pc.synthetic_min_steps:
     raise _bad("synthetic_max_steps", pc.synthetic_max_steps, f"must be >= synthetic_min_steps={pc.synthetic_min_steps}")
 

@@ -168,7 +168,8 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
   assert [e.question for e in train] == [e.question for e in ev]  # same file for both: kept, with a warning
   msg = " ".join(r.getMessage() for r in caplog.records)
   assert (
-      "mixed.jsonl: skipped 5 of 9 rows (invalid JSON: 1, JSON but not an object: 1, not UTF-8: 0, no question: 2, no parsable gold "
+      "mixed.jsonl: skipped 5 of 9 rows (invalid JSON: 1, JSON but not an object: 1, not UTF-8: 0, no question: 2, "
+      "no parsable gold "
       "answer ('#### N'): 1); "
       "first at line 2"
   ) in msg
@@ -195,7 +196,8 @@ def test_jsonl_rows_split_on_newlines_only_numbered_by_file_line(tmp_path, caplo
       ("Q6?", "6", "d.jsonl:6"),
   ]
   assert (
-      "d.jsonl: skipped 1 of 4 rows (invalid JSON: 0, JSON but not an object: 0, not UTF-8: 1, no question: 0, no parsable gold answer "
+      "d.jsonl: skipped 1 of 4 rows (invalid JSON: 0, JSON but not an object: 0, not UTF-8: 1, no question: 0, "
+      "no parsable gold answer "
       "('#### N'): 0); "
       "first at line 4"
   ) in caplog.text
