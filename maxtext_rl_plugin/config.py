@@ -9,7 +9,7 @@ nested blocks such as `rl.kl_estimator=k3`). What this module adds on top of `py
   (e.g. inside the Docker image on a Pathways cluster); `base_config` may name a shipped plugin config, and the
   chain is read once, by us, without temporary copies of the user's files;
 * every key has a status (`key_status.py`): a refused key set to anything but MaxText's RL default is an error;
-* `validate`: device-free checks, the same for `print_config=true`, the launchers and training;
+* `validate` (validation.py): device-free checks, the same for `print_config=true`, the launchers and training;
 * one parse per argv (`parse`): the trainer's device setup reuses the config instead of re-parsing;
 * one source of truth for keys that MaxText keeps both flat and nested (`loss_algo` and
   `rl.loss_algo`): a dotted override is rewritten to its flat twin, which MaxText routes into the
@@ -37,8 +37,8 @@ import pydantic
 import yaml
 
 from maxtext_rl_plugin import key_status
-from maxtext_rl_plugin import lora
 from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.validation import validate
 
 CONFIGS_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 _REPO_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -400,56 +400,6 @@ def check_refused(user_values: dict[str, Any]) -> None:
       continue
     if not key_status.same_value(value, _rl_default(key)):
       raise ConfigError(f"config key '{key}' is not supported by maxtext_rl_plugin: {why}")
-
-
-# --- validation ---------------------------------------------------------------------------------------------------
-
-
-def _bad(key: str, value: Any, why: str) -> ConfigError:
-  return ConfigError(f"invalid value for '{key}'={value!r}: {why}")
-
-
-def validate(pc) -> None:
-  """Device-free checks of a parsed config, the same for print_config, launchers and training (one line each).
-
-  Only the checks that need the device set (rows divisible by the trainer devices) stay in the trainer.
-  """
-  rl = pc.rl
-  if pc.batch_size < 1:
-    raise _bad("batch_size", pc.batch_size, "must be >= 1")
-  if pc.max_target_length <= pc.max_prefill_predict_length:
-    raise _bad(
-        "max_target_length",
-        pc.max_target_length,
-        f"must exceed max_prefill_predict_length={pc.max_prefill_predict_length} (the difference is the "
-        "completion budget)",
-    )
-  for name in ("grpo_epsilon", "epsilon_high", "grpo_beta"):
-    value = getattr(rl, name)
-    if value is not None and value < 0:
-      raise _bad(f"rl.{name}", value, "must be >= 0")
-  if pc.checkpoint_period < 1:
-    raise _bad(
-        "checkpoint_period",
-        pc.checkpoint_period,
-        "must be >= 1 (checkpoints are saved every N steps; " "enable_checkpointing=false turns them off)",
-    )
-  mini = pc.batch_size if rl.mini_batch_size is None else rl.mini_batch_size
-  if mini < 1 or pc.batch_size % mini:
-    raise _bad("rl.mini_batch_size", rl.mini_batch_size, f"must be >= 1 and divide batch_size={pc.batch_size}")
-  if pc.train_micro_batch_size != -1 and (pc.train_micro_batch_size < 1 or mini % pc.train_micro_batch_size):
-    raise _bad(
-        "train_micro_batch_size", pc.train_micro_batch_size, f"must be -1 or a divisor of the mini batch ({mini} prompts)"
-    )
-  if pc.rollout_micro_batch_size != -1 and (
-      pc.rollout_micro_batch_size < 1 or pc.batch_size % pc.rollout_micro_batch_size
-  ):
-    raise _bad(
-        "rollout_micro_batch_size", pc.rollout_micro_batch_size, f"must be -1 or a divisor of batch_size={pc.batch_size}"
-    )
-  if rl.force_on_policy_ratio and rl.num_iterations > 1:
-    raise _bad("rl.force_on_policy_ratio", True, f"valid only with rl.num_iterations=1 (got {rl.num_iterations})")
-  lora.validate(pc)
 
 
 # --- parsing, once ------------------------------------------------------------------------------------------------

@@ -143,6 +143,12 @@ class PluginKeys(BaseModel):
       gt=0,
       description="Per-completion timeout for the math_verify fallback; a completion that exceeds it scores as wrong.",
   )
+  reward_call_timeout_seconds: float = Field(
+      300.0,
+      gt=0,
+      description="Longest one call of a reward function (over one rollout batch) may take; past it the run stops with "
+      "one line naming the function (a user function that never returns cannot hang the run).",
+  )
 
   # --- resharding (maxtext_rl_plugin.resharding) ---
   reshard_donate: bool = Field(

@@ -8,6 +8,8 @@ configuration mistake never surfaces as a traceback from deep inside JAX or pyda
 from __future__ import annotations
 
 import contextlib
+import os
+import stat
 import sys
 
 
@@ -41,6 +43,19 @@ class MissingExtraError(UserError):
         f"{feature} needs the '{module}' package, which is not installed; "
         f"install it with: pip install 'maxtext-rl-plugin[{extra}]'"
     )
+
+
+def describe_not_a_file(path: str) -> str:
+  """Why `path`, given as a data file, is not one: a directory, a FIFO/socket/device, or nothing at all."""
+  try:
+    mode = os.stat(path).st_mode
+  except OSError:
+    return "file not found"
+  if stat.S_ISDIR(mode):
+    return "is a directory, not a data file"
+  if stat.S_ISFIFO(mode):
+    return "is a FIFO (named pipe), not a regular file; give a data file"
+  return "is not a regular file (a socket or a device); give a data file"
 
 
 @contextlib.contextmanager

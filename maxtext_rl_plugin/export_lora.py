@@ -26,6 +26,8 @@ from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin import models
+from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import sft
 from maxtext_rl_plugin.errors import CheckpointError
 from maxtext_rl_plugin.errors import ConfigError
@@ -74,17 +76,45 @@ def restore_adapters(model, ckpt_dir: str, step: int | None) -> int:
   return step
 
 
+def _lora_from_run(argv: list[str], config, ckpt_dir: str, step: int | None) -> list[str]:
+  """`argv` with the run's own `lora.*` keys (stored in its checkpoint metadata): a config that leaves LoRA off gets
+  them added; one that sets a different rank, alpha or module path is refused (the merge would use the wrong scale or
+  the wrong modules). A checkpoint written before the metadata held them is taken as the config says."""
+  steps = run_identity.checkpoint_steps(ckpt_dir)
+  chosen = step if step is not None else (steps[0] if steps else None)
+  meta = run_identity.read_meta(ckpt_dir, chosen) if chosen is not None else None
+  trained = meta.get("lora") if meta else None
+  if not isinstance(trained, dict):
+    return argv
+  given = run_identity.lora_keys(config)
+  if not given["enable_lora"]:
+    return [*argv, *(f"lora.{k}={v}" for k, v in trained.items() if given.get(k) != v)]
+  for key, value in trained.items():
+    if given.get(key) != value:
+      raise ConfigError(
+          f"invalid value for 'lora.{key}'={given.get(key)!r}: the run in {ckpt_dir} trained its adapters with "
+          f"lora.{key}={value!r}; drop the override (export_lora reads it from the run) or give the run's value"
+      )
+  return argv
+
+
 def export(argv, output: str, step: int | None = None) -> str:
   """Build the run's base, apply and restore its adapters, merge, save; returns the `load_parameters_path`."""
+  config = config_lib.load_config(argv)
+  run_dir = os.path.join(config.base_output_directory, config.run_name)
+  argv = _lora_from_run(list(argv), config, os.path.abspath(run_identity.checkpoint_dir(config, run_dir)), step)
   config = config_lib.load_config(argv)
   if not lora.enabled(config):
     raise ConfigError(
         "export_lora needs the training run's lora.enable_lora=true (a full fine-tuning run's "
         "checkpoints already hold every weight)"
     )
+  out = os.path.join(os.path.abspath(output), "0")
+  if os.path.exists(out):
+    raise ConfigError(f"invalid value for '--output'='{output}': {out} already exists")
+  run_dir_lib.probe_dir(os.path.abspath(output), "--output")  # writable, before any model is built
   rs = models.setup_devices(argv)
   config = rs.trainer_config
-  run_dir = os.path.join(config.base_output_directory, config.run_name)
   tokenizer = models.load_tokenizer(config)
   actor, mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
   if config.sft_warmup_steps > 0:
@@ -96,10 +126,10 @@ def export(argv, output: str, step: int | None = None) -> str:
   ckpt_dir = os.path.abspath(config.checkpoint_dir or os.path.join(run_dir, "checkpoints"))
   step = restore_adapters(lora_actor, ckpt_dir, step)
   merged = lora.merged_params(lora_actor, config)
-  out = os.path.join(os.path.abspath(output), "0")
-  if os.path.exists(out):
-    raise ConfigError(f"invalid value for '--output'='{output}': {out} already exists")
-  mt_checkpointing.save_params_to_path(out, {"params": nnx.to_pure_dict(merged)})
+  try:
+    mt_checkpointing.save_params_to_path(out, {"params": nnx.to_pure_dict(merged)})
+  except OSError as e:
+    raise CheckpointError(f"the merged weights were not written: {run_dir_lib.describe_os_error(e, out)}") from None
   path = os.path.join(out, "items")
   print(
       f"exported {run_dir} step {step} (LoRA rank {config.lora.lora_rank}, alpha {config.lora.lora_alpha} merged) "

@@ -385,6 +385,7 @@ _KEY_STATUS.update(
             DATA,
         ),
         "reward_item_timeout_seconds": REWARDS,
+        "reward_call_timeout_seconds": "honoured (rewards/loader.py: RewardFn, per call)",
         "reshard_donate": "honoured (resharding: trainer->sampler sync)",
         **dict.fromkeys(("sft_warmup_steps", "sft_learning_rate", "sft_batch_size"), "honoured (sft: warm start)"),
         **dict.fromkeys(("eval_before_training", "eval_after_training"), "honoured (trainer: eval)"),

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 from typing import Any, Mapping
+import weakref
 
 import jax
 import numpy as np
@@ -86,6 +87,7 @@ class RunLogger:
       # marks this file so TensorBoard drops the earlier events from `start_step + 1` on (from 0 on a fresh start,
       # like the metrics file's prune) and shows every step once.
       self._tb = SummaryWriter(logdir=tensorboard_dir, flush_secs=10, purge_step=start_step + 1 if start_step else 0)
+      _OPEN.add(self)
     if self._metrics_file:
       os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
     self.total_steps = total_steps
@@ -153,6 +155,23 @@ class RunLogger:
       print(message, file=sys.stdout, flush=True)
 
   def close(self) -> None:
+    _OPEN.discard(self)
     if self._tb is not None:
       self._tb.flush()
       self._tb.close()
+      self._tb = None
+
+
+# RunLoggers not closed yet. A run that ends in an error leaves its SummaryWriter open, and tensorboardX's atexit
+# handler closing it at interpreter shutdown starts its queue's feeder thread, which Python refuses then: a second
+# traceback after the `error:` line. Entry points call `close_all` while threads can still start.
+_OPEN: "weakref.WeakSet[RunLogger]" = weakref.WeakSet()
+
+
+def close_all() -> None:
+  """Close every RunLogger still open (an error path), so nothing is left to tensorboardX's exit handler."""
+  for logger in list(_OPEN):
+    try:
+      logger.close()
+    except Exception as e:  # pylint: disable=broad-exception-caught  # a failing flush must not hide the real error
+      print(f"warning: could not close the TensorBoard writer: {e}", file=sys.stderr, flush=True)

@@ -61,7 +61,7 @@ def _write_synced(path: str, mode: str, text: str) -> None:
     os.fsync(f.fileno())
 
 
-def _probe_dir(path: str, key: str) -> None:
+def probe_dir(path: str, key: str) -> None:
   """Create `path` and write, fsync and remove a probe file in it (one `OutputError` line when any step fails)."""
   try:
     os.makedirs(path, exist_ok=True)
@@ -84,10 +84,10 @@ def _probe_dir(path: str, key: str) -> None:
 def check_writable(run_dir: str, metrics_file: str | None) -> None:
   """Probe the run directory and the metrics file before anything heavy starts (one `error:` line on failure)."""
   if "://" not in run_dir:  # gs:// and other remote paths are checked by their own clients when first written
-    _probe_dir(run_dir, "base_output_directory")
+    probe_dir(run_dir, "base_output_directory")
   if metrics_file and "://" not in metrics_file:
     parent = os.path.dirname(os.path.abspath(metrics_file)) or "."
-    _probe_dir(parent, "metrics_file")
+    probe_dir(parent, "metrics_file")
     if os.path.isdir(metrics_file):
       raise OutputError(f"invalid value for 'metrics_file': {metrics_file} is a directory")
     try:

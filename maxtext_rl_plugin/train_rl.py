@@ -15,6 +15,8 @@ import os
 import sys
 from typing import Sequence
 
+from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin import validation
 from maxtext_rl_plugin.errors import exit_on_user_error
 
 
@@ -35,6 +37,16 @@ def main(argv: Sequence[str] | None = None) -> int:
   except KeyboardInterrupt:  # Ctrl-C before the trainer installed its handlers (config loading): one line, no trace
     print("error: interrupted before training started; nothing was written", file=sys.stderr, flush=True)
     return 130
+  finally:
+    _close_writers()
+
+
+def _close_writers() -> None:
+  """Close TensorBoard writers an error left open while threads can still start (metrics.close_all says why);
+  metrics is looked up, not imported: a run that never reached it has none."""
+  metrics = sys.modules.get("maxtext_rl_plugin.metrics")
+  if metrics is not None:
+    metrics.close_all()
 
 
 def _main(argv: list[str]) -> int:
@@ -48,9 +60,11 @@ def _main(argv: list[str]) -> int:
     from maxtext_rl_plugin import config as config_lib
 
     config = config_lib.load_config(argv)
+    validation.check_run(config)  # print_config=true refuses what training refuses
     if config.print_config:
       sys.stdout.write(config_lib.dump_yaml(config))
       return 0
+    run_identity.preflight(config)  # path and rerun refusals before the trainer's seconds of imports
     from maxtext_rl_plugin import trainer
 
     trainer.run(config, argv)

@@ -25,6 +25,7 @@ from maxtext_rl_plugin import async_rollout
 from maxtext_rl_plugin import evaluation as evaluation_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin import summary as summary_lib
 from maxtext_rl_plugin.run import build
@@ -210,6 +211,7 @@ def run(config, argv: Sequence[str]) -> dict[str, Any]:
       )
       print("\n" + summary_lib.table(finished), flush=True)
     return finished
+  run_identity.check_rerun(config, out_dir, build.num_rl_steps(config))  # nothing written when asked to stop earlier
   lock = run_dir_lib.RunLock(out_dir)
   if writer:
     lock.acquire()

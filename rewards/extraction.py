@@ -38,28 +38,36 @@ _MINUS_CLASS = "[" + re.escape(MINUS_SIGNS) + "]"
 _SEP_CLASS = "[" + re.escape(GROUP_SEPARATORS) + "]"
 _MINUS_TO_ASCII = str.maketrans({c: "-" for c in MINUS_SIGNS[1:]})
 _SEPARATORS_OUT = str.maketrans({c: None for c in GROUP_SEPARATORS})
-# One unsigned number: digits in groups of three ("1,234", "1 234 567"; a group is never followed by a 4th digit)
-# or plain digits, an optional decimal part, an optional exponent ("1e5", "2.5E-3"; not the "e" of a word).
-_UNSIGNED = r"(?:(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d{1,4}(?![\w]))?"
+# Separators that only ever group digits (a space also separates words, so it is not one of them).
+_DIGIT_GLUE = ",'\u2019"
+# One unsigned number: digits in groups of three ("1,234", "1 234 567"; a group is never followed by a 4th digit),
+# the Indian grouping (lakh, crore: "1,00,000", "12,34,567") or plain digits, an optional decimal part, an optional
+# exponent ("1e5", "2.5E-3"; not the "e" of a word). Never a fragment of a longer run of digits and separators: a
+# number does not start right after a digit or a digit + comma/point, nor end before a digit or a comma/point + digit,
+# so "1,0000", the European "3,5" or "1.000.000" is no number at all (flagged: no answer), never its last group.
+_UNSIGNED = (
+    r"(?<!\d)(?<!\d[." + re.escape(_DIGIT_GLUE) + r"])"
+    r"(?:(?:\d{1,2}(?:,\d{2})+,\d{3}(?!\d)|\d{1,3}(?:" + _SEP_CLASS + r"\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+)"
+    r"(?:[eE][-+]?\d{1,4}(?![\w]))?(?!\d|[." + re.escape(_DIGIT_GLUE) + r"]\d)"
+)
+# A sign written as a word ("negative 5", "minus 5"), read as "-" when it does not follow a number (then "minus" is
+# the operator of "7 minus 2").
+_WORD_SIGN = r"(?:(?<![\w)\]}])(?<![\d)\]}][ \t])(?:[Nn]egative|[Mm]inus|NEGATIVE|MINUS)[ \t]{1,2})"
+_WORD_SIGN_RE = re.compile(r"(?:negative|minus)\s{1,2}(?=[\d.\\])", re.IGNORECASE)
 # A number expression as written in text, read whole: `\frac{a}{b}`/`\dfrac`/`\tfrac`, a mixed number "1 1/2" or
 # "3\frac{1}{3}", a fraction "3/4", or one number; an optional sign only when not glued to a preceding word/number,
 # so the "-" of "5-3" is an operator. No capturing groups (findall returns whole matches).
-_NUM = (
-    r"(?:(?<![\w)\].])" + _MINUS_CLASS + r")?(?:"
-    r"\\[dt]?frac\{[ \t]{0,4}"
-    + _MINUS_CLASS
-    + r"?"
-    + _UNSIGNED
-    + r"[ \t]{0,4}\}\{[ \t]{0,4}"
-    + _MINUS_CLASS
-    + r"?"
-    + _UNSIGNED
-    + r"[ \t]{0,4}\}"
-    r"|\d+[ \t]{0,2}\\[dt]?frac\{[ \t]{0,4}\d+[ \t]{0,4}\}\{[ \t]{0,4}\d+[ \t]{0,4}\}"
-    r"|\d+[ \u00a0]\d+[ \t]{0,2}/[ \t]{0,2}\d+(?!\d|\.\d)"
-    r"|" + _UNSIGNED + r"(?:[ \t]{0,2}/[ \t]{0,2}\d+(?:\.\d+)?(?!\d|\.\d))?"
-    r")"
-)
+# A `\frac` argument: braced, or (LaTeX's short form, `\frac12`) one digit; the gap between the whole part of a mixed
+# number and its `\frac`: spaces, "~" or LaTeX's spacing commands (`3\ \frac{1}{2}`, `3\,\frac12`).
+_FRAC_ARG = r"(?:\{[ \t]{0,4}" + _MINUS_CLASS + r"?" + _UNSIGNED + r"[ \t]{0,4}\}|\d)"
+_MIXED_ARG = r"(?:\{[ \t]{0,4}\d+[ \t]{0,4}\}|\d)"
+_LATEX_GAP = r"(?:[ \t~]|\\[ ,;:!]){0,4}"
+_FRAC = r"\\[dt]?frac" + _FRAC_ARG + _FRAC_ARG
+_MIXED_FRAC = r"\d+" + _LATEX_GAP + r"\\[dt]?frac" + _MIXED_ARG + _MIXED_ARG
+_SIGN = r"(?:(?<![\w)\].])" + _MINUS_CLASS + r"|" + _WORD_SIGN + r")?"
+_MIXED_SLASH = r"\d+[ \u00a0]\d+[ \t]{0,2}/[ \t]{0,2}\d+(?!\d|\.\d)"
+_PLAIN = _UNSIGNED + r"(?:[ \t]{0,2}/[ \t]{0,2}\d+(?:\.\d+)?(?!\d|\.\d))?"
+_NUM = _SIGN + r"(?:" + "|".join((_FRAC, _MIXED_FRAC, _MIXED_SLASH, _PLAIN)) + r")"
 _NUM_RE = re.compile(_NUM)
 _HASH_RE = re.compile(r"####[ \t]{0,16}\$?[ \t]{0,4}(" + _NUM + ")")
 _ANSWER_IS_RE = re.compile(
@@ -84,11 +92,14 @@ _VALUE_RE = re.compile(
     r"(?P<neg>-)?(?:(?P<num>" + _U + r")"
     r"|(?P<fn>-?" + _U + r")\s{0,4}/\s{0,4}(?P<fd>-?" + _U + r")"
     r"|(?P<w>\d+)(?:\s(?P<mn>\d+)\s{0,2}/\s{0,2}(?P<md>\d+)"
-    r"|\s{0,2}\\[dt]?frac\{\s{0,4}(?P<xn>\d+)\s{0,4}\}\{\s{0,4}(?P<xd>\d+)\s{0,4}\})"
+    r"|[\s~]{0,4}\\[dt]?frac\{\s{0,4}(?P<xn>\d+)\s{0,4}\}\{\s{0,4}(?P<xd>\d+)\s{0,4}\})"
     r"|\\[dt]?frac\{\s{0,4}(?P<ln>-?" + _U + r")\s{0,4}\}\{\s{0,4}(?P<ld>-?" + _U + r")\s{0,4}\})"
 )
-_GROUPED_RE = re.compile(r"-?(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3})+)(?:\.\d*)?(?:[eE][-+]?\d{1,4})?")
+_GROUPED_RE = re.compile(
+    r"-?(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3})+|\d{1,2}(?:,\d{2})+,\d{3})(?:\.\d*)?(?:[eE][-+]?\d{1,4})?"
+)
 _NON_FINITE_RE = re.compile(r"[-+]?(?:nan|inf|infinity)", re.IGNORECASE)
+_SHORT_FRAC_RE = re.compile(r"\\([dt]?frac)(?:\{([^{}]{1,64})\}|(\d))(?:\{([^{}]{1,64})\}|(\d))")
 _TEXT_CMD_RE = re.compile(r"\\(?:text|mathrm|textbf|mbox|mathbf)\{([^{}]{0,64})\}")
 _STRIP_TOKENS = (
     "\\$",
@@ -96,6 +107,7 @@ _STRIP_TOKENS = (
     "\\%",
     "%",
     "\\!",
+    "~",
     "\\,",
     "\\;",
     "\\ ",
@@ -124,6 +136,8 @@ def _clean(text: str) -> str:
     return s
   if "\\" in s or "{" in s:
     s = _TEXT_CMD_RE.sub(r" \1", s)
+    if "frac" in s:  # LaTeX's short arguments: `\frac12` and `\frac1{2}` are `\frac{1}{2}`
+      s = _SHORT_FRAC_RE.sub(lambda m: f"\\{m[1]}{{{m[2] or m[3]}}}{{{m[4] or m[5]}}}", s)
     for a, b in (("\\(", ""), ("\\)", ""), ("\\[", ""), ("\\]", "")):
       s = s.replace(a, b)
   for tok in _STRIP_TOKENS:
@@ -154,6 +168,8 @@ def _to_number_cached(text: str) -> Optional[Fraction]:
     return None
   if s[0] == "+":
     s = s[1:]
+  elif s[0] in "nNmM":
+    s = _WORD_SIGN_RE.sub("-", s, count=1) if _WORD_SIGN_RE.match(s) else s
   v = _number_value(s)
   if v is not None:
     return v

@@ -16,8 +16,12 @@ from __future__ import annotations
 import functools
 import importlib.util
 import inspect
+import math
+import numbers
 import os
 import sys
+import threading
+import traceback
 from typing import Any, Callable, Sequence
 
 from absl import logging
@@ -32,39 +36,104 @@ TUNIX_SIGNATURE = "fn(prompts, completions, answer, **kwargs) -> list[float]"
 MAXTEXT_SIGNATURE = "fn(prompts, completions, tmvp_config, **kwargs) -> list[float]"
 
 
+class RewardFunctionError(ConfigError):
+  """A reward function raised, exited, hung or returned something that is not one finite number per completion."""
+
+
 class RewardFn:
   """A reward function bound to its config: picklable (no closure), keeps the wrapped `__name__`.
 
-  Checks what the function returns (one number per completion) so a broken user function fails with
-  its name in the message instead of a shape error inside the advantage computation.
+  Each call runs in a daemon thread and is checked, so a user's function can neither hang the run (after
+  `timeout_s` the run stops with one line; the stuck thread is abandoned), fake success (`sys.exit(0)` inside it is
+  caught: it must not end the run with exit 0), nor end it in a traceback (an exception, NaN, inf, None or a wrong
+  count). Every error names the function, its file and line, and what it returned.
   """
 
-  def __init__(self, fn: Callable, config: Any = None, pass_config: bool = False, source: str = "built-in"):
+  def __init__(
+      self,
+      fn: Callable,
+      config: Any = None,
+      pass_config: bool = False,
+      source: str = "built-in",
+      timeout_s: float | None = None,
+  ):
     functools.update_wrapper(self, fn)
     self.fn = fn
     self.config = config
     self.pass_config = pass_config
     self.source = source
+    self.timeout_s = timeout_s
+
+  def where(self) -> str:
+    """`name (file:line)` of the wrapped function, or its source when it has no Python file."""
+    try:
+      path = inspect.getsourcefile(self.fn)
+      line = inspect.getsourcelines(self.fn)[1]
+    except (TypeError, OSError):
+      return f"'{self.__name__}' ({self.source})"
+    return f"'{self.__name__}' ({path}:{line})"
+
+  def _call(self, prompts: Sequence[str], completions: Sequence[str], kwargs: dict) -> Any:
+    """The function's return value, run in a daemon thread bounded by `timeout_s`."""
+    box: dict[str, Any] = {}
+
+    def target():
+      try:
+        box["out"] = self.fn(prompts=prompts, completions=completions, **kwargs)
+      except BaseException as e:  # pylint: disable=broad-exception-caught  # SystemExit too: reported, never exit 0
+        box["error"] = e
+
+    worker = threading.Thread(target=target, name=f"reward-{self.__name__}", daemon=True)
+    worker.start()
+    worker.join(self.timeout_s)
+    if worker.is_alive():
+      raise RewardFunctionError(
+          f"reward function {self.where()} did not return within reward_call_timeout_seconds={self.timeout_s:g} s "
+          f"(one call over {len(completions)} completions); fix it or raise the timeout"
+      )
+    err = box.get("error")
+    if isinstance(err, SystemExit):
+      raise RewardFunctionError(
+          f"reward function {self.where()} called sys.exit({err.code!r}); a reward function must return its rewards"
+      )
+    if err is not None:
+      tb = traceback.extract_tb(err.__traceback__)
+      at = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+      raise RewardFunctionError(
+          f"reward function {self.where()} raised {type(err).__name__}{at}: {str(err)[:200] or '(no message)'}"
+      ) from None
+    return box.get("out")
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], **kwargs: Any) -> list[float]:
     if self.pass_config:
       kwargs["tmvp_config"] = self.config
-    out = self.fn(prompts=prompts, completions=completions, **kwargs)
-    try:
-      values = [float(v) for v in out]
-    except (TypeError, ValueError):
-      raise ConfigError(
-          f"reward function '{self.__name__}' ({self.source}) must return a list of numbers, got {type(out).__name__}"
-      ) from None
-    if len(values) != len(completions):
-      raise ConfigError(
-          f"reward function '{self.__name__}' ({self.source}) returned {len(values)} values for "
-          f"{len(completions)} completions"
+    out = self._call(prompts, completions, kwargs)
+    expected = f"expected one finite number per completion ({len(completions)})"
+    if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
+      raise RewardFunctionError(f"reward function {self.where()} returned {_shown(out)}; {expected}")
+    out = list(out)
+    if len(out) != len(completions):
+      raise RewardFunctionError(
+          f"reward function {self.where()} returned {len(out)} values for {len(completions)} completions; {expected}"
       )
+    values = []
+    for i, v in enumerate(out):
+      if not isinstance(v, numbers.Real) and not (getattr(v, "shape", None) == () and hasattr(v, "__float__")):
+        raise RewardFunctionError(
+            f"reward function {self.where()} returned a {type(out).__name__} whose item {i} is {_shown(v)}; {expected}"
+        )
+      if not math.isfinite(float(v)):
+        raise RewardFunctionError(f"reward function {self.where()} returned {float(v)} for completion {i}; {expected}")
+      values.append(float(v))
     return values
 
   def __repr__(self) -> str:
     return f"RewardFn({self.__name__} from {self.source})"
+
+
+def _shown(v: Any) -> str:
+  text = repr(v)
+  return f"{type(v).__name__} {text[:60]}{'...' if len(text) > 60 else ''}" if v is not None else "None"
 
 
 def check_signature(fn: Any, name: str, source: str) -> bool:
@@ -186,6 +255,7 @@ def reward_fns_from_config(config: Any) -> list[Callable]:
     wants_config = check_signature(fn, name, source)
     builtin = fn in gsm8k.BUILTIN_REWARD_FNS.values()
     # Built-ins get the small RewardConfig (cheap to pickle); user functions get the whole config.
-    fns.append(RewardFn(fn, rc if builtin else config, pass_config=wants_config, source=source))
+    timeout = float(config.reward_call_timeout_seconds)
+    fns.append(RewardFn(fn, rc if builtin else config, pass_config=wants_config, source=source, timeout_s=timeout))
   logging.info("reward functions: %s", ", ".join(f"{f.__name__} ({f.source})" for f in fns))
   return fns

@@ -172,7 +172,8 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
   assert [e.question for e in train] == [e.question for e in ev]  # same file for both: kept, with a warning
   msg = " ".join(r.getMessage() for r in caplog.records)
   assert (
-      "mixed.jsonl: skipped 5 of 9 rows (invalid JSON: 2, not UTF-8: 0, no question: 2, no parsable gold "
+      "mixed.jsonl: skipped 5 of 9 rows (invalid JSON: 1, JSON but not an object: 1, not UTF-8: 0, no question: 2, "
+      "no parsable gold "
       "answer ('#### N'): 1); "
       "first at line 2"
   ) in msg
@@ -199,7 +200,8 @@ def test_jsonl_rows_split_on_newlines_only_numbered_by_file_line(tmp_path, caplo
       ("Q6?", "6", "d.jsonl:6"),
   ]
   assert (
-      "d.jsonl: skipped 1 of 4 rows (invalid JSON: 0, not UTF-8: 1, no question: 0, no parsable gold answer "
+      "d.jsonl: skipped 1 of 4 rows (invalid JSON: 0, JSON but not an object: 0, not UTF-8: 1, no question: 0, "
+      "no parsable gold answer "
       "('#### N'): 0); "
       "first at line 4"
   ) in caplog.text
@@ -282,6 +284,25 @@ def test_user_errors_are_one_line(override, err, fragment):
   with pytest.raises(err) as e:
     load.load_splits(cfg(*override.split(), "use_chat_template=false"), None)
   assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_directory_or_fifo_given_as_a_data_file_is_named_as_such(tmp_path):
+  fifo = tmp_path / "pipe.jsonl"
+  os.mkfifo(fifo)
+  for path, fragment in ((tmp_path, "is a directory, not a data file"), (fifo, "is a FIFO (named pipe)")):
+    with pytest.raises(DataError) as e:
+      data.load_splits(cfg(f"train_data_path={path}", "use_chat_template=false"), None)
+    assert f"train_data_path='{path}': {fragment}" in str(e.value), str(e.value)
+
+
+def test_rows_that_are_json_but_not_objects_are_counted_as_such(tmp_path, caplog):
+  f = tmp_path / "mixed.jsonl"
+  good = {"question": "q?", "answer": "#### 4"}
+  f.write_text("\n".join([json.dumps(good), "[1, 2]", "7", "{not json", json.dumps(good)]) + "\n")
+  with caplog.at_level(logging.WARNING):
+    rows = data.load_file_rows(str(f), "train_data_path")
+  assert len(rows) == 2
+  assert "invalid JSON: 1, JSON but not an object: 2," in caplog.text, caplog.text
 
 
 def test_no_usable_rows_is_an_error(tmp_path):

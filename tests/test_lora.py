@@ -416,6 +416,36 @@ def test_export_writes_merged_maxtext_checkpoint_with_the_adapted_logits(lora_ru
     export_lora.main(["--output", str(tmp_path / "merged"), *lora_run["argv"]])
 
 
+def _export_error(capsys, *argv) -> str:
+  with pytest.raises(SystemExit) as e:
+    export_lora.main(list(argv))
+  assert e.value.code == 2
+  lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("error: "), lines
+  return lines[0]
+
+
+def test_export_reads_the_runs_lora_keys_and_refuses_a_contradiction(lora_run, tmp_path, capsys):
+  argv = lora_run["argv"]
+  # The adapters' scale comes from the run: another alpha (or rank, or modules) would merge the wrong update.
+  line = _export_error(capsys, "--output", str(tmp_path / "a"), *argv, "lora.lora_alpha=2")
+  assert "'lora.lora_alpha'=2.0" in line and "trained its adapters with lora.lora_alpha=8.0" in line
+  assert not (tmp_path / "a").exists()
+  # Unwritable outputs: one line before any model is built, and the command returns (it used to hang).
+  (tmp_path / "afile").write_text("x")
+  for output in ("/proc/x", str(tmp_path / "afile")):
+    assert _export_error(capsys, "--output", output, *argv).startswith("error: invalid value for '--output'")
+  # Without the lora.* keys, export_lora reads them from the run's checkpoint: the same merged weights.
+  bare = [a for a in argv if a not in LORA]
+  assert export_lora.main(["--output", str(tmp_path / "bare"), *bare]) == 0
+  assert export_lora.main(["--output", str(tmp_path / "full"), *argv]) == 0
+  got = _np(ocp.StandardCheckpointer().restore(tmp_path / "bare" / "0" / "items"))
+  want = _np(ocp.StandardCheckpointer().restore(tmp_path / "full" / "0" / "items"))
+  assert got.keys() == want.keys()
+  for k, v in want.items():
+    np.testing.assert_array_equal(got[k], v, err_msg=k)
+
+
 @pytest.mark.multidevice
 def test_disaggregated_lora_run_syncs_only_adapters(tmp_path):
   """8 forced CPU devices split trainer 4 / sampler 4: each sync moves the adapters only (bytes = adapter bytes,

@@ -61,6 +61,11 @@ def _digest(*paths):
   return [hashlib.sha256(pathlib.Path(p).read_bytes()).hexdigest() for p in paths]
 
 
+def _tree(root):
+  """Every file under `root` with its content digest: 'changes no byte' compared whole."""
+  return {str(p.relative_to(root)): _digest(p)[0] for p in sorted(pathlib.Path(root).rglob("*")) if p.is_file()}
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Units
 # ----------------------------------------------------------------------------------------------------------------------
@@ -225,6 +230,24 @@ def test_finished_rerun_lock_and_corrupt_checkpoint(tmp_path):
   p = _train(tmp_path, "num_batches=3")
   assert "already finished all 3 RL steps" in p.stdout and "eval accuracy" in p.stdout
   assert _digest(*files) == before
+  # 1b. A rerun asked to stop before where the run already is says so and changes no byte (it used to resume,
+  # rewrite summary.json with start_step 3 / total_steps 2 and replace summary.png).
+  tree = _tree(run)
+  p = _train(tmp_path, "num_batches=2", check=False)
+  assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
+  assert p.stderr.strip().splitlines()[-1].startswith(f"error: {run} already trained 3 RL steps"), p.stderr[-2000:]
+  assert _tree(run) == tree
+  # 1c. A resume whose data or model would differ is refused in one line, before any model is built.
+  for override, needle in (
+      ("synthetic_max_steps=3", "synthetic_seed=1234, synthetic_min_steps=1, synthetic_max_steps=2"),
+      ("synthetic_seed=7", "synthetic_seed=1234"),
+      ("model_name=qwen3-1.7b", "model_name='qwen3-0.6b'"),
+  ):
+    p = _train(tmp_path, "num_batches=4", override, check=False)
+    errs = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+    assert p.returncode == 2 and len(errs) == 1 and "Traceback" not in p.stderr, p.stderr[-2000:]
+    assert errs[0].startswith(f"error: cannot resume {run}: its checkpoints were written with") and needle in errs[0]
+    assert _tree(run) == tree
   # 2. A live holder of the run directory: the second process gets one line naming it.
   (run / ".lock").write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "heartbeat": time.time()}))
   p = _train(tmp_path, "num_batches=4", check=False)
@@ -287,3 +310,25 @@ def test_a_fresh_run_refuses_another_runs_metrics_file(tmp_path):
   own.parent.mkdir(parents=True)
   own.write_text('{"step": 1}\n')
   run_dir_lib.check_fresh_metrics_file(str(own), str(tmp_path / "runs" / "b"))  # this run's own: no error
+
+
+_EXITING_REWARD = """
+import sys
+
+def quits(prompts, completions, **kwargs):
+  sys.exit(0)
+"""
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_exits_ends_the_run_with_one_line_not_success(tmp_path):
+  # sys.exit(0) inside a user's reward function used to end the run with exit code 0 and no step trained; once
+  # training has started, tensorboardX's exit handler also printed a second traceback after any error.
+  reward = tmp_path / "hostile.py"
+  reward.write_text(_EXITING_REWARD)
+  p = _train(tmp_path, "num_batches=2", "reward_functions=quits", f"reward_functions_path={reward}", check=False)
+  assert p.returncode == 2, p.stdout[-2000:] + p.stderr[-3000:]
+  errs = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+  assert len(errs) == 1 and errs[0].startswith(f"error: reward function 'quits' ({reward}:4) called sys.exit(0)"), errs
+  assert "Traceback" not in p.stderr and "can't create new thread" not in p.stderr, p.stderr[-3000:]
+  assert not (tmp_path / "r" / "summary.json").exists()

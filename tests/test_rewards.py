@@ -463,7 +463,12 @@ def test_adversarial_inputs_never_reach_math_verify():
 
 
 def _cfg(**kw):
-  base = {"reward_functions": "", "reward_functions_path": "", **rewards.RewardConfig().__dict__}
+  base = {
+      "reward_functions": "",
+      "reward_functions_path": "",
+      "reward_call_timeout_seconds": 30.0,
+      **rewards.RewardConfig().__dict__,
+  }
   base.update(kw)
   return types.SimpleNamespace(**base)
 
@@ -568,3 +573,128 @@ def test_reward_keys_from_a_real_config():
   (fn,) = rewards.reward_fns_from_config(cfg)
   assert fn(prompts=["p"], completions=["<sol>4</sol> then 9"], answer=["4"]) == [2.5]
   assert rewards.score("<sol>4</sol> then 9", "4", cfg).rule == "answer_tag"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A user's reward function cannot hang the run, fake success or end it in a traceback
+# ----------------------------------------------------------------------------------------------------------------------
+
+HOSTILE_FILE = """
+import sys, threading
+
+def hangs(prompts, completions, **kwargs):
+  threading.Event().wait()  # never returns
+
+def exits(prompts, completions, **kwargs):
+  sys.exit(0)
+
+def raises(prompts, completions, **kwargs):
+  return [1.0 / 0.0 for _ in completions]
+
+def gives_nan(prompts, completions, **kwargs):
+  return [float("nan")] * len(completions)
+
+def gives_inf(prompts, completions, **kwargs):
+  return [0.0, float("inf")]
+
+def gives_nones(prompts, completions, **kwargs):
+  return [None] * len(completions)
+
+def gives_text(prompts, completions, **kwargs):
+  return "1.0"
+
+def gives_numpy(prompts, completions, **kwargs):
+  import numpy as np
+  return np.ones(len(completions), np.float32)
+"""
+
+
+@pytest.mark.parametrize(
+    "name, fragment",
+    [
+        ("hangs", "did not return within reward_call_timeout_seconds=0.5 s"),
+        ("exits", "called sys.exit(0); a reward function must return its rewards"),
+        ("raises", "raised ZeroDivisionError at "),
+        ("gives_nan", "returned nan for completion 0"),
+        ("gives_inf", "returned inf for completion 1"),
+        ("gives_nones", "returned a list whose item 0 is None"),
+        ("gives_text", "returned str '1.0'"),
+    ],
+)
+def test_hostile_reward_functions_end_in_one_line_naming_function_and_file(tmp_path, name, fragment):
+  path = tmp_path / "hostile.py"
+  path.write_text(HOSTILE_FILE)
+  cfg = _cfg(reward_functions=name, reward_functions_path=str(path), reward_call_timeout_seconds=0.5)
+  (fn,) = rewards.reward_fns_from_config(cfg)
+  with pytest.raises(ConfigError) as e:
+    fn(prompts=["p", "p"], completions=["a", "b"], answer=["1", "1"])
+  msg = str(e.value)
+  assert fragment in msg and f"'{name}' ({path}:" in msg and "\n" not in msg, msg
+
+
+def test_a_numpy_array_of_rewards_is_accepted(tmp_path):
+  path = tmp_path / "hostile.py"
+  path.write_text(HOSTILE_FILE)
+  (fn,) = rewards.reward_fns_from_config(_cfg(reward_functions="gives_numpy", reward_functions_path=str(path)))
+  assert fn(prompts=["p", "p"], completions=["a", "b"], answer=["1", "1"]) == [1.0, 1.0]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The number grammar: read whole or flagged, never a fragment
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, value",
+    [
+        # Mixed numbers with a LaTeX fraction after a space, a LaTeX space, or in LaTeX's short form.
+        ("3 \\frac12", Fraction(7, 2)),
+        ("3\\ \\frac{1}{2}", Fraction(7, 2)),
+        ("3\\,\\frac{1}{2}", Fraction(7, 2)),
+        ("3~\\frac{1}{2}", Fraction(7, 2)),
+        ("3   \\frac{1}{2}", Fraction(7, 2)),
+        ("\\frac12", Fraction(1, 2)),
+        ("\\dfrac1{4}", Fraction(1, 4)),
+        # The Indian grouping (lakh, crore), alongside thousands.
+        ("1,00,000", 100000),
+        ("12,34,567", 1234567),
+        ("1,23,45,678.5", Fraction(246913570, 20)),
+        ("1,234,567", 1234567),
+        # Signs written as words.
+        ("negative 5", -5),
+        ("minus 5", -5),
+        ("Negative 2.5", Fraction(-5, 2)),
+        # Groupings that are neither: flagged (no value), never their last group.
+        ("1,0000", None),
+        ("3,5", None),
+        ("1,000,00", None),
+        ("12,5", None),  # never its "1" (a shorter run of the same digits)
+        ("1.000.000", None),
+        ("2.0.1", None),
+    ],
+)
+def test_number_grammar_reads_whole_or_flags(text, value):
+  assert extraction.to_number(text) == (None if value is None else Fraction(value))
+
+
+@pytest.mark.parametrize(
+    "completion, gold, correct",
+    [
+        ("So she has 3\\ \\frac{1}{2} cups left.", "3.5", True),
+        ("So she has 3\\ \\frac{1}{2} cups left.", "0.5", False),  # the old reading: the fraction alone
+        ("The answer is 3 \\frac12", "3.5", True),
+        ("The answer is 3 \\frac12", "12", False),  # the old reading: "12"
+        ("He saved 1,00,000 rupees.", "100000", True),
+        ("He saved 1,00,000 rupees.", "0", False),  # the old reading: "000"
+        ("Total: 12,34,567", "567", False),
+        ("The answer is negative 5.", "-5", True),
+        ("The answer is negative 5.", "5", False),  # the old reading: "5"
+        ("The temperature fell to minus 12 degrees.", "-12", True),
+        ("7 minus 2 is 5", "5", True),  # "minus" after a number is the operator
+        ("The answer is 1,0000.", "0", False),  # irregular grouping: flagged, not its last group
+        ("The total is 1.000.000 euros", "0", False),  # dotted groups: flagged, not ".000" / "000"
+        ("It rose 12,5%", "1", False),
+    ],
+)
+def test_completions_with_these_numbers_are_scored_whole(completion, gold, correct):
+  assert rewards.score(completion, gold).correct is correct, rewards.score(completion, gold)

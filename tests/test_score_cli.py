@@ -168,3 +168,15 @@ def test_one_output_row_per_input_line(tmp_path):
   assert [r["correct"] for r in out] == [True, False, True, False, False, True, True]
   assert out[1]["error"] == "line 2: blank line" and out[3]["error"] == "line 4: blank line"
   assert out[4]["error"] == "line 5: not valid UTF-8 (byte 17)"
+
+
+def test_a_full_output_device_is_a_one_line_error(tmp_path, capsys):
+  if not os.path.exists("/dev/full"):
+    pytest.skip("no /dev/full on this system")
+  src = tmp_path / "in.jsonl"
+  src.write_text(json.dumps({"completion": "#### 5", "answer": "5"}) + "\n")
+  with pytest.raises(SystemExit) as e:
+    cli.main(["score", "--input", str(src), "--output", "/dev/full"])
+  assert e.value.code == 2
+  lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
+  assert len(lines) == 1 and lines[0].startswith("error: --output '/dev/full': no space left on the device"), lines

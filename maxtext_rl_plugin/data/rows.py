@@ -19,6 +19,7 @@ from absl import logging
 
 from maxtext_rl_plugin.data import synthetic
 from maxtext_rl_plugin.errors import DataError
+from maxtext_rl_plugin.errors import describe_not_a_file
 from maxtext_rl_plugin.errors import MissingExtraError
 from maxtext_rl_plugin.rewards import extraction
 
@@ -32,6 +33,7 @@ class _Skips:
 
   rows: int = 0
   bad_json: int = 0
+  not_object: int = 0  # valid JSON that is not an object (a list, a number, a string)
   not_utf8: int = 0
   no_question: int = 0
   no_answer: int = 0
@@ -44,7 +46,7 @@ class _Skips:
 
   @property
   def skipped(self) -> int:
-    return self.bad_json + self.not_utf8 + self.no_question + self.no_answer
+    return self.bad_json + self.not_object + self.not_utf8 + self.no_question + self.no_answer
 
 
 def _first(row: dict, keys: Sequence[str]) -> Any:
@@ -74,7 +76,7 @@ def rows_to_examples(rows: Iterable[Any], source: str, unit: str = "") -> tuple[
       sk.bad(n, "not_utf8")
       continue
     if not isinstance(row, dict):
-      sk.bad(n, "bad_json")
+      sk.bad(n, "bad_json" if row is None else "not_object")
       continue
     q = _first(row, _QUESTION_KEYS)
     if not isinstance(q, str) or not q.strip():
@@ -88,12 +90,13 @@ def rows_to_examples(rows: Iterable[Any], source: str, unit: str = "") -> tuple[
     out.append((q.strip(), gold, str(a), f"{source}:{n}"))
   if sk.skipped:
     logging.warning(
-        "%s: skipped %d of %d rows (invalid JSON: %d, not UTF-8: %d, no question: %d, no parsable gold answer "
-        "('#### N'): %d); first at %s %d",
+        "%s: skipped %d of %d rows (invalid JSON: %d, JSON but not an object: %d, not UTF-8: %d, no question: %d, "
+        "no parsable gold answer ('#### N'): %d); first at %s %d",
         source,
         sk.skipped,
         sk.rows,
         sk.bad_json,
+        sk.not_object,
         sk.not_utf8,
         sk.no_question,
         sk.no_answer,
@@ -114,7 +117,7 @@ def _expand_paths(spec: str, key: str) -> list[str]:
       raise DataError(f"{key}='{part}': no files match")
     for m in matches:
       if not os.path.isfile(m):
-        raise DataError(f"{key}='{m}': file not found")
+        raise DataError(f"{key}='{m}': {describe_not_a_file(m)}")
       paths.append(m)
   if not paths:
     raise DataError(f"{key}='{spec}': no files given")

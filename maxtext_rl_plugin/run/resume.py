@@ -19,6 +19,7 @@ from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
 from maxtext_rl_plugin.checkpointing import RunCheckpointer
@@ -55,6 +56,7 @@ def _meta(config, step: int, extra: dict | None = None) -> dict:
       "loss_algo": config.rl.loss_algo,
       "model_name": config.model_name,
       "rollout_seed": int(config.rollout_seed),
+      **run_identity.identity(config),
       **(extra or {}),
   }
 

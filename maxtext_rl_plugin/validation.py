@@ -1,0 +1,236 @@
+"""`validate`: every device-free check of a parsed config, once, for `print_config=true`, the launchers and training.
+
+Three layers, all before any model is built (and before JAX has a backend), each refusal one line naming the key:
+
+* a scan of every value of the schema (top-level keys, each nested block, lists and dicts inside them): a float
+  must be finite (NaN passes every `x < 0` check, so ranges alone never catch it) unless the key is in
+  `INFINITY_MEANS`, which says what infinity means there; an integer must fit int64 (what JAX and NumPy index with);
+* `RANGES`: a table of the keys whose meaningful values are narrower than their type (a negative temperature, a
+  nucleus of mass 0, a beta outside [0, 1)); only documented conventions pass (temperature 0 = greedy, top_k 0 =
+  off, top_p 1 = off);
+* `_CROSS_CHECKS`: rules between keys (the completion budget, micro-batch divisibility, the run directory).
+
+Checks that need the device set (rows divisible by the trainer devices) stay in the trainer (`_check_runtime`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Callable, Iterator
+
+from maxtext_rl_plugin import lora
+from maxtext_rl_plugin.errors import ConfigError
+
+INT64_MAX = 2**63 - 1
+
+# Keys where an infinite float is meaningful, with what it means (every other float key must be finite).
+INFINITY_MEANS: dict[str, str] = {}
+
+
+def _bad(key: str, value: Any, why: str) -> ConfigError:
+  return ConfigError(f"invalid value for '{key}'={value!r}: {why}")
+
+
+def _leaves(key: str, value: Any) -> Iterator[tuple[str, Any]]:
+  """(dotted key, leaf value) of a value that may be a pydantic block, a dict or a list."""
+  if hasattr(type(value), "model_fields"):
+    for inner in type(value).model_fields:
+      yield from _leaves(f"{key}.{inner}", getattr(value, inner))
+  elif isinstance(value, dict):
+    for k, v in value.items():
+      yield from _leaves(f"{key}.{k}", v)
+  elif isinstance(value, (list, tuple)):
+    for i, v in enumerate(value):
+      yield from _leaves(f"{key}[{i}]", v)
+  else:
+    yield key, value
+
+
+def check_numbers(pc) -> None:
+  """Every float finite (unless `INFINITY_MEANS` says otherwise), every integer within int64."""
+  # The `rl:` and `lora:` blocks first: their keys are named dotted (`rl.grpo_beta`, not its flat twin).
+  names = sorted(type(pc).model_fields, key=lambda n: n not in ("rl", "lora"))
+  for name in names:
+    for key, value in _leaves(name, getattr(pc, name)):
+      if isinstance(value, bool):
+        continue
+      if isinstance(value, float) and not math.isfinite(value):
+        if math.isinf(value) and key in INFINITY_MEANS:
+          continue
+        raise _bad(key, value, "must be a finite number")
+      if isinstance(value, int) and abs(value) > INT64_MAX:
+        raise _bad(key, value, f"must fit a 64-bit integer (|value| <= {INT64_MAX})")
+
+
+def _get(pc, key: str) -> Any:
+  value = pc
+  for part in key.split("."):
+    value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+  return value
+
+
+_Check = Callable[[Any], bool]
+
+
+def _ge(lo: float) -> _Check:
+  return lambda v: v >= lo
+
+
+def _gt(lo: float) -> _Check:
+  return lambda v: v > lo
+
+
+def _unit_open(v) -> bool:
+  return 0.0 <= v < 1.0
+
+
+def _unit(v) -> bool:
+  return 0.0 <= v <= 1.0
+
+
+def _prob_mass(v) -> bool:
+  return 0.0 < v <= 1.0
+
+
+# key -> (accepts the value, what is expected). None values (a key left unset) are not checked.
+RANGES: dict[str, tuple[_Check, str]] = {
+    "batch_size": (_ge(1), "must be >= 1"),
+    "num_batches": (_ge(1), "must be >= 1"),
+    "checkpoint_period": (
+        _ge(1),
+        "must be >= 1 (checkpoints are saved every N steps; enable_checkpointing=false turns them off)",
+    ),
+    "learning_rate": (_ge(0.0), "must be >= 0"),
+    "adam_b1": (_unit_open, "must be in [0, 1) (Adam's first-moment decay)"),
+    "adam_b2": (_unit_open, "must be in [0, 1) (Adam's second-moment decay)"),
+    "adam_eps": (_gt(0.0), "must be > 0 (it keeps Adam's denominator away from 0)"),
+    "adam_weight_decay": (_ge(0.0), "must be >= 0"),
+    "gradient_clipping_threshold": (_ge(0.0), "must be >= 0 (0 = no clipping)"),
+    "warmup_steps_fraction": (_unit, "must be in [0, 1]"),
+    "decode_sampling_temperature": (_ge(0.0), "must be >= 0 (0 = greedy)"),
+    "decode_sampling_top_k": (_ge(0), "must be >= 0 (0 = off)"),
+    "decode_sampling_nucleus_p": (_prob_mass, "must be in (0, 1] (1 = off; 0 would keep no token)"),
+    "max_prefill_predict_length": (_ge(1), "must be >= 1 (the prompt budget in tokens)"),
+    "num_eval_passes": (_ge(1), "must be >= 1 (generations per eval prompt)"),
+    "num_test_batches": (_ge(0), "must be >= 0 (0 = no eval)"),
+    "rollout_prefill_buckets": (lambda v: bool(v) and min(v) >= 1, "must be a non-empty list of lengths >= 1"),
+    "rollout_batch_buckets": (lambda v: bool(v) and min(v) >= 1, "must be a non-empty list of batch sizes >= 1"),
+    "rl.grpo_epsilon": (_unit, "must be >= 0 and <= 1 (the clip range [1 - eps, 1 + eps])"),
+    "rl.epsilon_high": (_ge(0.0), "must be >= 0 (or null for rl.grpo_epsilon)"),
+    "rl.grpo_beta": (_ge(0.0), "must be >= 0 (0 disables the KL term and the reference model)"),
+    "rl.num_iterations": (_ge(1), "must be >= 1"),
+    "rl.off_policy_steps": (_ge(0), "must be >= 0 (0 = synchronous rollouts)"),
+    "rl.reshard_chunk_size": (_ge(1), "must be >= 1 (or null: one chunk)"),
+    "log_period": (_ge(1), "must be >= 1 (steps between progress lines and TensorBoard flushes)"),
+    "stop_token_ids": (lambda v: all(t >= 0 for t in v), "must be token ids >= 0"),
+    "reward_item_timeout_seconds": (_gt(0.0), "must be > 0"),
+}
+# Each sampling strategy of generation_configs (evaluation.py): the same conventions as the rollout's keys.
+_GENERATION_RANGES: dict[str, tuple[_Check, str]] = {
+    "eval_temperature": RANGES["decode_sampling_temperature"],
+    "eval_top_k": RANGES["decode_sampling_top_k"],
+    "eval_top_p": RANGES["decode_sampling_nucleus_p"],
+}
+
+
+def check_ranges(pc) -> None:
+  """Every key of `RANGES` (and each generation_configs strategy) holds a value with a meaning."""
+  for key, (ok, why) in RANGES.items():
+    value = _get(pc, key)
+    if value is not None and not ok(value):
+      raise _bad(key, value, why)
+  for strategy, params in (getattr(pc, "generation_configs", None) or {}).items():
+    for inner, (ok, why) in _GENERATION_RANGES.items():
+      value = params.get(inner) if isinstance(params, dict) else None
+      if value is not None and not ok(value):
+        raise _bad(f"generation_configs.{strategy}.{inner}", value, why)
+
+
+def check_run_dir(pc) -> None:
+  """Every output of a run lives under one run directory, `<base_output_directory>/<run_name>`: a path-like run_name
+  (or checkpoint/TensorBoard directories outside it) would put a run's outputs where another run finds them."""
+  name = pc.run_name
+  if not name:
+    return  # a config that does not train (the score CLI, a launcher's dry run); `check_run` refuses it for a run
+  if not name.strip() or name != name.strip():
+    raise _bad("run_name", name, "must be a directory name without leading or trailing spaces")
+  if name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+    raise _bad("run_name", name, "must be one directory name (no '/', not '.' or '..')")
+  run_dir = os.path.join(pc.base_output_directory, name)
+  for key in ("checkpoint_dir", "tensorboard_dir"):
+    path = getattr(pc, key, None)
+    if path and not os.path.normpath(path).startswith(os.path.normpath(run_dir) + os.sep):
+      raise _bad(key, path, f"must lie inside the run directory {run_dir}")
+
+
+def check_run(config) -> None:
+  """What a run (training, print_config of a run, export_lora) needs beyond `validate`: a run_name. Without one,
+  MaxText's RLConfig puts checkpoints and TensorBoard logs in `<cwd>/maxtext_output/`, shared by every unnamed run,
+  while the summary lands in the base directory: a second, unrelated run would resume from the first one's state."""
+  if not config.run_name or not config.base_output_directory:
+    key = "run_name" if not config.run_name else "base_output_directory"
+    raise _bad(
+        key, getattr(config, key), "must be set for a run (its outputs live in <base_output_directory>/<run_name>)"
+    )
+
+
+def _check_batches(pc) -> None:
+  """Mini-batches divide the rollout batch and micro-batches divide a mini-batch (Tunix accumulates over them)."""
+  rl = pc.rl
+  mini = pc.batch_size if rl.mini_batch_size is None else rl.mini_batch_size
+  if mini < 1 or pc.batch_size % mini:
+    raise _bad("rl.mini_batch_size", rl.mini_batch_size, f"must be >= 1 and divide batch_size={pc.batch_size}")
+  if pc.train_micro_batch_size != -1 and (pc.train_micro_batch_size < 1 or mini % pc.train_micro_batch_size):
+    raise _bad(
+        "train_micro_batch_size", pc.train_micro_batch_size, f"must be -1 or a divisor of the mini batch ({mini} prompts)"
+    )
+  if pc.rollout_micro_batch_size != -1 and (
+      pc.rollout_micro_batch_size < 1 or pc.batch_size % pc.rollout_micro_batch_size
+  ):
+    raise _bad(
+        "rollout_micro_batch_size", pc.rollout_micro_batch_size, f"must be -1 or a divisor of batch_size={pc.batch_size}"
+    )
+
+
+def _check_lengths(pc) -> None:
+  """The completion budget max_target_length - max_prefill_predict_length is positive."""
+  if pc.max_target_length <= pc.max_prefill_predict_length:
+    raise _bad(
+        "max_target_length",
+        pc.max_target_length,
+        f"must exceed max_prefill_predict_length={pc.max_prefill_predict_length} (the difference is the "
+        "completion budget)",
+    )
+
+
+def _check_algorithm(pc) -> None:
+  """rl.force_on_policy_ratio sets the ratio to 1, which is only true on the first of rl.num_iterations updates."""
+  rl = pc.rl
+  if rl.force_on_policy_ratio and rl.num_iterations > 1:
+    raise _bad("rl.force_on_policy_ratio", True, f"valid only with rl.num_iterations=1 (got {rl.num_iterations})")
+
+
+def _check_synthetic(pc) -> None:
+  """The synthetic task's range of operations is not empty."""
+  if pc.synthetic_max_steps < pc.synthetic_min_steps:
+    raise _bad("synthetic_max_steps", pc.synthetic_max_steps, f"must be >= synthetic_min_steps={pc.synthetic_min_steps}")
+
+
+def _check_lora_rank(pc) -> None:
+  """A LoRA rank above the width of the layers it adapts (every adapted projection has emb_dim on one side) adds
+  parameters that can only ever span the same space: refused rather than trained."""
+  if pc.lora.enable_lora and pc.lora.lora_rank > pc.emb_dim:
+    raise _bad("lora.lora_rank", pc.lora.lora_rank, f"must be <= emb_dim={pc.emb_dim} (the width of the adapted layers)")
+
+
+_CROSS_CHECKS = (check_run_dir, _check_lengths, _check_batches, _check_algorithm, _check_synthetic, _check_lora_rank)
+
+
+def validate(pc) -> None:
+  """Device-free checks of a parsed config, the same for print_config, launchers and training (one line each)."""
+  check_numbers(pc)
+  check_ranges(pc)
+  for check in _CROSS_CHECKS:
+    check(pc)
+  lora.validate(pc)
