@@ -291,7 +291,7 @@ def test_a_directory_or_fifo_given_as_a_data_file_is_named_as_such(tmp_path):
   os.mkfifo(fifo)
   for path, fragment in ((tmp_path, "is a directory, not a data file"), (fifo, "is a FIFO (named pipe)")):
     with pytest.raises(DataError) as e:
-      data.load_splits(cfg(f"train_data_path={path}", "use_chat_template=false"), None)
+      load.load_splits(cfg(f"train_data_path={path}", "use_chat_template=false"), None)
     assert f"train_data_path='{path}': {fragment}" in str(e.value), str(e.value)
 
 
@@ -300,7 +300,7 @@ def test_rows_that_are_json_but_not_objects_are_counted_as_such(tmp_path, caplog
   good = {"question": "q?", "answer": "#### 4"}
   f.write_text("\n".join([json.dumps(good), "[1, 2]", "7", "{not json", json.dumps(good)]) + "\n")
   with caplog.at_level(logging.WARNING):
-    rows = data.load_file_rows(str(f), "train_data_path")
+    rows = rows_lib.load_file_rows(str(f), "train_data_path")
   assert len(rows) == 2
   assert "invalid JSON: 1, JSON but not an object: 2," in caplog.text, caplog.text
 
