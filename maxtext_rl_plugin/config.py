@@ -36,6 +36,7 @@ import omegaconf
 import pydantic
 import yaml
 
+from maxtext_rl_plugin import algorithms
 from maxtext_rl_plugin import key_status
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin.errors import ConfigError
@@ -450,6 +451,7 @@ def validate(pc) -> None:
   if rl.force_on_policy_ratio and rl.num_iterations > 1:
     raise _bad("rl.force_on_policy_ratio", True, f"valid only with rl.num_iterations=1 (got {rl.num_iterations})")
   lora.validate(pc)
+  algorithms.check_config(pc)  # DAPO and kin: estimator x scaling x aggregation, overlong buffer
 
 
 # --- parsing, once ------------------------------------------------------------------------------------------------

@@ -43,6 +43,7 @@ from tunix.sft import metrics_logger
 from maxtext_rl_plugin import algorithms
 from maxtext_rl_plugin import async_rollout
 from maxtext_rl_plugin import data
+from maxtext_rl_plugin import dynamic_sampling
 from maxtext_rl_plugin import experience
 from maxtext_rl_plugin import resharding
 from maxtext_rl_plugin import rewards as rewards_lib
@@ -588,7 +589,7 @@ def _step_metrics(
   graded = rewards_lib.score_batch(exp.texts, answers, rl_run.config)
   m["accuracy"] = float(np.mean([r.correct for r in graded]))
   m["strict_accuracy"] = float(np.mean([r.correct and r.format_ok for r in graded]))
-  mask = distributed.to_host(exp.example.completion_mask)
+  mask = item.value[2].completion_ids != item.value[2].pad_id  # every completion (the loss mask may drop some)
   lengths = mask.sum(axis=-1)
   m["completion/length_mean"] = float(lengths.mean())
   m["completion/length_max"] = float(lengths.max())
@@ -658,7 +659,8 @@ def _read_history(path: str | None) -> list[dict[str, Any]] | None:
 
 def _save(ckpt, rl_run: RLRun, step: int, summary: dict) -> None:
   params, opt_state = _actor_state(rl_run)
-  ckpt.save(step, params, opt_state, _meta(rl_run.config, step, {"eval_before": summary["eval_before"]}))
+  extra = {"eval_before": summary["eval_before"], "next_prompt_position": summary.get("next_prompt_position")}
+  ckpt.save(step, params, opt_state, _meta(rl_run.config, step, extra))
 
 
 def train(rl_run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any]:
@@ -730,8 +732,10 @@ def train(rl_run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, 
   profiler = StepProfiler(config)
   trainer = rl_run.rl_cluster.actor_trainer
   # Rollouts run up to rl.off_policy_steps batches ahead of the updates (0: sampled inline, the synchronous step).
+  position = dynamic_sampling.start_position(config, start, meta)  # prompts consumed so far (refills included)
+  sample_fn = dynamic_sampling.sample_fn(rl_run, position, functools.partial(_sample_batch, rl_run), _seed_rollout)
   producer = async_rollout.RolloutProducer(
-      functools.partial(_sample_batch, rl_run), off_policy_steps=int(config.rl.off_policy_steps), start=start, end=total
+      sample_fn, off_policy_steps=int(config.rl.off_policy_steps), start=start, end=total
   )
   snapshot = producer.asynchronous and not rl_run.learner.should_sync_weights
   if snapshot:  # colocated: the producer samples a pinned version while the trainer updates the shared arrays
@@ -750,6 +754,7 @@ def train(rl_run: RLRun, stop: signals.GracefulStop | None = None) -> dict[str, 
       profiler.before_step(step)
       item = producer.take(step - 1)
       batch, inputs, sampled = item.value
+      summary["next_prompt_position"] = dynamic_sampling.next_position(sampled, step, config.batch_size)
       exp = experience.score(rl_run, sampled, plan, rl_run.timer)
       t = time.perf_counter()
       rl_run.rl_cluster.update_actor(updates.micro_batches(exp.example, plan), None, skip_jit=False)
