@@ -124,7 +124,11 @@ AGG_MODES = LOSS_AGG_MODES + (TOKEN_SCALE,)
 ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "drgrpo")
 ADVANTAGE_NORMS = ("group_std", "batch_std", "none")
 # The scalings each estimator allows; the first is its own (`rl.advantage_norm: null`).
-ESTIMATOR_NORMS = {"grpo": ("group_std", "batch_std", "none"), "rloo": ("none", "batch_std"), "drgrpo": ("none", "batch_std")}
+ESTIMATOR_NORMS = {
+    "grpo": ("group_std", "batch_std", "none"),
+    "rloo": ("none", "batch_std"),
+    "drgrpo": ("none", "batch_std"),
+}
 
 # Names under which the plugin registers itself in Tunix's function registry.
 POLICY_LOSS_FN_NAME = "maxtext_rl_plugin"

@@ -140,7 +140,10 @@ def assemble(rounds: Sequence[_Round], picks: Sequence[tuple[int, int, bool]], g
   completion_ids = np.concatenate([rnd.sampled.completion_ids[rows] for rnd, rows in by_round])
   rewards = np.concatenate([rnd.sampled.rewards[rows] for rnd, rows in by_round]).astype(np.float32)
   loss_rows = np.concatenate(
-      [np.ones(len(rows), bool) if rnd.sampled.loss_rows is None else rnd.sampled.loss_rows[rows] for rnd, rows in by_round]
+      [
+          np.ones(len(rows), bool) if rnd.sampled.loss_rows is None else rnd.sampled.loss_rows[rows]
+          for rnd, rows in by_round
+      ]
   )
   loss_rows &= np.repeat(np.asarray([trained for _, _, trained in picks], bool), g)
   behaviour = None
@@ -194,6 +197,7 @@ class DynamicSampler:
     return out
 
   def _sample_round(self, step: int, round_: int, timer: _Phases) -> _Round:
+    """Round `round_` of step `step`: the next batch_size prompts of the stream, sampled and scored."""
     cfg = self.run.config
     g = int(cfg.rl.num_generations)
     if round_ == 0:
@@ -227,6 +231,7 @@ class DynamicSampler:
     return examples, inputs, sampled
 
   def _metrics(self, rounds: list[_Round], dropped: list[tuple[int, int]], short: int) -> dict[str, float]:
+    """The step's dynamic_sampling/* metrics; dropped groups are classified by the answers' grading (rewards/)."""
     cfg = self.run.config
     g, b = int(cfg.rl.num_generations), int(cfg.batch_size)
     correct = {}
