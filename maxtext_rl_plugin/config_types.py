@@ -77,7 +77,8 @@ class PluginRL(types.RL):
       False,
       description=(
           "DAPO's dynamic sampling: groups whose rewards are all equal (zero advantage) are dropped and further "
-          "batch_size-prompt rounds are sampled until the batch holds batch_size informative groups."
+          "batch_size-prompt rounds are sampled until the batch holds batch_size informative groups. Refused with "
+          "more than one JAX process."
       ),
   )
   max_refill_rounds: int = Field(

@@ -13,6 +13,8 @@ al. 2025, Algorithm 1) drops them and samples more prompts until the batch is fu
                   whose completion mask is zeroed (no loss, not counted by the loss aggregation), so the batch keeps
                   its shape for micro-batching and the device mesh; reported as `dynamic_sampling/short_groups`.
                   (Skipping the step instead would break the step <-> optimizer-update <-> learning-rate bookkeeping.)
+                  Under gradient accumulation a micro-batch of masked rows only adds a zero gradient to the mean,
+                  i.e. a smaller update, as any masked row does.
     advantages    recomputed on the assembled batch (batch_std scaling spans the batch as trained)
 
 The filter is the total reward the advantage is computed from (the overlong penalty included: a group of equally
@@ -24,9 +26,14 @@ every prompt a round consumed, trained or not. Without dynamic sampling batch k 
 with it each batch starts where the previous one stopped, so the position is state: every sampled batch carries the
 position after it (`Sampled.next_position`), the checkpoint of step s stores that of batch s - 1
 (`next_prompt_position`), and a resume continues from it: no prompt repeated or skipped. Batches are produced in
-order by one thread (async_rollout.RolloutProducer), so the cursor needs no lock. With `rl.off_policy_steps > 0` the
-refills run in the producer thread, ahead of the trainer; batches sampled ahead and lost at a stop are re-consumed
-from the checkpoint's position on resume, as in async_rollout.py.
+order by one thread (async_rollout.RolloutProducer), so the cursor needs no lock. `<run>/batches.jsonl` lists the
+prompts each step trained (masked fillers excluded); the `data/next_position` metric is the cursor after the step.
+With `rl.off_policy_steps > 0` the refills run in the producer thread, ahead of the trainer; batches sampled ahead
+and lost at a stop are re-consumed from the checkpoint's position on resume, as in async_rollout.py.
+
+Engines and processes: the refill rounds are ordinary `experience.sample` calls, so any rollout engine works (the
+embedded one tested; vLLM by the same contract). More than one JAX process is refused in one line (not yet tested
+across processes, although every process would compute the same rewards and therefore the same selection).
 """
 
 from __future__ import annotations
@@ -171,7 +178,7 @@ def assemble(rounds: Sequence[_Round], picks: Sequence[tuple[int, int, bool]], g
       truncated=truncated,
       metrics={"completion/truncated_fraction": float(truncated.mean())},
   )
-  examples = [rounds[r].examples[k] for r, k, _ in picks]
+  examples = [rounds[r].examples[k] for r, k, trained in picks if trained]  # the audit (batches.jsonl): trained only
   inputs = {key: [v for r, k, _ in picks for v in rounds[r].inputs[key][k * g : (k + 1) * g]] for key in rounds[0].inputs}
   return examples, inputs, sampled
 
