@@ -30,9 +30,39 @@ Aggregation of L_{i,t} (`loss_agg_mode`; rows with n_i = 0 are excluded from the
   MaxText 0.2.5 accepts `sequence-mean` in `rl.loss_agg_mode`, but Tunix 0.1.7's `aggregate_loss` has no such mode
   and raises; here it is the sum-over-tokens/mean-over-sequences reading above.
 
-Group advantages (`group_advantages`), contiguous groups of G = num_generations completions per prompt:
-    group_std:  A_i = (R_i - mean_g R) / (std_g(R, ddof=1) + 1e-6)        (GRPO; Tunix's "grpo" estimator)
-    none:       A_i =  R_i - mean_g R                                     (Dr. GRPO; Tunix's "drgrpo")
+Advantages (`group_advantages`; `rl.advantage_estimator`, `rl.advantage_norm`), contiguous groups g of
+G = num_generations completions per prompt, R_i the completion's reward. First a baseline is subtracted:
+    grpo, drgrpo:  c_i = R_i - mean_g R                                     (Tunix's `compute_drgrpo_advantages`)
+    rloo:          c_i = R_i - (1/(G-1)) sum_{j in g, j != i} R_j = G/(G-1) (R_i - mean_g R)
+                                                                            (leave-one-out, Ahmadian et al. 2024;
+                                                                             Tunix's `compute_rloo_advantages`)
+  then it is scaled (`rl.advantage_norm`; null = the estimator's own, in brackets):
+    group_std:  A_i = c_i / (std_g(R, ddof=1) + 1e-6)                       [grpo]  (Tunix's `compute_advantages`)
+    batch_std:  A_i = c_i / (std_B(c, ddof=1) + 1e-6)    over all B rows of the batch (Hu 2025, REINFORCE++-baseline;
+                                                          Liu et al. 2025 "Lite PPO": group mean, batch scale)
+    none:       A_i = c_i                                                   [rloo, drgrpo]
+  rloo and drgrpo refuse group_std: a per-group scale is exactly the question-difficulty weighting that Dr. GRPO
+  (Liu et al. 2025, "Understanding R1-Zero-like training") removes, and RLOO's estimator is unbiased only unscaled;
+  a batch-wide scale is one constant per step and changes neither.
+  Dr. GRPO also drops the 1/n_i length normalisation: `drgrpo` aggregates with
+    sequence-mean-token-scale   (1/B') sum_i (1/T) sum_t m L                (T = the completion budget, constant)
+  (Tunix's `DrGRPOConfig` default, `aggregate_loss(..., "sequence-mean-token-scale")` with its default norm T);
+  it needs `rl.loss_agg_mode` at its default `sequence-mean-token-mean`, which it replaces (the other modes are
+  other normalisations, refused in one line). A group whose rewards are all equal gets A = 0 under every estimator.
+
+Overlong completions, in tokens (T = max_target_length - max_prefill_predict_length, the completion budget; n_i
+counts the completion's tokens including its stop token):
+    truncated_i = (n_i == T) and o_{i,T} is not a stop token          (cut by the length limit, `truncated_rows`)
+  `rl.mask_truncated_completions`: m_{i,t} = 0 for every t of a truncated completion, so it contributes no loss
+  (neither policy gradient nor KL, and it leaves the row/token counts of the aggregation: DAPO's overlong filtering).
+  `rl.overlong_buffer_len` = L_c > 0, `rl.overlong_penalty_factor` = f: DAPO's soft overlong punishment (Yu et al.
+  2025, eq. 13) is added to the reward before the advantage, with L_max = T:
+    R_len(n) = 0                              n <= T - L_c
+             = ((T - L_c) - n) / L_c * f      T - L_c < n <= T
+             = -f                             n > T   (cannot happen here: the engine stops at T)
+  computed by Tunix's own `dapo_learner.reward_shaping` applied to token sequences. Tunix applies it to the decoded
+  *text* (len(completion) counts characters, against a `max_response_length` that is a token budget), so its penalty
+  depends on the tokenizer's characters per token; here n is the token count the length limit is defined in.
 
 Rollout importance sampling (`rl.rollout_is`; Yao et al. 2025 "truncated importance sampling", verl's rollout_corr),
 for batches whose behaviour policy mu (the sampler's log-probs lp_mu, returned by the rollout engine at sampling time)
@@ -68,15 +98,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from absl import logging
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tunix.rl import algo_core
 from tunix.rl import common as tunix_common
 from tunix.rl import function_registry
+from tunix.rl import rl_cluster as rl_cluster_lib
+from tunix.rl.grpo import dapo_learner
 from tunix.rl.grpo import grpo_learner
 
 from maxtext_rl_plugin.errors import ConfigError
@@ -85,11 +118,23 @@ LOSS_ALGOS = ("grpo", "gspo-token")
 KL_ESTIMATORS = ("k1", "k3")
 # MaxText's `rl.loss_agg_mode` Literal: the only values a config can reach.
 LOSS_AGG_MODES = ("token-mean", "sequence-mean-token-mean", "sequence-mean")
-ADVANTAGE_NORMS = ("group_std", "none")
+# Dr. GRPO's constant-length aggregation (Tunix's name); reached through `rl.advantage_estimator=drgrpo`.
+TOKEN_SCALE = "sequence-mean-token-scale"
+AGG_MODES = LOSS_AGG_MODES + (TOKEN_SCALE,)
+ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "drgrpo")
+ADVANTAGE_NORMS = ("group_std", "batch_std", "none")
+# The scalings each estimator allows; the first is its own (`rl.advantage_norm: null`).
+ESTIMATOR_NORMS = {
+    "grpo": ("group_std", "batch_std", "none"),
+    "rloo": ("none", "batch_std"),
+    "drgrpo": ("none", "batch_std"),
+}
 
 # Names under which the plugin registers itself in Tunix's function registry.
 POLICY_LOSS_FN_NAME = "maxtext_rl_plugin"
-ADVANTAGE_ESTIMATOR_NAMES = {norm: f"maxtext_rl_plugin/{norm}" for norm in ADVANTAGE_NORMS}
+ADVANTAGE_ESTIMATOR_NAMES = {
+    (est, norm): f"maxtext_rl_plugin/{est}/{norm}" for est, norms in ESTIMATOR_NORMS.items() for norm in norms
+}
 
 _LOG_RATIO_CLAMP = 20.0
 _ADV_STD_EPS = 1e-6
@@ -116,8 +161,8 @@ def kl_estimate(
 
 
 def aggregate(per_token: jax.Array, completion_mask: jax.Array, loss_agg_mode: str) -> jax.Array:
-  """Reduce a masked [B, T] per-token quantity to a scalar with one of `LOSS_AGG_MODES`."""
-  _check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+  """Reduce a masked [B, T] per-token quantity to a scalar with one of `AGG_MODES` (T = per_token.shape[-1])."""
+  _check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
   mask = completion_mask.astype(per_token.dtype)
   masked = jnp.where(mask > 0, per_token, 0.0)
   if loss_agg_mode == "token-mean":
@@ -127,6 +172,8 @@ def aggregate(per_token: jax.Array, completion_mask: jax.Array, loss_agg_mode: s
   seq_sum = masked.sum(axis=-1)
   if loss_agg_mode == "sequence-mean-token-mean":
     return (seq_sum / jnp.maximum(lengths, 1.0)).sum() / rows
+  if loss_agg_mode == TOKEN_SCALE:
+    return seq_sum.sum() / (rows * per_token.shape[-1])
   return seq_sum.sum() / rows  # sequence-mean
 
 
@@ -174,7 +221,7 @@ def policy_loss(
   """
   _check_choice("loss_algo", loss_algo, LOSS_ALGOS)
   _check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
-  _check_choice("loss_agg_mode", loss_agg_mode, LOSS_AGG_MODES)
+  _check_choice("loss_agg_mode", loss_agg_mode, AGG_MODES)
   eps_lo = float(epsilon)
   eps_hi = eps_lo if epsilon_high is None else float(epsilon_high)
 
@@ -288,13 +335,15 @@ def rollout_is_weights(
   return w.astype(np.float32), metrics
 
 
-def group_advantages(rewards: Any, num_generations: int, norm: str = "group_std") -> Any:
-  """Group-relative advantages over contiguous groups of `num_generations` completions of the same prompt.
+def group_advantages(rewards: Any, num_generations: int, norm: str = "group_std", estimator: str = "grpo") -> Any:
+  """Advantages over contiguous groups of `num_generations` completions of the same prompt (module docstring).
 
   Works on NumPy (host rewards, as Tunix's learner passes them) and on JAX arrays (jit-able); returns the same kind.
-  A group with identical rewards gets all-zero advantages (it carries no learning signal).
+  The baselines and GRPO's group scaling are Tunix's own `algo_core` estimators (public, registered in its function
+  registry); a group with identical rewards gets all-zero advantages (it carries no learning signal).
   """
-  _check_choice("advantage norm", norm, ADVANTAGE_NORMS)
+  _check_choice("advantage_estimator", estimator, ADVANTAGE_ESTIMATORS)
+  _check_choice(f"advantage norm of {estimator}", norm, ESTIMATOR_NORMS[estimator])
   xp = jnp if isinstance(rewards, jax.Array) else np
   r = xp.asarray(rewards)
   if not xp.issubdtype(r.dtype, xp.floating):
@@ -304,11 +353,49 @@ def group_advantages(rewards: Any, num_generations: int, norm: str = "group_std"
         f"rewards must be 1-D with a length divisible by num_generations >= 2; got shape {r.shape}, "
         f"num_generations={num_generations}"
     )
-  groups = r.reshape(-1, num_generations)
-  centered = groups - groups.mean(axis=1, keepdims=True)
-  if norm == "group_std":
-    centered = centered / (groups.std(axis=1, ddof=1, keepdims=True) + _ADV_STD_EPS)
-  return centered.reshape(-1)
+  if norm == "group_std":  # grpo only
+    return algo_core.compute_advantages(r, num_generations)
+  if estimator == "rloo":
+    centered = algo_core.compute_rloo_advantages(r, num_generations)
+  else:
+    centered = algo_core.compute_drgrpo_advantages(r, num_generations)
+  if norm == "batch_std":
+    centered = centered / (centered.std(ddof=1) + _ADV_STD_EPS)
+  return centered
+
+
+def completion_lengths(completion_ids: Any, pad_id: int) -> np.ndarray:
+  """[B] tokens of each right-padded completion (its stop token included)."""
+  return (np.asarray(completion_ids) != pad_id).sum(axis=-1)
+
+
+def truncated_rows(completion_ids: Any, pad_id: int, stop_ids: Any) -> np.ndarray:
+  """[B] bool: completions cut by the length limit T = completion_ids.shape[-1] (all T tokens used, the last one not a
+  stop token); see the module docstring."""
+  ids = np.asarray(completion_ids)
+  full = completion_lengths(ids, pad_id) >= ids.shape[-1]
+  return full & ~np.isin(ids[:, -1], np.asarray(list(stop_ids), ids.dtype))
+
+
+def overlong_penalty(token_rows: Sequence[Sequence[int]], max_len: int, buffer_len: int, factor: float) -> np.ndarray:
+  """[B] float32 DAPO soft overlong punishment R_len of each completion's token count (module docstring).
+
+  Tunix's `dapo_learner.reward_shaping` computes min(-(n - (L_max - L_c)) / L_c * f, 0) of len(completion); given
+  the token sequences, n is the token count. The paper's -f floor beyond L_max is added (unreachable at T).
+  """
+  if not 0 < buffer_len <= max_len or factor < 0:
+    raise ValueError(f"need 0 < buffer_len <= max_len and factor >= 0; got {buffer_len}, {max_len}, {factor}")
+  shaped = dapo_learner.reward_shaping(
+      prompts=[],
+      completions=[list(t) for t in token_rows],
+      mode=rl_cluster_lib.Mode.TRAIN,
+      overlong_buffer={
+          "overlong_buffer_length": int(buffer_len),
+          "overlong_buffer_penalty": float(factor),
+          "max_response_length": int(max_len),
+      },
+  )
+  return np.maximum(np.asarray(shaped, np.float64), -float(factor)).astype(np.float32)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -326,7 +413,7 @@ class PluginGrpoConfig(grpo_learner.GRPOConfig):
   """
 
   policy_loss_fn: str = POLICY_LOSS_FN_NAME
-  advantage_estimator: str = ADVANTAGE_ESTIMATOR_NAMES["group_std"]
+  advantage_estimator: str = ADVANTAGE_ESTIMATOR_NAMES[("grpo", "group_std")]
   epsilon_high: float | None = None
   kl_estimator: str = "k3"
   kl_loss_mode: str = "low_var_kl"
@@ -337,7 +424,7 @@ class PluginGrpoConfig(grpo_learner.GRPOConfig):
   def __post_init__(self):
     super().__post_init__()
     _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-    _check_choice("loss_agg_mode", self.loss_agg_mode, LOSS_AGG_MODES)
+    _check_choice("loss_agg_mode", self.loss_agg_mode, AGG_MODES)
     if self.epsilon_high is None:
       self.epsilon_high = self.epsilon
     if not 0.0 <= self.epsilon <= 1.0 or self.epsilon_high < 0.0:
@@ -398,15 +485,15 @@ def tunix_policy_loss_fn(
   return loss, aux
 
 
-def _advantage_estimator(norm: str) -> Callable[..., Any]:
-  def estimator(rewards: Any, num_generations: int, **unused_kwargs: Any) -> Any:
-    return group_advantages(rewards, num_generations, norm)
+def _advantage_estimator(estimator: str, norm: str) -> Callable[..., Any]:
+  def fn(rewards: Any, num_generations: int, **unused_kwargs: Any) -> Any:
+    return group_advantages(rewards, num_generations, norm, estimator)
 
-  estimator.__name__ = f"group_advantages_{norm}"
-  return estimator
+  fn.__name__ = f"group_advantages_{estimator}_{norm}"
+  return fn
 
 
-_ADVANTAGE_ESTIMATORS = {norm: _advantage_estimator(norm) for norm in ADVANTAGE_NORMS}
+_ADVANTAGE_ESTIMATORS = {key: _advantage_estimator(*key) for key in ADVANTAGE_ESTIMATOR_NAMES}
 
 
 def register_with_tunix() -> None:
@@ -462,6 +549,7 @@ def tunix_algo_config(config: Any, **overrides: Any) -> PluginGrpoConfig:
     raise ConfigError(f"rl.grpo_beta={rl.grpo_beta}: expected >= 0 (0 disables the KL term and the reference model)")
   if rl.loss_agg_mode not in LOSS_AGG_MODES:
     raise ConfigError(f"rl.loss_agg_mode={rl.loss_agg_mode!r}: expected one of {', '.join(LOSS_AGG_MODES)}")
+  estimator, norm, loss_agg_mode = advantage_config(rl)
   if rl.loss_algo == "gspo-token" and int(rl.num_iterations) == 1:
     logging.warning(
         "loss_algo=gspo-token with num_iterations=1: on-policy ratios are 1, so the gradient is exactly "
@@ -474,9 +562,44 @@ def tunix_algo_config(config: Any, **overrides: Any) -> PluginGrpoConfig:
       "epsilon": epsilon,
       "epsilon_high": epsilon_high,
       "loss_algo": rl.loss_algo,
-      "loss_agg_mode": rl.loss_agg_mode,
+      "loss_agg_mode": loss_agg_mode,
       "kl_estimator": rl.kl_estimator,
-      "advantage_estimator": ADVANTAGE_ESTIMATOR_NAMES[rl.advantage_norm],
+      "advantage_estimator": ADVANTAGE_ESTIMATOR_NAMES[(estimator, norm)],
   }
   kwargs.update(overrides)
   return PluginGrpoConfig(**kwargs)
+
+
+def advantage_config(rl: Any) -> tuple[str, str, str]:
+  """(estimator, scaling, loss aggregation) of the `rl:` block: `rl.advantage_norm: null` resolved to the estimator's
+  own scaling and Dr. GRPO's aggregation; a combination that makes no sense is a one-line `ConfigError`."""
+  estimator = rl.advantage_estimator
+  if estimator not in ADVANTAGE_ESTIMATORS:
+    raise ConfigError(f"rl.advantage_estimator={estimator!r}: expected one of {', '.join(ADVANTAGE_ESTIMATORS)}")
+  allowed = ESTIMATOR_NORMS[estimator]
+  norm = allowed[0] if rl.advantage_norm is None else rl.advantage_norm
+  if norm not in allowed:
+    raise ConfigError(
+        f"invalid value for 'rl.advantage_norm'='{norm}' with rl.advantage_estimator={estimator}: expected one of "
+        f"{', '.join(allowed)} (a per-group std scale reweights questions by difficulty, which {estimator} avoids)"
+    )
+  agg = rl.loss_agg_mode
+  if estimator == "drgrpo":
+    if agg != "sequence-mean-token-mean":
+      raise ConfigError(
+          f"invalid value for 'rl.loss_agg_mode'='{agg}' with rl.advantage_estimator=drgrpo: Dr. GRPO aggregates with "
+          f"its constant length ({TOKEN_SCALE}); leave rl.loss_agg_mode at sequence-mean-token-mean, which it replaces"
+      )
+    agg = TOKEN_SCALE
+  return estimator, norm, agg
+
+
+def check_config(pc: Any) -> None:
+  """Device-free checks of the advantage and overlong keys (config.validate), one line each."""
+  advantage_config(pc.rl)
+  budget = int(pc.max_target_length) - int(pc.max_prefill_predict_length)
+  if int(pc.rl.overlong_buffer_len) > budget:
+    raise ConfigError(
+        f"invalid value for 'rl.overlong_buffer_len'={pc.rl.overlong_buffer_len}: must be at most the completion "
+        f"budget max_target_length - max_prefill_predict_length = {budget} tokens"
+    )

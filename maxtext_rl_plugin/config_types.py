@@ -38,11 +38,56 @@ class PluginRL(types.RL):
           "unbiased and >= 0); 'k1' = logp - logp_ref (Tunix 0.1.7's default 'kl')."
       ),
   )
-  advantage_norm: Literal["group_std", "none"] = Field(
-      "group_std",
+  advantage_norm: Optional[Literal["group_std", "batch_std", "none"]] = Field(
+      None,
       description=(
-          "Group advantage: (r - mean_g) / (std_g + 1e-6) with ddof=1 ('group_std', GRPO) or r - "
-          "mean_g ('none', Dr.GRPO)."
+          "Scaling of the baseline-subtracted reward c: c / (std_g(r) + 1e-6) with ddof=1 ('group_std', GRPO), "
+          "c / (std of c over the batch + 1e-6) ('batch_std'), or c ('none'); null = the estimator's own (grpo: "
+          "group_std; rloo, drgrpo: none, which refuse group_std)."
+      ),
+  )
+  # --- DAPO and kin (algorithms.py, experience.py, dynamic_sampling.py) ---
+  advantage_estimator: Literal["grpo", "rloo", "drgrpo"] = Field(
+      "grpo",
+      description=(
+          "Baseline of the advantage: 'grpo' r - mean_g; 'rloo' r - mean of the group's other G-1 rewards; "
+          "'drgrpo' (Dr. GRPO) r - mean_g, unscaled, with the loss normalised by the constant completion budget "
+          "instead of each completion's length (needs rl.loss_agg_mode=sequence-mean-token-mean, which it replaces)."
+      ),
+  )
+  mask_truncated_completions: bool = Field(
+      False,
+      description=(
+          "A completion cut by the length limit (all max_target_length - max_prefill_predict_length tokens used, "
+          "no stop token) contributes no loss: its completion mask is zeroed (DAPO's overlong filtering)."
+      ),
+  )
+  overlong_buffer_len: int = Field(
+      0,
+      ge=0,
+      description=(
+          "L_c of DAPO's soft overlong penalty, in tokens (0 = off): a completion of n tokens gets "
+          "min(0, ((T - L_c) - n) / L_c) * rl.overlong_penalty_factor added to its reward, T the completion budget."
+      ),
+  )
+  overlong_penalty_factor: float = Field(
+      1.0, ge=0.0, description="The penalty of a completion that uses the whole budget (DAPO's overlong factor)."
+  )
+  dynamic_sampling: bool = Field(
+      False,
+      description=(
+          "DAPO's dynamic sampling: groups whose rewards are all equal (zero advantage) are dropped and further "
+          "batch_size-prompt rounds are sampled until the batch holds batch_size informative groups. Refused with "
+          "more than one JAX process."
+      ),
+  )
+  max_refill_rounds: int = Field(
+      3,
+      ge=0,
+      description=(
+          "Extra rounds rl.dynamic_sampling samples at most per step; when they are spent the step trains on the "
+          "informative groups it has (the missing groups are masked out: no loss), reported as "
+          "dynamic_sampling/short_groups."
       ),
   )
   rollout_is: Literal["off", "truncate", "mask"] = Field(

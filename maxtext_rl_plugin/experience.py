@@ -169,9 +169,15 @@ class Sampled:
   reward_values: dict[str, list[float]]  # per reward function, for the step's metrics
   pad_id: int
   eos_id: int
+  # [rows] bool, rows that contribute loss (False: a truncated completion under rl.mask_truncated_completions, or a
+  # slot rl.dynamic_sampling could not fill); None = all.
+  loss_rows: np.ndarray | None = None
+  truncated: np.ndarray | None = None  # [rows] bool, completions cut by the length limit (algorithms.truncated_rows)
+  metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler side's step metrics
+  next_position: int | None = None  # rl.dynamic_sampling: the data stream position after this batch
 
 
-def _put(cluster: Any) -> Callable[[Any], jax.Array]:
+def put_rows(cluster: Any) -> Callable[[Any], jax.Array]:
   """Host rows (the same on every process) -> global arrays on the trainer mesh, rows over Tunix's data axis
   (distributed.py); Tunix passes arrays that are already global through unchanged."""
   return functools.partial(
@@ -240,7 +246,7 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
   timer.add("rollout", time.perf_counter() - t)
 
   completion_ids = pad_rows(out.tokens, train_rollout.max_tokens_to_generate, pad_id, np.int32)
-  put = _put(cluster)
+  put = put_rows(cluster)
   prompt_ids = put(np.asarray(out.left_padded_prompt_tokens, np.int32))
 
   t = time.perf_counter()
@@ -248,8 +254,18 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
   rewards = sum_rewards(
       run.reward_fns, list(inputs["prompts"]), list(out.text), **{k: v for k, v in inputs.items() if k != "prompts"}
   )
-  advantages = algorithms.group_advantages(rewards, g, cfg.rl.advantage_norm)
   reward_values = run.rewards.reset()
+  max_len = completion_ids.shape[1]
+  truncated = algorithms.truncated_rows(completion_ids, pad_id, train_rollout.eos_tokens or [eos_id])
+  metrics = {"completion/truncated_fraction": float(truncated.mean())}
+  if int(cfg.rl.overlong_buffer_len) > 0:  # DAPO's soft overlong penalty, in tokens (algorithms.py)
+    penalty = algorithms.overlong_penalty(
+        out.tokens, max_len, int(cfg.rl.overlong_buffer_len), float(cfg.rl.overlong_penalty_factor)
+    )
+    rewards = (rewards + penalty).astype(np.float32)
+    reward_values["overlong_penalty"] = [float(x) for x in penalty]
+  estimator, norm, _ = algorithms.advantage_config(cfg.rl)
+  advantages = algorithms.group_advantages(rewards, g, norm, estimator)
   timer.add("reward", time.perf_counter() - t)
 
   behaviour = None
@@ -274,6 +290,9 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
       reward_values,
       pad_id,
       eos_id,
+      loss_rows=~truncated if cfg.rl.mask_truncated_completions else None,
+      truncated=truncated,
+      metrics=metrics,
   )
 
 
@@ -294,9 +313,11 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experienc
   logps_micro = _micro(cfg.train_micro_batch_size, plan.num_generations)
   prompt_ids = sampled.prompt_ids
   completion_mask = sampled.completion_ids != pad_id  # the stop token is kept and trained (algorithms.py, EOS policy)
-  put = _put(cluster)
+  if sampled.loss_rows is not None:  # masked rows contribute no loss (they leave the aggregation's counts too)
+    completion_mask = completion_mask & np.asarray(sampled.loss_rows, bool)[:, None]
+  put = put_rows(cluster)
   completion = put(sampled.completion_ids)
-  metrics: dict[str, float] = {}
+  metrics: dict[str, float] = dict(sampled.metrics)
   t = time.perf_counter()
   ref = None
   if float(cfg.rl.grpo_beta) != 0.0:

@@ -392,6 +392,17 @@ _KEY_STATUS.update(
         "write_plot": "honoured (summary: summary.png)",
         "rl.kl_estimator": ALGO,
         "rl.advantage_norm": ALGO,
+        # DAPO and kin
+        "rl.advantage_estimator": "honoured (algorithms: advantage baseline; drgrpo also the loss aggregation)",
+        "rl.mask_truncated_completions": "honoured (experience: completion mask of truncated completions zeroed)",
+        **dict.fromkeys(
+            ("rl.overlong_buffer_len", "rl.overlong_penalty_factor"),
+            "honoured (experience: DAPO's soft overlong penalty added to the reward, in tokens)",
+        ),
+        **dict.fromkeys(
+            ("rl.dynamic_sampling", "rl.max_refill_rounds"),
+            "honoured (dynamic_sampling: zero-variance groups dropped, batch refilled)",
+        ),
     }
 )
 

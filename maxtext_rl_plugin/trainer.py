@@ -22,6 +22,7 @@ from absl import logging
 import jax
 
 from maxtext_rl_plugin import async_rollout
+from maxtext_rl_plugin import dynamic_sampling
 from maxtext_rl_plugin import evaluation as evaluation_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
@@ -83,8 +84,12 @@ def train(rl_run: build.RLRun, stop: signals.GracefulStop | None = None) -> dict
 
   profiler = StepProfiler(config)
   # Rollouts run up to rl.off_policy_steps batches ahead of the updates (0: sampled inline, the synchronous step).
+  position = dynamic_sampling.start_position(config, start, meta)  # prompts consumed so far (refills included)
+  sample_fn = dynamic_sampling.sample_fn(
+      rl_run, position, functools.partial(step_lib.sample_batch, rl_run), step_lib.seed_rollout
+  )
   producer = async_rollout.RolloutProducer(
-      functools.partial(step_lib.sample_batch, rl_run),
+      sample_fn,
       off_policy_steps=int(config.rl.off_policy_steps),
       start=start,
       end=total,

@@ -19,6 +19,7 @@ import math
 import os
 from typing import Any, Callable, Iterator
 
+from maxtext_rl_plugin import algorithms
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -234,3 +235,4 @@ def validate(pc) -> None:
   for check in _CROSS_CHECKS:
     check(pc)
   lora.validate(pc)
+  algorithms.check_config(pc)  # DAPO and kin: estimator x scaling x aggregation, overlong buffer

@@ -400,11 +400,11 @@ def test_register_with_tunix_is_idempotent():
   algorithms.register_with_tunix()
   algorithms.register_with_tunix()
   assert function_registry.get_policy_loss_fn(algorithms.POLICY_LOSS_FN_NAME) is algorithms.tunix_policy_loss_fn
-  for norm, name in algorithms.ADVANTAGE_ESTIMATOR_NAMES.items():
+  for (estimator, norm), name in algorithms.ADVANTAGE_ESTIMATOR_NAMES.items():
     est = function_registry.get_advantage_estimator(name)
     np.testing.assert_array_equal(
         est(rewards=np.array([1.0, 0.0, 0.0, 0.0]), num_generations=2),
-        algorithms.group_advantages(np.array([1.0, 0.0, 0.0, 0.0]), 2, norm),
+        algorithms.group_advantages(np.array([1.0, 0.0, 0.0, 0.0]), 2, norm, estimator),
     )
   # Tunix's own GRPO loss stays registered under its name.
   assert function_registry.get_policy_loss_fn("grpo") is not algorithms.tunix_policy_loss_fn
@@ -488,7 +488,7 @@ def test_tunix_algo_config_maps_rl_keys():
   assert (algo.kl_estimator, algo.kl_loss_mode, algo.loss_agg_mode) == ("k1", "kl", "token-mean")
   assert (algo.num_generations, algo.num_iterations) == (4, 2)
   assert algo.policy_loss_fn == algorithms.POLICY_LOSS_FN_NAME
-  assert algo.advantage_estimator == algorithms.ADVANTAGE_ESTIMATOR_NAMES["none"]
+  assert algo.advantage_estimator == algorithms.ADVANTAGE_ESTIMATOR_NAMES[("grpo", "none")]
 
   default_cfg = load_config(["configs/cpu_tiny.yml"])
   default = algorithms.tunix_algo_config(default_cfg)

@@ -232,6 +232,8 @@ class RLRun:
   weight_sync: Any = None
   metrics_file: str | None = None
   lock: Any = None
+  # The data position after the last trained batch (prompts consumed, refills included): rl.dynamic_sampling's resume.
+  data_position: int | None = None
 
 
 def build_run(config, argv: Sequence[str]) -> RLRun:

@@ -148,7 +148,8 @@ def resume(rl_run: RLRun, ckpt: RunCheckpointer) -> tuple[int, dict]:
 def save(ckpt, rl_run: RLRun, step: int, summary: dict) -> None:
   """Checkpoint step `step`: the actor's trainable params, its optimizer state and the resume metadata."""
   params, opt_state = _actor_state(rl_run)
-  ckpt.save(step, params, opt_state, _meta(rl_run.config, step, {"eval_before": summary["eval_before"]}))
+  extra = {"eval_before": summary["eval_before"], "next_prompt_position": rl_run.data_position}
+  ckpt.save(step, params, opt_state, _meta(rl_run.config, step, extra))
 
 
 def finished_summary(config, run_dir: str) -> dict[str, Any] | None:

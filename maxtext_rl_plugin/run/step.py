@@ -23,7 +23,7 @@ from absl import logging
 import numpy as np
 from tunix.rl import rl_cluster as rl_cluster_lib
 
-from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin import dynamic_sampling
 from maxtext_rl_plugin import experience
 from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
@@ -95,7 +95,7 @@ def _step_inputs(rl_run: RLRun, step: int) -> tuple[dict, list]:
   return inputs, batch
 
 
-def _seed_rollout(rl_run: RLRun, step: int) -> None:
+def seed_rollout(rl_run: RLRun, step: int) -> None:
   """Sampling randomness is a function of (rollout_seed, step), so a resumed run samples what an
   uninterrupted one would have (the RNG part of the resume state)."""
   rc = rl_run.rl_cluster.cluster_config.rollout_config[rl_cluster_lib.Mode.TRAIN]
@@ -106,7 +106,7 @@ def sample_batch(rl_run: RLRun, index: int, phases: dict[str, float]) -> tuple[l
   """Batch `index` (trained at step index + 1) sampled by the sampler's current weights: the rollout producer's
   `sample_fn` (async_rollout.py; in its thread when rollouts run ahead)."""
   step = index + 1
-  _seed_rollout(rl_run, step)
+  seed_rollout(rl_run, step)
   inputs, batch = _step_inputs(rl_run, step)
   timer = PhaseTimer()
   sampled = experience.sample(rl_run, inputs, rl_run.plan, timer)
@@ -162,7 +162,7 @@ def _step_metrics(
   graded = rewards_lib.score_batch(exp.texts, answers, rl_run.config)
   m["accuracy"] = float(np.mean([r.correct for r in graded]))
   m["strict_accuracy"] = float(np.mean([r.correct and r.format_ok for r in graded]))
-  mask = distributed.to_host(exp.example.completion_mask)
+  mask = item.value[2].completion_ids != item.value[2].pad_id  # every completion (the loss mask may drop some)
   lengths = mask.sum(axis=-1)
   m["completion/length_mean"] = float(lengths.mean())
   m["completion/length_max"] = float(lengths.max())
@@ -197,6 +197,7 @@ def train_step(rl_run: RLRun, producer, step: int, snapshot: bool, audit: bool) 
   rl_run.timer.reset()
   item = producer.take(step - 1)  # sampled inline, or earlier in the producer's thread (rl.off_policy_steps > 0)
   batch, inputs, sampled = item.value
+  rl_run.data_position = dynamic_sampling.next_position(sampled, step, rl_run.config.batch_size)
   exp = experience.score(rl_run, sampled, rl_run.plan, rl_run.timer)
   t = time.perf_counter()
   rl_run.rl_cluster.update_actor(updates.micro_batches(exp.example, rl_run.plan), None, skip_jit=False)
