@@ -42,6 +42,7 @@ from tunix.sft import metrics_logger
 
 from maxtext_rl_plugin import algorithms
 from maxtext_rl_plugin import async_rollout
+from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin import data
 from maxtext_rl_plugin import experience
 from maxtext_rl_plugin import resharding
@@ -195,7 +196,11 @@ def _resolve_engine_name(config) -> str:
 
   on_tpu = jax.default_backend() in ("tpu",) or pathways.requested()
   name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
-  if name == "vllm" and multi:
+  head_dim_reason = config_lib.vllm_head_dim_reason(config.model_name, config.head_dim)
+  if name == "vllm" and head_dim_reason:
+    name = "embedded"
+    logging.info("rollout_engine=auto resolved to 'embedded': %s", head_dim_reason)
+  elif name == "vllm" and multi:
     name = "embedded"
     logging.info(
         "rollout_engine=auto resolved to 'embedded': vLLM is installed but %d JAX processes run without "
@@ -333,7 +338,6 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   actor, actor_mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
   if config.sft_warmup_steps > 0:
     sft.warm_start(config, actor, actor_mesh, tokenizer, train_split, run_dir)
-  lora_lib.check_engine(config, engine_name)
   actor, frozen_base = lora_lib.apply(config, actor, actor_mesh, tokenizer.pad_token_id)  # (actor, None) without LoRA
   reference = None
   if config.rl.grpo_beta != 0.0:

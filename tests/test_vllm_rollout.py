@@ -484,8 +484,11 @@ def test_mapping_error_paths(qwen):
   cfg, tree = qwen
   with pytest.raises(errors.ConfigError, match="model_name"):
     vm.map_maxtext_to_vllm(tree, "gemma3-4b")
-  with pytest.raises(errors.ConfigError):
-    vm.check_supported("qwen3-30b-a3b")  # MoE: not covered
+  with pytest.raises(errors.ConfigError, match="no JAX Qwen3-MoE class .* expert-stacked") as e:
+    vm.check_supported("qwen3-30b-a3b")  # MoE: refused with what is missing
+  assert "\n" not in str(e.value)
+  with pytest.raises(errors.ConfigError, match="only Gemma JAX class is Gemma4ForCausalLM"):
+    vm.check_supported("gemma3-4b")
   extra = {"base": {**tree["base"], "mystery": {"kernel": jnp.zeros((2, 2))}}}
   with pytest.raises(ValueError, match="no vLLM mapping"):
     vm.map_maxtext_to_vllm(extra, cfg.model_name)
@@ -770,7 +773,10 @@ def test_multi_controller_without_pathways_never_gets_vllm(monkeypatch, qwen, to
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # a TPU host of the Ray image (vLLM installed)
   logged = []
   monkeypatch.setattr(absl_logging, "info", lambda msg, *a: logged.append(msg % a))
-  auto = _Override(cfg, rollout_engine="auto")
+  # cpu_tiny's Qwen3 has head_dim 16, which tpu-inference pads and normalises differently: auto stays embedded.
+  assert trainer._resolve_engine_name(_Override(cfg, rollout_engine="auto")) == "embedded"  # pylint: disable=protected-access
+  assert "normalises Qwen3's q/k over the padded width" in logged[-1]
+  auto = _Override(cfg, rollout_engine="auto", head_dim=128)
   assert trainer._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access  # one controller
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   assert trainer._resolve_engine_name(auto) == "embedded"  # pylint: disable=protected-access
