@@ -69,8 +69,8 @@ def reference_attention():
     tp = get_mesh_shape_product(mesh, ShardingAxisName.ATTN_HEAD)
     if 1 < tp and k.shape[1] < tp:  # as the real function: kv heads repeated up to the TP size before sharding
       k, v = jnp.repeat(k, tp // k.shape[1], axis=1), jnp.repeat(v, tp // k.shape[1], axis=1)
-    common = dict(sm_scale=sm_scale, sliding_window=attention_chunk_size, soft_cap=attn_logits_soft_cap)
-    scales = dict(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale)
+    common = {"sm_scale": sm_scale, "sliding_window": attention_chunk_size, "soft_cap": attn_logits_soft_cap}
+    scales = {"q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
     args = (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution)
     if q.shape[-1] == 64:
       out, kv_cache = kernel_hd64.ref_ragged_paged_attention_hd64(*args, attention_sink, **common, **scales)

@@ -194,7 +194,12 @@ def _mutate(monkeypatch, mutation: str) -> None:
     return
   post = {"q/k swapped after the kv repeat": _swap_qk, "o_proj transposed": _transpose_o}[mutation]
   real_state = vm.to_engine_state
-  monkeypatch.setattr(vm, "to_engine_state", lambda *a, **k: (lambda r: (post(r[0]), r[1]))(real_state(*a, **k)))
+
+  def mutated_state(*args, **kwargs):
+    new, names = real_state(*args, **kwargs)
+    return post(new), names
+
+  monkeypatch.setattr(vm, "to_engine_state", mutated_state)
 
 
 @pytest.mark.parametrize(
@@ -219,15 +224,21 @@ def test_llama31_rope_scaling_is_exercised(model_dir):
   assert pair.check("llama3.1 into an engine without RoPE scaling") > 10 * REL_TOL
 
 
-@pytest.mark.parametrize("name", ["llama3.1", "qwen3"])
-def test_lora_adapters_merged_on_the_trainer_side(model_dir, name):
+def test_lora_adapters_merged_on_the_trainer_side(model_dir):
   """LoRA with vLLM: the first sync sends the whole model with the adapters merged, later syncs (Tunix passes only the
-  LoRAParam state) only the adapted kernels; the engine then computes the adapted MaxText model's function."""
+  LoRAParam state) only the adapted kernels; the engine then computes the adapted MaxText model's function.
+  (Llama only, for the third pass's time: Qwen3 measured the same, gaps 2.5e-7 / 4.1e-7.)"""
   from maxtext_rl_plugin import lora as lora_lib  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.rollout import vllm_mapping as vm  # pylint: disable=import-outside-toplevel
+
+  name = "llama3.1"
 
   pair = pair_of(
-      model_dir, f"{name}-lora", name, lora=True, extra_argv=["lora.enable_lora=true", "lora.lora_rank=4",
-                                                             "lora.lora_alpha=8"]
+      model_dir,
+      f"{name}-lora",
+      name,
+      lora=True,
+      extra_argv=["lora.enable_lora=true", "lora.lora_rank=4", "lora.lora_alpha=8"],
   )
   full_bytes = pair.rollout.last_sync_bytes
   assert pair.check(f"{name} LoRA initial sync") < REL_TOL and pair.greedy_agrees
@@ -236,16 +247,13 @@ def test_lora_adapters_merged_on_the_trainer_side(model_dir, name):
   pair.sync(nnx.LoRAParam)
   assert pair.check(f"{name} LoRA after the adapter sync") < REL_TOL and pair.greedy_agrees
   adapter_bytes = pair.rollout.last_sync_bytes
-  adapted = {k[: -len("_lora_a")] for k in vm_flat(nnx.state(pair.actor, nnx.LoRAParam)) if k.endswith("_lora_a")}
+  adapted = {k[: -len("_lora_a")] for k in vm.flatten_params(nnx.state(pair.actor, nnx.LoRAParam)) if "_lora_a" in k}
   print(f"{name} LoRA sync: {adapter_bytes} bytes vs {full_bytes} for a full sync ({sorted(adapted)})")
-  assert adapted and 0 < adapter_bytes < full_bytes
-  assert lora_lib.module_path(pair.cfg)  # the modules adapted are MaxText's own choice for the model
-
-
-def vm_flat(tree) -> dict:
-  from maxtext_rl_plugin.rollout import vllm_mapping as vm  # pylint: disable=import-outside-toplevel
-
-  return vm.flatten_params(tree)
+  assert lora_lib.module_path(pair.cfg) and len(adapted) == 7  # MaxText's default: every attention and MLP kernel
+  engine = vm.engine_weights(nnx.state(pair.engine))
+  projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+  assert full_bytes == sum(v.nbytes for v in engine.values())
+  assert adapter_bytes == sum(v.nbytes for k, v in engine.items() if any(p in k for p in projections)) < full_bytes
 
 
 @pytest.mark.parametrize("head_dim, diverges", [(32, True), (64, False)])
