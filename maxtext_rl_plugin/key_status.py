@@ -414,7 +414,7 @@ _QLORA = (
 _KEY_STATUS.update(
     {
         "lora.enable_lora": "honoured (lora.py: MaxText's lora_utils.apply_lora_to_model on the actor; adapters-only "
-        "training, sync and checkpoints)",
+        "training, sync and checkpoints; rollout_engine=vllm gets the adapted kernels merged on the trainer side)",
         "lora.lora_rank": "honoured (lora.py: qwix LoraProvider rank)",
         "lora.lora_alpha": "honoured (lora.py: qwix LoraProvider alpha; the update is alpha/rank * A @ B)",
         "lora.lora_module_path": "honoured (lora.py: modules to adapt; empty = MaxText's post_train/lora_module_path.yml "

@@ -71,18 +71,6 @@ def validate(config) -> None:
   path = lora.lora_restore_path
   if path and not str(path).startswith("gs://") and not os.path.exists(path):
     raise ConfigError(f"invalid value for 'lora.lora_restore_path'='{path}': no such checkpoint directory")
-  check_engine(config, config.rollout_engine)  # 'auto' is checked again once resolved
-
-
-def check_engine(config, engine_name: str) -> None:
-  """LoRA needs an engine that takes adapter-only syncs (the embedded engine; docs/lora.md says why not vLLM)."""
-  if enabled(config) and engine_name == "vllm":
-    raise ConfigError(
-        "invalid value for 'rollout_engine'='vllm' with lora.enable_lora=true: the engine takes full weights only; "
-        "tpu-inference 0.32.0's JAX model classes (Qwen3ForCausalLM, LlamaForCausalLM) accept _lora_metadata and "
-        "ignore it, and its LoRA path (vLLM's PyTorch LoRA layers, adapters loaded from disk by LoRARequest) is not a "
-        "weight sync; use rollout_engine=embedded (docs/lora.md)"
-    )
 
 
 def module_path(config) -> str:
@@ -206,6 +194,25 @@ def adapter_pairs(adapters: dict, prefix: tuple = ()):
       yield from adapter_pairs(value, prefix + (key,))
     elif key.endswith("_lora_a"):
       yield prefix, key[: -len("_lora_a")]
+
+
+_ADAPTER_SUFFIXES = ("_lora_a", "_lora_b")
+
+
+def is_adapter(name: str) -> bool:
+  """True for a flattened qwix adapter leaf (`...query.kernel_lora_a`)."""
+  return name.endswith(_ADAPTER_SUFFIXES)
+
+
+def merge_flat(base: dict, adapters: dict, scale: float, scan_axis: int) -> dict:
+  """`{kernel path: W + scale * A @ B}` for every adapter pair in flat `adapters` (`<kernel path>_lora_a/_b`), with W
+  from flat `base`: only the adapted kernels, in their MaxText layout (the vLLM sync maps them like any kernel)."""
+  out = {}
+  for name in sorted(k[: -len("_lora_a")] for k in adapters if k.endswith("_lora_a")):
+    if name not in base or name + "_lora_b" not in adapters:
+      raise ValueError(f"LoRA adapter {name}_lora_a has no base kernel or no _lora_b beside it")
+    out[name] = merge_kernel(base[name], adapters[name + "_lora_a"], adapters[name + "_lora_b"], scale, scan_axis)
+  return out
 
 
 def _at(tree: dict, path: tuple) -> dict:

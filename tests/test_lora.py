@@ -76,7 +76,6 @@ def test_lora_keys_are_maxtexts_and_have_statuses():
         ([*LORA, "lora.lora_module_path=(("], "'lora.lora_module_path'='((': not a regular expression"),
         ([*LORA, "lora.lora_restore_path=/no/such/adapter"], "'lora.lora_restore_path'='/no/such/adapter': no such"),
         (["lora.enable_lora=true", "lora.no_such_key=1"], "unknown config key 'lora.no_such_key'"),
-        ([*LORA, "rollout_engine=vllm"], "'rollout_engine'='vllm' with lora.enable_lora=true: the engine takes full"),
     ],
 )
 def test_bad_lora_keys_are_one_line_errors(overrides, needle):
@@ -85,11 +84,26 @@ def test_bad_lora_keys_are_one_line_errors(overrides, needle):
   assert needle in str(e.value) and "\n" not in str(e.value)
 
 
-def test_vllm_engine_refuses_lora_with_the_reason():
-  c = config_lib.load_config([TINY, *LORA])
-  with pytest.raises(errors.ConfigError, match="rollout_engine'='vllm' with lora.enable_lora=true"):
-    lora.check_engine(c, "vllm")
-  lora.check_engine(c, "embedded")
+def test_vllm_engine_takes_lora():
+  """LoRA with vLLM passes validation (adapters merged on the trainer side, tests/tpu_contract/test_forward.py)."""
+  c = config_lib.load_config([TINY, *LORA, "rollout_engine=vllm", "head_dim=128"])
+  assert lora.enabled(c) and c.rollout_engine == "vllm"
+
+
+def test_merge_flat_merges_only_the_adapted_kernels():
+  """`merge_flat` (the vLLM sync's trainer-side merge) against W + scale * A @ B written out in NumPy."""
+  rng = np.random.default_rng(0)
+  w = rng.standard_normal((8, 2, 4, 3)).astype(np.float32)  # [embed, layers, heads, head_dim], scan axis 1
+  a = rng.standard_normal((8, 2, 5)).astype(np.float32)  # [embed, layers, rank]
+  b = rng.standard_normal((5, 2, 12)).astype(np.float32)  # [rank, layers, heads*head_dim]
+  base = {"q.kernel": w, "o.kernel": np.ones((3, 3), np.float32)}
+  got = lora.merge_flat(base, {"q.kernel_lora_a": a, "q.kernel_lora_b": b}, 0.5, 1)
+  assert set(got) == {"q.kernel"}  # the un-adapted kernel is not sent
+  for layer in range(2):
+    want = w[:, layer] + 0.5 * (a[:, layer] @ b[:, layer]).reshape(8, 4, 3)
+    np.testing.assert_allclose(np.asarray(got["q.kernel"])[:, layer], want, rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="no base kernel"):
+    lora.merge_flat({}, {"q.kernel_lora_a": a, "q.kernel_lora_b": b}, 0.5, 1)
 
 
 def test_default_module_path_is_maxtexts_per_model_entry():

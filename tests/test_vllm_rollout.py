@@ -484,8 +484,11 @@ def test_mapping_error_paths(qwen):
   cfg, tree = qwen
   with pytest.raises(errors.ConfigError, match="model_name"):
     vm.map_maxtext_to_vllm(tree, "gemma3-4b")
-  with pytest.raises(errors.ConfigError):
-    vm.check_supported("qwen3-30b-a3b")  # MoE: not covered
+  with pytest.raises(errors.ConfigError, match="no JAX Qwen3-MoE class .* expert-stacked") as e:
+    vm.check_supported("qwen3-30b-a3b")  # MoE: refused with what is missing
+  assert "\n" not in str(e.value)
+  with pytest.raises(errors.ConfigError, match="only Gemma JAX class is Gemma4ForCausalLM"):
+    vm.check_supported("gemma3-4b")
   extra = {"base": {**tree["base"], "mystery": {"kernel": jnp.zeros((2, 2))}}}
   with pytest.raises(ValueError, match="no vLLM mapping"):
     vm.map_maxtext_to_vllm(extra, cfg.model_name)
@@ -676,7 +679,9 @@ def test_chunked_sync_keeps_kv_cache_when_configured_and_reaches_new_weights(mon
           np.asarray(engine[name], dtype=np.float32), engine_value(ref, hf_name, shape, hc), rtol=1e-2, err_msg=name
       )
 
-  with pytest.raises(errors.ConfigError, match="LoRA"):
+  # An adapter-only sync (Tunix's LoRA sync) merges into the base kernels kept from a full sync of a LoRA actor;
+  # this actor had no adapters, so there is nothing to merge into (tests/tpu_contract/test_forward.py runs LoRA).
+  with pytest.raises(RuntimeError, match="adapter-only vLLM sync needs a full sync of the LoRA actor"):
     rollout.update_params(newer, (nnx.LoRAParam,))
 
 
@@ -770,7 +775,10 @@ def test_multi_controller_without_pathways_never_gets_vllm(monkeypatch, qwen, to
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # a TPU host of the Ray image (vLLM installed)
   logged = []
   monkeypatch.setattr(absl_logging, "info", lambda msg, *a: logged.append(msg % a))
-  auto = _Override(cfg, rollout_engine="auto")
+  # cpu_tiny's Qwen3 has head_dim 16, which tpu-inference pads and normalises differently: auto stays embedded.
+  assert build._resolve_engine_name(_Override(cfg, rollout_engine="auto")) == "embedded"  # pylint: disable=protected-access
+  assert "normalises Qwen3's q/k over the padded width" in logged[-1]
+  auto = _Override(cfg, rollout_engine="auto", head_dim=128)
   assert build._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access  # one controller
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   assert build._resolve_engine_name(auto) == "embedded"  # pylint: disable=protected-access
@@ -792,3 +800,14 @@ def test_multi_controller_without_pathways_never_gets_vllm(monkeypatch, qwen, to
         rollout_actor={}, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), config=cfg
     )
   assert module.LLM.instances == []
+
+
+def test_qwen3_head_dim_that_tpu_inference_pads_is_refused_at_validation():
+  """tpu-inference normalises Qwen3's q/k over head_dim padded to 128 (64 excepted): another function (measured in
+  tests/tpu_contract/test_forward.py::test_qwen3_head_dim_below_128), so the config is refused, one line."""
+  with pytest.raises(errors.ConfigError) as e:
+    load_config(["configs/cpu_tiny.yml", "rollout_engine=vllm"])  # cpu_tiny's Qwen3 has head_dim 16
+  msg = str(e.value)
+  assert "'head_dim'=16" in msg and "pads it to 128" in msg and "\n" not in msg
+  for ok in (["head_dim=64"], ["head_dim=128"], ["head_dim=256"], ["model_name=llama3.1-8b"]):
+    assert load_config(["configs/cpu_tiny.yml", "rollout_engine=vllm", *ok]).rollout_engine == "vllm"

@@ -12,6 +12,10 @@ small and explicit (targeted: vllm-tpu 0.32.0 / tpu-inference 0.32.0, the pins i
   `LLM.collective_rpc("start_weight_update", kwargs={"free_kv_cache": ...})`, the in-process worker's
   `get_weights_state()` / `refresh_model_state_leaves()`, `collective_rpc("finish_weight_update")`.
 
+The sync's mapping and writes are `write_weights`, the path tests/tpu_contract/test_forward.py runs into the real
+tpu-inference classes and checks by their logits. A LoRA actor's adapters are merged into their kernels on the trainer
+side (tpu-inference's JAX classes ignore LoRA metadata); adapter-only syncs send only the adapted kernels.
+
 vLLM starts from dummy weights (`load_format="dummy"`); the constructor syncs the trainer's weights before
 returning and `generate` refuses to run until a sync succeeded, so step 0 samples the trainer's policy.
 Completions keep the EOS/stop token that ended them (vLLM's behaviour), so the policy is trained to stop.
@@ -33,6 +37,7 @@ from tunix.generate import tokenizer_adapter
 from tunix.generate import utils as tunix_gen_utils
 from tunix.rl.rollout import base_rollout
 
+from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin.resharding import move
 from maxtext_rl_plugin.resharding import verify
@@ -190,6 +195,51 @@ def _driver_worker(llm: Any) -> Any:
   return llm.llm_engine.model_executor.driver_worker
 
 
+def write_weights(
+    state: Any,
+    flat: Mapping[str, jax.Array],
+    model_name: str,
+    hf_config: Mapping[str, Any],
+    *,
+    param_scan_axis: int = 1,
+    chunk_size: int | None = None,
+    donate: bool = False,
+    require_all: bool = True,
+) -> dict[str, jax.Array]:
+  """Map MaxText weights `{path: array}` to vLLM's and write them into the engine's weight `state`; returns them.
+
+  The whole sync apart from vLLM's update session: MaxText's export tables (`map_maxtext_to_vllm`), tpu-inference's
+  layout and padding (`to_engine_state`), the engine's shardings, writes into `state` (tpu-inference's
+  `get_weights_state()`: its leaves alias the runner's). `chunk_size` MaxText tensors at a time bound the HF-layout
+  copies. `require_all`: every engine weight must be written (a full sync); an adapter-only sync writes a subset.
+  tests/tpu_contract/test_forward.py runs this path into the real tpu-inference classes and checks their logits.
+  """
+  engine_flat = vllm_mapping.engine_weights(state)  # weights only: tpu-inference's Llama also holds RNG state
+  flax_layout = vllm_mapping.is_flax_layout(state)
+  set_leaves = vllm_mapping.engine_state_setter(state)
+  trainer_buffers = set().union(*(move.buffer_ids(v) for v in flat.values()))
+  keys = sorted(flat)
+  step = int(chunk_size or len(keys) or 1)
+  written: dict[str, jax.Array] = {}
+  for i in range(0, len(keys), step):
+    chunk = {k: flat[k] for k in keys[i : i + step]}
+    hf = vllm_mapping.map_maxtext_to_vllm(chunk, model_name, hf_config, param_scan_axis=param_scan_axis)
+    new, _ = vllm_mapping.to_engine_state(
+        hf, engine_flat, require_all=False, head_dim=hf_config["head_dim"], flax_layout=flax_layout
+    )
+    new = _reshard(new, {k: engine_flat[k].sharding for k in new})
+    new = _unaliased(new, trainer_buffers)
+    set_leaves(new)
+    if donate:
+      keep = set(trainer_buffers).union(*(move.buffer_ids(v) for v in new.values()))
+      move.release_buffers([engine_flat[k] for k in new], keep)
+    written.update(new)
+    del hf, new
+  if require_all:
+    vllm_mapping.check_all_written(engine_flat, written)
+  return written
+
+
 class VllmRollout(base_rollout.BaseRollout):
   """Rollouts from vLLM-TPU with trainer->vLLM weight sync; build with `functools.partial(VllmRollout, config=cfg)`."""
 
@@ -225,6 +275,9 @@ class VllmRollout(base_rollout.BaseRollout):
     self.llm = vllm.LLM(**self.engine_kwargs)
     self._weights_valid = False
     self._syncs = 0
+    self._hf_config: dict | None = None
+    self._lora_base: dict[str, jax.Array] | None = None
+    self.last_sync_bytes = 0
     # (prompt ids, completion ids) -> sampler log-probs, for every completion since the last weight sync.
     self._logps: dict[tuple[int, ...], dict[tuple[int, ...], np.ndarray]] = {}
     # Step 0 samples the trainer's weights, never vLLM's dummy init.
@@ -307,14 +360,11 @@ class VllmRollout(base_rollout.BaseRollout):
     `free_kv_cache_during_weight_sync`), `rl.reshard_chunk_size` MaxText tensors at a time so the
     HF-layout copies never exceed one chunk. Until a sync completes, `generate` refuses to sample.
     """
-    if filter_types and any(getattr(t, "__name__", "") == "LoRAParam" for t in filter_types):
-      raise ConfigError("rollout_engine=vllm syncs full weights; LoRA training is not supported with it")
     cfg = self._config
     free_kv = bool(cfg.free_kv_cache_during_weight_sync)
-    flat = vllm_mapping.flatten_params(params)
-    hf_config = vllm_mapping.hf_config_from_params(flat, cfg.model_name)
-    keys = sorted(flat)
-    step = int(cfg.rl.reshard_chunk_size or len(keys))
+    flat = self._trainer_weights(params, filter_types)
+    if self._hf_config is None:  # the first sync is a full one (the constructor's): the shapes say the model
+      self._hf_config = vllm_mapping.hf_config_from_params(flat, cfg.model_name)
     llm = self.llm
     self._weights_valid = False
     self._logps = {}  # log-probs of the old weights
@@ -323,27 +373,16 @@ class VllmRollout(base_rollout.BaseRollout):
     llm.collective_rpc("start_weight_update", kwargs={"free_kv_cache": free_kv})
     try:
       worker = _driver_worker(llm)
-      state = worker.get_weights_state()
-      engine_flat = vllm_mapping.engine_weights(state)  # weights only: tpu-inference's Llama also holds RNG state
-      flax_layout = vllm_mapping.is_flax_layout(state)
-      set_leaves = vllm_mapping.engine_state_setter(state)
-      trainer_buffers = set().union(*(move.buffer_ids(v) for v in flat.values()))
-      written: dict[str, jax.Array] = {}
-      for i in range(0, len(keys), step):
-        chunk = {k: flat[k] for k in keys[i : i + step]}
-        hf = vllm_mapping.map_maxtext_to_vllm(chunk, cfg.model_name, hf_config, param_scan_axis=int(cfg.param_scan_axis))
-        new, _ = vllm_mapping.to_engine_state(
-            hf, engine_flat, require_all=False, head_dim=hf_config["head_dim"], flax_layout=flax_layout
-        )
-        new = _reshard(new, {k: engine_flat[k].sharding for k in new})
-        new = _unaliased(new, trainer_buffers)
-        set_leaves(new)
-        if cfg.reshard_donate:
-          keep = set(trainer_buffers).union(*(move.buffer_ids(v) for v in new.values()))
-          move.release_buffers([engine_flat[k] for k in new], keep)
-        written.update(new)
-        del hf, new
-      vllm_mapping.check_all_written(engine_flat, written)
+      written = write_weights(
+          worker.get_weights_state(),
+          flat,
+          cfg.model_name,
+          self._hf_config,
+          param_scan_axis=int(cfg.param_scan_axis),
+          chunk_size=cfg.rl.reshard_chunk_size,
+          donate=bool(cfg.reshard_donate),
+          require_all=not self._lora_only(filter_types),
+      )
       worker.refresh_model_state_leaves()
       if self._should_verify():
         _verify_engine_holds(worker, written)
@@ -351,12 +390,45 @@ class VllmRollout(base_rollout.BaseRollout):
       llm.collective_rpc("finish_weight_update")
     self._weights_valid = True
     self._syncs += 1
+    self.last_sync_bytes = sum(int(v.nbytes) for v in written.values())
     logging.info(
-        "synced %d trainer tensors into vLLM (sync %d, kv cache %s)",
+        "synced %d tensors (%.1f MiB) into vLLM (sync %d, kv cache %s)",
         len(written),
+        self.last_sync_bytes / 2**20,
         self._syncs,
         "freed" if free_kv else "kept",
     )
+
+  @staticmethod
+  def _lora_only(filter_types: Optional[Tuple[Any, ...]]) -> bool:
+    """Tunix's `sync_weights` of a LoRA actor passes only its `nnx.LoRAParam` state."""
+    return bool(filter_types) and any(getattr(t, "__name__", "") == "LoRAParam" for t in filter_types)
+
+  def _trainer_weights(self, params: Any, filter_types: Optional[Tuple[Any, ...]]) -> dict[str, jax.Array]:
+    """`{MaxText path: array}` to sync: the params as given, with LoRA adapters merged into their kernels.
+
+    tpu-inference 0.32.0's JAX classes ignore LoRA metadata, so adapters are merged on the trainer side
+    (`lora.merge_flat`, `W + alpha/rank * A @ B`): an adapter-only sync sends only the adapted kernels (the frozen
+    base ones, kept from the first full sync, are merged with the new adapters); a full sync of a LoRA actor sends
+    the whole model with its adapted kernels merged.
+    """
+    flat = vllm_mapping.flatten_params(params)
+    adapters = {k: v for k, v in flat.items() if lora_lib.is_adapter(k)}
+    if not adapters and not self._lora_only(filter_types):
+      return flat
+    cfg = self._config
+    if self._lora_only(filter_types):
+      if self._lora_base is None:
+        raise RuntimeError("an adapter-only vLLM sync needs a full sync of the LoRA actor first")
+      base = self._lora_base
+    else:
+      base = {k: v for k, v in flat.items() if k not in adapters}
+    merged = lora_lib.merge_flat(base, adapters, lora_lib.scale_of(cfg), int(cfg.param_scan_axis))
+    if self._lora_only(filter_types):
+      return merged
+    # The frozen base kernels of the adapted modules (the trainer never updates them), for adapter-only syncs.
+    self._lora_base = {k: base[k] for k in merged}
+    return {**base, **merged}
 
   def _should_verify(self) -> bool:
     """The same policy as every other engine's guard (verify.verify_due), for the sync about to complete."""

@@ -39,6 +39,16 @@ SUPPORTED_FAMILIES = ("qwen3-", "llama3.1-")
 _UNSUPPORTED_QWEN3 = ("qwen3-next", "qwen3-vl", "qwen3-omni", "qwen3-coder", "qwen3-30b", "qwen3-235b")
 
 
+# Families MaxText 0.2.5 has and the pinned tpu-inference runs, refused with what is missing (docs/vllm.md).
+_MOE = ("qwen3-30b", "qwen3-235b", "qwen3-next", "deepseek", "gpt-oss", "llama4", "mixtral", "kimi")
+_REFUSED = {
+    _MOE: "MoE is not mapped: tpu-inference 0.32.0 has no JAX Qwen3-MoE class (Qwen3MoeForCausalLM runs as vLLM's "
+    "PyTorch model) and the plugin has no expert-stacked mapping for its JAX MoE classes (DeepseekV3, GptOss, Llama4)",
+    ("gemma",): "Gemma is not mapped: tpu-inference 0.32.0's only Gemma JAX class is Gemma4ForCausalLM (no Gemma 2/3) "
+    "and the plugin has no numerically checked mapping for it (sliding-window layers, per-layer embeddings, MoE)",
+}
+
+
 def check_supported(model_name: str) -> None:
   """Raise a one-line ConfigError unless the vLLM weight mapping covers `model_name`."""
 
@@ -48,9 +58,15 @@ def check_supported(model_name: str) -> None:
       and model_name in param_mapping.PARAM_MAPPING
   )
   if not ok:
+    why = next((w for prefixes, w in _REFUSED.items() if model_name.startswith(prefixes)), None)
     raise ConfigError(
-        f"invalid value for 'model_name'='{model_name}' with rollout_engine=vllm: the MaxText->vLLM weight mapping "
-        "covers dense Qwen3 (qwen3-0.6b ... qwen3-32b) and Llama 3.1 (llama3.1-8b/70b/405b)"
+        f"invalid value for 'model_name'='{model_name}' with rollout_engine=vllm: "
+        + (
+            f"{why}; use rollout_engine=embedded"
+            if why
+            else "the MaxText->vLLM weight mapping covers dense Qwen3 (qwen3-0.6b ... qwen3-32b) and Llama 3.1 "
+            "(llama3.1-8b/70b/405b)"
+        )
     )
 
 

@@ -35,6 +35,7 @@ from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import sft
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
+from maxtext_rl_plugin import validation
 from maxtext_rl_plugin.data import load
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import sync
@@ -112,7 +113,11 @@ def _resolve_engine_name(config) -> str:
 
   on_tpu = jax.default_backend() in ("tpu",) or pathways.requested()
   name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
-  if name == "vllm" and multi:
+  head_dim_reason = validation.vllm_head_dim_reason(config.model_name, config.head_dim)
+  if name == "vllm" and head_dim_reason:
+    name = "embedded"
+    logging.info("rollout_engine=auto resolved to 'embedded': %s", head_dim_reason)
+  elif name == "vllm" and multi:
     name = "embedded"
     logging.info(
         "rollout_engine=auto resolved to 'embedded': vLLM is installed but %d JAX processes run without "
@@ -252,7 +257,6 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   actor, actor_mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
   if config.sft_warmup_steps > 0:
     sft.warm_start(config, actor, actor_mesh, tokenizer, train_split, run_dir)
-  lora_lib.check_engine(config, engine_name)
   actor, frozen_base = lora_lib.apply(config, actor, actor_mesh, tokenizer.pad_token_id)  # (actor, None) without LoRA
   reference = None
   if config.rl.grpo_beta != 0.0:

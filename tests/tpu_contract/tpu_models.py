@@ -52,9 +52,9 @@ MAXTEXT_NAME = {"llama": "llama3.1-8b", "qwen3": "qwen3-0.6b"}
 _cache: dict = {}
 
 
-def build(tmp_root, arch: str, *, abstract: bool = True, tp: int = TP, **overrides):
+def build(tmp_root, arch: str, *, abstract: bool = True, tp: int = TP, dtype: str = "bfloat16", **overrides):
   """(model, vllm_config, mesh) for the real tpu-inference class of `arch`; concrete weights unless `abstract`."""
-  key = (arch, abstract, tp, tuple(sorted(overrides.items())))
+  key = (arch, abstract, tp, dtype, json.dumps(overrides, sort_keys=True))
   if key in _cache:
     return _cache[key]
   from flax import nnx
@@ -69,7 +69,7 @@ def build(tmp_root, arch: str, *, abstract: bool = True, tp: int = TP, **overrid
   path.mkdir(parents=True)
   (path / "config.json").write_text(json.dumps(cfg))
   vllm_config = VllmConfig(
-      model_config=ModelConfig(model=str(path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128),
+      model_config=ModelConfig(model=str(path), skip_tokenizer_init=True, dtype=dtype, max_model_len=128),
       device_config=DeviceConfig(device="cpu"),
       parallel_config=ParallelConfig(tensor_parallel_size=tp),
   )

@@ -1,0 +1,177 @@
+"""A forward pass of the real tpu-inference 0.32.0 classes on CPU, fed by the plugin's own vLLM weight sync.
+
+What is real: the tpu-inference model class (its layers, RoPE, padding, GQA, paged KV cache layout, `compute_logits`),
+the plugin's `VllmRollout.update_params` (MaxText's export tables, the layout/padding mapping, the writes into the
+engine's state), the MaxText model it syncs from. What is not:
+
+* vLLM's engine/scheduler (`vllm.LLM`): `ShimLLM` hands `update_params` the real model's `nnx.state` as its
+  worker's `get_weights_state()` (its leaves alias the model's, as the runner's do); the test drives the model;
+* the Pallas ragged paged attention kernel, which cannot run on CPU (not even in interpret mode: its `ref.bitcast`
+  views): `reference_attention` swaps `attention_interface.sharded_ragged_paged_attention` -- the one function
+  `rpa_attention` looks up at call time -- for the package's own pure-JAX reference of that kernel
+  (`kernels/ragged_paged_attention/v3/kernel.py::ref_ragged_paged_attention`, `kernel_hd64.py` for head_dim 64):
+  same arguments, writes the new k/v into the pages and reads them back. This is the only substitution. The
+  reference validates concrete values, so the model runs eagerly (no jit).
+"""
+
+# tpu_inference and vllm exist only in .venv-tpu; imported where used (see tpu_models.py).
+# pylint: disable=import-outside-toplevel
+
+from __future__ import annotations
+
+import contextlib
+import types
+from typing import Any
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+PAGE_SIZE = 16
+
+
+@contextlib.contextmanager
+def reference_attention():
+  """Run tpu-inference's attention through the package's pure-JAX reference kernel (module docstring)."""
+  from tpu_inference.kernels.ragged_paged_attention.v3 import kernel, kernel_hd64
+  from tpu_inference.layers.common import attention_interface
+  from tpu_inference.layers.common.sharding import ShardingAxisName
+  from tpu_inference.utils import get_mesh_shape_product
+
+  real = attention_interface.sharded_ragged_paged_attention
+
+  def reference(  # the signature of sharded_ragged_paged_attention (0.32.0)
+      mesh,
+      q,
+      k,
+      v,
+      kv_cache,
+      kv_lens,
+      page_indices,
+      cu_q_lens,
+      distribution,
+      attention_sink,
+      sm_scale,
+      attention_chunk_size=None,
+      q_scale=None,
+      k_scale=None,
+      v_scale=None,
+      update_kv_cache=True,
+      use_causal_mask=True,
+      attn_logits_soft_cap=None,
+      decode_query_size=1,
+  ):
+    del decode_query_size  # a block-size knob of the kernel, not numerics
+    if not update_kv_cache:
+      raise NotImplementedError("the reference kernel always writes the cache (KV-share is not exercised here)")
+    tp = get_mesh_shape_product(mesh, ShardingAxisName.ATTN_HEAD)
+    if 1 < tp and k.shape[1] < tp:  # as the real function: kv heads repeated up to the TP size before sharding
+      k, v = jnp.repeat(k, tp // k.shape[1], axis=1), jnp.repeat(v, tp // k.shape[1], axis=1)
+    common = {"sm_scale": sm_scale, "sliding_window": attention_chunk_size, "soft_cap": attn_logits_soft_cap}
+    scales = {"q_scale": q_scale, "k_scale": k_scale, "v_scale": v_scale}
+    args = (q, k, v, kv_cache, kv_lens, page_indices, cu_q_lens, distribution)
+    if q.shape[-1] == 64:
+      out, kv_cache = kernel_hd64.ref_ragged_paged_attention_hd64(*args, attention_sink, **common, **scales)
+    else:
+      if attention_sink is not None:
+        raise NotImplementedError("attention sinks exist only on the head_dim 64 kernel")
+      out, kv_cache = kernel.ref_ragged_paged_attention(*args, use_causal_mask=use_causal_mask, **common, **scales)
+    # The reference returns rows for the real tokens only; the kernel returns all T rows.
+    return jnp.pad(out, ((0, q.shape[0] - out.shape[0]), (0, 0), (0, 0))), kv_cache
+
+  attention_interface.sharded_ragged_paged_attention = reference
+  try:
+    yield
+  finally:
+    attention_interface.sharded_ragged_paged_attention = real
+
+
+class ShimLLM:
+  """`vllm.LLM` at the hardware boundary: its in-process worker's weight state is the real model's `nnx.state`."""
+
+  model: Any = None  # set per test (the real tpu-inference model)
+
+  def __init__(self, **kwargs):
+    self.kwargs = kwargs
+    model = type(self).model
+    worker = types.SimpleNamespace(get_weights_state=lambda: nnx.state(model), refresh_model_state_leaves=lambda: None)
+    self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker))
+
+  def reset_prefix_cache(self):
+    return True
+
+  def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+    del method, timeout, args, kwargs
+    return [None]
+
+
+def engine_greedy(model, mesh, prompt: list[int], n_decode: int) -> tuple[np.ndarray, list[int]]:
+  """Prefill `prompt` then `n_decode` greedy decode steps through the paged KV cache of the real model.
+
+  Returns (logits [len(prompt) + n_decode, vocab] -- every prefill row, then one row per decode step -- and the
+  n_decode + 1 greedy tokens). Positions/pages as vLLM's runner lays them out for one request.
+  """
+  from tpu_inference.kernels.ragged_paged_attention.v3 import kernel
+  from tpu_inference.layers.common.attention_metadata import AttentionMetadata
+
+  cfg = model.vllm_config.model_config.hf_config
+  vocab = int(cfg.vocab_size)
+  dtype = model.vllm_config.model_config.dtype
+  max_len = len(prompt) + n_decode
+  pages = -(-max_len // PAGE_SIZE)
+  tp = int(mesh.shape["model"])
+  kv_heads = max(int(cfg.num_key_value_heads), tp)
+  head_dim = int(getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads))
+  padded_hd = head_dim if head_dim == 64 else -(-head_dim // 128) * 128
+  if padded_hd == 64:
+    from tpu_inference.kernels.ragged_paged_attention.v3 import kernel_hd64
+
+    shape = kernel_hd64.get_kv_cache_shape(pages + 1, PAGE_SIZE, kv_heads, padded_hd, dtype)
+  else:
+    shape = kernel.get_kv_cache_shape(pages + 1, PAGE_SIZE, kv_heads, padded_hd, dtype)
+  kv_caches = [jnp.zeros(shape, dtype) for _ in range(int(cfg.num_hidden_layers))]
+  block_tables = jnp.arange(1, pages + 1, dtype=jnp.int32)  # page 0 left unused: a wrong page index shows
+
+  def step(ids: list[int], start: int, distribution: list[int]):
+    nonlocal kv_caches
+    md = AttentionMetadata(
+        input_positions=jnp.arange(start, start + len(ids), dtype=jnp.int32),
+        block_tables=block_tables,
+        seq_lens=jnp.asarray([start + len(ids)], jnp.int32),
+        query_start_loc=jnp.asarray([0, len(ids)], jnp.int32),
+        request_distribution=jnp.asarray(distribution, jnp.int32),
+    )
+    with jax.set_mesh(mesh), reference_attention():
+      kv_caches, hidden, _, _ = model(kv_caches, jnp.asarray(ids, jnp.int32), md)
+      return np.asarray(model.compute_logits(hidden), np.float32)[:, :vocab]
+
+  rows = [step(prompt, 0, [0, 0, 1])]  # one prefill request (the "mixed" group of the kernel's distribution)
+  tokens = [int(np.argmax(rows[-1][-1]))]
+  for i in range(n_decode):
+    rows.append(step([tokens[-1]], len(prompt) + i, [1, 1, 1]))  # one decode-only request
+    tokens.append(int(np.argmax(rows[-1][-1])))
+  return np.concatenate(rows, axis=0), tokens
+
+
+def maxtext_logits(actor, tokens: list[int]) -> np.ndarray:
+  """MaxText's own forward (the TunixMaxTextAdapter the trainer holds) over `tokens`: [len, vocab] float32."""
+  ids = jnp.asarray([tokens], jnp.int32)
+  pos = jnp.arange(len(tokens), dtype=jnp.int32)[None]
+  logits, _ = actor(ids, pos, None, None)
+  return np.asarray(logits[0], np.float32)
+
+
+def train_step(actor, tokens: list[int], wrt: Any = nnx.Param, learning_rate: float = 1e-2) -> None:
+  """One Adam step of next-token cross-entropy on `tokens`, on the `wrt` variables of the MaxText actor."""
+  ids = jnp.asarray([tokens], jnp.int32)
+  pos = jnp.arange(len(tokens), dtype=jnp.int32)[None]
+  optimizer = nnx.Optimizer(actor, optax.adam(learning_rate), wrt=wrt)
+
+  def loss_fn(model):
+    logits, _ = model(ids[:, :-1], pos[:, :-1], None, None)
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids[:, 1:]).mean()
+
+  _, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, wrt))(actor)
+  optimizer.update(actor, grads)
