@@ -308,7 +308,9 @@ _KEY_STATUS: dict[str, str] = {
     "inference_rollouts": (
         "refused: MaxText's multi-replica vLLM rollout; the plugin runs one rollout engine per sampler mesh"
     ),
-    "use_pathways_reshard": "refused: resharding/backend.py chooses pathwaysutils' reshard itself when the backend is Pathways",
+    "use_pathways_reshard": (
+        "refused: resharding/backend.py chooses pathwaysutils' reshard itself when the backend is Pathways"
+    ),
     "gc_collect_after_weight_sync": (
         "refused: the plugin's weight sync frees buffers chunk by chunk (reshard_donate); it does not call " "gc.collect"
     ),
