@@ -5,10 +5,8 @@ synthetic stream's own positions (a synthetic example's id is its stream positio
 import json
 import os
 import pathlib
-import signal
 import subprocess
 import sys
-import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 B, G = 2, 4
@@ -66,19 +64,12 @@ def _run(out, name, *extra):
 
 
 def _kill_after_first_step(out, name, *extra) -> int:
-  """Start the run, SIGTERM it once step 1 is logged; the step it stopped after."""
-  with subprocess.Popen(
-      _cmd(out, name, *extra), cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-  ) as proc:
-    metrics = out / name / "metrics.jsonl"
-    deadline = time.time() + 600
-    while time.time() < deadline and proc.poll() is None:
-      if metrics.exists() and any('"reward/mean"' in l for l in metrics.read_text().splitlines()):
-        break
-      time.sleep(0.5)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=600)
-  assert proc.returncode == 143, err[-3000:]
+  """Run it with a SIGTERM sent during its second reward call (step 1's first refill, or batch 2 sampled ahead: the
+  run's first step is always trained first); the step it stopped after."""
+  env = dict(_env(), DS_TEST_SIGTERM_ON_CALL="2")
+  p = subprocess.run(_cmd(out, name, *extra), cwd=REPO, capture_output=True, text=True, env=env, timeout=900, check=False)
+  err = p.stderr
+  assert p.returncode == 143, err[-3000:]
   last = err.strip().splitlines()[-1]
   return int(last.split("after step ")[1].split("/")[0])
 

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import sys
@@ -75,6 +76,8 @@ def test_dry_run_prints_one_xpk_line_that_xpk_parses(token_env, launch_cli):
   assert (args.num_slices, args.priority, args.docker_image) == (2, "high", "gcr.io/my-proj/maxtext-rl:latest")
   container = shlex.split(args.command)
   env = dict(a.split("=", 1) for a in container[: container.index("python3")])
+  # One launch id per submission (test_jobset_restart_keeps_the_launch_id_and_takes_over_its_lock_at_once).
+  assert env.pop(run_dir.LAUNCH_ID_ENV).startswith("xpk:llama-grpo:")
   assert env == {
       "TF_CPP_MIN_LOG_LEVEL": "0",
       "JAX_PLATFORMS": "proxy",
@@ -185,10 +188,13 @@ def test_other_bad_flags_one_line(launch_cli):
 
 
 def test_resubmission_resumes_same_run(token_env, launch_cli):
-  """Same workload -> byte-identical command -> same run_name/base_output_directory -> same checkpoint dir."""
+  """Same workload -> the same command but for its launch id (a resubmission is a new launch) -> same
+  run_name/base_output_directory -> same checkpoint dir."""
   first = launch_cli([*BASE, "--dry-run", "--", *OVERRIDES])[1]
   again = launch_cli([*BASE, "--dry-run", "--", *OVERRIDES])[1]
-  assert first == again
+  ids = [re.search(rf"{run_dir.LAUNCH_ID_ENV}=(\S+)", c).group(1) for c in (first, again)]
+  assert ids[0] != ids[1]
+  assert first.replace(ids[0], "ID") == again.replace(ids[1], "ID")
   # An explicit run_name wins and is not duplicated.
   out = launch_cli([*BASE, "--dry-run", "--", *OVERRIDES, "run_name=exp7"])[1]
   train_args = shlex.split(xpk_parse(out.strip()).command)

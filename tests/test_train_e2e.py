@@ -199,7 +199,8 @@ def test_sigkill_during_checkpoint_write_resumes_from_previous_complete_step(tmp
 def test_bad_input_one_line_and_run_dir_untouched(out, grpo_run, overrides, needle):
   _, ref = grpo_run
   before = {n: params_digest(ref / "checkpoints" / n) for n in ("1", "2", "3")}
-  p = train(out, "grpo", *overrides, check=False)
+  # num_batches=4: a resume that would train (asking for fewer steps than the 3 done is refused before any key is read)
+  p = train(out, "grpo", *overrides, "num_batches=4", check=False)
   assert p.returncode == 2, p.stderr[-3000:]
   errs = [l for l in p.stderr.splitlines() if l.startswith("error:")]
   assert len(errs) == 1 and needle in errs[0], p.stderr[-3000:]
