@@ -152,7 +152,7 @@ def check_rerun(config, run_dir: str, asked_steps: int) -> None:
 
 
 def total_steps(config) -> int:
-  """RL steps the run asks for (= trainer.num_rl_steps: MaxText's train_steps counts one update per iteration)."""
+  """RL steps the run asks for (run.build.num_rl_steps): MaxText's train_steps counts one update per iteration."""
   return int(config.train_steps) // max(1, int(config.rl.num_iterations))
 
 

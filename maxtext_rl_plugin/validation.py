@@ -236,8 +236,9 @@ def validate(pc) -> None:
     check(pc)
   lora.validate(pc)
   algorithms.check_config(pc)  # DAPO and kin: estimator x scaling x aggregation, overlong buffer
-  if pc.rollout_engine == "vllm" and vllm_head_dim_reason(pc.model_name, pc.head_dim):
-    raise _bad("head_dim", pc.head_dim, vllm_head_dim_reason(pc.model_name, pc.head_dim))
+  head_dim_reason = vllm_head_dim_reason(pc.model_name, pc.head_dim) if pc.rollout_engine == "vllm" else None
+  if head_dim_reason:
+    raise _bad("head_dim", pc.head_dim, head_dim_reason)
 
 
 def vllm_head_dim_reason(model_name: str, head_dim: int) -> str | None:

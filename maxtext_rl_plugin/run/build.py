@@ -32,6 +32,7 @@ from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import rewards as rewards_lib
+from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import sft
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
@@ -94,8 +95,9 @@ def _check_runtime(config, rs: models.RunSetup) -> None:
 
 def num_rl_steps(config) -> int:
   """RL steps (rollout batches) of the run. MaxText's `train_steps` counts num_batches * num_iterations *
-  train_fraction * num_epoch, i.e. updates with one update per iteration; the plugin's step is one rollout batch."""
-  return int(config.train_steps) // max(1, int(config.rl.num_iterations))
+  train_fraction * num_epoch, i.e. updates with one update per iteration; the plugin's step is one rollout batch.
+  Defined once in run_identity (its pre-build checks run before this module's imports)."""
+  return run_identity.total_steps(config)
 
 
 def total_updates(config) -> int:
