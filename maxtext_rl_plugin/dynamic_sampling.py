@@ -78,7 +78,7 @@ def next_position(sampled: experience.Sampled, step: int, batch_size: int) -> in
 
 
 def inputs_of(examples: Sequence[Any], num_generations: int) -> dict[str, list]:
-  """Tunix inputs of `examples`: each prompt, answer and question repeated G times (run/step.py's layout)."""
+  """Tunix inputs of `examples`: each prompt, answer and question repeated G times (every step's layout)."""
   g = num_generations
   return {
       "prompts": [e.prompt for e in examples for _ in range(g)],

@@ -86,13 +86,7 @@ def _step_inputs(rl_run: RLRun, step: int) -> tuple[dict, list]:
   config = rl_run.config
   # Batch k (0-based) is a pure function of (seed, k): resuming at step s replays nothing and skips nothing.
   batch = rl_run.train_split.batch(step - 1, config.batch_size)
-  g = config.rl.num_generations
-  inputs = {
-      "prompts": [e.prompt for e in batch for _ in range(g)],
-      "answer": [e.answer for e in batch for _ in range(g)],
-      "question": [e.question for e in batch for _ in range(g)],
-  }
-  return inputs, batch
+  return dynamic_sampling.inputs_of(batch, config.rl.num_generations), batch
 
 
 def seed_rollout(rl_run: RLRun, step: int) -> None:
