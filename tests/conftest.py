@@ -82,6 +82,7 @@ def pytest_collection_modifyitems(items):
   rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
 
+
 # tests/tpu_contract needs the TPU image's stack (.venv-tpu, scripts/tpu_contract_venv.sh); scripts/test.sh runs it
 # there in its own pass. The main venv has no tpu_inference, so it does not collect that directory at all.
 collect_ignore = [] if importlib.util.find_spec("tpu_inference") else ["tpu_contract"]
