@@ -24,7 +24,9 @@ import os
 from typing import Any
 
 from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin.data import rows
 from maxtext_rl_plugin.errors import CheckpointError
+from maxtext_rl_plugin.errors import ConfigError
 
 _DIGEST_BYTES = 1 << 20  # a data file's digest reads its size and first MiB: cheap for a GB Parquet, still exact enough
 _MODEL_KEYS = ("emb_dim", "mlp_dim", "num_decoder_layers", "num_query_heads", "num_kv_heads", "head_dim", "vocab_size")
@@ -156,9 +158,44 @@ def total_steps(config) -> int:
   return int(config.train_steps) // max(1, int(config.rl.num_iterations))
 
 
+def _local(path: Any) -> bool:
+  return isinstance(path, str) and bool(path) and "://" not in path
+
+
+def check_load_parameters_path(path: Any) -> None:
+  """One line instead of MaxText's traceback for a missing local base checkpoint."""
+  if _local(path) and not os.path.exists(path):
+    raise CheckpointError(f"invalid value for 'load_parameters_path'='{path}': no such checkpoint directory")
+
+
+def check_inputs(config) -> None:
+  """The local files a run reads exist: data files (the data loader's own check, `rows.expand_paths`), the base
+  checkpoint, and a tokenizer_path written as a local path (absolute, `./`, `../`, `~`; `org/name` may be a hub id).
+  `config` may be a `validation.RawConfig` (a key it cannot type is skipped)."""
+  for key in ("train_data_path", "eval_data_path"):
+    spec = getattr(config, key, None)
+    if _local(spec):
+      rows.expand_paths(spec, key)
+  check_load_parameters_path(getattr(config, "load_parameters_path", None))
+  tokenizer = getattr(config, "tokenizer_path", None)
+  if _local(tokenizer) and tokenizer.startswith(("/", "./", "../", "~")):
+    if not os.path.exists(os.path.expanduser(tokenizer)):
+      raise ConfigError(f"invalid value for 'tokenizer_path'='{tokenizer}': no such directory")
+
+
+def check_outputs(config) -> None:
+  """The run directory and the metrics file can be written (`run_dir.check_writable`; a `RawConfig` that cannot
+  type metrics_file probes the directory alone)."""
+  run_dir = os.path.join(config.base_output_directory, config.run_name)
+  metrics_file = getattr(config, "metrics_file", None)
+  run_dir_lib.check_writable(run_dir, run_dir_lib.resolve_metrics_file(metrics_file, run_dir))
+
+
 def preflight(config) -> None:
   """The run's path checks, before the trainer's imports (JAX backends, MaxText models, Tunix: seconds on a loaded
-  machine): outputs writable, and no rerun that would rewrite a finished run or resume another model or data."""
+  machine): inputs exist, outputs writable, and no rerun that would rewrite a finished run or resume another model
+  or data."""
+  check_inputs(config)
+  check_outputs(config)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
-  run_dir_lib.check_writable(run_dir, run_dir_lib.resolve_metrics_file(config.metrics_file, run_dir))
   check_rerun(config, run_dir, total_steps(config))

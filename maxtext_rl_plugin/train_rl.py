@@ -49,16 +49,34 @@ def _close_writers() -> None:
     metrics.close_all()
 
 
+def _precheck(view) -> None:
+  """The refusals `load_config` and `preflight` would make that the config as written already decides (a key the
+  first pass cannot type is left to them): a run name, and for training the input files and the outputs."""
+  try:
+    validation.check_run(view)
+    print_config = view.print_config if "print_config" in view else False  # unset: the schema's default
+  except AttributeError:
+    return
+  if print_config is False:
+    run_identity.check_inputs(view)
+    try:
+      run_identity.check_outputs(view)
+    except AttributeError:
+      return
+
+
 def _main(argv: list[str]) -> int:
   """Pathways set-up, config, then training, with user errors as one line."""
   with exit_on_user_error():
-    # First, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
+    # Config and path mistakes first, in a second: the schema's imports (JAX, MaxText, Tunix) take ~10 s.
+    from maxtext_rl_plugin import config as config_lib
+
+    _precheck(config_lib.precheck(argv))
+    # Then, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
     # must be registered now, as MaxText's train_rl.main does; later JAX refuses it.
     from maxtext_rl_plugin import pathways
 
     pathways.initialize()
-    from maxtext_rl_plugin import config as config_lib
-
     config = config_lib.load_config(argv)
     validation.check_run(config)  # print_config=true refuses what training refuses
     if config.print_config:

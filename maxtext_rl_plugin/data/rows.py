@@ -106,7 +106,7 @@ def rows_to_examples(rows: Iterable[Any], source: str, unit: str = "") -> tuple[
   return out, sk
 
 
-def _expand_paths(spec: str, key: str) -> list[str]:
+def expand_paths(spec: str, key: str) -> list[str]:
   """The files a comma-separated path/glob spec names; a part matching nothing is a DataError."""
   paths = []
   for part in (p.strip() for p in spec.split(",")):
@@ -175,7 +175,7 @@ def _read_rows(path: str, key: str) -> tuple[list[tuple[int, Any]], str]:
 def load_file_rows(spec: str, key: str) -> list[tuple[str, str, str, str]]:
   """Usable rows of local JSONL/JSON/Parquet file(s) named by config key `key`."""
   out = []
-  for path in _expand_paths(spec, key):
+  for path in expand_paths(spec, key):
     numbered, unit = _read_rows(path, key)
     rows, sk = rows_to_examples(numbered, os.path.basename(path), unit=unit)
     if not rows:
