@@ -191,6 +191,8 @@ def _parse_overrides(overrides: Sequence[str], keys: KeyNames) -> list[str]:
     head, _, tail = key.partition(".")
     if head in keys.blocks and tail and "." not in tail and tail in keys.top:
       key = tail
+    if not value.strip() and isinstance(shipped_defaults().get(key), str):
+      value = "''"  # `key=` clears a string key (OmegaConf would read None, which a str field refuses)
     out.append(f"{key}={value}")
   return out
 

@@ -24,6 +24,7 @@ import math
 import os
 from typing import Any, Callable, Iterator
 
+from maxtext_rl_plugin import key_status
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -99,7 +100,7 @@ class RawConfig:
     value, default = self._values[name], self._defaults.get(name)
     if name == "run_name" and value is None:
       return ""  # pyconfig's rule for `run_name=` (OmegaConf reads an empty value as None)
-    if isinstance(value, dict) and isinstance(default, dict):
+    if name in key_status.NESTED_BLOCKS and isinstance(value, dict) and isinstance(default, dict):
       return RawConfig(value, default)  # a nested block (`rl:`, `lora:`)
     return _typed(value, default)
 

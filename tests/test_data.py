@@ -277,7 +277,6 @@ def test_parquet_and_globs_equal_jsonl(tmp_path):
         ("train_data_path=/nonexistent/x.jsonl", DataError, "train_data_path='/nonexistent/x.jsonl': file not found"),
         ("eval_data_path=/nonexistent/*.jsonl", DataError, "no files match"),
         ("data_template_path=/nonexistent/t.json", ConfigError, "data_template_path"),
-        ("synthetic_max_steps=1 synthetic_min_steps=3", ConfigError, "synthetic_max_steps"),
     ],
 )
 def test_user_errors_are_one_line(override, err, fragment):
