@@ -332,3 +332,53 @@ def test_a_reward_function_that_exits_ends_the_run_with_one_line_not_success(tmp
   assert len(errs) == 1 and errs[0].startswith(f"error: reward function 'quits' ({reward}:4) called sys.exit(0)"), errs
   assert "Traceback" not in p.stderr and "can't create new thread" not in p.stderr, p.stderr[-3000:]
   assert not (tmp_path / "r" / "summary.json").exists()
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_step(tmp_path, monkeypatch, caplog):
+  # A real Orbax save of a small tree; the fake is at Orbax's file-write boundary (serialization's
+  # async_serialize_from_host, which TensorStore writes through): ENOSPC for step 2's arrays. Orbax's write threads
+  # log the failure with its traceback before the save raises; the run shows only its own line.
+  import errno  # pylint: disable=import-outside-toplevel
+  import logging  # pylint: disable=import-outside-toplevel
+
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from orbax.checkpoint._src.serialization import serialization  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin import checkpointing  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.errors import CheckpointError  # pylint: disable=import-outside-toplevel
+
+  params = {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}
+  opt = {"mu": jnp.ones(3, jnp.float32)}
+  ckpt = checkpointing.RunCheckpointer(str(tmp_path / "checkpoints"), period=1)
+  ckpt.save(1, params, opt, {"step": 1})
+
+  async def disk_full(*_args, **_kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(serialization, "async_serialize_from_host", disk_full)
+  caplog.set_level(logging.ERROR)
+  with pytest.raises(CheckpointError) as e:
+    ckpt.save(2, {"w": params["w"] + 1}, opt, {"step": 2})
+  assert "checkpoint step 2 was not written: no space left on the device" in str(e.value), str(e.value)
+  assert "the run can resume from step 1" in str(e.value) and "\n" not in str(e.value)
+  assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage()[:200] for r in caplog.records]
+  monkeypatch.undo()
+  restored, _, meta = ckpt.restore(1, params, opt)
+  assert np.array_equal(np.asarray(restored["w"]), np.arange(12, dtype=np.float32).reshape(3, 4))
+  assert meta == {"step": 1}
+  ckpt.close()
+
+
+def test_orbax_errors_a_save_does_not_explain_are_still_logged(caplog):
+  # The held records come back when the failure is not one the run turns into its own line.
+  import logging  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin import checkpointing  # pylint: disable=import-outside-toplevel
+
+  record = logging.LogRecord("absl", logging.ERROR, "/x/orbax/checkpoint/f.py", 1, "thread failed", None, None)
+  caplog.set_level(logging.ERROR)
+  with checkpointing._OrbaxErrorLogs():  # pylint: disable=protected-access
+    logging.getLogger("absl").handle(record)
+    assert not caplog.records
+  assert [r.getMessage() for r in caplog.records] == ["thread failed"]
