@@ -507,7 +507,8 @@ def _parse_uncached(argv: Sequence[str]) -> Parsed:
 
 def _raw_view(chain, overrides: list[str]) -> validation.RawConfig:
   """The config as written (the merged chain and the overrides) as a `validation.RawConfig`: typed by the shipped
-  defaults; keys a model file sets (configs/models/<model_name>.yml, applied by pyconfig) are left unresolved."""
+  defaults; keys a model file sets (configs/models/<model_name>.yml) or an `M_<KEY>` environment variable overrides
+  (both applied by pyconfig, with their own rules) are left unresolved."""
   merged = _merge_chain(chain)
   for arg in overrides:
     merged = omegaconf.OmegaConf.merge(merged, omegaconf.OmegaConf.from_dotlist([arg]))
@@ -519,7 +520,8 @@ def _raw_view(chain, overrides: list[str]) -> validation.RawConfig:
   model = str(values.get("model_name", "default")).replace("-Instruct", "")
   model_file = os.path.join(_maxtext_configs_dir(), "models", f"{model}.yml")
   model_keys = set(omegaconf.OmegaConf.load(model_file).keys()) if os.path.isfile(model_file) else set()
-  return validation.RawConfig(values, shipped_defaults(), frozenset(model_keys))
+  env_keys = {k for k in values if f"M_{k.upper()}" in os.environ}
+  return validation.RawConfig(values, shipped_defaults(), frozenset(model_keys | env_keys))
 
 
 def precheck(argv: Sequence[str]) -> validation.RawConfig:

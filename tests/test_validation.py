@@ -257,3 +257,14 @@ def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
     assert code == 2 and err.startswith(line), (argv, code, err)
     assert not heavy, (argv, heavy)
   assert not os.listdir(tmp_path / ".") or sorted(os.listdir(tmp_path)) == ["a_file", "bad.yml"]
+
+
+def test_the_first_pass_leaves_environment_overrides_to_pyconfig(tmp_path, monkeypatch):
+  # MaxText's `M_<KEY>` variables override the yml with pyconfig's own rules: the first pass must not refuse a value
+  # the environment replaces (an empty run_name in the yml, set by M_RUN_NAME).
+  yml = tmp_path / "env.yml"
+  yml.write_text('base_config: cpu_tiny.yml\nrun_name: ""\n')
+  monkeypatch.setenv("M_RUN_NAME", "from_env")
+  view = config_lib.precheck([str(yml)])
+  assert "run_name" in view and not hasattr(view, "run_name")
+  assert config_lib.load_config([str(yml)]).run_name == "from_env"
