@@ -57,6 +57,8 @@ def resolve_yml(path: str) -> str:
   """A yml path as given, or the shipped config of that name (`configs/rl.yml`, `rl.yml`, `rl`)."""
   if os.path.isfile(path):
     return os.path.abspath(path)
+  if os.path.isdir(path):
+    raise ConfigError(f"config file '{path}' is a directory; give a yml file (e.g. configs/rl.yml)")
   name = os.path.basename(path)
   if not name.endswith((".yml", ".yaml")):
     name += ".yml"
@@ -266,6 +268,15 @@ def _is_maxtext_file(path: str) -> bool:
   return os.path.realpath(path).startswith(_maxtext_configs_dir() + os.sep)
 
 
+def _yaml_problem(e: Exception) -> str:
+  """What a YAML parser found wrong and where (`found duplicate key "run_name" (line 3)`), not only its context
+  (`while constructing a mapping`)."""
+  problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+  if problem and mark is not None:
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+  return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def _read_yml(path: str, shown: str):
   """One yml file as an OmegaConf mapping, or a one-line error naming `shown` (the name the user gave)."""
   try:
@@ -275,7 +286,7 @@ def _read_yml(path: str, shown: str):
   except OSError as e:  # OmegaConf's "Invalid loaded object type: int" for a yml that is a scalar
     raise ConfigError(f"config file '{shown}' must be a mapping of key: value ({str(e).splitlines()[0]})") from None
   except Exception as e:  # pylint: disable=broad-exception-caught  # yaml/omegaconf parse errors
-    raise ConfigError(f"config file '{shown}' is not valid YAML: {str(e).splitlines()[0]}") from None
+    raise ConfigError(f"config file '{shown}' is not valid YAML: {_yaml_problem(e)}") from None
   if isinstance(cfg, omegaconf.ListConfig):
     raise ConfigError(f"config file '{shown}' must be a mapping of key: value, not a list")
   if not cfg:
@@ -470,8 +481,8 @@ def _initialize(yml: str, merged, overrides: list[str], kwargs: dict[str, Any]):
       pc = initialize(["", yml, *overrides], config_class=config_class(), **kwargs)
   except pydantic.ValidationError as e:
     raise ConfigError(_format_validation_error(e)) from None
-  except omegaconf.errors.OmegaConfBaseException as e:
-    raise ConfigError(f"could not parse overrides: {str(e).splitlines()[0]}") from None
+  except omegaconf.errors.OmegaConfBaseException as e:  # an override OmegaConf cannot read, a `${...}` it cannot resolve
+    raise ConfigError(f"could not read the configuration (yml and overrides): {str(e).splitlines()[0]}") from None
   except (ValueError, TypeError, KeyError) as e:
     raise ConfigError(str(e).splitlines()[0] if str(e) else repr(e)) from None
   _sync_flat_from_nested(pc)

@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin.data import prompts
 from maxtext_rl_plugin.data import rows
 from maxtext_rl_plugin.errors import CheckpointError
 from maxtext_rl_plugin.errors import ConfigError
@@ -169,14 +170,17 @@ def check_load_parameters_path(path: Any) -> None:
 
 
 def check_inputs(config) -> None:
-  """The local files a run reads exist: data files (the data loader's own check, `rows.expand_paths`), the base
-  checkpoint, and a tokenizer_path written as a local path (absolute, `./`, `../`, `~`; `org/name` may be a hub id).
+  """The local files a run reads exist: data files (the data loader's own check, `rows.expand_paths`), the prompt
+  template (`prompts.load_template`), the base checkpoint, and a tokenizer_path written as a local path (absolute, `./`, `../`, `~`; `org/name` may be a hub id).
   `config` may be a `validation.RawConfig` (a key it cannot type is skipped)."""
   for key in ("train_data_path", "eval_data_path"):
     spec = getattr(config, key, None)
     if _local(spec):
       rows.expand_paths(spec, key)
   check_load_parameters_path(getattr(config, "load_parameters_path", None))
+  template = getattr(config, "data_template_path", None)
+  if isinstance(template, str) and template:
+    prompts.load_template(template)  # every prompt is built from it (the system prompt, with or without chat)
   tokenizer = getattr(config, "tokenizer_path", None)
   if _local(tokenizer) and tokenizer.startswith(("/", "./", "../", "~")):
     if not os.path.exists(os.path.expanduser(tokenizer)):

@@ -23,6 +23,9 @@ from maxtext_rl_plugin.errors import exit_on_user_error
 def _quiet_third_party_logs() -> None:
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   os.environ.setdefault("GRAIN_LOG_LEVEL", "error")
+  # transformers warns at import about PyTorch being absent and about MaxText's model configs: lines before every
+  # run's first line (and before an error's one line) that say nothing about the run.
+  os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -207,13 +207,14 @@ for argv in json.loads(sys.argv[1]):
   except SystemExit as e:
     code = e.code
   print(json.dumps([code, [m for m in ("jax", "maxtext.configs.types", "tunix") if m in sys.modules]]), flush=True)
+import transformers  # what train_rl's quiet settings keep from printing its import-time warnings before a run's lines
 """
 
 
 def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
   # One process runs train_rl.main on each argv in turn: each must end in exactly one `error:` line, exit 2, with
   # neither JAX nor MaxText's schema nor Tunix imported (they cost ~10 s on a loaded machine); print_config=true
-  # refuses what training refuses.
+  # refuses what training refuses. Nothing else reaches stderr (transformers' import warnings included).
   tiny = os.path.join(REPO, TINY)
   bad_yml = tmp_path / "bad.yml"
   bad_yml.write_text("base_config: rl.yml\nrl: 5\n")
@@ -238,11 +239,13 @@ def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
       ([tiny, "decode_sampling_nucleus_p=0"], "error: invalid value for 'decode_sampling_nucleus_p'=0.0"),
       ([tiny, "model_name=qwen9-1b"], "error: invalid value for 'model_name'='qwen9-1b'"),
       ([str(bad_yml)], f"error: config file '{bad_yml}': 'rl' must be a block of keys"),
+      ([tmp_path], f"error: config file '{tmp_path}' is a directory; give a yml file"),
+      ([tiny, "data_template_path=/nonexistent/t.json"], "error: invalid value for 'data_template_path'="),
       ([str(tmp_path / "missing.yml")], "error: config file"),
   ]
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   p = subprocess.run(
-      [sys.executable, "-c", _REFUSE_ALL, json.dumps([argv for argv, _ in cases])],
+      [sys.executable, "-c", _REFUSE_ALL, json.dumps([[str(a) for a in argv] for argv, _ in cases])],
       cwd=tmp_path,
       capture_output=True,
       text=True,
@@ -268,3 +271,18 @@ def test_the_first_pass_leaves_environment_overrides_to_pyconfig(tmp_path, monke
   view = config_lib.precheck([str(yml)])
   assert "run_name" in view and not hasattr(view, "run_name")
   assert config_lib.load_config([str(yml)]).run_name == "from_env"
+
+
+@pytest.mark.parametrize(
+    "text, line",
+    [
+        ("base_config: cpu_tiny.yml\nrun_name: a\nrun_name: b\n", "found duplicate key run_name (line 3, column 1)"),
+        ("base_config: cpu_tiny.yml\nrl:\n\tgrpo_beta: 0.1\n", "found character that cannot start any token (line 3"),
+    ],
+)
+def test_a_yml_that_does_not_parse_names_the_problem_and_its_line(tmp_path, text, line):
+  yml = tmp_path / "x.yml"
+  yml.write_text(text)
+  with pytest.raises(ConfigError) as e:
+    config_lib.precheck([str(yml)])
+  assert str(e.value).startswith(f"config file '{yml}' is not valid YAML: {line}"), str(e.value)
