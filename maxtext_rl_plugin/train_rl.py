@@ -11,21 +11,13 @@ configuration and exits. Configuration and input mistakes end with one `error: .
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Sequence
 
+from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import validation
 from maxtext_rl_plugin.errors import exit_on_user_error
-
-
-def _quiet_third_party_logs() -> None:
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-  os.environ.setdefault("GRAIN_LOG_LEVEL", "error")
-  # transformers warns at import about PyTorch being absent and about MaxText's model configs: lines before every
-  # run's first line (and before an error's one line) that say nothing about the run.
-  os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -34,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if argv and argv[0] in ("-h", "--help"):
     print(__doc__)
     return 0
-  _quiet_third_party_logs()
+  errors.quiet_third_party_logs()
   try:
     return _main(argv)
   except KeyboardInterrupt:  # Ctrl-C before the trainer installed its handlers (config loading): one line, no trace

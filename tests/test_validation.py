@@ -199,11 +199,10 @@ def _cli(*args):
 
 
 _REFUSE_ALL = """
-import json, sys
-from maxtext_rl_plugin import train_rl
-for argv in json.loads(sys.argv[1]):
+import importlib, json, sys
+for module, argv in json.loads(sys.argv[1]):
   try:
-    code = train_rl.main(argv)
+    code = importlib.import_module(f"maxtext_rl_plugin.{module}").main(argv)
   except SystemExit as e:
     code = e.code
   print(json.dumps([code, [m for m in ("jax", "maxtext.configs.types", "tunix") if m in sys.modules]]), flush=True)
@@ -212,7 +211,7 @@ import transformers  # what train_rl's quiet settings keep from printing its imp
 
 
 def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
-  # One process runs train_rl.main on each argv in turn: each must end in exactly one `error:` line, exit 2, with
+  # One process runs train_rl.main (and export_lora.main) on each argv in turn: each must end in exactly one `error:` line, exit 2, with
   # neither JAX nor MaxText's schema nor Tunix imported (they cost ~10 s on a loaded machine); print_config=true
   # refuses what training refuses. Nothing else reaches stderr (transformers' import warnings included).
   tiny = os.path.join(REPO, TINY)
@@ -243,9 +242,13 @@ def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
       ([tiny, "data_template_path=/nonexistent/t.json"], "error: invalid value for 'data_template_path'="),
       ([str(tmp_path / "missing.yml")], "error: config file"),
   ]
+  cases = [("train_rl", argv, line) for argv, line in cases] + [
+      ("export_lora", ["--output", str(a_file), tiny], "error: invalid value for '--output': cannot create directory"),
+      ("export_lora", ["--output", str(tmp_path / "o"), tiny, "learning_rat=1"], "error: unknown config key"),
+  ]
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   p = subprocess.run(
-      [sys.executable, "-c", _REFUSE_ALL, json.dumps([[str(a) for a in argv] for argv, _ in cases])],
+      [sys.executable, "-c", _REFUSE_ALL, json.dumps([(m, [str(a) for a in argv]) for m, argv, _ in cases])],
       cwd=tmp_path,
       capture_output=True,
       text=True,
@@ -256,7 +259,7 @@ def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
   results = [json.loads(l) for l in p.stdout.splitlines()]
   errors = p.stderr.splitlines()
   assert len(results) == len(errors) == len(cases), p.stderr[-3000:]
-  for (argv, line), (code, heavy), err in zip(cases, results, errors):
+  for (_, argv, line), (code, heavy), err in zip(cases, results, errors):
     assert code == 2 and err.startswith(line), (argv, code, err)
     assert not heavy, (argv, heavy)
   assert not os.listdir(tmp_path / ".") or sorted(os.listdir(tmp_path)) == ["a_file", "bad.yml"]
