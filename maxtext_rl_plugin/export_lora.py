@@ -105,7 +105,6 @@ def export(argv, output: str, step: int | None = None) -> str:
   out = os.path.join(os.path.abspath(output), "0")
   if os.path.exists(out):
     raise ConfigError(f"invalid value for '--output'='{output}': {out} already exists")
-  run_dir_lib.probe_dir(os.path.abspath(output), "--output")  # writable, before any model is built
   config = config_lib.load_config(argv)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
   argv = _lora_from_run(list(argv), config, os.path.abspath(run_identity.checkpoint_dir(config, run_dir)), step)
@@ -115,6 +114,7 @@ def export(argv, output: str, step: int | None = None) -> str:
         "export_lora needs the training run's lora.enable_lora=true (a full fine-tuning run's "
         "checkpoints already hold every weight)"
     )
+  run_dir_lib.probe_dir(os.path.abspath(output), "--output")  # writable (created), once the run is one to export
   from flax import nnx
   from maxtext.common import checkpointing as mt_checkpointing
 

@@ -243,7 +243,7 @@ def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
       ([str(tmp_path / "missing.yml")], "error: config file"),
   ]
   cases = [("train_rl", argv, line) for argv, line in cases] + [
-      ("export_lora", ["--output", str(a_file), tiny], "error: invalid value for '--output': cannot create directory"),
+      ("export_lora", ["--output", str(tmp_path / "o"), tiny, "run_name=a/b"], "error: invalid value for 'run_name'"),
       ("export_lora", ["--output", str(tmp_path / "o"), tiny, "learning_rat=1"], "error: unknown config key"),
   ]
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
