@@ -131,19 +131,18 @@ def check_rerun(config, run_dir: str, asked_steps: int) -> None:
   """Refuse (one line, nothing written) a rerun that asks to stop before the newest checkpoint, or whose model or
   data differ from the newest checkpoint's (see the module docstring)."""
   directory = checkpoint_dir(config, run_dir)
-  steps = checkpoint_steps(directory)
-  if not steps:
+  # A step directory whose metadata does not read (an empty `5/`, a torn or tampered checkpoint) is not a step the run
+  # trained to: the restore sets it aside, so it neither refuses a rerun nor decides what is compared.
+  readable = [(s, m) for s, m in ((s, read_meta(directory, s)) for s in checkpoint_steps(directory)) if m is not None]
+  if not readable:
     return
-  newest = steps[0]
+  newest, meta = readable[0]
   if newest > asked_steps:
     raise CheckpointError(
         f"{run_dir} already trained {newest} RL steps (checkpoint step {newest} in {directory}) and this run asks for "
         f"{asked_steps} (num_batches); nothing was changed: ask for at least {newest} steps to continue it, or use a "
         "new run_name"
     )
-  meta = next((m for m in (read_meta(directory, s) for s in steps) if m is not None), None)
-  if meta is None:
-    return
   now = identity(config)
   for key, value in now.items():
     if key in meta and meta[key] != json.loads(json.dumps(value)):

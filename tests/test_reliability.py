@@ -382,3 +382,25 @@ def test_orbax_errors_a_save_does_not_explain_are_still_logged(caplog):
     logging.getLogger("absl").handle(record)
     assert not caplog.records
   assert [r.getMessage() for r in caplog.records] == ["thread failed"]
+
+
+def test_a_step_directory_without_metadata_neither_refuses_nor_decides_a_rerun(tmp_path):
+  # An empty `5/` (a tampered or torn checkpoint) beside a real step 2: a rerun asking for 3 steps is not told the run
+  # "already trained 5 steps" (the restore sets 5 aside and resumes from 2); step 2's metadata is what is compared.
+  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin import run_identity  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.errors import CheckpointError  # pylint: disable=import-outside-toplevel
+
+  config = config_lib.load_config(["configs/cpu_tiny.yml", f"base_output_directory={tmp_path}"])
+  run_dir = os.path.join(str(tmp_path), config.run_name)
+  ckpts = pathlib.Path(run_identity.checkpoint_dir(config, run_dir))
+  (ckpts / "2" / "meta").mkdir(parents=True)
+  (ckpts / "5").mkdir()
+  meta = run_identity.identity(config)
+  (ckpts / "2" / "meta" / "metadata").write_text(json.dumps(meta))
+  run_identity.check_rerun(config, run_dir, 3)  # resumes from 2
+  with pytest.raises(CheckpointError, match=r"already trained 2 RL steps \(checkpoint step 2"):
+    run_identity.check_rerun(config, run_dir, 1)
+  (ckpts / "2" / "meta" / "metadata").write_text(json.dumps({**meta, "model_name": "qwen3-8b"}))
+  with pytest.raises(CheckpointError, match="written with model_name='qwen3-8b'"):
+    run_identity.check_rerun(config, run_dir, 3)
