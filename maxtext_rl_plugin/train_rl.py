@@ -16,6 +16,7 @@ from typing import Sequence
 
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin import signals
 from maxtext_rl_plugin import validation
 from maxtext_rl_plugin.errors import exit_on_user_error
 
@@ -62,23 +63,26 @@ def _precheck(view) -> None:
 
 def _main(argv: list[str]) -> int:
   """Pathways set-up, config, then training, with user errors as one line."""
+  # A SIGTERM (or SIGINT) while the config loads and the trainer's modules import is one line and exit 143 (130), as
+  # once the trainer runs (it installs its own handlers); without this, SIGTERM killed the process silently.
   with exit_on_user_error():
-    # Config and path mistakes first, in a second: the schema's imports (JAX, MaxText, Tunix) take ~10 s.
-    from maxtext_rl_plugin import config as config_lib
+    with signals.GracefulStop():
+      # Config and path mistakes first, in a second: the schema's imports (JAX, MaxText, Tunix) take ~10 s.
+      from maxtext_rl_plugin import config as config_lib
 
-    _precheck(config_lib.precheck(argv))
-    # Then, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
-    # must be registered now, as MaxText's train_rl.main does; later JAX refuses it.
-    from maxtext_rl_plugin import pathways
+      _precheck(config_lib.precheck(argv))
+      # Then, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
+      # must be registered now, as MaxText's train_rl.main does; later JAX refuses it.
+      from maxtext_rl_plugin import pathways
 
-    pathways.initialize()
-    config = config_lib.load_config(argv)
-    validation.check_run(config)  # print_config=true refuses what training refuses
-    if config.print_config:
-      sys.stdout.write(config_lib.dump_yaml(config))
-      return 0
-    run_identity.preflight(config)  # path and rerun refusals before the trainer's seconds of imports
-    from maxtext_rl_plugin import trainer
+      pathways.initialize()
+      config = config_lib.load_config(argv)
+      validation.check_run(config)  # print_config=true refuses what training refuses
+      if config.print_config:
+        sys.stdout.write(config_lib.dump_yaml(config))
+        return 0
+      run_identity.preflight(config)  # path and rerun refusals before the trainer's seconds of imports
+      from maxtext_rl_plugin import trainer
 
     trainer.run(config, argv)
   return 0

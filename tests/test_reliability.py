@@ -404,3 +404,32 @@ def test_a_step_directory_without_metadata_neither_refuses_nor_decides_a_rerun(t
   (ckpts / "2" / "meta" / "metadata").write_text(json.dumps({**meta, "model_name": "qwen3-8b"}))
   with pytest.raises(CheckpointError, match="written with model_name='qwen3-8b'"):
     run_identity.check_rerun(config, run_dir, 3)
+
+
+_SIGTERM_WHILE_LOADING = """
+import os, signal, sys
+from maxtext_rl_plugin import config, train_rl
+first_pass = config.precheck
+def precheck(argv):
+  os.kill(os.getpid(), signal.SIGTERM)  # delivered while the config loads, deterministically
+  return first_pass(argv)
+config.precheck = precheck
+sys.exit(train_rl.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_the_config_loads_is_one_line_and_exit_143(tmp_path):
+  # Before the trainer installs its handlers (config loading, ~10 s of imports), SIGTERM used to kill the process
+  # with no line; now it is the same line and exit code as a SIGTERM during the model build.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  p = subprocess.run(
+      [sys.executable, "-c", _SIGTERM_WHILE_LOADING, os.path.join(REPO, "configs/cpu_tiny.yml"), f"base_output_directory={tmp_path}"],
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=120,
+      check=False,
+  )
+  assert p.returncode == 143, (p.returncode, p.stderr[-2000:])
+  assert p.stderr.splitlines() == ["error: stopped by SIGTERM before training started; nothing was written"], p.stderr
+  assert not os.listdir(tmp_path)
