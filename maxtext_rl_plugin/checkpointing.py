@@ -120,10 +120,10 @@ class RunCheckpointer:
           raise
         orbax_logs.discard()  # the one line below says it all; Orbax's threads logged it with tracebacks first
         raise CheckpointError(
-          f"checkpoint step {step} was not written: "
-          f"{run_dir.describe_os_error(cause, self.directory)}; the run can resume from "
-          f"step {self.latest_step()}"
-      ) from None
+            f"checkpoint step {step} was not written: "
+            f"{run_dir.describe_os_error(cause, self.directory)}; the run can resume from "
+            f"step {self.latest_step()}"
+        ) from None
 
   def _save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
     save_items(self._manager, step, {"params": params, "opt_state": opt_state}, meta)

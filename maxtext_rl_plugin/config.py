@@ -112,9 +112,7 @@ class KeyNames:
 def schema_keys(cls=None) -> KeyNames:
   """The key names of the schema (imports it)."""
   cls = cls or config_class()
-  return KeyNames(
-      frozenset(cls.model_fields), {b: frozenset(m.model_fields) for b, m in _nested_models(cls).items()}
-  )
+  return KeyNames(frozenset(cls.model_fields), {b: frozenset(m.model_fields) for b, m in _nested_models(cls).items()})
 
 
 @functools.cache

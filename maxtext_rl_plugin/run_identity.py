@@ -170,8 +170,9 @@ def check_load_parameters_path(path: Any) -> None:
 
 def check_inputs(config) -> None:
   """The local files a run reads exist: data files (the data loader's own check, `rows.expand_paths`), the prompt
-  template (`prompts.load_template`), the base checkpoint, and a tokenizer_path written as a local path (absolute, `./`, `../`, `~`; `org/name` may be a hub id).
-  `config` may be a `validation.RawConfig` (a key it cannot type is skipped)."""
+  template (`prompts.load_template`), the base checkpoint, and a tokenizer_path written as a local path (absolute,
+  `./`, `../`, `~`; `org/name` may be a hub id). `config` may be a `validation.RawConfig` (a key it cannot type is
+  skipped)."""
   for key in ("train_data_path", "eval_data_path"):
     spec = getattr(config, key, None)
     if _local(spec):

@@ -536,7 +536,10 @@ def test_prompt_tags_default_to_the_reward_stacks_which_are_maxtext_rl_yml():
         ('{"question": "q?", "answer": "#### 4"}\n'.encode("utf-16"), "is UTF-16 (a byte order mark FF FE)"),
         (b"", "no usable rows of 0 (the file is empty;"),
         (b"\xef\xbb\xbf", "no usable rows of 0 (the file is empty;"),
-        (b'{"question": "q?", "answer": null}\n', "no usable rows of 1 (1 with no parsable gold answer; first at line 1;"),
+        (
+            b'{"question": "q?", "answer": null}\n',
+            "no usable rows of 1 (1 with no parsable gold answer; first at line 1;",
+        ),
         (b'\n{"prompt_text": "q?", "completion": "4"}\n', "(1 with no question string; first at line 2;"),
         (b'{"question": {"text": "q?"}, "answer": "#### 4"}\n', "(1 with no question string; first at line 1;"),
         (b'[1]\n"x"\n\xff\n', "(2 JSON but not an object, 1 not UTF-8; first at line 1;"),

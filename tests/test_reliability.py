@@ -423,7 +423,13 @@ def test_sigterm_while_the_config_loads_is_one_line_and_exit_143(tmp_path):
   # with no line; now it is the same line and exit code as a SIGTERM during the model build.
   env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
   p = subprocess.run(
-      [sys.executable, "-c", _SIGTERM_WHILE_LOADING, os.path.join(REPO, "configs/cpu_tiny.yml"), f"base_output_directory={tmp_path}"],
+      [
+          sys.executable,
+          "-c",
+          _SIGTERM_WHILE_LOADING,
+          os.path.join(REPO, "configs/cpu_tiny.yml"),
+          f"base_output_directory={tmp_path}",
+      ],
       capture_output=True,
       text=True,
       env=env,

@@ -211,9 +211,9 @@ import transformers  # what train_rl's quiet settings keep from printing its imp
 
 
 def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
-  # One process runs train_rl.main (and export_lora.main) on each argv in turn: each must end in exactly one `error:` line, exit 2, with
-  # neither JAX nor MaxText's schema nor Tunix imported (they cost ~10 s on a loaded machine); print_config=true
-  # refuses what training refuses. Nothing else reaches stderr (transformers' import warnings included).
+  # One process runs train_rl.main (and export_lora.main) on each argv in turn: each must end in exactly one `error:`
+  # line, exit 2, with neither JAX nor MaxText's schema nor Tunix imported (they cost ~10 s on a loaded machine);
+  # print_config=true refuses what training refuses. Nothing else reaches stderr (transformers' import warnings included).
   tiny = os.path.join(REPO, TINY)
   bad_yml = tmp_path / "bad.yml"
   bad_yml.write_text("base_config: rl.yml\nrl: 5\n")
