@@ -44,6 +44,8 @@ class Unresolved(AttributeError):
 
 def _typed(value: Any, default: Any) -> Any:
   """`value` as the schema would type it, judged by the type of the shipped default; `Unresolved` when unsure."""
+  if isinstance(value, str) and "${" in value:
+    raise Unresolved(value)  # an OmegaConf interpolation: pyconfig resolves it (or says why it cannot)
   if isinstance(value, str) and value.strip().lower() == "none":
     return None  # MaxText reads the string "none" as None
   if isinstance(default, bool):

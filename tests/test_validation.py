@@ -289,3 +289,16 @@ def test_a_yml_that_does_not_parse_names_the_problem_and_its_line(tmp_path, text
   with pytest.raises(ConfigError) as e:
     config_lib.precheck([str(yml)])
   assert str(e.value).startswith(f"config file '{yml}' is not valid YAML: {line}"), str(e.value)
+
+
+def test_the_first_pass_leaves_interpolations_to_pyconfig(tmp_path):
+  # `${oc.env:NOPE}` is not a run name: the first pass must neither refuse it as one nor create a directory named
+  # after it; pyconfig resolves it or says why it cannot.
+  yml = tmp_path / "interp.yml"
+  base = os.path.join(REPO, TINY)
+  yml.write_text(f"base_config: {base}\nbase_output_directory: {tmp_path}/out\nrun_name: ${{oc.env:NOPE}}\n")
+  view = config_lib.precheck([str(yml)])
+  assert "run_name" in view and not hasattr(view, "run_name")
+  with pytest.raises(ConfigError, match="Environment variable 'NOPE' not found"):
+    config_lib.load_config([str(yml)])
+  assert not (tmp_path / "out").exists()
