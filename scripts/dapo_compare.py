@@ -170,6 +170,20 @@ def _walls(out: str) -> dict[str, float]:
   return {r["run"]: r["seconds"] for r in read_records(path) if r.get("rc", 0) == 0}
 
 
+def _trained_sft_seconds(out: str, name: str) -> float | None:
+  """Seconds of the SFT warm start if run `name` trained it (its log shows the steps), else None (restored)."""
+  log = os.path.join(out, f"{name}.log")
+  meta = os.path.join(out, "runs", name, "checkpoints", "sft")
+  if not os.path.exists(log) or "SFT warm start step 1/" not in open(log, encoding="utf-8", errors="replace").read():
+    return None
+  for step in os.listdir(meta) if os.path.isdir(meta) else []:
+    path = os.path.join(meta, step, "meta", "metadata")
+    if os.path.exists(path):
+      with open(path, encoding="utf-8") as f:
+        return float(json.load(f)["seconds"])
+  return None
+
+
 def collect(out: str, batch_size: int = 8, num_generations: int = 8) -> dict[str, dict]:
   """{run name: run_stats} for every finished-or-running run under `<out>/runs`."""
   walls = _walls(out)
@@ -181,6 +195,10 @@ def collect(out: str, batch_size: int = 8, num_generations: int = 8) -> dict[str
       records = read_records(path)
       if any("reward/mean" in r for r in records):
         stats[name] = run_stats(records, batch_size, num_generations, walls.get(name))
+        sft = _trained_sft_seconds(out, name)
+        if sft is not None and stats[name]["wall_s"] is not None:  # wall time of the RL part, like its siblings'
+          stats[name]["wall_s"] -= sft
+        stats[name]["sft_s"] = sft
   return stats
 
 
@@ -197,13 +215,25 @@ def _mean_spread(xs: list[float], scale: float = 1.0, fmt: str = "{:+.1f}") -> s
   return f"{fmt.format(np.mean(xs))} ± {np.std(xs, ddof=1):.1f} ({fmt.format(min(xs))} .. {fmt.format(max(xs))})"
 
 
+def _wall(s: dict) -> str:
+  if s["wall_s"] is None:
+    return "-"
+  return f"{s['wall_s'] / 60:.1f}" + ("" if s.get("sft_s") is None else f" (+ SFT {s['sft_s'] / 60:.1f})")
+
+
 def table(out: str, batch_size: int = 8, num_generations: int = 8) -> str:
   """Markdown: one row per run, then one per variant (mean ± sample std (min .. max) over seeds)."""
   stats = collect(out, batch_size, num_generations)
+
+  def order(name):
+    m = _RUN_RE.match(name)
+    return (bool(m["clean"]), list(VARIANTS).index(m["variant"]) if m["variant"] in VARIANTS else 99, int(m["seed"]))
+
+  stats = {name: stats[name] for name in sorted(stats, key=order)}
   lines = [
       "| run | steps | eval acc. before | after | gain (pts) | eval curve: acc. @ step (rollouts, RL min) "
       "| reward first k -> last k | rollouts | gain / 1k rollouts | zero-var. groups (all sampled / 1st round) "
-      "| truncated | RL min | wall min |",
+      "| truncated | RL min | wall min (excl. SFT) |",
       "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   for name, s in stats.items():
@@ -212,7 +242,7 @@ def table(out: str, batch_size: int = 8, num_generations: int = 8) -> str:
         f"| {name} | {s['steps']} | {_pct(s['before'])} | {_pct(s['after'])} | {100 * s['gain']:+.1f} | {curve} "
         f"| {s['reward_first']:.3f} -> {s['reward_last']:.3f} (k={s['reward_k']}) | {s['rollouts']:.0f} "
         f"| {100 * s['gain_per_1k_rollouts']:+.1f} | {_pct(s['zero_var_fraction'])} / {_pct(s['first_round_zero_var'])} "
-        f"| {_pct(s['truncated'])} | {s['rl_s'] / 60:.1f} | {'-' if s['wall_s'] is None else f'{s['wall_s'] / 60:.1f}'} |"
+        f"| {_pct(s['truncated'])} | {s['rl_s'] / 60:.1f} | {_wall(s)} |"
     )
   groups: dict[str, list[dict]] = {}
   for name, s in stats.items():
@@ -221,7 +251,7 @@ def table(out: str, batch_size: int = 8, num_generations: int = 8) -> str:
   lines += [
       "",
       "| variant | seeds | eval acc. before | after | gain (pts) | reward first -> last | rollouts | gain / 1k rollouts "
-      "| zero-var. groups (all sampled) | truncated | RL min | wall min |",
+      "| zero-var. groups (all sampled) | truncated | RL min | wall min (excl. SFT) |",
       "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
   ]
   for variant, ss in groups.items():
@@ -237,6 +267,21 @@ def table(out: str, batch_size: int = 8, num_generations: int = 8) -> str:
         f"| {col('zero_var_fraction')}% | {col('truncated', fmt='{:.2f}')}% | {col('rl_s', 1 / 60)} "
         f"| {_mean_spread(walls, 1 / 60, '{:.1f}')} |"
     )
+  # Accuracy against rollouts and RL minutes: each eval step's means over the variant's seeds.
+  evals = sorted({st for ss in groups.values() for s in ss for st in s["curve"] if st > 0})
+  lines += ["", "| variant | " + " | ".join(f"eval @ step {st}: acc. (rollouts, RL min)" for st in evals) + " |"]
+  lines.append("| --- " * (len(evals) + 1) + "|")
+  for variant, ss in groups.items():
+    cells = []
+    for st in evals:
+      pts = [s["curve"][st] for s in ss if st in s["curve"]]
+      cells.append(
+          f"{100 * np.mean([p[0] for p in pts]):.1f}% ({np.mean([p[1] for p in pts]):.0f}, "
+          f"{np.mean([p[2] for p in pts]) / 60:.1f})"
+          if pts
+          else "-"
+      )
+    lines.append(f"| {variant} | " + " | ".join(cells) + " |")
   return "\n".join(lines)
 
 

@@ -88,6 +88,15 @@ def fixture_out(tmp_path):
   with open(os.path.join(out, "walls.jsonl"), "w", encoding="utf-8") as f:
     f.write(json.dumps({"run": "grpo_s0", "seconds": 150.0, "rc": 0}) + "\n")
     f.write(json.dumps({"run": "dapo_s0", "seconds": 999.0, "rc": 1}) + "\n")  # a failed attempt: not its wall time
+    f.write(json.dumps({"run": "dapo_s1", "seconds": 200.0, "rc": 0}) + "\n")
+  # dapo_s1 trained its seed's warm start (60 s): its wall time without it is 140 s.
+  with open(os.path.join(out, "dapo_s1.log"), "w", encoding="utf-8") as f:
+    f.write("SFT warm start step 1/300 | loss 66.6\n")
+  os.makedirs(os.path.join(out, "runs", "dapo_s1", "checkpoints", "sft", "300", "meta"))
+  with open(
+      os.path.join(out, "runs", "dapo_s1", "checkpoints", "sft", "300", "meta", "metadata"), "w", encoding="utf-8"
+  ) as f:
+    f.write(json.dumps({"steps": 300, "seconds": 60.0}))
   return out
 
 
@@ -111,13 +120,20 @@ def test_run_stats_by_hand(out):
 
 def test_table_rows_and_variant_summary(out):
   text = dapo_compare.table(out, batch_size=2, num_generations=4)
-  rows = {line.split(" | ")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+  rows, curve = {}, {}
+  for line in text.splitlines():
+    if line.startswith("| "):
+      (rows if line.split(" | ")[0].strip("| ") not in rows else curve)[line.split(" | ")[0].strip("| ")] = line
   assert "| 20.0% | 50.0% | +30.0 |" in rows["grpo_s0"] and "| 2.5 |" in rows["grpo_s0"]
   assert "30.0% @2 (16, 1.0)" in rows["grpo_s0"]
   gains = [30.0, 40.0]  # dapo_s0: 10% -> 40%, dapo_s1: 20% -> 60%
   assert f"+{statistics.fmean(gains):.1f} ± {statistics.stdev(gains):.1f} (+30.0 .. +40.0)" in rows["dapo"]
   assert rows["dapo"].startswith("| dapo | 2 |")
+  assert rows["dapo_s1"].endswith("| 2.3 (+ SFT 1.0) |") and rows["dapo_s0"].endswith("| - |")
   assert "notarun" not in text
+  # Accuracy against rollouts and RL minutes, means over seeds: dapo @2 = (40% + 60%) / 2 at (24 + 16) / 2 rollouts
+  # and 2 x 60 s; no dapo run reached step 4.
+  assert curve["dapo"] == "| dapo | 50.0% (20, 2.0) | - |"
 
 
 @pytest.mark.parametrize("variant", list(dapo_compare.VARIANTS))
