@@ -174,8 +174,11 @@ def _trained_sft_seconds(out: str, name: str) -> float | None:
   """Seconds of the SFT warm start if run `name` trained it (its log shows the steps), else None (restored)."""
   log = os.path.join(out, f"{name}.log")
   meta = os.path.join(out, "runs", name, "checkpoints", "sft")
-  if not os.path.exists(log) or "SFT warm start step 1/" not in open(log, encoding="utf-8", errors="replace").read():
+  if not os.path.exists(log):
     return None
+  with open(log, encoding="utf-8", errors="replace") as f:
+    if "SFT warm start step 1/" not in f.read():
+      return None
   for step in os.listdir(meta) if os.path.isdir(meta) else []:
     path = os.path.join(meta, step, "meta", "metadata")
     if os.path.exists(path):
@@ -242,7 +245,7 @@ def table(out: str, batch_size: int = 8, num_generations: int = 8) -> str:
         f"| {name} | {s['steps']} | {_pct(s['before'])} | {_pct(s['after'])} | {100 * s['gain']:+.1f} | {curve} "
         f"| {s['reward_first']:.3f} -> {s['reward_last']:.3f} (k={s['reward_k']}) | {s['rollouts']:.0f} "
         f"| {100 * s['gain_per_1k_rollouts']:+.1f} | {_pct(s['zero_var_fraction'])} / {_pct(s['first_round_zero_var'])} "
-        f"| {_pct(s['truncated'])} | {s['rl_s'] / 60:.1f} | {_wall(s)} |"
+        f"| {100 * s['truncated']:.2f}% | {s['rl_s'] / 60:.1f} | {_wall(s)} |"
     )
   groups: dict[str, list[dict]] = {}
   for name, s in stats.items():
