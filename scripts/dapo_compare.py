@@ -187,14 +187,16 @@ def _trained_sft_seconds(out: str, name: str) -> float | None:
   return None
 
 
-def collect(out: str, batch_size: int = 8, num_generations: int = 8) -> dict[str, dict]:
-  """{run name: run_stats} for every finished-or-running run under `<out>/runs`."""
+def collect(out: str, batch_size: int = 8, num_generations: int = 8, running: bool = False) -> dict[str, dict]:
+  """{run name: run_stats} for every finished run under `<out>/runs` (summary.json written), and unfinished ones
+  with `running`."""
   walls = _walls(out)
   stats = {}
   runs_dir = os.path.join(out, "runs")
   for name in sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []:
     path = os.path.join(runs_dir, name, "metrics.jsonl")
-    if _RUN_RE.match(name) and os.path.exists(path):
+    finished = os.path.exists(os.path.join(runs_dir, name, "summary.json"))
+    if _RUN_RE.match(name) and os.path.exists(path) and (finished or running):
       records = read_records(path)
       if any("reward/mean" in r for r in records):
         stats[name] = run_stats(records, batch_size, num_generations, walls.get(name))
@@ -224,9 +226,9 @@ def _wall(s: dict) -> str:
   return f"{s['wall_s'] / 60:.1f}" + ("" if s.get("sft_s") is None else f" (+ SFT {s['sft_s'] / 60:.1f})")
 
 
-def table(out: str, batch_size: int = 8, num_generations: int = 8) -> str:
+def table(out: str, batch_size: int = 8, num_generations: int = 8, running: bool = False) -> str:
   """Markdown: one row per run, then one per variant (mean ± sample std (min .. max) over seeds)."""
-  stats = collect(out, batch_size, num_generations)
+  stats = collect(out, batch_size, num_generations, running)
 
   def order(name):
     m = _RUN_RE.match(name)
@@ -302,10 +304,11 @@ def main(argv=None) -> int:
   r.add_argument("--nice", type=int, default=5)
   t = sub.add_parser("table", help="print the Markdown tables of the runs under OUT/runs")
   t.add_argument("out")
+  t.add_argument("--running", action="store_true", help="include runs still in progress (no summary.json yet)")
   args = p.parse_args(argv)
   if args.cmd == "run":
     return run_all(args)
-  print(table(args.out))
+  print(table(args.out, running=args.running))
   return 0
 
 

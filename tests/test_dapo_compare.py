@@ -16,10 +16,13 @@ dapo_compare = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(dapo_compare)
 
 
-def _write(out, name, records):
+def _write(out, name, records, finished=True):
   os.makedirs(os.path.join(out, "runs", name), exist_ok=True)
   with open(os.path.join(out, "runs", name, "metrics.jsonl"), "w", encoding="utf-8") as f:
     f.writelines(json.dumps(r) + "\n" for r in records)
+  if finished:
+    with open(os.path.join(out, "runs", name, "summary.json"), "w", encoding="utf-8") as f:
+      f.write("{}")
 
 
 def _plain(step, reward, zvf, trunc):
@@ -85,6 +88,7 @@ def fixture_out(tmp_path):
       ],
   )
   _write(out, "notarun", [{"step": 1, "reward/mean": 1.0}])
+  _write(out, "grpo_s7", [{"step": 1, "reward/mean": 1.0}], finished=False)  # still running
   with open(os.path.join(out, "walls.jsonl"), "w", encoding="utf-8") as f:
     f.write(json.dumps({"run": "grpo_s0", "seconds": 150.0, "rc": 0}) + "\n")
     f.write(json.dumps({"run": "dapo_s0", "seconds": 999.0, "rc": 1}) + "\n")  # a failed attempt: not its wall time
@@ -103,6 +107,7 @@ def fixture_out(tmp_path):
 def test_run_stats_by_hand(out):
   stats = dapo_compare.collect(out, batch_size=2, num_generations=4)
   assert sorted(stats) == ["dapo_s0", "dapo_s1", "grpo_s0"]
+  assert sorted(dapo_compare.collect(out, 2, 4, running=True)) == ["dapo_s0", "dapo_s1", "grpo_s0", "grpo_s7"]
   g = stats["grpo_s0"]
   assert g["steps"] == 4 and g["before"] == 0.2 and g["after"] == 0.5 and g["gain"] == pytest.approx(0.3)
   assert g["reward_k"] == 2 and g["reward_first"] == pytest.approx(0.15) and g["reward_last"] == pytest.approx(0.35)
