@@ -101,6 +101,8 @@ def _check_stream(run: pathlib.Path) -> list[float]:
     )
     trained = [int(i.rsplit("-", 1)[1]) for i in b["ids"]]
     assert len(trained) == B - r["dynamic_sampling/short_groups"]  # masked fillers are not listed as trained
+    # The trained batch's zero-variance groups are exactly its masked fillers.
+    assert r["reward/zero_variance_group_fraction"] == r["dynamic_sampling/short_groups"] / B
     assert all(prev <= i < pos for i in trained), (r["step"], trained, prev, pos)
     assert not seen & set(trained)
     seen |= set(trained)

@@ -152,6 +152,9 @@ def _step_metrics(
     m[f"reward/{name}/std"] = float(arr.std())
   m["reward/mean"] = float(exp.rewards.mean())
   m["reward/std"] = float(exp.rewards.std())
+  # Groups of this trained batch with all-equal rewards: zero advantage, no gradient (what rl.dynamic_sampling drops).
+  informative = dynamic_sampling.informative_groups(exp.rewards, int(rl_run.config.rl.num_generations))
+  m["reward/zero_variance_group_fraction"] = float(1.0 - informative.mean())
   # The check_answer reward's own grading (rewards memoise the last batch): no second pass.
   graded = rewards_lib.score_batch(exp.texts, answers, rl_run.config)
   m["accuracy"] = float(np.mean([r.correct for r in graded]))
