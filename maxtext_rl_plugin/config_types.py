@@ -211,6 +211,22 @@ class PluginKeys(BaseModel):
       "comes from a flawed teacher that adds every pair of numbers whatever the wording says. Models an imperfect SFT "
       "corpus; rewards and eval always use the true answer.",
   )
+  synthetic_task: Literal["word_problems", "products"] = Field(
+      "word_problems",
+      description=(
+          "The synthetic task: arithmetic word problems, or 'products' (\"What is 47 * 86?\", operands in "
+          "[10, synthetic_max_value]), where the calculator tool of rl.use_agentic_rollout matters."
+      ),
+  )
+  synthetic_tool_rate: float = Field(
+      0.0,
+      ge=0.0,
+      le=1.0,
+      description=(
+          "synthetic_task=products: fraction of the SFT warm start's demonstrations that call the calculator "
+          "(<tool_call>...</tool_call>) instead of answering from the head."
+      ),
+  )
   use_chat_template: bool = Field(
       True,
       description="Build prompts with the tokenizer's chat template (else the plain template of data_template_path).",

@@ -396,6 +396,8 @@ _KEY_STATUS.update(
                 "synthetic_max_steps",
                 "synthetic_max_value",
                 "synthetic_teacher_error_rate",
+                "synthetic_task",
+                "synthetic_tool_rate",
             ),
             DATA,
         ),
