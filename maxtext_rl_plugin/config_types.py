@@ -95,14 +95,14 @@ class PluginRL(types.RL):
       ["calculator"],
       description=(
           "Tools an episode may call under rl.use_agentic_rollout (Tunix's tool classes by name: 'calculator' is "
-          "Tunix's CalculatorTool, {\"a\": number, \"b\": number, \"op\": \"+\"|\"-\"|\"*\"|\"/\"})."
+          'Tunix\'s CalculatorTool, {"a": number, "b": number, "op": "+"|"-"|"*"|"/"}).'
       ),
   )
   agentic_tool_parser: Literal["qwen"] = Field(
       "qwen",
       description=(
           "Tool-call markup (Tunix's tool parser of that model family): 'qwen' = <tool_call>{\"name\": ..., "
-          "\"arguments\": {...}}</tool_call>, answered with <tool_response>...</tool_response>."
+          '"arguments": {...}}</tool_call>, answered with <tool_response>...</tool_response>.'
       ),
   )
   agentic_max_turns: int = Field(

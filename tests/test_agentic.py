@@ -149,7 +149,11 @@ def test_episode_trace_matches_a_hand_checked_transcript():
       # row 1: answers at once
       [("<answer>1700</answer>\x01", "eos")],
       # row 2: bad JSON, then an unknown tool, then max_turns=3 ends it at the third call
-      [(bad, "stop_string"), ('<tool_call>{"name": "abacus", "arguments": {}}</tool_call>', "stop_string"), (call, "stop_string")],
+      [
+          (bad, "stop_string"),
+          ('<tool_call>{"name": "abacus", "arguments": {}}</tool_call>', "stop_string"),
+          (call, "stop_string"),
+      ],
       # row 3: runs out of the per-turn budget (the scripted text is cut to max_new)
       [("x" * 500, "length")],
   ]
@@ -217,10 +221,10 @@ def _np_grpo_token_mean(lp, old, ref, adv, eps, beta):
   loss, grads = 0.0, []
   for i, row in enumerate(lp):
     g = np.zeros(len(row))
-    for t in range(len(row)):
-      r = np.exp(row[t] - old[i][t])
+    for t, x in enumerate(row):
+      r = np.exp(x - old[i][t])
       unclipped, clipped = r * adv[i], np.clip(r, 1 - eps, 1 + eps) * adv[i]
-      d = ref[i][t] - row[t]
+      d = ref[i][t] - x
       kl, dkl = np.exp(d) - d - 1.0, 1.0 - np.exp(d)
       loss += (-min(unclipped, clipped) + beta * kl) / n
       g[t] = (-(0.0 if clipped < unclipped else adv[i] * r) + beta * dkl) / n
@@ -245,14 +249,21 @@ def test_loss_and_gradient_see_the_policys_tokens_alone():
   kw = {"loss_algo": "grpo", "epsilon": 0.2, "beta": 0.05, "kl_estimator": "k3", "loss_agg_mode": "token-mean"}
 
   def jax_loss(lp_, old_, ref_, adv_):
-    f = lambda x: algorithms.policy_loss(x, *[jnp.asarray(a, jnp.float32) for a in (old_, ref_, adv_, mask)], **kw)[0]
+    def f(x):
+      return algorithms.policy_loss(x, *[jnp.asarray(a, jnp.float32) for a in (old_, ref_, adv_, mask)], **kw)[0]
+
     v, g = jax.value_and_grad(f)(jnp.asarray(lp_, jnp.float32))
     return float(v), np.asarray(g, np.float64)
 
   loss, grad = jax_loss(lp, old, ref, adv)
   keep = [np.flatnonzero(m) for m in mask]
   want, want_grads = _np_grpo_token_mean(
-      [lp[i, k] for i, k in enumerate(keep)], [old[i, k] for i, k in enumerate(keep)], [ref[i, k] for i, k in enumerate(keep)], adv, 0.2, 0.05
+      [lp[i, k] for i, k in enumerate(keep)],
+      [old[i, k] for i, k in enumerate(keep)],
+      [ref[i, k] for i, k in enumerate(keep)],
+      adv,
+      0.2,
+      0.05,
   )
   np.testing.assert_allclose(loss, want, rtol=2e-5, atol=1e-6)
   for i, k in enumerate(keep):
@@ -321,13 +332,22 @@ def test_embedded_multi_turn_equals_from_scratch_recompute(tiny):
 
   def turn_fn(contexts, gens, max_new, turn):
     return eng.generate_turn(
-        contexts, num_generations=gens, max_new_tokens=max_new, rollout_config=rc, rng=jax.random.PRNGKey(turn), stop_strings=[tag]
+        contexts,
+        num_generations=gens,
+        max_new_tokens=max_new,
+        rollout_config=rc,
+        rng=jax.random.PRNGKey(turn),
+        stop_strings=[tag],
     )
 
   limits = episode.Limits(max_turns=3, turn_tokens=16, total_tokens=64)
-  eps = episode.run_episodes(turn_fn, tok, prompts, 2, limits, tools.Toolbox(["calculator"], 1.0), parser, [tok.pad_token_id])
+  eps = episode.run_episodes(
+      turn_fn, tok, prompts, 2, limits, tools.Toolbox(["calculator"], 1.0), parser, [tok.pad_token_id]
+  )
   # really multi-turn: an assistant turn after a tool answer
-  assert any([r for r, _ in e.transcript][:3] == ["assistant", "tool", "assistant"] for e in eps), [e.transcript for e in eps]
+  assert any([r for r, _ in e.transcript][:3] == ["assistant", "tool", "assistant"] for e in eps), [
+      e.transcript for e in eps
+  ]
   assert eps[0].tokens == eps[1].tokens  # greedy: both samples of a prompt agree
   toks = np.full((len(eps), REF_WIDTH), tok.pad_token_id, np.int32)
   lens = np.zeros(len(eps), np.int32)
@@ -342,4 +362,6 @@ def test_embedded_multi_turn_equals_from_scratch_recompute(tiny):
     np.testing.assert_allclose(np.asarray(e.logps)[np.asarray(e.loss_mask) == 1], lp[i, policy], atol=2e-4)
     env = [t for t, m in zip(e.tokens, e.loss_mask) if not m]
     want_env = "".join(text for role, text in e.transcript if role == "tool")
-    assert env == tok.encode(want_env, add_special_tokens=False) and all(x == 0.0 for x, m in zip(e.logps, e.loss_mask) if not m)
+    assert env == tok.encode(want_env, add_special_tokens=False) and all(
+        x == 0.0 for x, m in zip(e.logps, e.loss_mask) if not m
+    )

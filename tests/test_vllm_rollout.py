@@ -695,12 +695,15 @@ def test_generate_turn_runs_a_multi_turn_episode_through_generate(monkeypatch, q
   rc = _rollout_config(cfg, temperature=0.7)
 
   def turn_fn(contexts, gens, max_new, turn):
-    return rollout.generate_turn(contexts, num_generations=gens, max_new_tokens=max_new, rollout_config=rc, rng=turn, stop_strings=[parser.end])
+    return rollout.generate_turn(
+        contexts, num_generations=gens, max_new_tokens=max_new, rollout_config=rc, rng=turn, stop_strings=[parser.end]
+    )
 
   prompt = tokenizer.encode("What is 37 * 48?")
   limits = episode.Limits(max_turns=3, turn_tokens=64, total_tokens=128)
   eps = episode.run_episodes(turn_fn, tokenizer, [prompt], 2, limits, tools.Toolbox(["calculator"], 1.0), parser, [eos])
-  (first, kw1), (second, kw2) = seen
+  assert len(seen) == 2, seen  # two turns: the call, then the answer
+  (first, kw1), (second, kw2) = seen[0], seen[1]
   assert first == [prompt, prompt] and kw1["max_tokens"] == 64 and kw1["temperature"] == 0.7
   assert kw1["stop"] == ["</answer>", "</tool_call>"] and kw1["include_stop_str_in_output"] and kw1["detokenize"]
   assert second == [prompt + call_ids + obs_ids] * 2 and kw2 == kw1  # the transcript, token for token
@@ -712,7 +715,9 @@ def test_generate_turn_runs_a_multi_turn_episode_through_generate(monkeypatch, q
   # vLLM's finish reasons: a length cut and a stop token other than EOS.
   llm.generate = lambda prompts, sampling_params=None, use_tqdm=True: [
       _RequestOutput(
-          types.SimpleNamespace(token_ids=[5, 6], logprobs=[{5: _Logprob(-1.0)}, {6: _Logprob(-1.0)}], finish_reason=f, stop_reason=r)
+          types.SimpleNamespace(
+              token_ids=[5, 6], logprobs=[{5: _Logprob(-1.0)}, {6: _Logprob(-1.0)}], finish_reason=f, stop_reason=r
+          )
       )
       for f, r in (("length", None), ("stop", 6))
   ]
