@@ -365,3 +365,37 @@ def test_embedded_multi_turn_equals_from_scratch_recompute(tiny):
     assert env == tok.encode(want_env, add_special_tokens=False) and all(
         x == 0.0 for x, m in zip(e.logps, e.loss_mask) if not m
     )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The products task and its warm start
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_products_task_demonstrations_call_the_calculator_the_configured_fraction_of_the_time():
+  from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.data import load  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.data import prompts  # pylint: disable=import-outside-toplevel
+
+  cfg = config_lib.load_config(["configs/cpu_demo_tools.yml"])
+  tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+  assert len(tok) <= cfg.vocab_size
+  train, evaluation = load.load_splits(cfg, tok)
+  parser, box = parse.CallParser(cfg.rl.agentic_tool_parser), tools.Toolbox(list(cfg.rl.agentic_tools), 1.0)
+  examples = train.batch(0, 400)
+  calls = 0
+  for ex in examples:
+    a, b = (int(x) for x in ex.question.removeprefix("What is ").removesuffix("?").split(" * "))
+    assert 10 <= a <= 99 and 10 <= b <= 99 and ex.answer == str(a * b)
+    target = prompts.format_target(ex, cfg)
+    assert tok.decode(tok.encode(target)) == target and target.endswith(f"<answer>{a * b}</answer>")
+    if "<tool_call>" in target:
+      calls += 1
+      turn = target[: target.index(parser.end) + len(parser.end)]
+      call = parser.call(turn)
+      assert box.run(call.name, call.arguments) == tools.Observation(str(a * b), False)
+      assert len(tok.encode(turn)) <= 12  # the markup is whole tokens (demo_tokenizer.TOOL_TOKENS)
+      assert parser.observation(str(a * b)) in target  # the SFT text after the call is what the environment appends
+  assert 0.05 < calls / len(examples) < 0.15  # synthetic_tool_rate = 0.1
+  assert not any("<tool_call>" in prompts.format_target(evaluation[i], cfg) for i in range(50))  # eval: gold only
