@@ -9,6 +9,7 @@ environment token is 0 and the trainer's is not, so the agreement metric (masked
 environment's tokens are out of the mask.
 """
 
+import math
 import shutil
 
 import pytest
@@ -57,13 +58,14 @@ def test_multi_turn_run_trains_evaluates_and_reports_episode_figures(runs):
   keys = ("turns_mean", "tool_calls_mean", "tool_call_rate", "tool_errors", "masked_tokens", "masked_fraction")
   for r in steps:
     assert all(f"agentic/{k}" in r for k in keys), sorted(r)
-    assert 1.0 <= r["agentic/turns_mean"] <= 2.0 and 0.0 <= r["agentic/masked_fraction"] < 1.0
+    assert 1.0 <= r["agentic/turns_mean"] <= 2.0
+    assert 0.0 <= r["agentic/masked_fraction"] < 1.0
     assert r["agentic/masked_tokens"] == 0 or r["agentic/tool_calls_mean"] > 0  # only tool answers are masked
   masked = [r for r in steps if r["agentic/masked_tokens"] > 0]
   assert masked, "no step had an episode with a tool answer: the warm start did not teach the call format"
   for r in masked:  # environment tokens (sampler log-prob 0, trainer's not) are out of the masked agreement metric
     assert r["mismatch/logp_abs_diff_max"] < 1e-3, r
-    assert r["loss"] == r["loss"] and abs(r["loss"]) < 1e3  # finite
+    assert math.isfinite(r["loss"])
   evals = [r for r in recs if "eval/accuracy" in r]
   assert [r["step"] for r in evals] == [0, 2, 3]
   assert all("eval/agentic/tool_call_rate" in r and "eval/agentic/turns_mean" in r for r in evals)

@@ -242,8 +242,9 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     whole transcript (prompt + its turns + the tool's answers) with G = 1. The transcript is prefilled again each
     turn rather than appended to the previous turn's KV cache: the decode program returns tokens, not its cache
     (keeping [N, L+T] caches alive on device across a host round trip per turn, and compiling a second "append to an
-    existing cache" program per bucket), and on the models this engine serves on CPU/GPU the prefill of a few hundred
-    tokens is a small share of a turn (`python -m maxtext_rl_plugin.bench agentic`, docs/agentic.md). `stop_strings`
+    existing cache" program per bucket, is not built yet). Measured (`python -m maxtext_rl_plugin.bench agentic`,
+    docs/agentic.md): re-prefill is a quarter of a turn at the CPU demo's 48-token transcripts and most of a turn at
+    512 tokens, so cache reuse is the next step for long transcripts. `stop_strings`
     are added to the config's.
     """
     params = sampling.SamplingParams.create(rollout_config.temperature, rollout_config.top_k, rollout_config.top_p)
