@@ -536,17 +536,12 @@ def rl_metrics_to_log(algo_config: PluginGrpoConfig) -> dict[str, Callable[[Any]
 def tunix_algo_config(config: Any, **overrides: Any) -> PluginGrpoConfig:
   """Map the plugin's MaxText config (`config.rl.*`) to the Tunix algo config the learner is built with.
 
-  Raises `ConfigError` naming the key for values the loss cannot use.
+  The clip ranges and beta were refused by `validation.validate` (its RANGES table) when the config was loaded;
+  raises `ConfigError` naming the key for a loss aggregation the loss cannot use.
   """
   rl = config.rl
   epsilon = float(rl.grpo_epsilon)
   epsilon_high = None if rl.epsilon_high is None else float(rl.epsilon_high)
-  if not 0.0 <= epsilon <= 1.0:
-    raise ConfigError(f"rl.grpo_epsilon={epsilon}: expected a clip range in [0, 1]")
-  if epsilon_high is not None and epsilon_high < 0.0:
-    raise ConfigError(f"rl.epsilon_high={epsilon_high}: expected >= 0 (or null for rl.grpo_epsilon)")
-  if float(rl.grpo_beta) < 0.0:
-    raise ConfigError(f"rl.grpo_beta={rl.grpo_beta}: expected >= 0 (0 disables the KL term and the reference model)")
   if rl.loss_agg_mode not in LOSS_AGG_MODES:
     raise ConfigError(f"rl.loss_agg_mode={rl.loss_agg_mode!r}: expected one of {', '.join(LOSS_AGG_MODES)}")
   estimator, norm, loss_agg_mode = advantage_config(rl)

@@ -9,6 +9,7 @@ incomplete temporary directory is never picked up on restore.
 from __future__ import annotations
 
 import errno
+import logging as std_logging
 import os
 import time
 from typing import Any
@@ -110,17 +111,19 @@ class RunCheckpointer:
     previous checkpoints are untouched: Orbax writes to a temporary directory and renames it when complete)."""
     if not self._manager:
       return
-    try:
-      self._save(step, params, opt_state, meta)
-    except Exception as e:  # pylint: disable=broad-exception-caught  # Orbax wraps OSError in several types
-      cause = _os_error_in(e)
-      if cause is None:
-        raise
-      raise CheckpointError(
-          f"checkpoint step {step} was not written: "
-          f"{run_dir.describe_os_error(cause, self.directory)}; the run can resume from "
-          f"step {self.latest_step()}"
-      ) from None
+    with _OrbaxErrorLogs() as orbax_logs:
+      try:
+        self._save(step, params, opt_state, meta)
+      except Exception as e:  # pylint: disable=broad-exception-caught  # Orbax wraps OSError in several types
+        cause = _os_error_in(e)
+        if cause is None:
+          raise
+        orbax_logs.discard()  # the one line below says it all; Orbax's threads logged it with tracebacks first
+        raise CheckpointError(
+            f"checkpoint step {step} was not written: "
+            f"{run_dir.describe_os_error(cause, self.directory)}; the run can resume from "
+            f"step {self.latest_step()}"
+        ) from None
 
   def _save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
     save_items(self._manager, step, {"params": params, "opt_state": opt_state}, meta)
@@ -142,6 +145,38 @@ class RunCheckpointer:
     """Wait for an async save in flight and release Orbax's threads."""
     if self._manager:
       self._manager.close()
+
+
+class _OrbaxErrorLogs(std_logging.Filter):
+  """Holds the ERROR records Orbax logs while a save runs: each of its write threads logs its failure with the full
+  traceback (`_SignalingThread.run`) before the save raises it, so a full disk would print two tracebacks before the
+  run's one line. On leaving, the held records are logged as they were unless `discard` was called (a failure the
+  caller turns into one line); a failure it does not explain keeps Orbax's own account."""
+
+  def __init__(self):
+    super().__init__()
+    self._held: list[std_logging.LogRecord] = []
+    self._discarded = False
+    self._logger = std_logging.getLogger("absl")  # Orbax logs through absl, absl through this logger
+
+  def filter(self, record: std_logging.LogRecord) -> bool:
+    if record.levelno >= std_logging.ERROR and f"{os.sep}orbax{os.sep}" in record.pathname:
+      self._held.append(record)
+      return False
+    return True
+
+  def discard(self) -> None:
+    self._discarded = True
+
+  def __enter__(self) -> "_OrbaxErrorLogs":
+    self._logger.addFilter(self)
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self._logger.removeFilter(self)
+    if not self._discarded:
+      for record in self._held:
+        self._logger.handle(record)
 
 
 def _os_error_in(e: BaseException) -> OSError | None:

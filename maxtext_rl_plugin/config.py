@@ -37,8 +37,8 @@ import pydantic
 import yaml
 
 from maxtext_rl_plugin import key_status
+from maxtext_rl_plugin import validation
 from maxtext_rl_plugin.errors import ConfigError
-from maxtext_rl_plugin.validation import validate
 
 CONFIGS_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 _REPO_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -57,6 +57,8 @@ def resolve_yml(path: str) -> str:
   """A yml path as given, or the shipped config of that name (`configs/rl.yml`, `rl.yml`, `rl`)."""
   if os.path.isfile(path):
     return os.path.abspath(path)
+  if os.path.isdir(path):
+    raise ConfigError(f"config file '{path}' is a directory; give a yml file (e.g. configs/rl.yml)")
   name = os.path.basename(path)
   if not name.endswith((".yml", ".yaml")):
     name += ".yml"
@@ -94,12 +96,49 @@ def _nested_models(cls) -> dict[str, Any]:
   }
 
 
-def _all_flat_keys(cls) -> set[str]:
-  """Every key a flat `key=value` may name: the top-level fields and those of each nested block."""
-  keys = set(cls.model_fields)
-  for model in _nested_models(cls).values():
-    keys |= set(model.model_fields)
-  return keys
+@dataclasses.dataclass(frozen=True)
+class KeyNames:
+  """The key names a yml or a command line may set: the top-level fields and each nested block's fields (None: a
+  block whose fields are not known without the schema; a dotted key into it is left to the schema's check)."""
+
+  top: frozenset[str]
+  blocks: dict[str, frozenset[str] | None]
+
+  def flat(self) -> set[str]:
+    """Every key a flat `key=value` may name: the top-level fields and those of each nested block."""
+    return set(self.top).union(*(inner for inner in self.blocks.values() if inner))
+
+
+def schema_keys(cls=None) -> KeyNames:
+  """The key names of the schema (imports it)."""
+  cls = cls or config_class()
+  return KeyNames(frozenset(cls.model_fields), {b: frozenset(m.model_fields) for b, m in _nested_models(cls).items()})
+
+
+@functools.cache
+def shipped_defaults() -> dict[str, Any]:
+  """MaxText's base.yml under the plugin's shipped rl.yml chain, as plain containers: every key's default as written,
+  which types the first pass's values (validation.RawConfig) without the schema."""
+  base = omegaconf.OmegaConf.load(os.path.join(_maxtext_configs_dir(), "base.yml"))
+  rl = _merge_chain(_read_chain(os.path.join(configs_dir(), "rl.yml")))
+  return omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.merge(base, rl), resolve=False)
+
+
+@functools.cache
+def light_keys() -> KeyNames:
+  """The schema's key names without importing it: the shipped defaults' keys corrected by key_status's two lists
+  of the difference (tests/test_config.py keeps them exact). Blocks with no shipped defaults are left to the schema."""
+  defaults = shipped_defaults()
+  top = (set(defaults) - key_status.YML_ONLY_KEYS) | {k for k in key_status.SCHEMA_ONLY_KEYS if "." not in k}
+  blocks: dict[str, frozenset[str] | None] = {}
+  for block in key_status.NESTED_BLOCKS:
+    inner = defaults.get(block)
+    if isinstance(inner, dict):
+      extra = {k.partition(".")[2] for k in key_status.SCHEMA_ONLY_KEYS if k.startswith(f"{block}.")}
+      blocks[block] = frozenset(set(inner) | extra)
+    else:
+      blocks[block] = None
+  return KeyNames(frozenset(top | set(key_status.NESTED_BLOCKS)), blocks)
 
 
 def _unknown_key_error(key: str, where: str, candidates: set[str]) -> ConfigError:
@@ -109,51 +148,51 @@ def _unknown_key_error(key: str, where: str, candidates: set[str]) -> ConfigErro
   return ConfigError(f"unknown config key '{key}' ({where}){hint}")
 
 
-def _check_key(key: str, where: str, cls) -> None:
+def _check_key(key: str, where: str, keys: KeyNames) -> None:
   """Raise for a key that is not in the schema (top-level, flat twin, or `<block>.<key>` of a nested block)."""
-  nested = _nested_models(cls)
-  flat = _all_flat_keys(cls)
+  flat = keys.flat()
   head, _, tail = key.partition(".")
   if not tail:
     if key not in flat:
       raise _unknown_key_error(key, where, flat)
     return
-  if head in nested:
+  if head in keys.blocks:
     inner = tail.partition(".")[0]
-    if inner not in nested[head].model_fields:
-      raise _unknown_key_error(key, where, set(nested[head].model_fields))
+    known = keys.blocks[head]
+    if known is not None and inner not in known:
+      raise _unknown_key_error(key, where, set(known))
     return
-  if head in cls.model_fields:
+  if head in keys.top:
     return  # a dict-typed field (e.g. generation_configs.greedy.eval_top_k); its value is validated by pydantic
   raise _unknown_key_error(key, where, flat)
 
 
-def _check_yml_keys(raw: dict, where: str, cls) -> None:
-  nested = _nested_models(cls)
+def _check_yml_keys(raw: dict, where: str, keys: KeyNames) -> None:
   for key, value in raw.items():
     if key == "base_config":
       continue
-    _check_key(key, where, cls)
-    if key in nested and isinstance(value, dict):
+    _check_key(key, where, keys)
+    if key in keys.blocks and isinstance(value, dict):
       for inner in value:
-        _check_key(f"{key}.{inner}", where, cls)
+        _check_key(f"{key}.{inner}", where, keys)
 
 
-def _parse_overrides(overrides: Sequence[str], cls) -> list[str]:
+def _parse_overrides(overrides: Sequence[str], keys: KeyNames) -> list[str]:
   """Validate `key=value` overrides and rewrite `block.key` to `key` where MaxText keeps a flat twin."""
-  nested = _nested_models(cls)
   out = []
   for arg in overrides:
     if "=" not in arg or arg.startswith("="):
       raise ConfigError(f"argument '{arg}' is not of the form key=value")
     key, value = arg.split("=", 1)
     key = key.strip().lstrip("-")
-    _check_key(key, "command line", cls)
-    if key in nested:
+    _check_key(key, "command line", keys)
+    if key in keys.blocks:
       raise ConfigError(f"'{key}' is a block of keys; set them one by one as {key}.<key>=value (command line)")
     head, _, tail = key.partition(".")
-    if head in nested and tail and "." not in tail and tail in cls.model_fields:
+    if head in keys.blocks and tail and "." not in tail and tail in keys.top:
       key = tail
+    if not value.strip() and isinstance(shipped_defaults().get(key), str):
+      value = "''"  # `key=` clears a string key (OmegaConf would read None, which a str field refuses)
     out.append(f"{key}={value}")
   return out
 
@@ -227,6 +266,15 @@ def _is_maxtext_file(path: str) -> bool:
   return os.path.realpath(path).startswith(_maxtext_configs_dir() + os.sep)
 
 
+def _yaml_problem(e: Exception) -> str:
+  """What a YAML parser found wrong and where (`found duplicate key "run_name" (line 3)`), not only its context
+  (`while constructing a mapping`)."""
+  problem, mark = getattr(e, "problem", None), getattr(e, "problem_mark", None)
+  if problem and mark is not None:
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})"
+  return str(e).splitlines()[0] if str(e) else type(e).__name__
+
+
 def _read_yml(path: str, shown: str):
   """One yml file as an OmegaConf mapping, or a one-line error naming `shown` (the name the user gave)."""
   try:
@@ -236,12 +284,12 @@ def _read_yml(path: str, shown: str):
   except OSError as e:  # OmegaConf's "Invalid loaded object type: int" for a yml that is a scalar
     raise ConfigError(f"config file '{shown}' must be a mapping of key: value ({str(e).splitlines()[0]})") from None
   except Exception as e:  # pylint: disable=broad-exception-caught  # yaml/omegaconf parse errors
-    raise ConfigError(f"config file '{shown}' is not valid YAML: {str(e).splitlines()[0]}") from None
+    raise ConfigError(f"config file '{shown}' is not valid YAML: {_yaml_problem(e)}") from None
   if isinstance(cfg, omegaconf.ListConfig):
     raise ConfigError(f"config file '{shown}' must be a mapping of key: value, not a list")
   if not cfg:
     raise ConfigError(f"config file '{shown}' is empty; start it with 'base_config: rl.yml' and the keys to change")
-  for block in _nested_models(config_class()):
+  for block in key_status.NESTED_BLOCKS:
     if block in cfg and cfg[block] is not None and not isinstance(cfg[block], omegaconf.DictConfig):
       raise ConfigError(
           f"config file '{shown}': '{block}' must be a block of keys ({block}:\\n  key: value), got {cfg[block]!r}"
@@ -431,8 +479,8 @@ def _initialize(yml: str, merged, overrides: list[str], kwargs: dict[str, Any]):
       pc = initialize(["", yml, *overrides], config_class=config_class(), **kwargs)
   except pydantic.ValidationError as e:
     raise ConfigError(_format_validation_error(e)) from None
-  except omegaconf.errors.OmegaConfBaseException as e:
-    raise ConfigError(f"could not parse overrides: {str(e).splitlines()[0]}") from None
+  except omegaconf.errors.OmegaConfBaseException as e:  # an override OmegaConf cannot read, a `${...}` it cannot resolve
+    raise ConfigError(f"could not read the configuration (yml and overrides): {str(e).splitlines()[0]}") from None
   except (ValueError, TypeError, KeyError) as e:
     raise ConfigError(str(e).splitlines()[0] if str(e) else repr(e)) from None
   _sync_flat_from_nested(pc)
@@ -444,12 +492,12 @@ def _parse_uncached(argv: Sequence[str]) -> Parsed:
   if not argv:
     raise ConfigError("usage: python -m maxtext_rl_plugin.train_rl <config.yml> [key=value ...]")
   given = argv[0]
-  cls = config_class()
+  keys = schema_keys()
   chain = _read_chain(given)
-  overrides = _parse_overrides(argv[1:], cls)
+  overrides = _parse_overrides(argv[1:], keys)
   for path, cfg in chain:
     if not _is_maxtext_file(path):
-      _check_yml_keys(omegaconf.OmegaConf.to_container(cfg, resolve=False), f"in {path}", cls)
+      _check_yml_keys(omegaconf.OmegaConf.to_container(cfg, resolve=False), f"in {path}", keys)
   # The user's own spelling (`rl.system_prompt`, not the flat twin the override was rewritten to) picks the status.
   check_refused(_user_set_values(chain, [a.strip().lstrip("-") for a in argv[1:]]))
   merged = _merge_chain(chain)
@@ -459,8 +507,51 @@ def _parse_uncached(argv: Sequence[str]) -> Parsed:
   overrides = _resolve_tokenizer_path(overrides, raw)
   kwargs = _model_file_overrides(chain, raw, overrides)
   pc = _initialize(chain[0][0], merged, overrides, kwargs)
-  validate(pc)
+  validation.validate(pc)
   return Parsed(pc, chain[0][0], merged, overrides, kwargs)
+
+
+# --- the first pass, before the schema's imports ------------------------------------------------------------------
+
+
+def _raw_view(chain, overrides: list[str]) -> validation.RawConfig:
+  """The config as written (the merged chain and the overrides) as a `validation.RawConfig`: typed by the shipped
+  defaults; keys a model file sets (configs/models/<model_name>.yml) or an `M_<KEY>` environment variable overrides
+  (both applied by pyconfig, with their own rules) are left unresolved."""
+  merged = _merge_chain(chain)
+  for arg in overrides:
+    merged = omegaconf.OmegaConf.merge(merged, omegaconf.OmegaConf.from_dotlist([arg]))
+  values = omegaconf.OmegaConf.to_container(merged, resolve=False)
+  rl_block = values.get("rl")
+  for inner in light_keys().blocks["rl"] or ():
+    if inner in values and isinstance(rl_block, dict):  # a flat twin: MaxText routes it into the block
+      rl_block[inner] = values.pop(inner)
+  model = str(values.get("model_name", "default")).replace("-Instruct", "")
+  model_file = os.path.join(_maxtext_configs_dir(), "models", f"{model}.yml")
+  model_keys = set(omegaconf.OmegaConf.load(model_file).keys()) if os.path.isfile(model_file) else set()
+  env_keys = {k for k in values if f"M_{k.upper()}" in os.environ}
+  return validation.RawConfig(values, shipped_defaults(), frozenset(model_keys | env_keys))
+
+
+def precheck(argv: Sequence[str]) -> validation.RawConfig:
+  """The checks that need only the yml chain and the command line, before the schema's imports (JAX, MaxText: ~10 s
+  on a loaded machine): the files, key names, model_name and `validation.validate_raw`. `parse` repeats them all on
+  the typed config; this pass only makes a mistake cost a second instead of ten."""
+  if not argv:
+    raise ConfigError("usage: python -m maxtext_rl_plugin.train_rl <config.yml> [key=value ...]")
+  keys = light_keys()
+  chain = _read_chain(argv[0])
+  overrides = _parse_overrides(argv[1:], keys)
+  for path, cfg in chain:
+    if not _is_maxtext_file(path):
+      _check_yml_keys(omegaconf.OmegaConf.to_container(cfg, resolve=False), f"in {path}", keys)
+  try:
+    view = _raw_view(chain, overrides)
+  except omegaconf.errors.OmegaConfBaseException:
+    return validation.RawConfig({}, {})  # an override OmegaConf cannot merge: `parse` says so in its words
+  _check_model_name(str(getattr(view, "model_name", "default")))
+  validation.validate_raw(view)
+  return view
 
 
 @functools.lru_cache(maxsize=8)

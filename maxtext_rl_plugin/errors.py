@@ -45,6 +45,15 @@ class MissingExtraError(UserError):
     )
 
 
+def quiet_third_party_logs() -> None:
+  """Keep libraries' import-time chatter off an entry point's stderr (set before they are imported): transformers
+  warns about PyTorch being absent and about MaxText's model configs, lines before a run's first line, or before a
+  refusal's one line, that say nothing about the run."""
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+  os.environ.setdefault("GRAIN_LOG_LEVEL", "error")
+  os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
 def describe_not_a_file(path: str) -> str:
   """Why `path`, given as a data file, is not one: a directory, a FIFO/socket/device, or nothing at all."""
   try:

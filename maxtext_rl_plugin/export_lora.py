@@ -11,24 +11,21 @@ MaxText's `checkpointing.save_params_to_path` to `DIR/0`; load them with `load_p
 `lora.enable_lora=false` (no adapter keys needed).
 """
 
+# JAX, Flax, Orbax and MaxText's model code are imported where a model is built: `--help`, a config mistake or an
+# unwritable --output is answered in a second, before ~15 s of imports.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import argparse
 import os
 import sys
 
-from flax import nnx
-import jax
-from maxtext.common import checkpointing as mt_checkpointing
-import orbax.checkpoint as ocp
-
 from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import lora
-from maxtext_rl_plugin import models
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import run_identity
-from maxtext_rl_plugin import sft
 from maxtext_rl_plugin.errors import CheckpointError
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -46,6 +43,10 @@ def _parse(argv):
 
 def restore_adapters(model, ckpt_dir: str, step: int | None) -> int:
   """Load the adapters (the `params` item) of RL checkpoint `step` (newest when None) into `model`; returns the step."""
+  from flax import nnx
+  import jax
+  import orbax.checkpoint as ocp
+
   if not os.path.isdir(ckpt_dir):
     raise CheckpointError(f"no checkpoints in {ckpt_dir}: run training with this config first")
   manager = ocp.CheckpointManager(
@@ -100,6 +101,10 @@ def _lora_from_run(argv: list[str], config, ckpt_dir: str, step: int | None) -> 
 
 def export(argv, output: str, step: int | None = None) -> str:
   """Build the run's base, apply and restore its adapters, merge, save; returns the `load_parameters_path`."""
+  config_lib.precheck(argv)  # key names and values as written, before the schema's imports
+  out = os.path.join(os.path.abspath(output), "0")
+  if os.path.exists(out):
+    raise ConfigError(f"invalid value for '--output'='{output}': {out} already exists")
   config = config_lib.load_config(argv)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
   argv = _lora_from_run(list(argv), config, os.path.abspath(run_identity.checkpoint_dir(config, run_dir)), step)
@@ -109,10 +114,13 @@ def export(argv, output: str, step: int | None = None) -> str:
         "export_lora needs the training run's lora.enable_lora=true (a full fine-tuning run's "
         "checkpoints already hold every weight)"
     )
-  out = os.path.join(os.path.abspath(output), "0")
-  if os.path.exists(out):
-    raise ConfigError(f"invalid value for '--output'='{output}': {out} already exists")
-  run_dir_lib.probe_dir(os.path.abspath(output), "--output")  # writable, before any model is built
+  run_dir_lib.probe_dir(os.path.abspath(output), "--output")  # writable (created), once the run is one to export
+  from flax import nnx
+  from maxtext.common import checkpointing as mt_checkpointing
+
+  from maxtext_rl_plugin import models
+  from maxtext_rl_plugin import sft
+
   rs = models.setup_devices(argv)
   config = rs.trainer_config
   tokenizer = models.load_tokenizer(config)
@@ -140,6 +148,7 @@ def export(argv, output: str, step: int | None = None) -> str:
 
 
 def main(argv=None) -> int:
+  errors.quiet_third_party_logs()
   args = _parse(list(sys.argv[1:] if argv is None else argv))
   with errors.exit_on_user_error():
     export(args.config, args.output, args.step)

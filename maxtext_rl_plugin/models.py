@@ -9,7 +9,6 @@ given), wrapped in `TunixMaxTextAdapter` so Tunix's RLCluster can drive them.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 import warnings
 
@@ -21,7 +20,7 @@ from maxtext.utils import model_creation_utils
 from transformers import AutoTokenizer
 
 from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin.errors import CheckpointError
+from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin.errors import ConfigError
 
 
@@ -115,17 +114,9 @@ def load_tokenizer(config):
   return tok
 
 
-def check_load_parameters_path(config) -> None:
-  """One line instead of MaxText's traceback for a missing local checkpoint; `build_model` is the one caller that
-  reads the path."""
-  path = config.load_parameters_path
-  if path and not str(path).startswith("gs://") and not os.path.exists(path):
-    raise CheckpointError(f"invalid value for 'load_parameters_path'='{path}': no such checkpoint directory")
-
-
 def build_model(config, devices, pad_id: int | None = None, rng_seed: int | None = None):
   """A `TunixMaxTextAdapter` and its mesh on `devices` (weights from load_parameters_path or random init)."""
-  check_load_parameters_path(config)
+  run_identity.check_load_parameters_path(config.load_parameters_path)
   seed = config.init_weights_seed if rng_seed is None else rng_seed
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")

@@ -24,7 +24,10 @@ import os
 from typing import Any
 
 from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin.data import prompts
+from maxtext_rl_plugin.data import rows
 from maxtext_rl_plugin.errors import CheckpointError
+from maxtext_rl_plugin.errors import ConfigError
 
 _DIGEST_BYTES = 1 << 20  # a data file's digest reads its size and first MiB: cheap for a GB Parquet, still exact enough
 _MODEL_KEYS = ("emb_dim", "mlp_dim", "num_decoder_layers", "num_query_heads", "num_kv_heads", "head_dim", "vocab_size")
@@ -128,19 +131,18 @@ def check_rerun(config, run_dir: str, asked_steps: int) -> None:
   """Refuse (one line, nothing written) a rerun that asks to stop before the newest checkpoint, or whose model or
   data differ from the newest checkpoint's (see the module docstring)."""
   directory = checkpoint_dir(config, run_dir)
-  steps = checkpoint_steps(directory)
-  if not steps:
+  # A step directory whose metadata does not read (an empty `5/`, a torn or tampered checkpoint) is not a step the run
+  # trained to: the restore sets it aside, so it neither refuses a rerun nor decides what is compared.
+  readable = [(s, m) for s, m in ((s, read_meta(directory, s)) for s in checkpoint_steps(directory)) if m is not None]
+  if not readable:
     return
-  newest = steps[0]
+  newest, meta = readable[0]
   if newest > asked_steps:
     raise CheckpointError(
         f"{run_dir} already trained {newest} RL steps (checkpoint step {newest} in {directory}) and this run asks for "
         f"{asked_steps} (num_batches); nothing was changed: ask for at least {newest} steps to continue it, or use a "
         "new run_name"
     )
-  meta = next((m for m in (read_meta(directory, s) for s in steps) if m is not None), None)
-  if meta is None:
-    return
   now = identity(config)
   for key, value in now.items():
     if key in meta and meta[key] != json.loads(json.dumps(value)):
@@ -156,9 +158,48 @@ def total_steps(config) -> int:
   return int(config.train_steps) // max(1, int(config.rl.num_iterations))
 
 
+def _local(path: Any) -> bool:
+  return isinstance(path, str) and bool(path) and "://" not in path
+
+
+def check_load_parameters_path(path: Any) -> None:
+  """One line instead of MaxText's traceback for a missing local base checkpoint."""
+  if _local(path) and not os.path.exists(path):
+    raise CheckpointError(f"invalid value for 'load_parameters_path'='{path}': no such checkpoint directory")
+
+
+def check_inputs(config) -> None:
+  """The local files a run reads exist: data files (the data loader's own check, `rows.expand_paths`), the prompt
+  template (`prompts.load_template`), the base checkpoint, and a tokenizer_path written as a local path (absolute,
+  `./`, `../`, `~`; `org/name` may be a hub id). `config` may be a `validation.RawConfig` (a key it cannot type is
+  skipped)."""
+  for key in ("train_data_path", "eval_data_path"):
+    spec = getattr(config, key, None)
+    if _local(spec):
+      rows.expand_paths(spec, key)
+  check_load_parameters_path(getattr(config, "load_parameters_path", None))
+  template = getattr(config, "data_template_path", None)
+  if isinstance(template, str) and template:
+    prompts.load_template(template)  # every prompt is built from it (the system prompt, with or without chat)
+  tokenizer = getattr(config, "tokenizer_path", None)
+  if _local(tokenizer) and tokenizer.startswith(("/", "./", "../", "~")):
+    if not os.path.exists(os.path.expanduser(tokenizer)):
+      raise ConfigError(f"invalid value for 'tokenizer_path'='{tokenizer}': no such directory")
+
+
+def check_outputs(config) -> None:
+  """The run directory and the metrics file can be written (`run_dir.check_writable`; a `RawConfig` that cannot
+  type metrics_file probes the directory alone)."""
+  run_dir = os.path.join(config.base_output_directory, config.run_name)
+  metrics_file = getattr(config, "metrics_file", None)
+  run_dir_lib.check_writable(run_dir, run_dir_lib.resolve_metrics_file(metrics_file, run_dir))
+
+
 def preflight(config) -> None:
   """The run's path checks, before the trainer's imports (JAX backends, MaxText models, Tunix: seconds on a loaded
-  machine): outputs writable, and no rerun that would rewrite a finished run or resume another model or data."""
+  machine): inputs exist, outputs writable, and no rerun that would rewrite a finished run or resume another model
+  or data."""
+  check_inputs(config)
+  check_outputs(config)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
-  run_dir_lib.check_writable(run_dir, run_dir_lib.resolve_metrics_file(config.metrics_file, run_dir))
   check_rerun(config, run_dir, total_steps(config))

@@ -11,18 +11,14 @@ configuration and exits. Configuration and input mistakes end with one `error: .
 
 from __future__ import annotations
 
-import os
 import sys
 from typing import Sequence
 
+from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin import signals
 from maxtext_rl_plugin import validation
 from maxtext_rl_plugin.errors import exit_on_user_error
-
-
-def _quiet_third_party_logs() -> None:
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
-  os.environ.setdefault("GRAIN_LOG_LEVEL", "error")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -31,7 +27,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   if argv and argv[0] in ("-h", "--help"):
     print(__doc__)
     return 0
-  _quiet_third_party_logs()
+  errors.quiet_third_party_logs()
   try:
     return _main(argv)
   except KeyboardInterrupt:  # Ctrl-C before the trainer installed its handlers (config loading): one line, no trace
@@ -49,23 +45,44 @@ def _close_writers() -> None:
     metrics.close_all()
 
 
+def _precheck(view) -> None:
+  """The refusals `load_config` and `preflight` would make that the config as written already decides (a key the
+  first pass cannot type is left to them): a run name, and for training the input files and the outputs."""
+  try:
+    validation.check_run(view)
+    print_config = view.print_config if "print_config" in view else False  # unset: the schema's default
+  except AttributeError:
+    return
+  if print_config is False:
+    run_identity.check_inputs(view)
+    try:
+      run_identity.check_outputs(view)
+    except AttributeError:
+      return
+
+
 def _main(argv: list[str]) -> int:
   """Pathways set-up, config, then training, with user errors as one line."""
+  # A SIGTERM (or SIGINT) while the config loads and the trainer's modules import is one line and exit 143 (130), as
+  # once the trainer runs (it installs its own handlers); without this, SIGTERM killed the process silently.
   with exit_on_user_error():
-    # First, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
-    # must be registered now, as MaxText's train_rl.main does; later JAX refuses it.
-    from maxtext_rl_plugin import pathways
+    with signals.GracefulStop():
+      # Config and path mistakes first, in a second: the schema's imports (JAX, MaxText, Tunix) take ~10 s.
+      from maxtext_rl_plugin import config as config_lib
 
-    pathways.initialize()
-    from maxtext_rl_plugin import config as config_lib
+      _precheck(config_lib.precheck(argv))
+      # Then, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
+      # must be registered now, as MaxText's train_rl.main does; later JAX refuses it.
+      from maxtext_rl_plugin import pathways
 
-    config = config_lib.load_config(argv)
-    validation.check_run(config)  # print_config=true refuses what training refuses
-    if config.print_config:
-      sys.stdout.write(config_lib.dump_yaml(config))
-      return 0
-    run_identity.preflight(config)  # path and rerun refusals before the trainer's seconds of imports
-    from maxtext_rl_plugin import trainer
+      pathways.initialize()
+      config = config_lib.load_config(argv)
+      validation.check_run(config)  # print_config=true refuses what training refuses
+      if config.print_config:
+        sys.stdout.write(config_lib.dump_yaml(config))
+        return 0
+      run_identity.preflight(config)  # path and rerun refusals before the trainer's seconds of imports
+      from maxtext_rl_plugin import trainer
 
     trainer.run(config, argv)
   return 0

@@ -11,6 +11,11 @@ Three layers, all before any model is built (and before JAX has a backend), each
 * `_CROSS_CHECKS`: rules between keys (the completion budget, micro-batch divisibility, the run directory).
 
 Checks that need the device set (rows divisible by the trainer devices) stay in the trainer (`_check_runtime`).
+
+The same checks run twice: first by `validate_raw` on a `RawConfig` (the yml chain and the command line as written,
+typed by the shipped defaults) before the schema's imports (JAX, MaxText: seconds on a loaded machine), so a config
+mistake is refused in a second; then by `validate` on the typed config. A check that reads a value only the schema
+knows (a derived key, a value pydantic would coerce) is skipped in the first pass and decided by the second.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import math
 import os
 from typing import Any, Callable, Iterator
 
-from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin import key_status
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -33,10 +38,104 @@ def _bad(key: str, value: Any, why: str) -> ConfigError:
   return ConfigError(f"invalid value for '{key}'={value!r}: {why}")
 
 
+class Unresolved(AttributeError):
+  """A key of a `RawConfig` whose typed value only the schema knows; the check reading it waits for `validate`."""
+
+
+def _typed(value: Any, default: Any) -> Any:
+  """`value` as the schema would type it, judged by the type of the shipped default; `Unresolved` when unsure."""
+  if isinstance(value, str) and "${" in value:
+    raise Unresolved(value)  # an OmegaConf interpolation: pyconfig resolves it (or says why it cannot)
+  if isinstance(value, str) and value.strip().lower() == "none":
+    return None  # MaxText reads the string "none" as None
+  if isinstance(default, bool):
+    if isinstance(value, bool):
+      return value
+  elif isinstance(default, int):
+    if isinstance(value, bool):
+      raise Unresolved(default)
+    if isinstance(value, int):
+      return value
+    number = _number(value)
+    if number is not None and math.isfinite(number) and number == int(number):
+      return int(number)
+  elif isinstance(default, float):
+    number = _number(value)
+    if number is not None:
+      return number
+  elif isinstance(default, str):
+    if isinstance(value, str):
+      return value
+  elif default is None or isinstance(default, (list, dict)):
+    if value is None or (isinstance(value, (int, float, list, dict)) and not isinstance(value, bool)):
+      return value
+  raise Unresolved(value)
+
+
+def _number(value: Any) -> float | None:
+  """An int, float or numeric string as pydantic's lax float reads it (`"inf"`, `"1e-4"`), else None."""
+  if isinstance(value, bool):
+    return None
+  if isinstance(value, (int, float)):
+    return float(value)
+  if isinstance(value, str):
+    try:
+      return float(value)
+    except ValueError:
+      return None
+  return None
+
+
+class RawConfig:
+  """Attribute view of a merged yml chain plus overrides (plain containers), each value typed like its shipped default
+  (`defaults`); a key that is absent, listed in `unresolved` (set by a model file), or not of its default's type
+  raises `Unresolved`, an AttributeError, so `getattr(view, key, None)` reads it as unset."""
+
+  def __init__(self, values: dict[str, Any], defaults: dict[str, Any], unresolved: frozenset[str] = frozenset()):
+    self._values = values
+    self._defaults = defaults
+    self._unresolved = unresolved
+
+  def __getattr__(self, name: str) -> Any:
+    if name.startswith("_") or name in self._unresolved or name not in self._values:
+      raise Unresolved(name)
+    value, default = self._values[name], self._defaults.get(name)
+    if name == "run_name" and value is None:
+      return ""  # pyconfig's rule for `run_name=` (OmegaConf reads an empty value as None)
+    if name in key_status.NESTED_BLOCKS and isinstance(value, dict) and isinstance(default, dict):
+      return RawConfig(value, default)  # a nested block (`rl:`, `lora:`)
+    return _typed(value, default)
+
+  def __contains__(self, name: str) -> bool:
+    """Whether the config as written sets `name` (typed or not)."""
+    return name in self._values
+
+  def field_names(self) -> list[str]:
+    """The keys whose typed value is known."""
+    return [k for k in self._values if k not in self._unresolved and _known(self, k)]
+
+
+def _known(view: RawConfig, key: str) -> bool:
+  try:
+    getattr(view, key)
+  except Unresolved:
+    return False
+  return True
+
+
+def _fields(block: Any) -> list[str] | None:
+  """The keys of a pydantic block or a `RawConfig`, None for any other value."""
+  if isinstance(block, RawConfig):
+    return block.field_names()
+  fields = getattr(type(block), "model_fields", None)
+  return list(fields) if fields is not None else None
+
+
 def _leaves(key: str, value: Any) -> Iterator[tuple[str, Any]]:
   """(dotted key, leaf value) of a value that may be a pydantic block, a dict or a list."""
-  if hasattr(type(value), "model_fields"):
-    for inner in type(value).model_fields:
+  inner_keys = _fields(value)
+  if inner_keys is not None:
+    for inner in inner_keys:
       yield from _leaves(f"{key}.{inner}", getattr(value, inner))
   elif isinstance(value, dict):
     for k, v in value.items():
@@ -51,7 +150,7 @@ def _leaves(key: str, value: Any) -> Iterator[tuple[str, Any]]:
 def check_numbers(pc) -> None:
   """Every float finite (unless `INFINITY_MEANS` says otherwise), every integer within int64."""
   # The `rl:` and `lora:` blocks first: their keys are named dotted (`rl.grpo_beta`, not its flat twin).
-  names = sorted(type(pc).model_fields, key=lambda n: n not in ("rl", "lora"))
+  names = sorted(_fields(pc), key=lambda n: n not in ("rl", "lora"))
   for name in names:
     for key, value in _leaves(name, getattr(pc, name)):
       if isinstance(value, bool):
@@ -255,17 +354,32 @@ _CROSS_CHECKS = (
 )
 
 
+def _light_checks() -> tuple[Callable[[Any], None], ...]:
+  """The checks that import nothing heavy, in order: both passes run them."""
+  return (check_numbers, check_ranges, *_CROSS_CHECKS, lora.validate)
+
+
 def validate(pc) -> None:
   """Device-free checks of a parsed config, the same for print_config, launchers and training (one line each)."""
-  check_numbers(pc)
-  check_ranges(pc)
-  for check in _CROSS_CHECKS:
+  # algorithms imports Tunix and JAX: only this second pass, after the schema's imports, needs it.
+  from maxtext_rl_plugin import algorithms  # pylint: disable=import-outside-toplevel
+
+  for check in _light_checks():
     check(pc)
-  lora.validate(pc)
   algorithms.check_config(pc)  # DAPO and kin: estimator x scaling x aggregation, overlong buffer
   head_dim_reason = vllm_head_dim_reason(pc.model_name, pc.head_dim) if pc.rollout_engine == "vllm" else None
   if head_dim_reason:
     raise _bad("head_dim", pc.head_dim, head_dim_reason)
+
+
+def validate_raw(view: RawConfig) -> None:
+  """`validate`'s checks on the config as written, before the schema's imports; a check that reads a value only the
+  schema can type (an `Unresolved` key, a comparison with an untyped value) is left to `validate`."""
+  for check in _light_checks():
+    try:
+      check(view)
+    except (AttributeError, TypeError, ValueError):
+      continue
 
 
 def vllm_head_dim_reason(model_name: str, head_dim: int) -> str | None:

@@ -49,7 +49,8 @@ XDIST=()
 if "$VENV/bin/python" -c 'import xdist' >/dev/null 2>&1; then
   # loadfile: a module's tests stay on one worker, so a module-scoped fixture (a training run, a built model) is
   # built once. (loadgroup does not group with pytest 9.2 + xdist 3.8: measured, docs/DEVELOPMENT.md.)
-  XDIST=(-n "${MAXTEXT_RL_TEST_WORKERS:-2}" --dist loadfile)
+  # --no-loadscope-reorder: modules start in tests/conftest.py's longest-first order, not "most tests first".
+  XDIST=(-n "${MAXTEXT_RL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 fi
 status=0
 # The third pass's environment installs in the background while the first two passes run (its first install is

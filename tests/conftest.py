@@ -48,6 +48,41 @@ def _use_run_compilation_cache() -> str:
 _use_run_compilation_cache()
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# Test modules, longest first (seconds of one xdist worker, measured: docs/DEVELOPMENT.md "Test-suite time").
+# scripts/test.sh runs `--dist loadfile --no-loadscope-reorder`: a worker that frees up takes the next module in this
+# order, so the long end-to-end modules start at once and the short ones fill the end (longest-processing-time-first).
+# xdist's default order (modules with the most tests first) started the one-test Ray and demo modules last.
+_LONGEST_FIRST = (
+    "test_ray_train",
+    "test_reliability",
+    "test_trainer_updates",
+    "test_async_rollout",
+    "test_demo",
+    "test_train_e2e",
+    "test_ray_disaggregated",
+    "test_lora",
+    "test_dynamic_sampling_e2e",
+    "test_bench_gpu",
+    "test_evaluation",
+    "test_rollout_embedded",
+    "test_config",
+    "test_docs",
+    "test_launch_ray",
+    "test_bench",
+    "test_multiprocess",
+    "test_validation",
+    "test_vllm_rollout",
+    "test_algorithms",
+)
+
+
+def pytest_collection_modifyitems(items):
+  """Longest modules first; a stable sort keeps each module's own order and the rest in collection order."""
+  rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
+
+
 # tests/tpu_contract needs the TPU image's stack (.venv-tpu, scripts/tpu_contract_venv.sh); scripts/test.sh runs it
 # there in its own pass. The main venv has no tpu_inference, so it does not collect that directory at all.
 collect_ignore = [] if importlib.util.find_spec("tpu_inference") else ["tpu_contract"]

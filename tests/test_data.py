@@ -2,6 +2,7 @@
 problems (checked by re-doing their arithmetic), deterministic resumable batches."""
 
 import functools
+import gzip
 import json
 import logging
 import os
@@ -277,7 +278,6 @@ def test_parquet_and_globs_equal_jsonl(tmp_path):
         ("train_data_path=/nonexistent/x.jsonl", DataError, "train_data_path='/nonexistent/x.jsonl': file not found"),
         ("eval_data_path=/nonexistent/*.jsonl", DataError, "no files match"),
         ("data_template_path=/nonexistent/t.json", ConfigError, "data_template_path"),
-        ("synthetic_max_steps=1 synthetic_min_steps=3", ConfigError, "synthetic_max_steps"),
     ],
 )
 def test_user_errors_are_one_line(override, err, fragment):
@@ -527,3 +527,28 @@ def test_prompt_tags_default_to_the_reward_stacks_which_are_maxtext_rl_yml():
   bare = type("Bare", (), {"data_template_path": ""})()
   assert prompts.tag_tokens(bare) == {k: rl_yml[k] for k in keys}
   assert all(rl_yml[k] in prompts.system_prompt(bare) for k in keys)
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        (gzip.compress(b'{"question": "q?", "answer": "#### 4"}\n'), "is gzip-compressed; decompress it"),
+        ('{"question": "q?", "answer": "#### 4"}\n'.encode("utf-16"), "is UTF-16 (a byte order mark FF FE)"),
+        (b"", "no usable rows of 0 (the file is empty;"),
+        (b"\xef\xbb\xbf", "no usable rows of 0 (the file is empty;"),
+        (
+            b'{"question": "q?", "answer": null}\n',
+            "no usable rows of 1 (1 with no parsable gold answer; first at line 1;",
+        ),
+        (b'\n{"prompt_text": "q?", "completion": "4"}\n', "(1 with no question string; first at line 2;"),
+        (b'{"question": {"text": "q?"}, "answer": "#### 4"}\n', "(1 with no question string; first at line 1;"),
+        (b'[1]\n"x"\n\xff\n', "(2 JSON but not an object, 1 not UTF-8; first at line 1;"),
+    ],
+)
+def test_a_file_with_no_usable_row_says_why(tmp_path, content, fragment):
+  # Each file is readable but holds nothing to train on: the one line names what it is or why every row was lost.
+  f = tmp_path / "d.jsonl"
+  f.write_bytes(content)
+  with pytest.raises(DataError) as e:
+    rows_lib.load_file_rows(str(f), "train_data_path")
+  assert f"train_data_path='{f}': " in str(e.value) and fragment in str(e.value), str(e.value)

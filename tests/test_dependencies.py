@@ -458,3 +458,11 @@ def test_build_image_against_the_real_maxtext_layout(ref, tmp_path):
   first = log.read_text().splitlines()[0]
   workflow = re.search(r"WORKFLOW=(\S+)", first).group(1)
   assert workflow in layout["setup_sh_workflows"], (workflow, layout["setup_sh_workflows"])
+
+
+def test_the_longest_first_test_order_names_existing_modules():
+  """tests/conftest.py orders modules for pytest-xdist; a renamed module would silently drop back to the end."""
+  import conftest  # pylint: disable=import-outside-toplevel  # the tests directory's own conftest
+
+  missing = [m for m in conftest._LONGEST_FIRST if not (REPO / "tests" / f"{m}.py").is_file()]  # pylint: disable=protected-access
+  assert not missing, missing

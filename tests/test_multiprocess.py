@@ -3,10 +3,8 @@
 * `maxtext_rl_plugin.distributed` on two plain processes (gloo CPU collectives): global arrays built from the same host
   data on every process hold exactly that data, reductions across processes are right, typed PRNG keys move memory
   kinds, and processes that disagree on a value fail loudly.
-* The `launch ray --num-workers 2` job end to end (slow): train_rl with the embedded engine, rewards, loss, Orbax
-  checkpoints written by both processes, greedy eval and the summary written once by process 0; its step 1 matches a
-  one-process run of the same config; a rerun with more num_batches resumes with no batch repeated, and with
-  `--max-failures 1` a killed worker makes Ray restart the group, which resumes from the last checkpoint.
+* The `launch ray --num-workers 2` job end to end is in tests/test_ray_train.py and tests/test_ray_disaggregated.py
+  (their own files, so pytest-xdist runs the two Ray jobs beside the rest).
 """
 
 from __future__ import annotations
@@ -15,12 +13,9 @@ import contextlib
 import json
 import os
 import pathlib
-import re
-import signal
 import socket
 import subprocess
 import sys
-import time
 import types
 
 import jax
@@ -183,190 +178,3 @@ def test_per_row_sampling_keys_do_not_depend_on_how_the_batch_is_split():
   shifted, _ = rows(texts[2:], 0)
   assert shifted != second  # the global prompt index is part of the key
   engine.prompt_offset = None
-
-
-# A run whose step-1 loss and gradient are not trivially zero: a random-init model's next-token distribution is
-# nearly one-hot, so a high sampling temperature (the loss uses the same one) and a reward that varies between
-# completions (tests/data/multiprocess_rewards.py) give non-zero advantages. The demo's 528-token tokenizer keeps the
-# output layer small.
-_RUN = [
-    "tokenizer_path=tokenizers/arith-bpe-512",
-    "vocab_size=528",
-    "use_chat_template=false",
-    "data_template_path=cpu_demo_template.json",
-    "max_prefill_predict_length=48",
-    "max_target_length=80",
-    "decode_sampling_temperature=30",
-    "reward_functions=alnum_share",
-    f"reward_functions_path={REPO / 'tests' / 'data' / 'multiprocess_rewards.py'}",
-    "metrics_file=metrics.jsonl",
-    "checkpoint_period=1",
-    "eval_before_training=false",
-    "eval_batch_size=4",
-]
-
-
-def _records(run_dir: pathlib.Path, name: str) -> list[dict]:
-  return [json.loads(l) for l in (run_dir / name).read_text().splitlines() if l.strip()]
-
-
-def _ray(tmp_path, *overrides, flags=(), kill_worker1_at_checkpoint: int | None = None, name: str = "ray2") -> str:
-  """Run the 2-worker job; with `kill_worker1_at_checkpoint`, SIGKILL worker 1 once that checkpoint is complete."""
-  argv = [
-      sys.executable,
-      "-m",
-      "maxtext_rl_plugin.launch",
-      "ray",
-      "--num-workers",
-      "2",
-      "--num-cpus",
-      "2",
-      "--config",
-      "configs/cpu_tiny.yml",
-      "--name",
-      name,
-      "--storage-path",
-      str(tmp_path / "ray"),
-      *flags,
-      "--",
-      f"base_output_directory={tmp_path / 'runs'}",
-      *_RUN,
-      *overrides,
-  ]
-  log = tmp_path / f"launch{len(list(tmp_path.glob('launch*.log')))}.log"
-  with (
-      open(log, "w", encoding="utf-8") as f,
-      subprocess.Popen(
-          argv,
-          cwd=REPO,
-          env=_env(RAY_DEDUP_LOGS="0", RAY_USAGE_STATS_ENABLED="0"),
-          stdout=f,
-          stderr=subprocess.STDOUT,
-          text=True,
-      ) as p,
-  ):
-    killed = None
-    try:
-      if kill_worker1_at_checkpoint is not None:
-        done = tmp_path / "runs" / name / "checkpoints" / str(kill_worker1_at_checkpoint) / "commit_success.txt"
-        deadline = time.time() + 900
-        while not done.exists() and p.poll() is None and time.time() < deadline:
-          time.sleep(1)
-        pids = _worker_pids(log.read_text(errors="replace"))
-        killed = int(pids[1])
-        os.kill(killed, signal.SIGKILL)
-      rc = p.wait(timeout=1200)
-    finally:
-      if p.poll() is None:
-        p.kill()
-  out = log.read_text(errors="replace")
-  assert rc == 0, out[-8000:]
-  return out
-
-
-def _one_process(tmp_path, run_name: str, *overrides, devices: int = 1) -> dict:
-  """Step 1's record of the same config run by one process (train_rl, num_batches=1) on `devices` CPU devices."""
-  extra = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"} if devices > 1 else {}
-  ref = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "maxtext_rl_plugin.train_rl",
-          "configs/cpu_tiny.yml",
-          "num_batches=1",
-          f"base_output_directory={tmp_path / 'runs'}",
-          f"run_name={run_name}",
-          *_RUN,
-          "eval_after_training=false",
-          *overrides,
-      ],
-      cwd=REPO,
-      env=_env(**extra),
-      capture_output=True,
-      text=True,
-      timeout=900,
-      check=False,
-  )
-  assert ref.returncode == 0, ref.stderr[-4000:]
-  (one,) = [r for r in _records(tmp_path / "runs" / run_name, "metrics.jsonl") if "reward/mean" in r]
-  return one
-
-
-def _assert_same_step(two: dict, one: dict) -> None:
-  """The same global batch and the same samples (sampling keys do not depend on the device or process count), so the
-  same rewards exactly; loss and gradient agree to float32 summation order (rel 1e-5: the only difference is the
-  order of the cross-process all-reduce and of the per-device partial sums)."""
-  assert two["reward/std"] > 0 and two["grad_norm"] > 1e-3  # the comparison below is not vacuous
-  assert two["reward/mean"] == one["reward/mean"] and two["reward/std"] == one["reward/std"]
-  assert two["completion/length_mean"] == one["completion/length_mean"]
-  assert two["loss"] == pytest.approx(one["loss"], rel=1e-5, abs=1e-6)
-  assert two["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
-  assert two["train/pg_loss"] == pytest.approx(one["train/pg_loss"], rel=1e-5, abs=1e-6)
-
-
-def _worker_pids(out: str) -> dict[int, str]:
-  """Ray prefixes worker lines with the worker's pid; the launcher's first worker line names its JAX process index.
-  The last group started (after a restart) wins."""
-  pids = {}
-  for m in re.finditer(r"pid=(\d+)\S* worker (\d)/2: jax.distributed.initialize", out):
-    pids[int(m.group(2))] = m.group(1)
-  return pids
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_ray_two_workers_train_match_one_process_resume_and_restart(tmp_path):
-  pytest.importorskip("ray.train.v2.jax", reason="ray[train] not installed (pip install 'maxtext-rl-plugin[launch]')")
-  out = _ray(tmp_path, "num_batches=2")
-  run = tmp_path / "runs" / "ray2"
-  # Process 0 alone writes: the console lines come from worker 0's pid only (Ray may echo a worker's line twice),
-  # and each step's record and batch appear once in the files.
-  pids = _worker_pids(out)
-  for line in ("TensorBoard logs:", "eval after RL @ step 2", "step 2/2 |"):
-    assert re.search(rf"pid={pids[0]}\S* .*{re.escape(line)}", out), line
-    assert not re.search(rf"pid={pids[1]}\S* .*{re.escape(line)}", out), line
-  assert (run / "summary.json").is_file() and json.loads((run / "summary.json").read_text())["eval_after"]
-  recs = [r for r in _records(run, "metrics.jsonl") if "reward/mean" in r]
-  assert [r["step"] for r in recs] == [1, 2]
-  assert [b["step"] for b in _records(run, "batches.jsonl")] == [1, 2]
-  # Both processes wrote their shards of every checkpoint (Orbax multi-process).
-  for step in ("1", "2"):
-    assert sorted(x.name for x in (run / "checkpoints" / step / "params").glob("ocdbt.process_*")) == [
-        "ocdbt.process_0",
-        "ocdbt.process_1",
-    ]
-
-  # The same config on one process and one device: same global batch, same samples (the sampling key does not depend
-  # on the device count), so the same rewards exactly; loss and gradient agree to float32 summation order.
-  _assert_same_step(recs[0], _one_process(tmp_path, "one"))
-
-  # Rerun with more batches and --max-failures 1: every process resumes from step 2. Once step 3's checkpoint is
-  # complete, worker 1 is SIGKILLed: Ray restarts the group, which resumes from step 3 and trains step 4 only.
-  out = _ray(
-      tmp_path, "num_batches=4", "eval_after_training=false", flags=("--max-failures", "1"), kill_worker1_at_checkpoint=3
-  )
-  assert "from checkpoint step 2 (next batch index 2)" in out
-  assert "from checkpoint step 3 (next batch index 3)" in out, out[-6000:]
-  batches = _records(run, "batches.jsonl")
-  assert [b["step"] for b in batches] == [1, 2, 3, 4]
-  ids = [i for b in batches for i in b["ids"]]
-  assert len(ids) == len(set(ids)) == 8
-  assert [r["step"] for r in _records(run, "metrics.jsonl") if "reward/mean" in r] == [1, 2, 3, 4]
-  assert (run / "checkpoints" / "4").is_dir()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(1800)
-def test_ray_two_workers_disaggregated_match_one_process(tmp_path):
-  """2 Ray workers x 2 CPU devices, use_pathways=true + chips_per_vm=2: each process gives one device to the trainer
-  (a global 2-device mesh) and samples on its other device (a per-host sampler mesh) the prompts it owns. Every weight
-  sync is checked bit for bit; step 1 equals one process disaggregated on 2 devices (trainer 1, sampler 1)."""
-  pytest.importorskip("ray.train.v2.jax", reason="ray[train] not installed (pip install 'maxtext-rl-plugin[launch]')")
-  split = ("use_pathways=true", "rl.verify_weight_sync=every_n", "rl.verify_weight_sync_every=1")
-  out = _ray(tmp_path, "num_batches=2", "chips_per_vm=2", *split, flags=("--cpu-devices-per-worker", "2"), name="dis2")
-  assert "devices: trainer 2, sampler 1 (disaggregated" in out
-  assert "weight syncs: 2, verified bit-exact: 2" in out
-  recs = [r for r in _records(tmp_path / "runs" / "dis2", "metrics.jsonl") if "reward/mean" in r]
-  assert [r["step"] for r in recs] == [1, 2] and all(r["time/weight_sync_s"] > 0 for r in recs)
-  one = _one_process(tmp_path, "dis1", "chips_per_vm=1", *split, devices=2)
-  _assert_same_step(recs[0], one)

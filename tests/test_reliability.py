@@ -332,3 +332,110 @@ def test_a_reward_function_that_exits_ends_the_run_with_one_line_not_success(tmp
   assert len(errs) == 1 and errs[0].startswith(f"error: reward function 'quits' ({reward}:4) called sys.exit(0)"), errs
   assert "Traceback" not in p.stderr and "can't create new thread" not in p.stderr, p.stderr[-3000:]
   assert not (tmp_path / "r" / "summary.json").exists()
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_keeps_the_previous_step(tmp_path, monkeypatch, caplog):
+  # A real Orbax save of a small tree; the fake is at Orbax's file-write boundary (serialization's
+  # async_serialize_from_host, which TensorStore writes through): ENOSPC for step 2's arrays. Orbax's write threads
+  # log the failure with its traceback before the save raises; the run shows only its own line.
+  import errno  # pylint: disable=import-outside-toplevel
+  import logging  # pylint: disable=import-outside-toplevel
+
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from orbax.checkpoint._src.serialization import serialization  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin import checkpointing  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.errors import CheckpointError  # pylint: disable=import-outside-toplevel
+
+  params = {"w": jnp.arange(12, dtype=jnp.float32).reshape(3, 4)}
+  opt = {"mu": jnp.ones(3, jnp.float32)}
+  ckpt = checkpointing.RunCheckpointer(str(tmp_path / "checkpoints"), period=1)
+  ckpt.save(1, params, opt, {"step": 1})
+
+  async def disk_full(*_args, **_kwargs):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+  monkeypatch.setattr(serialization, "async_serialize_from_host", disk_full)
+  caplog.set_level(logging.ERROR)
+  with pytest.raises(CheckpointError) as e:
+    ckpt.save(2, {"w": params["w"] + 1}, opt, {"step": 2})
+  assert "checkpoint step 2 was not written: no space left on the device" in str(e.value), str(e.value)
+  assert "the run can resume from step 1" in str(e.value) and "\n" not in str(e.value)
+  assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage()[:200] for r in caplog.records]
+  monkeypatch.undo()
+  restored, _, meta = ckpt.restore(1, params, opt)
+  assert np.array_equal(np.asarray(restored["w"]), np.arange(12, dtype=np.float32).reshape(3, 4))
+  assert meta == {"step": 1}
+  ckpt.close()
+
+
+def test_orbax_errors_a_save_does_not_explain_are_still_logged(caplog):
+  # The held records come back when the failure is not one the run turns into its own line.
+  import logging  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin import checkpointing  # pylint: disable=import-outside-toplevel
+
+  record = logging.LogRecord("absl", logging.ERROR, "/x/orbax/checkpoint/f.py", 1, "thread failed", None, None)
+  caplog.set_level(logging.ERROR)
+  with checkpointing._OrbaxErrorLogs():  # pylint: disable=protected-access
+    logging.getLogger("absl").handle(record)
+    assert not caplog.records
+  assert [r.getMessage() for r in caplog.records] == ["thread failed"]
+
+
+def test_a_step_directory_without_metadata_neither_refuses_nor_decides_a_rerun(tmp_path):
+  # An empty `5/` (a tampered or torn checkpoint) beside a real step 2: a rerun asking for 3 steps is not told the run
+  # "already trained 5 steps" (the restore sets 5 aside and resumes from 2); step 2's metadata is what is compared.
+  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin import run_identity  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.errors import CheckpointError  # pylint: disable=import-outside-toplevel
+
+  config = config_lib.load_config(["configs/cpu_tiny.yml", f"base_output_directory={tmp_path}"])
+  run_dir = os.path.join(str(tmp_path), config.run_name)
+  ckpts = pathlib.Path(run_identity.checkpoint_dir(config, run_dir))
+  (ckpts / "2" / "meta").mkdir(parents=True)
+  (ckpts / "5").mkdir()
+  meta = run_identity.identity(config)
+  (ckpts / "2" / "meta" / "metadata").write_text(json.dumps(meta))
+  run_identity.check_rerun(config, run_dir, 3)  # resumes from 2
+  with pytest.raises(CheckpointError, match=r"already trained 2 RL steps \(checkpoint step 2"):
+    run_identity.check_rerun(config, run_dir, 1)
+  (ckpts / "2" / "meta" / "metadata").write_text(json.dumps({**meta, "model_name": "qwen3-8b"}))
+  with pytest.raises(CheckpointError, match="written with model_name='qwen3-8b'"):
+    run_identity.check_rerun(config, run_dir, 3)
+
+
+_SIGTERM_WHILE_LOADING = """
+import os, signal, sys
+from maxtext_rl_plugin import config, train_rl
+first_pass = config.precheck
+def precheck(argv):
+  os.kill(os.getpid(), signal.SIGTERM)  # delivered while the config loads, deterministically
+  return first_pass(argv)
+config.precheck = precheck
+sys.exit(train_rl.main(sys.argv[1:]))
+"""
+
+
+def test_sigterm_while_the_config_loads_is_one_line_and_exit_143(tmp_path):
+  # Before the trainer installs its handlers (config loading, ~10 s of imports), SIGTERM used to kill the process
+  # with no line; now it is the same line and exit code as a SIGTERM during the model build.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  p = subprocess.run(
+      [
+          sys.executable,
+          "-c",
+          _SIGTERM_WHILE_LOADING,
+          os.path.join(REPO, "configs/cpu_tiny.yml"),
+          f"base_output_directory={tmp_path}",
+      ],
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=120,
+      check=False,
+  )
+  assert p.returncode == 143, (p.returncode, p.stderr[-2000:])
+  assert p.stderr.splitlines() == ["error: stopped by SIGTERM before training started; nothing was written"], p.stderr
+  assert not os.listdir(tmp_path)

@@ -6,6 +6,7 @@ the rule tests walk the real schema (every float and int leaf of a parsed cpu_ti
 plugin adds later is covered without a new line here.
 """
 
+import json
 import math
 import os
 import subprocess
@@ -26,7 +27,7 @@ def tiny_pc_fixture():
   return config_lib.load_pydantic([TINY])
 
 
-@pytest.mark.parametrize(
+_MEANINGLESS = (
     "overrides, needle",
     [
         # Non-finite: NaN passes every `x < 0` check, so only a finiteness check stops it.
@@ -72,10 +73,62 @@ def tiny_pc_fixture():
         (["run_name=.."], "'run_name'='..': must be one directory name"),
     ],
 )
+# Rows the first pass (config.precheck, before JAX is imported) leaves to the typed config, and why.
+_NEEDS_THE_SCHEMA = {
+    "rl.rollout_is_cap=inf": "no shipped yml default types the key (a schema-only field)",
+    "lora.enable_lora=true": "the rank is compared with emb_dim, which MaxText derives from the model",
+}
+
+
+@pytest.mark.parametrize(*_MEANINGLESS)
 def test_meaningless_values_are_refused_in_one_line(overrides, needle):
   with pytest.raises(ConfigError) as e:
     config_lib.load_config([TINY, *overrides])
   assert f"invalid value for {needle}" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize(*_MEANINGLESS)
+def test_the_first_pass_refuses_them_from_the_config_as_written(overrides, needle):
+  # The same validation checks on the yml and the command line as written, typed by the shipped defaults: the same
+  # line as the typed config's, or nothing (the row is then decided by the test above).
+  if overrides[0] in _NEEDS_THE_SCHEMA:
+    assert isinstance(config_lib.precheck([TINY, *overrides]), validation.RawConfig)
+    return
+  with pytest.raises(ConfigError) as e:
+    config_lib.precheck([TINY, *overrides])
+  assert f"invalid value for {needle}" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_first_pass_refuses_nothing_the_typed_config_accepts():
+  # Values that look odd as written but that the schema types into valid ones: pyconfig's `none`, numbers written as
+  # strings or with an exponent, an empty override, the conventions, a flat twin of an `rl.` key.
+  argv = [
+      TINY,
+      "learning_rate=1e-4",
+      "adam_b1=0",
+      "decode_sampling_temperature=0",
+      "decode_sampling_top_k=0",
+      "decode_sampling_nucleus_p=1",
+      "checkpoint_period=10.0",
+      "grpo_epsilon=0.3",
+      "rl.epsilon_high=0.4",
+      "load_parameters_path=",
+      "print_config=true",
+  ]
+  view = config_lib.precheck(argv)
+  pc = config_lib.load_pydantic(argv)
+  assert (view.rl.grpo_epsilon, view.rl.epsilon_high) == (pc.rl.grpo_epsilon, pc.rl.epsilon_high) == (0.3, 0.4)
+  assert view.learning_rate == pc.learning_rate == 1e-4 and view.checkpoint_period == pc.checkpoint_period == 10
+
+
+def test_the_first_pass_knows_every_key_name_of_the_schema():
+  # config.light_keys (shipped defaults + key_status's two difference lists) must name exactly the schema's keys: an
+  # unknown key is refused before JAX loads, and no known key is refused.
+  light, schema = config_lib.light_keys(), config_lib.schema_keys()
+  assert light.top == schema.top and light.flat() == schema.flat()
+  assert set(light.blocks) == set(schema.blocks)
+  for block, inner in light.blocks.items():
+    assert inner is None or inner == schema.blocks[block], block
 
 
 def test_documented_conventions_still_pass():
@@ -152,16 +205,107 @@ def _cli(*args):
   )
 
 
+_REFUSE_ALL = """
+import importlib, json, sys
+for module, argv in json.loads(sys.argv[1]):
+  try:
+    code = importlib.import_module(f"maxtext_rl_plugin.{module}").main(argv)
+  except SystemExit as e:
+    code = e.code
+  print(json.dumps([code, [m for m in ("jax", "maxtext.configs.types", "tunix") if m in sys.modules]]), flush=True)
+import transformers  # what train_rl's quiet settings keep from printing its import-time warnings before a run's lines
+"""
+
+
+def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
+  # One process runs train_rl.main (and export_lora.main) on each argv in turn: each must end in exactly one `error:`
+  # line, exit 2, with neither JAX nor MaxText's schema nor Tunix imported (they cost ~10 s on a loaded machine);
+  # print_config=true refuses what training refuses. Nothing else reaches stderr (transformers' import warnings included).
+  tiny = os.path.join(REPO, TINY)
+  bad_yml = tmp_path / "bad.yml"
+  bad_yml.write_text("base_config: rl.yml\nrl: 5\n")
+  a_file = tmp_path / "a_file"
+  a_file.write_text("")
+  cases = [
+      ([tiny, "print_config=true", "run_name="], "error: invalid value for 'run_name'='': must be set for a run"),
+      ([tiny, "print_config=true", "synthetic_min_steps=3"], "error: invalid value for 'synthetic_max_steps'=2"),
+      ([tiny, "print_config=true", "rl.grpo_epsilon=1.5"], "error: invalid value for 'rl.grpo_epsilon'=1.5"),
+      ([tiny, "run_name="], "error: invalid value for 'run_name'='': must be set for a run"),
+      ([tiny, "run_name=a/b"], "error: invalid value for 'run_name'='a/b'"),
+      ([tiny, "base_output_directory=/proc/x"], "error: invalid value for 'base_output_directory'"),
+      ([tiny, f"base_output_directory={a_file}"], "error: invalid value for 'base_output_directory'"),
+      ([tiny, "train_data_path=/nonexistent/x.jsonl"], "error: train_data_path='/nonexistent/x.jsonl': file not found"),
+      ([tiny, f"eval_data_path={tmp_path}"], f"error: eval_data_path='{tmp_path}': is a directory"),
+      ([tiny, "tokenizer_path=/nonexistent/tok"], "error: invalid value for 'tokenizer_path'='/nonexistent/tok'"),
+      ([tiny, "load_parameters_path=/nonexistent/c"], "error: invalid value for 'load_parameters_path'='/nonexistent/c'"),
+      ([tiny, "learning_rat=1e-4"], "error: unknown config key 'learning_rat' (command line); did you mean"),
+      ([tiny, "rl.grpo_betta=0"], "error: unknown config key 'rl.grpo_betta' (command line); did you mean"),
+      ([tiny, "learning_rate=inf"], "error: invalid value for 'learning_rate'=inf: must be a finite number"),
+      ([tiny, "rl.grpo_beta=nan"], "error: invalid value for 'rl.grpo_beta'=nan"),
+      ([tiny, "decode_sampling_nucleus_p=0"], "error: invalid value for 'decode_sampling_nucleus_p'=0.0"),
+      ([tiny, "model_name=qwen9-1b"], "error: invalid value for 'model_name'='qwen9-1b'"),
+      ([str(bad_yml)], f"error: config file '{bad_yml}': 'rl' must be a block of keys"),
+      ([tmp_path], f"error: config file '{tmp_path}' is a directory; give a yml file"),
+      ([tiny, "data_template_path=/nonexistent/t.json"], "error: invalid value for 'data_template_path'="),
+      ([str(tmp_path / "missing.yml")], "error: config file"),
+  ]
+  cases = [("train_rl", argv, line) for argv, line in cases] + [
+      ("export_lora", ["--output", str(tmp_path / "o"), tiny, "run_name=a/b"], "error: invalid value for 'run_name'"),
+      ("export_lora", ["--output", str(tmp_path / "o"), tiny, "learning_rat=1"], "error: unknown config key"),
+  ]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  p = subprocess.run(
+      [sys.executable, "-c", _REFUSE_ALL, json.dumps([(m, [str(a) for a in argv]) for m, argv, _ in cases])],
+      cwd=tmp_path,
+      capture_output=True,
+      text=True,
+      env=env,
+      timeout=300,
+      check=False,
+  )
+  results = [json.loads(l) for l in p.stdout.splitlines()]
+  errors = p.stderr.splitlines()
+  assert len(results) == len(errors) == len(cases), p.stderr[-3000:]
+  for (_, argv, line), (code, heavy), err in zip(cases, results, errors):
+    assert code == 2 and err.startswith(line), (argv, code, err)
+    assert not heavy, (argv, heavy)
+  assert not os.listdir(tmp_path / ".") or sorted(os.listdir(tmp_path)) == ["a_file", "bad.yml"]
+
+
+def test_the_first_pass_leaves_environment_overrides_to_pyconfig(tmp_path, monkeypatch):
+  # MaxText's `M_<KEY>` variables override the yml with pyconfig's own rules: the first pass must not refuse a value
+  # the environment replaces (an empty run_name in the yml, set by M_RUN_NAME).
+  yml = tmp_path / "env.yml"
+  yml.write_text('base_config: cpu_tiny.yml\nrun_name: ""\n')
+  monkeypatch.setenv("M_RUN_NAME", "from_env")
+  view = config_lib.precheck([str(yml)])
+  assert "run_name" in view and not hasattr(view, "run_name")
+  assert config_lib.load_config([str(yml)]).run_name == "from_env"
+
+
 @pytest.mark.parametrize(
-    "args, line",
+    "text, line",
     [
-        (["run_name="], "error: invalid value for 'run_name'='': must be set for a run"),
-        (["synthetic_min_steps=3"], "error: invalid value for 'synthetic_max_steps'=2"),
-        (["rl.grpo_epsilon=1.5"], "error: invalid value for 'rl.grpo_epsilon'=1.5"),
+        ("base_config: cpu_tiny.yml\nrun_name: a\nrun_name: b\n", "found duplicate key run_name (line 3, column 1)"),
+        ("base_config: cpu_tiny.yml\nrl:\n\tgrpo_beta: 0.1\n", "found character that cannot start any token (line 3"),
     ],
 )
-def test_print_config_refuses_what_training_refuses(args, line):
-  p = _cli("print_config=true", *args)
-  assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-2000:]
-  errs = [l for l in p.stderr.splitlines() if l.startswith("error:")]
-  assert len(errs) == 1 and errs[0].startswith(line), p.stderr[-2000:]
+def test_a_yml_that_does_not_parse_names_the_problem_and_its_line(tmp_path, text, line):
+  yml = tmp_path / "x.yml"
+  yml.write_text(text)
+  with pytest.raises(ConfigError) as e:
+    config_lib.precheck([str(yml)])
+  assert str(e.value).startswith(f"config file '{yml}' is not valid YAML: {line}"), str(e.value)
+
+
+def test_the_first_pass_leaves_interpolations_to_pyconfig(tmp_path):
+  # `${oc.env:NOPE}` is not a run name: the first pass must neither refuse it as one nor create a directory named
+  # after it; pyconfig resolves it or says why it cannot.
+  yml = tmp_path / "interp.yml"
+  base = os.path.join(REPO, TINY)
+  yml.write_text(f"base_config: {base}\nbase_output_directory: {tmp_path}/out\nrun_name: ${{oc.env:NOPE}}\n")
+  view = config_lib.precheck([str(yml)])
+  assert "run_name" in view and not hasattr(view, "run_name")
+  with pytest.raises(ConfigError, match="Environment variable 'NOPE' not found"):
+    config_lib.load_config([str(yml)])
+  assert not (tmp_path / "out").exists()

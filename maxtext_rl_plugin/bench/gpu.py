@@ -219,6 +219,12 @@ def _config_argv(args, model: str, extra: list[str]) -> list[str]:
 # ------------------------------------------------------------------ rollout
 
 
+def _sig(x: float, digits: int = 3) -> float:
+  """`x` to `digits` significant figures: a fraction of a roofline spans decades (3e-5 on a loaded CPU, 0.6 on an
+  H100), and rounding to fixed decimals would turn the small ones into a false 0."""
+  return float(f"{x:.{digits}g}")
+
+
 def decode_bytes_per_step(cfg, weight_bytes: int, batch: int, context: float) -> float:
   """Bytes one decode step must read: the weights it multiplies by (`weight_bytes`) plus K and V of every layer over
   `context` positions of each row, in the activation dtype."""
@@ -412,8 +418,8 @@ def _rollout_model(args, name: str, ref: dict, peers: bool, done: dict) -> dict:
         "prefill_s": round(prefill_s, 4),
         "decode_step_ms": round(1e3 * step_s, 3) if step_s > 0 else None,  # None: within noise of the prefill
         "decode_bytes_per_step": int(step_bytes),
-        "decode_fraction_of_roofline": round(step_bytes / ref["copy_bytes_per_s"] / step_s, 4) if step_s > 0 else None,
-        "prefill_fraction_of_peak": round(prefill_flops / prefill_s / ref["peak_flops"], 4),
+        "decode_fraction_of_roofline": _sig(step_bytes / ref["copy_bytes_per_s"] / step_s) if step_s > 0 else None,
+        "prefill_fraction_of_peak": _sig(prefill_flops / prefill_s / ref["peak_flops"]),
         "compile_s": round(engine.compile_seconds - c0, 2),
     }
     if hf is not None and B in args.peer_batches:

@@ -10,7 +10,6 @@ from maxtext_rl_plugin.data import prompts as prompts_lib
 from maxtext_rl_plugin.data import rows as rows_lib
 from maxtext_rl_plugin.data import splits
 from maxtext_rl_plugin.data import synthetic
-from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.errors import DataError
 
 
@@ -52,14 +51,11 @@ def _materialize(
 
 
 def _synthetic_cfg(config) -> synthetic.SyntheticConfig:
-  """The synthetic generator's settings from `config`; min_steps > max_steps is a ConfigError."""
-  lo, hi = int(config.synthetic_min_steps), int(config.synthetic_max_steps)
-  if hi < lo:
-    raise ConfigError(f"invalid value for 'synthetic_max_steps'={hi}: must be >= synthetic_min_steps={lo}")
+  """The synthetic generator's settings from `config` (validation refuses min_steps > max_steps)."""
   return synthetic.SyntheticConfig(
       int(config.synthetic_seed),
-      lo,
-      hi,
+      int(config.synthetic_min_steps),
+      int(config.synthetic_max_steps),
       int(config.synthetic_max_value),
       float(config.synthetic_teacher_error_rate or 0.0),
       str(config.synthetic_task),

@@ -48,12 +48,35 @@ class _Skips:
   def skipped(self) -> int:
     return self.bad_json + self.not_object + self.not_utf8 + self.no_question + self.no_answer
 
+  def reasons(self, unit: str) -> str:
+    """Why rows were lost, for a file that kept none (`2 not UTF-8, 1 with no question; first at line 1`)."""
+    parts = [
+        f"{n} {why}"
+        for n, why in (
+            (self.bad_json, "invalid JSON"),
+            (self.not_object, "JSON but not an object"),
+            (self.not_utf8, "not UTF-8"),
+            (self.no_question, "with no question string"),
+            (self.no_answer, "with no parsable gold answer"),
+        )
+        if n
+    ]
+    return f"{', '.join(parts)}; first at {unit or 'row'} {self.first_bad}" if parts else "the file is empty"
+
 
 def _first(row: dict, keys: Sequence[str]) -> Any:
   for k in keys:
     if k in row and row[k] is not None:
       return row[k]
   return None
+
+
+# Files that are readable but not UTF-8 text, named as what they are rather than counted as undecodable rows.
+_NOT_TEXT = (
+    (b"\x1f\x8b", "is gzip-compressed; decompress it (gunzip) and give the .jsonl"),
+    (b"\xff\xfe", "is UTF-16 (a byte order mark FF FE); save it as UTF-8"),
+    (b"\xfe\xff", "is UTF-16 (a byte order mark FE FF); save it as UTF-8"),
+)
 
 
 class NotUtf8:
@@ -106,7 +129,7 @@ def rows_to_examples(rows: Iterable[Any], source: str, unit: str = "") -> tuple[
   return out, sk
 
 
-def _expand_paths(spec: str, key: str) -> list[str]:
+def expand_paths(spec: str, key: str) -> list[str]:
   """The files a comma-separated path/glob spec names; a part matching nothing is a DataError."""
   paths = []
   for part in (p.strip() for p in spec.split(",")):
@@ -146,6 +169,9 @@ def _read_rows(path: str, key: str) -> tuple[list[tuple[int, Any]], str]:
     raise DataError(f"{key}='{path}': {e.strerror}") from None
   if raw.startswith(b"\xef\xbb\xbf"):
     raw = raw[3:]  # UTF-8 byte order mark (Windows editors write one)
+  for magic, what in _NOT_TEXT:
+    if raw.startswith(magic):
+      raise DataError(f"{key}='{path}': {what}")
   if ext == ".json" and raw.lstrip().startswith(b"["):
     try:
       rows = json.loads(raw.decode("utf-8"))
@@ -175,13 +201,13 @@ def _read_rows(path: str, key: str) -> tuple[list[tuple[int, Any]], str]:
 def load_file_rows(spec: str, key: str) -> list[tuple[str, str, str, str]]:
   """Usable rows of local JSONL/JSON/Parquet file(s) named by config key `key`."""
   out = []
-  for path in _expand_paths(spec, key):
+  for path in expand_paths(spec, key):
     numbered, unit = _read_rows(path, key)
     rows, sk = rows_to_examples(numbered, os.path.basename(path), unit=unit)
     if not rows:
       raise DataError(
-          f"{key}='{path}': no usable rows of {sk.rows} (expected JSON objects with 'question' and 'answer' "
-          "ending in '#### N')"
+          f"{key}='{path}': no usable rows of {sk.rows} ({sk.reasons(unit)}; expected JSON objects with 'question' "
+          "and 'answer' ending in '#### N')"
       )
     out.extend(rows)
   return out
