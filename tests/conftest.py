@@ -60,6 +60,7 @@ _LONGEST_FIRST = (
     "test_async_rollout",
     "test_demo",
     "test_train_e2e",
+    "test_agentic_e2e",
     "test_ray_disaggregated",
     "test_lora",
     "test_dynamic_sampling_e2e",
