@@ -90,6 +90,40 @@ class PluginRL(types.RL):
           "dynamic_sampling/short_groups."
       ),
   )
+  # --- multi-turn episodes with tools (agentic/, rl.use_agentic_rollout: MaxText's key, the plugin's meaning) ---
+  agentic_tools: list[Literal["calculator"]] = Field(
+      ["calculator"],
+      description=(
+          "Tools an episode may call under rl.use_agentic_rollout (Tunix's tool classes by name: 'calculator' is "
+          'Tunix\'s CalculatorTool, {"a": number, "b": number, "op": "+"|"-"|"*"|"/"}).'
+      ),
+  )
+  agentic_tool_parser: Literal["qwen"] = Field(
+      "qwen",
+      description=(
+          "Tool-call markup (Tunix's tool parser of that model family): 'qwen' = <tool_call>{\"name\": ..., "
+          '"arguments": {...}}</tool_call>, answered with <tool_response>...</tool_response>.'
+      ),
+  )
+  agentic_max_turns: int = Field(
+      4, ge=1, description="Most assistant turns of one episode (a tool call after the last one ends the episode)."
+  )
+  agentic_turn_tokens: int = Field(
+      0, ge=0, description="Most tokens of one assistant turn; 0 = rl.agentic_max_tokens (the whole budget)."
+  )
+  agentic_max_tokens: int = Field(
+      0,
+      ge=0,
+      description=(
+          "Most tokens of one episode's completion, the assistant's and the tools' together; 0 = the completion "
+          "budget max_target_length - max_prefill_predict_length (the most it can be)."
+      ),
+  )
+  agentic_tool_timeout_s: float = Field(
+      2.0,
+      gt=0.0,
+      description="Longest one tool call may run; past it the episode gets an error observation and continues.",
+  )
   rollout_is: Literal["off", "truncate", "mask"] = Field(
       "off",
       description=(
@@ -176,6 +210,22 @@ class PluginKeys(BaseModel):
       description="Fraction of synthetic training problems whose worked solution (the SFT warm start's demonstration) "
       "comes from a flawed teacher that adds every pair of numbers whatever the wording says. Models an imperfect SFT "
       "corpus; rewards and eval always use the true answer.",
+  )
+  synthetic_task: Literal["word_problems", "products"] = Field(
+      "word_problems",
+      description=(
+          "The synthetic task: arithmetic word problems, or 'products' (\"What is 47 * 86?\", operands in "
+          "[10, synthetic_max_value]), where the calculator tool of rl.use_agentic_rollout matters."
+      ),
+  )
+  synthetic_tool_rate: float = Field(
+      0.0,
+      ge=0.0,
+      le=1.0,
+      description=(
+          "synthetic_task=products: fraction of the SFT warm start's demonstrations that call the calculator "
+          "(<tool_call>...</tool_call>) instead of answering from the head."
+      ),
   )
   use_chat_template: bool = Field(
       True,

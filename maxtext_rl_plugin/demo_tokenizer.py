@@ -27,6 +27,17 @@ from maxtext_rl_plugin.data import synthetic
 
 SPECIALS = {"pad_token": "<pad>", "eos_token": "<eos>", "bos_token": "<bos>", "unk_token": "<unk>"}
 TAGS = ["<reasoning>", "</reasoning>", "<answer>", "</answer>"]
+# The calculator's tool-call markup (synthetic_task=products, rl.use_agentic_rollout) as whole tokens, added after the
+# tags so every earlier id is unchanged: a call is ~11 tokens instead of ~80 byte-level ones.
+TOOL_TOKENS = [
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    '{"name": "calculator", "arguments": {"a": ',
+    ', "b": ',
+    ', "op": "*"}}',
+]
 VOCAB_SIZE = 512
 
 
@@ -60,7 +71,7 @@ def build(out_dir: str) -> str:
       show_progress=False,
   )
   tok.train_from_iterator(corpus(), trainer=trainer)
-  tok.add_tokens(TAGS)  # whole-tag tokens (not special: they must survive decoding)
+  tok.add_tokens(TAGS + TOOL_TOKENS)  # whole-tag tokens (not special: they must survive decoding)
   os.makedirs(out_dir, exist_ok=True)
   tok.save(os.path.join(out_dir, "tokenizer.json"))
   with open(os.path.join(out_dir, "tokenizer_config.json"), "w", encoding="utf-8") as f:

@@ -161,6 +161,9 @@ def assemble(rounds: Sequence[_Round], picks: Sequence[tuple[int, int, bool]], g
       for name in first.reward_values
   }
   truncated = np.concatenate([rnd.sampled.truncated[rows] for rnd, rows in by_round])
+  token_mask = None  # rl.use_agentic_rollout: every round has one (experience.Sampled.token_mask)
+  if first.token_mask is not None:
+    token_mask = np.concatenate([rnd.sampled.token_mask[rows] for rnd, rows in by_round])
   estimator, norm, _ = algorithms.advantage_config(cfg.rl)
   advantages = algorithms.group_advantages(rewards, g, norm, estimator)
   sampled = experience.Sampled(
@@ -177,6 +180,7 @@ def assemble(rounds: Sequence[_Round], picks: Sequence[tuple[int, int, bool]], g
       loss_rows=None if loss_rows.all() else loss_rows,
       truncated=truncated,
       metrics={"completion/truncated_fraction": float(truncated.mean())},
+      token_mask=token_mask,
   )
   examples = [rounds[r].examples[k] for r, k, trained in picks if trained]  # the audit (batches.jsonl): trained only
   inputs = {key: [v for r, k, _ in picks for v in rounds[r].inputs[key][k * g : (k + 1) * g]] for key in rounds[0].inputs}

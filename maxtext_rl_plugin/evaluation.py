@@ -12,6 +12,9 @@ c_j in {0, 1} the correctness of pass j of a problem, averaged over problems:
 are comparable with MaxText's `evaluate`. `eval/strict_accuracy` is the same metric with a sample counted correct
 only when its answer is also in the required format (`format_ok`: inside the answer tags), so the reward's lenient
 last-number fallback cannot hide a model that stopped using the format.
+
+With `rl.use_agentic_rollout` every pass is a multi-turn episode with the tools (agentic/episode.py), and the eval
+also reports its episode figures (`eval/agentic/tool_call_rate`, turns, tool errors, masked tokens).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 from tunix.rl import rl_cluster as rl_cluster_lib
 
 from maxtext_rl_plugin import rewards as rewards_lib
+from maxtext_rl_plugin.agentic import episode as episode_lib
 
 EVAL_MODES = ("pass", "maj", "pass_at_1")
 
@@ -101,16 +105,23 @@ def evaluate(run: Any, step: int) -> dict[str, float]:
   eval_rc = run.rl_cluster.cluster_config.rollout_config[rl_cluster_lib.Mode.EVAL]
   t = time.perf_counter()
   passes: list[list[Any]] = [[] for _ in range(n)]
+  episodes = []
   for p in range(k):
     # A sampled eval is reproducible: pass p of the eval at `step` uses a seed derived from (rollout_seed, step, p).
     eval_rc.seed = (int(config.rollout_seed) * 1_000_003 + 7919 * step + p + 1) % (2**31 - 1)
     for s in range(0, n, bs):
       chunk = examples[s : s + bs]
-      out = run.rl_cluster.generate(prompts=[e.prompt for e in chunk], mode=rl_cluster_lib.Mode.EVAL)
+      if config.rl.use_agentic_rollout:
+        out, eps = episode_lib.generate(run, [e.prompt for e in chunk], rl_cluster_lib.Mode.EVAL)
+        episodes.extend(eps)
+      else:
+        out = run.rl_cluster.generate(prompts=[e.prompt for e in chunk], mode=rl_cluster_lib.Mode.EVAL)
       for i, r in enumerate(rewards_lib.score_batch(out.text, [e.answer for e in chunk], config)):
         passes[s + i].append(r)
   metrics = aggregate([problem_scores(p) for p in passes], k, config.eval_mode)
   metrics["num_examples"] = float(n)
+  if episodes:
+    metrics.update(episode_lib.metrics(episodes))
   metrics["seconds"] = time.perf_counter() - t
   logging.info("eval at step %d on %d examples x %d passes: %s", step, n, k, metrics)
   return metrics

@@ -43,6 +43,7 @@ from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin import algorithms
 from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin.agentic import episode as episode_lib
 from maxtext_rl_plugin.updates import UpdatePlan
 
 
@@ -175,6 +176,9 @@ class Sampled:
   truncated: np.ndarray | None = None  # [rows] bool, completions cut by the length limit (algorithms.truncated_rows)
   metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler side's step metrics
   next_position: int | None = None  # rl.dynamic_sampling: the data stream position after this batch
+  # [rows, T] bool, rl.use_agentic_rollout: the policy's own tokens (False on the environment's tool results, which
+  # are in the context but carry no loss: agentic/episode.py); None = every completion token is the policy's.
+  token_mask: np.ndarray | None = None
 
 
 def put_rows(cluster: Any) -> Callable[[Any], jax.Array]:
@@ -242,7 +246,11 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
   pad_id, eos_id = int(cluster.rollout.pad_id()), int(cluster.rollout.eos_id())
 
   t = time.perf_counter()
-  out = generate(run, list(inputs["prompts"]), g, _micro(cfg.rollout_micro_batch_size, g))
+  episodes = None
+  if cfg.rl.use_agentic_rollout:  # multi-turn episodes with tools (agentic/episode.py)
+    out, episodes = episode_lib.generate(run, list(inputs["prompts"]), rl_cluster_lib.Mode.TRAIN)
+  else:
+    out = generate(run, list(inputs["prompts"]), g, _micro(cfg.rollout_micro_batch_size, g))
   timer.add("rollout", time.perf_counter() - t)
 
   completion_ids = pad_rows(out.tokens, train_rollout.max_tokens_to_generate, pad_id, np.int32)
@@ -258,6 +266,10 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
   max_len = completion_ids.shape[1]
   truncated = algorithms.truncated_rows(completion_ids, pad_id, train_rollout.eos_tokens or [eos_id])
   metrics = {"completion/truncated_fraction": float(truncated.mean())}
+  token_mask = None
+  if episodes is not None:
+    token_mask = pad_rows([e.loss_mask for e in episodes], max_len, 0, np.int32).astype(bool)
+    metrics.update(episode_lib.metrics(episodes))
   if int(cfg.rl.overlong_buffer_len) > 0:  # DAPO's soft overlong penalty, in tokens (algorithms.py)
     penalty = algorithms.overlong_penalty(
         out.tokens, max_len, int(cfg.rl.overlong_buffer_len), float(cfg.rl.overlong_penalty_factor)
@@ -293,6 +305,7 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
       loss_rows=~truncated if cfg.rl.mask_truncated_completions else None,
       truncated=truncated,
       metrics=metrics,
+      token_mask=token_mask,
   )
 
 
@@ -313,6 +326,8 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experienc
   logps_micro = _micro(cfg.train_micro_batch_size, plan.num_generations)
   prompt_ids = sampled.prompt_ids
   completion_mask = sampled.completion_ids != pad_id  # the stop token is kept and trained (algorithms.py, EOS policy)
+  if sampled.token_mask is not None:  # environment tokens: context, never loss (nor KL, IS weights, agreement)
+    completion_mask = completion_mask & np.asarray(sampled.token_mask, bool)
   if sampled.loss_rows is not None:  # masked rows contribute no loss (they leave the aggregation's counts too)
     completion_mask = completion_mask & np.asarray(sampled.loss_rows, bool)[:, None]
   put = put_rows(cluster)

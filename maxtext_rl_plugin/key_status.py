@@ -37,11 +37,13 @@ ALGO = "honoured (algorithms: the GRPO/GSPO loss)"
 DERIVED = "refused: derived by MaxText from other keys; set those instead"
 
 _AGENTIC_ROLLOUT = (
-    "refused: MaxText's agentic path (Tunix's AgenticGRPOLearner over a vLLM server, multi-turn agents and "
-    "environments) is not delegated to; GSM8K-style tasks are single-turn, and rollouts run ahead of the trainer with "
-    "any engine through rl.off_policy_steps"
+    "honoured (agentic/episode.py: multi-turn episodes with the rl.agentic_tools tools inside the plugin's own "
+    "loop, every engine; not Tunix's AgenticGRPOLearner)"
 )
-_AGENTIC = "refused: used only by MaxText's agentic rollout (rl.use_agentic_rollout), which the plugin does not run"
+_AGENTIC = (
+    "refused: used only by MaxText's own agentic rollout (Tunix's AgenticGRPOLearner); the plugin's episodes "
+    "(rl.use_agentic_rollout) take their prompt from the data template"
+)
 _PRETRAIN = "refused: pre-training only; the RL path never reads it"
 _MULTIMODAL = "refused: the plugin's data, rollout and reward paths are text-only"
 _TRAIN_LOSS = "refused: a term of MaxText's pre-training loss; the RL loss is the plugin's GRPO/GSPO loss"
@@ -289,6 +291,17 @@ _KEY_STATUS: dict[str, str] = {
     "rl.rollout_is": "honoured (algorithms: rollout importance sampling)",
     "rl.rollout_is_cap": "honoured (algorithms: rollout importance sampling)",
     "rl.use_agentic_rollout": _AGENTIC_ROLLOUT,
+    **dict.fromkeys(
+        (
+            "rl.agentic_tools",
+            "rl.agentic_tool_parser",
+            "rl.agentic_max_turns",
+            "rl.agentic_turn_tokens",
+            "rl.agentic_max_tokens",
+            "rl.agentic_tool_timeout_s",
+        ),
+        "honoured (agentic/: the episodes of rl.use_agentic_rollout)",
+    ),
     "rl.off_policy_steps": "honoured (async_rollout: rollouts up to N RL steps ahead of the trainer, every engine)",
     "rl.max_concurrency": _AGENTIC,
     "rl.system_prompt": _AGENTIC,
@@ -383,6 +396,8 @@ _KEY_STATUS.update(
                 "synthetic_max_steps",
                 "synthetic_max_value",
                 "synthetic_teacher_error_rate",
+                "synthetic_task",
+                "synthetic_tool_rate",
             ),
             DATA,
         ),

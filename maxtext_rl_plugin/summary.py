@@ -50,6 +50,13 @@ def table(summary: dict[str, Any]) -> str:
       ("partial accuracy", "partial_accuracy", True),
       ("mean reward", "reward_mean", False),
   ]
+  if "agentic/tool_call_rate" in before or "agentic/tool_call_rate" in after:  # rl.use_agentic_rollout's episodes
+    rows += [
+        ("tool-call rate", "agentic/tool_call_rate", True),
+        ("turns/episode", "agentic/turns_mean", False),
+        ("tool errors", "agentic/tool_errors", False),
+        ("masked tokens", "agentic/masked_tokens", False),
+    ]
   lines = [f"{'metric':<18}{'before RL':>12}{'after RL':>12}{'change':>12}", "-" * 54]
   for label, key, pct in rows:
     b, a = before.get(key), after.get(key)

@@ -324,7 +324,34 @@ def _check_lora_rank(pc) -> None:
     raise _bad("lora.lora_rank", pc.lora.lora_rank, f"must be <= emb_dim={pc.emb_dim} (the width of the adapted layers)")
 
 
-_CROSS_CHECKS = (check_run_dir, _check_lengths, _check_batches, _check_algorithm, _check_synthetic, _check_lora_rank)
+def _check_agentic(pc) -> None:
+  """rl.use_agentic_rollout's token limits fit the completion budget (the width of the trainer's completion rows)."""
+  rl = pc.rl
+  if not rl.use_agentic_rollout:
+    return
+  budget = pc.max_target_length - pc.max_prefill_predict_length
+  if rl.agentic_max_tokens > budget:
+    raise _bad(
+        "rl.agentic_max_tokens",
+        rl.agentic_max_tokens,
+        f"must be <= the completion budget max_target_length - max_prefill_predict_length = {budget} (0 = all of it)",
+    )
+  total = rl.agentic_max_tokens or budget
+  if rl.agentic_turn_tokens > total:
+    raise _bad("rl.agentic_turn_tokens", rl.agentic_turn_tokens, f"must be <= the episode's {total} tokens (0 = all)")
+  if not rl.agentic_tools:
+    raise _bad("rl.agentic_tools", rl.agentic_tools, "must name at least one tool (e.g. ['calculator'])")
+
+
+_CROSS_CHECKS = (
+    check_run_dir,
+    _check_lengths,
+    _check_batches,
+    _check_algorithm,
+    _check_synthetic,
+    _check_lora_rank,
+    _check_agentic,
+)
 
 
 def _light_checks() -> tuple[Callable[[Any], None], ...]:

@@ -246,6 +246,9 @@ def test_every_mixin_class_of_rlconfig_has_a_class_status():
         "hbm_utilization_vllm",
         "base_emb_dim",
         "ici_fsdp_parallelism",
+        "rl.use_agentic_rollout",
+        "rl.agentic_max_turns",
+        "synthetic_task",
     ],
 )
 def test_honoured_keys(key):
@@ -255,7 +258,6 @@ def test_honoured_keys(key):
 @pytest.mark.parametrize(
     "override, key, why",
     [
-        ("rl.use_agentic_rollout=true", "rl.use_agentic_rollout", "rollouts run ahead of the trainer with any engine"),
         ("rl.max_concurrency=8", "rl.max_concurrency", "agentic rollout"),
         ("rl.system_prompt=hi", "rl.system_prompt", "agentic rollout"),
         ("max_seq_token_per_tpu=128", "max_seq_token_per_tpu", "sequence packing is not implemented"),
@@ -313,8 +315,8 @@ def test_generation_configs_reach_the_eval_sampling(tmp_path):
 
 def test_refused_key_in_a_user_yml_names_the_key(tmp_path):
   f = tmp_path / "mine.yml"
-  f.write_text("base_config: cpu_tiny.yml\nrl:\n  use_agentic_rollout: true\n")
-  with pytest.raises(ConfigError, match=r"^config key 'rl.use_agentic_rollout' is not supported"):
+  f.write_text("base_config: cpu_tiny.yml\nrl:\n  max_concurrency: 8\n")
+  with pytest.raises(ConfigError, match=r"^config key 'rl.max_concurrency' is not supported"):
     config_lib.load_config([str(f)])
 
 

@@ -61,6 +61,13 @@ _MEANINGLESS = (
         (["stop_token_ids=[-1]"], "'stop_token_ids'=[-1]: must be token ids >= 0"),
         (["rl.off_policy_steps=-1"], "'rl.off_policy_steps'=-1: must be >= 0"),
         (["rl.reshard_chunk_size=0"], "'rl.reshard_chunk_size'=0: must be >= 1"),
+        # rl.use_agentic_rollout's limits fit the completion budget (cpu_tiny: 160 - 128 = 32 tokens).
+        (["rl.use_agentic_rollout=true", "rl.agentic_max_tokens=33"], "'rl.agentic_max_tokens'=33: must be <= the"),
+        (
+            ["rl.use_agentic_rollout=true", "rl.agentic_max_tokens=16", "rl.agentic_turn_tokens=17"],
+            "'rl.agentic_turn_tokens'=17: must be <= the episode's 16 tokens",
+        ),
+        (["rl.use_agentic_rollout=true", "rl.agentic_tools=[]"], "'rl.agentic_tools'=[]: must name at least one tool"),
         # A run_name that would put outputs outside one run directory.
         (["run_name=a/b"], "'run_name'='a/b': must be one directory name"),
         (["run_name=.."], "'run_name'='..': must be one directory name"),

@@ -660,6 +660,73 @@ def test_generate_sampling_params_tokens_and_logprobs(monkeypatch, qwen, tokeniz
     rollout.generate(["word " * 400], _rollout_config(cfg))
 
 
+def test_generate_turn_runs_a_multi_turn_episode_through_generate(monkeypatch, qwen, tokenizer):
+  """rl.use_agentic_rollout on vLLM, by contract: each turn is one `LLM.generate` of token-id contexts (the transcript
+  after the first), the tool call's closing tag a kept stop string, finish reasons read from vLLM's CompletionOutput."""
+  from maxtext_rl_plugin.agentic import episode  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.agentic import parse  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.agentic import tools  # pylint: disable=import-outside-toplevel
+
+  cfg = load_config(["configs/cpu_tiny.yml", "stop_strings=['</answer>']"])
+  rollout, module, _, _, _ = _build(monkeypatch, cfg, qwen[1], tokenizer)
+  llm = module.LLM.instances[-1]
+  eos = tokenizer.eos_token_id
+  call = '<tool_call>{"name": "calculator", "arguments": {"a": 37, "b": 48, "op": "*"}}</tool_call>'
+  call_ids = tokenizer.encode(call, add_special_tokens=False)
+  answer_ids = tokenizer.encode("<answer>1776</answer>", add_special_tokens=False)
+  obs_ids = tokenizer.encode("<tool_response>1776</tool_response>\n", add_special_tokens=False)
+  seen = []
+
+  def generate(prompts, sampling_params=None, *, use_tqdm=True):
+    del use_tqdm
+    seen.append(([p["prompt_token_ids"] for p in prompts], sampling_params.kwargs))
+    outs = []
+    for p in prompts:  # a policy that calls the calculator first, then answers from the tool's result
+      ids = p["prompt_token_ids"]
+      done = ids[-len(obs_ids) :] == obs_ids
+      toks = answer_ids + [eos] if done else call_ids
+      comp = _Completion(toks, [{t: _Logprob(-0.5)} for t in toks])
+      comp.finish_reason, comp.stop_reason = "stop", (None if done else "</tool_call>")
+      outs.append(_RequestOutput(comp))
+    return outs
+
+  llm.generate = generate
+  parser = parse.CallParser("qwen")
+  rc = _rollout_config(cfg, temperature=0.7)
+
+  def turn_fn(contexts, gens, max_new, turn):
+    return rollout.generate_turn(
+        contexts, num_generations=gens, max_new_tokens=max_new, rollout_config=rc, rng=turn, stop_strings=[parser.end]
+    )
+
+  prompt = tokenizer.encode("What is 37 * 48?")
+  limits = episode.Limits(max_turns=3, turn_tokens=64, total_tokens=128)
+  eps = episode.run_episodes(turn_fn, tokenizer, [prompt], 2, limits, tools.Toolbox(["calculator"], 1.0), parser, [eos])
+  assert len(seen) == 2, seen  # two turns: the call, then the answer
+  (first, kw1), (second, kw2) = seen[0], seen[1]
+  assert first == [prompt, prompt] and kw1["max_tokens"] == 64 and kw1["temperature"] == 0.7
+  assert kw1["stop"] == ["</answer>", "</tool_call>"] and kw1["include_stop_str_in_output"] and kw1["detokenize"]
+  assert second == [prompt + call_ids + obs_ids] * 2 and kw2 == kw1  # the transcript, token for token
+  for e in eps:
+    assert e.tokens == call_ids + obs_ids + answer_ids + [eos]
+    assert e.loss_mask == [1] * len(call_ids) + [0] * len(obs_ids) + [1] * (len(answer_ids) + 1)
+    assert e.logps == [-0.5] * len(call_ids) + [0.0] * len(obs_ids) + [-0.5] * (len(answer_ids) + 1)
+    assert (e.turns, e.tool_calls, e.tool_errors, e.finish) == (2, 1, 0, "answer")
+  # vLLM's finish reasons: a length cut and a stop token other than EOS.
+  llm.generate = lambda prompts, sampling_params=None, use_tqdm=True: [
+      _RequestOutput(
+          types.SimpleNamespace(
+              token_ids=[5, 6], logprobs=[{5: _Logprob(-1.0)}, {6: _Logprob(-1.0)}], finish_reason=f, stop_reason=r
+          )
+      )
+      for f, r in (("length", None), ("stop", 6))
+  ]
+  assert [x[2] for x in rollout.generate_turn([[1], [2]], num_generations=1, max_new_tokens=2, rollout_config=rc)] == [
+      "length",
+      "stop_token",
+  ]
+
+
 def test_chunked_sync_keeps_kv_cache_when_configured_and_reaches_new_weights(monkeypatch, qwen, tokenizer):
   cfg = load_config(["configs/cpu_tiny.yml", "free_kv_cache_during_weight_sync=false", "reshard_chunk_size=4"])
   rollout, _, log, state, reshard_calls = _build(monkeypatch, cfg, qwen[1], tokenizer)

@@ -16,6 +16,7 @@ BENCHMARKS = {
     "lora": "maxtext_rl_plugin.bench.lora",
     "step": "maxtext_rl_plugin.bench.step",
     "gpu": "maxtext_rl_plugin.bench.gpu",
+    "agentic": "maxtext_rl_plugin.bench.agentic",
 }
 
 

@@ -58,6 +58,8 @@ def _synthetic_cfg(config) -> synthetic.SyntheticConfig:
       int(config.synthetic_max_steps),
       int(config.synthetic_max_value),
       float(config.synthetic_teacher_error_rate or 0.0),
+      str(config.synthetic_task),
+      float(config.synthetic_tool_rate),
   )
 
 

@@ -3,12 +3,18 @@
 The CPU demo's data (no download): problem i of a stream is a pure function of (synthetic_seed, stream, i), and a
 teacher that sometimes adds where it should not (`synthetic_teacher_error_rate`) gives the SFT warm-up a mode for RL
 to correct.
+
+`synthetic_task=products` is the task where a tool matters (rl.use_agentic_rollout): "What is 47 * 86?" with
+multi-digit operands, which a tiny model cannot multiply in its head. Its SFT demonstrations answer from the head
+(`47 * 86 = 4042`, right, but not learnable by the model) except a fraction `synthetic_tool_rate` that call the
+calculator in the Qwen tool-call markup (`tool_demonstration`), so the warm start knows the format but rarely uses it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import random
 import re
 import sys
@@ -83,6 +89,29 @@ class SyntheticConfig:
   max_steps: int = 2
   max_value: int = 20
   teacher_error_rate: float = 0.0
+  task: str = "word_problems"  # or "products"
+  tool_rate: float = 0.0  # products: fraction of SFT demonstrations that call the calculator
+
+
+def product_problem(rng: random.Random, cfg: SyntheticConfig) -> tuple[str, int, str]:
+  """(question, answer, solution) of "What is a * b?" with a, b in [10, max_value] (multi-digit when max_value >= 10)."""
+  lo = min(10, cfg.max_value)
+  a, b = rng.randint(lo, cfg.max_value), rng.randint(lo, cfg.max_value)
+  return f"What is {a} * {b}?", a * b, f"{a} * {b} = {a * b}\n#### {a * b}"
+
+
+def tool_demonstration(question: str, answer: int, tags: dict[str, str]) -> str:
+  """A products solution that asks the calculator (Tunix's CalculatorTool in Qwen's markup) and copies its answer.
+
+  The `<tool_response>` part is what the environment appends at rollout time (never sampled there: the turn stops at
+  `</tool_call>`); in the SFT target it is the text that follows the call.
+  """
+  a, b = (int(x) for x in re.findall(r"\d+", question)[:2])
+  call = json.dumps({"name": "calculator", "arguments": {"a": a, "b": b, "op": "*"}})
+  return (
+      f"{tags['reasoning_start_token']}<tool_call>{call}</tool_call><tool_response>{answer}</tool_response>\n"
+      f"{tags['reasoning_end_token']}\n{tags['solution_start_token']}{answer}{tags['solution_end_token']}"
+  )
 
 
 def synthetic_problem(rng: random.Random, cfg: SyntheticConfig) -> tuple[str, int, str]:
@@ -230,6 +259,8 @@ class SyntheticSplit(splits.DatasetSplit):
 
   def _draw(self, i: int, attempt: int) -> tuple[str, int, str]:
     rng = random.Random(f"{self.cfg.seed}:{self.stream}:{i}:{attempt}")
+    if self.cfg.task == "products":
+      return product_problem(rng, self.cfg)
     return synthetic_problem(rng, self.cfg)
 
   @functools.lru_cache(maxsize=4096)  # noqa: B019
@@ -262,6 +293,12 @@ class SyntheticSplit(splits.DatasetSplit):
           and random.Random(f"{self.cfg.seed}:teacher:{i}").random() < self.cfg.teacher_error_rate
       ):
         sol = adding_teacher(sol)[0]  # wrong unless all steps add; the gold answer stays the true one
+      if (
+          self.cfg.task == "products"
+          and self.stream == "train"
+          and random.Random(f"{self.cfg.seed}:tool:{i}").random() < self.cfg.tool_rate
+      ):
+        sol = tool_demonstration(q, a, prompts.tag_tokens(self.config))
       return splits.Example(q, str(a), sol, prompt, f"synthetic-{self.stream}-{i}")
     raise DataError(
         f"synthetic problems do not fit max_prefill_predict_length={self.max_prompt_tokens} "

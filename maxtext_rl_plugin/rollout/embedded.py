@@ -226,6 +226,42 @@ class EmbeddedRollout(base_rollout.BaseRollout):
         logprobs=[res.logps[i, : res.lengths[i]] for i in range(len(res.texts))],
     )
 
+  def generate_turn(
+      self,
+      contexts: Sequence[Sequence[int]],
+      *,
+      num_generations: int,
+      max_new_tokens: int,
+      rollout_config: base_rollout.RolloutConfig,
+      rng: jax.Array,
+      stop_strings: Sequence[str] = (),
+  ) -> list[tuple[np.ndarray, np.ndarray, str]]:
+    """One assistant turn of multi-turn episodes (agentic/episode.py): (tokens, log-probs, finish reason) per row.
+
+    `contexts` are token ids: the prompts on the first turn (G rows each, one shared prefill), then each episode's
+    whole transcript (prompt + its turns + the tool's answers) with G = 1. The transcript is prefilled again each
+    turn rather than appended to the previous turn's KV cache: the decode program returns tokens, not its cache
+    (keeping [N, L+T] caches alive on device across a host round trip per turn, and compiling a second "append to an
+    existing cache" program per bucket, is not built yet). Measured (`python -m maxtext_rl_plugin.bench agentic`,
+    docs/agentic.md): re-prefill is a quarter of a turn at the CPU demo's 48-token transcripts and most of a turn at
+    512 tokens, so cache reuse is the next step for long transcripts. `stop_strings`
+    are added to the config's.
+    """
+    params = sampling.SamplingParams.create(rollout_config.temperature, rollout_config.top_k, rollout_config.top_p)
+    res = self.generate_tokens(
+        [list(c) for c in contexts],
+        num_generations=num_generations,
+        max_new_tokens=max_new_tokens,
+        rng=rng,
+        sampling_params=params,
+        extra_stop_ids=rollout_config.eos_tokens,
+        stop_strings=list(self._stop_strings) + [s for s in stop_strings if s not in self._stop_strings],
+    )
+    return [
+        (res.tokens[i, : res.lengths[i]], res.logps[i, : res.lengths[i]], res.finish_reason[i])
+        for i in range(len(res.lengths))
+    ]
+
   def get_per_token_logps(
       self, prompt_tokens: jax.Array, completion_tokens: jax.Array, temperature: float | None = None
   ) -> jax.Array:

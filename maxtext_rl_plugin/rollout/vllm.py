@@ -328,6 +328,58 @@ class VllmRollout(base_rollout.BaseRollout):
         text=texts, logits=None, tokens=tokens, left_padded_prompt_tokens=padded, logprobs=logps
     )
 
+  def generate_turn(
+      self,
+      contexts: Sequence[Sequence[int]],
+      *,
+      num_generations: int,
+      max_new_tokens: int,
+      rollout_config: base_rollout.RolloutConfig,
+      rng: Any = None,
+      stop_strings: Sequence[str] = (),
+  ) -> list[tuple[np.ndarray, np.ndarray, str]]:
+    """One assistant turn of multi-turn episodes (agentic/episode.py) through the same `LLM.generate` call.
+
+    `contexts` are token ids (the prompt, then the episode's whole transcript), each sent `num_generations` times as
+    `prompt_token_ids`; with `enable_prefix_caching` vLLM reuses the transcript's KV blocks from the previous turn.
+    `stop_strings` (the tool call's closing tag) are added to the config's and kept in the output. The finish reason
+    follows vLLM's `CompletionOutput`: `finish_reason == "length"` -> "length"; a string `stop_reason` (a stop
+    string) -> "stop_string"; otherwise a stop token ("eos" when it is EOS). `rng` is unused: vLLM seeds its own
+    sampler, as for `generate`.
+    """
+    del rng
+    if not self._weights_valid:
+      raise RuntimeError("vLLM does not hold a complete set of trainer weights (a sync failed); refusing to sample")
+    kw = self._sampling_kwargs(rollout_config)
+    stops = list(kw.get("stop") or [])
+    stops += [s for s in stop_strings if s and s not in stops]
+    kw.update(
+        max_tokens=int(max_new_tokens),
+        stop=stops or None,
+        detokenize=bool(stops),
+        include_stop_str_in_output=bool(stops),
+    )
+    requests = [{"prompt_token_ids": [int(t) for t in c]} for c in contexts for _ in range(int(num_generations))]
+    outputs = self.llm.generate(prompts=requests, sampling_params=self._vllm.SamplingParams(**kw), use_tqdm=False)
+    if len(outputs) != len(requests):
+      raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(requests)} prompts")
+    eos = int(self._tokenizer.eos_id())
+    rows = []
+    for out in outputs:
+      comp = out.outputs[0]
+      ids = np.asarray(list(comp.token_ids), dtype=np.int32)
+      lp = tunix_gen_utils.get_logprobs_from_vllm_output(list(comp.token_ids), comp.logprobs)
+      if len(lp) != len(ids):
+        raise RuntimeError("vLLM returned no per-token log-probs (SamplingParams.logprobs must be set)")
+      if getattr(comp, "finish_reason", None) == "length":
+        reason = "length"
+      elif isinstance(getattr(comp, "stop_reason", None), str):
+        reason = "stop_string"
+      else:
+        reason = "eos" if len(ids) and int(ids[-1]) == eos else "stop_token"
+      rows.append((ids, np.asarray(lp, dtype=np.float32), reason))
+    return rows
+
   def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array) -> jax.Array:
     """The sampler's log-probs of `completion_tokens` [B, T] (0 past each completion), found by prompt and tokens.
 

@@ -64,6 +64,11 @@ def _check_runtime(config, rs: models.RunSetup) -> None:
   """Checks that need the device set, before any model is built (device-free ones: `config.validate`)."""
   distributed.check_device_split(rs.trainer_devices, rs.sampler_devices)
   distributed.check_synchronous(int(config.rl.off_policy_steps))
+  if config.rl.use_agentic_rollout and distributed.is_multiprocess():
+    raise ConfigError(
+        "invalid value for 'rl.use_agentic_rollout'=True: not supported with more than one JAX process yet (each "
+        "process would run its own episodes' tool turns; the per-host gather carries no loss mask); use one controller"
+    )
   n_trainer = len(rs.trainer_devices)
   plan = updates.UpdatePlan.from_config(config)
   for key, prompts in (("batch_size", plan.batch_size), ("train_micro_batch_size", plan.micro_batch_size)):
