@@ -147,6 +147,9 @@ def test_resume_continues_with_no_repeated_or_skipped_batch(out, grpo_run):
   train(out, "resumed", "num_batches=2")
   p = train(out, "resumed", "num_batches=3")
   assert "resuming" in p.stdout and "from checkpoint step 2" in p.stdout
+  # num_batches 2 -> 3 stretches the learning-rate schedule (sized by the run's updates): said, with the key to keep it.
+  assert "note: the learning-rate schedule now spans 3 optimizer updates, not the 2" in p.stdout
+  assert "learning_rate_schedule_steps=2 keeps the old one" in p.stdout
   run = out / "resumed"
   assert read_jsonl(run / "batches.jsonl") == read_jsonl(ref / "batches.jsonl")
   recs = [r for r in read_jsonl(run / "metrics.jsonl") if "reward/mean" in r]

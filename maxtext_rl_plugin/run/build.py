@@ -176,16 +176,20 @@ def rollout_configs(config, tokenizer) -> dict:
   return {rl_cluster_lib.Mode.TRAIN: train_config, rl_cluster_lib.Mode.EVAL: evaluation}
 
 
-def lr_schedule(config):
-  """MaxText's RL schedule (warmup + cosine decay to 0, `utils_rl.get_optimizer`), counted in optimizer updates.
-
-  Its length is the run's optimizer-update count (`total_updates`: mu * batch_size / mini_batch_size per RL step;
-  MaxText's `train_steps` when each batch gets one update per iteration), unless `learning_rate_schedule_steps` is set
-  deliberately (MaxText's rule: a positive value different from `steps`, which the validator fills in when unset).
+def schedule_updates(config) -> int:
+  """The learning-rate schedule's length in optimizer updates: the run's update count (`total_updates`: mu *
+  batch_size / mini_batch_size per RL step; MaxText's `train_steps` when each batch gets one update per iteration),
+  unless `learning_rate_schedule_steps` is set deliberately (MaxText's rule: a positive value different from `steps`,
+  which the validator fills in when unset). It depends on num_batches: a resume that asks for more steps stretches it.
   """
   sched_steps = config.learning_rate_schedule_steps
   explicit = sched_steps and sched_steps > 0 and sched_steps not in (config.steps, config.train_steps)
-  sched_steps = int(sched_steps) if explicit else total_updates(config)
+  return int(sched_steps) if explicit else total_updates(config)
+
+
+def lr_schedule(config):
+  """MaxText's RL schedule (warmup + cosine decay to 0, `utils_rl.get_optimizer`) over `schedule_updates` updates."""
+  sched_steps = schedule_updates(config)
   return optax.schedules.warmup_cosine_decay_schedule(
       init_value=0.0,
       peak_value=config.learning_rate,

@@ -24,7 +24,7 @@ from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
 from maxtext_rl_plugin.checkpointing import RunCheckpointer
 from maxtext_rl_plugin.errors import CheckpointError
-from maxtext_rl_plugin.run.build import RLRun, num_rl_steps
+from maxtext_rl_plugin.run.build import RLRun, num_rl_steps, schedule_updates
 
 # Keys whose change makes a checkpoint's data position meaningless: resuming must refuse them.
 _RESUME_INVARIANTS = (
@@ -56,6 +56,7 @@ def _meta(config, step: int, extra: dict | None = None) -> dict:
       "loss_algo": config.rl.loss_algo,
       "model_name": config.model_name,
       "rollout_seed": int(config.rollout_seed),
+      "lr_schedule_updates": schedule_updates(config),
       **run_identity.identity(config),
       **(extra or {}),
   }
@@ -138,11 +139,31 @@ def resume(rl_run: RLRun, ckpt: RunCheckpointer) -> tuple[int, dict]:
   start, meta = _restore_newest(rl_run, ckpt)  # every process joins the restore
   start = distributed.agree(start, "the checkpoint step to resume from")
   if metrics_lib.is_writer():
+    note = schedule_change(rl_run.config, meta) if start else None
+    if note:
+      print(note, flush=True)
     if not start:
       run_dir_lib.check_fresh_metrics_file(rl_run.metrics_file, rl_run.run_dir)
     for path in (rl_run.metrics_file, os.path.join(rl_run.run_dir, "batches.jsonl")):
       run_dir_lib.prune_jsonl(path, start if start else -1)
   return start, meta
+
+
+def schedule_change(config, meta: dict) -> str | None:
+  """A notice when this run's learning-rate schedule is not the one the checkpoint's steps trained on.
+
+  Asking a resumed run for more steps (num_batches) stretches the warmup + cosine schedule, which is sized by the
+  run's update count: a legitimate way to extend a run, but not the run an uninterrupted job would have been, so it
+  is said, with the key that keeps the old schedule. (Resuming with the same schedule continues bit for bit.)
+  """
+  was, now = meta.get("lr_schedule_updates"), schedule_updates(config)
+  if was is None or was == now:
+    return None
+  return (
+      f"note: the learning-rate schedule now spans {now} optimizer updates, not the {was} the checkpoint's steps "
+      f"trained on (num_batches changed): later steps follow the new schedule; learning_rate_schedule_steps={was} "
+      "keeps the old one"
+  )
 
 
 def save(ckpt, rl_run: RLRun, step: int, summary: dict) -> None:
