@@ -26,3 +26,10 @@ if stamp_stale "$TPU_STAMP" "$TPU_WANT"; then
   echo "$TPU_WANT" > "$TPU_STAMP"
   echo "[tpu-venv] installed in $((SECONDS - t0)) s, $(du -sh "$TPU_VENV" | cut -f1)"
 fi
+# The plugin itself, editable and --no-deps (the pins above are the whole closure), so its installed layout holds as in
+# the TPU image: `rewards/` is the package `maxtext_rl_plugin.rewards` only through setup.cfg's package_dir.
+if ! (cd / && "$TPU_VENV/bin/python" -c 'import maxtext_rl_plugin.rewards' >/dev/null 2>&1); then
+  echo "[tpu-venv] installing maxtext-rl-plugin (editable, --no-deps)"
+  "$TPU_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$ROOT" 2>&1 \
+    | grep -v "^WARNING: Location 'file:\|BuildBackendWarning\|Editable installation\|^ *!!\|^ *\*\+$\|Please be careful\|name as your package\|may take precedence\|with strategy, WheelFile\|^\s*$" || true
+fi
