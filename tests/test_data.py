@@ -532,7 +532,8 @@ def test_prompt_tags_default_to_the_reward_stacks_which_are_maxtext_rl_yml():
 @pytest.mark.parametrize(
     "content, fragment",
     [
-        (gzip.compress(b'{"question": "q?", "answer": "#### 4"}\n'), "is gzip-compressed; decompress it"),
+        # mtime=0: the gzip header's timestamp would differ between pytest-xdist workers' collections (and fail them)
+        (gzip.compress(b'{"question": "q?", "answer": "#### 4"}\n', mtime=0), "is gzip-compressed; decompress it"),
         ('{"question": "q?", "answer": "#### 4"}\n'.encode("utf-16"), "is UTF-16 (a byte order mark FF FE)"),
         (b"", "no usable rows of 0 (the file is empty;"),
         (b"\xef\xbb\xbf", "no usable rows of 0 (the file is empty;"),
@@ -544,6 +545,7 @@ def test_prompt_tags_default_to_the_reward_stacks_which_are_maxtext_rl_yml():
         (b'{"question": {"text": "q?"}, "answer": "#### 4"}\n', "(1 with no question string; first at line 1;"),
         (b'[1]\n"x"\n\xff\n', "(2 JSON but not an object, 1 not UTF-8; first at line 1;"),
     ],
+    ids=["gzip", "utf16", "empty", "bom-only", "no-gold", "no-question", "question-not-string", "not-objects"],
 )
 def test_a_file_with_no_usable_row_says_why(tmp_path, content, fragment):
   # Each file is readable but holds nothing to train on: the one line names what it is or why every row was lost.
