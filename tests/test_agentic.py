@@ -16,11 +16,10 @@ from tunix.rl.agentic.tools import base_tool
 from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin import algorithms
-from maxtext_rl_plugin import models
 from maxtext_rl_plugin.agentic import episode
 from maxtext_rl_plugin.agentic import parse
 from maxtext_rl_plugin.agentic import tools
-from maxtext_rl_plugin.rollout import embedded
+from test_rollout_embedded import scaled_tiny_engine
 
 # ----------------------------------------------------------------------------------------------------------------------
 # Parser and tools
@@ -292,16 +291,7 @@ REF_WIDTH = 128
 @pytest.fixture(name="tiny", scope="module")
 def tiny_fixture():
   """The tiny CPU model (decoder weights x3 so greedy output depends on the context) and its embedded engine."""
-  rs = models.setup_devices(["configs/cpu_tiny.yml"])
-  tok = models.load_tokenizer(rs.trainer_config)
-  model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
-
-  def scale(path, x):
-    return x * 3.0 if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x
-
-  nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
-  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
-  gdef, _ = nnx.split(model)
+  model, tok, _, engine, gdef = scaled_tiny_engine()
 
   @jax.jit
   def scores(state, toks, lens):

@@ -29,9 +29,9 @@ REF_WIDTH = 96
 NEW = 16
 
 
-@pytest.fixture(name="setup", scope="module")
-def setup_fixture():
-  """The tiny CPU model, its engine, and a second copy of the model as the no-cache reference."""
+def scaled_tiny_engine():
+  """The tiny CPU model with its decoder weights x3 (so greedy output depends on the context), its tokenizer and
+  mesh, its embedded engine, and its graph definition for a no-cache reference forward. Also used by test_agentic."""
   rs = models.setup_devices(["configs/cpu_tiny.yml"])
   tok = models.load_tokenizer(rs.trainer_config)
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
@@ -42,6 +42,13 @@ def setup_fixture():
   nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
   engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
   gdef, _ = nnx.split(model)
+  return model, tok, mesh, engine, gdef
+
+
+@pytest.fixture(name="setup", scope="module")
+def setup_fixture():
+  """The tiny CPU model, its engine, and a second copy of the model as the no-cache reference."""
+  model, tok, _, engine, gdef = scaled_tiny_engine()
 
   def forward(state, toks, lens):
     m = nnx.merge(gdef, state)
