@@ -39,10 +39,12 @@ from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import pathways
+from maxtext_rl_plugin.resharding import maxtext_layout
 from maxtext_rl_plugin.resharding import move
 from maxtext_rl_plugin.resharding import verify
 from maxtext_rl_plugin.errors import ConfigError, DataError, MissingExtraError
 from maxtext_rl_plugin.rollout import vllm_mapping
+from maxtext_rl_plugin.rollout import vllm_maxtext
 
 TARGET_API = "vllm-tpu==0.32.0, tpu-inference==0.32.0"
 
@@ -240,6 +242,28 @@ def write_weights(
   return written
 
 
+def write_adapter_weights(
+    state: Any,
+    flat: Mapping[str, jax.Array],
+    layout: maxtext_layout.AdapterLayout,
+    *,
+    chunk_size: int | None = None,
+    require_all: bool = True,
+) -> dict[str, jax.Array]:
+  """The MaxTextForCausalLM route's sync: MaxText weights `{path: array}` in the adapter's layout
+  (resharding/maxtext_layout.py), moved onto the engine's shardings and written into its weight `state`.
+
+  tests/tpu_contract/test_forward_maxtext.py runs this path into the real adapter and checks its logits.
+  """
+  engine_flat = vllm_mapping.engine_weights(state)
+  written = maxtext_layout.write(
+      layout, flat, engine_flat, vllm_mapping.engine_state_setter(state), chunk_size=chunk_size
+  )
+  if require_all:
+    vllm_mapping.check_all_written(engine_flat, written)
+  return written
+
+
 class VllmRollout(base_rollout.BaseRollout):
   """Rollouts from vLLM-TPU with trainer->vLLM weight sync; build with `functools.partial(VllmRollout, config=cfg)`."""
 
@@ -255,7 +279,11 @@ class VllmRollout(base_rollout.BaseRollout):
     vllm = import_vllm()
     if config is None:
       raise ValueError("VllmRollout needs the plugin config: functools.partial(VllmRollout, config=cfg)")
-    vllm_mapping.check_supported(config.model_name)
+    self.adapter_route = vllm_maxtext.selected(config)
+    if self.adapter_route:
+      vllm_maxtext.register_adapter()
+    else:
+      vllm_mapping.check_supported(config.model_name)
     check_single_controller()
     self._vllm = vllm
     self._config = config
@@ -266,6 +294,18 @@ class VllmRollout(base_rollout.BaseRollout):
     self.engine_kwargs = vllm_engine_kwargs(
         config, int(mesh.devices.size), device_ids=[int(i) for i in mesh.device_ids.flatten()]
     )
+    self._layout = None
+    if self.adapter_route:
+      self.engine_kwargs, source = vllm_maxtext.engine_kwargs(self.engine_kwargs, config)
+      self.route = vllm_maxtext.route_line(config, source)
+      self._layout = maxtext_layout.AdapterLayout(
+          config,
+          tp=self.engine_kwargs["tensor_parallel_size"],
+          prefuse_moe=bool(self.engine_kwargs["additional_config"]["maxtext_config"].get("prefuse_moe_weights")),
+      )
+    else:
+      self.route = vllm_mapping.route_line(config.model_name)
+    vllm_maxtext.log_route(self.route)
     # In-process engine: the weight sync writes into the worker's arrays directly.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("TPU_BACKEND_TYPE", "jax")
@@ -415,7 +455,7 @@ class VllmRollout(base_rollout.BaseRollout):
     cfg = self._config
     free_kv = bool(cfg.free_kv_cache_during_weight_sync)
     flat = self._trainer_weights(params, filter_types)
-    if self._hf_config is None:  # the first sync is a full one (the constructor's): the shapes say the model
+    if self._hf_config is None and not self.adapter_route:  # the first sync is a full one: the shapes say the model
       self._hf_config = vllm_mapping.hf_config_from_params(flat, cfg.model_name)
     llm = self.llm
     self._weights_valid = False
@@ -425,16 +465,25 @@ class VllmRollout(base_rollout.BaseRollout):
     llm.collective_rpc("start_weight_update", kwargs={"free_kv_cache": free_kv})
     try:
       worker = _driver_worker(llm)
-      written = write_weights(
-          worker.get_weights_state(),
-          flat,
-          cfg.model_name,
-          self._hf_config,
-          param_scan_axis=int(cfg.param_scan_axis),
-          chunk_size=cfg.rl.reshard_chunk_size,
-          donate=bool(cfg.reshard_donate),
-          require_all=not self._lora_only(filter_types),
-      )
+      if self.adapter_route:
+        written = write_adapter_weights(
+            worker.get_weights_state(),
+            flat,
+            self._layout,
+            chunk_size=cfg.rl.reshard_chunk_size,
+            require_all=not self._lora_only(filter_types),
+        )
+      else:
+        written = write_weights(
+            worker.get_weights_state(),
+            flat,
+            cfg.model_name,
+            self._hf_config,
+            param_scan_axis=int(cfg.param_scan_axis),
+            chunk_size=cfg.rl.reshard_chunk_size,
+            donate=bool(cfg.reshard_donate),
+            require_all=not self._lora_only(filter_types),
+        )
       worker.refresh_model_state_leaves()
       if self._should_verify():
         _verify_engine_holds(worker, written)

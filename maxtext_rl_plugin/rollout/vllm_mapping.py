@@ -70,6 +70,14 @@ def check_supported(model_name: str) -> None:
     )
 
 
+def route_line(model_name: str) -> str:
+  """The one line a run prints for the native route."""
+  return (
+      f"vLLM route: tpu-inference's native class for {model_name} (weights through MaxText's export tables, "
+      "rollout/vllm_mapping.py)"
+  )
+
+
 def path_str(path) -> str:
   parts = []
   for k in path:

@@ -12,6 +12,16 @@ engine's state), the MaxText model it syncs from. What is not:
   (`kernels/ragged_paged_attention/v3/kernel.py::ref_ragged_paged_attention`, `kernel_hd64.py` for head_dim 64):
   same arguments, writes the new k/v into the pages and reads them back. This is the only substitution. The
   reference validates concrete values, so the model runs eagerly (no jit).
+
+MaxText's own decoder inside vLLM (`MaxTextForCausalLM`, test_forward_maxtext.py) needs three more, each narrow:
+
+* MaxText wraps every decoder layer in `jax.checkpoint`, so the attention metadata reaches the reference kernel as
+  tracers; `reference_attention` hands the reference the concrete metadata of the step being run (the same values);
+* `cpu_fused_moe`: MaxText's MoE under `attention=vllm_rpa` always runs tpu-inference's `fused_moe_func`, whose grouped
+  matmul is tokamax's `gmm_v2` Pallas kernel (refuses the CPU device): `fused_moe_gmm.gmm_wrapper` is replaced by
+  `reference_gmm`, the computation tokamax's own gmm_v2 test checks the kernel against (per-group matmul; with a fused
+  activation, act(first half) * second half); and `dense_gather_reduce.is_compatible` (queries the TPU's SparseCore)
+  answers False, which is the library's own JAX fallback for TPUs without a compatible SparseCore.
 """
 
 # tpu_inference and vllm exist only in .venv-tpu; imported where used (see tpu_models.py).
@@ -30,6 +40,8 @@ import numpy as np
 import optax
 
 PAGE_SIZE = 16
+# The concrete attention metadata of the step being run (see the module docstring).
+_STEP_METADATA: dict[str, Any] = {}
 
 
 @contextlib.contextmanager
@@ -64,6 +76,9 @@ def reference_attention():
       decode_query_size=1,
   ):
     del decode_query_size  # a block-size knob of the kernel, not numerics
+    if any(isinstance(x, jax.core.Tracer) for x in (kv_lens, page_indices, cu_q_lens, distribution)):
+      # under MaxText's per-layer jax.checkpoint: the same values, concrete
+      kv_lens, page_indices, cu_q_lens, distribution = _STEP_METADATA["concrete"]
     if not update_kv_cache:
       raise NotImplementedError("the reference kernel always writes the cache (KV-share is not exercised here)")
     tp = get_mesh_shape_product(mesh, ShardingAxisName.ATTN_HEAD)
@@ -88,6 +103,49 @@ def reference_attention():
     attention_interface.sharded_ragged_paged_attention = real
 
 
+def reference_gmm(lhs, rhs, rhs_scale, rhs_bias, group_sizes, group_offset, fuse_act=None, preferred_element_type=None):
+  """`fused_moe_gmm.gmm_wrapper` (tokamax gmm_v2) as tokamax's own test reference computes it, traceable: rows are
+  grouped by `group_sizes` (global groups, `group_offset` the first local one); rows outside the local groups are 0."""
+  from tokamax._src.ops.experimental.gmm_v2 import gmm_v2
+
+  if rhs_scale is not None:
+    raise NotImplementedError("quantized experts are not exercised on CPU")
+  out_dtype = preferred_element_type or lhs.dtype
+  ends = jnp.cumsum(group_sizes)
+  group = jnp.searchsorted(ends, jnp.arange(lhs.shape[0]), side="right") - jnp.asarray(group_offset).reshape(-1)[0]
+  local = (group >= 0) & (group < rhs.shape[0])
+  per_group = jnp.einsum("mk,gkn->gmn", lhs.astype(jnp.float32), rhs.astype(jnp.float32))
+  out = jnp.take_along_axis(per_group, jnp.clip(group, 0, rhs.shape[0] - 1)[None, :, None], axis=0)[0]
+  if rhs_bias is not None:
+    out = out + rhs_bias.astype(jnp.float32)[jnp.clip(group, 0, rhs.shape[0] - 1)].reshape(out.shape[0], -1)
+  out = jnp.where(local[:, None], out, 0.0)
+  if fuse_act is not None:  # gmm_v2.apply_act_fn's table, without its TPU lane (de)interleave around it
+    gate, up = jnp.split(out, 2, axis=-1)
+    acts = {
+        "silu": lambda g, u: jax.nn.silu(g) * u,
+        "gelu": lambda g, u: jax.nn.gelu(g) * u,
+        "gelu_tanh": lambda g, u: jax.nn.gelu(g, approximate=True) * u,
+        "swigluoai": gmm_v2.swigluoai,
+    }
+    out = acts[fuse_act](gate, up)
+  return out.astype(out_dtype)
+
+
+@contextlib.contextmanager
+def cpu_fused_moe():
+  """tpu-inference's fused MoE on CPU: the grouped-matmul kernel by its reference, no SparseCore (module docstring)."""
+  from tpu_inference.kernels.sparse_core import dense_gather_reduce
+  from tpu_inference.layers.common import fused_moe_gmm
+
+  real = fused_moe_gmm.gmm_wrapper, dense_gather_reduce.is_compatible
+  fused_moe_gmm.gmm_wrapper = reference_gmm
+  dense_gather_reduce.is_compatible = lambda *a, **k: False
+  try:
+    yield
+  finally:
+    fused_moe_gmm.gmm_wrapper, dense_gather_reduce.is_compatible = real
+
+
 class ShimLLM:
   """`vllm.LLM` at the hardware boundary: its in-process worker's weight state is the real model's `nnx.state`."""
 
@@ -107,11 +165,13 @@ class ShimLLM:
     return [None]
 
 
-def engine_greedy(model, mesh, prompt: list[int], n_decode: int) -> tuple[np.ndarray, list[int]]:
+def engine_greedy(model, mesh, prompt: list[int], n_decode: int, pad_to: int = 1) -> tuple[np.ndarray, list[int]]:
   """Prefill `prompt` then `n_decode` greedy decode steps through the paged KV cache of the real model.
 
   Returns (logits [len(prompt) + n_decode, vocab] -- every prefill row, then one row per decode step -- and the
-  n_decode + 1 greedy tokens). Positions/pages as vLLM's runner lays them out for one request.
+  n_decode + 1 greedy tokens). Positions/pages as vLLM's runner lays them out for one request; each step's tokens are
+  padded to a multiple of `pad_to` as the runner's token buckets pad them (the fused-MoE kernel needs tokens x top-k
+  to be a multiple of 16): the metadata covers the real tokens only.
   """
   from tpu_inference.kernels.ragged_paged_attention.v3 import kernel
   from tpu_inference.layers.common.attention_metadata import AttentionMetadata
@@ -136,16 +196,24 @@ def engine_greedy(model, mesh, prompt: list[int], n_decode: int) -> tuple[np.nda
 
   def step(ids: list[int], start: int, distribution: list[int]):
     nonlocal kv_caches
+    n = len(ids)
+    padded = -(-n // pad_to) * pad_to
+    positions = np.zeros(padded, np.int32)
+    positions[:n] = np.arange(start, start + n)
     md = AttentionMetadata(
-        input_positions=jnp.arange(start, start + len(ids), dtype=jnp.int32),
+        input_positions=jnp.asarray(positions),
         block_tables=block_tables,
-        seq_lens=jnp.asarray([start + len(ids)], jnp.int32),
-        query_start_loc=jnp.asarray([0, len(ids)], jnp.int32),
+        seq_lens=jnp.asarray([start + n], jnp.int32),
+        query_start_loc=jnp.asarray([0, n], jnp.int32),
         request_distribution=jnp.asarray(distribution, jnp.int32),
     )
-    with jax.set_mesh(mesh), reference_attention():
-      kv_caches, hidden, _, _ = model(kv_caches, jnp.asarray(ids, jnp.int32), md)
-      return np.asarray(model.compute_logits(hidden), np.float32)[:, :vocab]
+    # NumPy: under a trace even a jnp op on a concrete array is staged out, and the reference compares the values.
+    _STEP_METADATA["concrete"] = tuple(
+        np.asarray(x) for x in (md.seq_lens, md.block_tables, md.query_start_loc, md.request_distribution)
+    )
+    with jax.set_mesh(mesh), reference_attention(), cpu_fused_moe():
+      kv_caches, hidden, _, _ = model(kv_caches, jnp.asarray(list(ids) + [0] * (padded - n), jnp.int32), md)
+      return np.asarray(model.compute_logits(hidden), np.float32)[:n, :vocab]
 
   rows = [step(prompt, 0, [0, 0, 1])]  # one prefill request (the "mixed" group of the kernel's distribution)
   tokens = [int(np.argmax(rows[-1][-1]))]

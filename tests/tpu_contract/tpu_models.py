@@ -114,3 +114,57 @@ def hf_config(**overrides) -> dict:
   )
   cfg = {**TINY, **overrides}
   return {k: cfg[k] for k in keys}
+
+
+# The HF model_type of each MaxText family's checkpoints: the config.json vLLM reads next to the adapter's overrides
+# (the adapter itself reads only num_key_value_heads and moe_intermediate_size from it).
+HF_MODEL_TYPE = {"llama3.1": "llama", "qwen3": "qwen3_moe", "mixtral": "mixtral", "gemma3": "gemma3_text"}
+
+
+def adapter_mesh(tp: int) -> jax.sharding.Mesh:
+  """A mesh over tpu-inference's axis names with `tp` devices on 'model' (the rollout mesh of an adapter test)."""
+  from tpu_inference.layers.common.sharding import MESH_AXIS_NAMES
+
+  shape = [1] * len(MESH_AXIS_NAMES)
+  shape[MESH_AXIS_NAMES.index("model")] = tp
+  return jax.sharding.Mesh(np.array(jax.devices()[:tp]).reshape(shape), MESH_AXIS_NAMES)
+
+
+def build_adapter(tmp_root, family: str, engine_kwargs: dict, mesh: jax.sharding.Mesh):
+  """MaxText's `MaxTextForCausalLM` built as vLLM builds it from the plugin's `vllm.LLM` kwargs (hf_overrides,
+  additional_config's maxtext_config, dtype, TP), with dummy weights.
+
+  tpu-inference's private loader names, used as the runner uses them (the public `get_model` needs a whole runner):
+  `_MODEL_REGISTRY` (where MaxText's `register()` puts the class; the loader's architecture lookup imports gemma4_mm,
+  which needs torchvision, not in the pins) and `_get_nnx_model` (the loader's construction of a self-sharding class).
+  test_forward_maxtext.py::test_loader_names_exist_at_the_pins checks them.
+  """
+  from tpu_inference.distributed import jax_parallel_state
+  from tpu_inference.layers.common.sharding import ShardingConfigManager
+  from tpu_inference.models.common import model_loader
+  from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
+
+  hf = {**engine_kwargs["hf_overrides"], "model_type": HF_MODEL_TYPE[family], "max_position_embeddings": 512}
+  path = tmp_root / f"adapter-{family}-{len(_cache)}"
+  path.mkdir(parents=True)
+  (path / "config.json").write_text(json.dumps(hf))
+  additional = {k: v for k, v in engine_kwargs["additional_config"].items() if k != "sharding"}
+  vllm_config = VllmConfig(
+      model_config=ModelConfig(
+          model=str(path),
+          skip_tokenizer_init=True,
+          dtype=engine_kwargs["dtype"],
+          max_model_len=engine_kwargs["max_model_len"],
+          hf_overrides=engine_kwargs["hf_overrides"],
+      ),
+      device_config=DeviceConfig(device="cpu"),
+      parallel_config=ParallelConfig(tensor_parallel_size=engine_kwargs["tensor_parallel_size"]),
+      load_config=LoadConfig(load_format=engine_kwargs["load_format"]),
+      additional_config=additional,
+  )
+  vllm_config.model_config.dtype = model_loader.to_jax_dtype(vllm_config.model_config.dtype)
+  vllm_config.sharding_config = ShardingConfigManager.from_vllm_config(vllm_config)
+  jax_parallel_state.init_pp_distributed_environment(ip="", rank=0, world_size=1, device=None, need_pp=False)
+  cls = model_loader._MODEL_REGISTRY["MaxTextForCausalLM"]  # pylint: disable=protected-access
+  _cache[("adapter", str(path))] = None
+  return model_loader._get_nnx_model(cls, vllm_config, jax.random.key(0), mesh)  # pylint: disable=protected-access

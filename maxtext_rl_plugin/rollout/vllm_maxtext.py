@@ -1,0 +1,154 @@
+"""vLLM's second route: MaxText's own decoder inside vLLM (`MaxTextForCausalLM`, MaxText 0.2.5's vLLM adapter).
+
+MaxText's `train_rl` selects it with `vllm_hf_overrides='{"architectures":["MaxTextForCausalLM"]}'`; the plugin reads
+the key with the same meaning (`selected`). vLLM then builds `maxtext.integration.vllm.maxtext_vllm_adapter`'s
+`MaxTextForCausalLM`, which runs MaxText's decoder with tpu-inference's paged attention and fused-MoE kernels, so every
+decoder MaxText has (dense, MoE, Gemma's local/global pattern) can sample, not only the families tpu-inference has a
+native JAX class for (rollout/vllm_mapping.py). What the route needs from the plugin:
+
+* registration: the adapter is registered with tpu-inference here (`register_adapter`, MaxText's `register()`), not
+  through a separately installed `vllm.general_plugins` entry point;
+* the adapter's own MaxText config: `vllm_additional_config`'s `maxtext_config` (MaxText's meaning: pyconfig overrides
+  over MaxText's `configs/inference/vllm.yml`). Given, it is passed on with `model_name` checked against the trainer's;
+  absent, the plugin derives it from the trainer's config (model name, the shrunk shapes of an
+  `override_model_config` model, dtypes). `prefuse_moe_weights` is set for MoE models at TP > 1, as MaxText's own
+  `prepare_direct_sync_additional_config` does (the fused-MoE kernel splits `wi` per shard);
+* the weight sync: the trainer's tree in the adapter's layout (resharding/maxtext_layout.py: MaxText's
+  `MaxTextToMaxTextConverter`), moved by the plugin's resharding and written into the engine's state.
+
+No private name of MaxText or tpu-inference is used here.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from typing import Any, Mapping
+
+from absl import logging
+
+from maxtext_rl_plugin.errors import ConfigError
+
+ARCHITECTURE = "MaxTextForCausalLM"
+
+# The trainer's architecture keys a shrunk (`override_model_config`) model needs in the adapter's config, read from
+# the resolved trainer config. The adapter raises base_num_kv_heads / padded_base_moe_mlp_dim itself for TP.
+_SHAPE_KEYS = (
+    "base_emb_dim",
+    "base_num_query_heads",
+    "base_num_kv_heads",
+    "base_mlp_dim",
+    "base_moe_mlp_dim",
+    "base_num_decoder_layers",
+    "head_dim",
+    "vocab_size",
+    "num_experts",
+    "num_experts_per_tok",
+    "sparse_matmul",
+    "capacity_factor",
+    "megablox",
+)
+
+
+def _as_dict(value: Any) -> dict:
+  if not value:
+    return {}
+  if isinstance(value, Mapping):
+    return dict(value)
+  if isinstance(value, str):
+    try:
+      parsed = json.loads(value)
+    except json.JSONDecodeError:
+      parsed = None
+    if isinstance(parsed, dict):
+      return parsed
+  return {}
+
+
+def selected(config: Any) -> bool:
+  """MaxText's rule (`maxtext_vllm_rollout.uses_maxtext_vllm_adapter`): `vllm_hf_overrides` names the adapter."""
+  overrides = config.vllm_hf_overrides
+  if isinstance(overrides, str):
+    return ARCHITECTURE in overrides
+  architectures = _as_dict(overrides).get("architectures", ())
+  if isinstance(architectures, str):
+    architectures = (architectures,)
+  return ARCHITECTURE in architectures
+
+
+def register_adapter() -> None:
+  """Register MaxTextForCausalLM with tpu-inference (MaxText's `register()`); one line when the adapter is absent."""
+  try:
+    # Here, not at the top: the adapter imports tpu_inference and vllm (the `tpu` extra, TPU images only).
+    from maxtext.integration.vllm import maxtext_vllm_adapter  # pylint: disable=import-outside-toplevel
+  except ImportError as e:
+    raise ConfigError(
+        f"vllm_hf_overrides names {ARCHITECTURE} but MaxText's vLLM adapter "
+        f"(maxtext.integration.vllm.maxtext_vllm_adapter) cannot be imported: {e}"
+    ) from None
+  maxtext_vllm_adapter.register()
+
+
+def adapter_maxtext_config(config: Any, tensor_parallel_size: int) -> tuple[dict, str]:
+  """The adapter's `maxtext_config` overrides and where they came from ('given' or 'derived')."""
+  given = _as_dict(config.vllm_additional_config).get("maxtext_config")
+  if given is not None and not isinstance(given, Mapping):
+    raise ConfigError(
+        f"invalid value for 'vllm_additional_config': maxtext_config must be a mapping, got {type(given).__name__}"
+    )
+  if given:
+    overrides = copy.deepcopy(dict(given))
+    source = "given"
+    name = overrides.setdefault("model_name", config.model_name)
+    if name != config.model_name:
+      raise ConfigError(
+          f"invalid value for 'vllm_additional_config': maxtext_config.model_name={name!r} is not the trainer's "
+          f"model_name={config.model_name!r} (the sampler must run the model being trained)"
+      )
+  else:
+    source = "derived"
+    overrides = {
+        "model_name": config.model_name,
+        "weight_dtype": _dtype_name(config.weight_dtype),
+        "dtype": _dtype_name(config.dtype),
+    }
+    if config.override_model_config:
+      overrides["override_model_config"] = True
+      overrides.update({k: getattr(config, k) for k in _SHAPE_KEYS if getattr(config, k) is not None})
+  if int(config.num_experts) > 1 and int(tensor_parallel_size) > 1:
+    overrides["prefuse_moe_weights"] = True  # as MaxText's prepare_direct_sync_additional_config
+  return overrides, source
+
+
+def _dtype_name(dtype: Any) -> str:
+  return getattr(dtype, "name", None) or getattr(getattr(dtype, "dtype", None), "name", None) or str(dtype)
+
+
+def engine_kwargs(kwargs: dict, config: Any) -> tuple[dict, str]:
+  """`vllm.LLM` kwargs of the native route turned into the adapter route's (hf_overrides, additional_config), and
+  where the adapter's `maxtext_config` came from."""
+  out = dict(kwargs)
+  hf = dict(out.get("hf_overrides") or {})
+  hf["architectures"] = [ARCHITECTURE]
+  if config.override_model_config and int(config.num_experts) > 1:
+    hf["moe_intermediate_size"] = int(config.moe_mlp_dim)  # the adapter pads the MoE width from this HF field
+    hf["num_experts"] = int(config.num_experts)
+  out["hf_overrides"] = hf
+  maxtext_config, source = adapter_maxtext_config(config, int(out["tensor_parallel_size"]))
+  additional = copy.deepcopy(dict(out.get("additional_config") or {}))
+  additional["maxtext_config"] = maxtext_config
+  out["additional_config"] = additional
+  return out, source
+
+
+def route_line(config: Any, source: str) -> str:
+  """The one line a run prints for this route."""
+  return (
+      f"vLLM route: {ARCHITECTURE} (MaxText's {config.model_name} decoder inside vLLM; maxtext_config {source}; "
+      "sync: MaxText's MaxTextToMaxTextConverter + plugin resharding)"
+  )
+
+
+def log_route(line: str) -> None:
+  logging.info("%s", line)
+  print(line, flush=True)
