@@ -366,8 +366,21 @@ _KEY_STATUS: dict[str, str] = {
     "max_num_seqs": VLLM_ROLLOUT,
     "vllm_block_size": VLLM_ROLLOUT,
     "stop_strings": "honoured (rollout engines: stop sequences)",
-    "vllm_additional_config": VLLM_ROLLOUT,
-    "vllm_hf_overrides": VLLM_ROLLOUT,
+    # --- vLLM routes (rollout/vllm_maxtext.py: MaxText's MaxTextForCausalLM inside vLLM; docs/vllm.md) ---
+    "vllm_additional_config": (
+        "honoured (rollout/vllm.py, passed to vLLM; its maxtext_config configures MaxText's MaxTextForCausalLM, "
+        "derived from the trainer's config when absent: rollout/vllm_maxtext.py)"
+    ),
+    "vllm_hf_overrides": (
+        "honoured (rollout/vllm.py, passed to vLLM; architectures=[MaxTextForCausalLM] selects MaxText's own decoder "
+        "inside vLLM, as in MaxText's train_rl: rollout/vllm_maxtext.py)"
+    ),
+    "use_weight_converter": (
+        "refused: only MaxText's default (true) is supported: the plugin's vLLM sync is always an explicit converter "
+        "(MaxText's MaxTextToMaxTextConverter for MaxTextForCausalLM, rollout/vllm_mapping.py for native classes); "
+        "false selects MaxText's legacy Tunix transfer_state_directly, which intersects the two trees and can leave "
+        "layers at vLLM's dummy weights"
+    ),
     "vllm_hf_config_path": VLLM_ROLLOUT,
     "free_kv_cache_during_weight_sync": "honoured (rollout/vllm.py: weight sync)",
     "swap_space_vllm_gb": "refused: rollout/vllm.py does not pass a CPU swap space to vLLM",

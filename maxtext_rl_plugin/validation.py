@@ -367,9 +367,11 @@ def validate(pc) -> None:
   for check in _light_checks():
     check(pc)
   algorithms.check_config(pc)  # DAPO and kin: estimator x scaling x aggregation, overlong buffer
-  head_dim_reason = vllm_head_dim_reason(pc.model_name, pc.head_dim) if pc.rollout_engine == "vllm" else None
-  if head_dim_reason:
-    raise _bad("head_dim", pc.head_dim, head_dim_reason)
+  if pc.rollout_engine == "vllm":
+    # The vLLM routes' own checks (the MaxTextForCausalLM route's maxtext_config; head_dim on the native route).
+    from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
+
+    vllm_rollout.check_config(pc)
 
 
 def validate_raw(view: RawConfig) -> None:

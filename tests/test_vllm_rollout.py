@@ -266,7 +266,8 @@ def make_fake_vllm(engine_state: dict, eos: int):
       """Deterministic completions of each prompt, ending with EOS, with per-token log-probs."""
       assert not self.session_active, "generate during a weight update"
       flat = vm.engine_weights(self.worker.state)
-      emb = np.asarray(flat.get("model.embed.embedding", flat.get("model.embed_tokens.weight")), dtype=np.float32)
+      names = ("model.embed.embedding", "model.embed_tokens.weight", "model.token_embedder.embedding")
+      emb = np.asarray(next(flat[n] for n in names if n in flat), dtype=np.float32)
       self.generate_calls.append({"prompts": prompts, "params": sampling_params, "embed_00": float(emb[0, 0])})
       log.append(("generate",))
       outs = []
@@ -790,15 +791,15 @@ def test_failed_initial_sync_raises_and_closes_the_update_session(monkeypatch, q
   assert llm.session_active is False and llm.generate_calls == []
 
 
-def test_unsupported_model_fails_before_starting_vllm(monkeypatch, tokenizer):
+def test_unregistrable_adapter_fails_before_starting_vllm(monkeypatch, tokenizer):
   cfg = load_config(["configs/cpu_tiny.yml", "model_name=gemma3-4b"])
   module, _ = make_fake_vllm({}, 0)
   monkeypatch.setitem(sys.modules, "vllm", module)
-  with pytest.raises(errors.ConfigError, match="rollout_engine=vllm"):
-    vllm_mod.VllmRollout(
+  with pytest.raises(errors.ConfigError, match="rollout_engine=vllm runs this model through MaxTextForCausalLM") as e:
+    vllm_mod.VllmRollout(  # no tpu_inference in this venv: MaxText's adapter cannot be registered
         rollout_actor={}, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), config=cfg
     )
-  assert module.LLM.instances == []
+  assert module.LLM.instances == [] and "\n" not in str(e.value)
 
 
 def test_engine_never_aliases_trainer_buffers(monkeypatch, qwen, tokenizer):
@@ -878,3 +879,181 @@ def test_qwen3_head_dim_that_tpu_inference_pads_is_refused_at_validation():
   assert "'head_dim'=16" in msg and "pads it to 128" in msg and "\n" not in msg
   for ok in (["head_dim=64"], ["head_dim=128"], ["head_dim=256"], ["model_name=llama3.1-8b"]):
     assert load_config(["configs/cpu_tiny.yml", "rollout_engine=vllm", *ok]).rollout_engine == "vllm"
+
+
+# ------------------------------------------------------------------ MaxTextForCausalLM route (rollout/vllm_maxtext.py)
+
+ADAPTER = 'vllm_hf_overrides={"architectures":["MaxTextForCausalLM"]}'
+TINY_MOE = [
+    "model_name=qwen3-30b-a3b",
+    "base_emb_dim=64",
+    "base_mlp_dim=32",
+    "base_moe_mlp_dim=32",
+    "num_experts=4",
+    "num_experts_per_tok=2",
+    "sparse_matmul=false",
+    "megablox=false",
+    "capacity_factor=-1",
+    "head_dim=16",
+]
+PADDED_MOE = 256  # what MaxText's adapter pads a 32-wide expert MLP to at TP 1 (2 x 128 TPU lanes)
+
+
+def adapter_engine_state(trainer_argv: list[str]) -> dict:
+  """MaxTextForCausalLM's weight tree for a trainer config: MaxText's own model with the adapter's overrides (unscanned
+  layers, padded and prefused experts), under `model`, filled with the dummy value (vLLM's load_format=dummy)."""
+  cfg = load_config(
+      [
+          "configs/cpu_tiny.yml",
+          *trainer_argv,
+          "scan_layers=false",
+          "prefuse_moe_weights=true",
+          f"padded_base_moe_mlp_dim={PADDED_MOE}",
+      ]
+  )
+  _, model = model_creation_utils.create_nnx_abstract_model(cfg, devices=jax.devices()[:1])
+  abstract = nnx.state(model, nnx.Param).to_pure_dict()
+  return {"model": jax.tree.map(lambda s: jnp.full(s.shape, DUMMY, jnp.float32), abstract)}
+
+
+@pytest.fixture(name="moe", scope="module")
+def moe_fixture():
+  cfg = load_config(["configs/cpu_tiny.yml", *TINY_MOE, "rollout_engine=vllm", ADAPTER])  # print_config's checks pass
+  return cfg, _trainer_tree(cfg, 2)
+
+
+def _build_adapter(monkeypatch, cfg, tree, tokenizer, state):
+  """A VllmRollout on the MaxTextForCausalLM route over the fake vllm module; MaxText's registration recorded."""
+  from maxtext_rl_plugin.rollout import vllm_maxtext  # pylint: disable=import-outside-toplevel
+
+  registered = []
+  monkeypatch.setattr(vllm_maxtext, "register_adapter", lambda: registered.append(True))
+  module, log = make_fake_vllm(state, tokenizer.eos_token_id)
+  monkeypatch.setitem(sys.modules, "vllm", module)
+  monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
+  rollout = vllm_mod.VllmRollout(
+      rollout_actor=tree, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), config=cfg
+  )
+  return rollout, module, log, registered
+
+
+def test_maxtexts_key_selects_the_adapter_route_with_maxtexts_meaning(moe):
+  from maxtext_rl_plugin.rollout import vllm_maxtext  # pylint: disable=import-outside-toplevel
+
+  cfg, _ = moe
+  assert vllm_maxtext.selected(cfg) and vllm_mod.choose_route(cfg) == (True, None)
+  kw, source = vllm_maxtext.engine_kwargs(vllm_mod.vllm_engine_kwargs(cfg, 2, device_ids=[0, 1]), cfg)
+  assert source == "derived" and kw["hf_overrides"]["architectures"] == ["MaxTextForCausalLM"]
+  assert kw["hf_overrides"]["moe_intermediate_size"] == 32  # the adapter pads the expert width from this field
+  mc = kw["additional_config"]["maxtext_config"]
+  assert mc["model_name"] == "qwen3-30b-a3b" and mc["base_moe_mlp_dim"] == 32 and mc["num_experts"] == 4
+  assert "prefuse_moe_weights" not in mc  # TP 1 here (rollout_data_parallelism derives 2): MaxText's rule sets it at TP > 1
+  assert kw["additional_config"]["sharding"]["sharding_strategy"]["device_indexes"] == [0, 1]
+  tp2 = load_config(["configs/cpu_tiny.yml", *TINY_MOE, ADAPTER, "rollout_tensor_parallelism=2"])
+  kw2, _ = vllm_maxtext.engine_kwargs(vllm_mod.vllm_engine_kwargs(tp2, 2), tp2)
+  assert kw2["tensor_parallel_size"] == 2 and kw2["additional_config"]["maxtext_config"]["prefuse_moe_weights"]
+  # A given maxtext_config is MaxText's: passed on as written, its model must be the trainer's.
+  given = 'vllm_additional_config={"maxtext_config":{"model_name":"qwen3-30b-a3b","model_call_mode":"inference"}}'
+  gcfg = load_config(["configs/cpu_tiny.yml", *TINY_MOE, ADAPTER, given])
+  kw3, source = vllm_maxtext.engine_kwargs(vllm_mod.vllm_engine_kwargs(gcfg, 1), gcfg)
+  assert source == "given" and kw3["additional_config"]["maxtext_config"] == {
+      "model_name": "qwen3-30b-a3b",
+      "model_call_mode": "inference",
+  }
+  wrong = given.replace('"model_name":"qwen3-30b-a3b"', '"model_name":"qwen3-0.6b"')
+  with pytest.raises(errors.ConfigError, match="maxtext_config.model_name='qwen3-0.6b' is not the trainer's") as e:
+    load_config(["configs/cpu_tiny.yml", *TINY_MOE, ADAPTER, wrong, "rollout_engine=vllm"])
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["prefuse_moe_weights=true"], "'prefuse_moe_weights'=True with vLLM's MaxTextForCausalLM route"),
+        (["use_weight_converter=false"], "use_weight_converter.*legacy Tunix transfer_state_directly"),
+    ],
+)
+def test_adapter_route_refusals_are_one_line(argv, match):
+  with pytest.raises(errors.ConfigError, match=match) as e:
+    load_config(["configs/cpu_tiny.yml", *TINY_MOE, "rollout_engine=vllm", ADAPTER, *argv])
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("model", ["gemma3-4b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek3-671b", "gpt-oss-20b"])
+def test_families_without_a_native_class_take_the_adapter_route_and_say_why(model):
+  cfg = load_config(["configs/cpu_tiny.yml", f"model_name={model}"])
+  adapter, why = vllm_mod.choose_route(cfg)
+  assert adapter and why.startswith(f"no native vLLM class for {model}: ") and "(MaxTextForCausalLM)" in why
+  assert "\n" not in why
+  for native in ("qwen3-0.6b", "llama3.1-8b"):
+    assert vllm_mod.choose_route(load_config(["configs/cpu_tiny.yml", f"model_name={native}"])) == (False, None)
+
+
+def _expected_adapter_leaf(tree: dict, name: str) -> np.ndarray:
+  """The engine value of `name` re-derived with NumPy: layer i of the scanned tensor (scan axis 1), experts padded with
+  zeros to PADDED_MOE, `wi` = [gate | up] (one shard at TP 1)."""
+  parts = name.split(".")[1:]  # drop "model"
+  layer = next((int(p[len("layers_") :]) for p in parts if p.startswith("layers_")), None)
+  src = [("layers" if p.startswith("layers_") else p) for p in parts]
+  if src[-1] == "wi":
+    gate, up = (_np(tree, ".".join(src[:-1] + [w])) for w in ("wi_0", "wi_1"))
+    gate, up = (np.take(w, layer, axis=1) for w in (gate, up))
+    pad = [(0, 0), (0, 0), (0, PADDED_MOE - gate.shape[-1])]
+    return np.concatenate([np.pad(gate, pad), np.pad(up, pad)], axis=-1)
+  value = _np(tree, ".".join(src))
+  if layer is not None:
+    value = np.take(value, layer, axis=1)
+  if src[-1] == "wo" and "moe_block" in src:
+    value = np.pad(value, [(0, 0), (0, PADDED_MOE - value.shape[1]), (0, 0)])
+  return value
+
+
+def test_moe_step0_sync_writes_every_adapter_parameter(monkeypatch, moe, tokenizer, capsys):
+  """The constructor's sync fills every MaxTextForCausalLM weight with the trainer's value in the adapter's layout."""
+  cfg, tree = moe
+  given = 'vllm_additional_config={"maxtext_config":{"model_name":"qwen3-30b-a3b","prefuse_moe_weights":true}}'
+  cfg = load_config(["configs/cpu_tiny.yml", *TINY_MOE, "rollout_engine=vllm", ADAPTER, given])
+  state = adapter_engine_state(TINY_MOE)
+  rollout, module, log, registered = _build_adapter(monkeypatch, cfg, tree, tokenizer, state)
+  assert registered == [True] and rollout.adapter_route
+  assert capsys.readouterr().out.count("vLLM route: MaxTextForCausalLM") == 1
+  engine = vm.engine_weights(state)
+  assert {k for k in engine if "moe_block.wi" in k} == {f"model.decoder.layers_{i}.moe_block.wi" for i in (0, 1)}
+  for name, value in engine.items():
+    np.testing.assert_array_equal(np.asarray(value), _expected_adapter_leaf(tree, name), err_msg=name)
+  assert [c[1] for c in log if c[0] == "collective_rpc"] == ["start_weight_update", "finish_weight_update"]
+  out = rollout.generate(["What is 2+3?"], _rollout_config(cfg))
+  assert len(out.tokens) == 1
+  assert module.LLM.instances[0].generate_calls[0]["embed_00"] == float(tree["base"]["token_embedder"]["embedding"][0, 0])
+
+
+def test_adapter_route_lora_syncs_only_the_adapted_kernels(monkeypatch, tokenizer):
+  """LoRA on the MaxTextForCausalLM route: adapters merged on the trainer side as for native classes; an adapter-only
+  sync (Tunix passes the LoRAParam state) rewrites exactly the engine kernels of the adapted modules."""
+  from maxtext_rl_plugin import lora as lora_lib  # pylint: disable=import-outside-toplevel
+
+  argv = ["configs/cpu_tiny.yml", *TINY_MOE, "rollout_engine=vllm", ADAPTER]
+  lora_argv = ["lora.enable_lora=true", "lora.lora_rank=4", "lora.lora_alpha=8"]
+  cfg = load_config([*argv, *lora_argv])
+  tree = _trainer_tree(load_config(argv), 3)
+  state = adapter_engine_state(TINY_MOE)
+  rollout, _, _, _ = _build_adapter(monkeypatch, cfg, tree, tokenizer, state)
+  before = {k: np.asarray(v) for k, v in vm.engine_weights(state).items()}
+  q = tree["base"]["decoder"]["layers"]["self_attention"]["query"]["kernel"]  # [D, L, N, H]
+  rank = 4
+  a = jnp.ones((q.shape[0], q.shape[1], rank), jnp.float32) * 0.1
+  b = jnp.asarray(np.random.default_rng(4).standard_normal((rank, q.shape[1], q.shape[2] * q.shape[3])), jnp.float32)
+  adapters = {"base": {"decoder": {"layers": {"self_attention": {"query": {"kernel_lora_a": a, "kernel_lora_b": b}}}}}}
+  rollout._lora_base = {"base.decoder.layers.self_attention.query.kernel": q}  # pylint: disable=protected-access
+  rollout.update_params(adapters, (nnx.LoRAParam,))
+  after = {k: np.asarray(v) for k, v in vm.engine_weights(state).items()}
+  changed = sorted(k for k in after if not np.array_equal(after[k], before[k]))
+  assert changed == [f"model.decoder.layers_{i}.self_attention.query.kernel" for i in (0, 1)]
+  merged = lora_lib.merge_flat(
+      {"base.decoder.layers.self_attention.query.kernel": q},
+      vm.flatten_params(adapters),
+      lora_lib.scale_of(cfg),
+      int(cfg.param_scan_axis),
+  )["base.decoder.layers.self_attention.query.kernel"]
+  for i in (0, 1):
+    np.testing.assert_allclose(after[changed[i]], np.take(np.asarray(merged), i, axis=1), rtol=1e-6)

@@ -264,6 +264,34 @@ def write_adapter_weights(
   return written
 
 
+def choose_route(config: Any) -> tuple[bool, str | None]:
+  """(adapter route?, why it was chosen when the user did not ask for it).
+
+  MaxText's key decides first (`vllm_hf_overrides` naming MaxTextForCausalLM, `vllm_maxtext.selected`); otherwise the
+  native class when the plugin maps the family onto one (rollout/vllm_mapping.py), else MaxText's own decoder inside
+  vLLM, with the one-line reason the native route refuses it.
+  """
+  if vllm_maxtext.selected(config):
+    return True, None
+  why = vllm_mapping.native_refusal(config.model_name)
+  return why is not None, why
+
+
+def check_config(config: Any) -> None:
+  """Device-free checks of the vLLM route a config takes (print_config and training run them): one ConfigError line."""
+  # validation's head_dim rule is about the native classes (tpu-inference pads head_dim, Qwen3's q/k norm then differs);
+  # MaxText's own attention inside vLLM computes with the model's head_dim.
+  from maxtext_rl_plugin import validation  # pylint: disable=import-outside-toplevel  # validation imports this module
+
+  adapter, _ = choose_route(config)
+  if adapter:
+    vllm_maxtext.check_config(config)
+    return
+  reason = validation.vllm_head_dim_reason(config.model_name, config.head_dim)
+  if reason:
+    raise ConfigError(f"invalid value for 'head_dim'={config.head_dim}: {reason}")
+
+
 class VllmRollout(base_rollout.BaseRollout):
   """Rollouts from vLLM-TPU with trainer->vLLM weight sync; build with `functools.partial(VllmRollout, config=cfg)`."""
 
@@ -279,11 +307,9 @@ class VllmRollout(base_rollout.BaseRollout):
     vllm = import_vllm()
     if config is None:
       raise ValueError("VllmRollout needs the plugin config: functools.partial(VllmRollout, config=cfg)")
-    self.adapter_route = vllm_maxtext.selected(config)
+    self.adapter_route, why = choose_route(config)
     if self.adapter_route:
       vllm_maxtext.register_adapter()
-    else:
-      vllm_mapping.check_supported(config.model_name)
     check_single_controller()
     self._vllm = vllm
     self._config = config
@@ -297,7 +323,7 @@ class VllmRollout(base_rollout.BaseRollout):
     self._layout = None
     if self.adapter_route:
       self.engine_kwargs, source = vllm_maxtext.engine_kwargs(self.engine_kwargs, config)
-      self.route = vllm_maxtext.route_line(config, source)
+      self.route = vllm_maxtext.route_line(config, source) + (f": {why}" if why else "")
       self._layout = maxtext_layout.AdapterLayout(
           config,
           tp=self.engine_kwargs["tensor_parallel_size"],

@@ -16,7 +16,8 @@ as `[heads * head_dim, hidden]`). The trainer holds MaxText's layout instead: sc
    loader does. Every engine weight (RNG state excluded) must be written: a sampler left with any of vLLM's
    dummy-initialised weights would silently sample garbage.
 
-Supported: dense Qwen3 (`qwen3-*`) and Llama 3.1 (`llama3.1-*`), scanned or unscanned layers.
+Supported: dense Qwen3 (`qwen3-*`) and Llama 3.1 (`llama3.1-*`), scanned or unscanned layers. Every other family
+(`native_refusal` says why, one line) runs through MaxText's own decoder inside vLLM (rollout/vllm_maxtext.py).
 """
 
 from __future__ import annotations
@@ -39,35 +40,45 @@ SUPPORTED_FAMILIES = ("qwen3-", "llama3.1-")
 _UNSUPPORTED_QWEN3 = ("qwen3-next", "qwen3-vl", "qwen3-omni", "qwen3-coder", "qwen3-30b", "qwen3-235b")
 
 
-# Families MaxText 0.2.5 has and the pinned tpu-inference runs, refused with what is missing (docs/vllm.md).
-_MOE = ("qwen3-30b", "qwen3-235b", "qwen3-next", "deepseek", "gpt-oss", "llama4", "mixtral", "kimi")
+# Families MaxText 0.2.5 has that tpu-inference's native JAX classes do not run through this mapping, with what is missing
+# (docs/models.md). Each runs on vLLM through MaxText's own decoder instead (rollout/vllm_maxtext.py), chosen for it.
+_MOE = ("qwen3-30b", "qwen3-235b", "qwen3-next", "qwen3.5", "llama4", "mixtral", "kimi")
 _REFUSED = {
-    _MOE: "MoE is not mapped: tpu-inference 0.32.0 has no JAX Qwen3-MoE class (Qwen3MoeForCausalLM runs as vLLM's "
-    "PyTorch model) and the plugin has no expert-stacked mapping for its JAX MoE classes (DeepseekV3, GptOss, Llama4)",
-    ("gemma",): "Gemma is not mapped: tpu-inference 0.32.0's only Gemma JAX class is Gemma4ForCausalLM (no Gemma 2/3) "
-    "and the plugin has no numerically checked mapping for it (sliding-window layers, per-layer embeddings, MoE)",
+    _MOE: "MoE is not mapped onto a native class: tpu-inference 0.32.0 has no JAX Qwen3-MoE class (Qwen3MoeForCausalLM "
+    "runs as vLLM's PyTorch model) and the plugin has no expert-stacked mapping for its JAX MoE classes",
+    ("deepseek",): "tpu-inference's DeepseekV3ForCausalLM (MLA attention, expert-stacked weights) has no mapping in the "
+    "plugin (MaxText's weight_mapping/deepseek3.py is not proven by the forward check)",
+    ("gpt-oss",): "tpu-inference 0.32.0 prefers vLLM's PyTorch GptOss (_VLLM_PREFERRED_ARCHITECTURES) and the plugin "
+    "has no expert-stacked mapping for its JAX class",
+    ("gemma",): "tpu-inference 0.32.0's only Gemma JAX class is Gemma4ForCausalLM (no Gemma 2/3; MaxText's "
+    "weight_mapping/gemma3.py targets vLLM's PyTorch Gemma3)",
+    ("qwen2",): "the plugin does not map tpu-inference's Qwen2ForCausalLM (q/k/v biases; not proven by the forward check)",
 }
+_ADAPTER_WAY = "its vLLM route is MaxText's own decoder inside vLLM (MaxTextForCausalLM)"
 
 
-def check_supported(model_name: str) -> None:
-  """Raise a one-line ConfigError unless the vLLM weight mapping covers `model_name`."""
-
+def native_refusal(model_name: str) -> str | None:
+  """Why no native tpu-inference class runs `model_name` through this mapping (one line), or None when one does."""
   ok = (
       model_name.startswith(SUPPORTED_FAMILIES)
       and not model_name.startswith(_UNSUPPORTED_QWEN3)
       and model_name in param_mapping.PARAM_MAPPING
   )
-  if not ok:
-    why = next((w for prefixes, w in _REFUSED.items() if model_name.startswith(prefixes)), None)
-    raise ConfigError(
-        f"invalid value for 'model_name'='{model_name}' with rollout_engine=vllm: "
-        + (
-            f"{why}; use rollout_engine=embedded"
-            if why
-            else "the MaxText->vLLM weight mapping covers dense Qwen3 (qwen3-0.6b ... qwen3-32b) and Llama 3.1 "
-            "(llama3.1-8b/70b/405b)"
-        )
-    )
+  if ok:
+    return None
+  why = next((w for prefixes, w in _REFUSED.items() if model_name.startswith(prefixes)), None)
+  return (
+      f"no native vLLM class for {model_name}: "
+      + (why or "the MaxText->vLLM weight mapping covers dense Qwen3 (qwen3-0.6b ... qwen3-32b) and Llama 3.1")
+      + f"; {_ADAPTER_WAY}"
+  )
+
+
+def check_supported(model_name: str) -> None:
+  """Raise a one-line ConfigError unless the native-class weight mapping covers `model_name`."""
+  why = native_refusal(model_name)
+  if why:
+    raise ConfigError(f"invalid value for 'model_name'='{model_name}' with rollout_engine=vllm: {why}")
 
 
 def route_line(model_name: str) -> str:

@@ -83,7 +83,7 @@ def register_adapter() -> None:
     from maxtext.integration.vllm import maxtext_vllm_adapter  # pylint: disable=import-outside-toplevel
   except ImportError as e:
     raise ConfigError(
-        f"vllm_hf_overrides names {ARCHITECTURE} but MaxText's vLLM adapter "
+        f"rollout_engine=vllm runs this model through {ARCHITECTURE}, but MaxText's vLLM adapter "
         f"(maxtext.integration.vllm.maxtext_vllm_adapter) cannot be imported: {e}"
     ) from None
   maxtext_vllm_adapter.register()
@@ -118,6 +118,17 @@ def adapter_maxtext_config(config: Any, tensor_parallel_size: int) -> tuple[dict
   if int(config.num_experts) > 1 and int(tensor_parallel_size) > 1:
     overrides["prefuse_moe_weights"] = True  # as MaxText's prepare_direct_sync_additional_config
   return overrides, source
+
+
+def check_config(config: Any) -> None:
+  """The route's config refusals, one line each (the adapter's maxtext_config itself is checked when it is built)."""
+  if config.prefuse_moe_weights and int(config.num_experts) > 1:
+    raise ConfigError(
+        "invalid value for 'prefuse_moe_weights'=True with vLLM's MaxTextForCausalLM route: the trainer's fused wi is "
+        "[all gate | all up] while the engine's is laid out per tensor-parallel shard (and padded), and MaxText's "
+        "converter copies a fused source as is; leave it false (the sync fuses per shard from wi_0/wi_1)"
+    )
+  adapter_maxtext_config(config, 1)
 
 
 def _dtype_name(dtype: Any) -> str:

@@ -120,7 +120,8 @@ def _resolve_engine_name(config) -> str:
 
   on_tpu = jax.default_backend() in ("tpu",) or pathways.requested()
   name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
-  head_dim_reason = validation.vllm_head_dim_reason(config.model_name, config.head_dim)
+  adapter_route, _ = vllm_rollout.choose_route(config)  # MaxText's own decoder inside vLLM has no head_dim limit
+  head_dim_reason = None if adapter_route else validation.vllm_head_dim_reason(config.model_name, config.head_dim)
   if name == "vllm" and head_dim_reason:
     name = "embedded"
     logging.info("rollout_engine=auto resolved to 'embedded': %s", head_dim_reason)

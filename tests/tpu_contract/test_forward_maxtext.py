@@ -45,7 +45,7 @@ FAMILIES = {
     # family: (MaxText argv, rollout TP)
     "llama3.1": (["model_name=llama3.1-8b", "head_dim=32"], 4),
     "qwen3": (["model_name=qwen3-30b-a3b", "head_dim=32", *MOE], 2),
-    "mixtral": (["model_name=mixtral-8x7b", "head_dim=32", *MOE], 2),
+    "mixtral": (["model_name=mixtral-8x7b", "head_dim=32", "base_mlp_dim=64", *MOE], 2),  # fully MoE: mlp = moe mlp
     "gemma3": (["model_name=gemma3-4b", "head_dim=32"], 2),
 }
 
