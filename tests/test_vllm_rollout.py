@@ -947,7 +947,9 @@ def test_maxtexts_key_selects_the_adapter_route_with_maxtexts_meaning(moe):
   assert kw["hf_overrides"]["moe_intermediate_size"] == 32  # the adapter pads the expert width from this field
   mc = kw["additional_config"]["maxtext_config"]
   assert mc["model_name"] == "qwen3-30b-a3b" and mc["base_moe_mlp_dim"] == 32 and mc["num_experts"] == 4
-  assert "prefuse_moe_weights" not in mc  # TP 1 here (rollout_data_parallelism derives 2): MaxText's rule sets it at TP > 1
+  assert (
+      "prefuse_moe_weights" not in mc
+  )  # TP 1 here (rollout_data_parallelism derives 2): MaxText's rule sets it at TP > 1
   assert kw["additional_config"]["sharding"]["sharding_strategy"]["device_indexes"] == [0, 1]
   tp2 = load_config(["configs/cpu_tiny.yml", *TINY_MOE, ADAPTER, "rollout_tensor_parallelism=2"])
   kw2, _ = vllm_maxtext.engine_kwargs(vllm_mod.vllm_engine_kwargs(tp2, 2), tp2)

@@ -52,7 +52,9 @@ _REFUSED = {
     "has no expert-stacked mapping for its JAX class",
     ("gemma",): "tpu-inference 0.32.0's only Gemma JAX class is Gemma4ForCausalLM (no Gemma 2/3; MaxText's "
     "weight_mapping/gemma3.py targets vLLM's PyTorch Gemma3)",
-    ("qwen2",): "the plugin does not map tpu-inference's Qwen2ForCausalLM (q/k/v biases; not proven by the forward check)",
+    (
+        "qwen2",
+    ): "the plugin does not map tpu-inference's Qwen2ForCausalLM (q/k/v biases; not proven by the forward check)",
 }
 _ADAPTER_WAY = "its vLLM route is MaxText's own decoder inside vLLM (MaxTextForCausalLM)"
 

@@ -51,6 +51,7 @@ _SHAPE_KEYS = (
 
 
 def _as_dict(value: Any) -> dict:
+  """A mapping key as a dict: pyconfig gives a dict, a command line may give JSON (invalid spellings read as empty)."""
   if not value:
     return {}
   if isinstance(value, Mapping):

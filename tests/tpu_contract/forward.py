@@ -106,7 +106,7 @@ def reference_attention():
 def reference_gmm(lhs, rhs, rhs_scale, rhs_bias, group_sizes, group_offset, fuse_act=None, preferred_element_type=None):
   """`fused_moe_gmm.gmm_wrapper` (tokamax gmm_v2) as tokamax's own test reference computes it, traceable: rows are
   grouped by `group_sizes` (global groups, `group_offset` the first local one); rows outside the local groups are 0."""
-  from tokamax._src.ops.experimental.gmm_v2 import gmm_v2
+  from tokamax._src.ops.experimental.gmm_v2 import gmm_v2  # pylint: disable=no-name-in-module  # .venv-tpu's tokamax
 
   if rhs_scale is not None:
     raise NotImplementedError("quantized experts are not exercised on CPU")
