@@ -30,6 +30,7 @@ from tunix.rl.rollout import base_rollout
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import registry
+from maxtext_rl_plugin.resharding import move
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.config import load_config
 from maxtext_rl_plugin.rollout import vllm as vllm_mod
@@ -1024,6 +1025,8 @@ def test_moe_step0_sync_writes_every_adapter_parameter(monkeypatch, moe, tokeniz
   for name, value in engine.items():
     np.testing.assert_array_equal(np.asarray(value), _expected_adapter_leaf(tree, name), err_msg=name)
   assert [c[1] for c in log if c[0] == "collective_rpc"] == ["start_weight_update", "finish_weight_update"]
+  trainer_buffers = set().union(*(move.buffer_ids(v) for v in vm.flatten_params(tree).values()))
+  assert not any(move.buffer_ids(v) & trainer_buffers for v in engine.values())  # the train step donates those
   out = rollout.generate(["What is 2+3?"], _rollout_config(cfg))
   assert len(out.tokens) == 1
   assert module.LLM.instances[0].generate_calls[0]["embed_00"] == float(tree["base"]["token_embedder"]["embedding"][0, 0])
@@ -1059,3 +1062,21 @@ def test_adapter_route_lora_syncs_only_the_adapted_kernels(monkeypatch, tokenize
   )["base.decoder.layers.self_attention.query.kernel"]
   for i in (0, 1):
     np.testing.assert_allclose(after[changed[i]], np.take(np.asarray(merged), i, axis=1), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "model, engine",
+    [("gemma3-4b", "vllm"), ("qwen3-30b-a3b", "vllm"), ("mixtral-8x7b", "vllm"), ("deepseek3-671b", "embedded")],
+)
+def test_auto_takes_a_proven_vllm_route_only(monkeypatch, model, engine):
+  """rollout_engine=auto on a TPU with vLLM: a family whose vLLM route tests/tpu_contract proves gets vLLM (its route
+  line is printed by the engine); one that no route proves stays embedded and says why."""
+  cfg = load_config(["configs/cpu_tiny.yml", f"model_name={model}", "head_dim=128"])
+  real_find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  logged = []
+  monkeypatch.setattr(absl_logging, "info", lambda msg, *a: logged.append(msg % a))
+  assert build._resolve_engine_name(_Override(cfg, rollout_engine="auto")) == engine  # pylint: disable=protected-access
+  if engine == "embedded":
+    assert "MaxTextForCausalLM route for deepseek3-671b is not proven by tests/tpu_contract" in logged[-1]

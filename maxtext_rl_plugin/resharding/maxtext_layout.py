@@ -25,7 +25,7 @@ arrays onto the engine's shardings is the plugin's resharding (`move.reshard`, P
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 from flax import traverse_util
 import jax
@@ -105,20 +105,17 @@ def _source_of(engine_path: str) -> set[str]:
   return {name}
 
 
-def write(
+def convert_and_move(
     layout: AdapterLayout,
     flat: Mapping[str, jax.Array],
     engine_flat: Mapping[str, Any],
-    set_leaves: Callable[[Mapping[str, Any]], None],
     *,
     chunk_size: int | None = None,
 ) -> dict[str, jax.Array]:
-  """Convert, move onto the engine's shardings (plugin resharding, `chunk_size` arrays at a time), write; returns them."""
+  """Convert, then move onto the engine's shardings (plugin resharding, `chunk_size` arrays at a time)."""
   converted = layout.convert(flat, engine_flat)
   unknown = sorted(set(converted) - set(engine_flat))
   if unknown:
     raise ValueError(f"{len(unknown)} converted weights have no MaxTextForCausalLM parameter, e.g. {unknown[:3]}")
   converted = {k: v.astype(engine_flat[k].dtype) for k, v in converted.items()}
-  new = move.reshard(converted, {k: engine_flat[k].sharding for k in converted}, chunk_size=chunk_size, donate=False)
-  set_leaves(new)
-  return new
+  return move.reshard(converted, {k: engine_flat[k].sharding for k in converted}, chunk_size=chunk_size, donate=False)

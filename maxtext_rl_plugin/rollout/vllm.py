@@ -256,9 +256,10 @@ def write_adapter_weights(
   tests/tpu_contract/test_forward_maxtext.py runs this path into the real adapter and checks its logits.
   """
   engine_flat = vllm_mapping.engine_weights(state)
-  written = maxtext_layout.write(
-      layout, flat, engine_flat, vllm_mapping.engine_state_setter(state), chunk_size=chunk_size
-  )
+  trainer_buffers = set().union(*(move.buffer_ids(v) for v in flat.values()))
+  # Identity-layout leaves (embedding, norms) can come back as the trainer's own arrays: copied, as on the native route.
+  written = _unaliased(maxtext_layout.convert_and_move(layout, flat, engine_flat, chunk_size=chunk_size), trainer_buffers)
+  vllm_mapping.engine_state_setter(state)(written)
   if require_all:
     vllm_mapping.check_all_written(engine_flat, written)
   return written
@@ -275,6 +276,20 @@ def choose_route(config: Any) -> tuple[bool, str | None]:
     return True, None
   why = vllm_mapping.native_refusal(config.model_name)
   return why is not None, why
+
+
+# Families whose route tests/tpu_contract proves by logits against MaxText's forward (docs/models.md).
+PROVEN_NATIVE = ("llama3.1-", "qwen3-")
+PROVEN_ADAPTER = ("llama3.1-", "qwen3-30b", "qwen3-235b", "mixtral-", "gemma3-")
+
+
+def unproven_reason(config: Any) -> str | None:
+  """Why the vLLM route `config` takes is not proven by the forward check (one line), or None when it is."""
+  adapter, _ = choose_route(config)
+  if config.model_name.startswith(PROVEN_ADAPTER if adapter else PROVEN_NATIVE):
+    return None
+  route = vllm_maxtext.ARCHITECTURE if adapter else "the native class"
+  return f"vLLM's {route} route for {config.model_name} is not proven by tests/tpu_contract (docs/models.md)"
 
 
 def check_config(config: Any) -> None:
@@ -331,7 +346,8 @@ class VllmRollout(base_rollout.BaseRollout):
       )
     else:
       self.route = vllm_mapping.route_line(config.model_name)
-    vllm_maxtext.log_route(self.route)
+    unproven = unproven_reason(config)
+    vllm_maxtext.log_route(self.route + (f" [{unproven}]" if unproven else ""))
     # In-process engine: the weight sync writes into the worker's arrays directly.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("TPU_BACKEND_TYPE", "jax")

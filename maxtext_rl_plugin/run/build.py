@@ -122,9 +122,13 @@ def _resolve_engine_name(config) -> str:
   name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
   adapter_route, _ = vllm_rollout.choose_route(config)  # MaxText's own decoder inside vLLM has no head_dim limit
   head_dim_reason = None if adapter_route else validation.vllm_head_dim_reason(config.model_name, config.head_dim)
+  unproven = vllm_rollout.unproven_reason(config) if name == "vllm" else None
   if name == "vllm" and head_dim_reason:
     name = "embedded"
     logging.info("rollout_engine=auto resolved to 'embedded': %s", head_dim_reason)
+  elif unproven:  # auto takes a proven vLLM route only; rollout_engine=vllm runs it anyway, saying so
+    name = "embedded"
+    logging.info("rollout_engine=auto resolved to 'embedded': %s", unproven)
   elif name == "vllm" and multi:
     name = "embedded"
     logging.info(
