@@ -12,8 +12,10 @@ small and explicit (targeted: vllm-tpu 0.32.0 / tpu-inference 0.32.0, the pins i
   `LLM.collective_rpc("start_weight_update", kwargs={"free_kv_cache": ...})`, the in-process worker's
   `get_weights_state()` / `refresh_model_state_leaves()`, `collective_rpc("finish_weight_update")`.
 
-The sync's mapping and writes are `write_weights`, the path tests/tpu_contract/test_forward.py runs into the real
-tpu-inference classes and checks by their logits. A LoRA actor's adapters are merged into their kernels on the trainer
+Two routes (`choose_route`, printed once per engine): a native tpu-inference class, synced by `write_weights` (the path
+tests/tpu_contract/test_forward.py runs into the real tpu-inference classes and checks by their logits), or MaxText's
+own decoder inside vLLM (`MaxTextForCausalLM`, rollout/vllm_maxtext.py), synced by `write_adapter_weights`
+(tests/tpu_contract/test_forward_maxtext.py). A LoRA actor's adapters are merged into their kernels on the trainer
 side (tpu-inference's JAX classes ignore LoRA metadata); adapter-only syncs send only the adapted kernels.
 
 vLLM starts from dummy weights (`load_format="dummy"`); the constructor syncs the trainer's weights before
