@@ -1080,3 +1080,30 @@ def test_auto_takes_a_proven_vllm_route_only(monkeypatch, model, engine):
   assert build._resolve_engine_name(_Override(cfg, rollout_engine="auto")) == engine  # pylint: disable=protected-access
   if engine == "embedded":
     assert "MaxTextForCausalLM route for deepseek3-671b is not proven by tests/tpu_contract" in logged[-1]
+
+
+def test_adapter_route_chunked_resync_and_a_copy_write_caught(monkeypatch, moe, tokenizer):
+  """The dense path's sync contract on the MoE MaxTextForCausalLM route: a chunked re-sync (rl.reshard_chunk_size
+  arrays per move) reaches every engine leaf with the new weights; a worker handing out copies is caught, the
+  update session is closed and sampling is refused."""
+  _, tree = moe
+  given = 'vllm_additional_config={"maxtext_config":{"model_name":"qwen3-30b-a3b","prefuse_moe_weights":true}}'
+  cfg = load_config(["configs/cpu_tiny.yml", *TINY_MOE, "rollout_engine=vllm", ADAPTER, given, "reshard_chunk_size=5"])
+  state = adapter_engine_state(TINY_MOE)
+  rollout, module, _, _ = _build_adapter(monkeypatch, cfg, tree, tokenizer, state)
+  moves = []
+  real_reshard = move.reshard
+  monkeypatch.setattr(move, "reshard", lambda t, s, **kw: moves.append(kw["chunk_size"]) or real_reshard(t, s, **kw))
+  newer = jax.tree.map(lambda x: x + 1.0, tree)
+  rollout.update_params(newer)
+  assert moves == [5]
+  for name, value in vm.engine_weights(state).items():
+    np.testing.assert_array_equal(np.asarray(value), _expected_adapter_leaf(newer, name), err_msg=name)
+  llm = module.LLM.instances[-1]
+  llm.worker.get_weights_state = lambda: jax.tree.map(lambda x: x, adapter_engine_state(TINY_MOE))
+  rollout._syncs = 0  # pylint: disable=protected-access  # verify_weight_sync=first checks the next sync
+  with pytest.raises(RuntimeError, match="did not take effect"):
+    rollout.update_params(tree)
+  assert llm.session_active is False
+  with pytest.raises(RuntimeError, match="refusing to sample"):
+    rollout.generate(["hi"], _rollout_config(cfg))
