@@ -119,7 +119,10 @@ CLASS_STATUS: dict[str, str] = {
         "refused: a MaxText pre-training checkpoint option; the RL trainer's checkpoints are Orbax via "
         "checkpointing.py"
     ),
-    "OrbaxStorage": "refused: MaxText's Orbax storage tuning; the RL trainer's checkpoint manager does not read it",
+    "OrbaxStorage": (
+        "honoured (checkpointing.Storage: the format and I/O budgets of the run's, the SFT warm start's and "
+        "export_lora's checkpoints, as MaxText passes them to Orbax)"
+    ),
     "DataTypes": MODEL,
     "Tokenizer": (
         "refused: MaxText's pre-training tokenization option; the RL path tokenizes with the HF tokenizer at "

@@ -40,7 +40,7 @@ if [ "${1:-}" = "--functions-only" ]; then return 0; fi
 
 ensure_venv "$VENV" venv
 STAMP="$VENV/.maxtext_rl_plugin.stamp"
-WANT="$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1) $EXTRAS"
+WANT="$(cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1) $EXTRAS"
 if stamp_stale "$STAMP" "$WANT"; then
   echo "[venv] installing maxtext-rl-plugin[$EXTRAS] (editable); first time takes ~2 min"
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
