@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create or refresh .venv at the repo root with Python 3.12 and install the plugin in editable mode.
 # Sourced by scripts/demo.sh and scripts/test.sh; safe to run on its own. Re-installs only when
-# setup.cfg changed since the last install (a stamp file holds its hash).
+# setup.cfg, setup.py or pyproject.toml changed since the last install (a stamp file holds their hash).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
