@@ -85,7 +85,6 @@ def open_manager(
           step_prefix=None,
       ),
   )
-  return manager
 
 
 def save_items(

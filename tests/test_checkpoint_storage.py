@@ -132,6 +132,7 @@ class _PersistenceProgram:
     return os.path.join(base64.b64decode(r["b64_location"]).decode(), base64.b64decode(r["b64_name"]).decode())
 
   def call(self, in_arr=(), out_shardings=(), out_avals=(), out_committed=True):
+    """Writes `in_arr` or reads `out_avals` into `out_shardings`; the future is already done."""
     del out_committed
     done = concurrent.futures.Future()
     out = []
@@ -170,7 +171,7 @@ def pathways_persistence_fixture(monkeypatch):
   try:
     pathwaysutils.initialize()
     handler = type_handlers.get_type_handler(jax.Array)
-    assert type(handler) is cloud_pathways_array_handler.CloudPathwaysArrayHandler, type(handler)
+    assert isinstance(handler, cloud_pathways_array_handler.CloudPathwaysArrayHandler), type(handler)
     infos = []
     real_serialize = handler.serialize
 

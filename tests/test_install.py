@@ -101,6 +101,7 @@ def _build_wheel(src: pathlib.Path, out: pathlib.Path) -> pathlib.Path:
 
 @pytest.fixture(name="installed", scope="module")
 def installed_fixture(tmp_path_factory) -> Installed:
+  """The sdist and both wheels built, the wheel from the tree installed into its own venv."""
   inst = Installed(tmp_path_factory.mktemp("install"))
   root = inst.root
   src = root / "src"
