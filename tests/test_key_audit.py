@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import config_keys
 from maxtext_rl_plugin import key_status
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "DEVELOPMENT.md"
@@ -45,7 +45,7 @@ AUDIT = {
 @pytest.mark.parametrize("key", sorted(AUDIT))
 def test_the_audited_key_has_maxtexts_rl_default_and_says_what_the_plugin_does(key):
   default, says = AUDIT[key]
-  assert key_status.same_value(config_lib._rl_default(key), default)  # pylint: disable=protected-access
+  assert key_status.same_value(config_keys._rl_default(key), default)  # pylint: disable=protected-access
   assert says in key_status.status(key), key_status.status(key)
 
 
