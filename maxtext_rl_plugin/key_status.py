@@ -119,7 +119,10 @@ CLASS_STATUS: dict[str, str] = {
         "refused: a MaxText pre-training checkpoint option; the RL trainer's checkpoints are Orbax via "
         "checkpointing.py"
     ),
-    "OrbaxStorage": "refused: MaxText's Orbax storage tuning; the RL trainer's checkpoint manager does not read it",
+    "OrbaxStorage": (
+        "honoured (checkpointing.Storage: the format and I/O budgets of the run's, the SFT warm start's and "
+        "export_lora's checkpoints, as MaxText passes them to Orbax)"
+    ),
     "DataTypes": MODEL,
     "Tokenizer": (
         "refused: MaxText's pre-training tokenization option; the RL path tokenizes with the HF tokenizer at "
@@ -383,13 +386,55 @@ _KEY_STATUS: dict[str, str] = {
     ),
     "vllm_hf_config_path": VLLM_ROLLOUT,
     "free_kv_cache_during_weight_sync": "honoured (rollout/vllm.py: weight sync)",
-    "swap_space_vllm_gb": "refused: rollout/vllm.py does not pass a CPU swap space to vLLM",
-    "rollout_backend": _CONVERTER,
     "weight_sync_debug": (
         "refused: MaxText's converter debug logging; the plugin checks syncs with rl.verify_weight_sync"
     ),
     "log_weight_sync_time": "refused: MaxText's converter timing log; the plugin logs every sync's time and bytes",
 }
+
+# Refused keys whose MaxText RL default means something the plugin does not do: the text says what it does instead
+# (issue 42's audit; the table in docs/DEVELOPMENT.md, "Where the plugin differs from MaxText's RL defaults", and
+# tests/test_key_audit.py keep the list).
+_KEY_STATUS.update(
+    {
+        **dict.fromkeys(
+            ("abort_on_nan_loss", "abort_on_inf_loss"),
+            "refused: MaxText's pre-training loop stops on a NaN/Inf loss; the RL trainer logs a warning for a "
+            "non-finite step metric and goes on",
+        ),
+        "save_checkpoint_on_start": (
+            "refused: MaxText's pre-training saves a checkpoint before the first step; the RL trainer's first "
+            "checkpoint is at checkpoint_period (and every run ends on one)"
+        ),
+        "save_checkpoint_on_completion": "refused: the RL trainer always saves the last step (MaxText's default)",
+        **dict.fromkeys(
+            ("lr_schedule_type", "learning_rate_final_fraction"),
+            "refused: the RL schedule is MaxText RL's (utils_rl.get_optimizer): linear warmup, then cosine decay to 0, "
+            "not pre-training's cosine to learning_rate_final_fraction x learning_rate",
+        ),
+        **dict.fromkeys(
+            ("add_bos", "add_eos"),
+            "refused: MaxText's pre-training tokenizer adds BOS/EOS to every text; RL prompts are encoded with the "
+            "HF tokenizer's own defaults (a doubled leading BOS collapsed) and no EOS is appended",
+        ),
+        "use_truncation": (
+            "refused: MaxText's pre-training truncates long texts; the RL data drops prompts longer than "
+            "max_prefill_predict_length, as MaxText's RL data does"
+        ),
+        "vllm_load_format": (
+            "refused: rollout/vllm.py always starts vLLM from dummy weights (MaxText's RL default) and syncs the "
+            "trainer's into it"
+        ),
+        "swap_space_vllm_gb": (
+            "refused: rollout/vllm.py does not pass a CPU swap space to vLLM (vLLM's own default applies, not 2 GB)"
+        ),
+        # use_weight_converter: with the vLLM routes' rows above (rollout/vllm_maxtext.py uses MaxText's converter).
+        "rollout_backend": (
+            "refused: MaxText's vLLM weight converter is not used; the plugin's vLLM engine maps weights itself "
+            "(rollout/vllm_mapping.py)"
+        ),
+    }
+)
 
 # The plugin's own keys, by the module that reads them (config_types.PluginKeys groups them the same way).
 _KEY_STATUS.update(

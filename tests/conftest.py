@@ -67,6 +67,7 @@ _LONGEST_FIRST = (
     "test_bench_gpu",
     "test_evaluation",
     "test_rollout_embedded",
+    "test_install",
     "test_config",
     "test_docs",
     "test_launch_ray",
