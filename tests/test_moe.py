@@ -1,0 +1,228 @@
+"""MaxText mixture-of-experts models on the embedded engine and the trainer, and router replay (moe.py).
+
+References are independent of the code under test: the engine's KV-cached greedy decode against a full no-cache
+MaxText forward of every prefix (as tests/test_rollout_embedded.py does for the dense model); the routing the engine
+records against the routing the trainer's full forward records; the loss with replay against the NumPy GRPO loss of
+tests/test_algorithms.py evaluated on the *engine's* log-probs (another code path: the cached decode, the router
+choosing freely). Log-prob tolerance 2e-4 nats + 2e-4 relative (float32, cached vs. full attention summation order;
+the x3 weights give log-probs near -10).
+
+One model per family, built once (module fixture), decoder weights x3 so greedy output depends on the context.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import models
+from maxtext_rl_plugin import moe
+from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.rollout import embedded
+from maxtext_rl_plugin.rollout import sampling
+from test_algorithms import np_policy_loss
+
+REF_WIDTH = 64
+NEW = 12
+CONFIG = "configs/cpu_tiny_moe.yml"  # Mixtral-shaped: 4 experts, top-2, dropless
+# Tiny configs of MaxText's MoE families over CONFIG (docs/moe.md says which others build and why not).
+FAMILIES = {
+    "mixtral": [],
+    "qwen3-moe": ["model_name=qwen3-30b-a3b"],
+    "gpt-oss": ["model_name=gpt-oss-20b", "sliding_window_size=8"],
+}
+
+
+@pytest.fixture(name="fam", scope="module", params=list(FAMILIES))
+def family_fixture(request):
+  """A family's tiny model (decoder x3), its engine, and a no-cache reference forward on the same weights."""
+  rs = models.setup_devices([CONFIG, *FAMILIES[request.param]])
+  tok = models.load_tokenizer(rs.trainer_config)
+  model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
+
+  def scale(path, x):
+    return x * 3.0 if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x
+
+  nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
+  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
+  gdef, _ = nnx.split(model)
+
+  @jax.jit
+  def ref_next(state, toks, lens):
+    m = nnx.merge(gdef, state)
+    pos = jnp.broadcast_to(jnp.arange(REF_WIDTH)[None], toks.shape)
+    seg = (pos < lens[:, None]).astype(jnp.int32)
+    logits, _ = m(toks, pos, None, None, decoder_segment_ids=seg)
+    return jnp.argmax(jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0], -1)
+
+  rec = moe.recording_graphdef(model)
+  pad, eos = tok.pad_token_id, tok.eos_token_id
+  trainer_fwd = jax.jit(lambda st, p, c, forced: moe.forward_logps(rec, st, p, c, pad, eos, forced=forced)[::2])
+  return {
+      "name": request.param,
+      "config": rs.trainer_config,
+      "model": model,
+      "tok": tok,
+      "engine": engine,
+      "ref_next": lambda t, n: np.asarray(ref_next(nnx.state(model), jnp.asarray(t), jnp.asarray(n))),
+      "trainer": lambda p, c, forced=None: tuple(
+          np.asarray(x) for x in trainer_fwd(nnx.state(model), jnp.asarray(p), jnp.asarray(c), forced)
+      ),
+  }
+
+
+def _prompts(tok):
+  return [
+      tok.encode("Tom has 3 apples and buys 4 more. How many apples does he have now? Think step by step."),
+      tok.encode("Hi"),
+      tok.encode("What is 12 * 7?"),
+  ]
+
+
+def test_greedy_decode_matches_no_cache_forward(fam):
+  """KV-cached decode (prefill + AR steps, routing recorded) == argmax of a full forward of every prefix."""
+  tok, eng = fam["tok"], fam["engine"]
+  prompts = _prompts(tok)
+  res = eng.generate_tokens(prompts, greedy=True, max_new_tokens=NEW)
+  toks = np.full((len(prompts), REF_WIDTH), tok.pad_token_id, np.int32)
+  lens = np.array([len(p) for p in prompts], np.int32)
+  for i, p in enumerate(prompts):
+    toks[i, : len(p)] = p
+  want = np.zeros((len(prompts), NEW), np.int32)
+  for s in range(NEW):
+    want[:, s] = fam["ref_next"](toks, lens)
+    toks[np.arange(len(prompts)), lens] = want[:, s]
+    lens = lens + 1
+  for i in range(len(prompts)):
+    n = int(res.lengths[i])
+    np.testing.assert_array_equal(res.tokens[i, :n], want[i, :n], err_msg=f"{fam['name']} row {i}")
+  assert len({tuple(r) for r in want.tolist()}) == len(prompts) and len(set(want[0].tolist())) > 3  # non-trivial
+
+
+@pytest.fixture(name="sampled", scope="module")
+def sampled_fixture(fam):
+  """G=2 samples per prompt at temperature 1, with the engine's routing, and the trainer's free forward of them."""
+  tok, eng = fam["tok"], fam["engine"]
+  prompts = _prompts(tok)
+  width = max(len(p) for p in prompts) + 3  # some left padding on every row
+  res = eng.generate_tokens(
+      prompts,
+      num_generations=2,
+      max_new_tokens=NEW,
+      rng=jax.random.PRNGKey(7),
+      sampling_params=sampling.SamplingParams.create(1.0, 0, 1.0),
+      prompt_pad_to=width,
+  )
+  lp, route = fam["trainer"](res.left_padded_prompts, res.tokens)
+  return res, lp, route
+
+
+def test_engine_routing_is_the_trainers_routing(fam, sampled):
+  """The routing the decode loop records (prefill for the prompt, decode step t for completion token t-1) is what the
+  trainer's full forward routes the same tokens to; unrouted positions are -1, in the trainer's input layout."""
+  res, lp, route = sampled
+  cfg, pad = fam["config"], fam["tok"].pad_token_id
+  p = res.left_padded_prompts.shape[1]
+  assert res.routing.shape == (6, p + NEW, cfg.num_decoder_layers, cfg.num_experts_per_tok) == route.shape
+  mask = moe.routed_mask(res.left_padded_prompts != pad, res.mask)
+  assert moe.mismatch_fraction(res.routing, route, mask) == 0.0
+  assert ((res.routing >= 0) & (res.routing < cfg.num_experts))[mask].all()
+  assert (res.routing[~mask] == moe.UNSET).all()  # prompt padding, the last completion token, after the end
+  assert len(np.unique(res.routing[mask])) == cfg.num_experts  # every expert gets tokens: a real routing
+  np.testing.assert_allclose(lp[res.mask], res.logps[res.mask], atol=2e-4, rtol=2e-4)
+  load = moe.expert_load(res.routing, mask, cfg.num_experts)
+  counts = np.stack([np.bincount(res.routing[mask][:, j].ravel(), minlength=cfg.num_experts) for j in range(2)])
+  assert load["load_max"] == pytest.approx((counts / counts.mean(1, keepdims=True)).max())
+
+
+def test_replay_forces_the_recorded_experts(fam, sampled):
+  """Replaying the sampler's routing reproduces its log-probs; replaying another routing changes them, and the
+  trainer's layers then report the forced experts (MaxText's forced_routed_experts reaches every layer)."""
+  if not moe.replay_supported(fam["config"]):
+    pytest.skip(f"MaxText cannot force routing for {fam['config'].decoder_block.value} (refusal tested below)")
+  res, _, _ = sampled
+  e = fam["config"].num_experts
+  lp, route = fam["trainer"](res.left_padded_prompts, res.tokens, jnp.asarray(res.routing))
+  np.testing.assert_allclose(lp[res.mask], res.logps[res.mask], atol=2e-4, rtol=2e-4)
+  np.testing.assert_array_equal(route, res.routing)
+  other = np.where(res.routing >= 0, (res.routing + 1) % e, moe.UNSET)
+  lp2, route2 = fam["trainer"](res.left_padded_prompts, res.tokens, jnp.asarray(other))
+  np.testing.assert_array_equal(route2, other)
+  assert np.abs(lp2 - res.logps)[res.mask].max() > 1e-2
+
+
+def test_loss_with_replay_matches_numpy(fam, sampled):
+  """The plugin's Tunix loss on a RoutedTrainExample == NumPy's GRPO loss on the engine's log-probs (independent
+  path); with another routing forced it does not, so the replayed routing is the one the loss uses."""
+  if not moe.replay_supported(fam["config"]):
+    pytest.skip(f"MaxText cannot force routing for {fam['config'].decoder_block.value}")
+  res, _, _ = sampled
+  tok, model = fam["tok"], fam["model"]
+  rng = np.random.default_rng(3)
+  lp = np.where(res.mask, res.logps, 0.0).astype(np.float64)
+  old = lp + rng.normal(0.0, 0.05, lp.shape)
+  ref = lp + rng.normal(0.0, 0.3, lp.shape)
+  adv = np.array([1.0, -1.0, 0.5, -0.5, 0.8, -0.8])
+  cfg = algorithms.PluginGrpoConfig(num_generations=2, beta=0.05, epsilon=0.2, loss_algo="grpo")
+
+  def example(routing):
+    return moe.RoutedTrainExample(
+        prompt_ids=jnp.asarray(res.left_padded_prompts),
+        prompt_mask=jnp.asarray(res.left_padded_prompts != tok.pad_token_id),
+        completion_ids=jnp.asarray(res.tokens),
+        completion_mask=jnp.asarray(res.mask),
+        advantages=jnp.asarray(adv, jnp.float32),
+        ref_per_token_logps=jnp.asarray(ref, jnp.float32),
+        old_per_token_logps=jnp.asarray(old, jnp.float32),
+        routed_experts=jnp.asarray(routing),
+    )
+
+  def loss(routing):
+    value, _ = algorithms.tunix_policy_loss_fn(model, example(routing), cfg, tok.pad_token_id, tok.eos_token_id)
+    return float(value)
+
+  want, _, _ = np_policy_loss(
+      lp, old, ref, adv, res.mask.astype(np.float64), algo="grpo", eps=0.2, eps_high=0.2, beta=0.05, kl="k3",
+      agg="sequence-mean-token-mean"
+  )
+  assert loss(res.routing) == pytest.approx(want, rel=1e-3, abs=1e-4)
+  other = np.where(res.routing >= 0, (res.routing + 1) % fam["config"].num_experts, moe.UNSET)
+  assert abs(loss(other) - want) > 1e-2
+
+
+def test_config_refusals_are_one_line():
+  """rl.router_replay where MaxText cannot force (Qwen3-MoE), on a dense model, on vLLM; token dropping."""
+  cases = [
+      ([CONFIG, "model_name=qwen3-30b-a3b", "rl.router_replay=true"], "cannot force the routing of decoder_block"),
+      (["configs/cpu_tiny.yml", "rl.router_replay=true"], "needs a mixture-of-experts model"),
+      ([CONFIG, "rl.router_replay=true", "rollout_engine=vllm"], "does not report the experts"),
+      ([CONFIG, "capacity_factor=1.25"], "use dropless routing"),
+  ]
+  for argv, msg in cases:
+    with pytest.raises(ConfigError, match=msg) as e:
+      config_lib.load_config(argv)
+    assert "\n" not in str(e.value)
+  assert config_lib.load_config([CONFIG, "rl.router_replay=true"]).rl.router_replay
+
+
+def test_step_metrics_and_layout_helpers():
+  """Host-side helpers against hand-computed values."""
+  prompt = np.array([[[[0, 1]], [[2, 3]]]])  # [1 row, 2 tokens, 1 layer, k=2]
+  completion = np.array([[[[1, 2]], [[3, 0]], [[0, 1]]]])
+  out = moe.pad_layout(prompt, completion, 3, 4)
+  assert out.shape == (1, 7, 1, 2)
+  np.testing.assert_array_equal(out[0, :, 0], [[-1, -1], [0, 1], [2, 3], [1, 2], [3, 0], [0, 1], [-1, -1]])
+  np.testing.assert_array_equal(
+      moe.routed_mask(np.array([[0, 1, 1]], bool), np.array([[1, 1, 1, 0]], bool)), [[0, 1, 1, 1, 1, 0, 0]]
+  )
+  a = np.array([[[[0, 1]], [[2, 3]]]])
+  b = np.array([[[[1, 0]], [[2, 1]]]])  # same set, then a different one
+  assert moe.mismatch_fraction(a, b, np.ones((1, 2), bool)) == 0.5
+  m = moe.step_metrics(a, b, np.ones((1, 2), bool), 4)
+  assert m["moe/rollout_load_max"] == 1.0 and m["moe/trainer_load_max"] == pytest.approx(2 / 1.0)
+  assert m["moe/routing_mismatch_fraction"] == 0.5
