@@ -248,6 +248,13 @@ def pad_layout(prompt: np.ndarray, completion: np.ndarray, prompt_width: int, co
   return out
 
 
+def widen_prompt(route: np.ndarray, completion_width: int, prompt_width: int) -> np.ndarray:
+  """`route` [rows, P + T, ...] with its prompt part left-padded (or cut) to `prompt_width`, as prompts are when
+  batches of different prompt widths are joined (dynamic_sampling.assemble)."""
+  p = route.shape[1] - completion_width
+  return pad_layout(route[:, :p], route[:, p:], prompt_width, completion_width)
+
+
 def expert_load(route: np.ndarray, token_mask: np.ndarray, num_experts: int) -> dict[str, float]:
   """Tokens per expert per layer over the masked tokens of `route` [rows, L, layers, k]: max/mean and min/mean."""
   r = np.asarray(route)
@@ -255,8 +262,9 @@ def expert_load(route: np.ndarray, token_mask: np.ndarray, num_experts: int) -> 
   sel = r[m]  # [tokens, layers, k]
   if sel.size == 0:
     return {}
-  counts = np.stack([np.bincount(sel[:, j].ravel()[sel[:, j].ravel() >= 0], minlength=num_experts)
-                     for j in range(sel.shape[1])])  # [layers, experts]
+  counts = np.stack(
+      [np.bincount(sel[:, j].ravel()[sel[:, j].ravel() >= 0], minlength=num_experts) for j in range(sel.shape[1])]
+  )  # [layers, experts]
   mean = counts.mean(axis=1, keepdims=True)
   ratio = counts / np.maximum(mean, 1e-9)
   return {"load_max": float(ratio.max()), "load_min": float(ratio.min())}

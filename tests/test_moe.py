@@ -20,12 +20,15 @@ import pytest
 
 from maxtext_rl_plugin import algorithms
 from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import dynamic_sampling
+from maxtext_rl_plugin import experience
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import sampling
 from test_algorithms import np_policy_loss
+from test_trainer_updates import _train
 
 REF_WIDTH = 64
 NEW = 12
@@ -34,7 +37,7 @@ CONFIG = "configs/cpu_tiny_moe.yml"  # Mixtral-shaped: 4 experts, top-2, droples
 FAMILIES = {
     "mixtral": [],
     "qwen3-moe": ["model_name=qwen3-30b-a3b"],
-    "gpt-oss": ["model_name=gpt-oss-20b", "sliding_window_size=8"],
+    "gpt-oss": ["model_name=gpt-oss-20b", "sliding_window_size=256"],
 }
 
 
@@ -187,8 +190,17 @@ def test_loss_with_replay_matches_numpy(fam, sampled):
     return float(value)
 
   want, _, _ = np_policy_loss(
-      lp, old, ref, adv, res.mask.astype(np.float64), algo="grpo", eps=0.2, eps_high=0.2, beta=0.05, kl="k3",
-      agg="sequence-mean-token-mean"
+      lp,
+      old,
+      ref,
+      adv,
+      res.mask.astype(np.float64),
+      algo="grpo",
+      eps=0.2,
+      eps_high=0.2,
+      beta=0.05,
+      kl="k3",
+      agg="sequence-mean-token-mean",
   )
   assert loss(res.routing) == pytest.approx(want, rel=1e-3, abs=1e-4)
   other = np.where(res.routing >= 0, (res.routing + 1) % fam["config"].num_experts, moe.UNSET)
@@ -226,3 +238,80 @@ def test_step_metrics_and_layout_helpers():
   m = moe.step_metrics(a, b, np.ones((1, 2), bool), 4)
   assert m["moe/rollout_load_max"] == 1.0 and m["moe/trainer_load_max"] == pytest.approx(2 / 1.0)
   assert m["moe/routing_mismatch_fraction"] == 0.5
+
+
+def test_dynamic_sampling_refill_keeps_routing_aligned_with_rows():
+  """rl.dynamic_sampling joins groups of several rounds (different prompt widths): every row keeps its own routing,
+  its prompt part left-padded like its prompt ids."""
+  cfg = config_lib.load_config([CONFIG])
+  g, t = 2, 3
+
+  def make_round(width, base):
+    rows = 4  # 2 groups of 2
+    prompt = np.zeros((rows, width), np.int32)
+    prompt[:, -1] = base + np.arange(rows)
+    comp = (base + 10 + np.arange(rows))[:, None] + np.zeros((rows, t), np.int32)
+    routing = np.full((rows, width + t, 1, 2), moe.UNSET, np.int32)
+    routing[:, width - 1] = prompt[:, -1, None, None]
+    routing[:, width:] = comp[:, :, None, None]
+    sampled = experience.Sampled(
+        [f"p{base}{i}" for i in range(rows)],
+        [f"c{base}{i}" for i in range(rows)],
+        prompt,
+        comp,
+        np.array([1.0, 0.0, 0.0, 1.0], np.float32),
+        np.zeros(rows, np.float32),
+        None,
+        {},
+        0,
+        1,
+        truncated=np.zeros(rows, bool),
+        routing=routing,
+    )
+    return dynamic_sampling._Round(  # pylint: disable=protected-access  # the rounds assemble() joins
+        examples=[{}, {}], inputs={"prompts": sampled.prompts}, sampled=sampled, informative=np.array([True, True])
+    )
+
+  rounds = [make_round(3, 100), make_round(5, 200)]
+  _, _, out = dynamic_sampling.assemble(rounds, [(0, 1, True), (1, 0, True)], g, put=lambda x: x, cfg=cfg)
+  prompt_ids = np.asarray(out.prompt_ids)
+  assert out.routing.shape == (4, 5 + t, 1, 2) and prompt_ids.shape == (4, 5)
+  np.testing.assert_array_equal(out.routing[:, 5:, 0, 0], out.completion_ids)
+  np.testing.assert_array_equal(out.routing[:, 4, 0, 0], prompt_ids[:, -1])
+  assert (out.routing[:2, :4] == moe.UNSET).all()  # round 0's rows: 3-wide prompts, padded to 5
+  np.testing.assert_array_equal(out.completion_ids[:, 0], [112, 113, 210, 211])
+
+
+def test_train_rl_with_router_replay(tmp_path):
+  """Two GRPO steps of the tiny Mixtral through train_rl with replay, mini-batches (2 updates per step, so the old-policy
+  log-probs come from the trainer's replayed forward) and the agreement metrics: the MoE metrics are in the stream,
+  and the replayed trainer scores the sampled tokens as the sampler did (float32 on both sides)."""
+  moe_keys = [
+      "model_name=mixtral-8x7b",
+      "vocab_size=151936",
+      "base_mlp_dim=32",
+      "base_moe_mlp_dim=32",
+      "num_experts=4",
+      "num_experts_per_tok=2",
+      "sparse_matmul=false",
+      "megablox=false",
+  ]
+  _, recs = _train(
+      tmp_path,
+      "moe_replay",
+      *moe_keys,
+      "num_batches=2",
+      "rl.router_replay=true",
+      "rl.mini_batch_size=1",
+      "rl.use_rollout_logps=false",
+      "rl.log_sampler_trainer_agreement=true",
+      "num_test_batches=0",
+      "eval_interval=0",
+      "enable_checkpointing=false",
+  )
+  assert len(recs) == 2
+  for r in recs:
+    assert r["moe/rollout_load_max"] >= 1.0 and r["moe/trainer_load_max"] >= 1.0
+    assert "moe/routing_mismatch_fraction" not in r  # zero by construction under replay
+    assert r["mismatch/logp_abs_diff_max"] < 1e-3
+    assert np.isfinite(r["loss"])

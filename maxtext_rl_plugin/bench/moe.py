@@ -78,9 +78,7 @@ def main(argv=None) -> int:
   srs = models.setup_devices([args.config, *overrides, f"dtype={args.sampler_dtype}"])
   sampler_model, mesh = models.build_model(srs.sampler_config, srs.sampler_devices, pad_id=pad)
   base = nnx.state(trainer, nnx.Param)
-  engine = embedded.EmbeddedRollout(
-      rollout_actor=sampler_model, tokenizer=tok, mesh=mesh, config=srs.sampler_config
-  )
+  engine = embedded.EmbeddedRollout(rollout_actor=sampler_model, tokenizer=tok, mesh=mesh, config=srs.sampler_config)
   graphdef = moe.recording_graphdef(trainer)
   replay_ok = moe.replay_supported(cfg)
   fwd = jax.jit(
@@ -96,8 +94,10 @@ def main(argv=None) -> int:
       f"{cfg.model_name} ({cfg.decoder_block.value}), {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
       f"{cfg.num_decoder_layers} layers; sampler {args.sampler_dtype}, trainer {cfg.dtype}"
   )
-  print(f"{'router x':>9}{'routing_mismatch':>18}{'|dlogp| free':>24}{'|dlogp| replay':>24}{'kl_k3 free':>12}"
-        f"{'kl_k3 replay':>14}")
+  print(
+      f"{'router x':>9}{'routing_mismatch':>18}{'|dlogp| free':>24}{'|dlogp| replay':>24}{'kl_k3 free':>12}"
+      f"{'kl_k3 replay':>14}"
+  )
   for scale in (float(x) for x in args.router_scales.split(",")):
     weights = _scaled(base, scale)
     nnx.update(trainer, weights)
