@@ -25,6 +25,7 @@ from maxtext_rl_plugin import experience
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.rollout import decode
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import sampling
 from test_algorithms import np_policy_loss
@@ -37,7 +38,9 @@ CONFIG = "configs/cpu_tiny_moe.yml"  # Mixtral-shaped: 4 experts, top-2, droples
 FAMILIES = {
     "mixtral": [],
     "qwen3-moe": ["model_name=qwen3-30b-a3b"],
-    "gpt-oss": ["model_name=gpt-oss-20b", "sliding_window_size=256"],
+    # gpt-oss alternates sliding-window and global layers; a window shorter than the sequence is refused by the
+    # embedded engine (test_short_sliding_window_is_refused_by_the_embedded_engine), so the window covers it here.
+    "gpt-oss": ["model_name=gpt-oss-20b", "sliding_window_size=160"],
 }
 
 
@@ -315,3 +318,15 @@ def test_train_rl_with_router_replay(tmp_path):
     assert "moe/routing_mismatch_fraction" not in r  # zero by construction under replay
     assert r["mismatch/logp_abs_diff_max"] < 1e-3
     assert np.isfinite(r["loss"])
+
+
+def test_short_sliding_window_is_refused_by_the_embedded_engine():
+  """gpt-oss with a window shorter than the sequence decodes differently from MaxText's forward (measured with
+  sliding_window_size=8: 11 of 12 greedy tokens differ), so the engine refuses it in one line."""
+  rs = models.setup_devices([CONFIG, "model_name=gpt-oss-20b", "sliding_window_size=8"])
+  with pytest.raises(ConfigError, match="sliding_window_size") as e:
+    decode.check_sliding_window(rs.sampler_config)
+  assert "\n" not in str(e.value)
+  decode.check_sliding_window(
+      models.setup_devices([CONFIG, "model_name=gpt-oss-20b", "sliding_window_size=160"]).sampler_config
+  )

@@ -45,6 +45,7 @@ from maxtext.inference import kvcache
 from maxtext.utils import model_creation_utils
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import moe
+from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import bucketing
 from maxtext_rl_plugin.rollout import head
 from maxtext_rl_plugin.rollout import kv_cache
@@ -76,10 +77,29 @@ class warnings_off:  # pylint: disable=invalid-name  # a context manager named l
     return self._cm.__exit__(*exc)
 
 
+# Decoder blocks with sliding-window (local) attention layers in MaxText 0.2.5 (`AttentionType.LOCAL_SLIDING`).
+SLIDING_WINDOW_BLOCKS = ("gpt_oss", "gemma2", "gemma3", "gemma4", "olmo3")
+
+
+def check_sliding_window(cfg: Any) -> None:
+  """Refuse a sliding window shorter than the sequence: measured on gpt-oss (tests/test_moe.py), the cached decode then
+  differs from MaxText's full forward after the first token (window 8 over 20-token prompts); with the window at least
+  max_target_length both agree token for token."""
+  window = int(getattr(cfg, "sliding_window_size", 0) or 0)
+  block = getattr(cfg.decoder_block, "value", str(cfg.decoder_block))
+  if block in SLIDING_WINDOW_BLOCKS and 0 < window < int(cfg.max_target_length):
+    raise ConfigError(
+        f"invalid value for 'sliding_window_size'={window} with rollout_engine=embedded and decoder_block={block}: "
+        f"the embedded engine's KV-cached decode does not apply a window shorter than the sequence as MaxText's "
+        f"forward does; set sliding_window_size >= max_target_length ({cfg.max_target_length}) or use the vLLM engine"
+    )
+
+
 class MaxTextSampler:
   """Prefill + decode programs of one MaxText model config on one mesh (see the module docstring)."""
 
   def __init__(self, cfg: Any, mesh: jax.sharding.Mesh, pad_id: int, record_routing: bool = False):
+    check_sliding_window(cfg)
     self.mesh = mesh
     self.pad_id = pad_id  # fills every position after a row's end
     self.modes = (common_types.MODEL_MODE_PREFILL, common_types.MODEL_MODE_AUTOREGRESSIVE)
