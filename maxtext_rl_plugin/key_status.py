@@ -200,7 +200,7 @@ _KEY_STATUS: dict[str, str] = {
     "routed_bias_update_rate": "refused: MaxText's pre-training step updates the routing bias; the RL step does not",
     "return_routed_experts": (
         "refused: MaxText records routing with it only on its vLLM fused-MoE path; the embedded engine and the "
-        "trainer record it on every MoE model themselves (moe.py); replay is rl.router_replay"
+        "trainer record it on every MoE model themselves (moe.py); routed-expert replay is rl.router_replay"
     ),
     "capacity_factor": (
         "honoured (MaxText MoE, dropless -1 by default; > 0 refused by moe.check_config: token dropping depends on "
