@@ -193,8 +193,8 @@ _KEY_STATUS: dict[str, str] = {
     "indexer_loss_scaling_factor": _TRAIN_LOSS,
     # --- mixture of experts (moe.py, docs/moe.md) ---
     "load_balance_loss_weight": (
-        "honoured (algorithms + moe.lb_loss: MaxText's moe_lb_loss, already weighted, averaged over MoE layers and "
-        "added to the RL loss as MaxText's pre-training loss adds it)"
+        "honoured (algorithms/tunix_wiring + moe.lb_loss: MaxText's moe_lb_loss, already weighted, averaged over MoE "
+        "layers and added to the RL loss as MaxText's pre-training loss adds it)"
     ),
     "moe_use_megatron_seq_aux_loss": "honoured (moe.lb_loss: the sequence-wise aux loss summed over MoE layers)",
     "routed_bias_update_rate": "refused: MaxText's pre-training step updates the routing bias; the RL step does not",

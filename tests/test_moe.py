@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin import dynamic_sampling
 from maxtext_rl_plugin import experience
@@ -174,7 +174,7 @@ def test_loss_with_replay_matches_numpy(fam, sampled):
   old = lp + rng.normal(0.0, 0.05, lp.shape)
   ref = lp + rng.normal(0.0, 0.3, lp.shape)
   adv = np.array([1.0, -1.0, 0.5, -0.5, 0.8, -0.8])
-  cfg = algorithms.PluginGrpoConfig(num_generations=2, beta=0.05, epsilon=0.2, loss_algo="grpo")
+  cfg = tunix_wiring.PluginGrpoConfig(num_generations=2, beta=0.05, epsilon=0.2, loss_algo="grpo")
 
   def example(routing):
     return moe.RoutedTrainExample(
@@ -189,7 +189,7 @@ def test_loss_with_replay_matches_numpy(fam, sampled):
     )
 
   def loss(routing):
-    value, _ = algorithms.tunix_policy_loss_fn(model, example(routing), cfg, tok.pad_token_id, tok.eos_token_id)
+    value, _ = tunix_wiring.tunix_policy_loss_fn(model, example(routing), cfg, tok.pad_token_id, tok.eos_token_id)
     return float(value)
 
   want, _, _ = np_policy_loss(
