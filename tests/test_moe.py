@@ -330,3 +330,29 @@ def test_short_sliding_window_is_refused_by_the_embedded_engine():
   decode.check_sliding_window(
       models.setup_devices([CONFIG, "model_name=gpt-oss-20b", "sliding_window_size=160"]).sampler_config
   )
+
+
+@pytest.mark.multidevice
+def test_expert_parallel_mesh_decode_records_the_trainers_routing():
+  """ici_expert_parallelism=2 on the host devices: the engine's decode over the expert-sharded mesh routes and scores
+  the tokens as the trainer's full forward does."""
+  rs = models.setup_devices([CONFIG, "ici_expert_parallelism=2"])
+  tok = models.load_tokenizer(rs.trainer_config)
+  model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
+  assert mesh.shape["expert"] == 2
+  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
+  prompts = _prompts(tok) + [tok.encode("x")]
+  res = engine.generate_tokens(prompts, greedy=True, max_new_tokens=8, prompt_pad_to=24)
+  graphdef, state = moe.recording_graphdef(model), nnx.state(model)
+  with mesh:
+    lp, _, route, _ = moe.forward_logps(
+        graphdef,
+        state,
+        jnp.asarray(res.left_padded_prompts),
+        jnp.asarray(res.tokens),
+        tok.pad_token_id,
+        tok.eos_token_id,
+    )
+  mask = moe.routed_mask(res.left_padded_prompts != tok.pad_token_id, res.mask)
+  assert moe.mismatch_fraction(res.routing, np.asarray(route), mask) == 0.0
+  np.testing.assert_allclose(np.asarray(lp)[res.mask], res.logps[res.mask], atol=2e-4, rtol=2e-4)
