@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tunix.rl.grpo import grpo_learner
 
 from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin import config as config_lib
@@ -356,3 +357,32 @@ def test_expert_parallel_mesh_decode_records_the_trainers_routing():
   mask = moe.routed_mask(res.left_padded_prompts != tok.pad_token_id, res.mask)
   assert moe.mismatch_fraction(res.routing, np.asarray(route), mask) == 0.0
   np.testing.assert_allclose(np.asarray(lp)[res.mask], res.logps[res.mask], atol=2e-4, rtol=2e-4)
+
+
+def test_load_balance_loss_is_maxtexts_term_of_the_rl_loss():
+  """load_balance_loss_weight > 0: the loss is the policy loss plus MaxText's moe_lb_loss (linear in the weight, as
+  MaxText scales it inside each layer); the same weights and batch at w and 3w differ by exactly 2 lb(w)."""
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(10, 1000, size=(2, 5)).astype(np.int32)
+  completion = rng.integers(10, 1000, size=(2, 4)).astype(np.int32)
+  cfg = tunix_wiring.PluginGrpoConfig(num_generations=2, beta=0.0, epsilon=0.2, loss_algo="grpo")
+  example = grpo_learner.TrainExample(
+      prompt_ids=jnp.asarray(prompt),
+      prompt_mask=jnp.ones(prompt.shape, bool),
+      completion_ids=jnp.asarray(completion),
+      completion_mask=jnp.ones(completion.shape, bool),
+      advantages=jnp.asarray([1.0, -1.0], jnp.float32),
+      ref_per_token_logps=None,
+      old_per_token_logps=None,
+  )
+  out = {}
+  for w in (0.0, 0.01, 0.03):
+    rs = models.setup_devices([CONFIG, f"load_balance_loss_weight={w}"])
+    model, _ = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=0)
+    out[w] = tunix_wiring.tunix_policy_loss_fn(model, example, cfg, 0, 1)
+  (l0, a0), (l1, a1), (l3, a3) = out[0.0], out[0.01], out[0.03]
+  assert "moe_lb_loss" not in a0
+  lb1, lb3 = float(a1["moe_lb_loss"]), float(a3["moe_lb_loss"])
+  assert lb1 > 0 and lb3 == pytest.approx(3 * lb1, rel=1e-5)
+  assert float(l1) - float(l0) == pytest.approx(lb1, rel=1e-4, abs=1e-7)
+  assert float(l3) - float(l1) == pytest.approx(2 * lb1, rel=1e-4, abs=1e-7)
