@@ -24,7 +24,6 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import dapo_learner
 
 from maxtext_rl_plugin.algorithms import advantages
-from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.errors import ConfigError
 
 
@@ -63,9 +62,8 @@ def overlong_penalty(token_rows: Sequence[Sequence[int]], max_len: int, buffer_l
 
 
 def check_config(pc: Any) -> None:
-  """Device-free checks of the advantage, overlong and MoE keys (config.validate), one line each."""
+  """Device-free checks of the advantage and overlong keys (validation.validate), one line each."""
   advantages.advantage_config(pc.rl)
-  moe.check_config(pc)  # capacity_factor, rl.router_replay (moe.py)
   budget = int(pc.max_target_length) - int(pc.max_prefill_predict_length)
   if int(pc.rl.overlong_buffer_len) > budget:
     raise ConfigError(
