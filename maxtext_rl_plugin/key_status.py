@@ -194,12 +194,46 @@ _KEY_STATUS: dict[str, str] = {
     ),
     "indexer_sparse_training": _TRAIN_LOSS,
     "indexer_loss_scaling_factor": _TRAIN_LOSS,
-    "load_balance_loss_weight": _TRAIN_LOSS,
-    "moe_use_megatron_seq_aux_loss": _TRAIN_LOSS,
+    # --- mixture of experts (moe.py, docs/moe.md) ---
+    "load_balance_loss_weight": (
+        "honoured (algorithms/tunix_wiring + moe.lb_loss: MaxText's moe_lb_loss, already weighted, averaged over MoE "
+        "layers and added to the RL loss as MaxText's pre-training loss adds it)"
+    ),
+    "moe_use_megatron_seq_aux_loss": "honoured (moe.lb_loss: the sequence-wise aux loss summed over MoE layers)",
     "routed_bias_update_rate": "refused: MaxText's pre-training step updates the routing bias; the RL step does not",
     "return_routed_experts": (
-        "refused: routed-expert replay is not implemented; the rollout does not return routed experts"
+        "refused: MaxText records routing with it only on its vLLM fused-MoE path; the embedded engine and the "
+        "trainer record it on every MoE model themselves (moe.py); routed-expert replay is rl.router_replay"
     ),
+    "capacity_factor": (
+        "honoured (MaxText MoE, dropless -1 by default; > 0 refused by moe.check_config: token dropping depends on "
+        "how many tokens share a forward, one per decode step vs the whole sequence in the trainer)"
+    ),
+    **dict.fromkeys(
+        ("ragged_buffer_factor", "eval_ragged_buffer_factor"),
+        "refused: a bounded ragged buffer drops tokens depending on the batch's routing, differently in the rollout's "
+        "decode and the trainer's forward; RL keeps MaxText's worst-case (dropless) buffer",
+    ),
+    **dict.fromkeys(
+        (
+            "moe_dropless_fallback",
+            "retry_dropless_first_steps",
+            "first_phase_ragged_buffer_factor",
+            "log_required_ragged_buffer_factor",
+            "warmup_programs_in_init",
+            "moe_log_max_load_ratio",
+            "te_ep_overflow_check_every_n_steps",
+            "log_moe_bias_norms",
+            "log_step_diagnostics",
+        ),
+        "refused: MaxText's pre-training step logic or logging; the RL step logs moe/*_load_max (moe.py) instead",
+    ),
+    "use_random_routing": (
+        "refused: debug routing drawn at random per call, so the sampler and the trainer route differently by "
+        "construction"
+    ),
+    "use_batch_split_schedule": "refused: a DeepSeek-V3 pre-training schedule; the RL trainer does not run it",
+    "use_lineage": "refused: Google-internal DeepSeek-V3 execution; not in the pinned MaxText",
     "use_qwix_quantization": (
         "refused: Qwix quantized training needs MaxText's train step; the RL trainer does not wrap the model"
     ),
@@ -477,6 +511,10 @@ _KEY_STATUS.update(
         **dict.fromkeys(
             ("rl.dynamic_sampling", "rl.max_refill_rounds"),
             "honoured (dynamic_sampling: zero-variance groups dropped, batch refilled)",
+        ),
+        "rl.router_replay": (
+            "honoured (moe.py: the embedded rollout's routing replayed in the trainer's old-policy and policy "
+            "forwards; refused for decoder blocks MaxText cannot force and for engines that do not report routing)"
         ),
     }
 )

@@ -361,12 +361,14 @@ def _light_checks() -> tuple[Callable[[Any], None], ...]:
 
 def validate(pc) -> None:
   """Device-free checks of a parsed config, the same for print_config, launchers and training (one line each)."""
-  # algorithms/ imports Tunix and JAX: only this second pass, after the schema's imports, needs it.
+  # algorithms/ and moe import Tunix and JAX: only this second pass, after the schema's imports, needs them.
+  from maxtext_rl_plugin import moe  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.algorithms import shaping  # pylint: disable=import-outside-toplevel
 
   for check in _light_checks():
     check(pc)
   shaping.check_config(pc)  # DAPO and kin: estimator x scaling x aggregation, overlong buffer
+  moe.check_config(pc)  # capacity_factor, rl.router_replay
   if pc.rollout_engine == "vllm":
     # The vLLM routes' own checks (the MaxTextForCausalLM route's maxtext_config; head_dim on the native route).
     from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
