@@ -384,18 +384,3 @@ def validate_raw(view: RawConfig) -> None:
       check(view)
     except (AttributeError, TypeError, ValueError):
       continue
-
-
-def vllm_head_dim_reason(model_name: str, head_dim: int) -> str | None:
-  """Why vLLM-TPU would sample a different function than the trainer's Qwen3, or None.
-
-  tpu-inference 0.32.0 pads head_dim to a multiple of 128 (64 excepted) and Qwen3's q/k RMS norm then averages over
-  the padded width (tests/tpu_contract/test_forward.py shows the divergence). Every released Qwen3 has head_dim 128;
-  only shrunk test models hit this, so it is refused rather than approximated by rescaling the norm weights.
-  """
-  if str(model_name).startswith("qwen3-") and int(head_dim) % 128 and int(head_dim) != 64:
-    return (
-        f"rollout_engine=vllm with {model_name} needs head_dim 64 or a multiple of 128: tpu-inference pads it to "
-        f"{-(-int(head_dim) // 128) * 128} and normalises Qwen3's q/k over the padded width (use rollout_engine=embedded)"
-    )
-  return None

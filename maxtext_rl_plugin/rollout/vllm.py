@@ -294,17 +294,30 @@ def unproven_reason(config: Any) -> str | None:
   return f"vLLM's {route} route for {config.model_name} is not proven by tests/tpu_contract (docs/models.md)"
 
 
+def vllm_head_dim_reason(model_name: str, head_dim: int) -> str | None:
+  """Why vLLM-TPU would sample a different function than the trainer's Qwen3, or None.
+
+  tpu-inference 0.32.0 pads head_dim to a multiple of 128 (64 excepted) and Qwen3's q/k RMS norm then averages over
+  the padded width (tests/tpu_contract/test_forward.py shows the divergence). Every released Qwen3 has head_dim 128;
+  only shrunk test models hit this, so it is refused rather than approximated by rescaling the norm weights.
+  """
+  if str(model_name).startswith("qwen3-") and int(head_dim) % 128 and int(head_dim) != 64:
+    return (
+        f"rollout_engine=vllm with {model_name} needs head_dim 64 or a multiple of 128: tpu-inference pads it to "
+        f"{-(-int(head_dim) // 128) * 128} and normalises Qwen3's q/k over the padded width (use rollout_engine=embedded)"
+    )
+  return None
+
+
 def check_config(config: Any) -> None:
   """Device-free checks of the vLLM route a config takes (print_config and training run them): one ConfigError line."""
-  # validation's head_dim rule is about the native classes (tpu-inference pads head_dim, Qwen3's q/k norm then differs);
+  # The head_dim rule is about the native classes (tpu-inference pads head_dim, Qwen3's q/k norm then differs);
   # MaxText's own attention inside vLLM computes with the model's head_dim.
-  from maxtext_rl_plugin import validation  # pylint: disable=import-outside-toplevel  # validation imports this module
-
   adapter, _ = choose_route(config)
   if adapter:
     vllm_maxtext.check_config(config)
     return
-  reason = validation.vllm_head_dim_reason(config.model_name, config.head_dim)
+  reason = vllm_head_dim_reason(config.model_name, config.head_dim)
   if reason:
     raise ConfigError(f"invalid value for 'head_dim'={config.head_dim}: {reason}")
 

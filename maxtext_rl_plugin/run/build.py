@@ -36,7 +36,6 @@ from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import sft
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
-from maxtext_rl_plugin import validation
 from maxtext_rl_plugin.data import load
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import sync
@@ -121,7 +120,7 @@ def _resolve_engine_name(config) -> str:
   on_tpu = jax.default_backend() in ("tpu",) or pathways.requested()
   name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
   adapter_route, _ = vllm_rollout.choose_route(config)  # MaxText's own decoder inside vLLM has no head_dim limit
-  head_dim_reason = None if adapter_route else validation.vllm_head_dim_reason(config.model_name, config.head_dim)
+  head_dim_reason = None if adapter_route else vllm_rollout.vllm_head_dim_reason(config.model_name, config.head_dim)
   unproven = vllm_rollout.unproven_reason(config) if name == "vllm" else None
   if name == "vllm" and head_dim_reason:
     name = "embedded"
