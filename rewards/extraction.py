@@ -165,12 +165,23 @@ def to_number(text: Optional[str]) -> Optional[Fraction]:
   """
   if text is None:
     return None
-  return _to_number_cached(text) if len(text) <= 256 else None
+  if len(text) <= 256:
+    return _to_number_cached(text)
+  # Longer: the canonical text of a large value (format_number of "1e400" has 401 digits) reads back; not cached.
+  return _to_number_uncached(text) if len(text) <= _MAX_CANONICAL_CHARS else None
+
+
+# The longest canonical number text (format_number): a fraction of two integers of up to 256 + MAX_EXPONENT digits.
+_MAX_CANONICAL_CHARS = 2 * (256 + MAX_EXPONENT) + 2
 
 
 @functools.lru_cache(maxsize=65536)
 def _to_number_cached(text: str) -> Optional[Fraction]:
   """`to_number` for a short string, cached: rewards parse the same golds and answers again every batch."""
+  return _to_number_uncached(text)
+
+
+def _to_number_uncached(text: str) -> Optional[Fraction]:
   s = _clean(text)
   if not s:
     return None
@@ -183,7 +194,7 @@ def _to_number_cached(text: str) -> Optional[Fraction]:
     return v
   m = _UNIT_WORD_RE.fullmatch(s)  # "18 dollars", "3.5 hours"
   if m and m.group(1) != s:
-    return _to_number_cached(m.group(1))
+    return to_number(m.group(1))
   return None
 
 
