@@ -90,7 +90,8 @@ def check(config: Any) -> None:
       except AttributeError:
         continue
       if value is not None and not _same(value, default):
+        shown = str(switch).lower() if isinstance(switch, bool) else repr(switch)
         raise ConfigError(
-            f"config key '{key}'={value!r} has no effect with {family.switch}={switch!r}; set {family.on} "
+            f"config key '{key}'={value!r} has no effect with {family.switch}={shown}; set {family.on} "
             "or drop the key"
         )
