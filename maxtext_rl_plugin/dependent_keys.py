@@ -43,9 +43,7 @@ FAMILIES: tuple[Family, ...] = (
         },
     ),
     Family("rl.dynamic_sampling", bool, "rl.dynamic_sampling=true", {"rl.max_refill_rounds": 3}),
-    Family(
-        "rl.overlong_buffer_len", lambda v: v > 0, "rl.overlong_buffer_len > 0", {"rl.overlong_penalty_factor": 1.0}
-    ),
+    Family("rl.overlong_buffer_len", lambda v: v > 0, "rl.overlong_buffer_len > 0", {"rl.overlong_penalty_factor": 1.0}),
     Family("rl.rollout_is", lambda v: v != "off", "rl.rollout_is=truncate or mask", {"rl.rollout_is_cap": 2.0}),
     Family(
         "rl.verify_weight_sync",
@@ -53,7 +51,9 @@ FAMILIES: tuple[Family, ...] = (
         "rl.verify_weight_sync=every_n",
         {"rl.verify_weight_sync_every": 10},
     ),
-    Family("sft_warmup_steps", lambda v: v > 0, "sft_warmup_steps > 0", {"sft_learning_rate": 1.0e-3, "sft_batch_size": 16}),
+    Family(
+        "sft_warmup_steps", lambda v: v > 0, "sft_warmup_steps > 0", {"sft_learning_rate": 1.0e-3, "sft_batch_size": 16}
+    ),
     Family("synthetic_task", lambda v: v == "products", "synthetic_task=products", {"synthetic_tool_rate": 0.0}),
 )
 
@@ -92,6 +92,5 @@ def check(config: Any) -> None:
       if value is not None and not _same(value, default):
         shown = str(switch).lower() if isinstance(switch, bool) else repr(switch)
         raise ConfigError(
-            f"config key '{key}'={value!r} has no effect with {family.switch}={shown}; set {family.on} "
-            "or drop the key"
+            f"config key '{key}'={value!r} has no effect with {family.switch}={shown}; set {family.on} " "or drop the key"
         )

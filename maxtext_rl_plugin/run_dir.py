@@ -135,12 +135,16 @@ def check_owners(metrics_file: str | None, run_dir: str, run_dirs: dict[str, str
     )
   for key, directory in run_dirs.items():
     if directory and "://" not in directory and _within(metrics_file, directory):
-      raise OutputError(f"invalid value for 'metrics_file': {metrics_file} lies inside {key}={directory}, which another "
-                        "writer of the run manages; name a file outside it")
+      raise OutputError(
+          f"invalid value for 'metrics_file': {metrics_file} lies inside {key}={directory}, which another "
+          "writer of the run manages; name a file outside it"
+      )
   for key, path in inputs.items():
     if path and "://" not in path and os.path.exists(path) and _real(path) == _real(metrics_file):
-      raise OutputError(f"invalid value for 'metrics_file': {metrics_file} is the run's input {key}; a run appends its "
-                        "records to metrics_file (and prunes it on resume): name another file")
+      raise OutputError(
+          f"invalid value for 'metrics_file': {metrics_file} is the run's input {key}; a run appends its "
+          "records to metrics_file (and prunes it on resume): name another file"
+      )
 
 
 def check_resumed_metrics_file(metrics_file: str | None, run_dir: str, recorded: str | None, step: int) -> None:

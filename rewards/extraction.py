@@ -26,7 +26,16 @@ RULE_LAST_NUMBER = "last_number"
 RULE_NONE = "none"
 # Not an extraction rule: the grader's verdict on an answer it cannot hold (gsm8k.py; `unreadable` below).
 RULE_UNREADABLE = "unreadable"
-RULES = (RULE_ANSWER_TAG, RULE_BOXED, RULE_HASH, RULE_ANSWER_IS, RULE_A_COLON, RULE_LAST_NUMBER, RULE_NONE, RULE_UNREADABLE)
+RULES = (
+    RULE_ANSWER_TAG,
+    RULE_BOXED,
+    RULE_HASH,
+    RULE_ANSWER_IS,
+    RULE_A_COLON,
+    RULE_LAST_NUMBER,
+    RULE_NONE,
+    RULE_UNREADABLE,
+)
 
 DEFAULT_SOLUTION_START = "<answer>"  # MaxText rl.yml's solution tags; RewardConfig and the data prompts use these
 DEFAULT_SOLUTION_END = "</answer>"

@@ -252,7 +252,9 @@ def _registered(name: str):
   try:
     return ep.load(), f"entry point {ep.value}"
   except SystemExit as e:
-    raise ConfigError(f"reward_functions: entry point '{name}' ({ep.value}) called sys.exit({e.code!r}) when loaded") from None
+    raise ConfigError(
+        f"reward_functions: entry point '{name}' ({ep.value}) called sys.exit({e.code!r}) when loaded"
+    ) from None
   except Exception as e:  # pylint: disable=broad-exception-caught
     raise ConfigError(f"reward_functions: entry point '{name}' ({ep.value}) failed to load: {e}") from None
 

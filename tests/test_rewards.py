@@ -8,6 +8,7 @@ import random
 import re
 import types
 
+import numpy as np
 import pytest
 from tunix.rl import reward_manager
 from tunix.rl.grpo.grpo_learner import GRPOConfig
@@ -810,7 +811,8 @@ def test_a_function_that_changes_its_inputs_length_is_one_line(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "name, fragment", [("too_big", "returned 1e+308 for completion 0, beyond the float32 range"), ("huge_int", "beyond any float")]
+    "name, fragment",
+    [("too_big", "returned 1e+308 for completion 0, beyond the float32 range"), ("huge_int", "beyond any float")],
 )
 def test_rewards_beyond_float32_are_one_line(tmp_path, name, fragment):
   path = tmp_path / "inplace.py"
@@ -835,3 +837,21 @@ def test_a_reward_module_that_exits_at_import_is_one_line(tmp_path, body, fragme
   with pytest.raises(ConfigError) as e:
     rewards.reward_fns_from_config(_cfg(reward_functions="f", reward_functions_path=str(path)))
   assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_rewards_whose_sum_overflows_float32_are_one_line():
+  # Each function returns values within float32; their sum is not (3e38 + 3e38): one line naming the functions.
+  from maxtext_rl_plugin import experience  # pylint: disable=import-outside-toplevel  # imports JAX and Tunix
+
+  def big(prompts, completions, **kwargs):
+    del prompts, kwargs
+    return [3e38] * len(completions)
+
+  def bigger(prompts, completions, **kwargs):
+    del prompts, kwargs
+    return [0.0, 3e38]
+
+  with pytest.raises(ConfigError) as e:
+    experience.sum_rewards([big, bigger], ["p", "p"], ["a", "b"])
+  assert str(e.value).startswith("the rewards of completion 1 (big + bigger) sum to 6e+38, beyond the float32 range")
+  assert list(experience.sum_rewards([big], ["p"], ["a"])) == [np.float32(3e38)]

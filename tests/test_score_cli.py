@@ -208,7 +208,10 @@ def test_a_row_the_grader_fails_on_is_an_error_row_and_the_file_goes_on(tmp_path
     return real(completions, golds, config)
 
   monkeypatch.setattr(cli.gsm8k, "score_batch", fails_on_one)
-  _write(tmp_path / "in.jsonl", [{"completion": "<answer>3</answer>", "answer": "3"}, {"completion": "poison", "answer": "1"}])
+  _write(
+      tmp_path / "in.jsonl",
+      [{"completion": "<answer>3</answer>", "answer": "3"}, {"completion": "poison", "answer": "1"}],
+  )
   assert cli.main(["score", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]) == 0
   out = _read(tmp_path / "out.jsonl")
   assert out[0]["correct"] is True

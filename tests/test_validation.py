@@ -363,7 +363,9 @@ def test_the_schema_only_dependent_key_is_refused_by_the_typed_pass():
 
 def test_dependent_keys_pass_with_their_switch_on_and_at_their_defaults(tiny_pc):
   config_lib.load_pydantic([TINY, "rl.dynamic_sampling=true", "rl.max_refill_rounds=5", "rl.overlong_buffer_len=4"])
-  config_lib.load_pydantic([TINY, "rl.rollout_is=truncate", "rl.rollout_is_cap=3", "sft_warmup_steps=2", "sft_batch_size=4"])
+  config_lib.load_pydantic(
+      [TINY, "rl.rollout_is=truncate", "rl.rollout_is_cap=3", "sft_warmup_steps=2", "sft_batch_size=4"]
+  )
   config_lib.load_pydantic([TINY, "rl.max_refill_rounds=3", "sft_batch_size=16", "rl.agentic_tools=[calculator]"])
   # Each family's defaults are the schema's, so a key left alone is never refused.
   for family in dependent_keys.FAMILIES:
