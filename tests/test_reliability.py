@@ -580,13 +580,13 @@ def test_a_resume_that_changes_the_update_says_so_in_one_note_per_key(tmp_path):
 
 def test_a_batch_whose_rewards_overflow_float32_statistics_stops_before_the_update():
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin import algorithms  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.algorithms import advantages as advantages_lib  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.run import step as step_lib  # pylint: disable=import-outside-toplevel
 
   def batch(rewards):
     r = np.asarray(rewards, np.float32)
     with np.errstate(all="ignore"):
-      return types.SimpleNamespace(rewards=r, advantages=algorithms.group_advantages(r, 2, "group_std", "grpo"))
+      return types.SimpleNamespace(rewards=r, advantages=advantages_lib.group_advantages(r, 2, "group_std", "grpo"))
 
   step_lib.check_batch(4, batch([0.0, 1.0, 1.0, 1.0]), 2)  # ordinary rewards pass
   for rewards, needle in (
