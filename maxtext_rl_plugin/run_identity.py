@@ -149,6 +149,7 @@ UPDATE_KEYS = (
 
 
 def _dotted(config, key: str) -> Any:
+  """The value of a dotted key (`rl.grpo_beta`)."""
   value = config
   for part in key.split("."):
     value = getattr(value, part)

@@ -406,8 +406,8 @@ def check_processes(pc, processes: int) -> None:
   """Refuse (one line) a feature of `SINGLE_PROCESS` set for a program of `processes` JAX processes."""
   if processes <= 1:
     return
-  for key, (is_set, why) in SINGLE_PROCESS.items():
-    value = is_set(pc)
+  for key, (value_of, why) in SINGLE_PROCESS.items():
+    value = value_of(pc)
     if value:
       raise _bad(key, value, f"not supported with more than one JAX process yet ({processes} asked): {why}")
 

@@ -191,6 +191,7 @@ def _to_number_cached(text: str) -> Optional[Fraction]:
 
 
 def _to_number_uncached(text: str) -> Optional[Fraction]:
+  """`to_number` without the cache (long canonical texts are read once)."""
   s = _clean(text)
   if not s:
     return None

@@ -217,6 +217,7 @@ def _load_user_module(path: str):
 
 
 def _import_user_module(path: str):
+  """Execute the file as a fresh module; any error, `sys.exit` included, becomes one ConfigError line."""
   stem = os.path.splitext(os.path.basename(path))[0]
   mod_name = f"_maxtext_rl_user_rewards_{''.join(c if c.isalnum() else '_' for c in stem)}"
   spec = importlib.util.spec_from_file_location(mod_name, os.path.abspath(path))

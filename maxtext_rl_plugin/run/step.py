@@ -202,6 +202,7 @@ class LearningSignal:
     self._said_at = -(10**9)
 
   def note(self, step: int, metrics: dict[str, float], batch_size: int) -> str | None:
+    """The console line for step `step`'s metrics record, or None."""
     short = int(metrics.get("dynamic_sampling/short_groups", 0))
     nothing = metrics.get("reward/zero_variance_group_fraction", 0.0) >= 1.0
     self.nothing += nothing

@@ -26,7 +26,6 @@ def _maybe_stop() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-
 def prompt_bucket_reward(prompts, completions, **kwargs):
   del kwargs
   _maybe_stop()
