@@ -227,6 +227,7 @@ def read_meta(directory: str, step: int) -> dict[str, Any] | None:
 
 
 def _shown(key: str, value: Any) -> str:
+  """An identity entry as the refusal names it (`key=value`, a block's keys one by one)."""
   if key == "synthetic" and isinstance(value, dict):
     return ", ".join(f"{k}={v}" for k, v in value.items())
   if key == "model_shape" and isinstance(value, dict):

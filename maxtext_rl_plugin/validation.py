@@ -388,16 +388,14 @@ def _light_checks() -> tuple[Callable[[Any], None], ...]:
 
 # Features one JAX process runs today (the trainer refuses them at start-up when jax.process_count() > 1), with why;
 # a launcher that starts several processes (`launch ray --num-workers N`) refuses them before anything starts.
-SINGLE_PROCESS: dict[str, tuple[Callable[[Any], Any], str]] = {
+SINGLE_PROCESS: dict[str, str] = {
     "rl.use_agentic_rollout": (
-        lambda pc: pc.rl.use_agentic_rollout,
-        "each process would run its own episodes' tool turns; the per-host gather carries no loss mask",
+        "each process would run its own episodes' tool turns; the per-host gather carries no loss mask"
     ),
-    "rl.dynamic_sampling": (lambda pc: pc.rl.dynamic_sampling, "the refill rounds are not tested across processes"),
+    "rl.dynamic_sampling": "the refill rounds are not tested across processes",
     "rl.off_policy_steps": (
-        lambda pc: pc.rl.off_policy_steps,
         "rollouts running ahead in a thread could reach the cross-process collectives in a different order on each "
-        "process; use rl.off_policy_steps=0",
+        "process; use rl.off_policy_steps=0"
     ),
 }
 
@@ -406,8 +404,8 @@ def check_processes(pc, processes: int) -> None:
   """Refuse (one line) a feature of `SINGLE_PROCESS` set for a program of `processes` JAX processes."""
   if processes <= 1:
     return
-  for key, (value_of, why) in SINGLE_PROCESS.items():
-    value = value_of(pc)
+  for key, why in SINGLE_PROCESS.items():
+    value = _get(pc, key)  # set: true, or a positive number of steps
     if value:
       raise _bad(key, value, f"not supported with more than one JAX process yet ({processes} asked): {why}")
 
