@@ -28,6 +28,7 @@ from maxtext_rl_plugin.algorithms import divergence
 from maxtext_rl_plugin.algorithms import loss as loss_lib
 from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import config_precheck
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.config import load_config
 from maxtext_rl_plugin.errors import ConfigError
@@ -502,7 +503,7 @@ def test_tunix_algo_config_maps_rl_keys():
   # first pass (the config as written) and the second (the typed config) alike.
   for key, value in (("grpo_beta", -0.1), ("grpo_epsilon", 1.5), ("epsilon_high", -0.2)):
     argv = ["configs/cpu_tiny.yml", f"rl.{key}={value}"]
-    for load in (config_lib.precheck, load_config):
+    for load in (config_precheck.precheck, load_config):
       with pytest.raises(ConfigError, match=f"'rl.{key}'={value}: must be >= 0"):
         load(argv)
 

@@ -411,12 +411,12 @@ def test_a_step_directory_without_metadata_neither_refuses_nor_decides_a_rerun(t
 
 _SIGTERM_WHILE_LOADING = """
 import os, signal, sys
-from maxtext_rl_plugin import config, train_rl
-first_pass = config.precheck
+from maxtext_rl_plugin import config_precheck, train_rl
+first_pass = config_precheck.precheck
 def precheck(argv):
   os.kill(os.getpid(), signal.SIGTERM)  # delivered while the config loads, deterministically
   return first_pass(argv)
-config.precheck = precheck
+config_precheck.precheck = precheck
 sys.exit(train_rl.main(sys.argv[1:]))
 """
 
@@ -493,11 +493,11 @@ def test_metrics_file_never_names_another_output_or_an_input_of_the_run(tmp_path
   with pytest.raises(run_dir_lib.OutputError, match=re.escape(needle)):
     run_identity.check_outputs(config)
   # The first pass (the config as written, before the schema's imports) refuses it too.
-  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin import config_precheck  # pylint: disable=import-outside-toplevel
 
   with pytest.raises(run_dir_lib.OutputError, match=re.escape(needle)):
     run_identity.check_outputs(
-        config_lib.precheck(["configs/cpu_tiny.yml", f"base_output_directory={tmp_path}", "run_name=r", *overrides])
+        config_precheck.precheck(["configs/cpu_tiny.yml", f"base_output_directory={tmp_path}", "run_name=r", *overrides])
     )
   assert not (tmp_path / "r" / "summary.json").exists()
 
