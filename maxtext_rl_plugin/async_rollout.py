@@ -41,6 +41,8 @@ from typing import Any, Callable, Iterator
 
 from absl import logging
 
+from maxtext_rl_plugin import signals
+
 
 def behaviour_version(batch: int, off_policy_steps: int, start: int) -> int:
   """The weight version that samples batch `batch` (module docstring)."""
@@ -157,8 +159,8 @@ class RolloutProducer:
       t = time.perf_counter()
       with self._cv:
         self._cv.wait_for(lambda: self._next >= need or self._error is not None)
-        if self._next < need:
-          self._raise_if_failed()
+        if self._next < need and not isinstance(self._error, signals.StopSampling):
+          self._raise_if_failed()  # a stopped producer lets this step finish: the trainer stops after it
       waited = time.perf_counter() - t
     with self._engine:
       install()

@@ -85,9 +85,9 @@ class PluginRL(types.RL):
       3,
       ge=0,
       description=(
-          "Extra rounds rl.dynamic_sampling samples at most per step; when they are spent the step trains on the "
-          "informative groups it has (the missing groups are masked out: no loss), reported as "
-          "dynamic_sampling/short_groups."
+          "Extra rounds rl.dynamic_sampling samples at most per step, 0 to 100; when they are spent (or a stop is "
+          "requested) the step trains on the informative groups it has (the missing groups are masked out: no loss), "
+          "reported as dynamic_sampling/short_groups and on the console."
       ),
   )
   # --- multi-turn episodes with tools (agentic/, rl.use_agentic_rollout: MaxText's key, the plugin's meaning) ---

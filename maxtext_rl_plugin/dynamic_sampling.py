@@ -52,6 +52,7 @@ from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import experience
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin import rewards as rewards_lib
+from maxtext_rl_plugin import signals
 from maxtext_rl_plugin.errors import CheckpointError, ConfigError
 
 
@@ -236,6 +237,8 @@ class DynamicSampler:
     timer = _Phases(phases)
     rounds = [self._sample_round(step, 0, timer)]
     while sum(int(r.informative.sum()) for r in rounds) < b and len(rounds) <= int(cfg.rl.max_refill_rounds):
+      if signals.stop_requested():  # between rounds: the batch is abandoned, the last complete step checkpointed
+        raise signals.StopSampling(f"a stop was requested during step {step}'s refill round {len(rounds)}")
       rounds.append(self._sample_round(step, len(rounds), timer))
     t = time.perf_counter()
     picks, dropped, short = pick_groups([r.informative for r in rounds], b)
@@ -250,7 +253,10 @@ class DynamicSampler:
     return examples, inputs, sampled
 
   def _metrics(self, rounds: list[_Round], dropped: list[tuple[int, int]], short: int) -> dict[str, float]:
-    """The step's dynamic_sampling/* metrics; dropped groups are classified by the answers' grading (rewards/)."""
+    """The step's dynamic_sampling/* metrics. A dropped group has one reward shared by its completions (what the
+    filter reads): `dropped_mean_reward` is their mean. The `dropped_graded_*` counters are the GSM8K grader's verdict
+    on the answers (rewards/), whatever the reward functions are: a group every custom reward scores 1.0 may be
+    graded all wrong, and the names say which measure they count."""
     cfg = self.run.config
     g, b = int(cfg.rl.num_generations), int(cfg.batch_size)
     correct = {}
@@ -260,14 +266,17 @@ class DynamicSampler:
       correct[r] = np.asarray([x.correct for x in graded], bool).reshape(-1, g)
     all_correct = sum(bool(correct[r][k].all()) for r, k in dropped)
     all_wrong = sum(bool(~correct[r][k].any()) for r, k in dropped)
+    dropped_rewards = [float(rounds[r].sampled.rewards[k * g]) for r, k in dropped]
     informative = sum(int(r.informative.sum()) for r in rounds)
     extra = rounds[1:]
     pad = rounds[0].sampled.pad_id
     return {
         "dynamic_sampling/dropped_groups": float(len(dropped)),
-        "dynamic_sampling/dropped_all_correct": float(all_correct),
-        "dynamic_sampling/dropped_all_wrong": float(all_wrong),
-        "dynamic_sampling/dropped_other": float(len(dropped) - all_correct - all_wrong),
+        "dynamic_sampling/dropped_mean_reward": float(np.mean(dropped_rewards)) if dropped else 0.0,
+        "dynamic_sampling/dropped_graded_all_correct": float(all_correct),
+        "dynamic_sampling/dropped_graded_all_wrong": float(all_wrong),
+        "dynamic_sampling/dropped_graded_mixed": float(len(dropped) - all_correct - all_wrong),
+        "dynamic_sampling/kept_groups": float(min(informative, b)),
         "dynamic_sampling/first_round_informative_fraction": float(rounds[0].informative.mean()),
         "dynamic_sampling/refill_rounds": float(len(extra)),
         "dynamic_sampling/extra_rollouts": float(len(extra) * b * g),

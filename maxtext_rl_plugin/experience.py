@@ -48,6 +48,7 @@ from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.agentic import episode as episode_lib
 from maxtext_rl_plugin.updates import UpdatePlan
+from maxtext_rl_plugin.rewards.loader import RewardFunctionError
 
 
 @dataclasses.dataclass
@@ -82,15 +83,30 @@ def sum_rewards(reward_fns: Sequence[Callable], prompts: list, completions: list
   NaN advantage later.
   """
   total = np.zeros(len(completions), dtype=np.float64)
+  names = []
   for fn in reward_fns:
-    vals = np.asarray(fn(prompts, completions, **kwargs), dtype=np.float64).reshape(-1)
     name = getattr(fn, "__name__", repr(fn))
+    names.append(name)
+    try:
+      vals = np.asarray(fn(prompts, completions, **kwargs), dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as e:  # a ragged or non-numeric result of a function not wrapped
+      raise RewardFunctionError(f"reward function {name} returned values that are not one number each: {e}") from None
     if vals.shape[0] != len(completions):
-      raise ValueError(f"reward function {name} returned {vals.shape[0]} values for {len(completions)} completions")
+      raise RewardFunctionError(
+          f"reward function {name} returned {vals.shape[0]} values for {len(completions)} completions"
+      )
     if not np.all(np.isfinite(vals)):
-      raise ValueError(f"reward function {name} returned a non-finite reward")
+      raise RewardFunctionError(f"reward function {name} returned a non-finite reward")
     total += vals
-  return total.astype(np.float32)
+  with np.errstate(over="ignore"):
+    out = total.astype(np.float32)
+  if not np.all(np.isfinite(out)):
+    i = int(np.flatnonzero(~np.isfinite(out))[0])
+    raise RewardFunctionError(
+        f"the rewards of completion {i} ({' + '.join(names)}) sum to {total[i]:g}, beyond the float32 range the "
+        "advantages and the loss are computed in; keep rewards within +-3.4e38 (a few units is what GRPO expects)"
+    )
+  return out
 
 
 class TrainerLogps:

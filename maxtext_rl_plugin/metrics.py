@@ -23,11 +23,12 @@ from maxtext_rl_plugin import run_dir
 
 
 def _scalar(value: Any) -> float | None:
+  """The mean of a logged value; a non-finite one is kept (a NaN loss is what run/step.check_update must see: dropping
+  it made `loss` and `grad_norm` vanish from the records of a run whose weights had gone bad)."""
   try:
-    v = float(np.asarray(value).mean())
+    return float(np.asarray(value).mean())
   except (TypeError, ValueError):
     return None
-  return v if math.isfinite(v) else None
 
 
 def format_duration(seconds: float) -> str:
@@ -55,6 +56,10 @@ class TunixTee:
     v = _scalar(value)
     if v is not None:
       self._latest.setdefault(event, []).append(v)
+
+  def latest(self) -> dict[str, float]:
+    """The values logged since the last drain (their mean), without draining them."""
+    return {k: float(np.mean(v)) for k, v in self._latest.items()}
 
   def drain(self) -> dict[str, float]:
     out = {k: float(np.mean(v)) for k, v in self._latest.items()}

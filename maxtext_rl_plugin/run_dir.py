@@ -106,6 +106,64 @@ def resolve_metrics_file(metrics_file: str | None, run_dir: str) -> str | None:
   return os.path.join(run_dir, metrics_file)
 
 
+# Files every run writes in its own directory (summary.py, run/step.py, RunLock): no key may name one of them, in this
+# run's directory or another's.
+RUN_FILES = ("summary.json", "summary.png", "batches.jsonl", ".lock")
+
+
+def _real(path: str) -> str:
+  return os.path.realpath(os.path.expanduser(path))
+
+
+def _within(path: str, directory: str) -> bool:
+  path, directory = _real(path), _real(directory)
+  return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def check_owners(metrics_file: str | None, run_dir: str, run_dirs: dict[str, str], inputs: dict[str, str]) -> None:
+  """Every output path of a run has one owner: `metrics_file` is none of the files a run writes itself (`RUN_FILES`,
+  here or in another run's directory), not inside a directory another writer manages (`run_dirs`: key -> directory,
+  such as checkpoint_dir and tensorboard_dir), and not one of the run's inputs (`inputs`: key -> local path, such as
+  train_data_path): a resume prunes it and every step appends to it. Checked for fresh runs and resumes alike."""
+  if not metrics_file or "://" in metrics_file:
+    return
+  name = os.path.basename(os.path.normpath(metrics_file))
+  if name in RUN_FILES:
+    raise OutputError(
+        f"invalid value for 'metrics_file': {metrics_file} is the name of a file every run writes itself ({name}); "
+        "name another file (the default lives in the run directory as metrics.jsonl)"
+    )
+  for key, directory in run_dirs.items():
+    if directory and "://" not in directory and _within(metrics_file, directory):
+      raise OutputError(
+          f"invalid value for 'metrics_file': {metrics_file} lies inside {key}={directory}, which another "
+          "writer of the run manages; name a file outside it"
+      )
+  for key, path in inputs.items():
+    if path and "://" not in path and os.path.exists(path) and _real(path) == _real(metrics_file):
+      raise OutputError(
+          f"invalid value for 'metrics_file': {metrics_file} is the run's input {key}; a run appends its "
+          "records to metrics_file (and prunes it on resume): name another file"
+      )
+
+
+def check_resumed_metrics_file(metrics_file: str | None, run_dir: str, recorded: str | None, step: int) -> None:
+  """A resume never adopts another run's records: a `metrics_file` outside the run directory that holds records and
+  is not the file the checkpoint's steps wrote to (`recorded`, from the checkpoint's metadata; None for checkpoints
+  written before it was recorded: not compared) is refused, as a fresh run refuses one."""
+  if not metrics_file or "://" in metrics_file or recorded is None or not os.path.isfile(metrics_file):
+    return
+  if _real(metrics_file) == _real(recorded) or _within(metrics_file, run_dir):
+    return
+  with open(metrics_file, "rb") as f:
+    n = sum(1 for line in f if line.strip())
+  if n:
+    raise OutputError(
+        f"invalid value for 'metrics_file': {metrics_file} holds {n} record(s) of another run; this run ({run_dir}) "
+        f"resumes from step {step}, whose records went to {recorded}: resume with that metrics_file or name a new file"
+    )
+
+
 def check_fresh_metrics_file(metrics_file: str | None, run_dir: str) -> None:
   """A run starting from scratch never appends to (or prunes) another run's metrics: a metrics_file outside the run
   directory that already holds records is refused. One inside the run directory is this run's own (an attempt that

@@ -31,6 +31,7 @@ from maxtext_rl_plugin.errors import ConfigError
 
 _DIGEST_BYTES = 1 << 20  # a data file's digest reads its size and first MiB: cheap for a GB Parquet, still exact enough
 _MODEL_KEYS = ("emb_dim", "mlp_dim", "num_decoder_layers", "num_query_heads", "num_kv_heads", "head_dim", "vocab_size")
+_HUB_KEYS = ("dataset_name", "hf_subset", "train_split", "eval_dataset_name", "eval_split")
 _SYNTHETIC_KEYS = (
     "synthetic_seed",
     "synthetic_min_steps",
@@ -64,18 +65,128 @@ def data_digest(spec: str) -> str | None:
   return h.hexdigest()[:16]
 
 
+def _template_digest(config) -> str | None:
+  """Digest of the prompt template's content (the file data_template_path resolves to, or the built-in one)."""
+  try:
+    tpl = prompts.load_template(config.data_template_path or "")
+  except ConfigError:
+    return None  # unreadable: the data loader says so in its own words
+  return hashlib.sha256(json.dumps(tpl, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def identity(config) -> dict[str, Any]:
-  """The model and data identity of a run, stored in every checkpoint's metadata and compared on resume."""
+  """The model and data identity of a run, stored in every checkpoint's metadata and compared on resume.
+
+  Every key that defines the examples batch k holds: the source (a local file's digest, the hub dataset and its split,
+  or the synthetic task), the eval set (its questions are kept out of training), and the prompt text each example is
+  trained with (the template, the chat template switch, the tags)."""
   out: dict[str, Any] = {
       "model_name": config.model_name,
       "model_shape": {k: int(getattr(config, k)) for k in _MODEL_KEYS},
       "lora": lora_keys(config),
       "max_prefill_predict_length": int(config.max_prefill_predict_length),
       "train_data_digest": data_digest(config.train_data_path),
+      "eval_data_digest": data_digest(config.eval_data_path),
+      "hub_data": {k: str(getattr(config, k, "") or "") for k in _HUB_KEYS},
+      "prompt": {
+          "template_digest": _template_digest(config),
+          "use_chat_template": bool(config.use_chat_template),
+          "reasoning_start_token_in_prompt": bool(config.reasoning_start_token_in_prompt),
+          **prompts.tag_tokens(config),
+      },
   }
   if not config.train_data_path and config.dataset_name == "synthetic":
     out["synthetic"] = {k: int(getattr(config, k)) for k in _SYNTHETIC_KEYS}
+    out["synthetic_task"] = str(config.synthetic_task)
   return out
+
+
+# Keys that change the update (the loss, the optimizer, the rewards, the sampling of rollouts) but not which examples a
+# step trains on. A resume may change them (a lower learning rate for the rest of a run is a common, legitimate
+# choice), and each change is said in one `note:` line naming the key, the checkpoint's value and the new one
+# (`update_changes`), so a resumed run is never silently another run. Keys that change which examples batch k holds are
+# refused instead (`identity`, resume._RESUME_INVARIANTS).
+UPDATE_KEYS = (
+    "learning_rate",
+    "learning_rate_final_fraction",
+    "warmup_steps_fraction",
+    "adam_b1",
+    "adam_b2",
+    "adam_eps",
+    "adam_weight_decay",
+    "gradient_clipping_threshold",
+    "rl.grpo_beta",
+    "rl.grpo_epsilon",
+    "rl.epsilon_high",
+    "rl.kl_estimator",
+    "rl.loss_agg_mode",
+    "rl.advantage_estimator",
+    "rl.advantage_norm",
+    "rl.mask_truncated_completions",
+    "rl.overlong_buffer_len",
+    "rl.overlong_penalty_factor",
+    "rl.rollout_is",
+    "rl.rollout_is_cap",
+    "rl.use_rollout_logps",
+    "rl.off_policy_steps",
+    "rl.dynamic_sampling",
+    "rl.max_refill_rounds",
+    "decode_sampling_temperature",
+    "decode_sampling_top_k",
+    "decode_sampling_nucleus_p",
+    "max_target_length",
+    "reward_functions",
+    "reward_functions_path",
+    "reward_exact_answer",
+    "reward_white_space_format_match",
+    "reward_exact_format_match",
+    "reward_partial_format_match",
+    "reward_ratio_guess_to_answer_high",
+    "reward_ratio_guess_to_answer_low",
+    "penalty_incorrect_format",
+    "penalty_incorrect_answer",
+)
+
+
+def _dotted(config, key: str) -> Any:
+  """The value of a dotted key (`rl.grpo_beta`)."""
+  value = config
+  for part in key.split("."):
+    value = getattr(value, part)
+  return value
+
+
+def position_keys(config) -> dict[str, Any]:
+  """The keys the data position of a checkpoint is counted in (resume._meta stores them under these names): a resume
+  that changes one is refused before any model is built (resume._RESUME_INVARIANTS checks them again at restore)."""
+  return {
+      "batch_size": int(config.batch_size),
+      "num_generations": int(config.rl.num_generations),
+      "data_shuffle_seed": int(config.data_shuffle_seed),
+      "dataset": config.train_data_path or config.dataset_name,
+  }
+
+
+def update_values(config) -> dict[str, Any]:
+  """`UPDATE_KEYS` and their values as JSON holds them (stored in every checkpoint's metadata)."""
+  return json.loads(json.dumps({k: _dotted(config, k) for k in UPDATE_KEYS}, default=str))
+
+
+def update_changes(config, meta: dict[str, Any]) -> list[str]:
+  """One `note:` line per `UPDATE_KEYS` key whose value differs from the checkpoint's (none for checkpoints written
+  before the values were recorded)."""
+  was = meta.get("update_keys")
+  if not isinstance(was, dict):
+    return []
+  step = meta.get("step", "?")
+  notes = []
+  for key, value in update_values(config).items():
+    if key in was and was[key] != value:
+      notes.append(
+          f"note: resuming with {key}={value!r}, not the {was[key]!r} of the checkpoint's steps (1-{step}): the "
+          "steps from here use the new value"
+      )
+  return notes
 
 
 def lora_keys(config) -> dict[str, Any]:
@@ -116,14 +227,17 @@ def read_meta(directory: str, step: int) -> dict[str, Any] | None:
 
 
 def _shown(key: str, value: Any) -> str:
+  """An identity entry as the refusal names it (`key=value`, a block's keys one by one)."""
   if key == "synthetic" and isinstance(value, dict):
     return ", ".join(f"{k}={v}" for k, v in value.items())
   if key == "model_shape" and isinstance(value, dict):
     return ", ".join(f"{k}={v}" for k, v in value.items())
   if key == "lora" and isinstance(value, dict):
     return ", ".join(f"lora.{k}={v!r}" for k, v in value.items())
-  if key == "train_data_digest":
-    return f"train_data_path content digest {value}"
+  if key in ("train_data_digest", "eval_data_digest"):
+    return f"{key.split('_digest')[0]}_path content digest {value}"
+  if key in ("hub_data", "prompt") and isinstance(value, dict):
+    return ", ".join(f"{k}={v!r}" for k, v in value.items())
   return f"{key}={value!r}"
 
 
@@ -143,6 +257,16 @@ def check_rerun(config, run_dir: str, asked_steps: int) -> None:
         f"{asked_steps} (num_batches); nothing was changed: ask for at least {newest} steps to continue it, or use a "
         "new run_name"
     )
+  run_dir_lib.check_resumed_metrics_file(
+      run_dir_lib.resolve_metrics_file(config.metrics_file, run_dir), run_dir, meta.get("metrics_file"), newest
+  )
+  for key, value in position_keys(config).items():
+    if key in meta and meta[key] != value:
+      raise CheckpointError(
+          f"cannot resume {run_dir}: its checkpoints were written with {key}={meta[key]!r} but this run has "
+          f"{key}={value!r}; the checkpoint's data position (batch k = the prompts after k batches of this size and "
+          "order) would mean other prompts: restore the setting or use a new run_name"
+      )
   now = identity(config)
   for key, value in now.items():
     if key in meta and meta[key] != json.loads(json.dumps(value)):
@@ -187,12 +311,21 @@ def check_inputs(config) -> None:
       raise ConfigError(f"invalid value for 'tokenizer_path'='{tokenizer}': no such directory")
 
 
+_INPUT_KEYS = ("train_data_path", "eval_data_path", "data_template_path", "reward_functions_path", "tokenizer_path")
+
+
 def check_outputs(config) -> None:
-  """The run directory and the metrics file can be written (`run_dir.check_writable`; a `RawConfig` that cannot
-  type metrics_file probes the directory alone)."""
+  """Every output has one owner (`run_dir.check_owners`), and the run directory and the metrics file can be written
+  (`run_dir.check_writable`); a `RawConfig` that cannot type metrics_file probes the directory alone."""
   run_dir = os.path.join(config.base_output_directory, config.run_name)
-  metrics_file = getattr(config, "metrics_file", None)
-  run_dir_lib.check_writable(run_dir, run_dir_lib.resolve_metrics_file(metrics_file, run_dir))
+  metrics_file = run_dir_lib.resolve_metrics_file(getattr(config, "metrics_file", None), run_dir)
+  run_dirs = {
+      "checkpoint_dir": getattr(config, "checkpoint_dir", None) or os.path.join(run_dir, "checkpoints"),
+      "tensorboard_dir": getattr(config, "tensorboard_dir", None) or os.path.join(run_dir, "tensorboard"),
+  }
+  inputs = {k: v for k in _INPUT_KEYS if isinstance(v := getattr(config, k, None), str)}
+  run_dir_lib.check_owners(metrics_file, run_dir, run_dirs, inputs)
+  run_dir_lib.check_writable(run_dir, metrics_file)
 
 
 def preflight(config) -> None:

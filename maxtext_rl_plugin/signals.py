@@ -25,6 +25,21 @@ class Stopped(UserError):
     self.exit_code = 128 + int(signum)
 
 
+_STOP_REQUESTED = threading.Event()  # set by the first in-loop signal: long sampling (refill rounds) ends early
+
+
+def stop_requested() -> bool:
+  """Whether a stop was requested inside the step loop: work that can end early without losing anything (the refill
+  rounds of rl.dynamic_sampling) checks it, so a stop is honoured within a round, not after 10**6 of them."""
+  return _STOP_REQUESTED.is_set()
+
+
+class StopSampling(Exception):
+  """Raised by sampling that a stop request ends early (rl.dynamic_sampling's refill rounds): the batch is abandoned,
+  the last complete step is checkpointed and the run stops; a resume samples the batch again, as an uninterrupted run
+  would have."""
+
+
 class GracefulStop:
   """Context manager installing the handlers; `requested` is the pending signal number (or None)."""
 
@@ -39,6 +54,7 @@ class GracefulStop:
     name = signal.Signals(signum).name
     if self.in_loop and self.requested is None:
       self.requested = signum
+      _STOP_REQUESTED.set()
       print(
           f"{name} received: finishing the current step, then checkpointing and stopping "
           f"(send it again to stop at once)",
@@ -56,12 +72,14 @@ class GracefulStop:
     )
 
   def __enter__(self) -> "GracefulStop":
+    _STOP_REQUESTED.clear()
     if threading.current_thread() is threading.main_thread():
       for s in (signal.SIGINT, signal.SIGTERM):
         self._previous[s] = signal.signal(s, self._handle)
     return self
 
   def __exit__(self, *exc) -> None:
+    _STOP_REQUESTED.clear()
     for s, h in self._previous.items():
       signal.signal(s, h)
     self._previous.clear()

@@ -19,6 +19,7 @@ from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin import validation
 from maxtext_rl_plugin.errors import exit_on_user_error
+from maxtext_rl_plugin.rewards import loader as reward_loader
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -53,6 +54,10 @@ def _precheck(view) -> None:
     print_config = view.print_config if "print_config" in view else False  # unset: the schema's default
   except AttributeError:
     return
+  try:
+    reward_loader.check_config(view)  # print_config=true too: it refuses what training refuses
+  except AttributeError:
+    pass
   if print_config is False:
     run_identity.check_inputs(view)
     try:

@@ -105,12 +105,22 @@ def train(rl_run: state.RLRun, stop: signals.GracefulStop | None = None) -> dict
     )
   stop.in_loop = True
   producer.start_producing()
+  signal_note = step_lib.LearningSignal(config.log_period)
   try:
+    saved = True  # the start step is a checkpoint (or nothing trained yet)
     for step in range(start + 1, total + 1):
       profiler.before_step(step)
-      metrics = step_lib.train_step(rl_run, producer, step, snapshot, audit=out_logger.writer)
+      try:
+        metrics = step_lib.train_step(rl_run, producer, step, snapshot, audit=out_logger.writer)
+      except signals.StopSampling:  # a stop during the batch's refill rounds: step - 1 is the last complete step
+        profiler.after_step(step - 1, force=True)
+        out_logger.close()
+        _stop(rl_run, producer, ckpt, summary, step - 1, total, saved or step - 1 == start, stop.requested)
       profiler.after_step(step)
       out_logger.log_step(step, metrics)
+      note = signal_note.note(step, metrics, int(config.batch_size))
+      if note:
+        out_logger.note(note)
       if evaluation_lib.should_evaluate(config, step, total):
         with producer.engine():
           ev = evaluation_lib.evaluate(rl_run, step)
@@ -121,18 +131,9 @@ def train(rl_run: state.RLRun, stop: signals.GracefulStop | None = None) -> dict
       if saved:
         resume.save(ckpt, rl_run, step, summary)
       if stop.requested is not None and step < total:
-        producer.close()  # batches sampled ahead are dropped: a resume samples them again (async_rollout.py)
-        if not saved and ckpt.enabled:
-          resume.save(ckpt, rl_run, step, summary)
-        where = f"checkpoint step {step} in {ckpt.directory}" if ckpt.enabled else "nowhere (enable_checkpointing=false)"
         profiler.after_step(step, force=True)
         out_logger.close()
-        ckpt.close()
-        raise signals.Stopped(
-            f"stopped by {signal_lib.Signals(stop.requested).name} after step {step}/{total}; "
-            f"resume from {where} by rerunning the same command",
-            stop.requested,
-        )
+        _stop(rl_run, producer, ckpt, summary, step, total, saved, stop.requested)
   finally:
     producer.close()
   if snapshot:
@@ -198,6 +199,25 @@ def _staleness_correction(config) -> str:
   if config.rl.rollout_is != "off":
     return f"rl.rollout_is={config.rl.rollout_is}, cap {config.rl.rollout_is_cap}"
   return "the PPO ratio against the behaviour policy (rl.use_rollout_logps)"
+
+
+def _stop(rl_run, producer, ckpt, summary, step: int, total: int, saved: bool, signum: int) -> None:
+  """Stop after complete step `step`: checkpoint it unless it is (or nothing trained), then one line, exit 128 + N."""
+  producer.close()  # batches sampled ahead are dropped: a resume samples them again (async_rollout.py)
+  if not saved and ckpt.enabled and step > 0:
+    resume.save(ckpt, rl_run, step, summary)
+  ckpt.close()
+  if not ckpt.enabled:
+    where = "nowhere (enable_checkpointing=false)"
+  elif step > 0:
+    where = f"checkpoint step {step} in {ckpt.directory}"
+  else:
+    where = "the start (no step was trained)"
+  raise signals.Stopped(
+      f"stopped by {signal_lib.Signals(signum).name} after step {step}/{total}; "
+      f"resume from {where} by rerunning the same command",
+      signum,
+  )
 
 
 def run(config, argv: Sequence[str]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ import math
 import os
 from typing import Any, Callable, Iterator
 
+from maxtext_rl_plugin import dependent_keys
 from maxtext_rl_plugin import key_status
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin.errors import ConfigError
@@ -171,6 +172,9 @@ def _get(pc, key: str) -> Any:
 
 
 _Check = Callable[[Any], bool]
+# rl.dynamic_sampling's bound on refill rounds per step: each samples batch_size prompts; 10**6 rounds is a step that
+# never ends, not a setting (DAPO's recipe uses a handful).
+MAX_REFILL_ROUNDS = 100
 
 
 def _ge(lo: float) -> _Check:
@@ -222,6 +226,11 @@ RANGES: dict[str, tuple[_Check, str]] = {
     "rl.num_iterations": (_ge(1), "must be >= 1"),
     "rl.off_policy_steps": (_ge(0), "must be >= 0 (0 = synchronous rollouts)"),
     "rl.reshard_chunk_size": (_ge(1), "must be >= 1 (or null: one chunk)"),
+    "rl.max_refill_rounds": (
+        lambda v: 0 <= v <= MAX_REFILL_ROUNDS,
+        f"must be in [0, {MAX_REFILL_ROUNDS}] (each round samples a whole batch; when they are spent the step trains on "
+        "the informative groups it found)",
+    ),
     "log_period": (_ge(1), "must be >= 1 (steps between progress lines and TensorBoard flushes)"),
     "stop_token_ids": (lambda v: all(t >= 0 for t in v), "must be token ids >= 0"),
     "reward_item_timeout_seconds": (_gt(0.0), "must be > 0"),
@@ -312,9 +321,27 @@ def _check_algorithm(pc) -> None:
 
 
 def _check_synthetic(pc) -> None:
-  """The synthetic task's range of operations is not empty."""
+  """The synthetic task's range of operations is not empty, and `products` has more distinct questions than its eval
+  set takes (the training stream redraws every eval question: with too few it finds none, after the model build)."""
   if pc.synthetic_max_steps < pc.synthetic_min_steps:
     raise _bad("synthetic_max_steps", pc.synthetic_max_steps, f"must be >= synthetic_min_steps={pc.synthetic_min_steps}")
+  eval_synthetic = not pc.eval_data_path and (pc.eval_dataset_name or pc.dataset_name) == "synthetic"
+  if pc.synthetic_task == "products" and not pc.train_data_path and pc.dataset_name == "synthetic" and eval_synthetic:
+    distinct = products_questions(pc.synthetic_max_value)
+    if distinct <= pc.synthetic_num_eval:
+      raise _bad(
+          "synthetic_max_value",
+          pc.synthetic_max_value,
+          f"synthetic_task=products draws both operands from [{min(10, pc.synthetic_max_value)}, synthetic_max_value]: "
+          f"{distinct} distinct questions, not more than the synthetic_num_eval={pc.synthetic_num_eval} the eval set "
+          "takes (training never sees an eval question); raise synthetic_max_value or lower synthetic_num_eval",
+      )
+
+
+def products_questions(max_value: int) -> int:
+  """Distinct "What is a * b?" questions of synthetic_task=products (data/synthetic.product_problem's range)."""
+  lo = min(10, int(max_value))
+  return max(0, int(max_value) - lo + 1) ** 2
 
 
 def _check_lora_rank(pc) -> None:
@@ -356,7 +383,31 @@ _CROSS_CHECKS = (
 
 def _light_checks() -> tuple[Callable[[Any], None], ...]:
   """The checks that import nothing heavy, in order: both passes run them."""
-  return (check_numbers, check_ranges, *_CROSS_CHECKS, lora.validate)
+  return (check_numbers, check_ranges, *_CROSS_CHECKS, lora.validate, dependent_keys.check)
+
+
+# Features one JAX process runs today (the trainer refuses them at start-up when jax.process_count() > 1), with why;
+# a launcher that starts several processes (`launch ray --num-workers N`) refuses them before anything starts.
+SINGLE_PROCESS: dict[str, str] = {
+    "rl.use_agentic_rollout": (
+        "each process would run its own episodes' tool turns; the per-host gather carries no loss mask"
+    ),
+    "rl.dynamic_sampling": "the refill rounds are not tested across processes",
+    "rl.off_policy_steps": (
+        "rollouts running ahead in a thread could reach the cross-process collectives in a different order on each "
+        "process; use rl.off_policy_steps=0"
+    ),
+}
+
+
+def check_processes(pc, processes: int) -> None:
+  """Refuse (one line) a feature of `SINGLE_PROCESS` set for a program of `processes` JAX processes."""
+  if processes <= 1:
+    return
+  for key, why in SINGLE_PROCESS.items():
+    value = _get(pc, key)  # set: true, or a positive number of steps
+    if value:
+      raise _bad(key, value, f"not supported with more than one JAX process yet ({processes} asked): {why}")
 
 
 def validate(pc) -> None:

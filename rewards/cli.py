@@ -80,6 +80,24 @@ def split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
     yield raw[:-2] if raw.endswith(b"\r\n") else raw[:-1] if raw.endswith(b"\n") else raw
 
 
+def _score_rows(good: list[tuple[int, dict]], config: Any) -> dict[int, Any]:
+  """Each good row's ScoreResult by position, scored as one batch; should the grader fail on the batch, each row alone,
+  and a row it still cannot score gets its error text: one row never stops a file (output row N is input line N)."""
+  completions = [r["completion"] for _, r in good]
+  answers = [r["answer"] if isinstance(r["answer"], str) else str(r["answer"]) for _, r in good]
+  try:
+    return {i: res for (i, _), res in zip(good, gsm8k.score_batch(completions, answers, config))}
+  except Exception:  # pylint: disable=broad-exception-caught  # isolate the row below
+    pass
+  out: dict[int, Any] = {}
+  for (i, _), c, a in zip(good, completions, answers):
+    try:
+      out[i] = gsm8k.score_batch([c], [a], config)[0]
+    except Exception as e:  # pylint: disable=broad-exception-caught  # an error row, never a stopped file
+      out[i] = f"the grader could not score this row: {type(e).__name__}: {str(e)[:200]}"
+  return out
+
+
 def score_stream(lines: Iterable[bytes], out: TextIO, config: Any = None) -> collections.Counter:
   """Score JSONL lines (bytes, one per input line) into `out`; returns counts (rows, correct, errors, rule:<name>)."""
   stats: collections.Counter = collections.Counter()
@@ -88,14 +106,11 @@ def score_stream(lines: Iterable[bytes], out: TextIO, config: Any = None) -> col
   def flush():
     """Score the buffered rows in one batch and write them in input order (bad rows as error rows)."""
     good = [(i, r) for i, (r, e) in enumerate(buf) if e is None]
-    results = gsm8k.score_batch(
-        [r["completion"] for _, r in good],
-        [r["answer"] if isinstance(r["answer"], str) else str(r["answer"]) for _, r in good],
-        config,
-    )
-    by_pos = {i: res for (i, _), res in zip(good, results)}
+    by_pos = _score_rows(good, config)
     for i, (row, err) in enumerate(buf):
       stats["rows"] += 1
+      if err is None and isinstance(by_pos[i], str):
+        err = by_pos[i]
       if err is not None:
         stats["errors"] += 1
         rec = _error_row(row, err)
@@ -115,6 +130,7 @@ def score_stream(lines: Iterable[bytes], out: TextIO, config: Any = None) -> col
         if "id" in row:
           rec = {"id": row["id"], **rec}
         stats["correct"] += res.correct
+        stats["unreadable"] += res.unreadable
         stats[f"rule:{res.rule}"] += 1
       out.write(json.dumps(rec, ensure_ascii=False) + "\n")
     buf.clear()
@@ -225,7 +241,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     rules = ", ".join(f"{k[5:]}={v}" for k, v in sorted(stats.items()) if k.startswith("rule:"))
     print(
         f"scored {rows} rows: {stats['correct']} correct ({100 * stats['correct'] / max(rows, 1):.1f}%), "
-        f"{stats['errors']} errors; rules: {rules or '-'}; {rows / max(dt, 1e-9):,.0f} rows/s",
+        f"{stats['errors']} errors, {stats['unreadable']} unreadable answers (scored wrong); rules: {rules or '-'}; "
+        f"{rows / max(dt, 1e-9):,.0f} rows/s",
         file=sys.stderr,
     )
   return 0

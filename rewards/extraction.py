@@ -24,7 +24,18 @@ RULE_ANSWER_IS = "answer_is"
 RULE_A_COLON = "a_colon"
 RULE_LAST_NUMBER = "last_number"
 RULE_NONE = "none"
-RULES = (RULE_ANSWER_TAG, RULE_BOXED, RULE_HASH, RULE_ANSWER_IS, RULE_A_COLON, RULE_LAST_NUMBER, RULE_NONE)
+# Not an extraction rule: the grader's verdict on an answer it cannot hold (gsm8k.py; `unreadable` below).
+RULE_UNREADABLE = "unreadable"
+RULES = (
+    RULE_ANSWER_TAG,
+    RULE_BOXED,
+    RULE_HASH,
+    RULE_ANSWER_IS,
+    RULE_A_COLON,
+    RULE_LAST_NUMBER,
+    RULE_NONE,
+    RULE_UNREADABLE,
+)
 
 DEFAULT_SOLUTION_START = "<answer>"  # MaxText rl.yml's solution tags; RewardConfig and the data prompts use these
 DEFAULT_SOLUTION_END = "</answer>"
@@ -48,7 +59,7 @@ _DIGIT_GLUE = ",'\u2019"
 _UNSIGNED = (
     r"(?<!\d)(?<!\d[." + re.escape(_DIGIT_GLUE) + r"])"
     r"(?:(?:\d{1,2}(?:,\d{2})+,\d{3}(?!\d)|\d{1,3}(?:" + _SEP_CLASS + r"\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+)"
-    r"(?:[eE][-+]?\d{1,4}(?![\w]))?(?!\d|[." + re.escape(_DIGIT_GLUE) + r"]\d)"
+    r"(?:[eE][-+]?\d+(?![\w]))?(?!\d|[." + re.escape(_DIGIT_GLUE) + r"]\d)"
 )
 # A sign written as a word ("negative 5", "minus 5"), read as "-" when it does not follow a number (then "minus" is
 # the operator of "7 minus 2").
@@ -58,10 +69,11 @@ _WORD_SIGN_RE = re.compile(r"(?:negative|minus)\s{1,2}(?=[\d.\\])", re.IGNORECAS
 # "3\frac{1}{3}", a fraction "3/4", or one number; an optional sign only when not glued to a preceding word/number,
 # so the "-" of "5-3" is an operator. No capturing groups (findall returns whole matches).
 # A `\frac` argument: braced, or (LaTeX's short form, `\frac12`) one digit; the gap between the whole part of a mixed
-# number and its `\frac`: spaces, "~" or LaTeX's spacing commands (`3\ \frac{1}{2}`, `3\,\frac12`).
+# number and its `\frac`: spaces, "~", LaTeX's spacing commands (`3\ \frac{1}{2}`, `3\,\frac12`) and math delimiters
+# (`5 $\frac{3}{4}$`, `$5$ $\frac34$`, `5 \(\frac{3}{4}\)`: the fraction typeset as math after a plain whole part).
 _FRAC_ARG = r"(?:\{[ \t]{0,4}" + _MINUS_CLASS + r"?" + _UNSIGNED + r"[ \t]{0,4}\}|\d)"
 _MIXED_ARG = r"(?:\{[ \t]{0,4}\d+[ \t]{0,4}\}|\d)"
-_LATEX_GAP = r"(?:[ \t~]|\\[ ,;:!]){0,4}"
+_LATEX_GAP = r"(?:[ \t~$]|\\[ ,;:!()]){0,6}"
 _FRAC = r"\\[dt]?frac" + _FRAC_ARG + _FRAC_ARG
 _MIXED_FRAC = r"\d+" + _LATEX_GAP + r"\\[dt]?frac" + _MIXED_ARG + _MIXED_ARG
 _SIGN = r"(?:(?<![\w)\].])" + _MINUS_CLASS + r"|" + _WORD_SIGN + r")?"
@@ -87,7 +99,7 @@ MAX_ANSWER_CHARS = 1000
 
 # Canonical numeric forms accepted without math_verify (after `_clean` and the ASCII tables): one number (a trailing
 # "." allowed), "a/b", a mixed number "w n/d", or `\frac{a}{b}`; signs inside fractions too.
-_U = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,4})?"
+_U = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 _VALUE_RE = re.compile(
     r"(?P<neg>-)?(?:(?P<num>" + _U + r")"
     r"|(?P<fn>-?" + _U + r")\s{0,4}/\s{0,4}(?P<fd>-?" + _U + r")"
@@ -96,8 +108,13 @@ _VALUE_RE = re.compile(
     r"|\\[dt]?frac\{\s{0,4}(?P<ln>-?" + _U + r")\s{0,4}\}\{\s{0,4}(?P<ld>-?" + _U + r")\s{0,4}\})"
 )
 _GROUPED_RE = re.compile(
-    r"-?(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3})+|\d{1,2}(?:,\d{2})+,\d{3})(?:\.\d*)?(?:[eE][-+]?\d{1,4})?"
+    r"-?(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3})+|\d{1,2}(?:,\d{2})+,\d{3})(?:\.\d*)?(?:[eE][-+]?\d+)?"
 )
+# The largest decimal exponent read as a value. Every number is an exact Fraction, and its text (format_number) must
+# stay within Python's int<->str limit (4300 digits) with a 256-character mantissa: 10**1000 is held exactly; a larger
+# exponent ("1e400" is fine, "1e999999999" is not) is read whole and flagged unreadable, never cut to its last digits.
+MAX_EXPONENT = 1000
+_EXPONENT_RE = re.compile(r"(?<=[\d.])[eE][-+]?(\d+)")
 _NON_FINITE_RE = re.compile(r"[-+]?(?:nan|inf|infinity)", re.IGNORECASE)
 _SHORT_FRAC_RE = re.compile(r"\\([dt]?frac)(?:\{([^{}]{1,64})\}|(\d))(?:\{([^{}]{1,64})\}|(\d))")
 _TEXT_CMD_RE = re.compile(r"\\(?:text|mathrm|textbf|mbox|mathbf)\{([^{}]{0,64})\}")
@@ -157,12 +174,24 @@ def to_number(text: Optional[str]) -> Optional[Fraction]:
   """
   if text is None:
     return None
-  return _to_number_cached(text) if len(text) <= 256 else None
+  if len(text) <= 256:
+    return _to_number_cached(text)
+  # Longer: the canonical text of a large value (format_number of "1e400" has 401 digits) reads back; not cached.
+  return _to_number_uncached(text) if len(text) <= _MAX_CANONICAL_CHARS else None
+
+
+# The longest canonical number text (format_number): a fraction of two integers of up to 256 + MAX_EXPONENT digits.
+_MAX_CANONICAL_CHARS = 2 * (256 + MAX_EXPONENT) + 2
 
 
 @functools.lru_cache(maxsize=65536)
 def _to_number_cached(text: str) -> Optional[Fraction]:
   """`to_number` for a short string, cached: rewards parse the same golds and answers again every batch."""
+  return _to_number_uncached(text)
+
+
+def _to_number_uncached(text: str) -> Optional[Fraction]:
+  """`to_number` without the cache (long canonical texts are read once)."""
   s = _clean(text)
   if not s:
     return None
@@ -175,7 +204,7 @@ def _to_number_cached(text: str) -> Optional[Fraction]:
     return v
   m = _UNIT_WORD_RE.fullmatch(s)  # "18 dollars", "3.5 hours"
   if m and m.group(1) != s:
-    return _to_number_cached(m.group(1))
+    return to_number(m.group(1))
   return None
 
 
@@ -190,7 +219,7 @@ def _number_value(s: str) -> Optional[Fraction]:
   # Grouping separators are removed only where they group thousands ("1 234", not the "1 1/2" of a mixed number).
   s = s.translate(_SEPARATORS_OUT) if _GROUPED_RE.fullmatch(s) else s.replace("\u00a0", " ")
   m = _VALUE_RE.fullmatch(s)
-  if m is None:
+  if m is None or _exponent_too_large(s):
     return None
   g = m.groupdict()
   try:
@@ -206,6 +235,21 @@ def _number_value(s: str) -> Optional[Fraction]:
   except (ValueError, ZeroDivisionError):
     return None
   return -v if g["neg"] else v
+
+
+def _exponent_too_large(s: str) -> bool:
+  """Whether `s` writes a decimal exponent beyond `MAX_EXPONENT` (leading zeros ignored; no int() of a long string)."""
+  for m in _EXPONENT_RE.finditer(s):
+    digits = m.group(1).lstrip("0")
+    if len(digits) > 4 or (digits and int(digits) > MAX_EXPONENT):
+      return True
+  return False
+
+
+def unreadable(text: Optional[str]) -> bool:
+  """Whether an extracted answer holds a number the grader cannot hold exactly (an exponent beyond MAX_EXPONENT): it
+  scores as wrong and is counted (`ScoreResult.unreadable`), never compared by its digits nor sent to math_verify."""
+  return isinstance(text, str) and ("e" in text or "E" in text) and _exponent_too_large(text)
 
 
 def format_number(value: Fraction) -> str:

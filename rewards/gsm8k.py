@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import dataclasses
+from fractions import Fraction
 import functools
 import json
 from typing import Any, Optional, Sequence
@@ -26,7 +27,8 @@ from typing import Any, Optional, Sequence
 from maxtext_rl_plugin.rewards import extraction as ex
 from maxtext_rl_plugin.rewards import verify
 
-_EPS = 1e-6
+_EPS = Fraction(1, 10**6)
+_BANDS = ((Fraction(9, 10), Fraction(11, 10)), (Fraction(8, 10), Fraction(12, 10)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,7 @@ class ScoreResult:
   partial: bool
   format_reward: float = 0.0
   answer_reward: float = 0.0
+  unreadable: bool = False  # the answer holds a number the grader cannot hold (extraction.unreadable): scored wrong
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -159,19 +162,22 @@ def gold_alternatives(gold: Any) -> tuple[str, ...]:
 
 
 def _ratio_band(pred: Optional[str], golds: tuple[str, ...]) -> int:
-  """2 if the prediction is within 10% of a gold number, 1 if within 20%, else 0."""
+  """2 if the prediction is within 10% of a gold number, 1 if within 20%, else 0.
+
+  Exact (Fractions): a float conversion overflows on "1e400" (OverflowError: one sampled completion ended a run) and
+  rounds huge values together."""
   p = ex.to_number(pred)
   if p is None:
     return 0
   best = 0
   for g in golds:
     gv = ex.to_number(g)
-    if gv is None:
+    if gv is None or gv + _EPS == 0:
       continue
-    r = (float(p) + _EPS) / (float(gv) + _EPS)
-    if 0.9 <= r <= 1.1:
+    r = (p + _EPS) / (gv + _EPS)
+    if _BANDS[0][0] <= r <= _BANDS[0][1]:
       return 2
-    if 0.8 <= r <= 1.2:
+    if _BANDS[1][0] <= r <= _BANDS[1][1]:
       best = 1
   return best
 
@@ -198,20 +204,39 @@ def _grade(
   return list(result)
 
 
+RULE_UNREADABLE = ex.RULE_UNREADABLE
+
+
+def _extract_safely(c: Any, rc: RewardConfig) -> ex.Extraction:
+  """The completion's extraction, or RULE_UNREADABLE when the grader cannot hold its answer: an exponent beyond
+  extraction.MAX_EXPONENT, or any error reading it (one sampled text must never end a run or a scoring file)."""
+  if not isinstance(c, str):
+    return ex.Extraction(None, ex.RULE_NONE)
+  try:
+    e = ex.extract(c, rc.solution_start_token, rc.solution_end_token)
+    ex.to_number(e.value)
+  except (ValueError, OverflowError, ArithmeticError, RecursionError, MemoryError):
+    return ex.Extraction(None, RULE_UNREADABLE)
+  return ex.Extraction(e.value, RULE_UNREADABLE, e.raw) if ex.unreadable(e.value) else e
+
+
+def _band_safely(value: str, golds: tuple[str, ...]) -> int:
+  try:
+    return _ratio_band(value, golds)
+  except (ValueError, OverflowError, ArithmeticError):
+    return 0
+
+
 def _grade_uncached(
     completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig
 ) -> list[tuple[ex.Extraction, bool, float, bool]]:
-  """(extraction, correct, answer reward, partial) per completion; slow verifications run in parallel."""
-  exts = [
-      ex.extract(c, rc.solution_start_token, rc.solution_end_token)
-      if isinstance(c, str)
-      else ex.Extraction(None, ex.RULE_NONE)
-      for c in completions
-  ]
+  """(extraction, correct, answer reward, partial) per completion; slow verifications run in parallel. An answer the
+  grader cannot hold (RULE_UNREADABLE) scores `penalty_incorrect_answer`, as a wrong answer."""
+  exts = [_extract_safely(c, rc) for c in completions]
   golds = [gold_alternatives(a) for a in answers]
   pairs, owners = [], []
   for i, (e, g) in enumerate(zip(exts, golds)):
-    if e.value is not None:
+    if e.value is not None and e.rule != RULE_UNREADABLE:
       for alt in g:
         pairs.append((e.value, alt))
         owners.append(i)
@@ -221,14 +246,16 @@ def _grade_uncached(
     correct[i] = correct[i] or v
   out = []
   for e, g, ok in zip(exts, golds, correct):
-    if e.value is None:
+    if e.rule == RULE_UNREADABLE:
+      out.append((e, False, rc.penalty_incorrect_answer, False))
+    elif e.value is None:
       out.append((e, False, rc.penalty_incorrect_format, False))
     elif ok:
       raw = e.raw
       ws_only = raw is not None and raw != raw.strip() and raw.strip() in g
       out.append((e, True, rc.reward_white_space_format_match if ws_only else rc.reward_exact_answer, True))
     else:
-      band = _ratio_band(e.value, g)
+      band = _band_safely(e.value, g)
       r = (rc.penalty_incorrect_answer, rc.reward_ratio_guess_to_answer_low, rc.reward_ratio_guess_to_answer_high)[band]
       out.append((e, False, r, band == 2))
   return out
@@ -265,7 +292,8 @@ def score_batch(completions: Sequence[str], golds: Sequence[Any], config: Any = 
   for c, (e, ok, answer_r, partial), approx_r in zip(completions, graded, approx):
     fmt = isinstance(c, str) and format_exact_ok(c, rc)
     format_r = (rc.reward_exact_format_match if fmt else 0.0) + approx_r
-    out.append(ScoreResult(ok, format_r + answer_r, e.value, e.rule, fmt, partial, format_r, answer_r))
+    unreadable = e.rule == RULE_UNREADABLE
+    out.append(ScoreResult(ok, format_r + answer_r, e.value, e.rule, fmt, partial, format_r, answer_r, unreadable))
   return out
 
 

@@ -34,6 +34,7 @@ from maxtext_rl_plugin.rewards import gsm8k
 SUPPLIED_ARGS = ("prompts", "completions", "answer", "question", "mode", "tmvp_config")
 TUNIX_SIGNATURE = "fn(prompts, completions, answer, **kwargs) -> list[float]"
 MAXTEXT_SIGNATURE = "fn(prompts, completions, tmvp_config, **kwargs) -> list[float]"
+FLOAT32_MAX = 3.4028234663852886e38  # numpy.finfo(float32).max: rewards become float32 (experience.sum_rewards)
 
 
 class RewardFunctionError(ConfigError):
@@ -105,16 +106,21 @@ class RewardFn:
     return box.get("out")
 
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], **kwargs: Any) -> list[float]:
+    # Each function gets its own copies of the batch: one that rewrites completions[i] (or pops an answer) in place
+    # must not change what the next function scores, nor the count it is checked against.
+    n = len(completions)
+    prompts, completions = _own_copy(prompts), _own_copy(completions)
+    kwargs = {k: _own_copy(v) for k, v in kwargs.items()}
     if self.pass_config:
       kwargs["tmvp_config"] = self.config
     out = self._call(prompts, completions, kwargs)
-    expected = f"expected one finite number per completion ({len(completions)})"
+    expected = f"expected one finite number per completion ({n})"
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
       raise RewardFunctionError(f"reward function {self.where()} returned {_shown(out)}; {expected}")
     out = list(out)
-    if len(out) != len(completions):
+    if len(out) != n:  # the count asked for, whatever the function did to its copies
       raise RewardFunctionError(
-          f"reward function {self.where()} returned {len(out)} values for {len(completions)} completions; {expected}"
+          f"reward function {self.where()} returned {len(out)} values for {n} completions; {expected}"
       )
     values = []
     for i, v in enumerate(out):
@@ -122,13 +128,36 @@ class RewardFn:
         raise RewardFunctionError(
             f"reward function {self.where()} returned a {type(out).__name__} whose item {i} is {_shown(v)}; {expected}"
         )
-      if not math.isfinite(float(v)):
-        raise RewardFunctionError(f"reward function {self.where()} returned {float(v)} for completion {i}; {expected}")
-      values.append(float(v))
+      try:
+        f = float(v)
+      except OverflowError:  # an int beyond any float (10**400)
+        raise RewardFunctionError(
+            f"reward function {self.where()} returned {_shown(v)} for completion {i}, beyond any float; {expected}"
+        ) from None
+      if not math.isfinite(f):
+        raise RewardFunctionError(f"reward function {self.where()} returned {f} for completion {i}; {expected}")
+      if abs(f) > FLOAT32_MAX:
+        raise RewardFunctionError(
+            f"reward function {self.where()} returned {f:g} for completion {i}, beyond the float32 range "
+            f"(|r| <= {FLOAT32_MAX:.4g}) the trainer computes advantages and the loss in; {expected} of that range"
+        )
+      values.append(f)
     return values
 
   def __repr__(self) -> str:
     return f"RewardFn({self.__name__} from {self.source})"
+
+
+def _own_copy(value: Any) -> Any:
+  """A container of the batch (list, tuple, dict, set, NumPy array) copied for one reward function; the items are
+  strings and numbers (immutable), so one level suffices. Anything else is passed as is (a config, a scalar)."""
+  if isinstance(value, (list, tuple)):
+    return list(value)
+  if isinstance(value, (dict, set)):
+    return type(value)(value)
+  if hasattr(value, "copy") and hasattr(value, "__array__"):
+    return value.copy()
+  return value
 
 
 def _shown(v: Any) -> str:
@@ -172,10 +201,23 @@ def check_signature(fn: Any, name: str, source: str) -> bool:
   return "tmvp_config" in params
 
 
+_LOADED: dict[tuple[str, int, int], Any] = {}  # (absolute path, mtime, size) -> module: imported once per process
+
+
 def _load_user_module(path: str):
-  """Import reward_functions_path as a uniquely named module; a missing or broken file is a ConfigError."""
+  """Import reward_functions_path as a uniquely named module; a missing or broken file is a ConfigError. The first
+  pass (check_config) and the trainer's start-up share one import: the module's top level runs once."""
   if not os.path.isfile(path):
     raise ConfigError(f"reward_functions_path='{path}': file not found")
+  st = os.stat(path)
+  key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+  if key not in _LOADED:
+    _LOADED[key] = _import_user_module(path)
+  return _LOADED[key]
+
+
+def _import_user_module(path: str):
+  """Execute the file as a fresh module; any error, `sys.exit` included, becomes one ConfigError line."""
   stem = os.path.splitext(os.path.basename(path))[0]
   mod_name = f"_maxtext_rl_user_rewards_{''.join(c if c.isalnum() else '_' for c in stem)}"
   spec = importlib.util.spec_from_file_location(mod_name, os.path.abspath(path))
@@ -185,9 +227,17 @@ def _load_user_module(path: str):
   sys.modules[mod_name] = module  # so the functions pickle by reference
   try:
     spec.loader.exec_module(module)
+  except SystemExit as e:  # user code must never end the process silently (sys.exit(0) at import: exit 0, nothing)
+    sys.modules.pop(mod_name, None)
+    raise ConfigError(
+        f"reward_functions_path='{path}': importing it called sys.exit({e.code!r}); a reward module must define "
+        "functions, not end the process"
+    ) from None
   except Exception as e:  # pylint: disable=broad-exception-caught
     sys.modules.pop(mod_name, None)
-    raise ConfigError(f"reward_functions_path='{path}': importing it failed: {type(e).__name__}: {e}") from None
+    tb = traceback.extract_tb(e.__traceback__)
+    at = f" (line {tb[-1].lineno})" if tb and tb[-1].filename == os.path.abspath(path) else ""
+    raise ConfigError(f"reward_functions_path='{path}': importing it failed{at}: {type(e).__name__}: {e}") from None
   return module
 
 
@@ -202,6 +252,10 @@ def _registered(name: str):
     return None
   try:
     return ep.load(), f"entry point {ep.value}"
+  except SystemExit as e:
+    raise ConfigError(
+        f"reward_functions: entry point '{name}' ({ep.value}) called sys.exit({e.code!r}) when loaded"
+    ) from None
   except Exception as e:  # pylint: disable=broad-exception-caught
     raise ConfigError(f"reward_functions: entry point '{name}' ({ep.value}) failed to load: {e}") from None
 
@@ -237,8 +291,8 @@ def resolve(names: Sequence[str], path: str = "") -> list[tuple[str, Callable, s
   return out
 
 
-def reward_fns_from_config(config: Any) -> list[Callable]:
-  """Tunix-compatible reward functions `fn(prompts, completions, answer, **kwargs) -> list[float]`."""
+def _names_and_path(config: Any) -> tuple[list[str], str]:
+  """The function names (the default stack when unset) and reward_functions_path of a config, checked."""
   names_raw = (getattr(config, "reward_functions", "") or "").strip()
   path = (getattr(config, "reward_functions_path", "") or "").strip()
   if path and not names_raw:
@@ -249,6 +303,21 @@ def reward_fns_from_config(config: Any) -> list[Callable]:
   names = [n.strip() for n in names_raw.split(",") if n.strip()] or list(gsm8k.DEFAULT_STACK)
   if len(set(names)) != len(names):
     raise ConfigError(f"reward_functions='{names_raw}' lists a function twice")
+  return names, path
+
+
+def check_config(config: Any) -> None:
+  """What `reward_fns_from_config` would refuse, before the schema's and the trainer's imports (train_rl's first pass,
+  print_config=true too): the file exists and imports (sys.exit in it included), each name resolves, each signature
+  works. `config` may be a `validation.RawConfig`: keys it cannot type (AttributeError) leave the check to start-up."""
+  names, path = _names_and_path(config)
+  for name, fn, source in resolve(names, path):
+    check_signature(fn, name, source)
+
+
+def reward_fns_from_config(config: Any) -> list[Callable]:
+  """Tunix-compatible reward functions `fn(prompts, completions, answer, **kwargs) -> list[float]`."""
+  names, path = _names_and_path(config)
   rc = gsm8k.RewardConfig.of(config)
   fns = []
   for name, fn, source in resolve(names, path):

@@ -18,6 +18,7 @@ import pytest
 from test_trainer_updates import _train
 
 from maxtext_rl_plugin import async_rollout
+from maxtext_rl_plugin import signals
 from maxtext_rl_plugin.bench import async_rollout as bench
 
 
@@ -112,6 +113,28 @@ def test_synchronous_producer_runs_no_thread():
   prod.publish(1, lambda: sampler.install(1))
   with pytest.raises(RuntimeError, match="needs weight version 2"):
     prod.take(2)  # batch 2 before version 2: the synchronous loop never does this
+
+
+def test_a_stop_during_sampling_ahead_lets_the_trainers_step_finish():
+  # The producer abandons batch 1 on a stop request (dynamic sampling's refill rounds raise StopSampling): the trainer's
+  # step 1 still publishes its weights (its update is applied; it is then checkpointed), and batch 1 is never handed out.
+  def sample(b, phases):
+    del phases
+    if b == 1:
+      raise signals.StopSampling("a stop was requested during step 2's refill round 1")
+    return b
+
+  prod = async_rollout.RolloutProducer(sample, off_policy_steps=1, start=0, end=4)
+  prod.start_producing()
+  installed = []
+  try:
+    assert prod.take(0).value == 0
+    prod.publish(1, lambda: installed.append(1))
+    assert installed == [1]
+    with pytest.raises(signals.StopSampling):
+      prod.take(1)
+  finally:
+    prod.close()
 
 
 def test_a_failed_rollout_reaches_the_trainer_and_stops_the_producer():

@@ -3,6 +3,7 @@
 import json
 
 import numpy as np
+import pytest
 
 from maxtext_rl_plugin.bench import __main__ as bench_main
 from maxtext_rl_plugin.bench import peak
@@ -132,3 +133,20 @@ def test_teacher_forced_check_tells_a_tie_from_a_wrong_model():
   wrong = rollout_bench.teacher_forced_agreement(model, tmodel, cfg, mesh, prompts, res.tokens)
   assert wrong["identical_up_to_ties"] is False
   assert wrong["max_abs_logit_diff"] > 10 * same["max_abs_logit_diff"]
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["agentic", "--nosuch"], "error: argument '--nosuch' is not of the form key=value"),
+        (["step", "batch_size=abc"], "error: invalid value for 'batch_size'='abc'"),
+        (["rollout", "learning_rat=1"], "error: unknown config key 'learning_rat'"),
+    ],
+)
+def test_a_benchmarks_config_mistake_is_one_line(argv, needle, capsys):
+  try:
+    rc = bench_main.main(argv)
+  except SystemExit as e:
+    rc = e.code
+  err = capsys.readouterr().err
+  assert rc == 2 and err.startswith(needle) and err.count("\n") == 1, err

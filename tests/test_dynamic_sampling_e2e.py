@@ -64,9 +64,10 @@ def _run(out, name, *extra):
 
 
 def _kill_after_first_step(out, name, *extra) -> int:
-  """Run it with a SIGTERM sent during its second reward call (step 1's first refill, or batch 2 sampled ahead: the
-  run's first step is always trained first); the step it stopped after."""
-  env = dict(_env(), DS_TEST_SIGTERM_ON_CALL="2")
+  """Run it with a SIGTERM sent during its first reward call after step 1 trained (its batches.jsonl exists: a call of
+  step 2's rounds, or of a batch sampled ahead); the step it stopped after. (A stop during a step's refill rounds
+  abandons that step's batch: a signal during step 1's refills would stop the run before any step.)"""
+  env = dict(_env(), DS_TEST_SIGTERM_AFTER_FILE=str(pathlib.Path(out) / name / "batches.jsonl"))
   p = subprocess.run(_cmd(out, name, *extra), cwd=REPO, capture_output=True, text=True, env=env, timeout=900, check=False)
   err = p.stderr
   assert p.returncode == 143, err[-3000:]
@@ -95,9 +96,9 @@ def _check_stream(run: pathlib.Path) -> list[float]:
     assert pos - prev == B * rounds, (r["step"], prev, pos, rounds)
     assert r["dynamic_sampling/extra_rollouts"] == (rounds - 1) * B * G
     assert r["dynamic_sampling/dropped_groups"] == (
-        r["dynamic_sampling/dropped_all_correct"]
-        + r["dynamic_sampling/dropped_all_wrong"]
-        + r["dynamic_sampling/dropped_other"]
+        r["dynamic_sampling/dropped_graded_all_correct"]
+        + r["dynamic_sampling/dropped_graded_all_wrong"]
+        + r["dynamic_sampling/dropped_graded_mixed"]
     )
     trained = [int(i.rsplit("-", 1)[1]) for i in b["ids"]]
     assert len(trained) == B - r["dynamic_sampling/short_groups"]  # masked fillers are not listed as trained
@@ -147,3 +148,21 @@ def test_rollouts_ahead_with_lora_resume_at_the_checkpointed_position(tmp_path):
   assert f"from checkpoint step {stopped}" in p.stdout
   _check_stream(tmp_path / "async")
   assert all(r["async/policy_lag"] <= 1 for r in _steps(tmp_path / "async"))
+
+
+def test_a_stop_during_refills_is_honoured_within_a_round(tmp_path):
+  # Step 1 is informative; from step 2 on every group is uniform (informative_once), so step 2 refills up to
+  # rl.max_refill_rounds=100 rounds. A SIGTERM during its second refill (the 4th reward call) used to wait for all 100
+  # rounds (and the step); now the batch is abandoned after the round in flight, step 1 is checkpointed, exit 143. A
+  # resume samples step 2 again from step 1's data position, as the uninterrupted run does.
+  extra = ["reward_functions=informative_once", "rl.max_refill_rounds=100", "num_batches=3"]
+  cmd = [a for a in _cmd(tmp_path, "stop") if not a.startswith(("reward_functions=", "rl.max_refill_rounds="))]
+  env = dict(_env(), DS_TEST_SIGTERM_ON_CALL="4")
+  p = subprocess.run(cmd + extra, cwd=REPO, capture_output=True, text=True, env=env, timeout=900, check=False)
+  assert p.returncode == 143, p.stdout[-3000:] + p.stderr[-3000:]
+  last = p.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: stopped by SIGTERM after step 1/3; resume from checkpoint step 1"), p.stderr[-2000:]
+  (rec,) = _steps(tmp_path / "stop")
+  assert rec["step"] == 1 and rec["dynamic_sampling/kept_groups"] == B and rec["data/next_position"] == B
+  assert _batches(tmp_path / "stop") == [{"step": 1, "ids": [f"synthetic-train-{i}" for i in range(B)]}]
+  assert (tmp_path / "stop" / "checkpoints" / "1").is_dir() and not (tmp_path / "stop" / "checkpoints" / "2").exists()

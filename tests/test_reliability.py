@@ -7,14 +7,17 @@ batches.jsonl, Orbax's step directories, exit codes and the single `error:` line
 
 import hashlib
 import json
+import math
 import os
 import pathlib
+import re
 import signal
 import socket
 import struct
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -439,3 +442,217 @@ def test_sigterm_while_the_config_loads_is_one_line_and_exit_143(tmp_path):
   assert p.returncode == 143, (p.returncode, p.stderr[-2000:])
   assert p.stderr.splitlines() == ["error: stopped by SIGTERM before training started; nothing was written"], p.stderr
   assert not os.listdir(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One file, one owner; a resume that changes the math says so; a resume that changes the examples is refused
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _tiny(tmp_path, *overrides):
+  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+
+  return config_lib.load_config(["configs/cpu_tiny.yml", f"base_output_directory={tmp_path}", "run_name=r", *overrides])
+
+
+def _write_checkpoint_meta(config, tmp_path, step, **changes):
+  """Step `step`'s metadata as resume.save writes it (resume._meta: the same function), without a model."""
+  from maxtext_rl_plugin.run import resume  # pylint: disable=import-outside-toplevel
+
+  meta_dir = pathlib.Path(tmp_path) / "r" / "checkpoints" / str(step) / "meta"
+  meta_dir.mkdir(parents=True, exist_ok=True)
+  meta = {**resume._meta(config, step), **changes}  # pylint: disable=protected-access
+  (meta_dir / "metadata").write_text(json.dumps(meta))
+  return meta
+
+
+@pytest.mark.parametrize(
+    "metrics_file, needle",
+    [
+        ("summary.json", "is the name of a file every run writes itself (summary.json)"),
+        ("batches.jsonl", "(batches.jsonl)"),
+        ("summary.png", "(summary.png)"),
+        ("{tmp}/other/summary.json", "(summary.json)"),  # another run's output of the same name
+        ("checkpoints/m.jsonl", "lies inside checkpoint_dir="),
+        ("tensorboard/m.jsonl", "lies inside tensorboard_dir="),
+        ("{tmp}/train.jsonl", "is the run's input train_data_path"),
+        ("{tmp}/template.json", "is the run's input data_template_path"),
+    ],
+)
+def test_metrics_file_never_names_another_output_or_an_input_of_the_run(tmp_path, metrics_file, needle):
+  from maxtext_rl_plugin import run_identity  # pylint: disable=import-outside-toplevel
+
+  (tmp_path / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+  (tmp_path / "template.json").write_text('{"SYSTEM_PROMPT": "s", "TEMPLATE": "{question}"}')
+  overrides = [
+      f"metrics_file={metrics_file.format(tmp=tmp_path)}",
+      f"train_data_path={tmp_path / 'train.jsonl'}",
+      f"data_template_path={tmp_path / 'template.json'}",
+  ]
+  config = _tiny(tmp_path, *overrides)
+  with pytest.raises(run_dir_lib.OutputError, match=re.escape(needle)):
+    run_identity.check_outputs(config)
+  # The first pass (the config as written, before the schema's imports) refuses it too.
+  from maxtext_rl_plugin import config_precheck  # pylint: disable=import-outside-toplevel
+
+  with pytest.raises(run_dir_lib.OutputError, match=re.escape(needle)):
+    run_identity.check_outputs(
+        config_precheck.precheck(["configs/cpu_tiny.yml", f"base_output_directory={tmp_path}", "run_name=r", *overrides])
+    )
+  assert not (tmp_path / "r" / "summary.json").exists()
+
+
+def test_a_resume_refuses_another_runs_metrics_file(tmp_path):
+  # Run r's checkpoints wrote to their own metrics file; a resume given run b's file (with records) used to prune and
+  # overwrite b's records. The fresh-run refusal now holds on resume too; r's own file and a new empty file pass.
+  from maxtext_rl_plugin import run_identity  # pylint: disable=import-outside-toplevel
+
+  own = tmp_path / "r_metrics.jsonl"
+  config = _tiny(tmp_path, f"metrics_file={own}", "num_batches=3")
+  _write_checkpoint_meta(config, tmp_path, 1)
+  other = tmp_path / "b" / "metrics.jsonl"
+  other.parent.mkdir()
+  other.write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.7}\n')
+  before = other.read_bytes()
+  with pytest.raises(run_dir_lib.OutputError, match=r"holds 2 record\(s\) of another run; .* resumes from step 1, whose"):
+    run_identity.check_rerun(_tiny(tmp_path, f"metrics_file={other}", "num_batches=3"), str(tmp_path / "r"), 3)
+  assert other.read_bytes() == before
+  own.write_text('{"step": 1}\n')
+  run_identity.check_rerun(config, str(tmp_path / "r"), 3)
+  run_identity.check_rerun(
+      _tiny(tmp_path, f"metrics_file={tmp_path / 'new.jsonl'}", "num_batches=3"), str(tmp_path / "r"), 3
+  )
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("batch_size=4", "batch_size=2"),
+        ("rl.num_generations=4", "num_generations=2"),
+        ("data_shuffle_seed=9", "data_shuffle_seed="),
+        ("synthetic_max_value=99|synthetic_task=products synthetic_max_value=99", "synthetic_task='word_problems'"),
+        ("synthetic_num_eval=64", "synthetic_num_eval=256"),
+        ("use_chat_template=false", "use_chat_template=True"),
+        ("solution_start_token=<ans>", "solution_start_token='<answer>'"),
+        ("data_template_path={tmp}/template.json", "template_digest="),
+        ("eval_data_path={tmp}/eval.jsonl", "eval_data_path content digest None"),
+    ],
+)
+def test_a_resume_that_changes_the_examples_is_refused_before_any_model(tmp_path, override, key):
+  from maxtext_rl_plugin import run_identity  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.errors import CheckpointError  # pylint: disable=import-outside-toplevel
+
+  (tmp_path / "template.json").write_text('{"SYSTEM_PROMPT": "s", "TEMPLATE": "{question}"}')
+  (tmp_path / "eval.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
+  before, _, after = override.rpartition("|")  # the checkpoint's overrides | the resume's
+  _write_checkpoint_meta(_tiny(tmp_path, "num_batches=3", *before.split()), tmp_path, 1)
+  with pytest.raises(CheckpointError) as e:
+    run_identity.check_rerun(
+        _tiny(tmp_path, "num_batches=3", *after.format(tmp=tmp_path).split()), str(tmp_path / "r"), 3
+    )
+  assert f"cannot resume {tmp_path / 'r'}: its checkpoints were written with" in str(e.value) and key in str(e.value)
+
+
+def test_a_resume_that_changes_the_update_says_so_in_one_note_per_key(tmp_path):
+  from maxtext_rl_plugin import run_identity  # pylint: disable=import-outside-toplevel
+
+  meta = _write_checkpoint_meta(_tiny(tmp_path, "num_batches=3"), tmp_path, 2)
+  resumed = _tiny(tmp_path, "num_batches=3", "learning_rate=5e-5", "rl.grpo_beta=0.5", "decode_sampling_temperature=0.7")
+  run_identity.check_rerun(resumed, str(tmp_path / "r"), 3)  # accepted
+  assert run_identity.update_changes(resumed, meta) == [
+      "note: resuming with learning_rate=5e-05, not the 0.0001 of the checkpoint's steps (1-2): the steps from here "
+      "use the new value",
+      "note: resuming with rl.grpo_beta=0.5, not the 0.08 of the checkpoint's steps (1-2): the steps from here use "
+      "the new value",
+      "note: resuming with decode_sampling_temperature=0.7, not the 1.0 of the checkpoint's steps (1-2): the steps "
+      "from here use the new value",
+  ]
+  assert not run_identity.update_changes(_tiny(tmp_path, "num_batches=3"), meta)
+  assert not run_identity.update_changes(resumed, {k: v for k, v in meta.items() if k != "update_keys"})  # older ckpt
+  # Every key of the table is a key of the schema (a renamed key would silently stop being compared).
+  assert set(run_identity.update_values(resumed)) == set(run_identity.UPDATE_KEYS)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Finite inputs, non-finite training: stopped before the update is applied or saved
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_batch_whose_rewards_overflow_float32_statistics_stops_before_the_update():
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.algorithms import advantages as advantages_lib  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.run import step as step_lib  # pylint: disable=import-outside-toplevel
+
+  def batch(rewards):
+    r = np.asarray(rewards, np.float32)
+    with np.errstate(all="ignore"):
+      return types.SimpleNamespace(rewards=r, advantages=advantages_lib.group_advantages(r, 2, "group_std", "grpo"))
+
+  step_lib.check_batch(4, batch([0.0, 1.0, 1.0, 1.0]), 2)  # ordinary rewards pass
+  for rewards, needle in (
+      ([3e38, -3e38, 0.0, 1.0], "step 4: the rewards of group 0 ([3e+38, -3e+38]) spread beyond float32"),
+      ([0.0, 1.0, 2e38, 3e38], "step 4: the rewards of group 1 ([2e+38, 3e+38]) spread beyond float32"),
+      ([0.0, 1.0, np.inf, 1.0], "step 4: the rewards of group 1"),
+  ):
+    with pytest.raises(step_lib.NonFiniteError, match=re.escape(needle)):
+      step_lib.check_batch(4, batch(rewards), 2)
+  nan_adv = types.SimpleNamespace(rewards=np.zeros(4, np.float32), advantages=np.asarray([0, np.nan, 0, 0], np.float32))
+  with pytest.raises(step_lib.NonFiniteError, match=r"step 2: the advantage of completion 1 is nan"):
+    step_lib.check_batch(2, nan_adv, 2)
+
+
+def test_a_non_finite_loss_or_gradient_norm_stops_the_step_and_is_kept_in_the_records():
+  from maxtext_rl_plugin.run import step as step_lib  # pylint: disable=import-outside-toplevel
+
+  tee = metrics_lib.TunixTee()
+  tee.log_scalar("actor/train/loss", 0.5)
+  tee.log_scalar("actor/train/grad_norm", 1.5)
+  step_lib.check_update(3, tee.latest())
+  tee.log_scalar("actor/train/loss", float("nan"))  # the step's second update
+  tee.log_scalar("actor/train/grad_norm", float("inf"))
+  with pytest.raises(step_lib.NonFiniteError, match=r"^step 3: the update's loss nan, grad_norm inf; stopped before"):
+    step_lib.check_update(3, tee.latest())
+  assert math.isnan(tee.drain()["actor/train/loss"])  # kept: it used to vanish from the records
+
+
+def test_the_console_says_when_a_step_trains_on_nothing():
+  from maxtext_rl_plugin.run import step as step_lib  # pylint: disable=import-outside-toplevel
+
+  signal_ = step_lib.LearningSignal(log_period=1)
+  uniform = {"reward/zero_variance_group_fraction": 1.0}
+  notes = [signal_.note(s, uniform, 2) for s in range(1, 23)]
+  assert [i + 1 for i, n in enumerate(notes) if n] == [1, 11, 21]  # first, then every 10 * log_period steps
+  assert notes[0].startswith("note: step 1 trains on nothing: every group's completions got equal rewards")
+  assert signal_.note(23, {"reward/zero_variance_group_fraction": 0.5}, 2) is None
+  short = {
+      "reward/zero_variance_group_fraction": 1.0,
+      "dynamic_sampling/short_groups": 2.0,
+      "dynamic_sampling/refill_rounds": 3.0,
+      "dynamic_sampling/refills_stopped": 0.0,
+  }
+  assert signal_.note(24, short, 2) == (
+      "note: step 24: dynamic sampling found 0 informative group(s) of 2 after 3 refill round(s) (rl.max_refill_rounds "
+      "is spent); 2 slot(s) are masked out and the step trains on nothing (a zero update)"
+  )
+
+
+@pytest.mark.slow
+def test_rewards_that_overflow_the_update_stop_the_run_before_anything_is_saved(tmp_path):
+  # Rewards of +-3e38 (each a float32, their spread not) made the advantages 0 or NaN, the loss NaN, and the run saved
+  # its step-1 checkpoint that way and exited 0 with `loss` and `grad_norm` missing from its records.
+  rewards_file = REPO / "tests" / "data" / "dynamic_sampling_rewards.py"
+  p = _train(
+      tmp_path,
+      "num_batches=2",
+      "reward_functions=spread_beyond_float32",
+      f"reward_functions_path={rewards_file}",
+      "eval_before_training=false",
+      check=False,
+  )
+  errs = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+  assert p.returncode == 2 and "Traceback" not in p.stderr, p.stderr[-3000:]
+  assert len(errs) == 1 and errs[0].startswith(
+      "error: step 1: the rewards of group 0 ([-3e+38, 3e+38]) spread beyond"
+  ), errs
+  assert not (tmp_path / "r" / "checkpoints" / "1").exists() and not (tmp_path / "r" / "summary.json").exists()
+  assert not (tmp_path / "r" / "batches.jsonl").exists()  # the step never trained

@@ -8,6 +8,7 @@ import random
 import re
 import types
 
+import numpy as np
 import pytest
 from tunix.rl import reward_manager
 from tunix.rl.grpo.grpo_learner import GRPOConfig
@@ -698,3 +699,159 @@ def test_number_grammar_reads_whole_or_flags(text, value):
 )
 def test_completions_with_these_numbers_are_scored_whole(completion, gold, correct):
   assert rewards.score(completion, gold).correct is correct, rewards.score(completion, gold)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Numbers the grader cannot hold: read whole or flagged, scored wrong and counted, never a stopped run
+# ----------------------------------------------------------------------------------------------------------------------
+
+_PARTIAL = rewards.RewardConfig(
+    reward_ratio_guess_to_answer_high=0.5, reward_ratio_guess_to_answer_low=0.25, penalty_incorrect_answer=-1.0
+)
+
+
+@pytest.mark.parametrize(
+    "completion, gold, correct, answer_reward, unreadable",
+    [
+        # Magnitudes beyond a float: compared exactly (a float conversion raised OverflowError in the ratio bands).
+        ("<answer>1e400</answer>", "999", False, -1.0, False),
+        ("<answer>-1e400</answer>", "5", False, -1.0, False),
+        ("<answer>1.05e400</answer>", "1e400", False, 0.5, False),  # within 10% of a gold no float holds
+        ("<answer>1e400</answer>", "1e400", True, 1.0, False),
+        ("The answer is 10**400 or 1e308 * 1e10", "5", False, -1.0, False),
+        ("<answer>1e-400</answer>", "1e-400", True, 1.0, False),
+        # Exponents beyond MAX_EXPONENT: read whole and flagged, never their last digits ("999999999").
+        ("<answer>1e999999999</answer>", "999999999", False, -1.0, True),
+        ("The answer is 1e999999999", "999999999", False, -1.0, True),
+        ("#### 2E+123456", "123456", False, -1.0, True),
+        ("<answer>\\boxed{5e-99999}</answer>", "99999", False, -1.0, True),
+        ("so 3 * 4 = 1e00000000012", "12", False, -1.0, False),  # leading zeros: the exponent is 12, read whole
+        ("so 3 * 4 = 1.2e1", "12", True, 1.0, False),
+    ],
+)
+def test_numbers_the_grader_cannot_hold_score_wrong_and_are_counted(completion, gold, correct, answer_reward, unreadable):
+  (r,) = rewards.score_batch([completion], [gold], _PARTIAL)
+  assert (r.correct, r.answer_reward, r.unreadable) == (correct, answer_reward, unreadable), r
+  # check_answer, the reward the trainer calls, returns the same value instead of raising.
+  assert gsm8k.check_answer([""], [completion], [gold], tmvp_config=_PARTIAL) == [answer_reward]
+
+
+def test_an_unreadable_answer_never_reaches_math_verify(monkeypatch):
+  sent = []
+  real = verify.verify_batch
+  monkeypatch.setattr(verify, "verify_batch", lambda pairs, *a: sent.extend(pairs) or real(pairs, *a))
+  gsm8k._LAST_GRADED = (None, None)  # pylint: disable=protected-access
+  rewards.score_batch(["<answer>7e99999</answer>", "<answer>7</answer>"], ["7", "7"])
+  assert all("99999" not in p for p, _ in sent), sent
+
+
+@pytest.mark.parametrize(
+    "completion, gold, correct",
+    [
+        # A whole part, then its fraction typeset as math (`$...$`, `\(...\)`): one mixed number.
+        ("The answer is 5 $\\frac{3}{4}$", "23/4", True),
+        ("The answer is 5 $\\frac{3}{4}$", "5", False),  # the old reading: the whole part alone
+        ("She walked 5 $\\frac{3}{4}$ miles.", "5.75", True),
+        ("She walked 5 $\\frac{3}{4}$ miles.", "3/4", False),
+        ("$5$ $\\frac34$", "23/4", True),
+        ("It takes 2 \\(\\frac{1}{2}\\) hours.", "2.5", True),
+        ("It takes 2 \\(\\frac{1}{2}\\) hours.", "2", False),
+        ("<answer>5 $\\dfrac{3}{4}$</answer>", "23/4", True),
+        ("#### 5$\\tfrac{1}{4}$", "21/4", True),
+    ],
+)
+def test_a_fraction_in_math_delimiters_after_its_whole_part_is_one_number(completion, gold, correct):
+  assert rewards.score(completion, gold).correct is correct, rewards.score(completion, gold)
+
+
+INPLACE_FILE = """
+def rewrites(prompts, completions, answer, **kwargs):
+  for i in range(len(completions)):
+    completions[i] = "<answer>" + answer[i] + "</answer>"
+  return [0.0] * len(completions)
+
+def pops(prompts, completions, answer, **kwargs):
+  completions.pop()
+  answer.pop()
+  return [0.0] * len(completions)
+
+def clears_kwargs(prompts, completions, **kwargs):
+  kwargs["answer"].clear()
+  prompts.append("extra")
+  return [0.0] * 2
+
+def too_big(prompts, completions, **kwargs):
+  return [1e308, 0.0]
+
+def huge_int(prompts, completions, **kwargs):
+  return [10**400, 0]
+"""
+
+
+def test_each_reward_function_gets_its_own_copies_of_the_batch(tmp_path):
+  path = tmp_path / "inplace.py"
+  path.write_text(INPLACE_FILE)
+  fns = rewards.reward_fns_from_config(
+      _cfg(reward_functions="rewrites,clears_kwargs,check_answer", reward_functions_path=str(path))
+  )
+  completions, answers, prompts = ["<answer>1</answer>", "<answer>2</answer>"], ["5", "6"], ["p", "q"]
+  out = [fn(prompts=prompts, completions=completions, answer=answers) for fn in fns]
+  # check_answer scores the sampled completions (both wrong), not the first function's rewrites.
+  assert out[2] == [0.0, 0.0] and completions == ["<answer>1</answer>", "<answer>2</answer>"]
+  assert answers == ["5", "6"] and prompts == ["p", "q"]
+
+
+def test_a_function_that_changes_its_inputs_length_is_one_line(tmp_path):
+  path = tmp_path / "inplace.py"
+  path.write_text(INPLACE_FILE)
+  (fn,) = rewards.reward_fns_from_config(_cfg(reward_functions="pops", reward_functions_path=str(path)))
+  with pytest.raises(ConfigError) as e:
+    fn(prompts=["p", "q"], completions=["a", "b"], answer=["1", "2"])
+  assert "returned 1 values for 2 completions" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "name, fragment",
+    [("too_big", "returned 1e+308 for completion 0, beyond the float32 range"), ("huge_int", "beyond any float")],
+)
+def test_rewards_beyond_float32_are_one_line(tmp_path, name, fragment):
+  path = tmp_path / "inplace.py"
+  path.write_text(INPLACE_FILE)
+  (fn,) = rewards.reward_fns_from_config(_cfg(reward_functions=name, reward_functions_path=str(path)))
+  with pytest.raises(ConfigError) as e:
+    fn(prompts=["p", "q"], completions=["a", "b"], answer=["1", "2"])
+  assert fragment in str(e.value) and f"'{name}' ({path}:" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "body, fragment",
+    [
+        ("import sys\nsys.exit(0)\n", "importing it called sys.exit(0)"),
+        ("raise SystemExit('bye')\n", "importing it called sys.exit('bye')"),
+        ("import os\nx = 1\nraise KeyError('k')\n", "importing it failed (line 3): KeyError"),
+    ],
+)
+def test_a_reward_module_that_exits_at_import_is_one_line(tmp_path, body, fragment):
+  path = tmp_path / "exits_at_import.py"
+  path.write_text(body + "def f(prompts, completions, **kwargs):\n  return [0.0] * len(completions)\n")
+  with pytest.raises(ConfigError) as e:
+    rewards.reward_fns_from_config(_cfg(reward_functions="f", reward_functions_path=str(path)))
+  assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_rewards_whose_sum_overflows_float32_are_one_line():
+  # Each function returns values within float32; their sum is not (3e38 + 3e38): one line naming the functions.
+  from maxtext_rl_plugin import experience  # pylint: disable=import-outside-toplevel  # imports JAX and Tunix
+
+  def big(prompts, completions, **kwargs):
+    del prompts, kwargs
+    return [3e38] * len(completions)
+
+  def bigger(prompts, completions, **kwargs):
+    del prompts, kwargs
+    return [0.0, 3e38]
+
+  with pytest.raises(ConfigError) as e:
+    experience.sum_rewards([big, bigger], ["p", "p"], ["a", "b"])
+  assert str(e.value).startswith("the rewards of completion 1 (big + bigger) sum to 6e+38, beyond the float32 range")
+  assert list(experience.sum_rewards([big], ["p"], ["a"])) == [np.float32(3e38)]

@@ -180,3 +180,39 @@ def test_a_full_output_device_is_a_one_line_error(tmp_path, capsys):
   assert e.value.code == 2
   lines = [l for l in capsys.readouterr().err.splitlines() if l.strip()]
   assert len(lines) == 1 and lines[0].startswith("error: --output '/dev/full': no space left on the device"), lines
+
+
+def test_numbers_the_grader_cannot_hold_are_rows_scored_wrong_and_counted(tmp_path, capsys):
+  # "1e400" raised OverflowError in the ratio bands and the file got no row at all; "1e999999999" was read as its
+  # exponent's digits and scored correct against 999999999.
+  rows = [
+      {"completion": "<answer>1e400</answer>", "answer": "999"},
+      {"completion": "<answer>1e999999999</answer>", "answer": "999999999"},
+      {"completion": "<answer>18</answer>", "answer": "18"},
+      {"completion": "The answer is 2e+77777", "answer": "#### 77777"},
+  ]
+  _write(tmp_path / "in.jsonl", rows)
+  assert cli.main(["score", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]) == 0
+  out = _read(tmp_path / "out.jsonl")
+  assert [r["correct"] for r in out] == [False, False, True, False]
+  assert [r["rule"] for r in out] == ["answer_tag", "unreadable", "answer_tag", "unreadable"]
+  assert "4 rows: 1 correct (25.0%), 0 errors, 2 unreadable answers (scored wrong)" in capsys.readouterr().err
+
+
+def test_a_row_the_grader_fails_on_is_an_error_row_and_the_file_goes_on(tmp_path, monkeypatch):
+  real = cli.gsm8k.score_batch
+
+  def fails_on_one(completions, golds, config=None):
+    if "poison" in completions:
+      raise RecursionError("maximum recursion depth exceeded")
+    return real(completions, golds, config)
+
+  monkeypatch.setattr(cli.gsm8k, "score_batch", fails_on_one)
+  _write(
+      tmp_path / "in.jsonl",
+      [{"completion": "<answer>3</answer>", "answer": "3"}, {"completion": "poison", "answer": "1"}],
+  )
+  assert cli.main(["score", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]) == 0
+  out = _read(tmp_path / "out.jsonl")
+  assert out[0]["correct"] is True
+  assert out[1]["error"] == "the grader could not score this row: RecursionError: maximum recursion depth exceeded"

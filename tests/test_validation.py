@@ -9,6 +9,7 @@ plugin adds later is covered without a new line here.
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 
@@ -17,7 +18,9 @@ import pytest
 from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin import config_keys
 from maxtext_rl_plugin import config_precheck
+from maxtext_rl_plugin import dependent_keys
 from maxtext_rl_plugin import validation
+from maxtext_rl_plugin.data import synthetic
 from maxtext_rl_plugin.errors import ConfigError
 
 TINY = "configs/cpu_tiny.yml"
@@ -228,6 +231,10 @@ def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
   bad_yml.write_text("base_config: rl.yml\nrl: 5\n")
   a_file = tmp_path / "a_file"
   a_file.write_text("")
+  exits, broken, good = tmp_path / "exits.py", tmp_path / "broken.py", tmp_path / "good.py"
+  exits.write_text("import sys\nsys.exit(0)\n")
+  broken.write_text("def f(:\n")
+  good.write_text("def f(prompts, completions, **kwargs):\n  return [0.0] * len(completions)\n")
   cases = [
       ([tiny, "print_config=true", "run_name="], "error: invalid value for 'run_name'='': must be set for a run"),
       ([tiny, "print_config=true", "synthetic_min_steps=3"], "error: invalid value for 'synthetic_max_steps'=2"),
@@ -250,6 +257,20 @@ def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
       ([tmp_path], f"error: config file '{tmp_path}' is a directory; give a yml file"),
       ([tiny, "data_template_path=/nonexistent/t.json"], "error: invalid value for 'data_template_path'="),
       ([str(tmp_path / "missing.yml")], "error: config file"),
+      # Reward functions: a missing or unimportable file, an unknown name (training and print_config alike).
+      ([tiny, "reward_functions=f", "reward_functions_path=/nonexistent/r.py"], "error: reward_functions_path="),
+      (
+          [tiny, "print_config=true", "reward_functions=f", "reward_functions_path=/nonexistent/r.py"],
+          "error: reward_functions_path='/nonexistent/r.py': file not found",
+      ),
+      ([tiny, "print_config=true", "reward_functions=nosuch"], "error: reward_functions: 'nosuch' is not defined"),
+      ([tiny, "reward_functions=f", f"reward_functions_path={exits}"], "error: reward_functions_path="),
+      ([tiny, "reward_functions=nosuch", f"reward_functions_path={broken}"], "error: reward_functions_path="),
+      ([tiny, "reward_functions=g", f"reward_functions_path={good}"], "error: reward_functions: 'g' is not defined in"),
+      # A products task with fewer distinct questions than its eval set; dependent keys with their switch off.
+      ([tiny, "synthetic_task=products", "synthetic_max_value=12"], "error: invalid value for 'synthetic_max_value'=12"),
+      ([tiny, "rl.agentic_max_turns=8"], "error: config key 'rl.agentic_max_turns'=8 has no effect with"),
+      ([tiny, "rl.dynamic_sampling=true", "rl.max_refill_rounds=1000000"], "error: invalid value for 'rl.max_refill_"),
   ]
   cases = [("train_rl", argv, line) for argv, line in cases] + [
       ("export_lora", ["--output", str(tmp_path / "o"), tiny, "run_name=a/b"], "error: invalid value for 'run_name'"),
@@ -271,7 +292,7 @@ def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
   for (_, argv, line), (code, heavy), err in zip(cases, results, errors):
     assert code == 2 and err.startswith(line), (argv, code, err)
     assert not heavy, (argv, heavy)
-  assert not os.listdir(tmp_path / ".") or sorted(os.listdir(tmp_path)) == ["a_file", "bad.yml"]
+  assert sorted(os.listdir(tmp_path)) == ["a_file", "bad.yml", "broken.py", "exits.py", "good.py"]
 
 
 def test_the_first_pass_leaves_environment_overrides_to_pyconfig(tmp_path, monkeypatch):
@@ -311,3 +332,71 @@ def test_the_first_pass_leaves_interpolations_to_pyconfig(tmp_path):
   with pytest.raises(ConfigError, match="Environment variable 'NOPE' not found"):
     config_lib.load_config([str(yml)])
   assert not (tmp_path / "out").exists()
+
+
+# Each dependent-key family (dependent_keys.FAMILIES): a key set while its switch is off, refused by both passes.
+_DEPENDENT = [
+    (["rl.agentic_max_turns=8"], "'rl.agentic_max_turns'=8 has no effect with rl.use_agentic_rollout=false"),
+    (["rl.agentic_tools=[]"], "'rl.agentic_tools'=[] has no effect with rl.use_agentic_rollout=false"),
+    (["rl.agentic_tool_timeout_s=5"], "'rl.agentic_tool_timeout_s'=5"),
+    (["rl.max_refill_rounds=5"], "'rl.max_refill_rounds'=5 has no effect with rl.dynamic_sampling=false"),
+    (["rl.overlong_penalty_factor=2"], "'rl.overlong_penalty_factor'=2"),
+    (["rl.verify_weight_sync_every=3"], "'rl.verify_weight_sync_every'=3 has no effect with rl.verify_weight_sync="),
+    (["sft_batch_size=4"], "'sft_batch_size'=4 has no effect with sft_warmup_steps=0"),
+    (["sft_learning_rate=0.1"], "'sft_learning_rate'=0.1 has no effect with sft_warmup_steps=0"),
+    (["synthetic_tool_rate=0.5"], "'synthetic_tool_rate'=0.5 has no effect with synthetic_task='word_problems'"),
+]
+
+
+@pytest.mark.parametrize("overrides, needle", _DEPENDENT)
+def test_a_dependent_key_with_its_switch_off_is_refused_by_both_passes(overrides, needle):
+  for load in (config_precheck.precheck, config_lib.load_pydantic):
+    with pytest.raises(ConfigError) as e:
+      load([TINY, *overrides])
+    assert needle in str(e.value) and "\n" not in str(e.value), (load, str(e.value))
+
+
+def test_the_schema_only_dependent_key_is_refused_by_the_typed_pass():
+  # rl.rollout_is_cap has no shipped yml default: the first pass cannot type it, the second refuses it.
+  assert isinstance(config_precheck.precheck([TINY, "rl.rollout_is_cap=3"]), validation.RawConfig)
+  with pytest.raises(ConfigError, match="'rl.rollout_is_cap'=3.0 has no effect with rl.rollout_is='off'"):
+    config_lib.load_pydantic([TINY, "rl.rollout_is_cap=3"])
+
+
+def test_dependent_keys_pass_with_their_switch_on_and_at_their_defaults(tiny_pc):
+  config_lib.load_pydantic([TINY, "rl.dynamic_sampling=true", "rl.max_refill_rounds=5", "rl.overlong_buffer_len=4"])
+  config_lib.load_pydantic(
+      [TINY, "rl.rollout_is=truncate", "rl.rollout_is_cap=3", "sft_warmup_steps=2", "sft_batch_size=4"]
+  )
+  config_lib.load_pydantic([TINY, "rl.max_refill_rounds=3", "sft_batch_size=16", "rl.agentic_tools=[calculator]"])
+  # Each family's defaults are the schema's, so a key left alone is never refused.
+  for family in dependent_keys.FAMILIES:
+    for key, default in family.keys.items():
+      value = dependent_keys._get(tiny_pc, key)  # pylint: disable=protected-access
+      assert dependent_keys._same(value, default), (key, value, default)  # pylint: disable=protected-access
+
+
+@pytest.mark.parametrize(
+    "overrides, ok",
+    [
+        (["synthetic_task=products", "synthetic_max_value=25"], False),  # 16 * 16 = 256 questions: not more than 256
+        (["synthetic_task=products", "synthetic_max_value=26"], True),
+        (["synthetic_task=products", "synthetic_max_value=9"], False),  # one operand range [9, 9]: 1 question
+        (["synthetic_task=products", "synthetic_max_value=20", "synthetic_num_eval=100"], True),
+        (["synthetic_task=products", "synthetic_max_value=12", "eval_data_path=tests/data/gsm8k/test.jsonl"], True),
+    ],
+)
+def test_products_needs_more_distinct_questions_than_its_eval_set(overrides, ok):
+  # Reference: the distinct questions the generator draws, counted by enumerating its seeds (not by the formula).
+
+  pc = None
+  try:
+    pc = config_lib.load_pydantic([TINY, *overrides])
+  except ConfigError as e:
+    assert not ok and "raise synthetic_max_value or lower synthetic_num_eval" in str(e), str(e)
+  mv = int(dict(o.split("=") for o in overrides)["synthetic_max_value"])
+  cfg = synthetic.SyntheticConfig(max_value=mv, task="products")
+  seen = {synthetic.product_problem(random.Random(i), cfg)[0] for i in range(20000)}
+  assert validation.products_questions(mv) == len(seen)
+  if pc is not None:
+    assert ok

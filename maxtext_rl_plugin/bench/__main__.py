@@ -7,6 +7,8 @@ line of results, so ratios are comparable on whatever machine runs it.
 import importlib
 import sys
 
+from maxtext_rl_plugin.errors import exit_on_user_error
+
 BENCHMARKS = {
     "rewards": "maxtext_rl_plugin.bench.rewards",
     "rollout": "maxtext_rl_plugin.bench.rollout",
@@ -26,8 +28,11 @@ def main(argv=None) -> int:
   if not argv or argv[0] not in BENCHMARKS:
     print(f"usage: python -m maxtext_rl_plugin.bench {{{','.join(BENCHMARKS)}}} [--help]", file=sys.stderr)
     return 2
-  module = importlib.import_module(BENCHMARKS[argv[0]])
-  return module.main(argv[1:]) or 0
+  # A benchmark's config and argument mistakes (an unknown flag, `batch_size=abc`) are one `error:` line, exit 2, as
+  # for train_rl: every benchmark reads its config through the same loader.
+  with exit_on_user_error():
+    module = importlib.import_module(BENCHMARKS[argv[0]])
+    return module.main(argv[1:]) or 0
 
 
 if __name__ == "__main__":

@@ -301,8 +301,9 @@ class SyntheticSplit(splits.DatasetSplit):
         sol = tool_demonstration(q, a, prompts.tag_tokens(self.config))
       return splits.Example(q, str(a), sol, prompt, f"synthetic-{self.stream}-{i}")
     raise DataError(
-        f"synthetic problems do not fit max_prefill_predict_length={self.max_prompt_tokens} "
-        f"(or all collide with the eval set); raise it or lower synthetic_max_steps"
+        f"no synthetic problem for item {i} after 100 draws: each was longer than max_prefill_predict_length="
+        f"{self.max_prompt_tokens} ({self.filtered_long} so far: raise it or lower synthetic_max_steps) or an eval "
+        f"question ({self.redrawn_eval_overlap} so far: raise synthetic_max_value or lower synthetic_num_eval)"
     )
 
 

@@ -34,6 +34,7 @@ from absl import logging
 
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_dir
+from maxtext_rl_plugin import validation
 from maxtext_rl_plugin.launch import xpk as xpk_lib
 
 ENTRIES = ("train_rl", "smoke")
@@ -85,7 +86,8 @@ class RayLaunch:
     if self.cpu_devices_per_worker < 1:
       raise xpk_lib.LaunchError(f"--cpu-devices-per-worker must be >= 1, got {self.cpu_devices_per_worker}")
     if self.entry == "train_rl" and check_overrides:
-      xpk_lib.validate_overrides(self.config, self.train_argv()[1:])
+      pc = xpk_lib.validate_overrides(self.config, self.train_argv()[1:])
+      validation.check_processes(pc, self.num_workers)  # what the trainer refuses across processes, before Ray starts
 
   def run_name(self) -> str:
     return self.name or xpk_lib.override_value(self.overrides, "run_name") or "maxtext-rl"

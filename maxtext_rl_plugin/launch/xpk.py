@@ -132,13 +132,13 @@ def override_value(overrides: Sequence[str], key: str) -> str | None:
   return value
 
 
-def validate_overrides(config: str, overrides: Sequence[str]) -> None:
-  """Load `<config> <overrides>` as train_rl will inside the container; raises ConfigError (one line)."""
+def validate_overrides(config: str, overrides: Sequence[str]):
+  """Load `<config> <overrides>` as train_rl will inside the container (returned); raises ConfigError (one line)."""
   # MaxText logs notes about cluster-side defaults (e.g. a local base_output_directory) while loading: noise here.
   verbosity = logging.get_verbosity()
   logging.set_verbosity(logging.ERROR)
   try:
-    config_lib.load_pydantic([config, *overrides])
+    return config_lib.load_pydantic([config, *overrides])
   finally:
     logging.set_verbosity(verbosity)
 

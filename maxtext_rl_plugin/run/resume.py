@@ -59,9 +59,17 @@ def _meta(config, step: int, extra: dict | None = None) -> dict:
       "model_name": config.model_name,
       "rollout_seed": int(config.rollout_seed),
       "lr_schedule_updates": schedule_updates(config),
+      "update_keys": run_identity.update_values(config),  # resume notes: run_identity.update_changes
+      "metrics_file": _metrics_path(config),  # the file this run's records go to (run_dir.check_resumed_metrics_file)
       **run_identity.identity(config),
       **(extra or {}),
   }
+
+
+def _metrics_path(config) -> str | None:
+  run_dir = os.path.join(config.base_output_directory, config.run_name)
+  path = run_dir_lib.resolve_metrics_file(config.metrics_file, run_dir)
+  return os.path.abspath(path) if path and "://" not in path else path
 
 
 def _check_resume_compatible(config, meta: dict, path: str) -> None:
@@ -142,9 +150,10 @@ def resume(rl_run: RLRun, ckpt: RunCheckpointer) -> tuple[int, dict]:
   start, meta = _restore_newest(rl_run, ckpt)  # every process joins the restore
   start = distributed.agree(start, "the checkpoint step to resume from")
   if metrics_lib.is_writer():
-    note = schedule_change(rl_run.config, meta) if start else None
-    if note:
-      print(note, flush=True)
+    notes = [schedule_change(rl_run.config, meta), *run_identity.update_changes(rl_run.config, meta)] if start else []
+    for note in notes:
+      if note:
+        print(note, flush=True)
     if not start:
       run_dir_lib.check_fresh_metrics_file(rl_run.metrics_file, rl_run.run_dir)
     for path in (rl_run.metrics_file, os.path.join(rl_run.run_dir, "batches.jsonl")):

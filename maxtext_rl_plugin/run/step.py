@@ -29,6 +29,7 @@ from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.errors import UserError
 from maxtext_rl_plugin.run.state import PhaseTimer, RLRun
 
 
@@ -139,18 +140,103 @@ def _step_metrics(
   return m
 
 
+class NonFiniteError(UserError):
+  """A step's advantages, loss or gradient norm is not finite: the run stops before the update is synced or saved."""
+
+
+def check_batch(step: int, sampled: Any, num_generations: int) -> None:
+  """Before the update: every reward, group statistic and advantage of the batch is finite (host arrays: no device
+  sync). Rewards are float32; values within its range whose spread is not (3e38 and -3e38 in one group) overflow the
+  group's standard deviation, and the advantages come out 0 (no gradient) or NaN."""
+  with np.errstate(all="ignore"):
+    groups = np.asarray(sampled.rewards, np.float32).reshape(-1, int(num_generations))
+    std = groups.std(axis=1)
+  bad = np.flatnonzero(~np.isfinite(std))
+  if bad.size:
+    k = int(bad[0])
+    raise NonFiniteError(
+        f"step {step}: the rewards of group {k} ({_few(groups[k], 0)}) spread beyond float32 (their standard deviation "
+        "overflows); stopped before the update was applied or saved: keep rewards a few units wide (GRPO normalises "
+        "them)"
+    )
+  for name, values in (("reward", sampled.rewards), ("advantage", sampled.advantages)):
+    arr = np.asarray(values, np.float64)
+    bad = np.flatnonzero(~np.isfinite(arr))
+    if bad.size:
+      i = int(bad[0])
+      raise NonFiniteError(
+          f"step {step}: the {name} of completion {i} is {arr[i]} (rewards {_few(sampled.rewards, i)} of its batch); "
+          "stopped before the update was applied or saved: keep rewards a few units wide (GRPO normalises them)"
+      )
+
+
+def _few(values: Any, i: int) -> str:
+  arr = np.asarray(values, np.float64).reshape(-1)
+  return "[" + ", ".join(f"{v:g}" for v in arr[max(0, i - 2) : i + 3]) + "]"
+
+
+_UPDATE_SCALARS = ("actor/train/loss", "actor/train/grad_norm")
+
+
+def check_update(step: int, logged: dict[str, float]) -> None:
+  """After the step's updates, before their weights are synced to the sampler, audited or saved: the loss and the
+  gradient norm Tunix logged (already host floats: the step's metrics read them anyway, no extra sync) are finite."""
+  bad = {k.rsplit("/", 1)[1]: v for k, v in logged.items() if k in _UPDATE_SCALARS and not math.isfinite(v)}
+  if bad:
+    shown = ", ".join(f"{k} {v}" for k, v in bad.items())
+    raise NonFiniteError(
+        f"step {step}: the update's {shown}; stopped before the step's weights were synced or saved (the last "
+        "checkpoint stands): lower learning_rate or set gradient_clipping_threshold, and check the rewards"
+    )
+
+
+class LearningSignal:
+  """One console line when a step trains on nothing (every group's rewards equal: zero advantage) or dynamic sampling
+  ran out of refill rounds: the metrics say it (`reward/zero_variance_group_fraction`,
+  `dynamic_sampling/short_groups`), and the console says it too: the former on its first step, then at most once per
+  10 * log_period steps (a random-init model's rewards are all zero for a while: one line, not one per step)."""
+
+  def __init__(self, log_period: int):
+    self.period = 10 * max(1, int(log_period))
+    self.nothing = 0  # steps that trained on nothing so far
+    self._said_at = -(10**9)
+
+  def note(self, step: int, metrics: dict[str, float], batch_size: int) -> str | None:
+    """The console line for step `step`'s metrics record, or None."""
+    short = int(metrics.get("dynamic_sampling/short_groups", 0))
+    nothing = metrics.get("reward/zero_variance_group_fraction", 0.0) >= 1.0
+    self.nothing += nothing
+    if short:
+      rounds = int(metrics.get("dynamic_sampling/refill_rounds", 0))
+      trained = "nothing (a zero update)" if nothing else f"the {batch_size - short} it found"
+      return (
+          f"note: step {step}: dynamic sampling found {batch_size - short} informative group(s) of {batch_size} after "
+          f"{rounds} refill round(s) (rl.max_refill_rounds is spent); {short} slot(s) are masked out and the step "
+          f"trains on {trained}"
+      )
+    if nothing and step - self._said_at >= self.period:
+      self._said_at = step
+      return (
+          f"note: step {step} trains on nothing: every group's completions got equal rewards (zero advantage; "
+          f"{self.nothing} such step(s) so far); rl.dynamic_sampling=true samples more prompts instead"
+      )
+    return None
+
+
 def train_step(rl_run: RLRun, producer, step: int, snapshot: bool, audit: bool) -> dict[str, float]:
   """RL step `step` (batch `step - 1`): GRPO's step as the loop sees it; returns the step's metrics record."""
   t_step = time.perf_counter()
   rl_run.timer.reset()
   item = producer.take(step - 1)  # sampled inline, or earlier in the producer's thread (rl.off_policy_steps > 0)
   batch, inputs, sampled = item.value
+  check_batch(step, sampled, rl_run.config.rl.num_generations)
   rl_run.data_position = dynamic_sampling.next_position(sampled, step, rl_run.config.batch_size)
   exp = experience.score(rl_run, sampled, rl_run.plan, rl_run.timer)
   t = time.perf_counter()
   rl_run.rl_cluster.update_actor(updates.micro_batches(exp.example, rl_run.plan), None, skip_jit=False)
   # Tunix defers writing an update's metrics by one update (to overlap I/O); flush so this step's are this step's.
   tunix_compat.flush_train_metrics(rl_run.rl_cluster.actor_trainer)
+  check_update(step, rl_run.tee.latest())
   rl_run.timer.add("train", time.perf_counter() - t)
   t = time.perf_counter()
   wait_sync = producer.publish(step, functools.partial(_install_weights, rl_run, snapshot))
