@@ -82,7 +82,7 @@ def trainer_mesh(config, devices) -> Mesh:
   return maxtext_utils.get_mesh_from_config(config, devices)
 
 
-def _train_state_fn(config, mesh, tx, lora: bool) -> Callable[[], Any]:
+def _train_state_fn(config, mesh, tx, lora: bool, pad_id: int = PAD_ID) -> Callable[[], Any]:
   """A zero-argument builder of (actor adapter, optimizer), as build_run + Tunix's PeftTrainer make them."""
   create = model_creation_utils.get_nnx_create_model_fn(config, mesh=mesh)
 
@@ -90,7 +90,7 @@ def _train_state_fn(config, mesh, tx, lora: bool) -> Callable[[], Any]:
     base = create()
     if lora:
       base = lora_lib.apply_abstract(config, base, mesh)
-    actor = TunixMaxTextAdapter(base_model=base, pad_id=PAD_ID)
+    actor = TunixMaxTextAdapter(base_model=base, pad_id=pad_id)
     wrt = nnx.LoRAParam if lora else nnx.Param
     return train_state_nnx.TrainStateNNX(actor, nnx.Optimizer(actor, tx, wrt=wrt))
 
@@ -100,15 +100,14 @@ def _train_state_fn(config, mesh, tx, lora: bool) -> Callable[[], Any]:
 def optimizer(config) -> optax.GradientTransformation:
   """The actor's optimizer as Tunix's trainer holds it: build_optimizer, MultiSteps over micro-batches."""
   plan = updates.UpdatePlan.from_config(config)
-  tx = build.build_optimizer(config)
-  if plan.micro_batch_size != plan.mini_batch_size:  # RLTrainingConfig derives gradient_accumulation_steps then
-    tx = optax.MultiSteps(tx, plan.accumulation_steps)
-  return tx
+  # build_run always sets train_micro_batch_size, so RLTrainingConfig derives gradient_accumulation_steps (>= 1) and
+  # PeftTrainer always wraps the optimizer in MultiSteps (one gradient-accumulator copy of the trainable params).
+  return optax.MultiSteps(build.build_optimizer(config), plan.accumulation_steps)
 
 
-def abstract_train_state(config, mesh, lora: bool):
+def abstract_train_state(config, mesh, lora: bool, pad_id: int = PAD_ID):
   """(graphdef, abstract state, shardings) of the actor + optimizer, as MaxText's train_compile derives them."""
-  init = _train_state_fn(config, mesh, optimizer(config), lora)
+  init = _train_state_fn(config, mesh, optimizer(config), lora, pad_id)
   with decode.warnings_off():
     state, _, shardings = maxtext_utils.get_abstract_state(config, mesh, init, True)
     with logical_axis_rules(config.logical_axis_rules):
@@ -136,21 +135,21 @@ def _example(config, mesh, rows: int, beta: float, use_is: bool):
   )
 
 
-def loss_fn_of(config):
+def loss_fn_of(config, pad_id: int = PAD_ID, eos_id: int = EOS_ID):
   """The loss the GrpoLearner hands the actor trainer: the registry's policy loss with the run's algo config."""
   algo = algorithms.tunix_algo_config(config)
   algo.temperature = float(config.decode_sampling_temperature)  # GrpoLearner sets it from the rollout config
   policy_loss_fn = function_registry.get_policy_loss_fn(algo.policy_loss_fn)
 
   def loss_fn(model, train_example, algo_config):
-    return policy_loss_fn(model, train_example, algo_config=algo_config, pad_id=PAD_ID, eos_id=EOS_ID)
+    return policy_loss_fn(model, train_example, algo_config=algo_config, pad_id=pad_id, eos_id=eos_id)
 
   return loss_fn, algo
 
 
-def update_fn(graphdef, config, lora: bool):
+def update_fn(graphdef, config, lora: bool, pad_id: int = PAD_ID, eos_id: int = EOS_ID):
   """The actor update as a pure function of (state, example): Tunix's train step on the merged module."""
-  loss_fn, algo = loss_fn_of(config)
+  loss_fn, algo = loss_fn_of(config, pad_id, eos_id)
 
   def gen_input(x):
     return {"train_example": x, "algo_config": algo}
@@ -163,10 +162,10 @@ def update_fn(graphdef, config, lora: bool):
   return step
 
 
-def actor_update(config, mesh, lora: bool) -> tuple[Program, Any]:
+def actor_update(config, mesh, lora: bool, pad_id: int = PAD_ID, eos_id: int = EOS_ID) -> tuple[Program, Any]:
   """The update program and the abstract train state (shared with the log-prob forwards)."""
   plan = updates.UpdatePlan.from_config(config)
-  graphdef, state, shardings = abstract_train_state(config, mesh, lora)
+  graphdef, state, shardings = abstract_train_state(config, mesh, lora, pad_id)
   rows = plan.micro_batch_size * plan.num_generations
   beta = float(config.rl.grpo_beta)
   example = _example(config, mesh, rows, beta, config.rl.rollout_is != "off")
@@ -175,7 +174,7 @@ def actor_update(config, mesh, lora: bool) -> tuple[Program, Any]:
       name="actor_update" + ("_lora" if lora else ""),
       phase="update",
       mesh=mesh,
-      fn=update_fn(graphdef, config, lora),
+      fn=update_fn(graphdef, config, lora, pad_id, eos_id),
       args=(state, example),
       calls_per_step=plan.micro_steps_per_step,
       knob="train_micro_batch_size (or remat_policy, trainer_devices_fraction)",

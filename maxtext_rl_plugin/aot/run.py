@@ -71,13 +71,14 @@ def build_programs(config, argv: Sequence[str], devices: list) -> tuple[list, di
   mesh = programs.trainer_mesh(cfg, rs.trainer_devices)
   _say(f"trainer mesh {_axes(mesh)}: building the abstract actor + optimizer state")
   update, (graphdef, state, _) = programs.actor_update(cfg, mesh, lora)
-  params = nnx.state(nnx.merge(graphdef, state).model, nnx.Param) if lora else None
+  # The MaxText model's params (the adapter's `base`), as the weight sync moves them.
+  params = nnx.state(nnx.merge(graphdef, state).model.base, nnx.Param)
   with jax.set_mesh(mesh):
     train_state_bytes = report.per_device_bytes(state)
   beta = float(cfg.rl.grpo_beta)
   ref_copy = 0
   if beta and not lora:  # build_run clones the actor's params as the reference (LoRA: the frozen base, shared)
-    ref_copy = report.per_device_bytes(nnx.state(nnx.merge(graphdef, state).model, nnx.Param))
+    ref_copy = report.per_device_bytes(params)
   trainer_resident = train_state_bytes + ref_copy
   out = [(update, ref_copy, False)]
   logps_calls = plan.batch_size // plan.micro_batch_size
@@ -109,8 +110,7 @@ def build_programs(config, argv: Sequence[str], devices: list) -> tuple[list, di
     rollout = programs.rollout_program(rs.sampler_config, rs.sampler_devices)
     out.append((rollout, 0 if rs.disaggregated else trainer_resident, not rs.disaggregated))
   if rs.disaggregated:
-    trainer_params = params if params is not None else nnx.state(nnx.merge(graphdef, state).model, nnx.Param)
-    sync = programs.sync_program(trainer_params, rs.trainer_devices, rs.sampler_config, rs.sampler_devices)
+    sync = programs.sync_program(params, rs.trainer_devices, rs.sampler_config, rs.sampler_devices)
     if sync is None:
       facts["not_compiled"].append(
           "weight sync: trainer and sampler device counts differ; the device_put path copies without a staging "
@@ -118,7 +118,6 @@ def build_programs(config, argv: Sequence[str], devices: list) -> tuple[list, di
       )
     else:
       out.append((sync, trainer_resident, True))
-  del params
   return out, facts
 
 
