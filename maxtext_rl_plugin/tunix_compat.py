@@ -97,7 +97,9 @@ def maxtext_lora_module_path(config: Any) -> str:
   return lora_utils._get_lora_module_path(config)  # pylint: disable=protected-access
 
 
-def actor_train_step(model: Any, optimizer: Any, inputs: Any, loss_fn: Callable, gen_model_input_fn: Callable, lora: bool):
+def actor_train_step(
+    model: Any, optimizer: Any, inputs: Any, loss_fn: Callable, gen_model_input_fn: Callable, lora: bool
+):
   """Tunix's actor-trainer step body (`PeftTrainer._train_step`: value_and_grad of the loss, global grad norm,
   `optimizer.update`), run on a stand-in trainer holding the learner's loss and input functions. The AOT compile
   (aot/programs.py) lowers this for a TPU topology: the very code the run's `actor_trainer` jits, not a copy."""

@@ -6,6 +6,7 @@ A compile that runs out of HBM is a result, not a crash: XLA's `RESOURCE_EXHAUST
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 import time
@@ -28,6 +29,7 @@ class Compiled:
   temp_bytes: int = 0
   alias_bytes: int = 0
   code_bytes: int = 0
+  host_temp_bytes: int = 0  # host-offloaded temporaries (remat offload), not in HBM
   peak_bytes: int = 0
   flops: float = 0.0
   bytes_accessed: float = 0.0
@@ -51,7 +53,8 @@ def lower(program: Program):
     kwargs["in_shardings"] = program.in_shardings
   if program.out_shardings is not None:
     kwargs["out_shardings"] = program.out_shardings
-  with decode.warnings_off(), jax.set_mesh(program.mesh), logical_axis_rules(program.rules):
+  mesh = jax.set_mesh(program.mesh) if program.context_mesh else contextlib.nullcontext()
+  with decode.warnings_off(), mesh, logical_axis_rules(program.rules):
     return jax.jit(program.fn, donate_argnums=program.donate_argnums, **kwargs).lower(*program.args)
 
 
@@ -78,6 +81,7 @@ def compile_program(program: Program) -> Compiled:
       temp_bytes=int(mem.temp_size_in_bytes),
       alias_bytes=int(mem.alias_size_in_bytes),
       code_bytes=int(mem.generated_code_size_in_bytes),
+      host_temp_bytes=int(getattr(mem, "host_temp_size_in_bytes", 0) or 0),
       flops=float(cost.get("flops", 0.0)),
       bytes_accessed=float(cost.get("bytes accessed", 0.0)),
   )

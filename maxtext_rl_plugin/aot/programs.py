@@ -71,6 +71,8 @@ class Program:
   # Decode programs: bytes each decode step re-reads per device (weights + KV cache), for the time estimate.
   decode_steps: int = 0
   note: str = ""
+  # Lower under `jax.set_mesh(mesh)` (the run's context); off when inputs and outputs order the devices differently.
+  context_mesh: bool = True
 
 
 def _abstract(x, sharding):
@@ -89,7 +91,9 @@ def _train_state_fn(config, mesh, tx, lora: bool, pad_id: int = PAD_ID) -> Calla
   def init():
     base = create()
     if lora:
-      base = lora_lib.apply_abstract(config, base, mesh)
+      # mesh=None: inside eval_shape the adapters are tracers, which MaxText's replicate step cannot re-place; their
+      # sharding metadata (replicated, set by apply_lora_to_model) is what get_abstract_state reads.
+      base = lora_lib.apply_abstract(config, base, None)
     actor = TunixMaxTextAdapter(base_model=base, pad_id=pad_id)
     wrt = nnx.LoRAParam if lora else nnx.Param
     return train_state_nnx.TrainStateNNX(actor, nnx.Optimizer(actor, tx, wrt=wrt))
@@ -260,7 +264,9 @@ def rollout_program(sampler_config, sampler_devices) -> Program:
   args = (
       params,
       jax.tree.map(lambda x: _abstract(x, rep), rest),
-      jax.ShapeDtypeStruct((prompts, length), jnp.int32, sharding=NamedSharding(mesh, P(sampler.batch_axes or None, None))),
+      jax.ShapeDtypeStruct(
+          (prompts, length), jnp.int32, sharding=NamedSharding(mesh, P(sampler.batch_axes or None, None))
+      ),
       jax.ShapeDtypeStruct((prompts,), jnp.int32, sharding=batch),
       jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=batch),
       jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep),
@@ -289,9 +295,7 @@ def sync_program(trainer_params, trainer_devices, sampler_config, sampler_device
   if len(trainer_devices) != len(sampler_devices) or set(trainer_devices) == set(sampler_devices):
     return None
   s_mesh = build.models.build_sampler_mesh(sampler_config, sampler_devices)
-  staging_mesh = Mesh(
-      np.array(list(trainer_devices), dtype=object).reshape(s_mesh.devices.shape), s_mesh.axis_names
-  )
+  staging_mesh = Mesh(np.array(list(trainer_devices), dtype=object).reshape(s_mesh.devices.shape), s_mesh.axis_names)
   with decode.warnings_off():
     _, s_model = model_creation_utils.create_nnx_abstract_model(sampler_config, s_mesh)
   dst = nnx.state(s_model, nnx.Param)
@@ -306,4 +310,5 @@ def sync_program(trainer_params, trainer_devices, sampler_config, sampler_device
       knob="rl.reshard_chunk_size (chunks bound the staging buffers)",
       out_shardings=out,
       note="device_put path, phase 1 (re-partition on the trainer devices); phase 2 is a shard-for-shard copy",
+      context_mesh=False,
   )

@@ -49,6 +49,7 @@ class Row:
   knob: str
   note: str = ""
   oom: str | None = None
+  host_temp_gib: float = 0.0  # remat-offloaded activations in host memory (not HBM)
 
 
 def per_device_bytes(tree: Any) -> int:
@@ -68,8 +69,25 @@ def row(c: Compiled, spec: DeviceSpec, resident_extra: int, replaces_args: bool)
   p = c.program
   if c.oom is not None:
     return Row(
-        p.name, p.phase, p.mesh.size, p.calls_per_step, 0, 0, 0, math.inf, math.inf, spec.hbm_bytes / GIB, False, 0, 0,
-        0, 0, c.seconds, p.knob, p.note, c.oom,
+        p.name,
+        p.phase,
+        p.mesh.size,
+        p.calls_per_step,
+        0,
+        0,
+        0,
+        math.inf,
+        math.inf,
+        spec.hbm_bytes / GIB,
+        False,
+        0,
+        0,
+        0,
+        0,
+        c.seconds,
+        p.knob,
+        p.note,
+        c.oom,
     )
   needs = c.peak_bytes + resident_extra - (c.argument_bytes if replaces_args else 0)
   t = max(c.flops / spec.peak_flops, c.bytes_accessed / spec.hbm_bandwidth)
@@ -94,6 +112,7 @@ def row(c: Compiled, spec: DeviceSpec, resident_extra: int, replaces_args: bool)
       compile_s=c.seconds,
       knob=p.knob,
       note=p.note,
+      host_temp_gib=c.host_temp_bytes / GIB,
   )
 
 
@@ -150,7 +169,10 @@ def to_json(rows: list[Row], spec: DeviceSpec, topology: str, num_slices: int, e
           "topology": topology,
           "num_slices": num_slices,
           "device": dataclasses.asdict(spec),
-          "programs": [{k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in dataclasses.asdict(r).items()} for r in rows],
+          "programs": [
+              {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in dataclasses.asdict(r).items()}
+              for r in rows
+          ],
           "step_seconds": step_estimate(rows),
           "fits": all(r.fits for r in rows),
           **extra,

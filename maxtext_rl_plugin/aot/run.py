@@ -85,7 +85,9 @@ def build_programs(config, argv: Sequence[str], devices: list) -> tuple[list, di
   if plan.needs_old_logps:
     out.append((programs.logps_program("old_logps", cfg, mesh, graphdef, state, logps_calls), trainer_resident, True))
   if beta:
-    out.append((programs.logps_program("reference_logps", cfg, mesh, graphdef, state, logps_calls), trainer_resident, True))
+    out.append(
+        (programs.logps_program("reference_logps", cfg, mesh, graphdef, state, logps_calls), trainer_resident, True)
+    )
   engine = cfg.rollout_engine
   facts = {
       "model": cfg.model_name,
@@ -132,7 +134,13 @@ def run(config, argv: Sequence[str]) -> int:
   rows = []
   for i, (prog, resident, replaces) in enumerate(progs, 1):
     _say(f"compiling {i}/{len(progs)} {prog.name} on {prog.mesh.size} devices {_axes(prog.mesh)} ...")
-    compiled = compile_lib.compile_program(prog)
+    try:
+      compiled = compile_lib.compile_program(prog)
+    except Exception as e:  # pylint: disable=broad-exception-caught  # one program's failure must not hide the others
+      first = " ".join(str(e).split())[:200]
+      facts["not_compiled"].append(f"{prog.name}: failed to compile ({type(e).__name__}: {first})")
+      _say(f"  {prog.name}: failed to compile ({type(e).__name__})")
+      continue
     r = report.row(compiled, spec, resident, replaces)
     rows.append(r)
     _say(

@@ -63,6 +63,9 @@ def quiet_libtpu_env() -> None:
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5p-8")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  # libtpu takes /tmp/libtpu_lockfile so two processes do not drive one TPU; compiling drives none, and a second
+  # compile (or a test beside a compile) would otherwise fail with "Internal error when accessing libtpu lockfile".
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def topology_devices(topology: str, num_slices: int) -> list:
@@ -89,6 +92,10 @@ def topology_devices(topology: str, num_slices: int) -> list:
         wrap=target.wrap,
     )
   except (RuntimeError, ValueError) as e:
+    if "lockfile" in str(e):
+      raise ConfigError(
+          f"compile_topology='{topology}': another process holds libtpu's lockfile; set ALLOW_MULTIPLE_LIBTPU_LOAD=1"
+      ) from None
     if "libtpu" in str(e).lower() or "tpu" in str(e).lower():
       raise ConfigError(
           f"invalid value for 'compile_topology'='{topology}': compiling for a TPU needs libtpu in this environment "
