@@ -63,6 +63,7 @@ _LONGEST_FIRST = (
     "test_agentic_e2e",
     "test_ray_disaggregated",
     "test_lora",
+    "test_aot",
     "test_dynamic_sampling_e2e",
     "test_bench_gpu",
     "test_evaluation",
