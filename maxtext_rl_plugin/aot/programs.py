@@ -41,6 +41,7 @@ from tunix.rl import function_registry
 
 from maxtext_rl_plugin import algorithms
 from maxtext_rl_plugin import lora as lora_lib
+from maxtext_rl_plugin import models
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
 from maxtext_rl_plugin.rollout import bucketing
@@ -195,7 +196,6 @@ def logps_program(name: str, config, mesh, graphdef, state, calls: int) -> Progr
   plan = updates.UpdatePlan.from_config(config)
   rows = plan.micro_batch_size * plan.num_generations
   ex = _example(config, mesh, rows, 0.0, False)
-  params = nnx.state(state, nnx.Param) if hasattr(state, "filter") else state
   temperature = float(config.decode_sampling_temperature) or 1.0
 
   def forward(model_state, prompt_ids, completion_ids):
@@ -213,7 +213,6 @@ def logps_program(name: str, config, mesh, graphdef, state, calls: int) -> Progr
         temperature=temperature,
     )
 
-  del params
   return Program(
       name=name,
       phase="logps",
@@ -242,7 +241,7 @@ def rollout_shape(config, generations: int, dp: int) -> tuple[int, int, int, int
 
 def rollout_program(sampler_config, sampler_devices) -> Program:
   """The embedded engine's prefill + decode program on the sampler mesh (rollout/decode.py)."""
-  mesh = build.models.build_sampler_mesh(sampler_config, sampler_devices)
+  mesh = models.build_sampler_mesh(sampler_config, sampler_devices)
   with decode.warnings_off():
     sampler = decode.MaxTextSampler(sampler_config, mesh, PAD_ID)
     g = int(sampler_config.rl.num_generations)
@@ -294,7 +293,7 @@ def sync_program(trainer_params, trainer_devices, sampler_config, sampler_device
   """Phase 1 of the device_put weight sync: trainer params re-laid out as the sampler's, on the trainer devices."""
   if len(trainer_devices) != len(sampler_devices) or set(trainer_devices) == set(sampler_devices):
     return None
-  s_mesh = build.models.build_sampler_mesh(sampler_config, sampler_devices)
+  s_mesh = models.build_sampler_mesh(sampler_config, sampler_devices)
   staging_mesh = Mesh(np.array(list(trainer_devices), dtype=object).reshape(s_mesh.devices.shape), s_mesh.axis_names)
   with decode.warnings_off():
     _, s_model = model_creation_utils.create_nnx_abstract_model(sampler_config, s_mesh)
