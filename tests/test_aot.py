@@ -90,7 +90,12 @@ def programs_role():
 
 
 def _leaves(tree) -> dict:
-  return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+  """Path -> host array (typed PRNG keys as their key data)."""
+
+  def host(v):
+    return np.asarray(jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v)
+
+  return {jax.tree_util.keystr(k): host(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def test_aot_update_is_the_runs_update_bit_for_bit(tiny_run):

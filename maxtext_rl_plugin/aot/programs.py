@@ -289,12 +289,16 @@ def rollout_program(sampler_config, sampler_devices) -> Program:
   )
 
 
-def sync_program(trainer_params, trainer_devices, sampler_config, sampler_devices) -> Program | None:
-  """Phase 1 of the device_put weight sync: trainer params re-laid out as the sampler's, on the trainer devices."""
+def sync_program(trainer_params, trainer_mesh: Mesh, sampler_config, sampler_devices) -> Program | None:
+  """Phase 1 of the device_put weight sync: trainer params re-laid out as the sampler's, on the trainer devices.
+
+  The staging mesh lists the trainer devices in the trainer arrays' own device order, as `move._staging_sharding`
+  builds it from `x.sharding`, so the program has one device assignment."""
+  trainer_devices = list(trainer_mesh.devices.flat)
   if len(trainer_devices) != len(sampler_devices) or set(trainer_devices) == set(sampler_devices):
     return None
   s_mesh = models.build_sampler_mesh(sampler_config, sampler_devices)
-  staging_mesh = Mesh(np.array(list(trainer_devices), dtype=object).reshape(s_mesh.devices.shape), s_mesh.axis_names)
+  staging_mesh = Mesh(np.array(trainer_devices, dtype=object).reshape(s_mesh.devices.shape), s_mesh.axis_names)
   with decode.warnings_off():
     _, s_model = model_creation_utils.create_nnx_abstract_model(sampler_config, s_mesh)
   dst = nnx.state(s_model, nnx.Param)

@@ -112,7 +112,7 @@ def build_programs(config, argv: Sequence[str], devices: list) -> tuple[list, di
     rollout = programs.rollout_program(rs.sampler_config, rs.sampler_devices)
     out.append((rollout, 0 if rs.disaggregated else trainer_resident, not rs.disaggregated))
   if rs.disaggregated:
-    sync = programs.sync_program(params, rs.trainer_devices, rs.sampler_config, rs.sampler_devices)
+    sync = programs.sync_program(params, mesh, rs.sampler_config, rs.sampler_devices)
     if sync is None:
       facts["not_compiled"].append(
           "weight sync: trainer and sampler device counts differ; the device_put path copies without a staging "
