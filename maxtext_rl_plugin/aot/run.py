@@ -8,7 +8,7 @@ checkpoint, no tokenizer, no data: `load_parameters_path` and `tokenizer_path` a
 
 A program that does not fit ends the command with one line (`error: program ... needs X GiB of Y GiB ...`) and exit 2,
 after the table; the JSON report is written either way (`<base_output_directory>/<run_name>.aot-<topology>.json`,
-or `./aot/` when the output directory is remote).
+or `./aot_reports/` when the output directory is remote).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def report_path(config) -> str:
   topo = config.compile_topology
   base = str(config.base_output_directory)
   if "://" in base:
-    base = "aot"
+    base = "aot_reports"
   os.makedirs(base, exist_ok=True)
   return os.path.join(base, f"{config.run_name}.aot-{topo}.json")
 
