@@ -23,7 +23,7 @@ flight when the run stopped are gone (they are not checkpointed); they are sampl
 behaviour_version uses `start`: no batch is repeated or skipped, only the first k steps after a resume are less stale.
 
 The correction for the staleness is the loss's (`rl.rollout_is`: truncated or masked importance weights
-pi_old / pi_behaviour, algorithms.py) or the PPO ratio against the behaviour policy (`rl.use_rollout_logps`);
+pi_old / pi_behaviour, algorithms/divergence.py) or the PPO ratio against the behaviour policy (`rl.use_rollout_logps`);
 `run/build._check_runtime` refuses k > 0 with neither. Rollout engines whose weights are the trainer's own arrays
 (the embedded engine, colocated) sample from a snapshot pinned at each sync (`pin_params`), since the trainer
 updates the shared arrays while the producer samples.

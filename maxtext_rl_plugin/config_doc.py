@@ -17,7 +17,8 @@ from typing import Any, Sequence
 
 import omegaconf
 
-from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import config_files
+from maxtext_rl_plugin import config_keys
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import key_status
 
@@ -31,8 +32,8 @@ def _raw_chain(yml: str) -> tuple[dict[str, Any], dict[str, Any], str]:
   Raw yml values, not `load_pydantic` output: MaxText's post-processing fills machine-dependent values (absolute
   asset paths, timestamped run names) that would make the generated file differ between machines.
   """
-  path = config_lib.resolve_yml(yml)
-  merged = config_lib.merged_chain(path)
+  path = config_files.resolve_yml(yml)
+  merged = config_files.merged_chain(path)
   own = omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(path), resolve=False)
   return merged, own, str(own.get("base_config", ""))
 
@@ -62,10 +63,10 @@ def _fmt_status(key: str) -> str:
 
 def rows(yml: str = DEFAULT_YML) -> list[tuple[str, str, str, str]]:
   """(key, default, meaning, source) for every key of the resolved yml, nested blocks flattened as `rl.key`."""
-  schema = config_lib.config_class()
+  schema = config_keys.config_class()
   merged, own, base = _raw_chain(yml)
-  nested = config_lib.nested_models(schema)
-  plugin_src = os.path.basename(config_lib.resolve_yml(yml))
+  nested = config_keys.nested_models(schema)
+  plugin_src = os.path.basename(config_files.resolve_yml(yml))
   out = []
   for key, value in merged.items():
     if key == "base_config":
@@ -107,7 +108,7 @@ def render(yml: str = DEFAULT_YML) -> str:
       "anything but MaxText's own RL default (`post_train/rl.yml` over `base.yml`) is an error, so no key is ever",
       "accepted and then ignored (`maxtext_rl_plugin/key_status.py`).",
       "",
-      f"The schema accepts {len(config_lib.config_class().model_fields)} top-level keys in all; those not "
+      f"The schema accepts {len(config_keys.config_class().model_fields)} top-level keys in all; those not "
       "listed here keep",
       "MaxText's defaults (`configs/base.yml`, model files under `configs/models/`). `print_config=true` prints every",
       "resolved value of a run and exits.",

@@ -46,7 +46,7 @@ class PluginRL(types.RL):
           "group_std; rloo, drgrpo: none, which refuse group_std)."
       ),
   )
-  # --- DAPO and kin (algorithms.py, experience.py, dynamic_sampling.py) ---
+  # --- DAPO and kin (algorithms/, experience.py, dynamic_sampling.py) ---
   advantage_estimator: Literal["grpo", "rloo", "drgrpo"] = Field(
       "grpo",
       description=(

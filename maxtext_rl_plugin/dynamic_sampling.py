@@ -1,8 +1,9 @@
 r"""DAPO's dynamic sampling (`rl.dynamic_sampling`): no update spent on prompt groups that teach nothing.
 
-A group whose G completions all get the same reward has zero advantage under every estimator (algorithms.py), so it
-costs a rollout and gives no policy gradient; late in training most groups are all-correct or all-wrong. DAPO (Yu et
-al. 2025, Algorithm 1) drops them and samples more prompts until the batch is full. Per RL step (B = batch_size):
+A group whose G completions all get the same reward has zero advantage under every estimator
+(algorithms/advantages.py), so it costs a rollout and gives no policy gradient; late in training most groups are
+all-correct or all-wrong. DAPO (Yu et al. 2025, Algorithm 1) drops them and samples more prompts until the batch is
+full. Per RL step (B = batch_size):
 
     round 0:      the next B prompts of the data stream, sampled as a plain step would (same seed)
     round r >= 1: while fewer than B informative groups are kept and r <= rl.max_refill_rounds, the next B prompts
@@ -45,7 +46,8 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from tunix.rl import rl_cluster as rl_cluster_lib
 
-from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin.algorithms import advantages as advantages_lib
+from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import experience
 from maxtext_rl_plugin import rewards as rewards_lib
@@ -164,8 +166,8 @@ def assemble(rounds: Sequence[_Round], picks: Sequence[tuple[int, int, bool]], g
   token_mask = None  # rl.use_agentic_rollout: every round has one (experience.Sampled.token_mask)
   if first.token_mask is not None:
     token_mask = np.concatenate([rnd.sampled.token_mask[rows] for rnd, rows in by_round])
-  estimator, norm, _ = algorithms.advantage_config(cfg.rl)
-  advantages = algorithms.group_advantages(rewards, g, norm, estimator)
+  estimator, norm, _ = advantages_lib.advantage_config(cfg.rl)
+  advantages = advantages_lib.group_advantages(rewards, g, norm, estimator)
   sampled = experience.Sampled(
       [p for rnd, rows in by_round for p in np.asarray(rnd.sampled.prompts, object)[rows].tolist()],
       [t for rnd, rows in by_round for t in np.asarray(rnd.sampled.texts, object)[rows].tolist()],
@@ -264,7 +266,7 @@ class DynamicSampler:
         "dynamic_sampling/refill_rounds": float(len(extra)),
         "dynamic_sampling/extra_rollouts": float(len(extra) * b * g),
         "dynamic_sampling/extra_tokens": float(
-            sum(algorithms.completion_lengths(r.sampled.completion_ids, pad).sum() for r in extra)
+            sum(shaping.completion_lengths(r.sampled.completion_ids, pad).sum() for r in extra)
         ),
         "dynamic_sampling/surplus_groups": float(max(0, informative - b)),
         "dynamic_sampling/short_groups": float(short),

@@ -8,7 +8,7 @@ This replaces Tunix 0.1.7's private `GrpoLearner._generate_and_compute_advantage
   starting weights (Tunix takes them from the rollout engine, `get_old_per_token_logps`, which is unreliable in 0.1.7
   for every engine), or, with `rl.use_rollout_logps=true` (MaxText's meaning of that key), the log-probs the rollout
   engine returned with the samples (recomputed on the sampler's weights for an engine that returns none);
-* rollout importance weights (`rl.rollout_is`, algorithms.rollout_is_weights) from the behaviour log-probs the
+* rollout importance weights (`rl.rollout_is`, divergence.rollout_is_weights) from the behaviour log-probs the
   engine returned at sampling time and the trainer's old log-probs;
 * sampler-vs-trainer agreement metrics (`rl.log_sampler_trainer_agreement`), behaviour vs trainer:
       d_t = lp_behaviour - lp_trainer on completion tokens,
@@ -41,7 +41,9 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
 from tunix.rl.rollout import base_rollout
 
-from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin.algorithms import advantages as advantages_lib
+from maxtext_rl_plugin.algorithms import divergence
+from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.agentic import episode as episode_lib
 from maxtext_rl_plugin.updates import UpdatePlan
@@ -144,7 +146,7 @@ def agreement_metrics(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -
   trainer = np.where(m > 0, np.asarray(trainer, np.float64), 0.0)
   d = sampler - trainer
   n = max(m.sum(), 1.0)
-  k3 = algorithms.kl_estimate(trainer, sampler, "k3", xp=np)  # KL(trainer || sampler): the loss's estimator and clamp
+  k3 = divergence.kl_estimate(trainer, sampler, "k3", xp=np)  # KL(trainer || sampler): the loss's estimator and clamp
   return {
       "mismatch/logp_abs_diff_mean": float(np.abs(d).sum() / n),
       "mismatch/logp_abs_diff_max": float(np.abs(d).max()) if d.size else 0.0,
@@ -173,7 +175,7 @@ class Sampled:
   # [rows] bool, rows that contribute loss (False: a truncated completion under rl.mask_truncated_completions, or a
   # slot rl.dynamic_sampling could not fill); None = all.
   loss_rows: np.ndarray | None = None
-  truncated: np.ndarray | None = None  # [rows] bool, completions cut by the length limit (algorithms.truncated_rows)
+  truncated: np.ndarray | None = None  # [rows] bool, completions cut by the length limit (shaping.truncated_rows)
   metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler side's step metrics
   next_position: int | None = None  # rl.dynamic_sampling: the data stream position after this batch
   # [rows, T] bool, rl.use_agentic_rollout: the policy's own tokens (False on the environment's tool results, which
@@ -264,20 +266,20 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
   )
   reward_values = run.rewards.reset()
   max_len = completion_ids.shape[1]
-  truncated = algorithms.truncated_rows(completion_ids, pad_id, train_rollout.eos_tokens or [eos_id])
+  truncated = shaping.truncated_rows(completion_ids, pad_id, train_rollout.eos_tokens or [eos_id])
   metrics = {"completion/truncated_fraction": float(truncated.mean())}
   token_mask = None
   if episodes is not None:
     token_mask = pad_rows([e.loss_mask for e in episodes], max_len, 0, np.int32).astype(bool)
     metrics.update(episode_lib.metrics(episodes))
-  if int(cfg.rl.overlong_buffer_len) > 0:  # DAPO's soft overlong penalty, in tokens (algorithms.py)
-    penalty = algorithms.overlong_penalty(
+  if int(cfg.rl.overlong_buffer_len) > 0:  # DAPO's soft overlong penalty, in tokens (algorithms/shaping.py)
+    penalty = shaping.overlong_penalty(
         out.tokens, max_len, int(cfg.rl.overlong_buffer_len), float(cfg.rl.overlong_penalty_factor)
     )
     rewards = (rewards + penalty).astype(np.float32)
     reward_values["overlong_penalty"] = [float(x) for x in penalty]
-  estimator, norm, _ = algorithms.advantage_config(cfg.rl)
-  advantages = algorithms.group_advantages(rewards, g, norm, estimator)
+  estimator, norm, _ = advantages_lib.advantage_config(cfg.rl)
+  advantages = advantages_lib.group_advantages(rewards, g, norm, estimator)
   timer.add("reward", time.perf_counter() - t)
 
   behaviour = None
@@ -325,7 +327,9 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experienc
   pad_id, eos_id = sampled.pad_id, sampled.eos_id
   logps_micro = _micro(cfg.train_micro_batch_size, plan.num_generations)
   prompt_ids = sampled.prompt_ids
-  completion_mask = sampled.completion_ids != pad_id  # the stop token is kept and trained (algorithms.py, EOS policy)
+  completion_mask = (
+      sampled.completion_ids != pad_id
+  )  # the stop token is kept and trained (algorithms/__init__.py, EOS policy)
   if sampled.token_mask is not None:  # environment tokens: context, never loss (nor KL, IS weights, agreement)
     completion_mask = completion_mask & np.asarray(sampled.token_mask, bool)
   if sampled.loss_rows is not None:  # masked rows contribute no loss (they leave the aggregation's counts too)
@@ -351,7 +355,7 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experienc
     old = behaviour if use_sampler else trainer_lp
   is_weights = None
   if rollout_is:
-    w, is_metrics = algorithms.rollout_is_weights(
+    w, is_metrics = divergence.rollout_is_weights(
         distributed.to_host(trainer_lp),
         distributed.to_host(behaviour),
         completion_mask,

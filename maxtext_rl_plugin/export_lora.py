@@ -22,6 +22,7 @@ import os
 import sys
 
 from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import config_precheck
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin import run_dir as run_dir_lib
@@ -101,7 +102,7 @@ def _lora_from_run(argv: list[str], config, ckpt_dir: str, step: int | None) -> 
 
 def export(argv, output: str, step: int | None = None) -> str:
   """Build the run's base, apply and restore its adapters, merge, save; returns the `load_parameters_path`."""
-  config_lib.precheck(argv)  # key names and values as written, before the schema's imports
+  config_precheck.precheck(argv)  # key names and values as written, before the schema's imports
   out = os.path.join(os.path.abspath(output), "0")
   if os.path.exists(out):
     raise ConfigError(f"invalid value for '--output'='{output}': {out} already exists")

@@ -16,7 +16,7 @@ other nested blocks (`dataset`, `reward`, `vllm`, ...) are also top-level fields
 `post_train/rl.yml`.
 """
 
-# The schema (config_types) imports JAX and config.py imports this module: it is imported on first use.
+# The schema (config_types) imports JAX and config_keys.py imports this module: it is imported on first use.
 # pylint: disable=import-outside-toplevel
 
 from __future__ import annotations
@@ -453,7 +453,7 @@ DOTTED_BLOCKS = ("rl", "lora")
 # Every field of the schema that is a nested block (tests/test_config.py compares it with the schema).
 NESTED_BLOCKS = (*DOTTED_BLOCKS, *(b for b in BLOCKS if b not in DOTTED_BLOCKS))
 
-# The schema's key names without importing it (config.light_keys, for refusing an unknown key before JAX loads):
+# The schema's key names without importing it (config_keys.light_keys, for refusing an unknown key before JAX loads):
 # the shipped defaults' keys (MaxText's base.yml under configs/rl.yml) less YML_ONLY_KEYS (in base.yml, not in the
 # schema: MaxText drops them) plus SCHEMA_ONLY_KEYS (fields with no yml default: derived values, flat twins of
 # `rl.` keys, keys MaxText's base.yml leaves out). tests/test_config.py keeps both exact.
@@ -562,8 +562,8 @@ SCHEMA_ONLY_KEYS: frozenset[str] = frozenset(
 
 
 def _config_class():
-  """The schema, imported when first needed: it imports MaxText's types (and JAX), and config.py, which would
-  give it to us, imports this module."""
+  """The schema, imported when first needed: it imports MaxText's types (and JAX), and config_keys.py, which
+  would give it to us, imports this module."""
   from maxtext_rl_plugin.config_types import PluginRLConfig
 
   return PluginRLConfig

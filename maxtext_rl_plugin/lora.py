@@ -17,8 +17,8 @@ matched by `lora_module_path`, else MaxText's `post_train/lora_module_path.yml` 
   merged weights as a MaxText params checkpoint that `load_parameters_path` loads.
 """
 
-# JAX, Flax, Tunix and MaxText's LoRA utilities are imported inside the functions that use them: config.py
-# imports this module for `validate`, and loading a config must not import JAX (see config.py).
+# JAX, Flax, Tunix and MaxText's LoRA utilities are imported inside the functions that use them: config loading
+# imports this module for `validate` (validation.py), and loading a config must not import JAX (see config.py).
 # pylint: disable=import-outside-toplevel
 
 from __future__ import annotations

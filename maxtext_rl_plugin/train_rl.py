@@ -82,8 +82,9 @@ def _main(argv: list[str]) -> int:
     with signals.GracefulStop():
       # Config and path mistakes first, in a second: the schema's imports (JAX, MaxText, Tunix) take ~10 s.
       from maxtext_rl_plugin import config as config_lib
+      from maxtext_rl_plugin import config_precheck
 
-      _precheck(config_lib.precheck(argv))
+      _precheck(config_precheck.precheck(argv))
       # Then, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
       # must be registered now, as MaxText's train_rl.main does; later JAX refuses it.
       from maxtext_rl_plugin import pathways

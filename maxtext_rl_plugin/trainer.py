@@ -31,6 +31,7 @@ from maxtext_rl_plugin import signals
 from maxtext_rl_plugin import summary as summary_lib
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.run import resume
+from maxtext_rl_plugin.run import state
 from maxtext_rl_plugin.run import step as step_lib
 
 
@@ -57,7 +58,7 @@ class StepProfiler:
       self.active = False
 
 
-def train(rl_run: build.RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any]:
+def train(rl_run: state.RLRun, stop: signals.GracefulStop | None = None) -> dict[str, Any]:
   """Run (or resume) the RL loop; returns a summary dict (eval before/after, history)."""
   config = rl_run.config
   stop = stop or signals.GracefulStop()
@@ -161,7 +162,7 @@ def train(rl_run: build.RLRun, stop: signals.GracefulStop | None = None) -> dict
   return summary
 
 
-def _announce(rl_run: build.RLRun, out_logger: metrics_lib.RunLogger, start: int, total: int) -> None:
+def _announce(rl_run: state.RLRun, out_logger: metrics_lib.RunLogger, start: int, total: int) -> None:
   """The run's opening lines: what it starts or resumes, its update plan, its device split."""
   config, plan = rl_run.config, rl_run.plan
   if start:

@@ -15,7 +15,7 @@ import pytest
 from tunix.rl.agentic.tools import base_tool
 from tunix.rl.rollout import base_rollout
 
-from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin.algorithms import loss as loss_lib
 from maxtext_rl_plugin.agentic import episode
 from maxtext_rl_plugin.agentic import parse
 from maxtext_rl_plugin.agentic import tools
@@ -249,7 +249,7 @@ def test_loss_and_gradient_see_the_policys_tokens_alone():
 
   def jax_loss(lp_, old_, ref_, adv_):
     def f(x):
-      return algorithms.policy_loss(x, *[jnp.asarray(a, jnp.float32) for a in (old_, ref_, adv_, mask)], **kw)[0]
+      return loss_lib.policy_loss(x, *[jnp.asarray(a, jnp.float32) for a in (old_, ref_, adv_, mask)], **kw)[0]
 
     v, g = jax.value_and_grad(f)(jnp.asarray(lp_, jnp.float32))
     return float(v), np.asarray(g, np.float64)

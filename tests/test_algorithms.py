@@ -23,13 +23,17 @@ from tunix.rl import function_registry
 from tunix.rl import rl_learner
 from tunix.rl.grpo import grpo_learner
 
-from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin.algorithms import advantages as advantages_lib
+from maxtext_rl_plugin.algorithms import divergence
+from maxtext_rl_plugin.algorithms import loss as loss_lib
+from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import config_precheck
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.config import load_config
 from maxtext_rl_plugin.errors import ConfigError
 
-AGG_MODES = algorithms.LOSS_AGG_MODES
+AGG_MODES = loss_lib.LOSS_AGG_MODES
 # GSPO's sequence ratio is a geometric mean, so it uses much tighter clip ranges (the paper: 3e-4 / 4e-4).
 EPS = {"grpo": (0.2, 0.28), "gspo-token": (0.03, 0.04)}
 LENGTHS = (7, 1, 0, 3, 5, 6)  # includes an empty row (excluded from row counts) and a one-token row
@@ -133,7 +137,7 @@ def finite_diff(fn, x, mask, h=1e-6):
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
 def _value_and_grad(lp, old, ref, adv, mask, **kw):
-  return jax.value_and_grad(lambda x: algorithms.policy_loss(x, old, ref, adv, mask, **kw), has_aux=True)(lp)
+  return jax.value_and_grad(lambda x: loss_lib.policy_loss(x, old, ref, adv, mask, **kw), has_aux=True)(lp)
 
 
 def jax_loss_and_grad(lp, old, ref, adv, mask, **kw):
@@ -265,7 +269,7 @@ def test_bool_mask_and_token_level_advantages():
   got, _, _ = jax_loss_and_grad(*f32(lp, old, ref), jnp.asarray(adv_bt, jnp.float32), jnp.asarray(mask > 0), **kw)
   np.testing.assert_allclose(got, want, rtol=1e-6)
   with pytest.raises(ValueError, match="per-sequence advantages"):
-    algorithms.policy_loss(*f32(lp, old, ref, adv_bt, mask), loss_algo="gspo-token")
+    loss_lib.policy_loss(*f32(lp, old, ref, adv_bt, mask), loss_algo="gspo-token")
 
 
 def test_epsilon_high_changes_which_tokens_clip():
@@ -302,7 +306,7 @@ def test_beta_zero_ignores_reference():
   np.testing.assert_allclose(l_none, want, rtol=1e-5)
   np.testing.assert_allclose(g_none, want_grad, rtol=1e-4, atol=1e-7)
   with pytest.raises(ValueError, match="ref_per_token_logps"):
-    algorithms.policy_loss(*f32(lp, old, None, adv, mask), beta=0.1)
+    loss_lib.policy_loss(*f32(lp, old, None, adv, mask), beta=0.1)
 
 
 @pytest.mark.parametrize("algo", ["grpo", "gspo-token"])
@@ -322,7 +326,7 @@ def test_unknown_options_raise():
   lp, old, ref, adv, mask = f32(*make_batch(seed=9))
   for kw in ({"loss_algo": "ppo"}, {"kl_estimator": "k2"}, {"loss_agg_mode": "seq-mean-token-sum"}):
     with pytest.raises(ValueError):
-      algorithms.policy_loss(lp, old, ref, adv, mask, **kw)
+      loss_lib.policy_loss(lp, old, ref, adv, mask, **kw)
 
 
 def test_kl_estimators_are_unbiased_for_kl():
@@ -333,8 +337,8 @@ def test_kl_estimators_are_unbiased_for_kl():
   true_kl = float(np.sum(p * np.log(p / q)))
   x = rng.choice(6, size=400_000, p=p)
   lp, lq = jnp.asarray(np.log(p)[x], jnp.float32), jnp.asarray(np.log(q)[x], jnp.float32)
-  k1 = np.asarray(algorithms.kl_estimate(lp, lq, "k1"), np.float64)
-  k3 = np.asarray(algorithms.kl_estimate(lp, lq, "k3"), np.float64)
+  k1 = np.asarray(divergence.kl_estimate(lp, lq, "k1"), np.float64)
+  k3 = np.asarray(divergence.kl_estimate(lp, lq, "k3"), np.float64)
   assert np.all(k3 >= 0)
   for est in (k1, k3):
     assert abs(est.mean() - true_kl) < 4 * est.std() / np.sqrt(x.size) + 1e-4
@@ -351,8 +355,8 @@ def test_group_advantages_match_ddof1_definition():
   g = 4
   rewards = rng.integers(0, 3, size=5 * g).astype(np.float64)
   rewards[:g] = 1.0  # a group with no signal
-  got = algorithms.group_advantages(rewards, g)
-  got_none = algorithms.group_advantages(rewards, g, norm="none")
+  got = advantages_lib.group_advantages(rewards, g)
+  got_none = advantages_lib.group_advantages(rewards, g, norm="none")
   for k in range(5):
     grp = [float(v) for v in rewards[k * g : (k + 1) * g]]
     mu, sd = statistics.fmean(grp), statistics.stdev(grp)  # stdev is the n-1 (ddof=1) estimator
@@ -361,12 +365,14 @@ def test_group_advantages_match_ddof1_definition():
       assert got_none[k * g + j] == pytest.approx(rv - mu, abs=1e-12)
   assert np.all(got[:g] == 0.0)
   # JAX in, JAX out (jit-able); same numbers in float32.
-  got_jax = jax.jit(algorithms.group_advantages, static_argnums=(1, 2))(jnp.asarray(rewards, jnp.float32), g, "group_std")
+  got_jax = jax.jit(advantages_lib.group_advantages, static_argnums=(1, 2))(
+      jnp.asarray(rewards, jnp.float32), g, "group_std"
+  )
   assert isinstance(got_jax, jax.Array)
   np.testing.assert_allclose(np.asarray(got_jax), got, rtol=1e-5, atol=1e-6)
-  assert algorithms.group_advantages([1, 0], 2).dtype == np.float32  # int rewards are promoted
+  assert advantages_lib.group_advantages([1, 0], 2).dtype == np.float32  # int rewards are promoted
   with pytest.raises(ValueError):
-    algorithms.group_advantages(np.zeros(6), 4)
+    advantages_lib.group_advantages(np.zeros(6), 4)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -396,17 +402,17 @@ def np_tiny_logps(model: TinyLM, prompt, completion, temperature):
 
 
 def test_register_with_tunix_is_idempotent():
-  algorithms.register_with_tunix()
-  algorithms.register_with_tunix()
-  assert function_registry.get_policy_loss_fn(algorithms.POLICY_LOSS_FN_NAME) is algorithms.tunix_policy_loss_fn
-  for (estimator, norm), name in algorithms.ADVANTAGE_ESTIMATOR_NAMES.items():
+  tunix_wiring.register_with_tunix()
+  tunix_wiring.register_with_tunix()
+  assert function_registry.get_policy_loss_fn(tunix_wiring.POLICY_LOSS_FN_NAME) is tunix_wiring.tunix_policy_loss_fn
+  for (estimator, norm), name in tunix_wiring.ADVANTAGE_ESTIMATOR_NAMES.items():
     est = function_registry.get_advantage_estimator(name)
     np.testing.assert_array_equal(
         est(rewards=np.array([1.0, 0.0, 0.0, 0.0]), num_generations=2),
-        algorithms.group_advantages(np.array([1.0, 0.0, 0.0, 0.0]), 2, norm, estimator),
+        advantages_lib.group_advantages(np.array([1.0, 0.0, 0.0, 0.0]), 2, norm, estimator),
     )
   # Tunix's own GRPO loss stays registered under its name.
-  assert function_registry.get_policy_loss_fn("grpo") is not algorithms.tunix_policy_loss_fn
+  assert function_registry.get_policy_loss_fn("grpo") is not tunix_wiring.tunix_policy_loss_fn
 
 
 @pytest.mark.parametrize("algo,kl,agg", [("grpo", "k3", "sequence-mean-token-mean"), ("gspo-token", "k1", "token-mean")])
@@ -414,7 +420,7 @@ def test_grpo_learner_uses_plugin_loss(algo, kl, agg):
   """Build Tunix's GRPOLearner with the plugin config; the loss it hands the trainer is ours, on a real model."""
   pad, eos, vocab = 0, 1, 11
   eps, eps_high = EPS[algo]
-  cfg = algorithms.PluginGrpoConfig(
+  cfg = tunix_wiring.PluginGrpoConfig(
       num_generations=2, beta=0.05, epsilon=eps, epsilon_high=eps_high, loss_algo=algo, kl_estimator=kl, loss_agg_mode=agg
   )
   cluster = mock.MagicMock()
@@ -459,7 +465,7 @@ def test_grpo_learner_uses_plugin_loss(algo, kl, agg):
   )
   np.testing.assert_allclose(float(loss), want, rtol=1e-4, atol=1e-6)
   assert float(aux["pg_clipfrac"]) == pytest.approx(info["lo"] + info["hi"])
-  assert set(algorithms.rl_metrics_to_log(cfg)) <= set(aux)
+  assert set(tunix_wiring.rl_metrics_to_log(cfg)) <= set(aux)
   # Gradients reach the model's parameters and are finite.
   leaves = jax.tree.leaves(nnx.state(grads))
   assert all(np.all(np.isfinite(np.asarray(g))) for g in leaves)
@@ -481,23 +487,23 @@ def test_tunix_algo_config_maps_rl_keys():
           "rl.grpo_epsilon=0.1",
       ]
   )
-  algo = algorithms.tunix_algo_config(cfg)
+  algo = tunix_wiring.tunix_algo_config(cfg)
   assert isinstance(algo, grpo_learner.GRPOConfig)
   assert (algo.loss_algo, algo.epsilon, algo.epsilon_high, algo.beta) == ("gspo-token", 0.1, 0.28, 0.0)
   assert (algo.kl_estimator, algo.kl_loss_mode, algo.loss_agg_mode) == ("k1", "kl", "token-mean")
   assert (algo.num_generations, algo.num_iterations) == (4, 2)
-  assert algo.policy_loss_fn == algorithms.POLICY_LOSS_FN_NAME
-  assert algo.advantage_estimator == algorithms.ADVANTAGE_ESTIMATOR_NAMES[("grpo", "none")]
+  assert algo.policy_loss_fn == tunix_wiring.POLICY_LOSS_FN_NAME
+  assert algo.advantage_estimator == tunix_wiring.ADVANTAGE_ESTIMATOR_NAMES[("grpo", "none")]
 
   default_cfg = load_config(["configs/cpu_tiny.yml"])
-  default = algorithms.tunix_algo_config(default_cfg)
+  default = tunix_wiring.tunix_algo_config(default_cfg)
   assert default.epsilon_high == default.epsilon and default.kl_estimator == "k3"
   assert default.kl_loss_mode == "low_var_kl"
   # Values the loss cannot use never reach it: validation's RANGES table refuses them when the config loads, in the
   # first pass (the config as written) and the second (the typed config) alike.
   for key, value in (("grpo_beta", -0.1), ("grpo_epsilon", 1.5), ("epsilon_high", -0.2)):
     argv = ["configs/cpu_tiny.yml", f"rl.{key}={value}"]
-    for load in (config_lib.precheck, load_config):
+    for load in (config_precheck.precheck, load_config):
       with pytest.raises(ConfigError, match=f"'rl.{key}'={value}: must be >= 0"):
         load(argv)
 
@@ -606,7 +612,7 @@ def test_rollout_is_weights_match_numpy(mode):
   row_shift = np.array([0.0, 1.2, 0.0, -1.0, 0.2, -0.9])[:, None]
   behaviour = old + np.random.default_rng(3).normal(0.0, 0.8, size=old.shape) + row_shift
   behaviour[mask == 0] = np.nan  # garbage at padding must not leak
-  w, m = algorithms.rollout_is_weights(old, behaviour, mask, mode, 2.0)
+  w, m = divergence.rollout_is_weights(old, behaviour, mask, mode, 2.0)
   ref = np_is_weights(old, behaviour, mask, mode, 2.0)
   np.testing.assert_allclose(w, ref, rtol=1e-6, atol=1e-7)
   assert np.all(w[mask == 0] == 0)
@@ -635,7 +641,7 @@ def test_is_weights_scale_the_policy_gradient_not_the_kl(algo):
       "loss_agg_mode": "sequence-mean-token-mean",
   }
   (loss, _), grad = jax.value_and_grad(
-      lambda x: algorithms.policy_loss(x, *f32(old, ref, adv, mask), **kw, is_weights=jnp.asarray(w, jnp.float32)),
+      lambda x: loss_lib.policy_loss(x, *f32(old, ref, adv, mask), **kw, is_weights=jnp.asarray(w, jnp.float32)),
       has_aux=True,
   )(jnp.asarray(lp, jnp.float32))
   # NumPy: split the reference loss into its policy-gradient and KL parts, weight the first per token.
@@ -660,6 +666,6 @@ def test_is_weights_scale_the_policy_gradient_not_the_kl(algo):
   assert float(loss) == pytest.approx(exp_loss, rel=1e-4, abs=1e-6)
   np.testing.assert_allclose(np.asarray(grad, np.float64), exp_grad, rtol=2e-4, atol=1e-6)
   # Unit weights are the unweighted loss.
-  l1, _ = algorithms.policy_loss(*f32(lp, old, ref, adv, mask), **kw, is_weights=jnp.asarray(mask, jnp.float32))
-  l0, _ = algorithms.policy_loss(*f32(lp, old, ref, adv, mask), **kw)
+  l1, _ = loss_lib.policy_loss(*f32(lp, old, ref, adv, mask), **kw, is_weights=jnp.asarray(mask, jnp.float32))
+  l0, _ = loss_lib.policy_loss(*f32(lp, old, ref, adv, mask), **kw)
   assert float(l1) == pytest.approx(float(l0), rel=1e-6)

@@ -7,6 +7,9 @@ import pytest
 
 from maxtext_rl_plugin.bench import __main__ as bench_main
 from maxtext_rl_plugin.bench import gpu
+from maxtext_rl_plugin.bench import gpu_common
+from maxtext_rl_plugin.bench import gpu_report
+from maxtext_rl_plugin.bench import gpu_rollout
 
 
 @pytest.mark.slow  # every part in its own process: minutes on 2 cores
@@ -66,17 +69,17 @@ class _Cfg:
 def test_decode_bytes_are_weights_plus_kv_of_the_real_context():
   # K and V, 3 layers x 2 heads x 16 dims, 2 bytes each, per position and row.
   per_pos = 2 * 3 * 2 * 16 * 2
-  assert gpu.decode_bytes_per_step(_Cfg(), 1000, batch=4, context=10.5) == 1000 + 4 * 10.5 * per_pos
+  assert gpu_rollout.decode_bytes_per_step(_Cfg(), 1000, batch=4, context=10.5) == 1000 + 4 * 10.5 * per_pos
 
 
 def test_hf_state_dict_computes_what_the_maxtext_kernels_compute():
   """HF Linear layout ([out, in], heads flattened) applied to x gives MaxText's einsums over its scanned kernels."""
   from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel  # jax: after conftest's platform
 
-  rs = models.setup_devices(["configs/cpu_tiny.yml", *gpu.SHAPES["tiny"]])
+  rs = models.setup_devices(["configs/cpu_tiny.yml", *gpu_common.SHAPES["tiny"]])
   model, _ = models.build_model(rs.trainer_config, rs.trainer_devices)
   cfg = rs.trainer_config
-  sd = gpu.hf_state_dict(model, cfg)
+  sd = gpu_rollout.hf_state_dict(model, cfg)
   L = int(cfg.num_decoder_layers)
   assert len(sd) == 2 + 11 * L  # embedding, final norm; per layer 4 projections, 2 qk norms, 2 norms, 3 MLP
   base = model.base
@@ -101,12 +104,12 @@ def test_hf_state_dict_computes_what_the_maxtext_kernels_compute():
 
 
 def test_markdown_reports_a_failed_part_and_an_empty_run():
-  md = gpu.markdown({"date": "d", "rollout": {"error": "ImportError: no module named maxtext"}})
+  md = gpu_report.markdown({"date": "d", "rollout": {"error": "ImportError: no module named maxtext"}})
   assert "rollout: ImportError: no module named maxtext" in md
-  assert gpu.markdown({}).startswith("# bench gpu")
+  assert gpu_report.markdown({}).startswith("# bench gpu")
 
 
 def test_agreement_counts_identical_rows_and_first_mismatch():
   a = np.array([[1, 2, 3], [1, 2, 3]])
   b = np.array([[1, 2, 3], [1, 9, 3]])
-  assert gpu.greedy_agreement(a, b) == {"rows_identical": 0.5, "mean_first_mismatch_step": 2.0}
+  assert gpu_rollout.greedy_agreement(a, b) == {"rows_identical": 0.5, "mean_first_mismatch_step": 2.0}

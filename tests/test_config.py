@@ -14,6 +14,8 @@ import pytest
 import yaml
 
 from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import config_files
+from maxtext_rl_plugin import config_keys
 from maxtext_rl_plugin import evaluation
 from maxtext_rl_plugin import key_status
 from maxtext_rl_plugin import models
@@ -123,8 +125,8 @@ def test_invalid_yaml_is_reported(tmp_path):
 
 def test_shipped_config_resolves_from_any_directory(tmp_path, monkeypatch):
   monkeypatch.chdir(tmp_path)
-  assert config_lib.resolve_yml("configs/rl.yml").endswith(os.path.join("configs", "rl.yml"))
-  assert config_lib.resolve_yml("cpu_tiny").endswith("cpu_tiny.yml")
+  assert config_files.resolve_yml("configs/rl.yml").endswith(os.path.join("configs", "rl.yml"))
+  assert config_files.resolve_yml("cpu_tiny").endswith("cpu_tiny.yml")
 
 
 def test_dump_yaml_round_trips_and_redacts_token():
@@ -461,7 +463,7 @@ def _maxtext_split(argv):
   parsed = config_lib.parse(argv)
   with tunix_compat.pyconfig_reads(parsed.merged):
     return model_creation_utils.setup_configs_and_devices(
-        ["", parsed.yml, *parsed.overrides], parsed.kwargs, config_class=config_lib.config_class()
+        ["", parsed.yml, *parsed.overrides], parsed.kwargs, config_class=config_keys.config_class()
     )
 
 

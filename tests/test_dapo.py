@@ -13,12 +13,15 @@ from tunix.rl import common as tunix_common
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import dapo_learner
 
-from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin.algorithms import advantages as advantages_lib
+from maxtext_rl_plugin.algorithms import loss as loss_lib
+from maxtext_rl_plugin.algorithms import shaping
+from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin import dynamic_sampling
 from maxtext_rl_plugin.config import load_config
 from maxtext_rl_plugin.errors import ConfigError
 
-COMBOS = [(est, norm) for est, norms in algorithms.ESTIMATOR_NORMS.items() for norm in norms]
+COMBOS = [(est, norm) for est, norms in advantages_lib.ESTIMATOR_NORMS.items() for norm in norms]
 
 
 def np_advantages(rewards, g, estimator, norm):
@@ -45,11 +48,11 @@ def test_advantages_match_numpy_derivation(estimator, norm):
   g = 4
   rewards = rng.integers(0, 3, size=6 * g).astype(np.float64) + rng.normal(size=6 * g) * (rng.random(6 * g) < 0.3)
   rewards[:g] = 1.0  # a group with no signal
-  got = algorithms.group_advantages(rewards, g, norm, estimator)
+  got = advantages_lib.group_advantages(rewards, g, norm, estimator)
   np.testing.assert_allclose(got, np_advantages(rewards, g, estimator, norm), rtol=1e-10, atol=1e-12)
   assert np.all(got[:g] == 0.0)
   # JAX in, JAX out, jit-able, same numbers in float32.
-  fn = jax.jit(algorithms.group_advantages, static_argnums=(1, 2, 3))
+  fn = jax.jit(advantages_lib.group_advantages, static_argnums=(1, 2, 3))
   got_jax = fn(jnp.asarray(rewards, jnp.float32), g, norm, estimator)
   assert isinstance(got_jax, jax.Array)
   np.testing.assert_allclose(np.asarray(got_jax), got, rtol=1e-5, atol=1e-5)
@@ -59,39 +62,41 @@ def test_advantages_equal_tunix_algo_core_estimators():
   rewards = np.random.default_rng(0).normal(size=12).astype(np.float32)
   for g in (2, 3, 4):
     np.testing.assert_allclose(
-        algorithms.group_advantages(rewards, g, "group_std", "grpo"), algo_core.compute_advantages(rewards, g), rtol=1e-6
+        advantages_lib.group_advantages(rewards, g, "group_std", "grpo"),
+        algo_core.compute_advantages(rewards, g),
+        rtol=1e-6,
     )
     np.testing.assert_allclose(
-        algorithms.group_advantages(rewards, g, "none", "rloo"),
+        advantages_lib.group_advantages(rewards, g, "none", "rloo"),
         np.asarray(algo_core.compute_rloo_advantages(jnp.asarray(rewards), g)),
         rtol=1e-5,
         atol=1e-6,
     )
     np.testing.assert_allclose(
-        algorithms.group_advantages(rewards, g, "none", "drgrpo"),
+        advantages_lib.group_advantages(rewards, g, "none", "drgrpo"),
         np.asarray(algo_core.compute_drgrpo_advantages(jnp.asarray(rewards), g)),
         rtol=1e-5,
         atol=1e-6,
     )
   # RLOO is GRPO's centred reward scaled by G/(G-1).
   np.testing.assert_allclose(
-      algorithms.group_advantages(rewards, 4, "none", "rloo"),
-      4 / 3 * algorithms.group_advantages(rewards, 4, "none", "grpo"),
+      advantages_lib.group_advantages(rewards, 4, "none", "rloo"),
+      4 / 3 * advantages_lib.group_advantages(rewards, 4, "none", "grpo"),
       rtol=1e-5,
   )
 
 
 def test_refused_estimator_scalings():
   with pytest.raises(ValueError, match="group_std"):
-    algorithms.group_advantages(np.zeros(4), 2, "group_std", "rloo")
+    advantages_lib.group_advantages(np.zeros(4), 2, "group_std", "rloo")
   with pytest.raises(ValueError, match="advantage_estimator"):
-    algorithms.group_advantages(np.zeros(4), 2, "none", "ppo")
+    advantages_lib.group_advantages(np.zeros(4), 2, "none", "ppo")
 
 
 @pytest.mark.parametrize(
     "estimator,norm,agg",
     [(e, n, a) for e, n in COMBOS for a in ("sequence-mean-token-mean", "token-mean") if e != "drgrpo"]
-    + [(e, n, algorithms.TOKEN_SCALE) for e, n in COMBOS if e == "drgrpo"],
+    + [(e, n, loss_lib.TOKEN_SCALE) for e, n in COMBOS if e == "drgrpo"],
 )
 def test_policy_gradient_of_each_estimator_matches_numpy(estimator, norm, agg):
   """On-policy (ratio 1, nothing clipped), beta=0: dL/dlp_{i,t} = -A_i m_{i,t} / D_i with D_i the aggregation's
@@ -99,7 +104,7 @@ def test_policy_gradient_of_each_estimator_matches_numpy(estimator, norm, agg):
   rng = np.random.default_rng(7)
   g, b, t = 3, 4, 6
   rewards = rng.integers(0, 2, size=b * g).astype(np.float32)
-  adv = algorithms.group_advantages(rewards, g, norm, estimator)
+  adv = advantages_lib.group_advantages(rewards, g, norm, estimator)
   lengths = rng.integers(1, t + 1, size=b * g)
   lengths[2] = 0  # an empty row leaves the row count
   mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.float32)
@@ -107,7 +112,7 @@ def test_policy_gradient_of_each_estimator_matches_numpy(estimator, norm, agg):
   mode = agg  # drgrpo's only aggregation is the constant length (advantage_config refuses the others)
 
   def loss(x):
-    return algorithms.policy_loss(x, None, None, jnp.asarray(adv), jnp.asarray(mask), loss_agg_mode=mode)[0]
+    return loss_lib.policy_loss(x, None, None, jnp.asarray(adv), jnp.asarray(mask), loss_agg_mode=mode)[0]
 
   val, grad = jax.value_and_grad(loss)(jnp.asarray(lp))
   rows = (lengths > 0).sum()
@@ -126,7 +131,7 @@ def test_token_scale_aggregation_equals_tunix_aggregate_loss():
   rng = np.random.default_rng(1)
   per_token = jnp.asarray(rng.normal(size=(5, 7)), jnp.float32)
   mask = jnp.asarray(rng.random((5, 7)) < 0.6, jnp.float32).at[3].set(0.0)
-  ours = algorithms.aggregate(per_token, mask, algorithms.TOKEN_SCALE)
+  ours = loss_lib.aggregate(per_token, mask, loss_lib.TOKEN_SCALE)
   theirs = tunix_common.aggregate_loss(per_token, mask, "sequence-mean-token-scale")
   np.testing.assert_allclose(float(ours), float(theirs), rtol=1e-6)
   m = np.asarray(mask)
@@ -151,7 +156,7 @@ def np_overlong(n, max_len, buf, factor):
 def test_overlong_penalty_matches_paper_piecewise_in_tokens():
   max_len, buf, factor = 20, 8, 0.5
   rows = [list(range(n)) for n in (0, 5, 12, 13, 16, 19, 20, 25)]
-  got = algorithms.overlong_penalty(rows, max_len, buf, factor)
+  got = shaping.overlong_penalty(rows, max_len, buf, factor)
   want = [np_overlong(len(r), max_len, buf, factor) for r in rows]
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
   assert got[-2] == pytest.approx(-factor) and got[-1] == pytest.approx(-factor)  # the budget used up; beyond it
@@ -164,9 +169,9 @@ def test_overlong_penalty_matches_paper_piecewise_in_tokens():
       rl_cluster_lib.Mode.TRAIN,
       overlong_buffer={"overlong_buffer_length": buf, "overlong_buffer_penalty": factor, "max_response_length": max_len},
   )[0]
-  assert tunix < -factor and algorithms.overlong_penalty([list(range(12))], max_len, buf, factor)[0] == 0.0
+  assert tunix < -factor and shaping.overlong_penalty([list(range(12))], max_len, buf, factor)[0] == 0.0
   with pytest.raises(ValueError):
-    algorithms.overlong_penalty(rows, max_len, 0, factor)
+    shaping.overlong_penalty(rows, max_len, 0, factor)
 
 
 def test_truncated_rows_are_the_length_limit_without_a_stop_token():
@@ -180,11 +185,11 @@ def test_truncated_rows_are_the_length_limit_without_a_stop_token():
           [5, 6, pad, pad],  # short without a stop (an engine that drops it): not cut by the limit
       ]
   )
-  np.testing.assert_array_equal(algorithms.truncated_rows(ids, pad, [eos, stop]), [True, False, False, False, False])
-  np.testing.assert_array_equal(algorithms.completion_lengths(ids, pad), [4, 4, 4, 2, 2])
+  np.testing.assert_array_equal(shaping.truncated_rows(ids, pad, [eos, stop]), [True, False, False, False, False])
+  np.testing.assert_array_equal(shaping.completion_lengths(ids, pad), [4, 4, 4, 2, 2])
 
 
-@pytest.mark.parametrize("agg", ["sequence-mean-token-mean", "token-mean", "sequence-mean", algorithms.TOKEN_SCALE])
+@pytest.mark.parametrize("agg", ["sequence-mean-token-mean", "token-mean", "sequence-mean", loss_lib.TOKEN_SCALE])
 def test_masked_truncated_completion_contributes_no_loss(agg):
   """experience.score zeroes the mask rows of truncated completions: the loss equals the loss of the batch without
   them (NumPy subset), and their log-probs get exactly zero gradient."""
@@ -199,12 +204,12 @@ def test_masked_truncated_completion_contributes_no_loss(agg):
   kw = {"beta": 0.1, "loss_agg_mode": agg}
 
   def loss(x, m):
-    return algorithms.policy_loss(x, None, ref, adv, jnp.asarray(m), **kw)[0]
+    return loss_lib.policy_loss(x, None, ref, adv, jnp.asarray(m), **kw)[0]
 
   masked = mask & ~truncated[:, None]
   keep = ~truncated
   full_grad = jax.grad(loss)(lp, masked)
-  subset = algorithms.policy_loss(lp[keep], None, ref[keep], adv[keep], jnp.asarray(mask[keep]), **kw)[0]
+  subset = loss_lib.policy_loss(lp[keep], None, ref[keep], adv[keep], jnp.asarray(mask[keep]), **kw)[0]
   np.testing.assert_allclose(float(loss(lp, masked)), float(subset), rtol=1e-6)
   assert np.all(np.asarray(full_grad)[truncated] == 0.0)
   assert np.any(np.asarray(full_grad)[keep] != 0.0)
@@ -220,7 +225,7 @@ def test_informative_groups_are_the_nonzero_variance_ones():
   np.testing.assert_array_equal(dynamic_sampling.informative_groups(r, 2), [False, True, False, False, True])
   # Exactly the groups with a nonzero advantage under every estimator.
   for est, norm in COMBOS:
-    adv = algorithms.group_advantages(r, 2, norm, est).reshape(-1, 2)
+    adv = advantages_lib.group_advantages(r, 2, norm, est).reshape(-1, 2)
     np.testing.assert_array_equal(np.any(adv != 0, axis=1), dynamic_sampling.informative_groups(r, 2))
 
 
@@ -257,14 +262,16 @@ def test_start_position_refuses_dropping_dynamic_sampling_on_resume():
 
 def test_config_resolves_estimator_defaults_and_refuses_nonsense():
   base = ["configs/cpu_tiny.yml"]
-  algo = algorithms.tunix_algo_config(load_config(base))
-  assert algo.advantage_estimator == algorithms.ADVANTAGE_ESTIMATOR_NAMES[("grpo", "group_std")]
+  algo = tunix_wiring.tunix_algo_config(load_config(base))
+  assert algo.advantage_estimator == tunix_wiring.ADVANTAGE_ESTIMATOR_NAMES[("grpo", "group_std")]
   assert algo.loss_agg_mode == "sequence-mean-token-mean"
-  algo = algorithms.tunix_algo_config(load_config(base + ["rl.advantage_estimator=drgrpo"]))
-  assert algo.advantage_estimator == algorithms.ADVANTAGE_ESTIMATOR_NAMES[("drgrpo", "none")]
-  assert algo.loss_agg_mode == algorithms.TOKEN_SCALE
-  algo = algorithms.tunix_algo_config(load_config(base + ["rl.advantage_estimator=rloo", "rl.advantage_norm=batch_std"]))
-  assert algo.advantage_estimator == algorithms.ADVANTAGE_ESTIMATOR_NAMES[("rloo", "batch_std")]
+  algo = tunix_wiring.tunix_algo_config(load_config(base + ["rl.advantage_estimator=drgrpo"]))
+  assert algo.advantage_estimator == tunix_wiring.ADVANTAGE_ESTIMATOR_NAMES[("drgrpo", "none")]
+  assert algo.loss_agg_mode == loss_lib.TOKEN_SCALE
+  algo = tunix_wiring.tunix_algo_config(
+      load_config(base + ["rl.advantage_estimator=rloo", "rl.advantage_norm=batch_std"])
+  )
+  assert algo.advantage_estimator == tunix_wiring.ADVANTAGE_ESTIMATOR_NAMES[("rloo", "batch_std")]
   for bad, needle in (
       (["rl.advantage_estimator=rloo", "rl.advantage_norm=group_std"], "rl.advantage_norm"),
       (["rl.advantage_estimator=drgrpo", "rl.loss_agg_mode=token-mean"], "rl.loss_agg_mode"),

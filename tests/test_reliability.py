@@ -408,12 +408,12 @@ def test_a_step_directory_without_metadata_neither_refuses_nor_decides_a_rerun(t
 
 _SIGTERM_WHILE_LOADING = """
 import os, signal, sys
-from maxtext_rl_plugin import config, train_rl
-first_pass = config.precheck
+from maxtext_rl_plugin import config_precheck, train_rl
+first_pass = config_precheck.precheck
 def precheck(argv):
   os.kill(os.getpid(), signal.SIGTERM)  # delivered while the config loads, deterministically
   return first_pass(argv)
-config.precheck = precheck
+config_precheck.precheck = precheck
 sys.exit(train_rl.main(sys.argv[1:]))
 """
 

@@ -15,6 +15,8 @@ import sys
 import pytest
 
 from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import config_keys
+from maxtext_rl_plugin import config_precheck
 from maxtext_rl_plugin import validation
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -73,7 +75,7 @@ _MEANINGLESS = (
         (["run_name=.."], "'run_name'='..': must be one directory name"),
     ],
 )
-# Rows the first pass (config.precheck, before JAX is imported) leaves to the typed config, and why.
+# Rows the first pass (config_precheck.precheck, before JAX is imported) leaves to the typed config, and why.
 _NEEDS_THE_SCHEMA = {
     "rl.rollout_is_cap=inf": "no shipped yml default types the key (a schema-only field)",
     "lora.enable_lora=true": "the rank is compared with emb_dim, which MaxText derives from the model",
@@ -92,10 +94,10 @@ def test_the_first_pass_refuses_them_from_the_config_as_written(overrides, needl
   # The same validation checks on the yml and the command line as written, typed by the shipped defaults: the same
   # line as the typed config's, or nothing (the row is then decided by the test above).
   if overrides[0] in _NEEDS_THE_SCHEMA:
-    assert isinstance(config_lib.precheck([TINY, *overrides]), validation.RawConfig)
+    assert isinstance(config_precheck.precheck([TINY, *overrides]), validation.RawConfig)
     return
   with pytest.raises(ConfigError) as e:
-    config_lib.precheck([TINY, *overrides])
+    config_precheck.precheck([TINY, *overrides])
   assert f"invalid value for {needle}" in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
@@ -115,16 +117,16 @@ def test_the_first_pass_refuses_nothing_the_typed_config_accepts():
       "load_parameters_path=",
       "print_config=true",
   ]
-  view = config_lib.precheck(argv)
+  view = config_precheck.precheck(argv)
   pc = config_lib.load_pydantic(argv)
   assert (view.rl.grpo_epsilon, view.rl.epsilon_high) == (pc.rl.grpo_epsilon, pc.rl.epsilon_high) == (0.3, 0.4)
   assert view.learning_rate == pc.learning_rate == 1e-4 and view.checkpoint_period == pc.checkpoint_period == 10
 
 
 def test_the_first_pass_knows_every_key_name_of_the_schema():
-  # config.light_keys (shipped defaults + key_status's two difference lists) must name exactly the schema's keys: an
+  # config_keys.light_keys (shipped defaults + key_status's two difference lists) must name exactly the schema's keys: an
   # unknown key is refused before JAX loads, and no known key is refused.
-  light, schema = config_lib.light_keys(), config_lib.schema_keys()
+  light, schema = config_keys.light_keys(), config_keys.schema_keys()
   assert light.top == schema.top and light.flat() == schema.flat()
   assert set(light.blocks) == set(schema.blocks)
   for block, inner in light.blocks.items():
@@ -278,7 +280,7 @@ def test_the_first_pass_leaves_environment_overrides_to_pyconfig(tmp_path, monke
   yml = tmp_path / "env.yml"
   yml.write_text('base_config: cpu_tiny.yml\nrun_name: ""\n')
   monkeypatch.setenv("M_RUN_NAME", "from_env")
-  view = config_lib.precheck([str(yml)])
+  view = config_precheck.precheck([str(yml)])
   assert "run_name" in view and not hasattr(view, "run_name")
   assert config_lib.load_config([str(yml)]).run_name == "from_env"
 
@@ -294,7 +296,7 @@ def test_a_yml_that_does_not_parse_names_the_problem_and_its_line(tmp_path, text
   yml = tmp_path / "x.yml"
   yml.write_text(text)
   with pytest.raises(ConfigError) as e:
-    config_lib.precheck([str(yml)])
+    config_precheck.precheck([str(yml)])
   assert str(e.value).startswith(f"config file '{yml}' is not valid YAML: {line}"), str(e.value)
 
 
@@ -304,7 +306,7 @@ def test_the_first_pass_leaves_interpolations_to_pyconfig(tmp_path):
   yml = tmp_path / "interp.yml"
   base = os.path.join(REPO, TINY)
   yml.write_text(f"base_config: {base}\nbase_output_directory: {tmp_path}/out\nrun_name: ${{oc.env:NOPE}}\n")
-  view = config_lib.precheck([str(yml)])
+  view = config_precheck.precheck([str(yml)])
   assert "run_name" in view and not hasattr(view, "run_name")
   with pytest.raises(ConfigError, match="Environment variable 'NOPE' not found"):
     config_lib.load_config([str(yml)])

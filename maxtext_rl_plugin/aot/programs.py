@@ -4,8 +4,8 @@ Each `Program` is a function, its abstract arguments (`jax.ShapeDtypeStruct`s ca
 the target's devices) and how often a step runs it. Nothing here reads a checkpoint, a tokenizer or data:
 
 * `actor_update`: Tunix's actor-trainer step (`PeftTrainer._train_step`, through `tunix_compat.actor_train_step`)
-  with the loss the learner registers (`algorithms.tunix_policy_loss_fn` via Tunix's function registry, the algo
-  config of `algorithms.tunix_algo_config`), the optimizer of `run/build.build_optimizer` (wrapped in
+  with the loss the learner registers (`tunix_wiring.tunix_policy_loss_fn` via Tunix's function registry, the algo
+  config of `tunix_wiring.tunix_algo_config`), the optimizer of `run/build.build_optimizer` (wrapped in
   `optax.MultiSteps` when a mini-batch has several micro-batches, as Tunix does), over the model `from_pretrained`
   builds (`model_creation_utils.get_nnx_create_model_fn` on `get_mesh_from_config`'s mesh), LoRA applied by
   MaxText's `apply_lora_to_model` as `lora.apply` does; at the train micro-batch.
@@ -39,7 +39,7 @@ from maxtext.utils import model_creation_utils
 from tunix.rl import common as tunix_common
 from tunix.rl import function_registry
 
-from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import tunix_compat
@@ -142,7 +142,7 @@ def _example(config, mesh, rows: int, beta: float, use_is: bool):
 
 def loss_fn_of(config, pad_id: int = PAD_ID, eos_id: int = EOS_ID):
   """The loss the GrpoLearner hands the actor trainer: the registry's policy loss with the run's algo config."""
-  algo = algorithms.tunix_algo_config(config)
+  algo = tunix_wiring.tunix_algo_config(config)
   algo.temperature = float(config.decode_sampling_temperature)  # GrpoLearner sets it from the rollout config
   policy_loss_fn = function_registry.get_policy_loss_fn(algo.policy_loss_fn)
 

@@ -56,9 +56,9 @@ class StepClock:
   """Per-phase seconds of each step, a step ending when its weight sync returns (the same wrappers on both sides)."""
 
   def __init__(self):
-    from maxtext_rl_plugin.run import step as step_lib
+    from maxtext_rl_plugin.run import state
 
-    self.timer = step_lib.PhaseTimer()
+    self.timer = state.PhaseTimer()
     self.steps: list[dict[str, float]] = []
     self._counts = collections.Counter()
     self._last_end = time.perf_counter()

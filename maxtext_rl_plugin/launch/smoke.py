@@ -2,7 +2,7 @@
 
 Before spending TPU hours on `train_rl`, `launch ray --entry smoke` runs this on every worker: the global batch of
 `prompts x num_generations` completions is sharded over all devices of all processes, the plugin's policy loss
-(`maxtext_rl_plugin.algorithms.policy_loss`, GRPO or GSPO-token) and group advantages are computed on a toy
+(`maxtext_rl_plugin.loss_lib.policy_loss`, GRPO or GSPO-token) and group advantages are computed on a toy
 linear softmax policy, and one SGD step is taken. The gradient of the replicated parameters is a cross-process
 all-reduce inserted by XLA (gloo on CPU, ICI/DCN on TPU), so every worker reporting the same loss before and after
 the update proves the collectives, the coordinator and the plugin's loss work together on that cluster.
@@ -22,7 +22,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
-from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin.algorithms import advantages as advantages_lib
+from maxtext_rl_plugin.algorithms import loss as loss_lib
 
 
 def make_batch(
@@ -71,7 +72,7 @@ def grpo_step(
   replicated = NamedSharding(mesh, P())
 
   host = make_batch(seed=seed, prompts=prompts, num_generations=num_generations, length=length, dim=dim, vocab=vocab)
-  host["advantages"] = np.asarray(algorithms.group_advantages(host["rewards"], num_generations), np.float32)
+  host["advantages"] = np.asarray(advantages_lib.group_advantages(host["rewards"], num_generations), np.float32)
 
   def to_global(x: np.ndarray) -> jax.Array:
     # Every process holds the same host batch and contributes only its addressable shards.
@@ -87,7 +88,7 @@ def grpo_step(
 
   def loss_fn(w, b, old, ref):
     """The plugin's GRPO loss of one batch (the same policy_loss training uses)."""
-    return algorithms.policy_loss(
+    return loss_lib.policy_loss(
         token_logps(w, b),
         old,
         ref,

@@ -23,7 +23,7 @@ from tunix.rl.grpo import grpo_learner
 from tunix.rl.rollout import base_rollout
 from tunix.sft import metrics_logger
 
-from maxtext_rl_plugin import algorithms
+from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import evaluation as evaluation_lib
 from maxtext_rl_plugin import experience
@@ -42,7 +42,7 @@ from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import sync
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import vllm as vllm_rollout
-from maxtext_rl_plugin.run.step import PhaseTimer, RewardRecorder
+from maxtext_rl_plugin.run.state import PhaseTimer, RewardRecorder, RLRun
 
 
 def per_host_split(rs: models.RunSetup) -> models.RunSetup:
@@ -226,32 +226,6 @@ def build_optimizer(config):
   return optax.inject_hyperparams(make)(learning_rate=lr_schedule(config))
 
 
-@dataclasses.dataclass
-class RLRun:
-  """Everything a step needs; built once by `build_run`."""
-
-  config: Any
-  setup: models.RunSetup
-  tokenizer: Any
-  train_split: Any
-  eval_split: Any
-  rl_cluster: Any
-  learner: Any
-  timer: PhaseTimer
-  rewards: RewardRecorder
-  reward_fns: list
-  trainer_logps: Any
-  plan: updates.UpdatePlan
-  tee: Any
-  run_dir: str
-  engine_name: str
-  weight_sync: Any = None
-  metrics_file: str | None = None
-  lock: Any = None
-  # The data position after the last trained batch (prompts consumed, refills included): rl.dynamic_sampling's resume.
-  data_position: int | None = None
-
-
 def build_run(config, argv: Sequence[str]) -> RLRun:
   """Models, meshes, data, rewards, Tunix cluster and learner for `config`."""
   rs = per_host_split(models.setup_devices(argv))
@@ -326,11 +300,11 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
   timer = PhaseTimer()
   recorder = RewardRecorder()
   reward_fns = [recorder.wrap(fn) for fn in rewards_lib.reward_fns_from_config(config)]
-  algorithms.register_with_tunix()
-  algo_config = algorithms.tunix_algo_config(config)
+  tunix_wiring.register_with_tunix()
+  algo_config = tunix_wiring.tunix_algo_config(config)
   # The learner wires the plugin's policy loss into the actor trainer; its own step (`train()`) is not used.
   learner = grpo_learner.GrpoLearner(rl_cluster=rl_cluster, algo_config=algo_config, reward_fns=reward_fns)
-  rl_cluster.actor_trainer.with_rl_metrics_to_log(algorithms.rl_metrics_to_log(algo_config))
+  rl_cluster.actor_trainer.with_rl_metrics_to_log(tunix_wiring.rl_metrics_to_log(algo_config))
   trainer_logps = experience.TrainerLogps(rl_cluster, actor_mesh, config.logical_axis_rules)
   if (
       config.rl.off_policy_steps > 0

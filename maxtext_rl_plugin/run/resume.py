@@ -24,7 +24,8 @@ from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
 from maxtext_rl_plugin.checkpointing import RunCheckpointer
 from maxtext_rl_plugin.errors import CheckpointError
-from maxtext_rl_plugin.run.build import RLRun, num_rl_steps, schedule_updates
+from maxtext_rl_plugin.run.build import num_rl_steps, schedule_updates
+from maxtext_rl_plugin.run.state import RLRun
 
 # Keys whose change makes a checkpoint's data position meaningless: resuming must refuse them.
 _RESUME_INVARIANTS = (

@@ -17,7 +17,7 @@ import json
 import math
 import os
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 from absl import logging
 import numpy as np
@@ -29,56 +29,7 @@ from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
-
-if TYPE_CHECKING:  # build.py imports this module (PhaseTimer, RewardRecorder)
-  from maxtext_rl_plugin.run.build import RLRun
-
-
-class PhaseTimer:
-  """Accumulates wall seconds per named phase within a step."""
-
-  def __init__(self):
-    self.seconds: dict[str, float] = {}
-
-  def add(self, phase: str, seconds: float) -> None:
-    self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
-
-  def wrap(self, phase: str, fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def timed(*args, **kwargs):
-      t = time.perf_counter()
-      try:
-        return fn(*args, **kwargs)
-      finally:
-        self.add(phase, time.perf_counter() - t)
-
-    return timed
-
-  def reset(self) -> dict[str, float]:
-    out, self.seconds = self.seconds, {}
-    return out
-
-
-class RewardRecorder:
-  """Wraps reward functions so each step's per-function rewards can be logged (time is the caller's phase)."""
-
-  def __init__(self):
-    self.values: dict[str, list[float]] = {}
-
-  def wrap(self, fn: Callable) -> Callable:
-    name = getattr(fn, "__name__", type(fn).__name__)
-
-    def recorded(prompts, completions, **kwargs):
-      out = fn(prompts, completions, **kwargs)
-      self.values.setdefault(name, []).extend(float(x) for x in out)
-      return out
-
-    recorded.__name__ = name
-    return recorded
-
-  def reset(self) -> dict[str, list[float]]:
-    out, self.values = self.values, {}
-    return out
+from maxtext_rl_plugin.run.state import PhaseTimer, RLRun
 
 
 def _step_inputs(rl_run: RLRun, step: int) -> tuple[dict, list]:
