@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -27,8 +28,11 @@ from tunix.rl import common as tunix_common
 from tunix.sft import sharding_utils
 
 from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import errors
 from maxtext_rl_plugin.aot import compile as compile_lib
 from maxtext_rl_plugin.aot import programs
+from maxtext_rl_plugin.aot import report
+from maxtext_rl_plugin.aot import topology
 from maxtext_rl_plugin.run import build
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -180,3 +184,45 @@ def test_what_cannot_fit_is_one_line_and_exit_2(tmp_path):
   assert "program 'actor_update'" in err[0] and "v5e-4" in err[0] and "train_micro_batch_size" in err[0]
   report = json.loads((tmp_path / "big.aot-v5e-4.json").read_text())
   assert not report["fits"]
+
+
+def test_fit_and_roofline_arithmetic_of_one_row():
+  # A compiled program's numbers -> the row, re-derived by hand (v5p: 95 GiB, 459e12 FLOP/s, 2765e9 B/s).
+  spec = topology.device_spec("v5p-128")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+  prog = programs.Program("actor_update", "update", mesh, None, (), calls_per_step=3, knob="train_micro_batch_size")
+  gib = topology.GIB
+  c = compile_lib.Compiled(
+      prog,
+      1.0,
+      argument_bytes=20 * gib,
+      output_bytes=20 * gib,
+      temp_bytes=11 * gib,
+      alias_bytes=20 * gib,
+      peak_bytes=31 * gib,
+      flops=1e13,
+      bytes_accessed=148e9,
+  )
+  r = report.row(c, spec, resident_extra=4 * gib, replaces_args=False)
+  assert (r.peak_gib, r.needs_gib, r.hbm_gib, r.fits) == (31, 35, 95, True)
+  assert r.ms_per_call == pytest.approx(1e3 * max(1e13 / 459e12, 148e9 / 2765e9))
+  assert r.ms_per_step == pytest.approx(3 * r.ms_per_call)
+  big = report.row(dataclasses.replace(c, peak_bytes=100 * gib), spec, 0, False)
+  line = report.verdict([r, big], "v5p-128")
+  assert (
+      line == "program 'actor_update' needs 100.0 GiB of 95.0 GiB HBM per device on v5p-128; lower train_micro_batch_size"
+  )
+  oom = report.row(
+      dataclasses.replace(c, oom="RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"), spec, 0, False
+  )
+  assert not oom.fits and "ran out of HBM" in report.verdict([oom], "v5p-128")
+
+
+def test_published_figures_per_jax_device():
+  # An Ironwood chip is two JAX devices: each gets half its HBM, FLOP/s and bandwidth; v5p in megacore is one.
+  ironwood, v5p = topology.device_spec("tpu7x-128"), topology.device_spec("v5p-8")
+  assert ironwood.hbm_bytes == 96 * topology.GIB and ironwood.peak_flops == pytest.approx(2307e12 / 2)
+  assert v5p.hbm_bytes == 95 * topology.GIB and v5p.hbm_bandwidth == 2765e9
+  assert topology.device_spec("v5litepod-16").generation == "v5e"
+  with pytest.raises(errors.ConfigError, match="compile_topology"):
+    topology.device_spec("v3-8")
