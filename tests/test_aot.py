@@ -114,6 +114,7 @@ def test_aot_update_is_the_runs_update_bit_for_bit(tiny_run):
   # The AOT path: the program it would compile for a TPU, lowered for these CPU devices, run on a copy of the state.
   prog, _ = programs.actor_update(cfg, mesh, False, pad, eos)
   state = nnx.state(train_state_nnx.TrainStateNNX(trainer.model, trainer.optimizer))
+  before = _leaves(state)  # host copies now: the state's variables are the trainer's, updated in place by its step
   state_copy = jax.tree.map(lambda x, s: jax.device_put(jnp.copy(x), s), state, prog.in_shardings[0])
   compiled = compile_lib.lower(prog).compile()
   with mesh, nn_partitioning.axis_rules(cfg.logical_axis_rules):
@@ -133,7 +134,6 @@ def test_aot_update_is_the_runs_update_bit_for_bit(tiny_run):
   for k in want:
     assert np.array_equal(want[k], got[k]), k
   # The step changed something: MultiSteps' accumulator holds the first micro-batch's gradient.
-  before = _leaves(state)
   assert any(not np.array_equal(before[k], want[k]) for k in want)
 
 
