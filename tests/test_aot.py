@@ -42,6 +42,7 @@ LIBTPU = REPO / ".venv-aot-libtpu"
 
 @pytest.fixture(name="tiny_run", scope="module")
 def tiny_run_fixture(tmp_path_factory):
+  """A built (not trained) tiny run whose update accumulates two micro-batches, with a reference (beta != 0)."""
   out = tmp_path_factory.mktemp("aot_run")
   argv = [
       TINY,
@@ -153,17 +154,17 @@ needs_libtpu = pytest.mark.skipif(
 def test_tiny_config_compiles_for_v5p_8_with_every_program(tmp_path):
   res = _compile(tmp_path, "run_name=t", "compile_topology=v5p-8", "compile_topology_num_slices=1", "rl.num_iterations=2")
   assert res.returncode == 0, res.stderr[-3000:]
-  report = json.loads((tmp_path / "t.aot-v5p-8.json").read_text())
-  names = [p["name"] for p in report["programs"]]
+  rep = json.loads((tmp_path / "t.aot-v5p-8.json").read_text())
+  names = [p["name"] for p in rep["programs"]]
   # mu = 2: old-policy log-probs; beta = 0.08 (rl.yml): the reference forward; colocated: no weight sync.
   assert names == ["actor_update", "old_logps", "reference_logps", "rollout_prefill_decode"]
-  assert report["fits"] and report["device"]["hbm_bytes"] == 95 * 1024**3
-  for p in report["programs"]:
+  assert rep["fits"] and rep["device"]["hbm_bytes"] == 95 * 1024**3
+  for p in rep["programs"]:
     assert p["devices"] == 4 and p["fits"] and p["gflops"] > 0
     assert 0 < p["peak_gib"] <= p["needs_gib"] < p["hbm_gib"]
-  upd = report["programs"][0]
-  assert upd["calls_per_step"] == 4  # 2 iterations x (batch 2 / micro 1)
-  assert set(report["step_seconds"]) == {"rollout", "logps", "update", "sync", "total"}
+  upd = rep["programs"][0]
+  assert upd["calls_per_step"] == 2  # mu x batch / micro-batch = 2 x 2 / 2 (cpu_tiny: batch_size 2, micro = batch)
+  assert set(rep["step_seconds"]) == {"rollout", "logps", "update", "sync", "total"}
   assert "fits: every program" in res.stdout and "actor_update" in res.stdout
 
 
@@ -182,8 +183,8 @@ def test_what_cannot_fit_is_one_line_and_exit_2(tmp_path):
   err = [line for line in res.stderr.splitlines() if line.startswith("error:")]
   assert len(err) == 1 and "Traceback" not in res.stderr
   assert "program 'actor_update'" in err[0] and "v5e-4" in err[0] and "train_micro_batch_size" in err[0]
-  report = json.loads((tmp_path / "big.aot-v5e-4.json").read_text())
-  assert not report["fits"]
+  rep = json.loads((tmp_path / "big.aot-v5e-4.json").read_text())
+  assert not rep["fits"]
 
 
 def test_fit_and_roofline_arithmetic_of_one_row():

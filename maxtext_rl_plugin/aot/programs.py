@@ -289,12 +289,12 @@ def rollout_program(sampler_config, sampler_devices) -> Program:
   )
 
 
-def sync_program(trainer_params, trainer_mesh: Mesh, sampler_config, sampler_devices) -> Program | None:
+def sync_program(trainer_params, t_mesh: Mesh, sampler_config, sampler_devices) -> Program | None:
   """Phase 1 of the device_put weight sync: trainer params re-laid out as the sampler's, on the trainer devices.
 
   The staging mesh lists the trainer devices in the trainer arrays' own device order, as `move._staging_sharding`
   builds it from `x.sharding`, so the program has one device assignment."""
-  trainer_devices = list(trainer_mesh.devices.flat)
+  trainer_devices = list(t_mesh.devices.flat)
   if len(trainer_devices) != len(sampler_devices) or set(trainer_devices) == set(sampler_devices):
     return None
   s_mesh = models.build_sampler_mesh(sampler_config, sampler_devices)
