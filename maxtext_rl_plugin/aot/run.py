@@ -111,7 +111,12 @@ def build_programs(config, argv: Sequence[str], devices: list) -> tuple[list, di
       _say("rollout_engine=auto: compiling the embedded engine (on a TPU with vLLM installed, auto picks vLLM)")
     rollout = programs.rollout_program(rs.sampler_config, rs.sampler_devices)
     out.append((rollout, 0 if rs.disaggregated else trainer_resident, not rs.disaggregated))
-  if rs.disaggregated:
+  if rs.disaggregated and lora:
+    facts["not_compiled"].append(
+        "weight sync: a LoRA run moves only the adapters (replicated, a few MB), which the embedded engine merges; "
+        "no staging program"
+    )
+  elif rs.disaggregated:
     sync = programs.sync_program(params, mesh, rs.sampler_config, rs.sampler_devices)
     if sync is None:
       facts["not_compiled"].append(
