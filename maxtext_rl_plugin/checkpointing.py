@@ -4,10 +4,15 @@ Layout follows MaxText: `<base_output_directory>/<run_name>/checkpoints/<step>/{
 Orbax writes each step into a temporary directory and renames it when complete, so a process
 killed mid-write (SIGKILL, preemption) leaves the previous complete step as the latest one; the
 incomplete temporary directory is never picked up on restore.
+
+The storage format is MaxText's `OrbaxStorage` keys (`Storage`), with MaxText's meaning: its RL defaults
+(`post_train/rl.yml`: no OCDBT, no zarr3, "for Pathways") are what every checkpoint of the plugin is written with unless
+the user sets them. Restores read whatever format a step was written in (Orbax detects it per checkpoint).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging as std_logging
 import os
@@ -23,28 +28,80 @@ from maxtext_rl_plugin import run_dir
 from maxtext_rl_plugin.errors import CheckpointError
 
 
+@dataclasses.dataclass(frozen=True)
+class Storage:
+  """MaxText's `OrbaxStorage` keys as Orbax's PyTree handler takes them (MaxText's training_engine/checkpointing.py and
+  checkpoint_context.py pass the same values). The defaults are MaxText's RL defaults (post_train/rl.yml over
+  base.yml): plain (non-OCDBT) zarr2 arrays, which Pathways' persistence handler writes (pathwaysutils registers
+  Orbax's CloudPathwaysArrayHandler, which refuses OCDBT) and Tunix's checkpoint manager forces under Pathways."""
+
+  use_ocdbt: bool = False  # checkpoint_storage_use_ocdbt
+  use_zarr3: bool = False  # checkpoint_storage_use_zarr3
+  concurrent_gb: int | None = 96  # checkpoint_storage_concurrent_gb: write and read I/O budget
+  device_host_concurrent_gb: int | None = 8  # checkpoint_storage_device_host_concurrent_gb: device->host budget
+  target_data_file_size_bytes: int | None = 2 << 30  # checkpoint_storage_target_data_file_size_bytes (OCDBT files)
+
+  @classmethod
+  def from_config(cls, config) -> "Storage":
+    return cls(
+        use_ocdbt=bool(config.checkpoint_storage_use_ocdbt),
+        use_zarr3=bool(config.checkpoint_storage_use_zarr3),
+        concurrent_gb=config.checkpoint_storage_concurrent_gb,
+        device_host_concurrent_gb=config.checkpoint_storage_device_host_concurrent_gb,
+        target_data_file_size_bytes=config.checkpoint_storage_target_data_file_size_bytes,
+    )
+
+  def handler(self) -> ocp.PyTreeCheckpointHandler:
+    """One item's handler (a fresh one per item: Orbax handlers keep per-item state)."""
+    return ocp.PyTreeCheckpointHandler(
+        use_ocdbt=self.use_ocdbt,
+        use_zarr3=self.use_zarr3,
+        save_concurrent_gb=self.concurrent_gb,
+        restore_concurrent_gb=self.concurrent_gb,
+        save_device_host_concurrent_gb=self.device_host_concurrent_gb,
+    )
+
+
 def open_manager(
-    directory: str, item_names: tuple[str, ...], *, max_to_keep: int | None = None, async_save: bool = False
+    directory: str,
+    item_names: tuple[str, ...],
+    *,
+    storage: Storage,
+    max_to_keep: int | None = None,
+    async_save: bool = False,
+    create: bool = True,
 ) -> ocp.CheckpointManager:
-  """The Orbax manager of every checkpoint this plugin writes (the RL run's and the SFT warm start's): numbered
-  step directories with no prefix, MaxText's layout; `max_to_keep` None or <= 0 keeps every step."""
+  """The Orbax manager of every checkpoint this plugin writes or reads (the RL run's, the SFT warm start's, the
+  adapters export_lora merges): numbered step directories with no prefix, MaxText's layout; `max_to_keep` None or
+  <= 0 keeps every step. Array items are PyTrees written in `storage`'s format; an item named `meta` is JSON."""
+  handlers = {name: ocp.JsonCheckpointHandler() if name == "meta" else storage.handler() for name in item_names}
   return ocp.CheckpointManager(
       directory,
-      item_names=item_names,
+      item_handlers=handlers,
       options=ocp.CheckpointManagerOptions(
           max_to_keep=max_to_keep if max_to_keep and max_to_keep > 0 else None,
-          create=True,
+          create=create,
           enable_async_checkpointing=async_save,  # MaxText's async_checkpointing
           step_prefix=None,
       ),
   )
 
 
-def save_items(manager: ocp.CheckpointManager, step: int, trees: dict[str, Any], meta: dict[str, Any]) -> None:
-  """Write `step`: each of `trees` as a standard item and `meta` as JSON; returns once it is on disk."""
-  items = {name: ocp.args.StandardSave(tree) for name, tree in trees.items()}
+def save_items(
+    manager: ocp.CheckpointManager, step: int, trees: dict[str, Any], meta: dict[str, Any], *, storage: Storage
+) -> None:
+  """Write `step`: each of `trees` as a PyTree item and `meta` as JSON; returns once it is on disk. `storage` is the
+  one `manager` was opened with (its OCDBT file size is a save argument, not a handler option)."""
+  size = storage.target_data_file_size_bytes if storage.use_ocdbt else None
+  items = {name: ocp.args.PyTreeSave(tree, ocdbt_target_data_file_size=size) for name, tree in trees.items()}
   manager.save(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonSave(meta)), force=True)
   manager.wait_until_finished()
+
+
+def restore_args(target: Any, mesh: jax.sharding.Mesh | None) -> ocp.args.PyTreeRestore:
+  """Orbax's restore arguments of one PyTree item into the layout of `target` (abstract or concrete)."""
+  abstract = abstract_tree(target, mesh)
+  return ocp.args.PyTreeRestore(item=abstract, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract))
 
 
 def abstract_tree(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
@@ -60,25 +117,34 @@ def abstract_tree(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
 
 def restore_items(manager: ocp.CheckpointManager, step: int, targets: dict[str, Any], mesh) -> tuple[dict, dict]:
   """Restore `step`'s standard items into the layout of `targets` (abstract or concrete trees) and its JSON meta."""
-  items = {name: ocp.args.StandardRestore(abstract_tree(tree, mesh)) for name, tree in targets.items()}
+  items = {name: restore_args(tree, mesh) for name, tree in targets.items()}
   restored = manager.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
   return {name: restored[name] for name in targets}, dict(restored.meta)
 
 
 class RunCheckpointer:
-  """Save/restore the pieces of RL state needed to resume with no repeated or skipped batch."""
+  """Save/restore the pieces of RL state needed to resume with no repeated or skipped batch (`storage`: the run's
+  OrbaxStorage keys, `Storage.from_config`; the default is MaxText's RL default)."""
 
   def __init__(
-      self, directory: str, *, period: int, max_to_keep: int | None = None, enabled: bool = True, async_save: bool = False
+      self,
+      directory: str,
+      *,
+      period: int,
+      storage: Storage = Storage(),
+      max_to_keep: int | None = None,
+      enabled: bool = True,
+      async_save: bool = False,
   ):
     self.directory = os.path.abspath(directory)
     self.period = max(1, int(period))
     self.enabled = enabled
+    self.storage = storage
     self._manager = None
     if enabled:
       os.makedirs(self.directory, exist_ok=True)
       self._manager = open_manager(
-          self.directory, ("params", "opt_state", "meta"), max_to_keep=max_to_keep, async_save=async_save
+          self.directory, ("params", "opt_state", "meta"), storage=storage, max_to_keep=max_to_keep, async_save=async_save
       )
 
   def latest_step(self) -> int | None:
@@ -126,7 +192,7 @@ class RunCheckpointer:
         ) from None
 
   def _save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
-    save_items(self._manager, step, {"params": params, "opt_state": opt_state}, meta)
+    save_items(self._manager, step, {"params": params, "opt_state": opt_state}, meta, storage=self.storage)
     logging.info("saved checkpoint step %d to %s", step, self.directory)
 
   def restore(self, step: int, params_target: Any, opt_state_target: Any) -> tuple[Any, Any, dict[str, Any]]:

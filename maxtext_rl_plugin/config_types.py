@@ -134,6 +134,16 @@ class PluginRL(types.RL):
       ),
   )
   rollout_is_cap: float = Field(2.0, gt=1.0, description="C of rl.rollout_is: the truncation cap / mask range [1/C, C].")
+  router_replay: bool = Field(
+      False,
+      description=(
+          "Mixture-of-experts router replay (R3): the embedded rollout records the experts every MoE layer routed each "
+          "prompt and completion token to, and the trainer's old-policy and policy forwards use them "
+          "(MaxText's forced_routed_experts) instead of their own router's choice, so sampler and trainer score the "
+          "same network (docs/moe.md). Decoder blocks MaxText can force (Mixtral, Qwen3.5, Gemma 4) on the embedded "
+          "engine only; the reference model keeps its own routing."
+      ),
+  )
   verify_weight_sync: Literal["off", "first", "every_n"] = Field(
       "first",
       description=(

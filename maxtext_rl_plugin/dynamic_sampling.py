@@ -50,6 +50,7 @@ from maxtext_rl_plugin.algorithms import advantages as advantages_lib
 from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import experience
+from maxtext_rl_plugin import moe
 from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin.errors import CheckpointError, ConfigError
 
@@ -166,6 +167,10 @@ def assemble(rounds: Sequence[_Round], picks: Sequence[tuple[int, int, bool]], g
   token_mask = None  # rl.use_agentic_rollout: every round has one (experience.Sampled.token_mask)
   if first.token_mask is not None:
     token_mask = np.concatenate([rnd.sampled.token_mask[rows] for rnd, rows in by_round])
+  routing = None  # MoE routing of each round (experience.Sampled.routing), prompts left-padded to the joined width
+  if first.routing is not None:
+    t = completion_ids.shape[1]
+    routing = np.concatenate([moe.widen_prompt(rnd.sampled.routing[rows], t, width) for rnd, rows in by_round])
   estimator, norm, _ = advantages_lib.advantage_config(cfg.rl)
   advantages = advantages_lib.group_advantages(rewards, g, norm, estimator)
   sampled = experience.Sampled(
@@ -183,6 +188,7 @@ def assemble(rounds: Sequence[_Round], picks: Sequence[tuple[int, int, bool]], g
       truncated=truncated,
       metrics={"completion/truncated_fraction": float(truncated.mean())},
       token_mask=token_mask,
+      routing=routing,
   )
   examples = [rounds[r].examples[k] for r, k, trained in picks if trained]  # the audit (batches.jsonl): trained only
   inputs = {key: [v for r, k, _ in picks for v in rounds[r].inputs[key][k * g : (k + 1) * g]] for key in rounds[0].inputs}

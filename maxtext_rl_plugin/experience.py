@@ -45,6 +45,7 @@ from maxtext_rl_plugin.algorithms import advantages as advantages_lib
 from maxtext_rl_plugin.algorithms import divergence
 from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.agentic import episode as episode_lib
 from maxtext_rl_plugin.updates import UpdatePlan
 
@@ -93,12 +94,18 @@ def sum_rewards(reward_fns: Sequence[Callable], prompts: list, completions: list
 
 
 class TrainerLogps:
-  """Log-probs of sampled completions under the actor's *current* weights, on the trainer mesh (no gradient)."""
+  """Log-probs of sampled completions under the actor's *current* weights, on the trainer mesh (no gradient).
+
+  On an MoE model the forward also records the experts the trainer routed each token to (`last_routing`, host
+  [rows, P+T, layers, k]), and `forced` replays the sampler's (rl.router_replay, moe.py).
+  """
 
   def __init__(self, rl_cluster: Any, mesh: Any, logical_axis_rules: Any):
     self._cluster = rl_cluster
     self._mesh = mesh
     self._rules = logical_axis_rules
+    self._moe_fn = None
+    self.last_routing: np.ndarray | None = None
 
   def __call__(
       self,
@@ -108,12 +115,39 @@ class TrainerLogps:
       eos_id: int,
       temperature: float,
       micro_batch_size: int | None = None,
+      forced: jax.Array | None = None,
   ) -> jax.Array:
-    graphdef, state = nnx.split(self._cluster.actor_trainer.model)
+    model = self._cluster.actor_trainer.model
+    config = getattr(getattr(model, "base", None), "config", None)
+    graphdef, state = nnx.split(model)
+    temperature = float(temperature) if temperature and temperature > 0 else 1.0
     rows = prompt_ids.shape[0]
     step = micro_batch_size or rows
-    outs = []
+    outs, routes = [], []
     with self._mesh, nn_partitioning.axis_rules(self._rules):
+      if config is not None and moe.is_moe(config):
+        if self._moe_fn is None:  # the actor's graph is fixed; weights and the forced routing are arguments
+          rec = moe.recording_graphdef(model)
+
+          def fn(state, prompt, completion, forced, temperature):
+            lp, _, route, _ = moe.forward_logps(
+                rec, state, prompt, completion, pad_id, eos_id, temperature=temperature, forced=forced
+            )
+            return lp, route
+
+          self._moe_fn = jax.jit(fn, static_argnums=(4,))
+        for s in range(0, rows, step):
+          lp, route = self._moe_fn(
+              state,
+              prompt_ids[s : s + step],
+              completion_ids[s : s + step],
+              None if forced is None else forced[s : s + step],
+              temperature,
+          )
+          outs.append(lp)
+          routes.append(distributed.to_host(route))
+        self.last_routing = np.concatenate(routes) if all(r is not None for r in routes) else None
+        return jnp.concatenate(outs, axis=0)
       for s in range(0, rows, step):
         outs.append(
             tunix_common.compute_per_token_logps(
@@ -125,9 +159,10 @@ class TrainerLogps:
                 eos_id=eos_id,
                 stop_gradient=True,
                 return_logits=False,
-                temperature=float(temperature) if temperature and temperature > 0 else 1.0,
+                temperature=temperature,
             )
         )
+    self.last_routing = None
     return jnp.concatenate(outs, axis=0)
 
 
@@ -181,6 +216,19 @@ class Sampled:
   # [rows, T] bool, rl.use_agentic_rollout: the policy's own tokens (False on the environment's tool results, which
   # are in the context but carry no loss: agentic/episode.py); None = every completion token is the policy's.
   token_mask: np.ndarray | None = None
+  # [rows, P + T, layers, k] on MoE models whose engine reports routing (moe.py): the experts the sampler routed each
+  # prompt and completion token to; replayed in the trainer's forwards under rl.router_replay.
+  routing: np.ndarray | None = None
+
+
+def rollout_routing(run: Any) -> np.ndarray | None:
+  """The routing of the rollout calls this thread made since the last take (the embedded engine's `take_routing`),
+  gathered across processes like the rows themselves (`generate`); None when the engine reports none."""
+  take = getattr(run.rl_cluster.rollout, "take_routing", None)
+  routing = take() if take is not None else None
+  if routing is not None and run.setup.disaggregated and distributed.is_multiprocess():
+    routing = distributed.gather_rows(routing)
+  return routing
 
 
 def put_rows(cluster: Any) -> Callable[[Any], jax.Array]:
@@ -252,7 +300,9 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
   if cfg.rl.use_agentic_rollout:  # multi-turn episodes with tools (agentic/episode.py)
     out, episodes = episode_lib.generate(run, list(inputs["prompts"]), rl_cluster_lib.Mode.TRAIN)
   else:
+    rollout_routing(run)  # drop routing another caller of this thread left (evaluation)
     out = generate(run, list(inputs["prompts"]), g, _micro(cfg.rollout_micro_batch_size, g))
+  routing = None if episodes is not None else rollout_routing(run)
   timer.add("rollout", time.perf_counter() - t)
 
   completion_ids = pad_rows(out.tokens, train_rollout.max_tokens_to_generate, pad_id, np.int32)
@@ -272,6 +322,9 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
   if episodes is not None:
     token_mask = pad_rows([e.loss_mask for e in episodes], max_len, 0, np.int32).astype(bool)
     metrics.update(episode_lib.metrics(episodes))
+  if routing is not None:  # the rollout's expert load (moe.py)
+    mask = moe.routed_mask(np.asarray(out.left_padded_prompt_tokens) != pad_id, completion_ids != pad_id)
+    metrics.update(moe.step_metrics(routing, None, mask, int(cfg.num_experts)))
   if int(cfg.rl.overlong_buffer_len) > 0:  # DAPO's soft overlong penalty, in tokens (algorithms/shaping.py)
     penalty = shaping.overlong_penalty(
         out.tokens, max_len, int(cfg.rl.overlong_buffer_len), float(cfg.rl.overlong_penalty_factor)
@@ -308,6 +361,7 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
       truncated=truncated,
       metrics=metrics,
       token_mask=token_mask,
+      routing=routing,
   )
 
 
@@ -347,9 +401,17 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experienc
   agreement = bool(cfg.rl.log_sampler_trainer_agreement)
   use_sampler = plan.needs_old_logps and cfg.rl.use_rollout_logps
   behaviour = sampled.behaviour
+  # rl.router_replay: the trainer's old-policy and policy forwards route every token as the sampler did (moe.py).
+  forced = put(sampled.routing) if cfg.rl.router_replay and sampled.routing is not None else None
   trainer_lp = None
   if (plan.needs_old_logps and not use_sampler) or rollout_is or agreement:
-    trainer_lp = run.trainer_logps(prompt_ids, completion, pad_id, eos_id, temperature, logps_micro)
+    trainer_lp = run.trainer_logps(prompt_ids, completion, pad_id, eos_id, temperature, logps_micro, forced=forced)
+    trainer_route = getattr(run.trainer_logps, "last_routing", None)
+    if trainer_route is not None and sampled.routing is not None:  # expert load; the mismatch unless replayed
+      mask = moe.routed_mask(distributed.to_host(prompt_ids) != pad_id, sampled.completion_ids != pad_id)
+      metrics.update(
+          moe.step_metrics(None if forced is not None else sampled.routing, trainer_route, mask, int(cfg.num_experts))
+      )
   old = None
   if plan.needs_old_logps:
     old = behaviour if use_sampler else trainer_lp
@@ -368,7 +430,9 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experienc
     metrics.update(agreement_metrics(distributed.to_host(behaviour), distributed.to_host(trainer_lp), completion_mask))
   timer.add("logps", time.perf_counter() - t)
 
-  example = grpo_learner.TrainExample(
+  example_cls = grpo_learner.TrainExample if forced is None else moe.RoutedTrainExample
+  extra = {} if forced is None else {"routed_experts": forced}
+  example = example_cls(
       prompt_ids=prompt_ids,
       prompt_mask=prompt_ids != pad_id,
       completion_ids=completion,
@@ -377,6 +441,7 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experienc
       advantages=put(np.asarray(sampled.advantages, np.float32)),
       old_per_token_logps=None if old is None else put(old),
       sampler_is_weights=is_weights,
+      **extra,
   )
   return Experience(example=example, texts=sampled.texts, rewards=sampled.rewards, metrics=metrics)
 

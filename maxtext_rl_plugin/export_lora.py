@@ -7,7 +7,8 @@ Give the same yml and overrides as the training run: they name the run directory
 (`<base_output_directory>/<run_name>/checkpoints`), the base weights (`load_parameters_path`, plus the run's SFT
 warm start when `sft_warmup_steps` > 0) and the adapters' shape (`lora.*`). The adapters of checkpoint `--step`
 (default: the newest) are merged as `W + lora_alpha/lora_rank * A @ B` and the merged weights are written with
-MaxText's `checkpointing.save_params_to_path` to `DIR/0`; load them with `load_parameters_path=DIR/0/items` and
+MaxText's `checkpointing.save_params_to_path` to `DIR/0` (in the format of `checkpoint_storage_use_ocdbt` /
+`checkpoint_storage_use_zarr3`, as MaxText writes it); load them with `load_parameters_path=DIR/0/items` and
 `lora.enable_lora=false` (no adapter keys needed).
 """
 
@@ -45,15 +46,15 @@ def _parse(argv):
 def restore_adapters(model, ckpt_dir: str, step: int | None) -> int:
   """Load the adapters (the `params` item) of RL checkpoint `step` (newest when None) into `model`; returns the step."""
   from flax import nnx
-  import jax
   import orbax.checkpoint as ocp
+
+  from maxtext_rl_plugin import checkpointing
 
   if not os.path.isdir(ckpt_dir):
     raise CheckpointError(f"no checkpoints in {ckpt_dir}: run training with this config first")
-  manager = ocp.CheckpointManager(
-      ckpt_dir,
-      item_names=("params", "opt_state", "meta"),
-      options=ocp.CheckpointManagerOptions(create=False, step_prefix=None),
+  # Restores read any format (Orbax detects it per checkpoint); `storage` only matters for writing.
+  manager = checkpointing.open_manager(
+      ckpt_dir, ("params", "opt_state", "meta"), storage=checkpointing.Storage(), create=False
   )
   try:
     steps = list(manager.all_steps())
@@ -64,9 +65,8 @@ def restore_adapters(model, ckpt_dir: str, step: int | None) -> int:
     elif step not in steps:
       raise CheckpointError(f"no checkpoint step {step} in {ckpt_dir} (steps: {sorted(steps)})")
     target = nnx.state(model, nnx.LoRAParam)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), target)
     try:
-      restored = manager.restore(step, args=ocp.args.Composite(params=ocp.args.StandardRestore(abstract)))
+      restored = manager.restore(step, args=ocp.args.Composite(params=checkpointing.restore_args(target, None)))
     except (ValueError, KeyError, FileNotFoundError) as e:
       raise CheckpointError(
           f"checkpoint {ckpt_dir}/{step} does not hold this run's adapters (check the lora.* keys "
@@ -136,7 +136,14 @@ def export(argv, output: str, step: int | None = None) -> str:
   step = restore_adapters(lora_actor, ckpt_dir, step)
   merged = lora.merged_params(lora_actor, config)
   try:
-    mt_checkpointing.save_params_to_path(out, {"params": nnx.to_pure_dict(merged)})
+    # In the format of MaxText's OrbaxStorage keys, as MaxText's own param-only checkpoints (its RL default: plain
+    # zarr2 arrays, which Pathways' persistence handler writes).
+    mt_checkpointing.save_params_to_path(
+        out,
+        {"params": nnx.to_pure_dict(merged)},
+        use_ocdbt=config.checkpoint_storage_use_ocdbt,
+        use_zarr3=config.checkpoint_storage_use_zarr3,
+    )
   except OSError as e:
     raise CheckpointError(f"the merged weights were not written: {run_dir_lib.describe_os_error(e, out)}") from None
   path = os.path.join(out, "items")

@@ -119,7 +119,10 @@ CLASS_STATUS: dict[str, str] = {
         "refused: a MaxText pre-training checkpoint option; the RL trainer's checkpoints are Orbax via "
         "checkpointing.py"
     ),
-    "OrbaxStorage": "refused: MaxText's Orbax storage tuning; the RL trainer's checkpoint manager does not read it",
+    "OrbaxStorage": (
+        "honoured (checkpointing.Storage: the format and I/O budgets of the run's, the SFT warm start's and "
+        "export_lora's checkpoints, as MaxText passes them to Orbax)"
+    ),
     "DataTypes": MODEL,
     "Tokenizer": (
         "refused: MaxText's pre-training tokenization option; the RL path tokenizes with the HF tokenizer at "
@@ -194,12 +197,46 @@ _KEY_STATUS: dict[str, str] = {
     ),
     "indexer_sparse_training": _TRAIN_LOSS,
     "indexer_loss_scaling_factor": _TRAIN_LOSS,
-    "load_balance_loss_weight": _TRAIN_LOSS,
-    "moe_use_megatron_seq_aux_loss": _TRAIN_LOSS,
+    # --- mixture of experts (moe.py, docs/moe.md) ---
+    "load_balance_loss_weight": (
+        "honoured (algorithms/tunix_wiring + moe.lb_loss: MaxText's moe_lb_loss, already weighted, averaged over MoE "
+        "layers and added to the RL loss as MaxText's pre-training loss adds it)"
+    ),
+    "moe_use_megatron_seq_aux_loss": "honoured (moe.lb_loss: the sequence-wise aux loss summed over MoE layers)",
     "routed_bias_update_rate": "refused: MaxText's pre-training step updates the routing bias; the RL step does not",
     "return_routed_experts": (
-        "refused: routed-expert replay is not implemented; the rollout does not return routed experts"
+        "refused: MaxText records routing with it only on its vLLM fused-MoE path; the embedded engine and the "
+        "trainer record it on every MoE model themselves (moe.py); routed-expert replay is rl.router_replay"
     ),
+    "capacity_factor": (
+        "honoured (MaxText MoE, dropless -1 by default; > 0 refused by moe.check_config: token dropping depends on "
+        "how many tokens share a forward, one per decode step vs the whole sequence in the trainer)"
+    ),
+    **dict.fromkeys(
+        ("ragged_buffer_factor", "eval_ragged_buffer_factor"),
+        "refused: a bounded ragged buffer drops tokens depending on the batch's routing, differently in the rollout's "
+        "decode and the trainer's forward; RL keeps MaxText's worst-case (dropless) buffer",
+    ),
+    **dict.fromkeys(
+        (
+            "moe_dropless_fallback",
+            "retry_dropless_first_steps",
+            "first_phase_ragged_buffer_factor",
+            "log_required_ragged_buffer_factor",
+            "warmup_programs_in_init",
+            "moe_log_max_load_ratio",
+            "te_ep_overflow_check_every_n_steps",
+            "log_moe_bias_norms",
+            "log_step_diagnostics",
+        ),
+        "refused: MaxText's pre-training step logic or logging; the RL step logs moe/*_load_max (moe.py) instead",
+    ),
+    "use_random_routing": (
+        "refused: debug routing drawn at random per call, so the sampler and the trainer route differently by "
+        "construction"
+    ),
+    "use_batch_split_schedule": "refused: a DeepSeek-V3 pre-training schedule; the RL trainer does not run it",
+    "use_lineage": "refused: Google-internal DeepSeek-V3 execution; not in the pinned MaxText",
     "use_qwix_quantization": (
         "refused: Qwix quantized training needs MaxText's train step; the RL trainer does not wrap the model"
     ),
@@ -373,13 +410,55 @@ _KEY_STATUS: dict[str, str] = {
     "vllm_hf_overrides": VLLM_ROLLOUT,
     "vllm_hf_config_path": VLLM_ROLLOUT,
     "free_kv_cache_during_weight_sync": "honoured (rollout/vllm.py: weight sync)",
-    "swap_space_vllm_gb": "refused: rollout/vllm.py does not pass a CPU swap space to vLLM",
-    "rollout_backend": _CONVERTER,
     "weight_sync_debug": (
         "refused: MaxText's converter debug logging; the plugin checks syncs with rl.verify_weight_sync"
     ),
     "log_weight_sync_time": "refused: MaxText's converter timing log; the plugin logs every sync's time and bytes",
 }
+
+# Refused keys whose MaxText RL default means something the plugin does not do: the text says what it does instead
+# (issue 42's audit; the table in docs/DEVELOPMENT.md, "Where the plugin differs from MaxText's RL defaults", and
+# tests/test_key_audit.py keep the list).
+_KEY_STATUS.update(
+    {
+        **dict.fromkeys(
+            ("abort_on_nan_loss", "abort_on_inf_loss"),
+            "refused: MaxText's pre-training loop stops on a NaN/Inf loss; the RL trainer logs a warning for a "
+            "non-finite step metric and goes on",
+        ),
+        "save_checkpoint_on_start": (
+            "refused: MaxText's pre-training saves a checkpoint before the first step; the RL trainer's first "
+            "checkpoint is at checkpoint_period (and every run ends on one)"
+        ),
+        "save_checkpoint_on_completion": "refused: the RL trainer always saves the last step (MaxText's default)",
+        **dict.fromkeys(
+            ("lr_schedule_type", "learning_rate_final_fraction"),
+            "refused: the RL schedule is MaxText RL's (utils_rl.get_optimizer): linear warmup, then cosine decay to 0, "
+            "not pre-training's cosine to learning_rate_final_fraction x learning_rate",
+        ),
+        **dict.fromkeys(
+            ("add_bos", "add_eos"),
+            "refused: MaxText's pre-training tokenizer adds BOS/EOS to every text; RL prompts are encoded with the "
+            "HF tokenizer's own defaults (a doubled leading BOS collapsed) and no EOS is appended",
+        ),
+        "use_truncation": (
+            "refused: MaxText's pre-training truncates long texts; the RL data drops prompts longer than "
+            "max_prefill_predict_length, as MaxText's RL data does"
+        ),
+        "vllm_load_format": (
+            "refused: rollout/vllm.py always starts vLLM from dummy weights (MaxText's RL default) and syncs the "
+            "trainer's into it"
+        ),
+        "swap_space_vllm_gb": (
+            "refused: rollout/vllm.py does not pass a CPU swap space to vLLM (vLLM's own default applies, not 2 GB)"
+        ),
+        **dict.fromkeys(
+            ("rollout_backend", "use_weight_converter"),
+            "refused: MaxText's vLLM weight converter is not used; the plugin's vLLM engine maps weights itself "
+            "(rollout/vllm_mapping.py)",
+        ),
+    }
+)
 
 # The plugin's own keys, by the module that reads them (config_types.PluginKeys groups them the same way).
 _KEY_STATUS.update(
@@ -422,6 +501,10 @@ _KEY_STATUS.update(
         **dict.fromkeys(
             ("rl.dynamic_sampling", "rl.max_refill_rounds"),
             "honoured (dynamic_sampling: zero-variance groups dropped, batch refilled)",
+        ),
+        "rl.router_replay": (
+            "honoured (moe.py: the embedded rollout's routing replayed in the trainer's old-policy and policy "
+            "forwards; refused for decoder blocks MaxText cannot force and for engines that do not report routing)"
         ),
     }
 )

@@ -56,7 +56,8 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
   """Train `model` in place for `config.sft_warmup_steps` steps, or restore the finished warm start."""
   steps = config.sft_warmup_steps
   ckpt_dir = os.path.join(os.path.abspath(run_dir), "checkpoints", "sft")
-  manager = checkpointing.open_manager(ckpt_dir, ("params", "meta"), max_to_keep=1)
+  storage = checkpointing.Storage.from_config(config)
+  manager = checkpointing.open_manager(ckpt_dir, ("params", "meta"), storage=storage, max_to_keep=1)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   if manager.latest_step() == steps:
     restored, meta = checkpointing.restore_items(manager, steps, {"params": params}, mesh)
@@ -108,7 +109,7 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
         )
   nnx.update(model, params)
   meta = {"steps": steps, "final_loss": float(np.mean(losses[-10:])), "seconds": time.time() - t0}
-  checkpointing.save_items(manager, steps, {"params": params}, meta)
+  checkpointing.save_items(manager, steps, {"params": params}, meta, storage=storage)
   manager.close()
   logging.info("SFT warm start done: %s", json.dumps(meta))
   return meta

@@ -361,12 +361,14 @@ def _light_checks() -> tuple[Callable[[Any], None], ...]:
 
 def validate(pc) -> None:
   """Device-free checks of a parsed config, the same for print_config, launchers and training (one line each)."""
-  # algorithms/ imports Tunix and JAX: only this second pass, after the schema's imports, needs it.
+  # algorithms/ and moe import Tunix and JAX: only this second pass, after the schema's imports, needs them.
+  from maxtext_rl_plugin import moe  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.algorithms import shaping  # pylint: disable=import-outside-toplevel
 
   for check in _light_checks():
     check(pc)
   shaping.check_config(pc)  # DAPO and kin: estimator x scaling x aggregation, overlong buffer
+  moe.check_config(pc)  # capacity_factor, rl.router_replay
   head_dim_reason = vllm_head_dim_reason(pc.model_name, pc.head_dim) if pc.rollout_engine == "vllm" else None
   if head_dim_reason:
     raise _bad("head_dim", pc.head_dim, head_dim_reason)

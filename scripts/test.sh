@@ -106,8 +106,12 @@ if [ $# -eq 0 ]; then
     if [ $tpu_rc -eq 0 ]; then
       t=$SECONDS
       rc=0
-      PYTHONPATH="$ROOT" XLA_FLAGS="--xla_force_host_platform_device_count=4" TPU_ACCELERATOR_TYPE=v5litepod-4 \
-        "$TPU_VENV/bin/python" -m pytest -q -rs --durations=25 -p no:cacheprovider tests/tpu_contract || rc=$?
+      # The plugin as the image installs it (scripts/tpu_contract_venv.sh): no PYTHONPATH, and -P keeps `python -m`
+      # from putting the checkout first on sys.path, either of which would import maxtext_rl_plugin/ from the
+      # checkout (without configs/ and rewards/, which only the install maps into the package). pytest itself puts
+      # tests/tpu_contract on sys.path for its helper modules (forward.py, tpu_models.py).
+      XLA_FLAGS="--xla_force_host_platform_device_count=4" TPU_ACCELERATOR_TYPE=v5litepod-4 \
+        "$TPU_VENV/bin/python" -P -m pytest -q -rs --durations=25 -p no:cacheprovider tests/tpu_contract || rc=$?
       if [ $rc -ne 0 ]; then status=$rc; fi
       took "pass 3 (tests/tpu_contract in .venv-tpu)" "$t"
     else

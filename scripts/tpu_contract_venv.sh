@@ -2,9 +2,9 @@
 # Create or refresh .venv-tpu: the TPU image's pinned stack (vllm-tpu, tpu-inference, jax 0.11.2, ...) with
 # CPU jax, for tests/tpu_contract (the real tpu-inference model classes built on CPU). Every package is
 # pinned in dependencies/tpu-contract-requirements.txt and installed --no-deps; re-installs only when that
-# file changed (a stamp holds its hash). Sourced by scripts/test.sh; safe to run on its own.
-# First install: 12 min (711 s measured on a shared 2-core machine, download-bound) and 7.7 GB: PyPI's torch
-# is a CUDA build and imports only with its nvidia-* libraries (~3 GB of the download).
+# file changed (a stamp holds its hash); the plugin itself is reinstalled, non-editable, on every run (below).
+# Run by scripts/test.sh; safe to run on its own. First install: 12 min (711 s measured on a shared 2-core machine,
+# download-bound) and 7.7 GB: PyPI's torch is a CUDA build and imports only with its nvidia-* libraries (~3 GB).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 TPU_VENV="${TPU_VENV:-$ROOT/.venv-tpu}"
@@ -26,10 +26,18 @@ if stamp_stale "$TPU_STAMP" "$TPU_WANT"; then
   echo "$TPU_WANT" > "$TPU_STAMP"
   echo "[tpu-venv] installed in $((SECONDS - t0)) s, $(du -sh "$TPU_VENV" | cut -f1)"
 fi
-# The plugin itself, editable and --no-deps (the pins above are the whole closure), so its installed layout holds as in
-# the TPU image: `rewards/` is the package `maxtext_rl_plugin.rewards` only through setup.cfg's package_dir.
-if ! (cd / && "$TPU_VENV/bin/python" -c 'import maxtext_rl_plugin.rewards' >/dev/null 2>&1); then
-  echo "[tpu-venv] installing maxtext-rl-plugin (editable, --no-deps)"
-  "$TPU_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -e "$ROOT" 2>&1 \
-    | grep -v "^WARNING: Location 'file:\|BuildBackendWarning\|Editable installation\|^ *!!\|^ *\*\+$\|Please be careful\|name as your package\|may take precedence\|with strategy, WheelFile\|^\s*$" || true
-fi
+# The plugin itself as the TPU image installs it (dependencies/Dockerfile step 2): a non-editable `--no-deps ".[tpu]"`
+# install of the files the image copies, so tests/tpu_contract imports the installed package (configs/ and rewards/
+# inside it through setup.cfg's package_dir, modules only if setup.py ships them), never the checkout. Reinstalled on
+# every run: the sources change between runs. Built from a fresh copy, so no stale setuptools build/ folder of the
+# checkout can put a deleted module into the wheel; --no-build-isolation builds with the pinned setuptools above.
+t0=$SECONDS
+PLUGIN_SRC="$(mktemp -d -t maxtext-rl-plugin-src.XXXXXX)"
+(cd "$ROOT" && tar -cf - --exclude=__pycache__ --exclude='*.pyc' setup.py setup.cfg pyproject.toml README.md \
+  maxtext_rl_plugin configs rewards) | tar -xf - -C "$PLUGIN_SRC"
+"$TPU_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall \
+  "$PLUGIN_SRC[tpu]" 2>&1 | grep -v "^WARNING: Location 'file:" || true
+rm -rf "$PLUGIN_SRC"
+(cd / && "$TPU_VENV/bin/python" -c 'import maxtext_rl_plugin.rewards, maxtext_rl_plugin.configs' >/dev/null 2>&1) \
+  || { echo "error: the plugin's non-editable install in .venv-tpu does not import" >&2; exit 1; }
+echo "[tpu-venv] maxtext-rl-plugin installed as in the image (non-editable, --no-deps) in $((SECONDS - t0)) s"

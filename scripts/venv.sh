@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Create or refresh .venv at the repo root with Python 3.12 and install the plugin in editable mode.
 # Sourced by scripts/demo.sh and scripts/test.sh; safe to run on its own. Re-installs only when
-# setup.cfg changed since the last install (a stamp file holds its hash).
+# setup.cfg, setup.py or pyproject.toml changed since the last install (a stamp file holds their hash).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
@@ -40,7 +40,7 @@ if [ "${1:-}" = "--functions-only" ]; then return 0; fi
 
 ensure_venv "$VENV" venv
 STAMP="$VENV/.maxtext_rl_plugin.stamp"
-WANT="$(cat "$ROOT/setup.cfg" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1) $EXTRAS"
+WANT="$(cat "$ROOT/setup.cfg" "$ROOT/setup.py" "$ROOT/pyproject.toml" | sha256sum | cut -d' ' -f1) $EXTRAS"
 if stamp_stale "$STAMP" "$WANT"; then
   echo "[venv] installing maxtext-rl-plugin[$EXTRAS] (editable); first time takes ~2 min"
   "$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true

@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 
 from maxtext_rl_plugin.bench import __main__ as bench_main
-from maxtext_rl_plugin.bench import gpu
 from maxtext_rl_plugin.bench import gpu_common
 from maxtext_rl_plugin.bench import gpu_report
 from maxtext_rl_plugin.bench import gpu_rollout
@@ -18,9 +17,9 @@ def test_dry_run_measures_every_part_and_writes_json_and_markdown(tmp_path, caps
   rc = bench_main.main(["gpu", "--dry", "--out", str(tmp_path)])
   final = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
   saved = json.loads((tmp_path / "gpu_bench.json").read_text())
-  assert rc == 0, {p: saved[p].get("error") for p in gpu.PARTS}
+  assert rc == 0, {p: saved[p].get("error") for p in gpu_common.PARTS}
   assert final["benchmark"] == "gpu" and final["device"]["backend"] == "cpu"
-  for part in gpu.PARTS:
+  for part in gpu_common.PARTS:
     assert "error" not in saved[part] and "partial" not in saved[part], (part, saved[part])
 
   roll = saved["rollout"]

@@ -145,11 +145,22 @@ def test_dockerfile_parses_and_references_exist():
   opts = setup_cfg()["options"]
   pkg_dirs = {line.split("=", 1)[1].strip() for line in opts["package_dir"].splitlines() if "=" in line}
   readme = setup_cfg()["metadata"]["long_description"].split(":", 1)[1].strip()
-  needed = pkg_dirs | {"setup.cfg", "pyproject.toml", readme}
+  needed = pkg_dirs | {"setup.py", "setup.cfg", "pyproject.toml", readme}
   assert needed <= copied, needed - copied
   run = " ".join(a for i, a in instrs if i == "RUN")
   assert "--no-deps -r dependencies/requirements-tpu.txt" in run
-  assert '".[tpu]"' in run, "the plugin is installed with its tpu extra"
+  # The plugin: a non-editable --no-deps install with its tpu extra, from a copy of its sources that is then removed,
+  # so no source folder is left to shadow the installed package in the jobs' working directory.
+  src = next(a.split("=", 1)[1] for i, a in instrs if i == "ARG" and a.startswith("PLUGIN_SRC="))
+  assert not src.startswith(next(a.split("=", 1)[1] for i, a in instrs if i == "ARG" and a.startswith("PLUGIN_DIR=")))
+  assert 'pip install --no-deps "${PLUGIN_SRC}[tpu]" && rm -rf ${PLUGIN_SRC}' in run
+  for instr, args in instrs:
+    if instr == "COPY" and any(s.rstrip("/") in needed for s in args.split()[:-1]):
+      assert args.split()[-1].startswith("${PLUGIN_SRC}/"), args
+  # The build's import check names the modules a run starts with, not only the rollout stack.
+  check = re.search(r'python3 -c "([^"]*)"', run).group(1)
+  for module in ("maxtext_rl_plugin.train_rl", "maxtext_rl_plugin.trainer", "maxtext_rl_plugin.rollout.vllm"):
+    assert re.search(rf"\b{re.escape(module)}\b", check), module
 
 
 def test_dockerignore_keeps_every_copy_source():

@@ -62,7 +62,7 @@ def overlong_penalty(token_rows: Sequence[Sequence[int]], max_len: int, buffer_l
 
 
 def check_config(pc: Any) -> None:
-  """Device-free checks of the advantage and overlong keys (config.validate), one line each."""
+  """Device-free checks of the advantage and overlong keys (validation.validate), one line each."""
   advantages.advantage_config(pc.rl)
   budget = int(pc.max_target_length) - int(pc.max_prefill_predict_length)
   if int(pc.rl.overlong_buffer_len) > budget:

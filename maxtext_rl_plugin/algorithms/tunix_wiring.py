@@ -23,6 +23,7 @@ from maxtext_rl_plugin.algorithms import advantages
 from maxtext_rl_plugin.algorithms import loss as loss_lib
 from maxtext_rl_plugin.algorithms.common import check_choice
 from maxtext_rl_plugin.algorithms.divergence import KL_ESTIMATORS
+from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.errors import ConfigError
 
 # Names under which the plugin registers itself in Tunix's function registry.
@@ -81,19 +82,37 @@ def tunix_policy_loss_fn(
   """
   compute_entropy = getattr(algo_config, "compute_entropy", True)
   graphdef, state = nnx.split(model)
-  per_token_logps, logits = tunix_common.compute_per_token_logps(
-      graphdef,
-      state,
-      prompt_tokens=train_example.prompt_ids,
-      completion_tokens=train_example.completion_ids,
-      pad_id=pad_id,
-      eos_id=eos_id,
-      stop_gradient=False,
-      return_logits=True,
-      segment_ids=getattr(train_example, "segment_ids", None),
-      segment_positions=getattr(train_example, "segment_positions", None),
-      temperature=getattr(algo_config, "temperature", 1.0),
-  )
+  # MoE (moe.py): replay the sampler's routing (rl.router_replay) and add MaxText's load-balancing term.
+  maxtext_config = getattr(getattr(model, "base", None), "config", None)
+  forced = getattr(train_example, "routed_experts", None)
+  lb_weight = float(getattr(maxtext_config, "load_balance_loss_weight", 0.0) or 0.0)
+  lb_loss = None
+  if forced is not None or (lb_weight > 0 and moe.is_moe(maxtext_config)):
+    per_token_logps, logits, _, lb_loss = moe.forward_logps(
+        graphdef,
+        state,
+        train_example.prompt_ids,
+        train_example.completion_ids,
+        pad_id,
+        eos_id,
+        temperature=getattr(algo_config, "temperature", 1.0),
+        forced=forced,
+        config=maxtext_config,
+    )
+  else:
+    per_token_logps, logits = tunix_common.compute_per_token_logps(
+        graphdef,
+        state,
+        prompt_tokens=train_example.prompt_ids,
+        completion_tokens=train_example.completion_ids,
+        pad_id=pad_id,
+        eos_id=eos_id,
+        stop_gradient=False,
+        return_logits=True,
+        segment_ids=getattr(train_example, "segment_ids", None),
+        segment_positions=getattr(train_example, "segment_positions", None),
+        temperature=getattr(algo_config, "temperature", 1.0),
+    )
   beta = float(algo_config.beta)
   loss, aux = loss_lib.policy_loss(
       per_token_logps,
@@ -109,6 +128,9 @@ def tunix_policy_loss_fn(
       loss_agg_mode=algo_config.loss_agg_mode,
       is_weights=getattr(train_example, "sampler_is_weights", None),
   )
+  if lb_loss is not None:  # MaxText's meaning: added to the objective as its pre-training loss adds it
+    loss = loss + lb_loss
+    aux["moe_lb_loss"] = lb_loss
   if compute_entropy:
     log_probs = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
     entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)

@@ -17,6 +17,7 @@ BENCHMARKS = {
     "step": "maxtext_rl_plugin.bench.step",
     "gpu": "maxtext_rl_plugin.bench.gpu",
     "agentic": "maxtext_rl_plugin.bench.agentic",
+    "moe": "maxtext_rl_plugin.bench.moe",
 }
 
 

@@ -44,15 +44,15 @@ from maxtext_rl_plugin.bench import gpu_parts
 from maxtext_rl_plugin.bench import gpu_report
 from maxtext_rl_plugin.bench import gpu_rollout
 
-PARTS = ("rollout", "step", "sync", "demo")
-
 
 def _parse(argv):
   """The command line (see --help)."""
   p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench gpu", description=__doc__.splitlines()[0])
   p.add_argument("--out", required=True, help="directory for gpu_bench.json and gpu_bench.md (created)")
   p.add_argument("--dry", action="store_true", help="every code path at tiny shapes (CPU, about a minute)")
-  p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+  p.add_argument(
+      "--parts", default=",".join(gpu_common.PARTS), help=f"comma-separated subset of {','.join(gpu_common.PARTS)}"
+  )
   p.add_argument(
       "--models", default="qwen3-0.6b,llama3.1-8b", help=f"rollout/sync shapes, of {','.join(gpu_common.SHAPES)}"
   )
@@ -68,7 +68,7 @@ def _parse(argv):
   p.add_argument("--budget", type=int, default=3600, help="seconds for all parts; a part still running is stopped")
   p.add_argument("--peak-n", type=int, default=8192, help="bf16 matmul size of the peak measurement")
   p.add_argument("--copy-mib", type=int, default=2048, help="MiB of the device-to-device copy measurement")
-  p.add_argument("--part", choices=PARTS, help=argparse.SUPPRESS)  # internal: run one part in this process
+  p.add_argument("--part", choices=gpu_common.PARTS, help=argparse.SUPPRESS)  # internal: run one part in this process
   args = p.parse_args(argv)
   args.step_set, args.demo_set = [], []
   if args.dry:
@@ -78,7 +78,7 @@ def _parse(argv):
   args.models = [x for x in args.models.split(",") if x]
   args.batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x]
   args.peer_batches = [int(x) for x in args.peer_batches.split(",") if x]
-  bad = [x for x in args.parts if x not in PARTS] + [x for x in args.models if x not in gpu_common.SHAPES]
+  bad = [x for x in args.parts if x not in gpu_common.PARTS] + [x for x in args.models if x not in gpu_common.SHAPES]
   if bad:
     p.error(f"unknown part or model: {', '.join(bad)}")
   return args

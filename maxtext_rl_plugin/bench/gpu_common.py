@@ -14,6 +14,8 @@ import time
 
 from maxtext_rl_plugin.bench import common
 
+# The parts of `bench gpu`, in the order they run (each in its own process).
+PARTS = ("rollout", "step", "sync", "demo")
 BASE_CONFIG = "configs/cpu_tiny.yml"
 
 

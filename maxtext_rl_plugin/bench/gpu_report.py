@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from maxtext_rl_plugin.bench import gpu
+from maxtext_rl_plugin.bench import gpu_common
 
 
 def _fmt(v, pct=False):
@@ -76,7 +76,7 @@ def markdown(res: dict) -> str:
   d = res.get("demo", {})
   if "wall_s" in d and "returncode" in d:
     lines += [f"demo run: {d['wall_s']} s wall (exit {d['returncode']})", "", "```", d.get("summary_table") or "-", "```"]
-  for part in gpu.PARTS:
+  for part in gpu_common.PARTS:
     if "error" in res.get(part, {}):
       lines.append(f"\n{part}: {res[part]['error']}")
   return "\n".join(lines) + "\n"

@@ -13,7 +13,10 @@ One program per compile key does everything on device:
      (`kv_cache.CacheLayout.repeat`: the shared prompt is never re-prefilled);
   3. a `lax.while_loop` decode over MaxText's autoregressive cache, with per-row stop on EOS / any stop token id
      and the stop strings' early exit (`stops.py`), exiting once every row has stopped; sampled tokens and their
-     log-probs (`sampling.py`) are written into fixed [N, T] buffers.
+     log-probs (`sampling.py`) are written into fixed [N, T] buffers;
+  4. with `record_routing` (MoE models, `moe.py`), the experts every MoE layer routed each prompt token (prefill) and
+     each fed-back completion token (decode step t routes completion token t-1) to, into [N, L, layers, k] and
+     [N, T, layers, k] buffers (-1 where nothing was routed).
 
 MaxText bakes the decode batch size and the AR-cache length into static `KVCache` attributes at construction
 (`micro_batch_size_to_train_on`, `max_target_length - max_prefill_predict_length`); they decide the shape of the
@@ -41,6 +44,8 @@ from maxtext.common import common_types
 from maxtext.inference import kvcache
 from maxtext.utils import model_creation_utils
 from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin import moe
+from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import bucketing
 from maxtext_rl_plugin.rollout import head
 from maxtext_rl_plugin.rollout import kv_cache
@@ -72,10 +77,29 @@ class warnings_off:  # pylint: disable=invalid-name  # a context manager named l
     return self._cm.__exit__(*exc)
 
 
+# Decoder blocks with sliding-window (local) attention layers in MaxText 0.2.5 (`AttentionType.LOCAL_SLIDING`).
+SLIDING_WINDOW_BLOCKS = ("gpt_oss", "gemma2", "gemma3", "gemma4", "olmo3")
+
+
+def check_sliding_window(cfg: Any) -> None:
+  """Refuse a sliding window shorter than the sequence: measured on gpt-oss (tests/test_moe.py), the cached decode then
+  differs from MaxText's full forward after the first token (window 8 over 20-token prompts); with the window at least
+  max_target_length both agree token for token."""
+  window = int(getattr(cfg, "sliding_window_size", 0) or 0)
+  block = getattr(cfg.decoder_block, "value", str(cfg.decoder_block))
+  if block in SLIDING_WINDOW_BLOCKS and 0 < window < int(cfg.max_target_length):
+    raise ConfigError(
+        f"invalid value for 'sliding_window_size'={window} with rollout_engine=embedded and decoder_block={block}: "
+        f"the embedded engine's KV-cached decode does not apply a window shorter than the sequence as MaxText's "
+        f"forward does; set sliding_window_size >= max_target_length ({cfg.max_target_length}) or use the vLLM engine"
+    )
+
+
 class MaxTextSampler:
   """Prefill + decode programs of one MaxText model config on one mesh (see the module docstring)."""
 
-  def __init__(self, cfg: Any, mesh: jax.sharding.Mesh, pad_id: int):
+  def __init__(self, cfg: Any, mesh: jax.sharding.Mesh, pad_id: int, record_routing: bool = False):
+    check_sliding_window(cfg)
     self.mesh = mesh
     self.pad_id = pad_id  # fills every position after a row's end
     self.modes = (common_types.MODEL_MODE_PREFILL, common_types.MODEL_MODE_AUTOREGRESSIVE)
@@ -85,6 +109,8 @@ class MaxTextSampler:
           mode: nnx.eval_shape(model_creation_utils.get_nnx_create_model_fn(cfg, mesh=mesh, model_mode=mode))
           for mode in self.modes
       }
+    # MoE routing recorded by the decode models' own MoE layers (moe.Recording); the weights are unchanged.
+    self.record_routing = bool(record_routing) and all(moe.record_routing(m) > 0 for m in self._abstract.values())
     self._kv_modules = {
         mode: [m for _, m in nnx.iter_graph(model) if isinstance(m, kvcache.KVCache)]
         for mode, model in self._abstract.items()
@@ -153,8 +179,9 @@ class MaxTextSampler:
       sampling_params: sampling.SamplingParams,
       stop_ids: np.ndarray,
       stop_seqs: np.ndarray,
-  ) -> tuple[np.ndarray, np.ndarray, int]:
-    """(tokens [N, T], log-probs [N, T], decode steps run) on host for one packed call (compiled once per key).
+  ) -> tuple[np.ndarray, np.ndarray, int, tuple[np.ndarray, np.ndarray] | None]:
+    """(tokens [N, T], log-probs [N, T], decode steps run, routing) on host for one packed call (compiled once per
+    key); routing is (prompt [N, L, layers, k], completion [N, T, layers, k]) when recorded, else None.
 
     `rng`: one key for the call, or raw keys [N, 2], one per row (`sampling.row_keys`).
     """
@@ -190,8 +217,9 @@ class MaxTextSampler:
         self.compile_seconds += dt
         self.compiled[sig] = compiled
         logging.info("EmbeddedRollout: compiled %s in %.1fs", key, dt)
-      out_tokens, out_logps, steps = compiled(*args)
-    return distributed.to_host(out_tokens), distributed.to_host(out_logps), int(steps)
+      out_tokens, out_logps, steps, routes = compiled(*args)
+    routes = None if routes is None else tuple(distributed.to_host(r) for r in routes)
+    return distributed.to_host(out_tokens), distributed.to_host(out_logps), int(steps), routes
 
   def _graphdef(self, mode: str, batch: int, prompt_len: int, new_tokens: int):
     """Graphdef of the abstract `mode` model with its KVCache statics set for this compile key."""
@@ -233,7 +261,8 @@ class MaxTextSampler:
         logits = model.logits_from_hidden_states_for_vocab_tiling(hidden[:, -1:, :], deterministic=True, model_mode=mode)
       else:  # the same function from the prepared table (head.py)
         logits = self._tied_head(model, hidden[:, -1:, :], table)
-      return logits, nnx.to_pure_dict(nnx.state(model, nnx.Cache))
+      route = moe.routing(model, tokens.shape[0]) if self.record_routing else None
+      return logits, nnx.to_pure_dict(nnx.state(model, nnx.Cache)), route
 
     def draw(rng, step, per_row):
       """(rng', key of this step): per-row keys fold in the step; one call key is split."""
@@ -245,9 +274,13 @@ class MaxTextSampler:
       # Prefill: left-padded prompts; pads get segment 0 (masked), real tokens positions 0..len-1.
       segment = (jnp.arange(L)[None, :] >= (L - lens)[:, None]).astype(jnp.int32)
       positions = jnp.maximum(jnp.cumsum(segment, axis=1) - 1, 0)
-      logits, cache = run_model(
+      logits, cache, route = run_model(
           gd_prefill, params, rest, cache_layout.zeros(B, L, T), tokens, positions, segment, prefill_mode, table
       )
+      routes = None
+      if route is not None:  # prompt routing of each generation's row; pads routed nowhere
+        prompt_route = jnp.where(segment[:, :, None, None] > 0, route, moe.UNSET)
+        routes = (jnp.repeat(prompt_route, G, axis=0), jnp.full((N, T) + route.shape[2:], moe.UNSET, jnp.int32))
       last = jnp.repeat(logits[:, -1, :], G, axis=0)
       cache = cache_layout.shard(cache_layout.repeat(cache, G, N, T))
       lens_n = jnp.repeat(lens, G)
@@ -264,9 +297,12 @@ class MaxTextSampler:
         return (step < T) & ~jnp.all(done)
 
       def body(carry):
-        step, tok, done, cache, out_tokens, out_logps, rng, window = carry
+        step, tok, done, cache, out_tokens, out_logps, rng, window, routes = carry
         pos = (lens_n + step - 1)[:, None]
-        logits, cache = run_model(gd_ar, params, rest, cache, tok[:, None], pos, None, ar_mode, table)
+        logits, cache, route = run_model(gd_ar, params, rest, cache, tok[:, None], pos, None, ar_mode, table)
+        if routes is not None:  # the routing of completion token step-1 (fed now), for rows still generating
+          fed = jnp.where(done[:, None, None], moe.UNSET, route[:, 0])
+          routes = (routes[0], jax.lax.dynamic_update_index_in_dim(routes[1], fed, step - 1, axis=1))
         cache = cache_layout.shard(cache)
         rng, sub = draw(rng, step, per_row)
         new, lp = sampling.sample(logits[:, -1, :], sub, spec, temperature, top_p, per_row)
@@ -275,10 +311,10 @@ class MaxTextSampler:
         out_tokens = jax.lax.dynamic_update_index_in_dim(out_tokens, new, step, axis=1)
         out_logps = jax.lax.dynamic_update_index_in_dim(out_logps, lp, step, axis=1)
         hit, window = stops.stopped(new, window, stop_ids, stop_seqs)
-        return step + 1, new, done | hit, cache, out_tokens, out_logps, rng, window
+        return step + 1, new, done | hit, cache, out_tokens, out_logps, rng, window, routes
 
-      carry = (jnp.int32(1), tok, done, cache, out_tokens, out_logps, rng, window)
-      steps, _, _, _, out_tokens, out_logps, _, _ = jax.lax.while_loop(cond, body, carry)
-      return out_tokens, out_logps, steps
+      carry = (jnp.int32(1), tok, done, cache, out_tokens, out_logps, rng, window, routes)
+      steps, _, _, _, out_tokens, out_logps, _, _, routes = jax.lax.while_loop(cond, body, carry)
+      return out_tokens, out_logps, steps, routes
 
     return program

@@ -15,6 +15,7 @@ from typing import Any
 from absl import logging
 from flax import nnx
 
+from maxtext_rl_plugin import checkpointing
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import metrics as metrics_lib
@@ -124,6 +125,7 @@ def checkpointer(config, run_dir: str) -> RunCheckpointer:
   return RunCheckpointer(
       config.checkpoint_dir or os.path.join(run_dir, "checkpoints"),
       period=config.checkpoint_period,
+      storage=checkpointing.Storage.from_config(config),
       max_to_keep=config.max_num_checkpoints_to_keep,
       enabled=config.enable_checkpointing,
       async_save=bool(config.async_checkpointing),

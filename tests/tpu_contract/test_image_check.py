@@ -10,7 +10,7 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-def test_dockerfile_import_check_passes_with_the_image_pins():
+def test_dockerfile_import_check_passes_with_the_image_pins(tmp_path):
   text = (REPO / "dependencies" / "Dockerfile").read_text().replace("\\\n", "")
   checks = [c for c in re.findall(r'python3 -c "([^"]*)"', text) if "tpu_inference" in c]
   assert len(checks) == 1, "the Dockerfile's build check no longer imports vllm / tpu_inference"
@@ -22,12 +22,10 @@ def test_dockerfile_import_check_passes_with_the_image_pins():
       text=True,
       check=False,
       timeout=300,
-      env={
-          "PATH": "/usr/bin:/bin",
-          "JAX_PLATFORMS": "cpu",
-          "TPU_ACCELERATOR_TYPE": "v5litepod-1",
-          "PYTHONPATH": str(REPO),
-      },
+      # The installed plugin (scripts/tpu_contract_venv.sh installs it as the image does), from a directory without
+      # the checkout's sources, as the image's check runs once its copy of them is removed.
+      cwd=tmp_path,
+      env={"PATH": "/usr/bin:/bin", "JAX_PLATFORMS": "cpu", "TPU_ACCELERATOR_TYPE": "v5litepod-1"},
   )
   assert r.returncode == 0, r.stderr[-3000:]
 

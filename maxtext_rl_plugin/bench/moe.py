@@ -1,0 +1,141 @@
+"""`python -m maxtext_rl_plugin.bench moe`: how often the sampler and the trainer route a token differently, and what
+router replay (`rl.router_replay`, moe.py) does to the sampler-trainer log-prob mismatch.
+
+The sampler is the embedded engine on the model in `--sampler-dtype` (MaxText's `dtype`: activations and the router's
+logits, bfloat16 by default, as a production sampler runs); the trainer is the same weights in float32, MaxText's
+full forward of prompt + completion. Routing is close to tied when the router's logits are small, so the router
+kernels are scaled by each `--router-scales` value (1 = the model's own) to show the range. For each scale, the
+engine samples `--prompts` x `--generations` completions at `--temperature`; then, on the sampled tokens:
+
+  routing_mismatch  fraction of (token, MoE layer) pairs whose top-k expert sets differ, sampler vs trainer
+                    (prompt tokens and completion tokens but the last: the ones both sides route)
+  |dlogp| mean/max  |lp_sampler - lp_trainer| over completion tokens, the trainer routing freely ("free") or
+                    replaying the sampler's routing ("replay")
+  kl_k3             k3 estimate of KL(trainer || sampler) (experience.agreement_metrics, the step metric)
+
+With replay the routing mismatch is zero by construction; what remains of the log-prob mismatch is the precision
+difference of the expert and attention math itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxtext_rl_plugin import experience
+from maxtext_rl_plugin import models
+from maxtext_rl_plugin import moe
+from maxtext_rl_plugin.rollout import embedded
+from maxtext_rl_plugin.rollout import sampling
+
+_PROMPTS = [
+    "Tom has 3 apples and buys 4 more. How many apples does he have now?",
+    "What is 12 * 7?",
+    "A box holds 6 eggs. How many eggs are in 5 boxes?",
+    "Sara had 20 stickers and gave away 8. How many are left?",
+    "Name three colours.",
+    "Write a short sentence about the sea.",
+    "How many legs do 4 cats have?",
+    "What comes after Monday?",
+]
+
+
+def _scaled(state, scale: float):
+  """`state` with every MoE router kernel (`.../gate/kernel`) times `scale`."""
+
+  def f(path, x):
+    keys = [getattr(k, "key", None) for k in path]
+    return x * scale if "gate" in keys and "kernel" in keys else x
+
+  return jax.tree_util.tree_map_with_path(f, state)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench moe")
+  ap.add_argument("--config", default="configs/cpu_tiny_moe.yml")
+  ap.add_argument("--sampler-dtype", default="bfloat16")
+  ap.add_argument("--router-scales", default="1,0.1,0.01")
+  ap.add_argument("--prompts", type=int, default=8)
+  ap.add_argument("--generations", type=int, default=4)
+  ap.add_argument("--new-tokens", type=int, default=24)
+  ap.add_argument("--temperature", type=float, default=1.0)
+  ap.add_argument("--seed", type=int, default=0)
+  args, overrides = ap.parse_known_args(argv)
+
+  rs = models.setup_devices([args.config, *overrides])
+  cfg = rs.trainer_config
+  if not moe.is_moe(cfg):
+    print(f"error: {cfg.model_name} is not a mixture-of-experts model (num_experts={cfg.num_experts})")
+    return 2
+  tok = models.load_tokenizer(cfg)
+  pad, eos = int(tok.pad_token_id), int(tok.eos_token_id)
+  trainer, _ = models.build_model(cfg, rs.trainer_devices, pad_id=pad)
+  srs = models.setup_devices([args.config, *overrides, f"dtype={args.sampler_dtype}"])
+  sampler_model, mesh = models.build_model(srs.sampler_config, srs.sampler_devices, pad_id=pad)
+  base = nnx.state(trainer, nnx.Param)
+  engine = embedded.EmbeddedRollout(rollout_actor=sampler_model, tokenizer=tok, mesh=mesh, config=srs.sampler_config)
+  graphdef = moe.recording_graphdef(trainer)
+  replay_ok = moe.replay_supported(cfg)
+  fwd = jax.jit(
+      lambda state, p, c, forced: moe.forward_logps(
+          graphdef, state, p, c, pad, eos, temperature=args.temperature, forced=forced
+      )[::2]
+  )
+  prompts = [tok.encode(p) for p in (_PROMPTS * args.prompts)[: args.prompts]]
+  width = max(len(p) for p in prompts)
+  params = sampling.SamplingParams.create(args.temperature, 0, 1.0)
+  rows = []
+  print(
+      f"{cfg.model_name} ({cfg.decoder_block.value}), {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
+      f"{cfg.num_decoder_layers} layers; sampler {args.sampler_dtype}, trainer {cfg.dtype}"
+  )
+  print(
+      f"{'router x':>9}{'routing_mismatch':>18}{'|dlogp| free':>24}{'|dlogp| replay':>24}{'kl_k3 free':>12}"
+      f"{'kl_k3 replay':>14}"
+  )
+  for scale in (float(x) for x in args.router_scales.split(",")):
+    weights = _scaled(base, scale)
+    nnx.update(trainer, weights)
+    engine.update_params(weights)
+    res = engine.generate_tokens(
+        prompts,
+        num_generations=args.generations,
+        max_new_tokens=args.new_tokens,
+        rng=jax.random.PRNGKey(args.seed),
+        sampling_params=params,
+        prompt_pad_to=width,
+    )
+    state = nnx.state(trainer)
+    p, c = jnp.asarray(res.left_padded_prompts), jnp.asarray(res.tokens)
+    lp_free, route_free = (np.asarray(x) for x in fwd(state, p, c, None))
+    mask = moe.routed_mask(res.left_padded_prompts != pad, res.mask)
+    row = {
+        "router_scale": scale,
+        "routing_mismatch": moe.mismatch_fraction(res.routing, route_free, mask),
+        "free": experience.agreement_metrics(res.logps, lp_free, res.mask),
+        "tokens": int(res.mask.sum()),
+    }
+    if replay_ok:
+      lp_replay, _ = fwd(state, p, c, jnp.asarray(res.routing))
+      row["replay"] = experience.agreement_metrics(res.logps, np.asarray(lp_replay), res.mask)
+    rows.append(row)
+
+    def cells(m):
+      if m is None:
+        return f"{'n/a':>24}"
+      return f"{m['mismatch/logp_abs_diff_mean']:>12.2e}/{m['mismatch/logp_abs_diff_max']:<11.2e}"
+
+    kl_replay = row["replay"]["mismatch/kl_k3"] if "replay" in row else float("nan")
+    print(
+        f"{scale:>9g}{row['routing_mismatch']:>18.4f}{cells(row['free'])}{cells(row.get('replay'))}"
+        f"{row['free']['mismatch/kl_k3']:>12.2e}{kl_replay:>14.2e}"
+    )
+  if not replay_ok:
+    print(f"replay: MaxText cannot force the routing of decoder_block={cfg.decoder_block.value}")
+  print(json.dumps({"bench": "moe", "model": cfg.model_name, "sampler_dtype": args.sampler_dtype, "rows": rows}))
+  return 0

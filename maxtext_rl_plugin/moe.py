@@ -1,0 +1,299 @@
+r"""Mixture-of-experts RL: which experts each token was routed to, on the sampler and the trainer, and router replay.
+
+An MoE policy is two networks in RL unless both sides route alike: the sampler (the embedded engine's KV-cached decode,
+one token per step, maybe another dtype) and the trainer (a full forward of prompt + completion) can send the same
+token to different experts, so pi_theta / pi_old compares different networks (Megatron-LM's, NeMo-RL's and AReaL's
+"routing replay", R3). MaxText 0.2.5 has both halves in its model code:
+
+* recording: `RoutedMoE.get_topk` returns the top-k expert indices [batch, seq, k] of each MoE layer. MaxText itself
+  records them (`return_routed_experts`, an `nnx.Intermediate` named `selected_experts`) only on its vLLM fused-MoE
+  path; here a recording subclass (`Recording`) does the same on every path, and `routing` collects the values the way
+  MaxText's NNX decoder does (sorted by layer; scanned layers already carry a leading layer axis);
+* replay: a decoder call with `forced_routed_experts` [batch, seq, layers, k] uses those indices instead of the
+  router's top-k (the router's logits still give the weights, so the router keeps its gradient); an index outside
+  [0, num_experts) (-1 here) is an unused slot: the token gets no expert output there. MaxText supports it for
+  `types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS` (Qwen3.5, Mixtral, Gemma 4 at this pin) and refuses others.
+
+Routing arrays are laid out like the trainer's input, prompt then completion: [rows, P + T, layers, k] int32 with
+P = max_prompt_length (prompts left-padded) and T = the completion budget; -1 where no token was routed (prompt
+padding, positions after a completion's end, and a completion's last token, which the decode loop never feeds back:
+its logits predict past the completion and are never used).
+
+Metrics (per step, rollout and trainer side): expert load over the real tokens of a batch, tokens routed to each
+expert per layer: `moe/<side>_load_max` = max over layers and experts of count / mean count (1 = perfectly balanced),
+and `moe/routing_mismatch_fraction`, the fraction of (token, layer) pairs whose top-k expert *sets* differ between
+sampler and trainer (over completion tokens but the last, the ones the trainer's loss sees through their successors).
+
+The reference model keeps its own routing (it is never replayed): the KL term regularises towards the reference
+network as it is, and no ratio is taken against it, so its routing cannot make the update off-policy; replaying the
+current policy's routes through the reference would measure the distance to a network that never existed.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import flax
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from maxtext.configs import types as maxtext_types
+from maxtext.layers import moe as maxtext_moe
+from maxtext.utils import maxtext_utils
+from tunix.rl import common as tunix_common
+from tunix.rl.grpo import grpo_learner
+
+from maxtext_rl_plugin.errors import ConfigError
+
+UNSET = -1  # no routing recorded for this token (MaxText's forced-routing sentinel, Tunix's UNSET_ROUTED_EXPERT)
+
+
+def is_moe(config: Any) -> bool:
+  return int(config.num_experts) > 1
+
+
+def replay_supported(config: Any) -> bool:
+  """Whether MaxText can force routing for this model (its own list; its decoder raises for the others)."""
+  return config.decoder_block in maxtext_types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS
+
+
+def check_config(pc: Any) -> None:
+  """Device-free checks of the MoE keys and `rl.router_replay`, one line each (config validation)."""
+  if is_moe(pc) and float(pc.capacity_factor) > 0:
+    raise ConfigError(
+        f"invalid value for 'capacity_factor'={pc.capacity_factor}: token dropping depends on how many tokens share "
+        "a forward (one per decode step in the rollout, the whole sequence in the trainer), so the sampled and the "
+        "trained policy would differ; use dropless routing (capacity_factor=-1)"
+    )
+  if not pc.rl.router_replay:
+    return
+  if not is_moe(pc):
+    raise ConfigError(f"rl.router_replay=true needs a mixture-of-experts model; {pc.model_name} has num_experts=1")
+  if not replay_supported(pc):
+    blocks = ", ".join(b.value for b in maxtext_types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS)
+    raise ConfigError(
+        f"rl.router_replay=true: MaxText 0.2.5 cannot force the routing of decoder_block={pc.decoder_block.value} "
+        f"(model {pc.model_name}); it can for {blocks}"
+    )
+  if pc.rollout_engine != "embedded":
+    raise ConfigError(
+        f"rl.router_replay=true needs rollout_engine=embedded: the {pc.rollout_engine} engine does not report the "
+        "experts it routed each token to"
+    )
+  if pc.rl.use_agentic_rollout:
+    raise ConfigError(
+        "rl.router_replay=true with rl.use_agentic_rollout=true: multi-turn episodes re-prefill their transcripts, "
+        "and their routing is not recorded yet"
+    )
+  if int(getattr(pc, "mtp_num_layers", 0) or 0) > 0:
+    raise ConfigError("rl.router_replay=true with mtp_num_layers > 0: MaxText cannot replay routing with MTP")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Recording
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _recording_get_topk(self, *args, **kwargs):
+  """MaxText's `get_topk`, also recording its indices as MaxText's fused path does (`selected_experts`, an
+  `nnx.Intermediate` of [tokens, k])."""
+  weights, indices = super(type(self), self).get_topk(*args, **kwargs)
+  self.selected_experts = nnx.Intermediate(jnp.reshape(indices, (-1, indices.shape[-1])).astype(jnp.int32))
+  return weights, indices
+
+
+_RECORDING_CLASSES: dict[type, type] = {}
+
+
+def _recording_class(cls: type) -> type:
+  """A subclass of a MaxText MoE class that records its routing (same instance layout, so a module can switch)."""
+  if getattr(cls, "_records_routing", False):
+    return cls
+  if cls not in _RECORDING_CLASSES:
+    _RECORDING_CLASSES[cls] = type(
+        f"Recording{cls.__name__}", (cls,), {"__slots__": (), "get_topk": _recording_get_topk, "_records_routing": True}
+    )
+  return _RECORDING_CLASSES[cls]
+
+
+def record_routing(model: Any) -> int:
+  """Make every routed-MoE module of `model` record its routing (in place); returns how many there are.
+
+  The graph keeps its variables; only the modules' classes change, so a graphdef taken afterwards merges with the
+  same parameters and records on every call.
+  """
+  n = 0
+  for _, node in nnx.iter_graph(model):
+    if isinstance(node, maxtext_moe.RoutedMoE):
+      node.__class__ = _recording_class(type(node))
+      n += 1
+  return n
+
+
+def recording_graphdef(model: Any) -> Any:
+  """A graphdef of `model` whose MoE modules record, leaving `model` itself unchanged."""
+  saved = [(node, type(node)) for _, node in nnx.iter_graph(model) if isinstance(node, maxtext_moe.RoutedMoE)]
+  try:
+    record_routing(model)
+    graphdef, _ = nnx.split(model)
+  finally:
+    for node, cls in saved:
+      node.__class__ = cls
+  return graphdef
+
+
+def _layer_key(path) -> tuple:
+  """Sort key of an intermediate's path: numbers as numbers (layers_10 after layers_9), as MaxText's decoder sorts."""
+  key = []
+  for part in path:
+    nums = re.findall(r"\d+", str(part))
+    key.append(int(nums[0]) if nums else str(part))
+  return tuple(key)
+
+
+def routing(model: Any, batch: int) -> jax.Array | None:
+  """The routing `model`'s last call recorded, as [batch, seq, layers, k] (None when nothing was recorded).
+
+  Collected like MaxText's NNX decoder collects `selected_experts`: leaves sorted by path, scanned layers already
+  [layers, tokens, k], sequential ones [tokens, k].
+  """
+  flat = [
+      (path, v.value if hasattr(v, "value") else v)
+      for path, v in nnx.state(model, nnx.Intermediate).flat_state()
+      if path and str(path[-1]) == "selected_experts"
+  ]
+  if not flat:
+    return None
+  flat.sort(key=lambda item: _layer_key(item[0]))
+  stacked = jnp.concatenate([v if v.ndim == 3 else v[None] for _, v in flat], axis=0)  # [layers, tokens, k]
+  layers, tokens, k = stacked.shape
+  return jnp.transpose(stacked.reshape(layers, batch, tokens // batch, k), (1, 2, 0, 3))
+
+
+def lb_loss(model: Any, config: Any) -> jax.Array | None:
+  """MaxText's load-balancing term of its last call, as its pre-training loss adds it (`train.py`): the mean over MoE
+  layers of each layer's `moe_lb_loss` (already scaled by load_balance_loss_weight), the sum for Megatron's
+  sequence-wise aux loss. None when the model sowed none (load_balance_loss_weight = 0)."""
+  inter = nnx.to_pure_dict(nnx.state(model, nnx.Intermediate))
+  values = maxtext_utils.collect_intermediates_by_suffix(inter, "moe_lb_loss")
+  if not values:
+    return None
+  losses = jnp.concatenate(values)
+  return jnp.sum(losses) if maxtext_moe.uses_megatron_seq_aux_loss(config) else jnp.mean(losses)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Trainer forward with routing
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def forward_logps(
+    graphdef: Any,
+    state: Any,
+    prompt_tokens: jax.Array,
+    completion_tokens: jax.Array,
+    pad_id: int,
+    eos_id: int,
+    *,
+    temperature: float = 1.0,
+    forced: jax.Array | None = None,
+    config: Any = None,
+) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
+  """Tunix's `compute_per_token_logps` (unpacked rows) with MaxText's `forced_routed_experts`, plus what the MoE layers
+  recorded: (per-token log-probs [B, T], logits [B, T, V], routing [B, P+T, layers, k] or None, lb loss or None).
+
+  The same steps as Tunix's function, from its own helpers (`process_ids`, `selective_log_softmax`): Tunix's calls
+  the model with a fixed set of arguments, with no way to pass the forced experts. `graphdef` from
+  `recording_graphdef` to get the routing; `config` (MaxText's) to get the load-balancing loss.
+  """
+  model = nnx.merge(graphdef, state)
+  tokens, positions, attn_mask, _ = tunix_common.process_ids(prompt_tokens, completion_tokens, pad_id, eos_id)
+  logits, _ = model(tokens, positions, None, attn_mask, forced_routed_experts=forced)
+  t = completion_tokens.shape[1]
+  logits = logits[:, -t - 1 : -1, :]
+  if temperature not in (0.0, 1.0):
+    logits = logits / temperature
+  logps = tunix_common.selective_log_softmax(logits, tokens[:, -t:])
+  aux = None if config is None else lb_loss(model, config)
+  return logps, logits, routing(model, tokens.shape[0]), aux
+
+
+@flax.struct.dataclass(frozen=True)
+class RoutedTrainExample(grpo_learner.TrainExample):
+  """Tunix's `TrainExample` with the experts the sampler routed each token to (router replay): [rows, P+T, layers, k].
+
+  A field of the example, so micro-batching (`updates.slice_rows`), Tunix's input sharding and the gradient-accumulation
+  loop slice and place it with the rows it belongs to.
+  """
+
+  routed_experts: jax.Array | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Layout and metrics (host side)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def pad_layout(prompt: np.ndarray, completion: np.ndarray, prompt_width: int, completion_width: int) -> np.ndarray:
+  """[rows, prompt_width + completion_width, layers, k]: `prompt` routing (right-aligned: prompts are left-padded) and
+  `completion` routing (left-aligned), cut or filled with UNSET."""
+  rows, _, layers, k = prompt.shape
+  out = np.full((rows, prompt_width + completion_width, layers, k), UNSET, np.int32)
+  p = prompt[:, -prompt_width:] if prompt.shape[1] >= prompt_width else prompt
+  out[:, prompt_width - p.shape[1] : prompt_width] = p
+  c = completion[:, :completion_width]
+  out[:, prompt_width : prompt_width + c.shape[1]] = c
+  return out
+
+
+def widen_prompt(route: np.ndarray, completion_width: int, prompt_width: int) -> np.ndarray:
+  """`route` [rows, P + T, ...] with its prompt part left-padded (or cut) to `prompt_width`, as prompts are when
+  batches of different prompt widths are joined (dynamic_sampling.assemble)."""
+  p = route.shape[1] - completion_width
+  return pad_layout(route[:, :p], route[:, p:], prompt_width, completion_width)
+
+
+def expert_load(route: np.ndarray, token_mask: np.ndarray, num_experts: int) -> dict[str, float]:
+  """Tokens per expert per layer over the masked tokens of `route` [rows, L, layers, k]: max/mean and min/mean."""
+  r = np.asarray(route)
+  m = np.asarray(token_mask, bool)
+  sel = r[m]  # [tokens, layers, k]
+  if sel.size == 0:
+    return {}
+  counts = np.stack(
+      [np.bincount(sel[:, j].ravel()[sel[:, j].ravel() >= 0], minlength=num_experts) for j in range(sel.shape[1])]
+  )  # [layers, experts]
+  mean = counts.mean(axis=1, keepdims=True)
+  ratio = counts / np.maximum(mean, 1e-9)
+  return {"load_max": float(ratio.max()), "load_min": float(ratio.min())}
+
+
+def mismatch_fraction(a: np.ndarray, b: np.ndarray, token_mask: np.ndarray) -> float:
+  """Fraction of (masked token, layer) pairs whose top-k expert sets differ between routings `a` and `b`."""
+  m = np.asarray(token_mask, bool)
+  sa, sb = np.sort(np.asarray(a)[m], axis=-1), np.sort(np.asarray(b)[m], axis=-1)  # [tokens, layers, k]
+  if sa.size == 0:
+    return 0.0
+  return float(np.any(sa != sb, axis=-1).mean())
+
+
+def routed_mask(prompt_mask: np.ndarray, completion_mask: np.ndarray) -> np.ndarray:
+  """[rows, P+T] tokens whose routing both sides record: real prompt tokens and completion tokens but the last."""
+  cm = np.asarray(completion_mask, bool)
+  fed = cm & np.concatenate([cm[:, 1:], np.zeros_like(cm[:, :1])], axis=1)  # a successor exists
+  return np.concatenate([np.asarray(prompt_mask, bool), fed], axis=1)
+
+
+def step_metrics(
+    sampler: np.ndarray | None, trainer: np.ndarray | None, mask: np.ndarray, num_experts: int
+) -> dict[str, float]:
+  """The step's `moe/*` metrics from whichever routings were recorded (module docstring)."""
+  out: dict[str, float] = {}
+  for side, route in (("rollout", sampler), ("trainer", trainer)):
+    if route is not None:
+      out.update({f"moe/{side}_{k}": v for k, v in expert_load(route, mask, num_experts).items()})
+  if sampler is not None and trainer is not None:
+    out["moe/routing_mismatch_fraction"] = mismatch_fraction(sampler, trainer, mask)
+  return out

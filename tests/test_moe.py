@@ -1,0 +1,388 @@
+"""MaxText mixture-of-experts models on the embedded engine and the trainer, and router replay (moe.py).
+
+References are independent of the code under test: the engine's KV-cached greedy decode against a full no-cache
+MaxText forward of every prefix (as tests/test_rollout_embedded.py does for the dense model); the routing the engine
+records against the routing the trainer's full forward records; the loss with replay against the NumPy GRPO loss of
+tests/test_algorithms.py evaluated on the *engine's* log-probs (another code path: the cached decode, the router
+choosing freely). Log-prob tolerance 2e-4 nats + 2e-4 relative (float32, cached vs. full attention summation order;
+the x3 weights give log-probs near -10).
+
+One model per family, built once (module fixture), decoder weights x3 so greedy output depends on the context.
+"""
+
+from __future__ import annotations
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tunix.rl.grpo import grpo_learner
+
+from maxtext_rl_plugin.algorithms import tunix_wiring
+from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin import dynamic_sampling
+from maxtext_rl_plugin import experience
+from maxtext_rl_plugin import models
+from maxtext_rl_plugin import moe
+from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.rollout import decode
+from maxtext_rl_plugin.rollout import embedded
+from maxtext_rl_plugin.rollout import sampling
+from test_algorithms import np_policy_loss
+from test_trainer_updates import _train
+
+REF_WIDTH = 64
+NEW = 12
+CONFIG = "configs/cpu_tiny_moe.yml"  # Mixtral-shaped: 4 experts, top-2, dropless
+# Tiny configs of MaxText's MoE families over CONFIG (docs/moe.md says which others build and why not).
+FAMILIES = {
+    "mixtral": [],
+    "qwen3-moe": ["model_name=qwen3-30b-a3b"],
+    # gpt-oss alternates sliding-window and global layers; a window shorter than the sequence is refused by the
+    # embedded engine (test_short_sliding_window_is_refused_by_the_embedded_engine), so the window covers it here.
+    "gpt-oss": ["model_name=gpt-oss-20b", "sliding_window_size=160"],
+}
+
+
+@pytest.fixture(name="fam", scope="module", params=list(FAMILIES))
+def family_fixture(request):
+  """A family's tiny model (decoder x3), its engine, and a no-cache reference forward on the same weights."""
+  rs = models.setup_devices([CONFIG, *FAMILIES[request.param]])
+  tok = models.load_tokenizer(rs.trainer_config)
+  model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
+
+  def scale(path, x):
+    return x * 3.0 if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x
+
+  nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
+  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
+  gdef, _ = nnx.split(model)
+
+  @jax.jit
+  def ref_next(state, toks, lens):
+    m = nnx.merge(gdef, state)
+    pos = jnp.broadcast_to(jnp.arange(REF_WIDTH)[None], toks.shape)
+    seg = (pos < lens[:, None]).astype(jnp.int32)
+    logits, _ = m(toks, pos, None, None, decoder_segment_ids=seg)
+    return jnp.argmax(jnp.take_along_axis(logits, (lens - 1)[:, None, None], axis=1)[:, 0], -1)
+
+  rec = moe.recording_graphdef(model)
+  pad, eos = tok.pad_token_id, tok.eos_token_id
+  trainer_fwd = jax.jit(lambda st, p, c, forced: moe.forward_logps(rec, st, p, c, pad, eos, forced=forced)[::2])
+  return {
+      "name": request.param,
+      "config": rs.trainer_config,
+      "model": model,
+      "tok": tok,
+      "engine": engine,
+      "ref_next": lambda t, n: np.asarray(ref_next(nnx.state(model), jnp.asarray(t), jnp.asarray(n))),
+      "trainer": lambda p, c, forced=None: tuple(
+          np.asarray(x) for x in trainer_fwd(nnx.state(model), jnp.asarray(p), jnp.asarray(c), forced)
+      ),
+  }
+
+
+def _prompts(tok):
+  return [
+      tok.encode("Tom has 3 apples and buys 4 more. How many apples does he have now? Think step by step."),
+      tok.encode("Hi"),
+      tok.encode("What is 12 * 7?"),
+  ]
+
+
+def test_greedy_decode_matches_no_cache_forward(fam):
+  """KV-cached decode (prefill + AR steps, routing recorded) == argmax of a full forward of every prefix."""
+  tok, eng = fam["tok"], fam["engine"]
+  prompts = _prompts(tok)
+  res = eng.generate_tokens(prompts, greedy=True, max_new_tokens=NEW)
+  toks = np.full((len(prompts), REF_WIDTH), tok.pad_token_id, np.int32)
+  lens = np.array([len(p) for p in prompts], np.int32)
+  for i, p in enumerate(prompts):
+    toks[i, : len(p)] = p
+  want = np.zeros((len(prompts), NEW), np.int32)
+  for s in range(NEW):
+    want[:, s] = fam["ref_next"](toks, lens)
+    toks[np.arange(len(prompts)), lens] = want[:, s]
+    lens = lens + 1
+  for i in range(len(prompts)):
+    n = int(res.lengths[i])
+    np.testing.assert_array_equal(res.tokens[i, :n], want[i, :n], err_msg=f"{fam['name']} row {i}")
+  assert len({tuple(r) for r in want.tolist()}) == len(prompts) and len(set(want[0].tolist())) > 3  # non-trivial
+
+
+@pytest.fixture(name="sampled", scope="module")
+def sampled_fixture(fam):
+  """G=2 samples per prompt at temperature 1, with the engine's routing, and the trainer's free forward of them."""
+  tok, eng = fam["tok"], fam["engine"]
+  prompts = _prompts(tok)
+  width = max(len(p) for p in prompts) + 3  # some left padding on every row
+  res = eng.generate_tokens(
+      prompts,
+      num_generations=2,
+      max_new_tokens=NEW,
+      rng=jax.random.PRNGKey(7),
+      sampling_params=sampling.SamplingParams.create(1.0, 0, 1.0),
+      prompt_pad_to=width,
+  )
+  lp, route = fam["trainer"](res.left_padded_prompts, res.tokens)
+  return res, lp, route
+
+
+def test_engine_routing_is_the_trainers_routing(fam, sampled):
+  """The routing the decode loop records (prefill for the prompt, decode step t for completion token t-1) is what the
+  trainer's full forward routes the same tokens to; unrouted positions are -1, in the trainer's input layout."""
+  res, lp, route = sampled
+  cfg, pad = fam["config"], fam["tok"].pad_token_id
+  p = res.left_padded_prompts.shape[1]
+  assert res.routing.shape == (6, p + NEW, cfg.num_decoder_layers, cfg.num_experts_per_tok) == route.shape
+  mask = moe.routed_mask(res.left_padded_prompts != pad, res.mask)
+  assert moe.mismatch_fraction(res.routing, route, mask) == 0.0
+  assert ((res.routing >= 0) & (res.routing < cfg.num_experts))[mask].all()
+  assert (res.routing[~mask] == moe.UNSET).all()  # prompt padding, the last completion token, after the end
+  assert len(np.unique(res.routing[mask])) == cfg.num_experts  # every expert gets tokens: a real routing
+  np.testing.assert_allclose(lp[res.mask], res.logps[res.mask], atol=2e-4, rtol=2e-4)
+  load = moe.expert_load(res.routing, mask, cfg.num_experts)
+  counts = np.stack([np.bincount(res.routing[mask][:, j].ravel(), minlength=cfg.num_experts) for j in range(2)])
+  assert load["load_max"] == pytest.approx((counts / counts.mean(1, keepdims=True)).max())
+
+
+def test_replay_forces_the_recorded_experts(fam, sampled):
+  """Replaying the sampler's routing reproduces its log-probs; replaying another routing changes them, and the
+  trainer's layers then report the forced experts (MaxText's forced_routed_experts reaches every layer)."""
+  if not moe.replay_supported(fam["config"]):
+    pytest.skip(f"MaxText cannot force routing for {fam['config'].decoder_block.value} (refusal tested below)")
+  res, _, _ = sampled
+  e = fam["config"].num_experts
+  lp, route = fam["trainer"](res.left_padded_prompts, res.tokens, jnp.asarray(res.routing))
+  np.testing.assert_allclose(lp[res.mask], res.logps[res.mask], atol=2e-4, rtol=2e-4)
+  np.testing.assert_array_equal(route, res.routing)
+  other = np.where(res.routing >= 0, (res.routing + 1) % e, moe.UNSET)
+  lp2, route2 = fam["trainer"](res.left_padded_prompts, res.tokens, jnp.asarray(other))
+  np.testing.assert_array_equal(route2, other)
+  assert np.abs(lp2 - res.logps)[res.mask].max() > 1e-2
+
+
+def test_loss_with_replay_matches_numpy(fam, sampled):
+  """The plugin's Tunix loss on a RoutedTrainExample == NumPy's GRPO loss on the engine's log-probs (independent
+  path); with another routing forced it does not, so the replayed routing is the one the loss uses."""
+  if not moe.replay_supported(fam["config"]):
+    pytest.skip(f"MaxText cannot force routing for {fam['config'].decoder_block.value}")
+  res, _, _ = sampled
+  tok, model = fam["tok"], fam["model"]
+  rng = np.random.default_rng(3)
+  lp = np.where(res.mask, res.logps, 0.0).astype(np.float64)
+  old = lp + rng.normal(0.0, 0.05, lp.shape)
+  ref = lp + rng.normal(0.0, 0.3, lp.shape)
+  adv = np.array([1.0, -1.0, 0.5, -0.5, 0.8, -0.8])
+  cfg = tunix_wiring.PluginGrpoConfig(num_generations=2, beta=0.05, epsilon=0.2, loss_algo="grpo")
+
+  def example(routing):
+    return moe.RoutedTrainExample(
+        prompt_ids=jnp.asarray(res.left_padded_prompts),
+        prompt_mask=jnp.asarray(res.left_padded_prompts != tok.pad_token_id),
+        completion_ids=jnp.asarray(res.tokens),
+        completion_mask=jnp.asarray(res.mask),
+        advantages=jnp.asarray(adv, jnp.float32),
+        ref_per_token_logps=jnp.asarray(ref, jnp.float32),
+        old_per_token_logps=jnp.asarray(old, jnp.float32),
+        routed_experts=jnp.asarray(routing),
+    )
+
+  def loss(routing):
+    value, _ = tunix_wiring.tunix_policy_loss_fn(model, example(routing), cfg, tok.pad_token_id, tok.eos_token_id)
+    return float(value)
+
+  want, _, _ = np_policy_loss(
+      lp,
+      old,
+      ref,
+      adv,
+      res.mask.astype(np.float64),
+      algo="grpo",
+      eps=0.2,
+      eps_high=0.2,
+      beta=0.05,
+      kl="k3",
+      agg="sequence-mean-token-mean",
+  )
+  assert loss(res.routing) == pytest.approx(want, rel=1e-3, abs=1e-4)
+  other = np.where(res.routing >= 0, (res.routing + 1) % fam["config"].num_experts, moe.UNSET)
+  assert abs(loss(other) - want) > 1e-2
+
+
+def test_config_refusals_are_one_line():
+  """rl.router_replay where MaxText cannot force (Qwen3-MoE), on a dense model, on vLLM; token dropping."""
+  cases = [
+      ([CONFIG, "model_name=qwen3-30b-a3b", "rl.router_replay=true"], "cannot force the routing of decoder_block"),
+      (["configs/cpu_tiny.yml", "rl.router_replay=true"], "needs a mixture-of-experts model"),
+      ([CONFIG, "rl.router_replay=true", "rollout_engine=vllm"], "does not report the experts"),
+      ([CONFIG, "capacity_factor=1.25"], "use dropless routing"),
+  ]
+  for argv, msg in cases:
+    with pytest.raises(ConfigError, match=msg) as e:
+      config_lib.load_config(argv)
+    assert "\n" not in str(e.value)
+  assert config_lib.load_config([CONFIG, "rl.router_replay=true"]).rl.router_replay
+
+
+def test_step_metrics_and_layout_helpers():
+  """Host-side helpers against hand-computed values."""
+  prompt = np.array([[[[0, 1]], [[2, 3]]]])  # [1 row, 2 tokens, 1 layer, k=2]
+  completion = np.array([[[[1, 2]], [[3, 0]], [[0, 1]]]])
+  out = moe.pad_layout(prompt, completion, 3, 4)
+  assert out.shape == (1, 7, 1, 2)
+  np.testing.assert_array_equal(out[0, :, 0], [[-1, -1], [0, 1], [2, 3], [1, 2], [3, 0], [0, 1], [-1, -1]])
+  np.testing.assert_array_equal(
+      moe.routed_mask(np.array([[0, 1, 1]], bool), np.array([[1, 1, 1, 0]], bool)), [[0, 1, 1, 1, 1, 0, 0]]
+  )
+  a = np.array([[[[0, 1]], [[2, 3]]]])
+  b = np.array([[[[1, 0]], [[2, 1]]]])  # same set, then a different one
+  assert moe.mismatch_fraction(a, b, np.ones((1, 2), bool)) == 0.5
+  m = moe.step_metrics(a, b, np.ones((1, 2), bool), 4)
+  assert m["moe/rollout_load_max"] == 1.0 and m["moe/trainer_load_max"] == pytest.approx(2 / 1.0)
+  assert m["moe/routing_mismatch_fraction"] == 0.5
+
+
+def test_dynamic_sampling_refill_keeps_routing_aligned_with_rows():
+  """rl.dynamic_sampling joins groups of several rounds (different prompt widths): every row keeps its own routing,
+  its prompt part left-padded like its prompt ids."""
+  cfg = config_lib.load_config([CONFIG])
+  g, t = 2, 3
+
+  def make_round(width, base):
+    rows = 4  # 2 groups of 2
+    prompt = np.zeros((rows, width), np.int32)
+    prompt[:, -1] = base + np.arange(rows)
+    comp = (base + 10 + np.arange(rows))[:, None] + np.zeros((rows, t), np.int32)
+    routing = np.full((rows, width + t, 1, 2), moe.UNSET, np.int32)
+    routing[:, width - 1] = prompt[:, -1, None, None]
+    routing[:, width:] = comp[:, :, None, None]
+    sampled = experience.Sampled(
+        [f"p{base}{i}" for i in range(rows)],
+        [f"c{base}{i}" for i in range(rows)],
+        prompt,
+        comp,
+        np.array([1.0, 0.0, 0.0, 1.0], np.float32),
+        np.zeros(rows, np.float32),
+        None,
+        {},
+        0,
+        1,
+        truncated=np.zeros(rows, bool),
+        routing=routing,
+    )
+    return dynamic_sampling._Round(  # pylint: disable=protected-access  # the rounds assemble() joins
+        examples=[{}, {}], inputs={"prompts": sampled.prompts}, sampled=sampled, informative=np.array([True, True])
+    )
+
+  rounds = [make_round(3, 100), make_round(5, 200)]
+  _, _, out = dynamic_sampling.assemble(rounds, [(0, 1, True), (1, 0, True)], g, put=lambda x: x, cfg=cfg)
+  prompt_ids = np.asarray(out.prompt_ids)
+  assert out.routing.shape == (4, 5 + t, 1, 2) and prompt_ids.shape == (4, 5)
+  np.testing.assert_array_equal(out.routing[:, 5:, 0, 0], out.completion_ids)
+  np.testing.assert_array_equal(out.routing[:, 4, 0, 0], prompt_ids[:, -1])
+  assert (out.routing[:2, :4] == moe.UNSET).all()  # round 0's rows: 3-wide prompts, padded to 5
+  np.testing.assert_array_equal(out.completion_ids[:, 0], [112, 113, 210, 211])
+
+
+def test_train_rl_with_router_replay(tmp_path):
+  """Two GRPO steps of the tiny Mixtral through train_rl with replay, mini-batches (2 updates per step, so the old-policy
+  log-probs come from the trainer's replayed forward) and the agreement metrics: the MoE metrics are in the stream,
+  and the replayed trainer scores the sampled tokens as the sampler did (float32 on both sides)."""
+  moe_keys = [
+      "model_name=mixtral-8x7b",
+      "vocab_size=151936",
+      "base_mlp_dim=32",
+      "base_moe_mlp_dim=32",
+      "num_experts=4",
+      "num_experts_per_tok=2",
+      "sparse_matmul=false",
+      "megablox=false",
+  ]
+  _, recs = _train(
+      tmp_path,
+      "moe_replay",
+      *moe_keys,
+      "num_batches=2",
+      "rl.router_replay=true",
+      "rl.mini_batch_size=1",
+      "rl.use_rollout_logps=false",
+      "rl.log_sampler_trainer_agreement=true",
+      "num_test_batches=0",
+      "eval_interval=0",
+      "enable_checkpointing=false",
+  )
+  assert len(recs) == 2
+  for r in recs:
+    assert r["moe/rollout_load_max"] >= 1.0 and r["moe/trainer_load_max"] >= 1.0
+    assert "moe/routing_mismatch_fraction" not in r  # zero by construction under replay
+    assert r["mismatch/logp_abs_diff_max"] < 1e-3
+    assert np.isfinite(r["loss"])
+
+
+def test_short_sliding_window_is_refused_by_the_embedded_engine():
+  """gpt-oss with a window shorter than the sequence decodes differently from MaxText's forward (measured with
+  sliding_window_size=8: 11 of 12 greedy tokens differ), so the engine refuses it in one line."""
+  rs = models.setup_devices([CONFIG, "model_name=gpt-oss-20b", "sliding_window_size=8"])
+  with pytest.raises(ConfigError, match="sliding_window_size") as e:
+    decode.check_sliding_window(rs.sampler_config)
+  assert "\n" not in str(e.value)
+  decode.check_sliding_window(
+      models.setup_devices([CONFIG, "model_name=gpt-oss-20b", "sliding_window_size=160"]).sampler_config
+  )
+
+
+@pytest.mark.multidevice
+def test_expert_parallel_mesh_decode_records_the_trainers_routing():
+  """ici_expert_parallelism=2 on the host devices: the engine's decode over the expert-sharded mesh routes and scores
+  the tokens as the trainer's full forward does."""
+  rs = models.setup_devices([CONFIG, "ici_expert_parallelism=2"])
+  tok = models.load_tokenizer(rs.trainer_config)
+  model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
+  assert mesh.shape["expert"] == 2
+  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
+  prompts = _prompts(tok) + [tok.encode("x")]
+  res = engine.generate_tokens(prompts, greedy=True, max_new_tokens=8, prompt_pad_to=24)
+  graphdef, state = moe.recording_graphdef(model), nnx.state(model)
+  with mesh:
+    lp, _, route, _ = moe.forward_logps(
+        graphdef,
+        state,
+        jnp.asarray(res.left_padded_prompts),
+        jnp.asarray(res.tokens),
+        tok.pad_token_id,
+        tok.eos_token_id,
+    )
+  mask = moe.routed_mask(res.left_padded_prompts != tok.pad_token_id, res.mask)
+  assert moe.mismatch_fraction(res.routing, np.asarray(route), mask) == 0.0
+  np.testing.assert_allclose(np.asarray(lp)[res.mask], res.logps[res.mask], atol=2e-4, rtol=2e-4)
+
+
+def test_load_balance_loss_is_maxtexts_term_of_the_rl_loss():
+  """load_balance_loss_weight > 0: the loss is the policy loss plus MaxText's moe_lb_loss (linear in the weight, as
+  MaxText scales it inside each layer); the same weights and batch at w and 3w differ by exactly 2 lb(w)."""
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(10, 1000, size=(2, 5)).astype(np.int32)
+  completion = rng.integers(10, 1000, size=(2, 4)).astype(np.int32)
+  cfg = tunix_wiring.PluginGrpoConfig(num_generations=2, beta=0.0, epsilon=0.2, loss_algo="grpo")
+  example = grpo_learner.TrainExample(
+      prompt_ids=jnp.asarray(prompt),
+      prompt_mask=jnp.ones(prompt.shape, bool),
+      completion_ids=jnp.asarray(completion),
+      completion_mask=jnp.ones(completion.shape, bool),
+      advantages=jnp.asarray([1.0, -1.0], jnp.float32),
+      ref_per_token_logps=None,
+      old_per_token_logps=None,
+  )
+  out = {}
+  for w in (0.0, 0.01, 0.03):
+    rs = models.setup_devices([CONFIG, f"load_balance_loss_weight={w}"])
+    model, _ = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=0)
+    out[w] = tunix_wiring.tunix_policy_loss_fn(model, example, cfg, 0, 1)
+  (l0, a0), (l1, a1), (l3, a3) = out[0.0], out[0.01], out[0.03]
+  assert "moe_lb_loss" not in a0
+  lb1, lb3 = float(a1["moe_lb_loss"]), float(a3["moe_lb_loss"])
+  assert lb1 > 0 and lb3 == pytest.approx(3 * lb1, rel=1e-5)
+  assert float(l1) - float(l0) == pytest.approx(lb1, rel=1e-4, abs=1e-7)
+  assert float(l3) - float(l1) == pytest.approx(2 * lb1, rel=1e-4, abs=1e-7)
