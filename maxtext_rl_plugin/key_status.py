@@ -160,6 +160,9 @@ CLASS_STATUS: dict[str, str] = {
 
 _KEY_STATUS: dict[str, str] = {
     # --- model code / mesh exceptions ---
+    # --- ahead-of-time compilation (aot/: the RL step's programs for a TPU topology, instead of training) ---
+    "compile_topology": "honoured (aot: compile the run's programs for this MaxText topology name instead of training)",
+    "compile_topology_num_slices": "honoured (aot: slices of compile_topology; -1 = 1)",
     "z_loss_multiplier": _TRAIN_LOSS,
     "num_vocab_tiling": (
         "refused: vocab tiling is part of MaxText's pre-training loss; the RL loss computes full logits"

@@ -95,11 +95,7 @@ def apply(config, actor, mesh, pad_id: int | None = None) -> tuple[Any, Any]:
   from maxtext.utils import lora_utils
 
   with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
-    try:
-      base = lora_utils.apply_lora_to_model(actor.base, mesh, config)
-    except ValueError as e:  # MaxText's "module_path ... did not match any weights"
-      raise ConfigError(f"invalid value for 'lora.lora_module_path'='{module_path(config)}': {e}") from None
-    nnx.pop(base, nnx.Intermediate)
+    base = apply_abstract(config, actor.base, mesh)
     # qwix's wrapped model holds copies of the kernels it adapts and of the RNG state (same values); point it at the
     # base's arrays so the reference (the frozen base) and the actor share one copy of the weights.
     nnx.update(base, nnx.state(actor.base))
@@ -118,6 +114,20 @@ def apply(config, actor, mesh, pad_id: int | None = None) -> tuple[Any, Any]:
       n_base,
   )
   return lora_actor, actor
+
+
+def apply_abstract(config, base, mesh):
+  """MaxText's `apply_lora_to_model` on a MaxText model (concrete, or inside `nnx.eval_shape` for the AOT compile),
+  its module-path mismatch as one line; the adapters' trace intermediates dropped."""
+  from flax import nnx
+  from maxtext.utils import lora_utils
+
+  try:
+    base = lora_utils.apply_lora_to_model(base, mesh, config)
+  except ValueError as e:  # MaxText's "module_path ... did not match any weights"
+    raise ConfigError(f"invalid value for 'lora.lora_module_path'='{module_path(config)}': {e}") from None
+  nnx.pop(base, nnx.Intermediate)
+  return base
 
 
 def keep_base_shared(rl_cluster, frozen_base) -> None:

@@ -11,6 +11,7 @@ configuration and exits. Configuration and input mistakes end with one `error: .
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Sequence
 
@@ -29,6 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(__doc__)
     return 0
   errors.quiet_third_party_logs()
+  if any(a.startswith("compile_topology=") and a != "compile_topology=" for a in argv):
+    # Compiling for a TPU topology on this host: JAX computes on the CPU, libtpu only compiles (MaxText's train_compile
+    # runs the same way); without this a host with libtpu installed would look for a TPU.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
   try:
     return _main(argv)
   except KeyboardInterrupt:  # Ctrl-C before the trainer installed its handlers (config loading): one line, no trace
@@ -58,12 +63,20 @@ def _precheck(view) -> None:
     reward_loader.check_config(view)  # print_config=true too: it refuses what training refuses
   except AttributeError:
     pass
-  if print_config is False:
+  if print_config is False and not _compiling(view):  # compile_topology opens no checkpoint, data or run dir
     run_identity.check_inputs(view)
     try:
       run_identity.check_outputs(view)
     except AttributeError:
       return
+
+
+def _compiling(view) -> bool:
+  """compile_topology set: compile the run's programs for that TPU (maxtext_rl_plugin.aot) instead of training."""
+  try:
+    return bool(view.compile_topology) if "compile_topology" in view else False
+  except AttributeError:
+    return False
 
 
 def _main(argv: list[str]) -> int:
@@ -87,6 +100,10 @@ def _main(argv: list[str]) -> int:
       if config.print_config:
         sys.stdout.write(config_lib.dump_yaml(config))
         return 0
+      if config.compile_topology:
+        from maxtext_rl_plugin.aot import run as aot_run
+
+        return aot_run.run(config, argv)
       run_identity.preflight(config)  # path and rerun refusals before the trainer's seconds of imports
       from maxtext_rl_plugin import trainer
 

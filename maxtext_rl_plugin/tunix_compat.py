@@ -95,3 +95,22 @@ def maxtext_lora_module_path(config: Any) -> str:
   from maxtext.utils import lora_utils
 
   return lora_utils._get_lora_module_path(config)  # pylint: disable=protected-access
+
+
+def actor_train_step(
+    model: Any, optimizer: Any, inputs: Any, loss_fn: Callable, gen_model_input_fn: Callable, lora: bool
+):
+  """Tunix's actor-trainer step body (`PeftTrainer._train_step`: value_and_grad of the loss, global grad norm,
+  `optimizer.update`), run on a stand-in trainer holding the learner's loss and input functions. The AOT compile
+  (aot/programs.py) lowers this for a TPU topology: the very code the run's `actor_trainer` jits, not a copy."""
+  from tunix.sft import peft_trainer
+
+  stand_in = _TrainerStandIn(loss_fn=loss_fn, gen_model_input_fn=gen_model_input_fn, _lora_enabled=lora, _has_aux=True)
+  return peft_trainer.PeftTrainer._train_step(stand_in, model, optimizer, inputs)  # pylint: disable=protected-access
+
+
+class _TrainerStandIn:
+  """The four attributes `PeftTrainer._train_step` reads from its trainer."""
+
+  def __init__(self, **attrs: Any):
+    self.__dict__.update(attrs)

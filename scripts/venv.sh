@@ -49,3 +49,15 @@ if stamp_stale "$STAMP" "$WANT"; then
   "$VENV/bin/python" -c 'import maxtext_rl_plugin' || { echo "error: install failed" >&2; exit 1; }
   echo "$WANT" > "$STAMP"
 fi
+
+# libtpu for the AOT compile (compile_topology, maxtext_rl_plugin/aot/; tests/test_aot.py): its own --target dir, put
+# on PYTHONPATH only by the compile subprocesses, so the CPU JAX of .venv never looks for a TPU. ~640 MB, ~20 s warm.
+AOT_LIBTPU="$ROOT/.venv-aot-libtpu"
+AOT_WANT="libtpu==0.0.50.1"
+if [ "${MAXTEXT_RL_SKIP_AOT_LIBTPU:-0}" != 1 ] && stamp_stale "$AOT_LIBTPU/.stamp" "$AOT_WANT"; then
+  echo "[venv] installing $AOT_WANT into $AOT_LIBTPU (AOT compile for TPU topologies)"
+  rm -rf "$AOT_LIBTPU"
+  "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --target "$AOT_LIBTPU" "$AOT_WANT" 2>&1 \
+    | grep -v "^WARNING: Location 'file:" || true
+  if [ -d "$AOT_LIBTPU/libtpu" ]; then echo "$AOT_WANT" > "$AOT_LIBTPU/.stamp"; fi
+fi

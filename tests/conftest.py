@@ -64,6 +64,7 @@ _LONGEST_FIRST = (
     "test_ray_disaggregated",
     "test_lora",
     "test_moe",
+    "test_aot",
     "test_dynamic_sampling_e2e",
     "test_bench_gpu",
     "test_evaluation",

@@ -4,6 +4,7 @@ means what the plugin assumes. A Tunix upgrade that renames or repurposes one fa
 import importlib.metadata
 import inspect
 import multiprocessing.pool  # pylint: disable=unused-import  # MaxText's math_verify_pool needs it loaded first
+import re
 import types
 
 from maxtext.configs import pyconfig
@@ -93,3 +94,16 @@ def test_maxtext_lora_module_path_resolution_exists():
   assert "lora_module_path" in src and "_load_lora_module_configs" in src
   explicit = types.SimpleNamespace(lora=types.SimpleNamespace(lora_module_path="decoder/.*/mlp"), model_name="x")
   assert tunix_compat.maxtext_lora_module_path(explicit) == "decoder/.*/mlp"
+
+
+def test_actor_train_step_body_reads_only_what_the_stand_in_holds():
+  # aot/programs.py lowers PeftTrainer._train_step on a stand-in trainer with exactly these attributes.
+  src = inspect.getsource(peft_trainer.PeftTrainer._train_step)  # pylint: disable=protected-access
+  used = set(re.findall(r"self\.(\w+)", src))
+  assert used == {"gen_model_input_fn", "loss_fn", "_lora_enabled", "_has_aux"}
+  assert list(inspect.signature(peft_trainer.PeftTrainer._train_step).parameters) == [  # pylint: disable=protected-access
+      "self",
+      "model",
+      "optimizer",
+      "inputs",
+  ]

@@ -1,0 +1,181 @@
+"""What the compiler said, as a user acts on it: one row per program, the fit verdict, the step-time estimate.
+
+Per device (a JAX device: one v5p chip, half an Ironwood chip):
+    peak      = arguments + outputs - donated aliases + temporaries          (XLA's memory analysis)
+    needs     = peak + what else lives on those devices while it runs: on the trainer devices the train state
+                (actor params + optimizer state, the update's arguments) and a full-fine-tuning reference copy of the
+                params (rl.grpo_beta != 0); a program's own arguments are counted once
+    roofline  = max(FLOPs / peak FLOP/s, bytes accessed / HBM bandwidth)    (cost analysis of one call)
+  The embedded rollout is one program (prefill + a while-loop decode); XLA's cost analysis counts the loop body once,
+  so its time is  roofline(program) + (T - 1) * (weights + KV cache bytes per device) / HBM bandwidth,  the decode
+  steps being bandwidth-bound (upper bound: every temporary counted as KV cache).
+    step      = sum over programs of calls per step x roofline per call, by phase (rollout, logps, update, sync)
+A roofline is a lower bound: no overlap, no collectives' latency, no host time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from typing import Any
+
+from maxtext_rl_plugin.aot.compile import Compiled
+from maxtext_rl_plugin.aot.topology import DeviceSpec, GIB
+
+PHASES = ("rollout", "logps", "update", "sync")
+
+
+@dataclasses.dataclass
+class Row:
+  """One program's line of the report."""
+
+  name: str
+  phase: str
+  devices: int
+  calls_per_step: int
+  argument_gib: float
+  output_gib: float
+  temp_gib: float
+  peak_gib: float
+  needs_gib: float
+  hbm_gib: float
+  fits: bool
+  gflops: float
+  gbytes: float
+  ms_per_call: float
+  ms_per_step: float
+  compile_s: float
+  knob: str
+  note: str = ""
+  oom: str | None = None
+  host_temp_gib: float = 0.0  # remat-offloaded activations in host memory (not HBM)
+
+
+def per_device_bytes(tree: Any) -> int:
+  """Bytes one device holds of an abstract (sharded) tree: each leaf's shard shape."""
+  import jax  # pylint: disable=import-outside-toplevel  # keep this module importable for the report alone
+
+  total = 0
+  for x in jax.tree.leaves(tree):
+    shape = x.sharding.shard_shape(x.shape) if getattr(x, "sharding", None) is not None else x.shape
+    total += math.prod(shape) * x.dtype.itemsize
+  return int(total)
+
+
+def row(c: Compiled, spec: DeviceSpec, resident_extra: int, replaces_args: bool) -> Row:
+  """The row of compiled program `c`; `resident_extra`: bytes on its devices that are not its arguments
+  (`replaces_args`: its arguments are part of that resident state, so they are not counted twice)."""
+  p = c.program
+  if c.oom is not None:
+    return Row(
+        p.name,
+        p.phase,
+        p.mesh.size,
+        p.calls_per_step,
+        0,
+        0,
+        0,
+        math.inf,
+        math.inf,
+        spec.hbm_bytes / GIB,
+        False,
+        0,
+        0,
+        0,
+        0,
+        c.seconds,
+        p.knob,
+        p.note,
+        c.oom,
+    )
+  needs = c.peak_bytes + resident_extra - (c.argument_bytes if replaces_args else 0)
+  t = max(c.flops / spec.peak_flops, c.bytes_accessed / spec.hbm_bandwidth)
+  if p.decode_steps > 1:
+    t += (p.decode_steps - 1) * (c.argument_bytes + c.temp_bytes) / spec.hbm_bandwidth
+  return Row(
+      name=p.name,
+      phase=p.phase,
+      devices=p.mesh.size,
+      calls_per_step=p.calls_per_step,
+      argument_gib=c.argument_bytes / GIB,
+      output_gib=c.output_bytes / GIB,
+      temp_gib=c.temp_bytes / GIB,
+      peak_gib=c.peak_bytes / GIB,
+      needs_gib=needs / GIB,
+      hbm_gib=spec.hbm_bytes / GIB,
+      fits=needs <= spec.hbm_bytes,
+      gflops=c.flops / 1e9,
+      gbytes=c.bytes_accessed / 1e9,
+      ms_per_call=t * 1e3,
+      ms_per_step=t * 1e3 * p.calls_per_step,
+      compile_s=c.seconds,
+      knob=p.knob,
+      note=p.note,
+      host_temp_gib=c.host_temp_bytes / GIB,
+  )
+
+
+def step_estimate(rows: list[Row]) -> dict[str, float]:
+  """Roofline seconds per RL step by phase, and the total."""
+  by = {ph: sum(r.ms_per_step for r in rows if r.phase == ph) / 1e3 for ph in PHASES}
+  by["total"] = sum(by[ph] for ph in PHASES)
+  return by
+
+
+def table(rows: list[Row], spec: DeviceSpec, topology: str) -> str:
+  """The human table (GiB per device, GFLOP and GB per call)."""
+  head = (
+      f"{'program':<24} {'dev':>4} {'calls':>5} {'args':>7} {'out':>7} {'temp':>7} {'peak':>7} {'needs':>7} "
+      f"{'of HBM':>7} {'fit':>4} {'GFLOP':>10} {'GB':>8} {'ms/call':>9} {'s/step':>8} {'compile':>8}"
+  )
+  lines = [f"AOT compile for {topology}: per device, {spec.hbm_bytes / GIB:.0f} GiB HBM ({spec.generation})", head]
+  for r in rows:
+    if r.oom:
+      lines.append(f"{r.name:<24} {r.devices:>4} {r.calls_per_step:>5} {'compiler: out of memory':>50}  {r.oom[:80]}")
+      continue
+    lines.append(
+        f"{r.name:<24} {r.devices:>4} {r.calls_per_step:>5} {r.argument_gib:>7.2f} {r.output_gib:>7.2f} "
+        f"{r.temp_gib:>7.2f} {r.peak_gib:>7.2f} {r.needs_gib:>7.2f} {100 * r.needs_gib / r.hbm_gib:>6.0f}% "
+        f"{'yes' if r.fits else 'NO':>4} {r.gflops:>10.1f} {r.gbytes:>8.2f} {r.ms_per_call:>9.1f} "
+        f"{r.ms_per_step / 1e3:>8.2f} {r.compile_s:>7.0f}s"
+    )
+  est = step_estimate(rows)
+  lines.append(
+      "roofline step estimate: "
+      + ", ".join(f"{ph} {est[ph]:.2f} s" for ph in PHASES)
+      + f", total {est['total']:.2f} s (lower bound: no overlap, collectives or host time)"
+  )
+  return "\n".join(lines)
+
+
+def verdict(rows: list[Row], topology: str) -> str | None:
+  """The one line for the first program that does not fit, else None."""
+  for r in rows:
+    if r.oom:
+      return f"program '{r.name}' does not fit on {topology}: the compiler ran out of HBM ({r.oom}); lower {r.knob}"
+    if not r.fits:
+      return (
+          f"program '{r.name}' needs {r.needs_gib:.1f} GiB of {r.hbm_gib:.1f} GiB HBM per device on {topology}; "
+          f"lower {r.knob}"
+      )
+  return None
+
+
+def to_json(rows: list[Row], spec: DeviceSpec, topology: str, num_slices: int, extra: dict) -> str:
+  """The machine-readable report (what the docs' tables are built from)."""
+  return json.dumps(
+      {
+          "topology": topology,
+          "num_slices": num_slices,
+          "device": dataclasses.asdict(spec),
+          "programs": [
+              {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in dataclasses.asdict(r).items()}
+              for r in rows
+          ],
+          "step_seconds": step_estimate(rows),
+          "fits": all(r.fits for r in rows),
+          **extra,
+      },
+      indent=1,
+  )
