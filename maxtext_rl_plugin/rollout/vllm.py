@@ -26,7 +26,6 @@ vLLM is imported lazily: without it, constructing the engine raises MissingExtra
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
@@ -86,22 +85,6 @@ def check_single_controller() -> None:
 # ------------------------------------------------------------------------------- config -> vLLM
 
 
-def _as_dict(value: Any, key: str) -> dict:
-  """A mapping key given as a mapping or a JSON object string (both spellings reach pyconfig)."""
-  if not value:
-    return {}
-  if isinstance(value, Mapping):
-    return dict(value)
-  if isinstance(value, str):
-    try:
-      parsed = json.loads(value)
-    except json.JSONDecodeError:
-      parsed = None
-    if isinstance(parsed, dict):
-      return parsed
-  raise ConfigError(f"invalid value for '{key}'={value!r}: expected a mapping or a JSON object")
-
-
 def vllm_engine_kwargs(config: Any, num_sampler_devices: int, *, device_ids: Sequence[int] | None = None) -> dict:
   """The `vllm.LLM(...)` keyword arguments for a plugin config and `num_sampler_devices` rollout chips.
 
@@ -121,7 +104,7 @@ def vllm_engine_kwargs(config: Any, num_sampler_devices: int, *, device_ids: Seq
   strategy = {"expert_parallelism": ep, "enable_dp_attention": bool(config.enable_dp_attention)}
   if device_ids is not None:
     strategy["device_indexes"] = [int(i) for i in device_ids]
-  additional = _as_dict(config.vllm_additional_config, "vllm_additional_config")
+  additional = vllm_maxtext.as_dict(config.vllm_additional_config, "vllm_additional_config")
   additional.setdefault("sharding", {}).setdefault("sharding_strategy", {}).update(strategy)
 
   kwargs: dict[str, Any] = {
@@ -156,7 +139,7 @@ def vllm_engine_kwargs(config: Any, num_sampler_devices: int, *, device_ids: Seq
   if config.override_model_config:
     # A shrunk model must get vLLM's model built with the trainer's shapes, not the hub config's.
     overrides = vllm_mapping.hf_config_from_maxtext(config)
-  overrides.update(_as_dict(config.vllm_hf_overrides, "vllm_hf_overrides"))
+  overrides.update(vllm_maxtext.as_dict(config.vllm_hf_overrides, "vllm_hf_overrides"))
   if overrides:
     kwargs["hf_overrides"] = overrides
   return kwargs

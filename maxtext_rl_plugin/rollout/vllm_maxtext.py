@@ -50,8 +50,9 @@ _SHAPE_KEYS = (
 )
 
 
-def _as_dict(value: Any) -> dict:
-  """A mapping key as a dict: pyconfig gives a dict, a command line may give JSON (invalid spellings read as empty)."""
+def as_dict(value: Any, key: str) -> dict:
+  """A mapping key (`vllm_hf_overrides`, `vllm_additional_config`) given as a mapping or a JSON object string (both
+  spellings reach pyconfig); anything else is one line naming the key."""
   if not value:
     return {}
   if isinstance(value, Mapping):
@@ -63,7 +64,7 @@ def _as_dict(value: Any) -> dict:
       parsed = None
     if isinstance(parsed, dict):
       return parsed
-  return {}
+  raise ConfigError(f"invalid value for '{key}'={value!r}: expected a mapping or a JSON object")
 
 
 def selected(config: Any) -> bool:
@@ -71,7 +72,7 @@ def selected(config: Any) -> bool:
   overrides = config.vllm_hf_overrides
   if isinstance(overrides, str):
     return ARCHITECTURE in overrides
-  architectures = _as_dict(overrides).get("architectures", ())
+  architectures = as_dict(overrides, "vllm_hf_overrides").get("architectures", ())
   if isinstance(architectures, str):
     architectures = (architectures,)
   return ARCHITECTURE in architectures
@@ -92,7 +93,7 @@ def register_adapter() -> None:
 
 def adapter_maxtext_config(config: Any, tensor_parallel_size: int) -> tuple[dict, str]:
   """The adapter's `maxtext_config` overrides and where they came from ('given' or 'derived')."""
-  given = _as_dict(config.vllm_additional_config).get("maxtext_config")
+  given = as_dict(config.vllm_additional_config, "vllm_additional_config").get("maxtext_config")
   if given is not None and not isinstance(given, Mapping):
     raise ConfigError(
         f"invalid value for 'vllm_additional_config': maxtext_config must be a mapping, got {type(given).__name__}"
