@@ -147,6 +147,12 @@ def check_owners(metrics_file: str | None, run_dir: str, run_dirs: dict[str, str
       )
 
 
+def _record_count(path: str) -> int:
+  """Non-empty lines of a JSONL file: the records a metrics_file holds."""
+  with open(path, "rb") as f:
+    return sum(1 for line in f if line.strip())
+
+
 def check_resumed_metrics_file(metrics_file: str | None, run_dir: str, recorded: str | None, step: int) -> None:
   """A resume never adopts another run's records: a `metrics_file` outside the run directory that holds records and
   is not the file the checkpoint's steps wrote to (`recorded`, from the checkpoint's metadata; None for checkpoints
@@ -155,8 +161,7 @@ def check_resumed_metrics_file(metrics_file: str | None, run_dir: str, recorded:
     return
   if _real(metrics_file) == _real(recorded) or _within(metrics_file, run_dir):
     return
-  with open(metrics_file, "rb") as f:
-    n = sum(1 for line in f if line.strip())
+  n = _record_count(metrics_file)
   if n:
     raise OutputError(
         f"invalid value for 'metrics_file': {metrics_file} holds {n} record(s) of another run; this run ({run_dir}) "
@@ -170,11 +175,9 @@ def check_fresh_metrics_file(metrics_file: str | None, run_dir: str) -> None:
   stopped before its first checkpoint), and its stale records are dropped."""
   if not metrics_file or "://" in metrics_file or not os.path.isfile(metrics_file):
     return
-  inside = os.path.realpath(metrics_file).startswith(os.path.realpath(run_dir) + os.sep)
-  if inside:
+  if _within(metrics_file, run_dir):
     return
-  with open(metrics_file, "rb") as f:
-    n = sum(1 for line in f if line.strip())
+  n = _record_count(metrics_file)
   if n:
     raise OutputError(
         f"invalid value for 'metrics_file': {metrics_file} already holds {n} record(s) of another run "
