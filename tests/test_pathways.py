@@ -114,7 +114,7 @@ def test_one_decision_point(monkeypatch):
   assert not pathways.requested() and not pathways.initialize()  # off Pathways: nothing to do
   monkeypatch.setattr(pathways, "requested", lambda: True)
   assert backend.pathways_requested()
-  cfg = type("C", (), {"rollout_engine": "auto", "model_name": "llama3.1-8b", "head_dim": 128})()
+  cfg = type("C", (), {"rollout_engine": "auto", "model_name": "llama3.1-8b", "head_dim": 128, "vllm_hf_overrides": ""})()
 
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
   assert build._resolve_engine_name(cfg) == "vllm"  # pylint: disable=protected-access  # the one resolution point

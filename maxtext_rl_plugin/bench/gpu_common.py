@@ -66,6 +66,9 @@ DRY = {
     "step_set": ["batch_size=2", "rl.num_generations=2", "max_target_length=136"],
     "demo_set": [
         "sft_warmup_steps=0",
+        # cpu_demo.yml configures its warm start; with it off, its keys go back to rl.yml's defaults (dependent_keys).
+        "sft_batch_size=16",
+        "sft_learning_rate=1.0e-3",
         "num_batches=1",
         "batch_size=2",
         "rl.num_generations=2",
