@@ -1,17 +1,52 @@
 #!/usr/bin/env bash
 # The README's test command: create/refresh .venv, then run the whole suite on CPU.
-# Three pytest passes: most tests see one CPU device; tests marked `multidevice` (resharding between
-# disjoint meshes) need 8 forced host devices, which XLA only honours at process start; tests/tpu_contract runs
-# in .venv-tpu (the TPU image's pins on CPU, scripts/tpu_contract_venv.sh) against the real tpu-inference models.
+# Four pytest passes: most tests see one CPU device (pass 1); tests marked `multidevice` (resharding between
+# disjoint meshes) need 8 forced host devices, which XLA only honours at process start (pass 2); tests/tpu_contract
+# runs in .venv-tpu (the TPU image's pins on CPU, scripts/tpu_contract_venv.sh) against the real tpu-inference models
+# (pass 3, in the background from the start); tests marked `solo` (several processes in collectives: Ray, two-process
+# JAX) run last, one at a time, on an otherwise idle machine (pass 4).
 # MAXTEXT_RL_SKIP_TPU_CONTRACT=1 skips the third pass (it says so); CI leaves it unset and installs .venv-tpu.
 # Speed (docs/DEVELOPMENT.md, "Test-suite time"): passes 1-2 run on pytest-xdist workers (MAXTEXT_RL_TEST_WORKERS,
-# default 2; `-n 0` among the arguments runs serially), every process of the run shares one JAX compilation cache
-# (a temporary directory of this run only, removed at exit), lint runs niced beside the tests, and each pass
-# prints its 25 slowest tests plus the time of every step ("[time] ...").
+# default 2; `-n 0` among the arguments runs serially), end-to-end runs whose promise is not about a process run
+# train_rl in the worker's own process (tests/_in_process.py), every process of the run shares one JAX compilation
+# cache (a temporary directory of this run only, removed at exit), lint runs niced beside the tests, and each pass
+# prints its slowest tests plus the time of every step ("[time] ...").
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 T_RUN=$SECONDS
 took() { echo "[time] $1: $((SECONDS - $2)) s"; }
+export JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3
+# One JAX persistent compilation cache for every process of this run (both xdist workers of every pass and the
+# train_rl subprocesses they start; tests/conftest.py points JAX at it). Never a user's cache: a fresh directory.
+MAXTEXT_RL_TEST_JAX_CACHE="$(mktemp -d -t maxtext-rl-test-jax-cache.XXXXXX)"
+export MAXTEXT_RL_TEST_JAX_CACHE
+tpu_log="$(mktemp)"
+lint_log="$(mktemp)"
+trap 'rm -rf "$MAXTEXT_RL_TEST_JAX_CACHE" "$tpu_log" "$lint_log"' EXIT
+status=0
+# The third pass (tests/tpu_contract in .venv-tpu) needs nothing of .venv: it installs and runs in the background from
+# the start, beside the venv step (one core of pip) and pass 1, so no core idles while it runs alone at the end (its
+# tests are one process; measured, docs/DEVELOPMENT.md). Its output is shown after pass 2.
+tpu_pid=""
+if [ $# -eq 0 ] && [ "${MAXTEXT_RL_SKIP_TPU_CONTRACT:-0}" != "1" ]; then
+  (
+    t=$SECONDS
+    bash "$ROOT/scripts/tpu_contract_venv.sh" || { echo "SKIPPED tests/tpu_contract: installing .venv-tpu failed (see the lines above)"; exit 3; }
+    took ".venv-tpu install (background)" "$t"
+    cd "$ROOT"
+    t=$SECONDS
+    rc=0
+    # The plugin as the image installs it (scripts/tpu_contract_venv.sh): no PYTHONPATH, and -P keeps `python -m`
+    # from putting the checkout first on sys.path, either of which would import maxtext_rl_plugin/ from the
+    # checkout (without configs/ and rewards/, which only the install maps into the package). pytest itself puts
+    # tests/tpu_contract on sys.path for its helper modules (forward.py, tpu_models.py).
+    XLA_FLAGS="--xla_force_host_platform_device_count=4" TPU_ACCELERATOR_TYPE=v5litepod-4 \
+      "$ROOT/.venv-tpu/bin/python" -P -m pytest -q -rs --durations=25 -p no:cacheprovider tests/tpu_contract || rc=$?
+    took "pass 3 (tests/tpu_contract in .venv-tpu, background)" "$t"
+    exit $rc
+  ) >"$tpu_log" 2>&1 &
+  tpu_pid=$!
+fi
 t=$SECONDS
 source "$ROOT/scripts/venv.sh"
 took "venv (installs only when setup.cfg changed)" "$t"
@@ -37,34 +72,12 @@ PY
     | grep -v "^WARNING: Location 'file:" || true
   took "xpk install" "$t"
 fi
-export JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3
-# One JAX persistent compilation cache for every process of this run (both xdist workers of every pass and the
-# train_rl subprocesses they start; tests/conftest.py points JAX at it). Never a user's cache: a fresh directory.
-MAXTEXT_RL_TEST_JAX_CACHE="$(mktemp -d -t maxtext-rl-test-jax-cache.XXXXXX)"
-export MAXTEXT_RL_TEST_JAX_CACHE
-tpu_log="$(mktemp)"
-lint_log="$(mktemp)"
-trap 'rm -rf "$MAXTEXT_RL_TEST_JAX_CACHE" "$tpu_log" "$lint_log"' EXIT
 XDIST=()
 if "$VENV/bin/python" -c 'import xdist' >/dev/null 2>&1; then
   # loadfile: a module's tests stay on one worker, so a module-scoped fixture (a training run, a built model) is
   # built once. (loadgroup does not group with pytest 9.2 + xdist 3.8: measured, docs/DEVELOPMENT.md.)
   # --no-loadscope-reorder: modules start in tests/conftest.py's longest-first order, not "most tests first".
   XDIST=(-n "${MAXTEXT_RL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
-fi
-status=0
-# The third pass's environment installs in the background while the first two passes run (its first install is
-# mostly download: ~12 min); its output is shown when the third pass starts.
-tpu_pid=""
-if [ $# -eq 0 ] && [ "${MAXTEXT_RL_SKIP_TPU_CONTRACT:-0}" != "1" ]; then
-  (
-    t=$SECONDS
-    rc=0
-    bash "$ROOT/scripts/tpu_contract_venv.sh" || rc=$?
-    took ".venv-tpu install (background)" "$t"
-    exit $rc
-  ) >"$tpu_log" 2>&1 &
-  tpu_pid=$!
 fi
 # Style (MaxText's pyink and pylint settings, ~2 min of one core) on a full run, niced beside the tests so it only
 # takes idle cycles off the critical path: a finding fails the run; its output is shown at the end.
@@ -81,7 +94,7 @@ if [ $# -eq 0 ]; then
 fi
 # `network` tests ask the package registry; they are an explicit check before changing pins (docs/DEVELOPMENT.md).
 t=$SECONDS
-"$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m "not multidevice and not network" "$@" \
+"$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m "not multidevice and not network and not solo" "$@" \
   || status=$?
 took "pass 1 (one CPU device)" "$t"
 # pytest exits 5 when nothing is collected. On a full run that means the `multidevice` marker was lost and every
@@ -97,32 +110,26 @@ if [ $# -eq 0 ]; then
   if [ "${MAXTEXT_RL_SKIP_TPU_CONTRACT:-0}" = "1" ]; then
     echo "SKIPPED tests/tpu_contract: MAXTEXT_RL_SKIP_TPU_CONTRACT=1 (needs .venv-tpu, ~7.6 GB, scripts/tpu_contract_venv.sh)"
   else
-    TPU_VENV="$ROOT/.venv-tpu"
-    tpu_rc=0
     t=$SECONDS
-    wait "$tpu_pid" || tpu_rc=$?
-    took "waiting for .venv-tpu" "$t"
+    rc=0
+    wait "$tpu_pid" || rc=$?
+    took "waiting for pass 3" "$t"
     cat "$tpu_log"
-    if [ $tpu_rc -eq 0 ]; then
-      t=$SECONDS
-      rc=0
-      # The plugin as the image installs it (scripts/tpu_contract_venv.sh): no PYTHONPATH, and -P keeps `python -m`
-      # from putting the checkout first on sys.path, either of which would import maxtext_rl_plugin/ from the
-      # checkout (without configs/ and rewards/, which only the install maps into the package). pytest itself puts
-      # tests/tpu_contract on sys.path for its helper modules (forward.py, tpu_models.py).
-      XLA_FLAGS="--xla_force_host_platform_device_count=4" TPU_ACCELERATOR_TYPE=v5litepod-4 \
-        "$TPU_VENV/bin/python" -P -m pytest -q -rs --durations=25 -p no:cacheprovider tests/tpu_contract || rc=$?
-      if [ $rc -ne 0 ]; then status=$rc; fi
-      took "pass 3 (tests/tpu_contract in .venv-tpu)" "$t"
-    else
-      # Only when the install itself is impossible (no PyPI, no disk): say so, do not hide it in a pass.
-      echo "SKIPPED tests/tpu_contract: installing .venv-tpu failed (see the lines above)"
-    fi
+    # 3: the install itself was impossible (no PyPI, no disk), said above; anything else is the pass's own result.
+    if [ $rc -ne 0 ] && [ $rc -ne 3 ]; then status=$rc; fi
   fi
   t=$SECONDS
   wait "$lint_pid" || status=1
   took "waiting for lint" "$t"
   cat "$lint_log"
 fi
+# Last, with the machine to itself: the tests marked `solo` run several processes in collectives (a local Ray cluster,
+# two-process JAX programs), which slowed down five times over beside pass 1's other worker, lint and the .venv-tpu
+# install (the Ray job: 677 s there, 107 s alone; docs/DEVELOPMENT.md). One at a time, each has both cores.
+t=$SECONDS
+rc=0
+"$VENV/bin/python" -m pytest -q -rs --durations=10 -m "solo and not network" "$@" || rc=$?
+if [ $rc -ne 0 ] && { [ $rc -ne 5 ] || [ $# -eq 0 ]; }; then status=$rc; fi
+took "pass 4 (solo: multi-process and Ray, one at a time)" "$t"
 took "scripts/test.sh total" "$T_RUN"
 exit $status

@@ -54,14 +54,12 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 # order, so the long end-to-end modules start at once and the short ones fill the end (longest-processing-time-first).
 # xdist's default order (modules with the most tests first) started the one-test Ray and demo modules last.
 _LONGEST_FIRST = (
-    "test_ray_train",
     "test_reliability",
     "test_trainer_updates",
     "test_async_rollout",
     "test_demo",
     "test_train_e2e",
     "test_agentic_e2e",
-    "test_ray_disaggregated",
     "test_lora",
     "test_moe",
     "test_aot",

@@ -9,8 +9,6 @@ against the trainer's (they differ only when the batch really was sampled by old
 import json
 import random
 import shutil
-import subprocess
-import sys
 import threading
 import time
 
@@ -20,6 +18,8 @@ from test_trainer_updates import _train
 from maxtext_rl_plugin import async_rollout
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin.bench import async_rollout as bench
+
+import _in_process as in_process
 
 
 @pytest.mark.parametrize(
@@ -225,22 +225,8 @@ def test_off_policy_steps_trains_stale_batches_deterministically_and_resumes(tmp
 
 
 def test_off_policy_steps_without_a_correction_is_refused(tmp_path):
-  p = subprocess.run(
-      [
-          sys.executable,
-          "-m",
-          "maxtext_rl_plugin.train_rl",
-          "configs/cpu_tiny.yml",
-          f"base_output_directory={tmp_path}",
-          "rl.off_policy_steps=1",
-          "rl.use_rollout_logps=false",
-      ],
-      cwd=pytest.importorskip("pathlib").Path(__file__).resolve().parents[1],
-      capture_output=True,
-      text=True,
-      timeout=300,
-      check=False,
-      env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"},
+  p = in_process.train_rl(
+      ["configs/cpu_tiny.yml", f"base_output_directory={tmp_path}", "rl.off_policy_steps=1", "rl.use_rollout_logps=false"]
   )
   assert p.returncode == 2, p.stderr[-2000:]
   last = p.stderr.strip().splitlines()[-1]

@@ -1,8 +1,6 @@
 """Config loading: MaxText's pyconfig + the plugin schema, overrides, shorthands and one-line errors."""
 
 import os
-import subprocess
-import sys
 import tempfile
 import types as pytypes
 
@@ -24,6 +22,8 @@ from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin.config_types import PluginKeys
 from maxtext_rl_plugin.config_types import PluginRL
 from maxtext_rl_plugin.errors import ConfigError
+
+import _in_process as in_process
 
 TINY = "configs/cpu_tiny.yml"
 
@@ -137,15 +137,7 @@ def test_dump_yaml_round_trips_and_redacts_token():
 
 
 def _run_cli(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu")
-  return subprocess.run(
-      [sys.executable, "-m", "maxtext_rl_plugin.train_rl", *args],
-      capture_output=True,
-      text=True,
-      env=env,
-      timeout=300,
-      check=False,
-  )
+  return in_process.train_rl(args)
 
 
 def test_cli_unknown_key_exits_nonzero_with_one_line():

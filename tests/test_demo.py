@@ -7,9 +7,7 @@ seeded and deterministic on CPU; the margins below are well inside the measured 
 """
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 from transformers import AutoTokenizer
@@ -18,6 +16,8 @@ from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin.data import load
 from maxtext_rl_plugin.data import prompts
 
+import _in_process as in_process
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 STEPS = 40
 SHORT = [f"num_batches={STEPS}", "num_test_batches=2", "eval_batch_size=32"]
@@ -25,8 +25,6 @@ SHORT = [f"num_batches={STEPS}", "num_test_batches=2", "eval_batch_size=32"]
 
 def _run(out, *overrides):
   """Run the shortened demo under `out` as the README does; returns the finished process."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-  env.pop("XLA_FLAGS", None)
   cmd = [
       sys.executable,
       "-m",
@@ -37,7 +35,7 @@ def _run(out, *overrides):
       *SHORT,
       *overrides,
   ]
-  p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=1200, check=False)
+  p = in_process.train_rl(cmd[3:])
   assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-4000:]}"
   return p
 

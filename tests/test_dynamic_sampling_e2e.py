@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import _in_process as in_process
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 B, G = 2, 4
 # The CPU demo's 528-token tokenizer keeps the model small; at temperature 30 the random-init model's completions
@@ -56,9 +58,8 @@ def _cmd(out, name, *extra):
 
 
 def _run(out, name, *extra):
-  p = subprocess.run(
-      _cmd(out, name, *extra), cwd=REPO, capture_output=True, text=True, env=_env(), timeout=900, check=False
-  )
+  """train_rl in this process (tests/_in_process.py); the SIGTERM tests start their own processes."""
+  p = in_process.train_rl(_cmd(out, name, *extra)[3:])
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   return p
 

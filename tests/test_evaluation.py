@@ -8,15 +8,15 @@ the plugin's reward stack against gold answers.
 """
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 
 from maxtext_rl_plugin import evaluation
 from maxtext_rl_plugin import rewards
+
+import _in_process as in_process
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -102,15 +102,7 @@ def test_eval_interval_profiler_and_output_dirs_are_honoured(tmp_path):
       "log_period=2",
       f"metrics_file={metrics}",
   ]
-  p = subprocess.run(
-      cmd,
-      cwd=REPO,
-      capture_output=True,
-      text=True,
-      timeout=900,
-      check=False,
-      env={**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"},
-  )
+  p = in_process.train_rl(cmd[3:])
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
   recs = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
   evals = [r for r in recs if "eval/accuracy" in r]

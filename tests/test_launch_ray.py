@@ -136,6 +136,7 @@ def test_hf_access_token_override_travels_in_the_environment_never_argv(monkeypa
   assert secret not in launch.describe() and secret not in json.dumps(launch.loop_config())
 
 
+@pytest.mark.solo
 @pytest.mark.timeout(600)
 def test_two_cpu_workers_run_one_grpo_step_as_one_jax_program(tmp_path):
   entry = os.environ.get("MAXTEXT_RL_TEST_RAY_ENTRY", "smoke")

@@ -33,6 +33,8 @@ from maxtext_rl_plugin import trainer
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.rollout import embedded
 
+import _in_process as in_process
+
 TINY = "configs/cpu_tiny.yml"
 LORA = ["lora.enable_lora=true", "lora.lora_rank=4", "lora.lora_alpha=8"]
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -403,15 +405,7 @@ def test_resume_restores_adapters_and_optimizer_exactly(lora_run):
 
 
 def test_export_writes_merged_maxtext_checkpoint_with_the_adapted_logits(lora_run, tmp_path):
-  p = subprocess.run(
-      [sys.executable, "-m", "maxtext_rl_plugin.export_lora", "--output", str(tmp_path / "merged"), *lora_run["argv"]],
-      cwd=REPO,
-      capture_output=True,
-      text=True,
-      timeout=600,
-      check=False,
-      env={**os.environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"},
-  )
+  p = in_process.run("export_lora", ["--output", str(tmp_path / "merged"), *lora_run["argv"]])
   assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
   path = tmp_path / "merged" / "0" / "items"
   assert f"load_parameters_path={path}" in p.stdout

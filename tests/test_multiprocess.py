@@ -76,6 +76,7 @@ def _two_processes(tmp_path, mode: str, devices_per_process: int = 1) -> list[di
   return [json.loads((tmp_path / f"p{i}.json").read_text()) for i in (0, 1)]
 
 
+@pytest.mark.solo
 def test_distributed_helpers_on_two_processes(tmp_path):
   outs = _two_processes(tmp_path, "helpers")
   host = np.arange(4 * 3, dtype=np.float32).reshape(4, 3) ** 1.5
@@ -97,6 +98,7 @@ def test_distributed_helpers_on_two_processes(tmp_path):
   )
 
 
+@pytest.mark.solo
 def test_disaggregated_split_weight_sync_and_rollout_slices_on_two_processes(tmp_path):
   """2 processes x 2 devices: the trainer mesh spans each process's first device, each process samples on a mesh of
   its own second device. The weight sync lands the trainer's arrays on every process's sampler bit for bit (under

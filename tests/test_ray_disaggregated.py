@@ -8,6 +8,7 @@ import _ray_job as job
 
 
 @pytest.mark.slow
+@pytest.mark.solo
 @pytest.mark.timeout(1800)
 def test_ray_two_workers_disaggregated_match_one_process(tmp_path):
   """2 Ray workers x 2 CPU devices, use_pathways=true + chips_per_vm=2: each process gives one device to the trainer

@@ -24,6 +24,8 @@ import pytest
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
 
+import _in_process as in_process
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FAST = ["num_test_batches=1", "eval_batch_size=2", "checkpoint_period=1", "eval_interval=0", "metrics_file=metrics.jsonl"]
 
@@ -48,9 +50,8 @@ def _env():
 
 
 def _train(out, *overrides, check=True):
-  p = subprocess.run(
-      _cmd(out, *overrides), cwd=REPO, capture_output=True, text=True, env=_env(), timeout=900, check=False
-  )
+  """train_rl in this process (tests/_in_process.py); the signal, kill and lock tests start their own processes."""
+  p = in_process.train_rl(_cmd(out, *overrides)[3:])
   if check:
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
   return p

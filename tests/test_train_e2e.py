@@ -1,8 +1,9 @@
 """End-to-end GRPO/GSPO on the tiny MaxText model: outputs, resume, crash safety and bad input.
 
-Each run is a real `python -m maxtext_rl_plugin.train_rl configs/cpu_tiny.yml ...` subprocess: MaxText model,
-Tunix RLCluster + GrpoLearner with the plugin's loss, the embedded rollout engine, real rewards, Orbax
-checkpoints, TensorBoard event files and the metrics_file.
+Each run is a real `train_rl configs/cpu_tiny.yml ...`: MaxText model, Tunix RLCluster + GrpoLearner with the
+plugin's loss, the embedded rollout engine, real rewards, Orbax checkpoints, TensorBoard event files and the
+metrics_file. Runs go through `train_rl.main` in this process (tests/_in_process.py says why and what it restores);
+the SIGKILL during a checkpoint write and the Pathways split start a process of their own.
 """
 
 import hashlib
@@ -23,6 +24,8 @@ from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.errors import ConfigError
+
+import _in_process as in_process
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = "configs/cpu_tiny.yml"
@@ -49,10 +52,10 @@ def train_command(out: pathlib.Path, run_name: str, *overrides: str) -> list[str
   ]
 
 
-def train(out: pathlib.Path, run_name: str, *overrides: str, timeout=900, check=True):
-  """Run train_rl to completion (with a metrics_file); a failure raises with the output's tail."""
+def train(out: pathlib.Path, run_name: str, *overrides: str, check=True):
+  """Run train_rl to completion (with a metrics_file) in this process; a failure raises with the output's tail."""
   cmd = train_command(out, run_name, f"metrics_file={out / run_name / 'metrics.jsonl'}", *overrides)
-  p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=_env(), timeout=timeout, check=False)
+  p = in_process.train_rl(cmd[3:])
   if check and p.returncode != 0:
     raise AssertionError(f"train_rl failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
   return p

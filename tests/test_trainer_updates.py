@@ -9,7 +9,6 @@ ratios against the on-policy identity (ratio == 1 exactly when a batch gets one 
 import json
 import pathlib
 import shutil
-import subprocess
 import sys
 
 import jax
@@ -20,6 +19,8 @@ import pytest
 from tunix.rl.grpo import grpo_learner
 
 from maxtext_rl_plugin import updates
+
+import _in_process as in_process
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -135,7 +136,7 @@ _LINEAR = [
 
 
 def _train(tmp_path, name, *overrides):
-  """Run train_rl (tiny config, length reward) as a subprocess; returns its run directory and reward records."""
+  """Run train_rl (tiny config, length reward) in this process; returns its run directory and reward records."""
   reward = tmp_path / "length_reward.py"
   reward.write_text(_LENGTH_REWARD)
   out = tmp_path / "runs"
@@ -157,15 +158,7 @@ def _train(tmp_path, name, *overrides):
       "decode_sampling_temperature=30",
       *overrides,
   ]
-  p = subprocess.run(
-      cmd,
-      cwd=REPO,
-      capture_output=True,
-      text=True,
-      timeout=900,
-      check=False,
-      env={**__import__("os").environ, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"},
-  )
+  p = in_process.train_rl(cmd[3:])
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
   recs = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines() if l.strip()]
   return out / name, [r for r in recs if "reward/mean" in r]

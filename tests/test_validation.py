@@ -23,6 +23,8 @@ from maxtext_rl_plugin import validation
 from maxtext_rl_plugin.data import synthetic
 from maxtext_rl_plugin.errors import ConfigError
 
+import _in_process as in_process
+
 TINY = "configs/cpu_tiny.yml"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -198,16 +200,7 @@ def test_a_run_needs_a_run_name():
 
 
 def _cli(*args):
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
-  return subprocess.run(
-      [sys.executable, "-m", "maxtext_rl_plugin.train_rl", TINY, *args],
-      cwd=REPO,
-      capture_output=True,
-      text=True,
-      env=env,
-      timeout=300,
-      check=False,
-  )
+  return in_process.train_rl([TINY, *args])
 
 
 _REFUSE_ALL = """
