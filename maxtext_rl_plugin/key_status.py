@@ -412,8 +412,8 @@ _KEY_STATUS: dict[str, str] = {
         "derived from the trainer's config when absent: rollout/vllm_maxtext.py)"
     ),
     "vllm_hf_overrides": (
-        "honoured (rollout/vllm_config.py, passed to vLLM; architectures=[MaxTextForCausalLM] selects MaxText's own decoder "
-        "inside vLLM, as in MaxText's train_rl: rollout/vllm_maxtext.py)"
+        "honoured (rollout/vllm_config.py, passed to vLLM; architectures=[MaxTextForCausalLM] selects MaxText's own "
+        "decoder inside vLLM, as in MaxText's train_rl: rollout/vllm_maxtext.py)"
     ),
     "use_weight_converter": (
         "refused: only MaxText's default (true) is supported: the plugin's vLLM sync is always an explicit converter "

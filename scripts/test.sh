@@ -125,10 +125,6 @@ if [ $# -eq 0 ]; then
     # 3: the install itself was impossible (no PyPI, no disk), said above; anything else is the pass's own result.
     if [ $rc -ne 0 ] && [ $rc -ne 3 ]; then status=$rc; fi
   fi
-  t=$SECONDS
-  wait "$lint_pid" || status=1
-  took "waiting for lint" "$t"
-  cat "$lint_log"
 fi
 # Last, with the machine to itself: the tests marked `solo` run several processes in collectives (a local Ray cluster,
 # two-process JAX programs), which slowed down five times over beside pass 1's other worker, lint and the .venv-tpu
@@ -138,5 +134,12 @@ rc=0
 cpu "pass 4" "$VENV/bin/python" -m pytest -q -rs --durations=10 -m "solo and not network" "$@" || rc=$?
 if [ $rc -ne 0 ] && { [ $rc -ne 5 ] || [ $# -eq 0 ]; }; then status=$rc; fi
 took "pass 4 (solo: multi-process and Ray, one at a time)" "$t"
+# Lint last: niced, it may still be running here (it only had pass 1's idle cycles); its nice keeps it off pass 4's cores.
+if [ -n "$lint_pid" ]; then
+  t=$SECONDS
+  wait "$lint_pid" || status=1
+  took "waiting for lint" "$t"
+  cat "$lint_log"
+fi
 took "scripts/test.sh total" "$T_RUN"
 exit $status

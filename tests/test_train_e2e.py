@@ -16,7 +16,10 @@ import subprocess
 import sys
 import time
 
+import jax
 import maxtext
+import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from tensorboardX.proto import event_pb2
 
@@ -59,6 +62,11 @@ def train(out: pathlib.Path, run_name: str, *overrides: str, check=True):
   if check and p.returncode != 0:
     raise AssertionError(f"train_rl failed ({p.returncode}):\n{p.stdout[-3000:]}\n{p.stderr[-5000:]}")
   return p
+
+
+def _arrays(tree) -> dict:
+  """Leaf path -> NumPy array of an Orbax-restored tree."""
+  return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def read_jsonl(path):
@@ -161,6 +169,14 @@ def test_resume_continues_with_no_repeated_or_skipped_batch(out, grpo_run):
   # Same data, same per-step sampling seed, restored params + optimizer: step 3 matches the uninterrupted run.
   assert recs[-1]["reward/mean"] == pytest.approx(ref_recs[3]["reward/mean"], abs=1e-6)
   assert recs[-1]["loss"] == pytest.approx(ref_recs[3]["loss"], rel=1e-4, abs=1e-6)
+  # Step 3's loss is computed before its update; the update itself needs the restored AdamW moments too: the weights
+  # after step 3 match the uninterrupted run's (a resume that left the optimizer fresh passed every check above).
+  for item in ("params", "opt_state"):
+    got = _arrays(ocp.StandardCheckpointer().restore(run / "checkpoints" / "3" / item))
+    want = _arrays(ocp.StandardCheckpointer().restore(ref / "checkpoints" / "3" / item))
+    assert got.keys() == want.keys() and got
+    for k, v in want.items():
+      np.testing.assert_allclose(got[k], v, rtol=1e-5, atol=1e-7, err_msg=f"{item}{k}")
 
 
 def test_sigkill_during_checkpoint_write_resumes_from_previous_complete_step(tmp_path):

@@ -6,17 +6,19 @@ have, and Tunix's sampler imports vLLM at module import, frees the KV cache unco
 through mapping tables whose engine names it cannot check. This adapter keeps the API surface it touches
 small and explicit (targeted: vllm-tpu 0.32.0 / tpu-inference 0.32.0, the pins in dependencies/):
 
-- `vllm.LLM(**vllm_config.vllm_engine_kwargs(...))`, `vllm.SamplingParams(**...)`, `LLM.generate(prompts=[{"prompt_token_ids":
-  ids}], sampling_params=, use_tqdm=False)` returning `RequestOutput.outputs[0].{token_ids, logprobs}`;
+- `vllm.LLM(**vllm_config.vllm_engine_kwargs(...))`, `vllm.SamplingParams(**...)`,
+  `LLM.generate(prompts=[{"prompt_token_ids": ids}], sampling_params=, use_tqdm=False)` returning
+  `RequestOutput.outputs[0].{token_ids, logprobs}`;
 - weight sync through tpu-inference's weight-update session: `LLM.reset_prefix_cache()`,
   `LLM.collective_rpc("start_weight_update", kwargs={"free_kv_cache": ...})`, the in-process worker's
   `get_weights_state()` / `refresh_model_state_leaves()`, `collective_rpc("finish_weight_update")`.
 
-Two routes (`vllm_config.choose_route`, printed once per engine): a native tpu-inference class, synced by `write_weights` (the path
-tests/tpu_contract/test_forward.py runs into the real tpu-inference classes and checks by their logits), or MaxText's
-own decoder inside vLLM (`MaxTextForCausalLM`, rollout/vllm_maxtext.py), synced by `write_adapter_weights`
-(tests/tpu_contract/test_forward_maxtext.py). A LoRA actor's adapters are merged into their kernels on the trainer
-side (tpu-inference's JAX classes ignore LoRA metadata); adapter-only syncs send only the adapted kernels.
+Two routes (`vllm_config.choose_route`, printed once per engine): a native tpu-inference class, synced by
+`write_weights` (the path tests/tpu_contract/test_forward.py runs into the real tpu-inference classes and checks by
+their logits), or MaxText's own decoder inside vLLM (`MaxTextForCausalLM`, rollout/vllm_maxtext.py), synced by
+`write_adapter_weights` (tests/tpu_contract/test_forward_maxtext.py). A LoRA actor's adapters are merged into their
+kernels on the trainer side (tpu-inference's JAX classes ignore LoRA metadata); adapter-only syncs send only the
+adapted kernels.
 
 vLLM starts from dummy weights (`load_format="dummy"`); the constructor syncs the trainer's weights before
 returning and `generate` refuses to run until a sync succeeded, so step 0 samples the trainer's policy.
@@ -39,11 +41,10 @@ from tunix.generate import utils as tunix_gen_utils
 from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin import lora as lora_lib
-from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin.resharding import maxtext_layout
 from maxtext_rl_plugin.resharding import move
 from maxtext_rl_plugin.resharding import verify
-from maxtext_rl_plugin.errors import ConfigError, DataError, MissingExtraError
+from maxtext_rl_plugin.errors import DataError, MissingExtraError
 from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.rollout import vllm_mapping
 from maxtext_rl_plugin.rollout import vllm_maxtext
