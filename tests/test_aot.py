@@ -16,6 +16,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
@@ -24,11 +25,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from maxtext.common import train_state_nnx
+from tunix.rl import algo_core
 from tunix.rl import common as tunix_common
+from tunix.rl import function_registry
+from tunix.rl.grpo import grpo_learner
 from tunix.sft import sharding_utils
 
 from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin import errors
+from maxtext_rl_plugin.aot import anchor_tunix
 from maxtext_rl_plugin.aot import compile as compile_lib
 from maxtext_rl_plugin.aot import programs
 from maxtext_rl_plugin.aot import report
@@ -138,10 +143,10 @@ def test_aot_update_is_the_runs_update_bit_for_bit(tiny_run):
   assert any(not np.array_equal(before[k], want[k]) for k in want)
 
 
-def _compile(tmp_path, *extra) -> subprocess.CompletedProcess:
+def _compile(tmp_path, *extra, module="maxtext_rl_plugin.compile_rl") -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{LIBTPU}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
   env.pop("XLA_FLAGS", None)  # the target's devices come from the topology, not forced host devices
-  cmd = [sys.executable, "-m", "maxtext_rl_plugin.compile_rl", TINY, f"base_output_directory={tmp_path}", *extra]
+  cmd = [sys.executable, "-m", module, TINY, f"base_output_directory={tmp_path}", *extra]
   return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
 
 
@@ -185,6 +190,41 @@ def test_what_cannot_fit_is_one_line_and_exit_2(tmp_path):
   assert "program 'actor_update'" in err[0] and "v5e-4" in err[0] and "train_micro_batch_size" in err[0]
   rep = json.loads((tmp_path / "big.aot-v5e-4.json").read_text())
   assert not rep["fits"]
+
+
+@needs_libtpu
+def test_tunix_anchor_compiles_tunixs_grpo_step_beside_the_plugins(tmp_path):
+  res = _compile(
+      tmp_path, "run_name=a", "compile_topology=v5p-8", "compile_topology_num_slices=1", module=anchor_tunix.__name__
+  )
+  assert res.returncode == 0, res.stderr[-3000:]
+  rep = json.loads((tmp_path / "a.anchor-tunix-v5p-8.json").read_text())
+  assert [p["name"] for p in rep["programs"]] == ["actor_update", "tunix_grpo_update"]
+  fields = {f.name for f in dataclasses.fields(report.Row)}
+  for p in rep["programs"]:  # the rows compile_rl writes
+    assert set(p) == fields and p["devices"] == 4 and p["fits"] and p["gflops"] > 0 and p["peak_gib"] > 0
+  assert set(rep["tunix_over_plugin"]) == set(anchor_tunix.RATIO_FIELDS)
+  # Same state in, same state out: only the loss differs.
+  upd, tun = rep["programs"]
+  assert upd["argument_gib"] == tun["argument_gib"] and "tunix / plugin:" in res.stdout
+
+
+def test_tunix_anchor_loss_is_tunixs_registered_grpo_loss():
+  rl = types.SimpleNamespace(
+      num_generations=4,
+      num_iterations=1,
+      grpo_beta=0.08,
+      grpo_epsilon=0.2,
+      epsilon_high=None,
+      loss_algo="grpo",
+      loss_agg_mode="sequence-mean-token-mean",
+      kl_estimator="k3",
+  )
+  algo = anchor_tunix.tunix_algo_config(types.SimpleNamespace(rl=rl, decode_sampling_temperature=0.9))
+  # Tunix's own config class and the loss GRPOLearner looks up by its name, not the plugin's registered one.
+  assert type(algo) is grpo_learner.GRPOConfig and algo.policy_loss_fn == "grpo"
+  assert function_registry.get_policy_loss_fn(algo.policy_loss_fn) is algo_core.grpo_loss_fn
+  assert (algo.kl_loss_mode, algo.epsilon_high, algo.temperature, algo.beta) == ("low_var_kl", 0.2, 0.9, 0.08)
 
 
 def test_fit_and_roofline_arithmetic_of_one_row():
