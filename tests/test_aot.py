@@ -37,11 +37,13 @@ from maxtext_rl_plugin.aot import anchor_tunix
 from maxtext_rl_plugin.aot import compile as compile_lib
 from maxtext_rl_plugin.aot import programs
 from maxtext_rl_plugin.aot import report
+from maxtext_rl_plugin.aot import run as aot_run
 from maxtext_rl_plugin.aot import topology
 from maxtext_rl_plugin.run import build
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = "configs/cpu_tiny.yml"
+MOE = "configs/cpu_tiny_moe.yml"
 LIBTPU = REPO / ".venv-aot-libtpu"
 
 
@@ -141,6 +143,26 @@ def test_aot_update_is_the_runs_update_bit_for_bit(tiny_run):
     assert np.array_equal(want[k], got[k]), k
   # The step changed something: MultiSteps' accumulator holds the first micro-batch's gradient.
   assert any(not np.array_equal(before[k], want[k]) for k in want)
+
+
+def test_moe_programs_are_the_runs_routing_recording_and_replaying_ones(tmp_path):
+  # rl.router_replay on a tiny Mixtral (MaxText can force its routing): the engine records each token's experts, the
+  # old-policy forward is experience.TrainerLogps' recording MoE forward with the sampler's routing replayed, and the
+  # update's micro-batch is the run's RoutedTrainExample. Lowered (not compiled) for this host's CPU devices.
+  argv = [MOE, f"base_output_directory={tmp_path}", "run_name=m", "rl.router_replay=true", "rl.num_iterations=2"]
+  cfg = config_lib.load_config(argv)
+  progs, _ = aot_run.build_programs(cfg, argv, jax.devices())
+  by = {p.name: p for p, _, _ in progs}
+  assert list(by) == ["actor_update", "old_logps", "reference_logps", "rollout_prefill_decode"]
+  rows = cfg.batch_size * cfg.rl.num_generations
+  routing = (rows, cfg.max_target_length, cfg.base_num_decoder_layers, cfg.num_experts_per_tok)
+  upd = by["actor_update"]
+  assert upd.args[1].routed_experts.shape == routing and upd.args[1].routed_experts.dtype == jnp.int32
+  compile_lib.lower(upd)  # the loss's replay branch (moe.forward_logps with forced experts) traces
+  _, route = compile_lib.lower(by["old_logps"]).out_info
+  assert by["old_logps"].args[3].shape == routing and route.shape == routing
+  *_, routes = compile_lib.lower(by["rollout_prefill_decode"]).out_info  # (prompt, completion) routing
+  assert routes is not None and routes[1].shape[2:] == routing[2:]
 
 
 def _compile(tmp_path, *extra, module="maxtext_rl_plugin.compile_rl") -> subprocess.CompletedProcess:
