@@ -165,10 +165,10 @@ def test_moe_programs_are_the_runs_routing_recording_and_replaying_ones(tmp_path
   assert routes is not None and routes[1].shape[2:] == routing[2:]
 
 
-def _compile(tmp_path, *extra, module="maxtext_rl_plugin.compile_rl") -> subprocess.CompletedProcess:
+def _compile(tmp_path, *extra, module="maxtext_rl_plugin.compile_rl", config=TINY) -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{LIBTPU}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
   env.pop("XLA_FLAGS", None)  # the target's devices come from the topology, not forced host devices
-  cmd = [sys.executable, "-m", module, TINY, f"base_output_directory={tmp_path}", *extra]
+  cmd = [sys.executable, "-m", module, config, f"base_output_directory={tmp_path}", *extra]
   return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
 
 
@@ -212,6 +212,20 @@ def test_what_cannot_fit_is_one_line_and_exit_2(tmp_path):
   assert "program 'actor_update'" in err[0] and "v5e-4" in err[0] and "train_micro_batch_size" in err[0]
   rep = json.loads((tmp_path / "big.aot-v5e-4.json").read_text())
   assert not rep["fits"]
+
+
+@needs_libtpu
+def test_moe_sparse_matmul_for_v5p_8_and_a_program_that_cannot_compile_is_no_fit(tmp_path):
+  # MaxText's sparse MoE path (sparse_matmul: ragged grouped matmuls in a shard_map) compiles for v5p; the engine's
+  # routing recording cannot trace inside that shard_map (moe.Recording sets a module attribute there), so the
+  # rollout, which the run jits from the same function, fails: the command must say so, not "every program fits".
+  res = _compile(tmp_path, "run_name=m", "compile_topology=v5p-8", "sparse_matmul=true", "megablox=false", config=MOE)
+  assert res.returncode == 1, res.stderr[-3000:]
+  rep = json.loads((tmp_path / "m.aot-v5p-8.json").read_text())
+  assert [p["name"] for p in rep["programs"]] == ["actor_update", "reference_logps"] and rep["fits"]
+  assert not rep["all_compiled"] and "TraceContextError" in rep["not_compiled"][0]
+  err = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+  assert len(err) == 1 and "rollout_prefill_decode" in err[0] and "fits: every program" not in res.stdout
 
 
 @needs_libtpu
@@ -279,6 +293,9 @@ def test_fit_and_roofline_arithmetic_of_one_row():
       dataclasses.replace(c, oom="RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"), spec, 0, False
   )
   assert not oom.fits and "ran out of HBM" in report.verdict([oom], "v5p-128")
+  # A Pallas kernel's VMEM (what tiny MoE shapes under megablox's default tiles hit on v5p-8) is not HBM.
+  vmem = report.row(dataclasses.replace(c, oom="RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:"), spec, 0, False)
+  assert "overflow VMEM" in report.verdict([vmem], "v5p-8") and "HBM" not in report.verdict([vmem], "v5p-8")
 
 
 def test_published_figures_per_jax_device():
