@@ -5,7 +5,10 @@
   state of the run's actor trainer (Tunix's jitted step with the plugin's loss) on the same micro-batch.
 * For a TPU (subprocesses with libtpu on their path only; `scripts/venv.sh` installs it into `.venv-aot-libtpu`):
   a tiny config compiled for v5p-8 writes the report with every program of the step; one that cannot fit a v5e-4
-  ends with the one-line verdict and exit 2.
+  ends with the one-line verdict and exit 2; a tiny MoE on MaxText's sparse path, whose rollout cannot trace the
+  routing recording, ends with an error line and exit 1; Tunix's own GRPO step compiles beside the plugin's update.
+* MoE programs are the run's: routing recorded by the engine and the old-policy forward, replayed under
+  rl.router_replay (lowered for the CPU devices).
 """
 
 from __future__ import annotations
