@@ -28,7 +28,7 @@ MODEL = "honoured (MaxText model code, built by from_pretrained)"
 MESH = "honoured (MaxText mesh and sharding of the trainer and rollout models)"
 TRAINER = "honoured (trainer)"
 ROLLOUT = "honoured (rollout engine)"
-VLLM_ROLLOUT = "honoured (rollout/vllm.py, passed to vLLM)"
+VLLM_ROLLOUT = "honoured (rollout/vllm_config.py, passed to vLLM)"
 DATA = "honoured (data)"
 REWARDS = "honoured (rewards)"
 PYCONFIG = "honoured (MaxText pyconfig, while loading the configuration)"
@@ -408,11 +408,11 @@ _KEY_STATUS: dict[str, str] = {
     "stop_strings": "honoured (rollout engines: stop sequences)",
     # --- vLLM routes (rollout/vllm_maxtext.py: MaxText's MaxTextForCausalLM inside vLLM; docs/vllm.md) ---
     "vllm_additional_config": (
-        "honoured (rollout/vllm.py, passed to vLLM; its maxtext_config configures MaxText's MaxTextForCausalLM, "
+        "honoured (rollout/vllm_config.py, passed to vLLM; its maxtext_config configures MaxText's MaxTextForCausalLM, "
         "derived from the trainer's config when absent: rollout/vllm_maxtext.py)"
     ),
     "vllm_hf_overrides": (
-        "honoured (rollout/vllm.py, passed to vLLM; architectures=[MaxTextForCausalLM] selects MaxText's own decoder "
+        "honoured (rollout/vllm_config.py, passed to vLLM; architectures=[MaxTextForCausalLM] selects MaxText's own decoder "
         "inside vLLM, as in MaxText's train_rl: rollout/vllm_maxtext.py)"
     ),
     "use_weight_converter": (

@@ -422,9 +422,9 @@ def validate(pc) -> None:
   moe.check_config(pc)  # capacity_factor, rl.router_replay
   if pc.rollout_engine == "vllm":
     # The vLLM routes' own checks (the MaxTextForCausalLM route's maxtext_config; head_dim on the native route).
-    from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin.rollout import vllm_config  # pylint: disable=import-outside-toplevel  # imports JAX: validate_raw runs before it
 
-    vllm_rollout.check_config(pc)
+    vllm_config.check_config(pc)
 
 
 def validate_raw(view: RawConfig) -> None:

@@ -15,6 +15,13 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 T_RUN=$SECONDS
 took() { echo "[time] $1: $((SECONDS - $2)) s"; }
+# cpu LABEL CMD...: run CMD; with GNU time on the machine, also print the CPU seconds it and its children used, the
+# budget that decides this command's wall on 2 cores (docs/DEVELOPMENT.md, "Test-suite time").
+cpu() {
+  local label=$1
+  shift
+  if [ -x /usr/bin/time ]; then /usr/bin/time -f "[cpu] $label: %U s user + %S s sys" "$@"; else "$@"; fi
+}
 export JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3
 # One JAX persistent compilation cache for every process of this run (both xdist workers of every pass and the
 # train_rl subprocesses they start; tests/conftest.py points JAX at it). Never a user's cache: a fresh directory.
@@ -31,7 +38,7 @@ tpu_pid=""
 if [ $# -eq 0 ] && [ "${MAXTEXT_RL_SKIP_TPU_CONTRACT:-0}" != "1" ]; then
   (
     t=$SECONDS
-    bash "$ROOT/scripts/tpu_contract_venv.sh" || { echo "SKIPPED tests/tpu_contract: installing .venv-tpu failed (see the lines above)"; exit 3; }
+    cpu ".venv-tpu install" bash "$ROOT/scripts/tpu_contract_venv.sh" || { echo "SKIPPED tests/tpu_contract: installing .venv-tpu failed (see the lines above)"; exit 3; }
     took ".venv-tpu install (background)" "$t"
     cd "$ROOT"
     t=$SECONDS
@@ -41,7 +48,7 @@ if [ $# -eq 0 ] && [ "${MAXTEXT_RL_SKIP_TPU_CONTRACT:-0}" != "1" ]; then
     # checkout (without configs/ and rewards/, which only the install maps into the package). pytest itself puts
     # tests/tpu_contract on sys.path for its helper modules (forward.py, tpu_models.py).
     XLA_FLAGS="--xla_force_host_platform_device_count=4" TPU_ACCELERATOR_TYPE=v5litepod-4 \
-      "$ROOT/.venv-tpu/bin/python" -P -m pytest -q -rs --durations=25 -p no:cacheprovider tests/tpu_contract || rc=$?
+      cpu "pass 3" "$ROOT/.venv-tpu/bin/python" -P -m pytest -q -rs --durations=25 -p no:cacheprovider tests/tpu_contract || rc=$?
     took "pass 3 (tests/tpu_contract in .venv-tpu, background)" "$t"
     exit $rc
   ) >"$tpu_log" 2>&1 &
@@ -86,7 +93,7 @@ if [ $# -eq 0 ]; then
   (
     t=$SECONDS
     rc=0
-    nice -n 10 bash "$ROOT/scripts/lint.sh" || rc=$?
+    cpu lint env MAXTEXT_RL_LINT_JOBS=1 nice -n 10 bash "$ROOT/scripts/lint.sh" || rc=$?
     took "lint (background)" "$t"
     exit $rc
   ) >"$lint_log" 2>&1 &
@@ -94,7 +101,7 @@ if [ $# -eq 0 ]; then
 fi
 # `network` tests ask the package registry; they are an explicit check before changing pins (docs/DEVELOPMENT.md).
 t=$SECONDS
-"$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m "not multidevice and not network and not solo" "$@" \
+cpu "pass 1" "$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m "not multidevice and not network and not solo" "$@" \
   || status=$?
 took "pass 1 (one CPU device)" "$t"
 # pytest exits 5 when nothing is collected. On a full run that means the `multidevice` marker was lost and every
@@ -102,7 +109,7 @@ took "pass 1 (one CPU device)" "$t"
 t=$SECONDS
 rc=0
 XLA_FLAGS="--xla_force_host_platform_device_count=8" \
-  "$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m multidevice "$@" || rc=$?
+  cpu "pass 2" "$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m multidevice "$@" || rc=$?
 if [ $rc -ne 0 ] && { [ $rc -ne 5 ] || [ $# -eq 0 ]; }; then status=$rc; fi
 took "pass 2 (multidevice, 8 forced CPU devices)" "$t"
 # Third pass only on a full run (extra arguments select main-venv tests).
@@ -128,7 +135,7 @@ fi
 # install (the Ray job: 677 s there, 107 s alone; docs/DEVELOPMENT.md). One at a time, each has both cores.
 t=$SECONDS
 rc=0
-"$VENV/bin/python" -m pytest -q -rs --durations=10 -m "solo and not network" "$@" || rc=$?
+cpu "pass 4" "$VENV/bin/python" -m pytest -q -rs --durations=10 -m "solo and not network" "$@" || rc=$?
 if [ $rc -ne 0 ] && { [ $rc -ne 5 ] || [ $# -eq 0 ]; }; then status=$rc; fi
 took "pass 4 (solo: multi-process and Ray, one at a time)" "$t"
 took "scripts/test.sh total" "$T_RUN"

@@ -36,8 +36,12 @@ def _use_run_compilation_cache() -> str:
       "jax_compilation_cache_dir": path,
       "jax_persistent_cache_min_compile_time_secs": 0,
       "jax_persistent_cache_min_entry_size_bytes": -1,
-      # A size bound turns on JAX's file lock around each read and write: the run's processes share the directory.
-      "jax_compilation_cache_max_size": 8 << 30,
+      # No size bound: with one, JAX's LRU cache globs the whole directory and reads every entry's atime file on each
+      # write (lru_cache._evict_if_needed), quadratic in the entries; a test run writes thousands (every eager op's
+      # program), which cost 42 of 98 s of one tpu_contract test (cProfile) and more in the shared passes. Without it
+      # there is no file lock either: a read that races a write of the same entry fails to deserialize, which JAX
+      # turns into a warning and a recompile (compiler._cache_read), never a wrong program.
+      "jax_compilation_cache_max_size": -1,
   }
   for name, value in flags.items():
     os.environ[name.upper()] = str(value)  # read by `import jax` in subprocesses

@@ -5,6 +5,7 @@ the embedded engine's multi-turn output against a from-scratch recompute of the 
 
 from __future__ import annotations
 
+import inspect
 import time
 
 from flax import nnx
@@ -19,6 +20,8 @@ from maxtext_rl_plugin.algorithms import loss as loss_lib
 from maxtext_rl_plugin.agentic import episode
 from maxtext_rl_plugin.agentic import parse
 from maxtext_rl_plugin.agentic import tools
+from maxtext_rl_plugin.rollout import embedded
+from maxtext_rl_plugin.rollout import vllm as vllm_rollout
 from test_rollout_embedded import scaled_tiny_engine
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -389,3 +392,24 @@ def test_products_task_demonstrations_call_the_calculator_the_configured_fractio
       assert parser.observation(str(a * b)) in target  # the SFT text after the call is what the environment appends
   assert 0.05 < calls / len(examples) < 0.15  # synthetic_tool_rate = 0.1
   assert not any("<tool_call>" in prompts.format_target(evaluation[i], cfg) for i in range(50))  # eval: gold only
+
+
+def test_both_engines_answer_episodes_one_call_signature_for_signature():
+  """episode.py calls `generate_turn` the same way on either engine: the parameters (names, kinds, defaults) match."""
+  emb = inspect.signature(embedded.EmbeddedRollout.generate_turn)
+  vll = inspect.signature(vllm_rollout.VllmRollout.generate_turn)
+  assert (
+      list(emb.parameters)
+      == list(vll.parameters)
+      == [
+          "self",
+          "contexts",
+          "num_generations",
+          "max_new_tokens",
+          "rollout_config",
+          "rng",
+          "stop_strings",
+      ]
+  )
+  for name, p in emb.parameters.items():
+    assert (p.kind, p.default) == (vll.parameters[name].kind, vll.parameters[name].default), name

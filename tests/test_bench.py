@@ -106,6 +106,32 @@ class _StepCfg(_Cfg):
     num_iterations = 2
 
 
+def test_bench_moe_float32_sampler_routes_as_the_trainer_and_replay_is_measured(capsys):
+  """The tiny Mixtral with both sides in float32: the cached decode and the full forward choose the same experts for
+  every (token, layer), so the routing mismatch is exactly 0 and replay's log-probs agree with the sampler's."""
+  rc = bench_main.main(
+      ["moe", "--sampler-dtype", "float32", "--router-scales", "1", "--prompts", "2", "--generations", "2"]
+      + ["--new-tokens", "6"]
+  )
+  assert rc == 0
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert out["bench"] == "moe" and out["model"] == "mixtral-8x7b" and out["sampler_dtype"] == "float32"
+  (row,) = out["rows"]
+  assert row["router_scale"] == 1.0 and 0 < row["tokens"] <= 2 * 2 * 6
+  assert row["routing_mismatch"] == 0.0
+  for side in ("free", "replay"):
+    assert row[side]["mismatch/logp_abs_diff_max"] < 1e-4 and abs(row[side]["mismatch/kl_k3"]) < 1e-8, side
+
+
+def test_bench_agentic_times_a_turn_and_its_prefill_per_context_length(capsys):
+  rc = bench_main.main(["agentic", "--contexts", "16,40", "--batch", "2", "--new-tokens", "4", "--repeats", "1"])
+  assert rc == 0
+  out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+  assert out["bench"] == "agentic" and [(r["L"], r["B"], r["T"]) for r in out["rows"]] == [(16, 2, 4), (40, 2, 4)]
+  for r in out["rows"]:
+    assert r["turn_s"] > 0 and r["prefill_1_s"] > 0 and r["prefill_share"] == r["prefill_1_s"] / r["turn_s"]
+
+
 def test_step_flops_are_prefill_decode_forward_and_three_pass_update():
   c = _StepCfg()
   rows, seq = 6, 20

@@ -9,8 +9,6 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
-import sys
 
 from flax import nnx
 import jax
@@ -458,16 +456,7 @@ def test_export_reads_the_runs_lora_keys_and_refuses_a_contradiction(lora_run, t
 def test_disaggregated_lora_run_syncs_only_adapters(tmp_path):
   """8 forced CPU devices split trainer 4 / sampler 4: each sync moves the adapters only (bytes = adapter bytes,
   read back from the run's checkpoint), checked bit for bit on the sampler."""
-  env = {
-      **os.environ,
-      "JAX_PLATFORMS": "cpu",
-      "TF_CPP_MIN_LOG_LEVEL": "3",
-      "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-  }
-  cmd = [
-      sys.executable,
-      "-m",
-      "maxtext_rl_plugin.train_rl",
+  argv = [
       *_argv(tmp_path, "dis"),
       "use_pathways=true",
       "chips_per_vm=4",
@@ -475,7 +464,8 @@ def test_disaggregated_lora_run_syncs_only_adapters(tmp_path):
       "rl.verify_weight_sync_every=1",
       "batch_size=4",
   ]
-  p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=900, check=False)
+  # In this process (pass 2 forces the 8 devices at its start; in_process refuses any other XLA_FLAGS).
+  p = in_process.train_rl(argv, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
   assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
   assert "devices: trainer 4, sampler 4 (disaggregated" in p.stdout
   assert "weight syncs: 2, verified bit-exact: 2" in p.stdout

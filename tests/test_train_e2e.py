@@ -248,11 +248,7 @@ def test_batch_not_divisible_by_trainer_devices_is_one_line_error():
 def test_disaggregated_run_syncs_and_verifies_weights_every_step(tmp_path):
   """8 forced CPU devices, use_pathways=true + chips_per_vm=4: MaxText splits trainer 4 / sampler 4; every
   trainer->sampler sync goes through the plugin's resharding and is checked bit for bit."""
-  env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  cmd = [
-      sys.executable,
-      "-m",
-      "maxtext_rl_plugin.train_rl",
+  argv = [
       TINY,
       f"base_output_directory={tmp_path}",
       "run_name=dis",
@@ -264,7 +260,8 @@ def test_disaggregated_run_syncs_and_verifies_weights_every_step(tmp_path):
       "rl.verify_weight_sync_every=1",
       f"metrics_file={tmp_path / 'm.jsonl'}",
   ]
-  p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=900, check=False)
+  # In this process (pass 2 forces the 8 devices at its start; in_process refuses any other XLA_FLAGS).
+  p = in_process.train_rl(argv, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
   assert p.returncode == 0, p.stderr[-4000:]
   assert "devices: trainer 4, sampler 4 (disaggregated" in p.stdout
   assert "weight syncs: 2, verified bit-exact: 2" in p.stdout

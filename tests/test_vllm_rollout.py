@@ -34,6 +34,7 @@ from maxtext_rl_plugin.resharding import move
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.config import load_config
 from maxtext_rl_plugin.rollout import vllm as vllm_mod
+from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.rollout import vllm_mapping as vm
 
 DUMMY = 7.0  # the fake engine's "dummy init" value
@@ -369,7 +370,7 @@ def test_engine_kwargs_map_every_rollout_key():
           "weight_dtype=bfloat16",
       ]
   )
-  kw = vllm_mod.vllm_engine_kwargs(cfg, 8, device_ids=range(8, 16))
+  kw = vllm_config.vllm_engine_kwargs(cfg, 8, device_ids=range(8, 16))
   assert (kw["tensor_parallel_size"], kw["data_parallel_size"], kw["enable_expert_parallel"]) == (2, 4, False)
   assert kw["gpu_memory_utilization"] == pytest.approx(0.55)
   assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["block_size"]) == (64, 2048, 32)
@@ -391,7 +392,7 @@ def test_engine_kwargs_map_every_rollout_key():
           "rollout_expert_parallelism=-1",
       ]
   )
-  kw = vllm_mod.vllm_engine_kwargs(ep, 8)
+  kw = vllm_config.vllm_engine_kwargs(ep, 8)
   assert (kw["tensor_parallel_size"], kw["data_parallel_size"], kw["enable_expert_parallel"]) == (1, 2, True)
   assert kw["additional_config"]["sharding"]["sharding_strategy"]["expert_parallelism"] == 4
   assert "max_num_seqs" not in kw and "block_size" not in kw
@@ -418,7 +419,7 @@ class _Override:
 def test_engine_kwargs_bad_parallelism_is_one_line_config_error(qwen, tp, dp, ep):
   cfg = _Override(qwen[0], rollout_tensor_parallelism=tp, rollout_data_parallelism=dp, rollout_expert_parallelism=ep)
   with pytest.raises(errors.ConfigError) as ei:
-    vllm_mod.vllm_engine_kwargs(cfg, 8)
+    vllm_config.vllm_engine_kwargs(cfg, 8)
   assert "\n" not in str(ei.value) and "rollout" in str(ei.value)
 
 
@@ -434,14 +435,14 @@ def test_sampling_kwargs_from_config():
           "stop_token_ids=[11,12]",
       ]
   )
-  kw = vllm_mod.sampling_params_kwargs(cfg)
+  kw = vllm_config.sampling_params_kwargs(cfg)
   assert (kw["temperature"], kw["top_k"], kw["top_p"]) == (0.7, 40, 0.9)
   assert kw["max_tokens"] == cfg.max_target_length - cfg.max_prefill_predict_length
   assert kw["stop"] == ["</answer>"] and kw["include_stop_str_in_output"] and kw["detokenize"]
   assert kw["stop_token_ids"] == [11, 12] and kw["logprobs"] == 0 and kw["n"] == 1
-  greedy = vllm_mod.sampling_params_kwargs(cfg, greedy=True)
+  greedy = vllm_config.sampling_params_kwargs(cfg, greedy=True)
   assert (greedy["temperature"], greedy["top_k"], greedy["top_p"]) == (0.0, 0, 1.0)
-  plain = vllm_mod.sampling_params_kwargs(_Override(cfg, stop_strings=None))
+  plain = vllm_config.sampling_params_kwargs(_Override(cfg, stop_strings=None))
   assert plain["stop"] is None and plain["detokenize"] is False
 
 
@@ -562,7 +563,7 @@ def test_step0_syncs_trainer_weights_into_every_engine_parameter(which, request,
   cfg, tree = request.getfixturevalue(which)
   rollout, module, log, state, reshard_calls = _build(monkeypatch, cfg, tree, tokenizer)
   llm = module.LLM.instances[-1]
-  assert llm.kwargs == vllm_mod.vllm_engine_kwargs(cfg, 1, device_ids=[int(jax.devices()[0].id)])
+  assert llm.kwargs == vllm_config.vllm_engine_kwargs(cfg, 1, device_ids=[int(jax.devices()[0].id)])
   assert llm.env_multiprocessing == "0"
   names = [e[0] if e[0] != "collective_rpc" else e[1] for e in log]
   # ... and the re-read of verify_weight_sync=first (the default) before the session closes.
@@ -723,7 +724,8 @@ def test_generate_turn_runs_a_multi_turn_episode_through_generate(monkeypatch, q
       )
       for f, r in (("length", None), ("stop", 6))
   ]
-  assert [x[2] for x in rollout.generate_turn([[1], [2]], num_generations=1, max_new_tokens=2, rollout_config=rc)] == [
+  turn = rollout.generate_turn([[1], [2]], num_generations=1, max_new_tokens=2, rollout_config=rc, rng=None)
+  assert [x[2] for x in turn] == [
       "length",
       "stop_token",
   ]
@@ -836,8 +838,8 @@ def test_multi_controller_without_pathways_never_gets_vllm(monkeypatch, qwen, to
   """tpu-inference looks the rollout mesh's device ids up in jax.local_devices(): with several JAX controllers and
   no Pathways that is a KeyError at engine start. auto picks embedded (and says why); explicit vllm is refused."""
 
-  assert vllm_mod.multi_controller_reason(1, False) is None and vllm_mod.multi_controller_reason(4, True) is None
-  assert "jax.local_devices()" in vllm_mod.multi_controller_reason(2, False)
+  assert vllm_config.multi_controller_reason(1, False) is None and vllm_config.multi_controller_reason(4, True) is None
+  assert "jax.local_devices()" in vllm_config.multi_controller_reason(2, False)
   cfg = qwen[0]
   real_find_spec = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
@@ -942,8 +944,8 @@ def test_maxtexts_key_selects_the_adapter_route_with_maxtexts_meaning(moe):
   from maxtext_rl_plugin.rollout import vllm_maxtext  # pylint: disable=import-outside-toplevel
 
   cfg, _ = moe
-  assert vllm_maxtext.selected(cfg) and vllm_mod.choose_route(cfg) == (True, None)
-  kw, source = vllm_maxtext.engine_kwargs(vllm_mod.vllm_engine_kwargs(cfg, 2, device_ids=[0, 1]), cfg)
+  assert vllm_maxtext.selected(cfg) and vllm_config.choose_route(cfg) == (True, None)
+  kw, source = vllm_maxtext.engine_kwargs(vllm_config.vllm_engine_kwargs(cfg, 2, device_ids=[0, 1]), cfg)
   assert source == "derived" and kw["hf_overrides"]["architectures"] == ["MaxTextForCausalLM"]
   assert kw["hf_overrides"]["moe_intermediate_size"] == 32  # the adapter pads the expert width from this field
   mc = kw["additional_config"]["maxtext_config"]
@@ -953,12 +955,12 @@ def test_maxtexts_key_selects_the_adapter_route_with_maxtexts_meaning(moe):
   )  # TP 1 here (rollout_data_parallelism derives 2): MaxText's rule sets it at TP > 1
   assert kw["additional_config"]["sharding"]["sharding_strategy"]["device_indexes"] == [0, 1]
   tp2 = load_config(["configs/cpu_tiny.yml", *TINY_MOE, ADAPTER, "rollout_tensor_parallelism=2"])
-  kw2, _ = vllm_maxtext.engine_kwargs(vllm_mod.vllm_engine_kwargs(tp2, 2), tp2)
+  kw2, _ = vllm_maxtext.engine_kwargs(vllm_config.vllm_engine_kwargs(tp2, 2), tp2)
   assert kw2["tensor_parallel_size"] == 2 and kw2["additional_config"]["maxtext_config"]["prefuse_moe_weights"]
   # A given maxtext_config is MaxText's: passed on as written, its model must be the trainer's.
   given = 'vllm_additional_config={"maxtext_config":{"model_name":"qwen3-30b-a3b","model_call_mode":"inference"}}'
   gcfg = load_config(["configs/cpu_tiny.yml", *TINY_MOE, ADAPTER, given])
-  kw3, source = vllm_maxtext.engine_kwargs(vllm_mod.vllm_engine_kwargs(gcfg, 1), gcfg)
+  kw3, source = vllm_maxtext.engine_kwargs(vllm_config.vllm_engine_kwargs(gcfg, 1), gcfg)
   assert source == "given" and kw3["additional_config"]["maxtext_config"] == {
       "model_name": "qwen3-30b-a3b",
       "model_call_mode": "inference",
@@ -985,11 +987,11 @@ def test_adapter_route_refusals_are_one_line(argv, match):
 @pytest.mark.parametrize("model", ["gemma3-4b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek3-671b", "gpt-oss-20b"])
 def test_families_without_a_native_class_take_the_adapter_route_and_say_why(model):
   cfg = load_config(["configs/cpu_tiny.yml", f"model_name={model}"])
-  adapter, why = vllm_mod.choose_route(cfg)
+  adapter, why = vllm_config.choose_route(cfg)
   assert adapter and why.startswith(f"no native vLLM class for {model}: ") and "(MaxTextForCausalLM)" in why
   assert "\n" not in why
   for native in ("qwen3-0.6b", "llama3.1-8b"):
-    assert vllm_mod.choose_route(load_config(["configs/cpu_tiny.yml", f"model_name={native}"])) == (False, None)
+    assert vllm_config.choose_route(load_config(["configs/cpu_tiny.yml", f"model_name={native}"])) == (False, None)
 
 
 def _expected_adapter_leaf(tree: dict, name: str) -> np.ndarray:

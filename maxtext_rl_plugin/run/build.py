@@ -41,6 +41,7 @@ from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import sync
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import vllm as vllm_rollout
+from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.run.state import PhaseTimer, RewardRecorder, RLRun
 
 
@@ -111,7 +112,7 @@ def total_updates(config) -> int:
 
 def _resolve_engine_name(config) -> str:
   """`rollout_engine` resolved ('auto': vLLM on TPU when installed and one controller drives the sampler)."""
-  multi = vllm_rollout.multi_controller_reason(jax.process_count(), pathways.requested())
+  multi = vllm_config.multi_controller_reason(jax.process_count(), pathways.requested())
   if config.rollout_engine == "vllm" and multi:
     raise ConfigError(multi)
   if config.rollout_engine != "auto":
@@ -119,9 +120,9 @@ def _resolve_engine_name(config) -> str:
 
   on_tpu = jax.default_backend() in ("tpu",) or pathways.requested()
   name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
-  adapter_route, _ = vllm_rollout.choose_route(config)  # MaxText's own decoder inside vLLM has no head_dim limit
-  head_dim_reason = None if adapter_route else vllm_rollout.vllm_head_dim_reason(config.model_name, config.head_dim)
-  unproven = vllm_rollout.unproven_reason(config) if name == "vllm" else None
+  adapter_route, _ = vllm_config.choose_route(config)  # MaxText's own decoder inside vLLM has no head_dim limit
+  head_dim_reason = None if adapter_route else vllm_config.vllm_head_dim_reason(config.model_name, config.head_dim)
+  unproven = vllm_config.unproven_reason(config) if name == "vllm" else None
   if name == "vllm" and head_dim_reason:
     name = "embedded"
     logging.info("rollout_engine=auto resolved to 'embedded': %s", head_dim_reason)

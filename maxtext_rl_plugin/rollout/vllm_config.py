@@ -1,0 +1,188 @@
+"""What a config asks of vLLM-TPU, before any engine exists: the route, the process topology, the engine's arguments.
+
+Device-free and vLLM-free (print_config and the run's build read it; rollout/vllm.py builds the engine from it):
+- the route (`choose_route`): MaxText's own decoder inside vLLM (`MaxTextForCausalLM`, rollout/vllm_maxtext.py) when
+  `vllm_hf_overrides` names it or the plugin has no native mapping for the family, else the native tpu-inference class
+  (rollout/vllm_mapping.py); which routes tests/tpu_contract proves by logits (`PROVEN_*`, `unproven_reason`);
+- what refuses a config (`check_config`, `vllm_head_dim_reason`, `multi_controller_reason`);
+- `vllm.LLM(...)` and `vllm.SamplingParams(...)` keyword arguments from MaxText's keys.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from maxtext_rl_plugin import pathways
+from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.rollout import vllm_mapping
+from maxtext_rl_plugin.rollout import vllm_maxtext
+
+
+def multi_controller_reason(process_count: int, on_pathways: bool) -> str | None:
+  """Why vLLM-TPU cannot run in this process topology, or None when it can.
+
+  tpu-inference 0.32.0 builds its mesh from `device_indexes` looked up in `jax.local_devices()`; with several JAX
+  controllers (Ray/multi-host without Pathways) the rollout mesh holds global device ids that are not all local,
+  so engine start-up fails with a KeyError. Pathways is a single controller: every device is local to it.
+  """
+  if process_count > 1 and not on_pathways:
+    return (
+        f"rollout_engine=vllm needs a single JAX controller (Pathways, or one host); this run has "
+        f"{process_count} JAX processes without Pathways and tpu-inference looks the rollout mesh's device ids up "
+        "in jax.local_devices(). Use rollout_engine=embedded (or auto) for multi-controller runs"
+    )
+  return None
+
+
+def check_single_controller() -> None:
+  """Raise a one-line ConfigError when this process topology cannot run vLLM-TPU (see multi_controller_reason)."""
+  reason = multi_controller_reason(jax.process_count(), pathways.requested())
+  if reason:
+    raise ConfigError(reason)
+
+
+# ------------------------------------------------------------------------------- config -> vLLM
+
+
+def vllm_engine_kwargs(config: Any, num_sampler_devices: int, *, device_ids: Sequence[int] | None = None) -> dict:
+  """The `vllm.LLM(...)` keyword arguments for a plugin config and `num_sampler_devices` rollout chips.
+
+  tp/dp/ep come from `rollout_{tensor,data,expert}_parallelism` (at most one -1, derived from the device
+  count, MaxText's rule); `device_ids` pins vLLM-TPU's mesh to the rollout devices.
+  """
+  # Here, not at the top: model_creation_utils imports MaxText's whole model zoo and its tokenizer dependencies
+  # (tiktoken, ...), which the TPU image's vLLM import check (tests/tpu_contract/test_image_check.py) does not have.
+  from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
+
+  try:
+    par = model_creation_utils.get_rollout_kwargs_for_parallelism(config, num_sampler_devices)
+  except ValueError as e:
+    raise ConfigError(f"rollout parallelism: {str(e).strip().splitlines()[0]}") from None
+  tp, dp, ep = par["tensor_parallel_size"], par["data_parallel_size"], par["expert_parallel_size"]
+
+  strategy = {"expert_parallelism": ep, "enable_dp_attention": bool(config.enable_dp_attention)}
+  if device_ids is not None:
+    strategy["device_indexes"] = [int(i) for i in device_ids]
+  additional = vllm_maxtext.as_dict(config.vllm_additional_config, "vllm_additional_config")
+  additional.setdefault("sharding", {}).setdefault("sharding_strategy", {}).update(strategy)
+
+  kwargs: dict[str, Any] = {
+      # vLLM reads the architecture (config.json) and tokenizer from the HF id/dir, as MaxText's train_rl does.
+      "model": config.tokenizer_path,
+      "tokenizer": config.tokenizer_path,
+      # Never load checkpoint weights: the trainer's are synced in before the first generate.
+      "load_format": "dummy",
+      "dtype": jnp.dtype(config.weight_dtype).name,
+      "max_model_len": int(config.max_target_length + config.kv_cache_buffer),
+      "gpu_memory_utilization": float(config.hbm_utilization_vllm),
+      "tensor_parallel_size": tp,
+      "data_parallel_size": dp,
+      "enable_expert_parallel": ep > 1 or bool(config.enable_expert_parallel),
+      "async_scheduling": bool(config.async_scheduling),
+      "enable_prefix_caching": bool(config.enable_prefix_caching),
+      # Only the sampled token's log-prob is needed (old-policy log-probs / importance ratios).
+      "max_logprobs": 1,
+      "logprobs_mode": "processed_logprobs",
+      "disable_log_stats": True,
+      "additional_config": additional,
+  }
+  if config.max_num_seqs is not None:
+    kwargs["max_num_seqs"] = int(config.max_num_seqs)
+  if config.max_num_batched_tokens is not None:
+    kwargs["max_num_batched_tokens"] = int(config.max_num_batched_tokens)
+  if config.vllm_block_size is not None:
+    kwargs["block_size"] = int(config.vllm_block_size)
+  if config.vllm_hf_config_path:
+    kwargs["hf_config_path"] = config.vllm_hf_config_path
+  overrides = {}
+  if config.override_model_config:
+    # A shrunk model must get vLLM's model built with the trainer's shapes, not the hub config's.
+    overrides = vllm_mapping.hf_config_from_maxtext(config)
+  overrides.update(vllm_maxtext.as_dict(config.vllm_hf_overrides, "vllm_hf_overrides"))
+  if overrides:
+    kwargs["hf_overrides"] = overrides
+  return kwargs
+
+
+def sampling_params_kwargs(config: Any, *, greedy: bool = False) -> dict:
+  """`vllm.SamplingParams(...)` keyword arguments from the config's decode/stop keys.
+
+  `greedy` is evaluation's argmax decoding (temperature 0). The tokenizer's EOS is added by the engine.
+  """
+  stop_strings = list(config.stop_strings) if config.stop_strings else None
+  kwargs: dict[str, Any] = {
+      "n": 1,  # Tunix repeats each prompt num_generations times itself
+      "max_tokens": int(config.max_target_length - config.max_prefill_predict_length),
+      "temperature": 0.0 if greedy else float(config.decode_sampling_temperature),
+      "top_p": 1.0 if greedy else float(config.decode_sampling_nucleus_p),
+      "top_k": 0 if greedy else int(config.decode_sampling_top_k),  # 0 disables top-k in vLLM
+      "stop_token_ids": [int(t) for t in config.stop_token_ids],
+      "logprobs": 0,  # the sampled token's log-prob only
+      "skip_special_tokens": True,
+      # Stop strings are matched on text; keep them so the reward functions see the closing tag.
+      "stop": stop_strings,
+      "detokenize": stop_strings is not None,
+      "include_stop_str_in_output": stop_strings is not None,
+  }
+  return kwargs
+
+
+# ------------------------------------------------------------------------------- routes
+
+
+def choose_route(config: Any) -> tuple[bool, str | None]:
+  """(adapter route?, why it was chosen when the user did not ask for it).
+
+  MaxText's key decides first (`vllm_hf_overrides` naming MaxTextForCausalLM, `vllm_maxtext.selected`); otherwise the
+  native class when the plugin maps the family onto one (rollout/vllm_mapping.py), else MaxText's own decoder inside
+  vLLM, with the one-line reason the native route refuses it.
+  """
+  if vllm_maxtext.selected(config):
+    return True, None
+  why = vllm_mapping.native_refusal(config.model_name)
+  return why is not None, why
+
+
+# Families whose route tests/tpu_contract proves by logits against MaxText's forward (docs/models.md).
+PROVEN_NATIVE = ("llama3.1-", "qwen3-")
+PROVEN_ADAPTER = ("llama3.1-", "qwen3-30b", "qwen3-235b", "mixtral-", "gemma3-")
+
+
+def unproven_reason(config: Any) -> str | None:
+  """Why the vLLM route `config` takes is not proven by the forward check (one line), or None when it is."""
+  adapter, _ = choose_route(config)
+  if config.model_name.startswith(PROVEN_ADAPTER if adapter else PROVEN_NATIVE):
+    return None
+  route = vllm_maxtext.ARCHITECTURE if adapter else "the native class"
+  return f"vLLM's {route} route for {config.model_name} is not proven by tests/tpu_contract (docs/models.md)"
+
+
+def vllm_head_dim_reason(model_name: str, head_dim: int) -> str | None:
+  """Why vLLM-TPU would sample a different function than the trainer's Qwen3, or None.
+
+  tpu-inference 0.32.0 pads head_dim to a multiple of 128 (64 excepted) and Qwen3's q/k RMS norm then averages over
+  the padded width (tests/tpu_contract/test_forward.py shows the divergence). Every released Qwen3 has head_dim 128;
+  only shrunk test models hit this, so it is refused rather than approximated by rescaling the norm weights.
+  """
+  if str(model_name).startswith("qwen3-") and int(head_dim) % 128 and int(head_dim) != 64:
+    return (
+        f"rollout_engine=vllm with {model_name} needs head_dim 64 or a multiple of 128: tpu-inference pads it to "
+        f"{-(-int(head_dim) // 128) * 128} and normalises Qwen3's q/k over the padded width (use rollout_engine=embedded)"
+    )
+  return None
+
+
+def check_config(config: Any) -> None:
+  """Device-free checks of the vLLM route a config takes (print_config and training run them): one ConfigError line."""
+  # The head_dim rule is about the native classes (tpu-inference pads head_dim, Qwen3's q/k norm then differs);
+  # MaxText's own attention inside vLLM computes with the model's head_dim.
+  adapter, _ = choose_route(config)
+  if adapter:
+    vllm_maxtext.check_config(config)
+    return
+  reason = vllm_head_dim_reason(config.model_name, config.head_dim)
+  if reason:
+    raise ConfigError(f"invalid value for 'head_dim'={config.head_dim}: {reason}")
