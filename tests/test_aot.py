@@ -261,7 +261,9 @@ def test_tunix_anchor_loss_is_tunixs_registered_grpo_loss():
   )
   algo = anchor_tunix.tunix_algo_config(types.SimpleNamespace(rl=rl, decode_sampling_temperature=0.9))
   # Tunix's own config class and the loss GRPOLearner looks up by its name, not the plugin's registered one.
-  assert type(algo) is grpo_learner.GRPOConfig and algo.policy_loss_fn == "grpo"  # pylint: disable=unidiomatic-typecheck  # exactly Tunix's class, not a subclass
+  # Exactly Tunix's class, not a subclass such as the plugin's PluginGrpoConfig.
+  assert type(algo) is grpo_learner.GRPOConfig  # pylint: disable=unidiomatic-typecheck
+  assert algo.policy_loss_fn == "grpo"
   assert function_registry.get_policy_loss_fn(algo.policy_loss_fn) is algo_core.grpo_loss_fn
   assert (algo.kl_loss_mode, algo.epsilon_high, algo.temperature, algo.beta) == ("low_var_kl", 0.2, 0.9, 0.08)
 
