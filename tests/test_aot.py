@@ -5,7 +5,10 @@
   state of the run's actor trainer (Tunix's jitted step with the plugin's loss) on the same micro-batch.
 * For a TPU (subprocesses with libtpu on their path only; `scripts/venv.sh` installs it into `.venv-aot-libtpu`):
   a tiny config compiled for v5p-8 writes the report with every program of the step; one that cannot fit a v5e-4
-  ends with the one-line verdict and exit 2.
+  ends with the one-line verdict and exit 2; a tiny MoE on MaxText's sparse path, whose rollout cannot trace the
+  routing recording, ends with an error line and exit 1; Tunix's own GRPO step compiles beside the plugin's update.
+* MoE programs are the run's: routing recorded by the engine and the old-policy forward, replayed under
+  rl.router_replay (lowered for the CPU devices).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import pathlib
 import subprocess
 import sys
+import types
 
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
@@ -24,19 +28,25 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from maxtext.common import train_state_nnx
+from tunix.rl import algo_core
 from tunix.rl import common as tunix_common
+from tunix.rl import function_registry
+from tunix.rl.grpo import grpo_learner
 from tunix.sft import sharding_utils
 
 from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin import errors
+from maxtext_rl_plugin.aot import anchor_tunix
 from maxtext_rl_plugin.aot import compile as compile_lib
 from maxtext_rl_plugin.aot import programs
 from maxtext_rl_plugin.aot import report
+from maxtext_rl_plugin.aot import run as aot_run
 from maxtext_rl_plugin.aot import topology
 from maxtext_rl_plugin.run import build
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = "configs/cpu_tiny.yml"
+MOE = "configs/cpu_tiny_moe.yml"
 LIBTPU = REPO / ".venv-aot-libtpu"
 
 
@@ -138,10 +148,30 @@ def test_aot_update_is_the_runs_update_bit_for_bit(tiny_run):
   assert any(not np.array_equal(before[k], want[k]) for k in want)
 
 
-def _compile(tmp_path, *extra) -> subprocess.CompletedProcess:
+def test_moe_programs_are_the_runs_routing_recording_and_replaying_ones(tmp_path):
+  # rl.router_replay on a tiny Mixtral (MaxText can force its routing): the engine records each token's experts, the
+  # old-policy forward is experience.TrainerLogps' recording MoE forward with the sampler's routing replayed, and the
+  # update's micro-batch is the run's RoutedTrainExample. Lowered (not compiled) for this host's CPU devices.
+  argv = [MOE, f"base_output_directory={tmp_path}", "run_name=m", "rl.router_replay=true", "rl.num_iterations=2"]
+  cfg = config_lib.load_config(argv)
+  progs, _ = aot_run.build_programs(cfg, argv, jax.devices())
+  by = {p.name: p for p, _, _ in progs}
+  assert list(by) == ["actor_update", "old_logps", "reference_logps", "rollout_prefill_decode"]
+  rows = cfg.batch_size * cfg.rl.num_generations
+  routing = (rows, cfg.max_target_length, cfg.base_num_decoder_layers, cfg.num_experts_per_tok)
+  upd = by["actor_update"]
+  assert upd.args[1].routed_experts.shape == routing and upd.args[1].routed_experts.dtype == jnp.int32
+  compile_lib.lower(upd)  # the loss's replay branch (moe.forward_logps with forced experts) traces
+  _, route = compile_lib.lower(by["old_logps"]).out_info
+  assert by["old_logps"].args[3].shape == routing and route.shape == routing
+  *_, routes = compile_lib.lower(by["rollout_prefill_decode"]).out_info  # (prompt, completion) routing
+  assert routes is not None and routes[1].shape[2:] == routing[2:]
+
+
+def _compile(tmp_path, *extra, module="maxtext_rl_plugin.compile_rl", config=TINY) -> subprocess.CompletedProcess:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=f"{LIBTPU}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
   env.pop("XLA_FLAGS", None)  # the target's devices come from the topology, not forced host devices
-  cmd = [sys.executable, "-m", "maxtext_rl_plugin.compile_rl", TINY, f"base_output_directory={tmp_path}", *extra]
+  cmd = [sys.executable, "-m", module, config, f"base_output_directory={tmp_path}", *extra]
   return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
 
 
@@ -187,6 +217,57 @@ def test_what_cannot_fit_is_one_line_and_exit_2(tmp_path):
   assert not rep["fits"]
 
 
+@needs_libtpu
+def test_moe_sparse_matmul_for_v5p_8_and_a_program_that_cannot_compile_is_no_fit(tmp_path):
+  # MaxText's sparse MoE path (sparse_matmul: ragged grouped matmuls in a shard_map) compiles for v5p; the engine's
+  # routing recording cannot trace inside that shard_map (moe.Recording sets a module attribute there), so the
+  # rollout, which the run jits from the same function, fails: the command must say so, not "every program fits".
+  res = _compile(tmp_path, "run_name=m", "compile_topology=v5p-8", "sparse_matmul=true", "megablox=false", config=MOE)
+  assert res.returncode == 1, res.stderr[-3000:]
+  rep = json.loads((tmp_path / "m.aot-v5p-8.json").read_text())
+  assert [p["name"] for p in rep["programs"]] == ["actor_update", "reference_logps"] and rep["fits"]
+  assert not rep["all_compiled"] and "TraceContextError" in rep["not_compiled"][0]
+  err = [line for line in res.stderr.splitlines() if line.startswith("error:")]
+  assert len(err) == 1 and "rollout_prefill_decode" in err[0] and "fits: every program" not in res.stdout
+
+
+@needs_libtpu
+def test_tunix_anchor_compiles_tunixs_grpo_step_beside_the_plugins(tmp_path):
+  res = _compile(
+      tmp_path, "run_name=a", "compile_topology=v5p-8", "compile_topology_num_slices=1", module=anchor_tunix.__name__
+  )
+  assert res.returncode == 0, res.stderr[-3000:]
+  rep = json.loads((tmp_path / "a.anchor-tunix-v5p-8.json").read_text())
+  assert [p["name"] for p in rep["programs"]] == ["actor_update", "tunix_grpo_update"]
+  fields = {f.name for f in dataclasses.fields(report.Row)}
+  for p in rep["programs"]:  # the rows compile_rl writes
+    assert set(p) == fields and p["devices"] == 4 and p["fits"] and p["gflops"] > 0 and p["peak_gib"] > 0
+  assert set(rep["tunix_over_plugin"]) == set(anchor_tunix.RATIO_FIELDS)
+  # Same state in, same state out: only the loss differs.
+  upd, tun = rep["programs"]
+  assert upd["argument_gib"] == tun["argument_gib"] and "tunix / plugin:" in res.stdout
+
+
+def test_tunix_anchor_loss_is_tunixs_registered_grpo_loss():
+  rl = types.SimpleNamespace(
+      num_generations=4,
+      num_iterations=1,
+      grpo_beta=0.08,
+      grpo_epsilon=0.2,
+      epsilon_high=None,
+      loss_algo="grpo",
+      loss_agg_mode="sequence-mean-token-mean",
+      kl_estimator="k3",
+  )
+  algo = anchor_tunix.tunix_algo_config(types.SimpleNamespace(rl=rl, decode_sampling_temperature=0.9))
+  # Tunix's own config class and the loss GRPOLearner looks up by its name, not the plugin's registered one.
+  # Exactly Tunix's class, not a subclass such as the plugin's PluginGrpoConfig.
+  assert type(algo) is grpo_learner.GRPOConfig  # pylint: disable=unidiomatic-typecheck
+  assert algo.policy_loss_fn == "grpo"
+  assert function_registry.get_policy_loss_fn(algo.policy_loss_fn) is algo_core.grpo_loss_fn
+  assert (algo.kl_loss_mode, algo.epsilon_high, algo.temperature, algo.beta) == ("low_var_kl", 0.2, 0.9, 0.08)
+
+
 def test_fit_and_roofline_arithmetic_of_one_row():
   # A compiled program's numbers -> the row, re-derived by hand (v5p: 95 GiB, 459e12 FLOP/s, 2765e9 B/s).
   spec = topology.device_spec("v5p-128")
@@ -217,6 +298,9 @@ def test_fit_and_roofline_arithmetic_of_one_row():
       dataclasses.replace(c, oom="RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"), spec, 0, False
   )
   assert not oom.fits and "ran out of HBM" in report.verdict([oom], "v5p-128")
+  # A Pallas kernel's VMEM (what tiny MoE shapes under megablox's default tiles hit on v5p-8) is not HBM.
+  vmem = report.row(dataclasses.replace(c, oom="RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom:"), spec, 0, False)
+  assert "overflow VMEM" in report.verdict([vmem], "v5p-8") and "HBM" not in report.verdict([vmem], "v5p-8")
 
 
 def test_published_figures_per_jax_device():

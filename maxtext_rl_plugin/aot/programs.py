@@ -10,9 +10,13 @@ the target's devices) and how often a step runs it. Nothing here reads a checkpo
   builds (`model_creation_utils.get_nnx_create_model_fn` on `get_mesh_from_config`'s mesh), LoRA applied by
   MaxText's `apply_lora_to_model` as `lora.apply` does; at the train micro-batch.
 * `reference_logps` / `old_logps`: Tunix's `compute_per_token_logps` (stop-gradient) on the trainer mesh, as
-  `experience.TrainerLogps` and the reference forward run it, at the micro-batch.
+  `experience.TrainerLogps` and the reference forward run it, at the micro-batch. On an MoE model the old-policy
+  forward is TrainerLogps' own: `moe.forward_logps` over a recording graphdef (routing out, replayed routing in).
 * `rollout`: the embedded engine's whole prefill + decode program (`rollout/decode.MaxTextSampler._program`) for
-  the compile key a rollout call of the configured batch uses, with its KV cache, on the sampler mesh.
+  the compile key a rollout call of the configured batch uses, with its KV cache, on the sampler mesh; on an MoE
+  model with routing recorded, as `rollout/embedded.py` builds the engine.
+* MoE with `rl.router_replay`: the update's micro-batch is the run's `moe.RoutedTrainExample` (the sampler's routing
+  [rows, P + T, MoE layers, k], its shape from the model's own recording forward).
 * `weight_sync_stage`: the device_put path's phase 1 (`resharding/move.py`): the trainer's params re-partitioned
   into the sampler's layout on the trainer devices (disaggregated runs with equal device counts only).
 
@@ -42,6 +46,7 @@ from tunix.rl import function_registry
 from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import models
+from maxtext_rl_plugin import moe
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin import updates
 from maxtext_rl_plugin.rollout import bucketing
@@ -120,15 +125,51 @@ def abstract_train_state(config, mesh, lora: bool, pad_id: int = PAD_ID):
   return graphdef, state, shardings
 
 
-def _example(config, mesh, rows: int, beta: float, use_is: bool):
-  """A Tunix TrainExample of `rows` rows (prompt bucket x completion budget), sharded as Tunix's shard_input does."""
+def replays_routing(config) -> bool:
+  """rl.router_replay on an MoE model: the trainer's old-policy and policy forwards get the sampler's routing."""
+  return bool(config.rl.router_replay) and moe.is_moe(config)
+
+
+def _moe_logps(graphdef, temperature: float):
+  """The old-policy forward `experience.TrainerLogps` jits on MoE models: `moe.forward_logps` over a recording
+  graphdef (the trainer's routing is an output; `forced` replays the sampler's under rl.router_replay)."""
+
+  def forward(model_state, prompt_ids, completion_ids, forced):
+    model = nnx.merge(graphdef, model_state).model
+    lp, _, route, _ = moe.forward_logps(
+        moe.recording_graphdef(model),
+        nnx.state(model),
+        prompt_ids,
+        completion_ids,
+        PAD_ID,
+        EOS_ID,
+        temperature=temperature,
+        forced=forced,
+    )
+    return lp, route
+
+  return forward
+
+
+def _routing(config, mesh, graphdef, state, rows: int):
+  """Abstract [rows, P + T, MoE layers, k] int32 routing as the model records it (the run's own forward's shape)."""
+  ex = _example(config, mesh, rows, 0.0, False)
+  with decode.warnings_off(), jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
+    _, route = jax.eval_shape(_moe_logps(graphdef, 1.0), state, ex.prompt_ids, ex.completion_ids, None)
+  return jax.ShapeDtypeStruct(route.shape, jnp.int32, sharding=NamedSharding(mesh, P(*DATA_AXIS)))
+
+
+def _example(config, mesh, rows: int, beta: float, use_is: bool, routed=None):
+  """A Tunix TrainExample of `rows` rows (prompt bucket x completion budget), sharded as Tunix's shard_input does;
+  with `routed` (rl.router_replay) the run's `moe.RoutedTrainExample` carrying the sampler's routing (experience.py)."""
   sh = NamedSharding(mesh, P(*DATA_AXIS))
   lp, lc = int(config.max_prefill_predict_length), int(config.max_target_length - config.max_prefill_predict_length)
 
   def arr(shape, dtype):
     return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
-  return tunix_common.TrainExample(
+  extra = {} if routed is None else {"routed_experts": routed}
+  return (tunix_common.TrainExample if routed is None else moe.RoutedTrainExample)(
       prompt_ids=arr((rows, lp), jnp.int32),
       prompt_mask=arr((rows, lp), jnp.int32),
       completion_ids=arr((rows, lc), jnp.int32),
@@ -137,6 +178,7 @@ def _example(config, mesh, rows: int, beta: float, use_is: bool):
       ref_per_token_logps=arr((rows, lc), jnp.float32) if beta else None,
       old_per_token_logps=arr((rows, lc), jnp.float32),
       sampler_is_weights=arr((rows, lc), jnp.float32) if use_is else None,
+      **extra,
   )
 
 
@@ -173,7 +215,8 @@ def actor_update(config, mesh, lora: bool, pad_id: int = PAD_ID, eos_id: int = E
   graphdef, state, shardings = abstract_train_state(config, mesh, lora, pad_id)
   rows = plan.micro_batch_size * plan.num_generations
   beta = float(config.rl.grpo_beta)
-  example = _example(config, mesh, rows, beta, config.rl.rollout_is != "off")
+  routed = _routing(config, mesh, graphdef, state, rows) if replays_routing(config) else None
+  example = _example(config, mesh, rows, beta, config.rl.rollout_is != "off", routed)
   ex_sh = jax.tree.map(lambda x: x.sharding, example)
   prog = Program(
       name="actor_update" + ("_lora" if lora else ""),
@@ -192,11 +235,25 @@ def actor_update(config, mesh, lora: bool, pad_id: int = PAD_ID, eos_id: int = E
 
 
 def logps_program(name: str, config, mesh, graphdef, state, calls: int) -> Program:
-  """Stop-gradient per-token log-probs of the actor (old policy) or the reference, on the trainer mesh."""
+  """Stop-gradient per-token log-probs of the actor (old policy) or the reference, on the trainer mesh: Tunix's
+  `compute_per_token_logps`, or for the old policy of an MoE model `experience.TrainerLogps`' recording forward."""
   plan = updates.UpdatePlan.from_config(config)
   rows = plan.micro_batch_size * plan.num_generations
   ex = _example(config, mesh, rows, 0.0, False)
   temperature = float(config.decode_sampling_temperature) or 1.0
+  if name == "old_logps" and moe.is_moe(config):
+    forced = _routing(config, mesh, graphdef, state, rows) if replays_routing(config) else None
+    return Program(
+        name=name,
+        phase="logps",
+        mesh=mesh,
+        fn=_moe_logps(graphdef, temperature),
+        args=(state, ex.prompt_ids, ex.completion_ids, forced),
+        calls_per_step=calls,
+        knob="train_micro_batch_size (log-prob micro-batch)",
+        rules=config.logical_axis_rules,
+        note="MoE: records the trainer's routing" + ("; replays the sampler's" if forced is not None else ""),
+    )
 
   def forward(model_state, prompt_ids, completion_ids):
     ts = nnx.merge(graphdef, model_state)
@@ -243,7 +300,8 @@ def rollout_program(sampler_config, sampler_devices) -> Program:
   """The embedded engine's prefill + decode program on the sampler mesh (rollout/decode.py)."""
   mesh = models.build_sampler_mesh(sampler_config, sampler_devices)
   with decode.warnings_off():
-    sampler = decode.MaxTextSampler(sampler_config, mesh, PAD_ID)
+    # MoE: the engine records each token's experts, as rollout/embedded.py builds it (routing is a program output).
+    sampler = decode.MaxTextSampler(sampler_config, mesh, PAD_ID, record_routing=moe.is_moe(sampler_config))
     g = int(sampler_config.rl.num_generations)
     prompts, length, new_tokens, calls = rollout_shape(sampler_config, g, sampler.dp)
     spec = sampling.SamplingParams.create(

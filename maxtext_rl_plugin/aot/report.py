@@ -152,6 +152,11 @@ def table(rows: list[Row], spec: DeviceSpec, topology: str) -> str:
 def verdict(rows: list[Row], topology: str) -> str | None:
   """The one line for the first program that does not fit, else None."""
   for r in rows:
+    if r.oom and "vmem" in r.oom.lower():  # a Pallas kernel's tiles (on-chip VMEM), not the program's HBM
+      return (
+          f"program '{r.name}' does not compile on {topology}: a kernel's tiles overflow VMEM ({r.oom}); lower its "
+          "tile sizes (megablox: the wi_tile_* / wo_tile_* keys), not the batch"
+      )
     if r.oom:
       return f"program '{r.name}' does not fit on {topology}: the compiler ran out of HBM ({r.oom}); lower {r.knob}"
     if not r.fits:

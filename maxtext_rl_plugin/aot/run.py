@@ -7,7 +7,8 @@ compiled (aot/compile.py), and one table with a fit verdict and a roofline step 
 checkpoint, no tokenizer, no data: `load_parameters_path` and `tokenizer_path` are not opened, weights are abstract.
 
 A program that does not fit ends the command with one line (`error: program ... needs X GiB of Y GiB ...`) and exit 2,
-after the table; the JSON report is written either way (`<base_output_directory>/<run_name>.aot-<topology>.json`,
+after the table; one that fails to compile (the run's own program would fail the same way) with an `error:` line and
+exit 1; the JSON report is written either way (`<base_output_directory>/<run_name>.aot-<topology>.json`,
 or `./aot_reports/` when the output directory is remote).
 """
 
@@ -136,7 +137,7 @@ def run(config, argv: Sequence[str]) -> int:
   t0 = time.perf_counter()
   devices = topology.topology_devices(topo, num_slices)
   progs, facts = build_programs(config, argv, devices)
-  rows = []
+  rows, failed = [], []
   for i, (prog, resident, replaces) in enumerate(progs, 1):
     _say(f"compiling {i}/{len(progs)} {prog.name} on {prog.mesh.size} devices {_axes(prog.mesh)} ...")
     try:
@@ -145,6 +146,7 @@ def run(config, argv: Sequence[str]) -> int:
       first = " ".join(str(e).split())[:200]
       facts["not_compiled"].append(f"{prog.name}: failed to compile ({type(e).__name__}: {first})")
       _say(f"  {prog.name}: failed to compile ({type(e).__name__})")
+      failed.append(prog.name)
       continue
     r = report.row(compiled, spec, resident, replaces)
     rows.append(r)
@@ -156,6 +158,7 @@ def run(config, argv: Sequence[str]) -> int:
   for line in facts["not_compiled"]:
     print(f"not compiled: {line}", flush=True)
   facts["compile_wall_seconds"] = time.perf_counter() - t0
+  facts["all_compiled"] = not failed
   path = report_path(config)
   with open(path, "w", encoding="utf-8") as f:
     f.write(report.to_json(rows, spec, topo, num_slices, facts))
@@ -163,6 +166,14 @@ def run(config, argv: Sequence[str]) -> int:
   line = report.verdict(rows, topo)
   if line is not None:
     raise DoesNotFitError(line)
+  if failed:  # the run would fail where it compiles these: never "every program fits"
+    print(
+        f"error: {', '.join(failed)} failed to compile for {topo} (the run's own program; 'not compiled:' above says "
+        "why); the compiled programs fit",
+        file=sys.stderr,
+        flush=True,
+    )
+    return 1
   print(f"fits: every program of the RL step fits {topo} ({spec.hbm_bytes / topology.GIB:.0f} GiB per device)")
   logging.info("aot compile done")
   sys.stdout.flush()
