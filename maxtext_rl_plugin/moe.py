@@ -31,6 +31,7 @@ current policy's routes through the reference would measure the distance to a ne
 
 from __future__ import annotations
 
+import contextvars
 import re
 from typing import Any
 
@@ -96,12 +97,46 @@ def check_config(pc: Any) -> None:
 # ----------------------------------------------------------------------------------------------------------------------
 
 
+# Set while MaxText's sparse path runs: its get_topk calls happen inside a shard_map, where a module cannot be written.
+_INSIDE_SPARSE = contextvars.ContextVar("maxtext_rl_plugin_moe_inside_sparse", default=False)
+
+
+def _record(module: Any, indices: jax.Array) -> None:
+  module.selected_experts = nnx.Intermediate(jnp.reshape(indices, (-1, indices.shape[-1])).astype(jnp.int32))
+
+
 def _recording_get_topk(self, *args, **kwargs):
   """MaxText's `get_topk`, also recording its indices as MaxText's fused path does (`selected_experts`, an
-  `nnx.Intermediate` of [tokens, k])."""
+  `nnx.Intermediate` of [tokens, k]); inside the sparse path `_recording_sparse_matmul` records instead."""
   weights, indices = super(type(self), self).get_topk(*args, **kwargs)
-  self.selected_experts = nnx.Intermediate(jnp.reshape(indices, (-1, indices.shape[-1])).astype(jnp.int32))
+  if not _INSIDE_SPARSE.get():
+    _record(self, indices)
   return weights, indices
+
+
+def _recording_sparse_matmul(
+    self, inputs, gate_logits, pre_bias_logits, *args, input_ids=None, forced_routed_experts=None, **kwargs
+):
+  """MaxText's `sparse_matmul` (`sparse_matmul=true`, its TPU default), recording the routing from the same `get_topk`
+  on the same logits outside the path's shard_map: writing the module inside it is a Flax TraceContextError. Top-k is
+  per token, so the global call gives each token the indices its shard computes (tests/test_moe.py compares both
+  paths' routing with the trainer's)."""
+  parent = super(type(self), self)
+  _, indices = parent.get_topk(gate_logits, pre_bias_logits, None, input_ids, forced_routed_experts)
+  _record(self, indices)
+  token = _INSIDE_SPARSE.set(True)
+  try:
+    return parent.sparse_matmul(
+        inputs,
+        gate_logits,
+        pre_bias_logits,
+        *args,
+        input_ids=input_ids,
+        forced_routed_experts=forced_routed_experts,
+        **kwargs,
+    )
+  finally:
+    _INSIDE_SPARSE.reset(token)
 
 
 _RECORDING_CLASSES: dict[type, type] = {}
@@ -113,7 +148,14 @@ def _recording_class(cls: type) -> type:
     return cls
   if cls not in _RECORDING_CLASSES:
     _RECORDING_CLASSES[cls] = type(
-        f"Recording{cls.__name__}", (cls,), {"__slots__": (), "get_topk": _recording_get_topk, "_records_routing": True}
+        f"Recording{cls.__name__}",
+        (cls,),
+        {
+            "__slots__": (),
+            "get_topk": _recording_get_topk,
+            "sparse_matmul": _recording_sparse_matmul,
+            "_records_routing": True,
+        },
     )
   return _RECORDING_CLASSES[cls]
 

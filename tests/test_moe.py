@@ -42,6 +42,8 @@ FAMILIES = {
     # gpt-oss alternates sliding-window and global layers; a window shorter than the sequence is refused by the
     # embedded engine (test_short_sliding_window_is_refused_by_the_embedded_engine), so the window covers it here.
     "gpt-oss": ["model_name=gpt-oss-20b", "sliding_window_size=160"],
+    # MaxText's TPU default path: routing and top-k inside a shard_map (jax.lax.ragged_dot on CPU; megablox needs TPU).
+    "mixtral-sparse": ["sparse_matmul=true", "megablox=false"],
 }
 
 
