@@ -73,8 +73,9 @@ def _isolated(cwd: pathlib.Path, env: Mapping[str, str]) -> Iterator[tuple[io.St
     absl_logging.set_verbosity(saved_absl)
     root.setLevel(saved_root[0])
     root.handlers[:] = saved_root[1]
+    now = _jax_config()
     for name, value in saved_jax.items():
-      if _jax_config().get(name) != value:
+      if now.get(name) != value:
         jax.config.update(name, value)
     for s, handler in saved_signals.items():
       signal.signal(s, handler)

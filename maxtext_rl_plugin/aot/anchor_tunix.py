@@ -71,22 +71,12 @@ def tunix_loss_fn(algo, pad_id: int, eos_id: int):
 
 def tunix_update(plugin_update, graphdef, config, lora: bool):
   """The plugin's update program with Tunix's loss in its place (same state, example, shardings, donation)."""
-  from flax import nnx
-
-  from maxtext_rl_plugin import tunix_compat
   from maxtext_rl_plugin.aot import programs
 
   algo = tunix_algo_config(config)
   loss_fn = tunix_loss_fn(algo, programs.PAD_ID, programs.EOS_ID)
 
-  def gen_input(x):
-    return {"train_example": x, "algo_config": algo}
-
-  def step(state, example):
-    ts = nnx.merge(graphdef, state)
-    loss, aux, grad_norm = tunix_compat.actor_train_step(ts.model, ts.optimizer, example, loss_fn, gen_input, lora)
-    return nnx.state(ts), loss, aux, grad_norm
-
+  step = programs.train_step_fn(graphdef, loss_fn, algo, lora)
   return dataclasses.replace(plugin_update, name=TUNIX_ROW, fn=step, note="Tunix 0.1.7 algo_core.grpo_loss_fn")
 
 

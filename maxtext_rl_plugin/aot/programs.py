@@ -197,6 +197,12 @@ def loss_fn_of(config, pad_id: int = PAD_ID, eos_id: int = EOS_ID):
 def update_fn(graphdef, config, lora: bool, pad_id: int = PAD_ID, eos_id: int = EOS_ID):
   """The actor update as a pure function of (state, example): Tunix's train step on the merged module."""
   loss_fn, algo = loss_fn_of(config, pad_id, eos_id)
+  return train_step_fn(graphdef, loss_fn, algo, lora)
+
+
+def train_step_fn(graphdef, loss_fn, algo, lora: bool):
+  """Tunix's train step with `loss_fn` (and its `algo` config) as a pure function of (state, example); the plugin's
+  update and aot/anchor_tunix.py's Tunix-loss update differ only in the loss."""
 
   def gen_input(x):
     return {"train_example": x, "algo_config": algo}
