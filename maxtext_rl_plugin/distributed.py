@@ -210,18 +210,47 @@ def batch_sharding(mesh: jax.sharding.Mesh, axes: Any, ndim: int) -> NamedShardi
   return NamedSharding(mesh, P(axes or None, *([None] * (ndim - 1))))
 
 
+def data_ways(mesh: jax.sharding.Mesh, axes: Any) -> int:
+  """How many ways `batch_sharding(mesh, axes, ...)` splits the rows (1 when no named axis is in the mesh)."""
+  lead = batch_sharding(mesh, axes, 1).spec[0]
+  lead = (lead,) if isinstance(lead, str) else tuple(lead or ())
+  return int(np.prod([mesh.shape[a] for a in lead] or [1]))
+
+
+def rows_sharding(mesh: jax.sharding.Mesh, axes: Any, shape: tuple[int, ...]) -> NamedSharding:
+  """The one rule for where a batch of `shape` lives on `mesh`: rows over `axes` when they divide, else replicated.
+
+  It is Tunix's (`sft/sharding_utils.get_sharding`, what `shard_input` gives every train and log-prob input), so
+  the run accepts whatever MaxText's own run accepts: MaxText's post_train/rl.yml defaults (1 prompt x 2 generations)
+  train on a 32-chip trainer, replicated (`rows_note` says what that costs); the AOT compile lays out its examples by
+  the same rule (aot/programs.py). Also eval batches of any size."""
+  sharding = batch_sharding(mesh, axes, len(shape))
+  if shape and shape[0] % data_ways(mesh, axes):
+    return NamedSharding(mesh, P())
+  return sharding
+
+
+def rows_note(rows: int, mesh: jax.sharding.Mesh, axes: Any) -> str | None:
+  """One `note:` line when the train micro-batch's `rows` do not split over the trainer's data axis (None when they
+  do): the run is valid (Tunix replicates the rows) but pays for rows it does not have."""
+  ways = data_ways(mesh, axes)
+  if rows % ways == 0:
+    return None
+  return (
+      f"note: the train micro-batch of {rows} rows does not split over the trainer's {ways}-way data axis: it is "
+      f"replicated (as Tunix's shard_input does), and the model's activation sharding pads it to one row per device, "
+      f"so an update costs what {max(rows, ways) + (-max(rows, ways)) % ways} rows would; a train_micro_batch_size "
+      f"(or batch_size) x rl.num_generations divisible by {ways} uses every device"
+  )
+
+
 def global_batch(host: Any, mesh: jax.sharding.Mesh, axes: Any = ("fsdp",)) -> jax.Array:
-  """`host` (same on every process) as a global array with its leading axis sharded over `axes` of `mesh` (Tunix's
-  `data_sharding_axis`, default fsdp, which its `shard_input` then accepts as already placed)."""
+  """`host` (same on every process) as a global array laid out by `rows_sharding` (Tunix's `data_sharding_axis`,
+  default fsdp, which its `shard_input` then accepts as already placed)."""
   if isinstance(host, jax.Array) and not host.is_fully_addressable:
     return host
   arr = np.asarray(host)
-  sharding = batch_sharding(mesh, axes, arr.ndim)
-  lead = sharding.spec[0] if arr.ndim else None
-  lead = (lead,) if isinstance(lead, str) else tuple(lead or ())
-  if arr.ndim and arr.shape[0] % int(np.prod([mesh.shape[a] for a in lead] or [1])):
-    sharding = NamedSharding(mesh, P())  # rows not divisible by the data axes (eval batches): replicate
-  return global_array(arr, sharding)
+  return global_array(arr, rows_sharding(mesh, axes, arr.shape))
 
 
 def replicated(host: Any, mesh: jax.sharding.Mesh) -> jax.Array:

@@ -20,8 +20,10 @@ from typing import Any, Sequence
 
 from absl import logging
 import jax
+from tunix.rl import rl_cluster as rl_cluster_lib
 
 from maxtext_rl_plugin import async_rollout
+from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import dynamic_sampling
 from maxtext_rl_plugin import evaluation as evaluation_lib
 from maxtext_rl_plugin import metrics as metrics_lib
@@ -193,6 +195,14 @@ def _announce(rl_run: state.RLRun, out_logger: metrics_lib.RunLogger, start: int
           else "colocated: the sampler shares the trainer's weights)"
       )
   )
+  cluster = rl_run.rl_cluster.cluster_config
+  rows_note = distributed.rows_note(
+      plan.micro_batch_size * plan.num_generations,
+      cluster.role_to_mesh[rl_cluster_lib.Role.ACTOR],
+      cluster.training_config.data_sharding_axis,
+  )
+  if rows_note:
+    out_logger.note(rows_note)
 
 
 def _staleness_correction(config) -> str:

@@ -10,7 +10,9 @@ Three layers, all before any model is built (and before JAX has a backend), each
   off, top_p 1 = off);
 * `_CROSS_CHECKS`: rules between keys (the completion budget, micro-batch divisibility, the run directory).
 
-Checks that need the device set (rows divisible by the trainer devices) stay in the trainer (`_check_runtime`).
+Checks that need the device set (the trainer/sampler split, one controller for agentic runs) stay in the trainer
+(`run/build._check_runtime`). Rows that do not divide over the trainer are valid (Tunix replicates them:
+`distributed.rows_sharding`); the run says what they cost in one `note:` line.
 
 The same checks run twice: first by `validate_raw` on a `RawConfig` (the yml chain and the command line as written,
 typed by the shipped defaults) before the schema's imports (JAX, MaxText: seconds on a loaded machine), so a config

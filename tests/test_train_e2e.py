@@ -17,16 +17,15 @@ import sys
 import time
 
 import jax
+from jax.sharding import PartitionSpec as P
 import maxtext
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from tensorboardX.proto import event_pb2
+from tunix.sft import sharding_utils as tunix_sharding
 
-from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin import models
-from maxtext_rl_plugin.run import build
-from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin import distributed
 
 import _in_process as in_process
 
@@ -252,12 +251,27 @@ def test_tokenizer_without_chat_template_is_one_line_error(tmp_path):
   assert not (out / "notemplate" / "checkpoints").exists()
 
 
-def test_batch_not_divisible_by_trainer_devices_is_one_line_error():
-  cfg = config_lib.load_config([TINY, "batch_size=3", "rl.num_generations=3"])
-  fake_devices = list(range(4))  # the check only counts devices; 9 rows over 4 trainer devices
-  rs = models.RunSetup(cfg, cfg, fake_devices, fake_devices)
-  with pytest.raises(ConfigError, match=r"'batch_size'=3.*9 rows must be divisible by the 4 trainer devices"):
-    build._check_runtime(cfg, rs)  # pylint: disable=protected-access  # the check itself, without a run
+@pytest.mark.parametrize("shape", [(2, 5), (4, 5), (8,), (6, 3), (16, 2, 2), (3,), (1, 7), (0, 4)])
+def test_rows_sharding_is_tunix_shard_input_rule(shape):
+  """The run's one placement rule for batches equals Tunix's `get_sharding` (what its shard_input gives the trainer's
+  inputs): rows over fsdp when they divide over it, replicated otherwise (MaxText's 1 x 2 rows on 4 trainer chips)."""
+  mesh = jax.sharding.AbstractMesh((4, 2), ("fsdp", "tensor"))
+  ours = distributed.rows_sharding(mesh, ("fsdp",), shape)
+  theirs = tunix_sharding.get_sharding(np.zeros(shape, np.float32), mesh, P("fsdp"))
+
+  def spec(s):
+    return tuple(s.spec) + (None,) * (len(shape) - len(s.spec))
+
+  assert spec(ours) == spec(theirs), (shape, ours.spec, theirs.spec)
+  assert (distributed.rows_note(shape[0], mesh, ("fsdp",)) is None) == (shape[0] % 4 == 0)
+
+
+def test_rows_note_says_what_a_replicated_micro_batch_costs():
+  mesh = jax.sharding.AbstractMesh((32,), ("fsdp",))
+  assert distributed.rows_note(64, mesh, ("fsdp",)) is None
+  assert "2 rows does not split over the trainer's 32-way data axis" in distributed.rows_note(2, mesh, ("fsdp",))
+  assert "costs what 32 rows would" in distributed.rows_note(2, mesh, ("fsdp",))
+  assert "costs what 64 rows would" in distributed.rows_note(40, mesh, ("fsdp",))
 
 
 @pytest.mark.multidevice
@@ -270,6 +284,7 @@ def test_disaggregated_run_syncs_and_verifies_weights_every_step(tmp_path):
       "run_name=dis",
       *FAST,
       "num_batches=2",
+      "batch_size=1",  # MaxText's post_train/rl.yml default: 1 x 2 rows on 4 trainer devices, replicated as Tunix does
       "use_pathways=true",
       "chips_per_vm=4",
       "rl.verify_weight_sync=every_n",
@@ -281,5 +296,6 @@ def test_disaggregated_run_syncs_and_verifies_weights_every_step(tmp_path):
   assert p.returncode == 0, p.stderr[-4000:]
   assert "devices: trainer 4, sampler 4 (disaggregated" in p.stdout
   assert "weight syncs: 2, verified bit-exact: 2" in p.stdout
+  assert "note: the train micro-batch of 2 rows does not split over the trainer's 4-way data axis" in p.stdout
   recs = [r for r in read_jsonl(tmp_path / "m.jsonl") if "reward/mean" in r]
   assert [r["step"] for r in recs] == [1, 2] and all(r["time/weight_sync_s"] > 0 for r in recs)

@@ -44,6 +44,7 @@ from tunix.rl import common as tunix_common
 from tunix.rl import function_registry
 
 from maxtext_rl_plugin.algorithms import tunix_wiring
+from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
@@ -156,17 +157,16 @@ def _routing(config, mesh, graphdef, state, rows: int):
   ex = _example(config, mesh, rows, 0.0, False)
   with decode.warnings_off(), jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
     _, route = jax.eval_shape(_moe_logps(graphdef, 1.0), state, ex.prompt_ids, ex.completion_ids, None)
-  return jax.ShapeDtypeStruct(route.shape, jnp.int32, sharding=NamedSharding(mesh, P(*DATA_AXIS)))
+  return jax.ShapeDtypeStruct(route.shape, jnp.int32, sharding=distributed.rows_sharding(mesh, DATA_AXIS, route.shape))
 
 
 def _example(config, mesh, rows: int, beta: float, use_is: bool, routed=None):
   """A Tunix TrainExample of `rows` rows (prompt bucket x completion budget), sharded as Tunix's shard_input does;
   with `routed` (rl.router_replay) the run's `moe.RoutedTrainExample` carrying the sampler's routing (experience.py)."""
-  sh = NamedSharding(mesh, P(*DATA_AXIS))
   lp, lc = int(config.max_prefill_predict_length), int(config.max_target_length - config.max_prefill_predict_length)
 
   def arr(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=distributed.rows_sharding(mesh, DATA_AXIS, shape))
 
   extra = {} if routed is None else {"routed_experts": routed}
   return (tunix_common.TrainExample if routed is None else moe.RoutedTrainExample)(

@@ -23,6 +23,7 @@ from absl import logging
 from flax import nnx
 import jax
 
+from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import updates
@@ -71,6 +72,9 @@ def build_programs(config, argv: Sequence[str], devices: list) -> tuple[list, di
   )
   mesh = programs.trainer_mesh(cfg, rs.trainer_devices)
   _say(f"trainer mesh {_axes(mesh)}: building the abstract actor + optimizer state")
+  rows_note = distributed.rows_note(plan.micro_batch_size * plan.num_generations, mesh, programs.DATA_AXIS)
+  if rows_note:
+    _say(rows_note)
   update, (graphdef, state, _) = programs.actor_update(cfg, mesh, lora)
   # The MaxText model's params (the adapter's `base`), as the weight sync moves them.
   params = nnx.state(nnx.merge(graphdef, state).model.base, nnx.Param)

@@ -69,15 +69,6 @@ def _check_runtime(config, rs: models.RunSetup) -> None:
         "invalid value for 'rl.use_agentic_rollout'=True: not supported with more than one JAX process yet (each "
         "process would run its own episodes' tool turns; the per-host gather carries no loss mask); use one controller"
     )
-  n_trainer = len(rs.trainer_devices)
-  plan = updates.UpdatePlan.from_config(config)
-  for key, prompts in (("batch_size", plan.batch_size), ("train_micro_batch_size", plan.micro_batch_size)):
-    rows = prompts * plan.num_generations
-    if rows % n_trainer:
-      raise ConfigError(
-          f"invalid value for '{key}'={prompts}: {key} * rl.num_generations = {rows} rows must be divisible by the "
-          f"{n_trainer} trainer devices (each micro-batch is sharded over them)"
-      )
   k = int(config.rl.off_policy_steps)
   if k < 0:
     raise ConfigError(f"invalid value for 'rl.off_policy_steps'={k}: expected >= 0 (0 = synchronous rollouts)")
