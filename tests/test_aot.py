@@ -182,8 +182,13 @@ needs_libtpu = pytest.mark.skipif(
 
 @needs_libtpu
 def test_tiny_config_compiles_for_v5p_8_with_every_program(tmp_path):
-  res = _compile(tmp_path, "run_name=t", "compile_topology=v5p-8", "compile_topology_num_slices=1", "rl.num_iterations=2")
+  # batch_size=1: MaxText's rl.yml default, 1 x 2 rows that do not split over 4 chips: replicated, as the run does.
+  res = _compile(
+      tmp_path, "run_name=t", "compile_topology=v5p-8", "compile_topology_num_slices=1", "rl.num_iterations=2",
+      "batch_size=1",
+  )
   assert res.returncode == 0, res.stderr[-3000:]
+  assert "note: the train micro-batch of 2 rows does not split over the trainer's 4-way data axis" in res.stdout
   rep = json.loads((tmp_path / "t.aot-v5p-8.json").read_text())
   names = [p["name"] for p in rep["programs"]]
   # mu = 2: old-policy log-probs; beta = 0.08 (rl.yml): the reference forward; colocated: no weight sync.
@@ -193,7 +198,7 @@ def test_tiny_config_compiles_for_v5p_8_with_every_program(tmp_path):
     assert p["devices"] == 4 and p["fits"] and p["gflops"] > 0
     assert 0 < p["peak_gib"] <= p["needs_gib"] < p["hbm_gib"]
   upd = rep["programs"][0]
-  assert upd["calls_per_step"] == 2  # mu x batch / micro-batch = 2 x 2 / 2 (cpu_tiny: batch_size 2, micro = batch)
+  assert upd["calls_per_step"] == 2  # mu x batch / micro-batch = 2 x 1 / 1 (micro = batch)
   assert set(rep["step_seconds"]) == {"rollout", "logps", "update", "sync", "total"}
   assert "fits: every program" in res.stdout and "actor_update" in res.stdout
 
