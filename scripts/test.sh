@@ -75,8 +75,7 @@ for line in open("scripts/xpk-test-requirements.txt"):
 PY
 )
   # shellcheck disable=SC2086
-  [ -z "$missing" ] || "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps $missing 2>&1 \
-    | grep -v "^WARNING: Location 'file:" || true
+  [ -z "$missing" ] || pip_install "$VENV/bin/python" --no-deps $missing
   took "xpk install" "$t"
 fi
 XDIST=()

@@ -19,8 +19,8 @@ if stamp_stale "$TPU_STAMP" "$TPU_WANT"; then
   t0=$SECONDS
   # --no-deps: the pins are the whole closure; pip's resolver would reject the image's qwix override.
   # Pip's "dependency conflicts" notice lists what the CPU environment leaves out on purpose (libtpu, triton).
-  "$TPU_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps -r "$TPU_REQS" 2>&1 \
-    | grep -v "^WARNING: Location 'file:\|requires .*, which is not installed\|^ERROR: pip's dependency resolver\|^[a-z0-9_.-]* [0-9.a-z]* requires\|has requirement" || true
+  pip_install "$TPU_VENV/bin/python" --no-deps -r "$TPU_REQS" 2>&1 \
+    | grep -v "requires .*, which is not installed\|^ERROR: pip's dependency resolver\|^[a-z0-9_.-]* [0-9.a-z]* requires\|has requirement" || true
   JAX_PLATFORMS=cpu "$TPU_VENV/bin/python" -c 'import vllm, tpu_inference, torch, maxtext' >/dev/null 2>&1 \
     || { echo "error: .venv-tpu does not import vllm/tpu_inference/torch/maxtext after the install" >&2; exit 1; }
   echo "$TPU_WANT" > "$TPU_STAMP"
@@ -35,8 +35,7 @@ t0=$SECONDS
 PLUGIN_SRC="$(mktemp -d -t maxtext-rl-plugin-src.XXXXXX)"
 (cd "$ROOT" && tar -cf - --exclude=__pycache__ --exclude='*.pyc' setup.py setup.cfg pyproject.toml README.md \
   maxtext_rl_plugin configs rewards) | tar -xf - -C "$PLUGIN_SRC"
-"$TPU_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall \
-  "$PLUGIN_SRC[tpu]" 2>&1 | grep -v "^WARNING: Location 'file:" || true
+pip_install "$TPU_VENV/bin/python" --no-deps --no-build-isolation --force-reinstall "$PLUGIN_SRC[tpu]"
 rm -rf "$PLUGIN_SRC"
 (cd / && "$TPU_VENV/bin/python" -c 'import maxtext_rl_plugin.rewards, maxtext_rl_plugin.configs' >/dev/null 2>&1) \
   || { echo "error: the plugin's non-editable install in .venv-tpu does not import" >&2; exit 1; }
