@@ -70,7 +70,7 @@ _DTYPE_BYTES = {
     "c64": 8,
     "c128": 16,
 }
-_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\](\{[^}]*\})?")
 _INSTR = re.compile(r"^\s+(ROOT )?%?([^\s=]+) = ")
 _HEADER = re.compile(r"^(ENTRY )?%?([^\s(]+) ")
 _CALLED = re.compile(
@@ -81,16 +81,22 @@ _COMPARE_DIR = re.compile(r"direction=(\w+)")
 
 
 def array_bytes(shape: str) -> float:
-  """Bytes of an HLO shape's text (a tuple: its elements); dynamic dimensions at their bound, layouts ignored."""
+  """Bytes of an HLO shape's text (a tuple: its elements), padded to its layout's tile as XLA's shape size is
+  (a TPU `{1,0:T(8,128)}` pads the two minor dimensions to 8 x 128); dynamic dimensions at their bound."""
   total = 0.0
-  for dtype, dims in _ARRAY.findall(shape):
+  for dtype, dims, layout in _ARRAY.findall(shape):
     if dtype not in _DTYPE_BYTES:
       continue
-    n = 1
-    for d in dims.replace("<=", "").split(","):
-      if d.strip():
-        n *= int(d)
-    total += n * _DTYPE_BYTES[dtype]
+    sizes = [int(d) for d in dims.replace("<=", "").split(",") if d.strip()]
+    tile = re.search(r":.*?T\(([\d,]+)\)", layout)
+    if tile and sizes:
+      minor_to_major = [int(d) for d in layout.strip("{}").split(":")[0].split(",") if d.strip()]
+      physical = [sizes[d] for d in reversed(minor_to_major)] if len(minor_to_major) == len(sizes) else sizes
+      t = [int(x) for x in tile.group(1).split(",")]
+      for j in range(1, min(len(t), len(physical)) + 1):
+        physical[-j] = -(-physical[-j] // t[-j]) * t[-j]
+      sizes = physical
+    total += math.prod(sizes) * _DTYPE_BYTES[dtype]
   return total
 
 
