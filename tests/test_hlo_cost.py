@@ -142,9 +142,7 @@ _DOT = 2 * 8 * 16 * 16
 
 
 def _synth(start=0, bound=12, step=1, cond=_LT) -> str:
-  return (
-      _SYNTH.replace("START", str(start)).replace("BOUND", str(bound)).replace("STEP", str(step)).replace("COND", cond)
-  )
+  return _SYNTH.replace("START", str(start)).replace("BOUND", str(bound)).replace("STEP", str(step)).replace("COND", cond)
 
 
 def test_counter_is_read_through_copies_and_wrapped_fusions():
@@ -304,7 +302,9 @@ def _v5p_probe() -> dict:
         f"scan_layers={scan}",
     ]
     rs = models.setup_devices(argv, devices=devices)
-    update, _ = programs.actor_update(rs.trainer_config, programs.trainer_mesh(rs.trainer_config, rs.trainer_devices), False)
+    update, _ = programs.actor_update(
+        rs.trainer_config, programs.trainer_mesh(rs.trainer_config, rs.trainer_devices), False
+    )
     r = compile_lib.compile_program(update)
     out["maxtext"][scan] = {
         "flops": r.flops,

@@ -100,6 +100,20 @@ def array_bytes(shape: str) -> float:
   return total
 
 
+def _memo(fn):
+  """Cache a method's results on its object (functools.cache would keep every parsed module alive)."""
+
+  @functools.wraps(fn)
+  def wrapper(self, *args):
+    memo = self.__dict__.setdefault("_memo", {})
+    key = (fn.__name__, *args)
+    if key not in memo:
+      memo[key] = fn(self, *args)
+    return memo[key]
+
+  return wrapper
+
+
 def _balanced(s: str, i: int) -> int:
   """Index just past the bracket group that opens at s[i]."""
   depth = 0
@@ -145,7 +159,9 @@ def _parse_instr(text: str) -> Instr:
   op = re.match(r"([\w\-]+)\(", rest)
   close = _balanced(rest, op.end() - 1)
   args = rest[op.end() : close - 1]
-  return Instr(m.group(2), shape, op.group(1), tuple(re.findall(r"%([\w.\-]+)", args)), args, rest[close:], bool(m.group(1)))
+  return Instr(
+      m.group(2), shape, op.group(1), tuple(re.findall(r"%([\w.\-]+)", args)), args, rest[close:], bool(m.group(1))
+  )
 
 
 class HloText:
@@ -170,8 +186,9 @@ class HloText:
         self.spans[name] = (start, i)
         start = None
 
-  @functools.cache  # pylint: disable=method-cache-max-size-none  # one table per computation for the object's life
+  @_memo
   def instrs(self, comp: str) -> dict[str, Instr]:
+    """`comp`'s instructions by name, in order (parsed on first use)."""
     start, end = self.spans[comp]
     out, cur = {}, []
     for line in self.lines[start + 1 : end]:
@@ -185,15 +202,17 @@ class HloText:
       out[ins.name] = ins
     return out
 
-  @functools.cache  # pylint: disable=method-cache-max-size-none
+  @_memo
   def root(self, comp: str) -> Instr:
+    """`comp`'s ROOT instruction."""
     return next(i for i in self.instrs(comp).values() if i.root)
 
-  @functools.cache  # pylint: disable=method-cache-max-size-none
+  @_memo
   def param(self, comp: str, index: int) -> Instr:
+    """`comp`'s parameter `index`."""
     return next(i for i in self.instrs(comp).values() if i.opcode == "parameter" and int(i.args) == index)
 
-  @functools.cache  # pylint: disable=method-cache-max-size-none
+  @_memo
   def users(self, comp: str) -> dict[str, list[tuple[Instr, int]]]:
     """name -> [(user, operand position)] within `comp`."""
     out: dict[str, list[tuple[Instr, int]]] = {}
@@ -202,7 +221,7 @@ class HloText:
         out.setdefault(o, []).append((ins, k))
     return out
 
-  @functools.cache  # pylint: disable=method-cache-max-size-none
+  @_memo
   def reachable(self, comp: str) -> tuple[str, ...]:
     """`comp` and every computation it calls, transitively, in the module's order (callees first)."""
     seen, todo = set(), [comp]

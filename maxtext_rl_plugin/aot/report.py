@@ -154,8 +154,11 @@ def table(rows: list[Row], spec: DeviceSpec, topology: str) -> str:
   )
   lines.append(
       "GFLOP and GB count every loop iteration (scanned layers, decode steps)"
-      + ("; (bounded): the decode loop counted to its max_new_tokens, as if no row stopped early" if any(
-          r.bounded for r in rows) else "")
+      + (
+          "; (bounded): the decode loop counted to its max_new_tokens, as if no row stopped early"
+          if any(r.bounded for r in rows)
+          else ""
+      )
   )
   errors = [f"{r.name}: {r.loops['error']}" for r in rows if r.loops and r.loops.get("error")]
   if errors:
