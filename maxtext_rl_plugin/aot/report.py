@@ -5,10 +5,10 @@ Per device (a JAX device: one v5p chip, half an Ironwood chip):
     needs     = peak + what else lives on those devices while it runs: on the trainer devices the train state
                 (actor params + optimizer state, the update's arguments) and a full-fine-tuning reference copy of the
                 params (rl.grpo_beta != 0); a program's own arguments are counted once
-    roofline  = max(FLOPs / peak FLOP/s, bytes accessed / HBM bandwidth)    (cost analysis of one call)
-  The embedded rollout is one program (prefill + a while-loop decode); XLA's cost analysis counts the loop body once,
-  so its time is  roofline(program) + (T - 1) * (weights + KV cache bytes per device) / HBM bandwidth,  the decode
-  steps being bandwidth-bound (upper bound: every temporary counted as KV cache).
+    roofline  = max(FLOPs / peak FLOP/s, bytes accessed / HBM bandwidth)    (one call)
+  FLOPs and bytes count every loop iteration (aot/hlo_cost.py: scanned layers, windowed einsums, the embedded
+  rollout's decode loop, counted to its bound of T steps and marked `bounded`); XLA's figures as reported, which
+  count each loop body once, are kept in the row as xla_gflops / xla_gbytes.
     step      = sum over programs of calls per step x roofline per call, by phase (rollout, logps, update, sync)
 A roofline is a lower bound: no overlap, no collectives' latency, no host time.
 """
@@ -50,6 +50,10 @@ class Row:
   note: str = ""
   oom: str | None = None
   host_temp_gib: float = 0.0  # remat-offloaded activations in host memory (not HBM)
+  xla_gflops: float = 0.0  # XLA's cost analysis as reported (each loop body once)
+  xla_gbytes: float = 0.0
+  bounded: bool = False  # gflops/gbytes count a data-dependent loop (the decode) to its bound
+  loops: dict | None = None  # hlo_cost.summary of the program's loops
 
 
 def per_device_bytes(tree: Any) -> int:
@@ -91,8 +95,6 @@ def row(c: Compiled, spec: DeviceSpec, resident_extra: int, replaces_args: bool)
     )
   needs = c.peak_bytes + resident_extra - (c.argument_bytes if replaces_args else 0)
   t = max(c.flops / spec.peak_flops, c.bytes_accessed / spec.hbm_bandwidth)
-  if p.decode_steps > 1:
-    t += (p.decode_steps - 1) * (c.argument_bytes + c.temp_bytes) / spec.hbm_bandwidth
   return Row(
       name=p.name,
       phase=p.phase,
@@ -113,6 +115,10 @@ def row(c: Compiled, spec: DeviceSpec, resident_extra: int, replaces_args: bool)
       knob=p.knob,
       note=p.note,
       host_temp_gib=c.host_temp_bytes / GIB,
+      xla_gflops=c.xla_flops / 1e9,
+      xla_gbytes=c.xla_bytes_accessed / 1e9,
+      bounded=c.bounded,
+      loops=c.loops,
   )
 
 
@@ -138,7 +144,7 @@ def table(rows: list[Row], spec: DeviceSpec, topology: str) -> str:
         f"{r.name:<24} {r.devices:>4} {r.calls_per_step:>5} {r.argument_gib:>7.2f} {r.output_gib:>7.2f} "
         f"{r.temp_gib:>7.2f} {r.peak_gib:>7.2f} {r.needs_gib:>7.2f} {100 * r.needs_gib / r.hbm_gib:>6.0f}% "
         f"{'yes' if r.fits else 'NO':>4} {r.gflops:>10.1f} {r.gbytes:>8.2f} {r.ms_per_call:>9.1f} "
-        f"{r.ms_per_step / 1e3:>8.2f} {r.compile_s:>7.0f}s"
+        f"{r.ms_per_step / 1e3:>8.2f} {r.compile_s:>7.0f}s{' (bounded)' if r.bounded else ''}"
     )
   est = step_estimate(rows)
   lines.append(
@@ -146,6 +152,17 @@ def table(rows: list[Row], spec: DeviceSpec, topology: str) -> str:
       + ", ".join(f"{ph} {est[ph]:.2f} s" for ph in PHASES)
       + f", total {est['total']:.2f} s (lower bound: no overlap, collectives or host time)"
   )
+  lines.append(
+      "GFLOP and GB count every loop iteration (scanned layers, decode steps)"
+      + (
+          "; (bounded): the decode loop counted to its max_new_tokens, as if no row stopped early"
+          if any(r.bounded for r in rows)
+          else ""
+      )
+  )
+  errors = [f"{r.name}: {r.loops['error']}" for r in rows if r.loops and r.loops.get("error")]
+  if errors:
+    lines.append("loops not counted (XLA's figures, each loop body once): " + "; ".join(errors))
   return "\n".join(lines)
 
 
