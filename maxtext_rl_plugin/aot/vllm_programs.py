@@ -237,15 +237,16 @@ def _metadata(vc, mesh: Mesh, tokens: int, reqs: int, decode: bool):
   return arr((tokens,)), md, arr((logits_rows,))
 
 
-def _step_fn(graphdef, mesh: Mesh):
+def _step_fn(name: str, graphdef, mesh: Mesh):
   """`run_model` then `run_compute_logits` of get_flax_model, traced for the target (tpu_inference_compat)."""
 
-  def step(state, kv_caches, input_ids, md, logits_indices):  # pylint: disable=invalid-name
+  def step(state, kv_caches, input_ids, md, logits_indices):
     with compat.for_target(mesh):
       model = nnx.merge(graphdef, state)
       kv_caches, hidden, *_ = model(kv_caches, input_ids, md)
       return kv_caches, model.compute_logits(hidden[logits_indices])
 
+  step.__name__ = name  # the compiled module's name (jit_<name>) in XLA's dumps and profiles
   return step
 
 
@@ -300,7 +301,7 @@ def build(rs, spec, trainer_resident: int, dp_devices: list) -> tuple[list, dict
                 name=name,
                 phase="rollout",
                 mesh=mesh,
-                fn=_step_fn(graphdef, mesh),
+                fn=_step_fn(name, graphdef, mesh),
                 args=(state, caches, ids, md, logits_idx),
                 calls_per_step=steps * calls,
                 knob=KNOB,
