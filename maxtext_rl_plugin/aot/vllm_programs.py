@@ -52,6 +52,7 @@ from maxtext_rl_plugin.aot.topology import GIB
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import vllm_config as vllm_config_lib
 from maxtext_rl_plugin.rollout import vllm_mapping
+from maxtext_rl_plugin.rollout import vllm_maxtext
 
 NEEDS_STACK = "vllm rollout needs tpu-inference (the TPU image's stack, .venv-tpu)"
 KNOB = "rollout_tensor_parallelism (weights per chip) or hbm_utilization_vllm (KV pool)"
@@ -256,10 +257,10 @@ def build(rs, spec, trainer_resident: int, dp_devices: list) -> tuple[list, dict
   from tpu_inference import envs as tpu_envs
 
   scfg = rs.sampler_config
+  kwargs = vllm_config_lib.vllm_engine_kwargs(scfg, len(dp_devices))
   adapter, _ = vllm_config_lib.choose_route(scfg)
   if adapter:
-    return [], {"not_compiled": [maxtext_route_reason(scfg)]}
-  kwargs = vllm_config_lib.vllm_engine_kwargs(scfg, len(dp_devices))
+    return [], {"not_compiled": [maxtext_route_reason(scfg, kwargs, dp_devices)]}
   tp, dp = kwargs["tensor_parallel_size"], kwargs["data_parallel_size"]
   _, _, module = _native(scfg.model_name)
   import importlib
@@ -336,18 +337,59 @@ def build(rs, spec, trainer_resident: int, dp_devices: list) -> tuple[list, dict
   return out, facts
 
 
-def maxtext_route_reason(scfg) -> str:
-  """Try MaxText's `MaxTextForCausalLM` abstractly; the one line saying why it is not compiled."""
-  try:
-    from maxtext.integration.vllm.maxtext_vllm_adapter import register
-    from tpu_inference.models.common import model_loader
+# HF model_type of the checkpoints of the families MaxText's adapter route serves (the config.json vLLM reads).
+_HF_MODEL_TYPE = {"llama3.1": "llama", "qwen3": "qwen3_moe", "mixtral": "mixtral", "gemma3": "gemma3_text"}
 
-    register()
-    cls = model_loader._MODEL_REGISTRY["MaxTextForCausalLM"]  # pylint: disable=protected-access  # see test_forward_maxtext
-  except Exception as e:  # pylint: disable=broad-exception-caught  # any failure is the reason
-    return f"vllm rollout (MaxTextForCausalLM): the adapter does not load here ({type(e).__name__})"
-  return (
-      f"vllm rollout ({cls.__name__}, MaxText's decoder inside vLLM, the route {scfg.model_name} takes): its weights "
-      "are created inside a jax.jit under jax.set_mesh (the adapter's model creation), which nnx.eval_shape cannot "
-      "trace abstractly; no compiled rollout row"
-  )
+
+def _adapter_mesh(devices: list, tp: int) -> Mesh:
+  """The adapter's mesh: tpu-inference's full axis names, `tp` devices on 'model' (tests/tpu_contract's adapter_mesh)."""
+  from tpu_inference.layers.common.sharding import MESH_AXIS_NAMES
+
+  shape = [1] * len(MESH_AXIS_NAMES)
+  shape[MESH_AXIS_NAMES.index("model")] = tp
+  return Mesh(np.array(devices[:tp], dtype=object).reshape(shape), MESH_AXIS_NAMES)
+
+
+def maxtext_route_reason(scfg, kwargs: dict, devices: list) -> str:
+  """Build MaxText's `MaxTextForCausalLM` abstractly as the native class is; the one `not compiled:` line."""
+  from tpu_inference.distributed import jax_parallel_state
+  from tpu_inference.layers.common.sharding import ShardingConfigManager
+  from tpu_inference.models.common import model_loader
+  from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
+
+  kwargs, _ = vllm_maxtext.engine_kwargs(kwargs, scfg)
+  head = f"vllm rollout ({vllm_maxtext.ARCHITECTURE}, MaxText's {scfg.model_name} decoder inside vLLM)"
+  family = next((k for k in _HF_MODEL_TYPE if scfg.model_name.startswith(k)), None)
+  if family is None:
+    return f"{head}: no HF model_type known here for {scfg.model_name}; no compiled rollout row"
+  try:
+    vllm_maxtext.register_adapter()
+    cls = model_loader._MODEL_REGISTRY[vllm_maxtext.ARCHITECTURE]  # pylint: disable=protected-access  # as the loader
+    with tempfile.TemporaryDirectory() as model_dir:
+      hf = {**kwargs["hf_overrides"], "model_type": _HF_MODEL_TYPE[family]}
+      hf.setdefault("max_position_embeddings", kwargs["max_model_len"])
+      with open(os.path.join(model_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(hf, f)
+      vc = VllmConfig(
+          model_config=ModelConfig(
+              model=model_dir,
+              skip_tokenizer_init=True,
+              dtype=kwargs["dtype"],
+              max_model_len=kwargs["max_model_len"],
+              hf_overrides=kwargs["hf_overrides"],
+          ),
+          device_config=DeviceConfig(device="cpu"),
+          parallel_config=ParallelConfig(tensor_parallel_size=kwargs["tensor_parallel_size"]),
+          load_config=LoadConfig(load_format="dummy"),
+          additional_config={k: v for k, v in kwargs["additional_config"].items() if k != "sharding"},
+      )
+      vc.model_config.dtype = model_loader.to_jax_dtype(vc.model_config.dtype)
+      vc.sharding_config = ShardingConfigManager.from_vllm_config(vc)
+      jax_parallel_state.init_pp_distributed_environment(ip="", rank=0, world_size=1, device=None, need_pp=False)
+      mesh = _adapter_mesh(devices, kwargs["tensor_parallel_size"])
+      with jax.set_mesh(mesh):
+        nnx.eval_shape(lambda: cls(vc, jax.random.key(0), mesh))
+  except Exception as e:  # pylint: disable=broad-exception-caught  # the reason is the line
+    first = " ".join(str(e).split())[:240]
+    return f"{head}: nnx.eval_shape cannot build it, so its step is not compiled ({type(e).__name__}: {first})"
+  return f"{head}: built abstractly, but this path compiles only the native classes' step; no compiled rollout row"
