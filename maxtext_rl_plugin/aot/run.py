@@ -35,7 +35,6 @@ from maxtext_rl_plugin.aot import vllm_programs
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.run import build
 
-
 # Compile only the programs of these phases (comma-separated: rollout, logps, update, sync); unset: every program.
 ONLY_PHASES_ENV = "MAXTEXT_RL_AOT_PHASES"
 
@@ -151,8 +150,9 @@ def run(config, argv: Sequence[str]) -> int:
   progs, facts = build_programs(config, argv, devices)
   only = {p for p in os.environ.get(ONLY_PHASES_ENV, "").split(",") if p}
   if only:  # e.g. a test that compiles the rollout alone: the others are listed as skipped, never as fitting
-    facts["not_compiled"] += [f"{p.name}: skipped ({ONLY_PHASES_ENV}={','.join(sorted(only))})" for p, _, _ in progs
-                              if p.phase not in only]
+    facts["not_compiled"] += [
+        f"{p.name}: skipped ({ONLY_PHASES_ENV}={','.join(sorted(only))})" for p, _, _ in progs if p.phase not in only
+    ]
     progs = [x for x in progs if x[0].phase in only]
   rows, failed = [], []
   for i, (prog, resident, replaces) in enumerate(progs, 1):
@@ -191,7 +191,8 @@ def run(config, argv: Sequence[str]) -> int:
         flush=True,
     )
     return 1
-  print(f"fits: every program of the RL step fits {topo} ({spec.hbm_bytes / topology.GIB:.0f} GiB per device)")
+  what = f"the {','.join(sorted(only))} programs fit" if only else "every program of the RL step fits"
+  print(f"fits: {what} {topo} ({spec.hbm_bytes / topology.GIB:.0f} GiB per device)")
   logging.info("aot compile done")
   sys.stdout.flush()
   return 0

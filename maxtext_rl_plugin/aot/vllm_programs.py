@@ -285,7 +285,9 @@ def build(rs, spec, trainer_resident: int, dp_devices: list) -> tuple[list, dict
   new_tokens = int(scfg.max_target_length) - prompt
   budget = vc.scheduler_config.max_num_batched_tokens
   paddings = runner_utils.build_token_paddings(
-      min_token_size=max(tpu_envs.MIN_TOKEN_BUCKET, 1), max_token_size=budget, padding_gap=tpu_envs.VLLM_TPU_BUCKET_PADDING_GAP
+      min_token_size=max(tpu_envs.MIN_TOKEN_BUCKET, 1),
+      max_token_size=budget,
+      padding_gap=tpu_envs.VLLM_TPU_BUCKET_PADDING_GAP,
   )
   prefill_tokens = runner_utils.get_padded_token_len(paddings, min(budget, reqs * prompt))
   decode_tokens = runner_utils.get_padded_token_len(paddings, reqs)

@@ -93,7 +93,7 @@ def test_tiny_vllm_rollout_compiles_for_v5p_8_with_the_kernel_and_vllms_kv_pool(
 
   # XLA's dump of each compiled program: one Pallas RPA kernel call (decode and mixed variants) per layer.
   for name in names:
-    (text,) = [f.read_text() for f in dump.glob(f"*{name}*after_optimizations.txt")]
+    (text,) = [f.read_text(encoding="utf-8") for f in dump.glob(f"*{name}*after_optimizations.txt")]
     assert text.count('custom_call_target="tpu_custom_call"') >= v["layers"]
     assert "RPAd-" in text and "RPAm-" in text, name
 
@@ -126,7 +126,7 @@ def test_the_private_names_compat_touches_exist_at_the_pins():
   assert all(f"envs.{k}" in src for k in ("TPU_NAME", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_ID"))
   # determine_available_memory's arithmetic (cited in vllm_programs): limit x utilization - used. Read, not imported:
   # the worker module imports vLLM's n-gram proposer, whose numba is not in the image's pins for this venv.
-  worker = pathlib.Path(importlib.util.find_spec("tpu_inference.worker.tpu_worker").origin).read_text()
+  worker = pathlib.Path(importlib.util.find_spec("tpu_inference.worker.tpu_worker").origin).read_text(encoding="utf-8")
   assert "total_hbm_limit_cap = total_hbm_limit * gpu_memory_utilization" in worker
   assert "total_hbm_avail = int(total_hbm_limit_cap - total_hbm_used)" in worker
   assert compat.batch_defaults() == (8192, 256)  # what vllm.LLM defaults to on a TPU VM at these pins
