@@ -26,6 +26,23 @@ if stamp_stale "$TPU_STAMP" "$TPU_WANT"; then
   echo "$TPU_WANT" > "$TPU_STAMP"
   echo "[tpu-venv] installed in $((SECONDS - t0)) s, $(du -sh "$TPU_VENV" | cut -f1)"
 fi
+# libtpu for compiling the vLLM rollout for a TPU topology (maxtext_rl_plugin/aot/vllm_programs.py,
+# tests/tpu_contract/test_aot_vllm.py): the TPU image's libtpu, which matches this venv's jax 0.11.2 (PyPI's newest
+# pairs with jax 0.12). Its own --target dir, put on PYTHONPATH only by the AOT compile subprocesses, so the contract
+# tests' CPU JAX never looks for a TPU; stamp-guarded like .venv-aot-libtpu in scripts/venv.sh (~690 MB, ~10 s).
+TPU_LIBTPU="${TPU_LIBTPU:-$ROOT/.venv-tpu-libtpu}"
+TPU_LIBTPU_WANT="libtpu==0.0.48"
+if [ "${MAXTEXT_RL_SKIP_AOT_LIBTPU:-0}" != 1 ] && stamp_stale "$TPU_LIBTPU/.stamp" "$TPU_LIBTPU_WANT"; then
+  echo "[tpu-venv] installing $TPU_LIBTPU_WANT into $TPU_LIBTPU (AOT compile of the vLLM rollout)"
+  t0=$SECONDS
+  rm -rf "$TPU_LIBTPU"
+  "$TPU_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --target "$TPU_LIBTPU" \
+    "$TPU_LIBTPU_WANT" 2>&1 | grep -v "^WARNING: Location 'file:" || true
+  if [ -d "$TPU_LIBTPU/libtpu" ]; then
+    echo "$TPU_LIBTPU_WANT" > "$TPU_LIBTPU/.stamp"
+    echo "[tpu-venv] $TPU_LIBTPU_WANT installed in $((SECONDS - t0)) s, $(du -sh "$TPU_LIBTPU" | cut -f1)"
+  fi
+fi
 # The plugin itself as the TPU image installs it (dependencies/Dockerfile step 2): a non-editable `--no-deps ".[tpu]"`
 # install of the files the image copies, so tests/tpu_contract imports the installed package (configs/ and rewards/
 # inside it through setup.cfg's package_dir, modules only if setup.py ships them), never the checkout. Reinstalled on

@@ -31,8 +31,13 @@ from maxtext_rl_plugin.aot import compile as compile_lib
 from maxtext_rl_plugin.aot import programs
 from maxtext_rl_plugin.aot import report
 from maxtext_rl_plugin.aot import topology
+from maxtext_rl_plugin.aot import tpu_inference_compat as compat
+from maxtext_rl_plugin.aot import vllm_programs
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.run import build
+
+# Compile only the programs of these phases (comma-separated: rollout, logps, update, sync); unset: every program.
+ONLY_PHASES_ENV = "MAXTEXT_RL_AOT_PHASES"
 
 
 class DoesNotFitError(ConfigError):
@@ -106,11 +111,17 @@ def build_programs(config, argv: Sequence[str], devices: list) -> tuple[list, di
       "reference_copy_gib_per_device": ref_copy / topology.GIB,
       "not_compiled": [],
   }
-  if engine == "vllm":
-    facts["not_compiled"].append(
-        "rollout (vLLM): tpu-inference's model forward with its Pallas ragged paged attention needs the TPU image's "
-        "libtpu 0.0.48 + jax 0.11.2 (.venv-tpu); not compiled by this path yet"
-    )
+  if engine == "vllm":  # tpu-inference's model step and vLLM's KV pool (aot/vllm_programs.py), in the TPU image's stack
+    compat.quiet_env(config.compile_topology)
+    if compat.importable():
+      vllm_progs, vllm_facts = vllm_programs.build(
+          rs, topology.device_spec(config.compile_topology), trainer_resident, rs.sampler_devices
+      )
+      out += vllm_progs
+      facts["not_compiled"] += vllm_facts.pop("not_compiled")
+      facts.update(vllm_facts)
+    else:
+      facts["not_compiled"].append(vllm_programs.NEEDS_STACK)
   else:
     if engine == "auto":
       _say("rollout_engine=auto: compiling the embedded engine (on a TPU with vLLM installed, auto picks vLLM)")
@@ -141,6 +152,12 @@ def run(config, argv: Sequence[str]) -> int:
   t0 = time.perf_counter()
   devices = topology.topology_devices(topo, num_slices)
   progs, facts = build_programs(config, argv, devices)
+  only = {p for p in os.environ.get(ONLY_PHASES_ENV, "").split(",") if p}
+  if only:  # e.g. a test that compiles the rollout alone: the others are listed as skipped, never as fitting
+    facts["not_compiled"] += [
+        f"{p.name}: skipped ({ONLY_PHASES_ENV}={','.join(sorted(only))})" for p, _, _ in progs if p.phase not in only
+    ]
+    progs = [x for x in progs if x[0].phase in only]
   rows, failed = [], []
   for i, (prog, resident, replaces) in enumerate(progs, 1):
     _say(f"compiling {i}/{len(progs)} {prog.name} on {prog.mesh.size} devices {_axes(prog.mesh)} ...")
@@ -178,7 +195,8 @@ def run(config, argv: Sequence[str]) -> int:
         flush=True,
     )
     return 1
-  print(f"fits: every program of the RL step fits {topo} ({spec.hbm_bytes / topology.GIB:.0f} GiB per device)")
+  what = f"the {','.join(sorted(only))} programs fit" if only else "every program of the RL step fits"
+  print(f"fits: {what} {topo} ({spec.hbm_bytes / topology.GIB:.0f} GiB per device)")
   logging.info("aot compile done")
   sys.stdout.flush()
   return 0
