@@ -36,8 +36,7 @@ if [ "${MAXTEXT_RL_SKIP_AOT_LIBTPU:-0}" != 1 ] && stamp_stale "$TPU_LIBTPU/.stam
   echo "[tpu-venv] installing $TPU_LIBTPU_WANT into $TPU_LIBTPU (AOT compile of the vLLM rollout)"
   t0=$SECONDS
   rm -rf "$TPU_LIBTPU"
-  "$TPU_VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps --target "$TPU_LIBTPU" \
-    "$TPU_LIBTPU_WANT" 2>&1 | grep -v "^WARNING: Location 'file:" || true
+  pip_install "$TPU_VENV/bin/python" --no-deps --target "$TPU_LIBTPU" "$TPU_LIBTPU_WANT"
   if [ -d "$TPU_LIBTPU/libtpu" ]; then
     echo "$TPU_LIBTPU_WANT" > "$TPU_LIBTPU/.stamp"
     echo "[tpu-venv] $TPU_LIBTPU_WANT installed in $((SECONDS - t0)) s, $(du -sh "$TPU_LIBTPU" | cut -f1)"
