@@ -187,7 +187,11 @@ needs_libtpu = pytest.mark.skipif(
 def test_tiny_config_compiles_for_v5p_8_with_every_program(tmp_path):
   # batch_size=1: MaxText's rl.yml default, 1 x 2 rows that do not split over 4 chips: replicated, as the run does.
   res = _compile(
-      tmp_path, "run_name=t", "compile_topology=v5p-8", "compile_topology_num_slices=1", "rl.num_iterations=2",
+      tmp_path,
+      "run_name=t",
+      "compile_topology=v5p-8",
+      "compile_topology_num_slices=1",
+      "rl.num_iterations=2",
       "batch_size=1",
   )
   assert res.returncode == 0, res.stderr[-3000:]
