@@ -6,7 +6,8 @@
 * For a TPU (subprocesses with libtpu on their path only; `scripts/venv.sh` installs it into `.venv-aot-libtpu`):
   a tiny config compiled for v5p-8 writes the report with every program of the step; one that cannot fit a v5e-4
   ends with the one-line verdict and exit 2; a tiny MoE on MaxText's sparse path, whose rollout cannot trace the
-  routing recording, ends with an error line and exit 1; Tunix's own GRPO step compiles beside the plugin's update.
+  routing recording, ends with an error line and exit 1; Tunix's own GRPO step compiles beside the plugin's update;
+  a vllm rollout where tpu-inference does not import is a `not compiled:` line, not a traceback.
 * MoE programs are the run's: routing recorded by the engine and the old-policy forward, replayed under
   rl.router_replay (lowered for the CPU devices).
 """
@@ -14,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import pathlib
@@ -42,6 +44,7 @@ from maxtext_rl_plugin.aot import programs
 from maxtext_rl_plugin.aot import report
 from maxtext_rl_plugin.aot import run as aot_run
 from maxtext_rl_plugin.aot import topology
+from maxtext_rl_plugin.aot import vllm_programs
 from maxtext_rl_plugin.run import build
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -184,7 +187,11 @@ needs_libtpu = pytest.mark.skipif(
 def test_tiny_config_compiles_for_v5p_8_with_every_program(tmp_path):
   # batch_size=1: MaxText's rl.yml default, 1 x 2 rows that do not split over 4 chips: replicated, as the run does.
   res = _compile(
-      tmp_path, "run_name=t", "compile_topology=v5p-8", "compile_topology_num_slices=1", "rl.num_iterations=2",
+      tmp_path,
+      "run_name=t",
+      "compile_topology=v5p-8",
+      "compile_topology_num_slices=1",
+      "rl.num_iterations=2",
       "batch_size=1",
   )
   assert res.returncode == 0, res.stderr[-3000:]
@@ -232,6 +239,22 @@ def test_moe_sparse_matmul_for_v5p_8_compiles_every_program_the_run_executes(tmp
   rep = json.loads((tmp_path / "m.aot-v5p-8.json").read_text())
   assert [p["name"] for p in rep["programs"]] == ["actor_update", "reference_logps", "rollout_prefill_decode"]
   assert rep["fits"] and rep["all_compiled"] and not rep["not_compiled"]
+
+
+@needs_libtpu
+def test_vllm_rollout_without_tpu_inference_is_a_not_compiled_line(tmp_path, monkeypatch):
+  # The main .venv has no tpu_inference: the vllm rollout is listed as not compiled, not a traceback. Rollout phase
+  # only (MAXTEXT_RL_AOT_PHASES), so nothing compiles; head_dim=64: the vllm route's own config check passes.
+  if importlib.util.find_spec("tpu_inference") is not None:
+    pytest.skip("tpu_inference imports here: the vllm rollout compiles (tests/tpu_contract/test_aot_vllm.py)")
+  monkeypatch.setenv(aot_run.ONLY_PHASES_ENV, "rollout")
+  res = _compile(tmp_path, "run_name=v", "compile_topology=v5p-8", "rollout_engine=vllm", "head_dim=64")
+  assert res.returncode == 0, res.stderr[-3000:]
+  assert "Traceback" not in res.stderr
+  assert f"not compiled: {vllm_programs.NEEDS_STACK}" in res.stdout.splitlines()
+  rep = json.loads((tmp_path / "v.aot-v5p-8.json").read_text())
+  assert rep["programs"] == [] and rep["not_compiled"][0] == vllm_programs.NEEDS_STACK
+  assert "actor_update: skipped (MAXTEXT_RL_AOT_PHASES=rollout)" in rep["not_compiled"]
 
 
 @needs_libtpu

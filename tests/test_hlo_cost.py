@@ -1,4 +1,5 @@
-"""aot/hlo_cost.py counts every loop iteration, against references independent of it.
+"""aot/hlo_cost.py counts every loop iteration (reading the module through aot/hlo_text.py), against references
+independent of it.
 
 * XLA's analysis through the private binding equals `compiled.cost_analysis()` on loop-free programs (CPU; v5p).
 * A nested `jax.lax.scan`'s gradient: the counted FLOPs are within 5% of a hand count of its matmuls (CPU; v5p),
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from maxtext_rl_plugin.aot import hlo_cost
+from maxtext_rl_plugin.aot import hlo_cost, hlo_text
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LIBTPU = REPO / ".venv-aot-libtpu"
@@ -199,15 +200,15 @@ def test_a_computation_ends_only_at_a_lone_brace():
   # entry computation: its while loop after it is still found and counted.
   multi = '  %note = f32[8,16] copy(%x.0), backend_config={"a":\n{"b": 1}\n}, frontend_attributes={k="v"}\n'
   text = _synth(bound=5).replace("  %start = s32[]", multi + "  %start = s32[]")
-  hlo = hlo_cost.HloText(text)
+  hlo = hlo_text.HloText(text)
   assert "note" in hlo.instrs(hlo.entry)
   (loop,) = hlo.whiles(hlo.entry)
   assert hlo.trip_count(hlo.entry, loop) == (5, False)
 
 
 def test_tile_padding_is_counted_as_xla_counts_it():
-  assert hlo_cost.array_bytes("bf16[4,64]{1,0:T(8,128)(2,1)}") == 8 * 128 * 2
-  assert hlo_cost.array_bytes("(f32[2,3]{1,0}, s8[5])") == 2 * 3 * 4 + 5
+  assert hlo_text.array_bytes("bf16[4,64]{1,0:T(8,128)(2,1)}") == 8 * 128 * 2
+  assert hlo_text.array_bytes("(f32[2,3]{1,0}, s8[5])") == 2 * 3 * 4 + 5
 
 
 # -- v5p (libtpu) -------------------------------------------------------------------------------------------------

@@ -75,8 +75,6 @@ class Program:
   in_shardings: Any = None
   out_shardings: Any = None
   donate_argnums: tuple = ()
-  # Decode programs: bytes each decode step re-reads per device (weights + KV cache), for the time estimate.
-  decode_steps: int = 0
   note: str = ""
   # Lower under `jax.set_mesh(mesh)` (the run's context); off when inputs and outputs order the devices differently.
   context_mesh: bool = True
@@ -348,7 +346,6 @@ def rollout_program(sampler_config, sampler_devices) -> Program:
       calls_per_step=calls,
       knob="rollout_micro_batch_size (KV cache: prompts x generations x max_target_length), sampler_devices_fraction",
       rules=sampler.rules,
-      decode_steps=new_tokens,
       note=f"{prompts} prompts x {g} generations, prompt bucket {length}, {new_tokens} new tokens per call",
   )
 
