@@ -206,6 +206,19 @@ def test_a_computation_ends_only_at_a_lone_brace():
   assert hlo.trip_count(hlo.entry, loop) == (5, False)
 
 
+def test_a_computation_on_another_thread_ends_at_its_closing_line():
+  # TPU modules print SparseCore computations (MaxText's sparse MoE scatter on v5p, layer bodies on tpu7x) closed by
+  # `}, execution_thread="sparsecore"`: missing that end swallowed the next computations, so a loop body re-entered
+  # as a module lacked its callees (XLA: "computation does not exist"; on v5p a segfault in its parser).
+  sc = '%sc (p: s32[]) -> s32[] {\n  ROOT %p = s32[] parameter(0)\n}, execution_thread="sparsecore"\n\n'
+  text = _synth(bound=7).replace("%wrapped_compare (", sc + "%wrapped_compare (")
+  hlo = hlo_text.HloText(text)
+  assert {"sc", "wrapped_compare", "body", "cond", "main"} <= set(hlo.spans)
+  (loop,) = hlo.whiles(hlo.entry)
+  assert hlo.trip_count(hlo.entry, loop) == (7, False)
+  assert hlo_cost.module_cost(text).flops == pytest.approx(7 * _DOT, rel=0.01)
+
+
 def test_tile_padding_is_counted_as_xla_counts_it():
   assert hlo_text.array_bytes("bf16[4,64]{1,0:T(8,128)(2,1)}") == 8 * 128 * 2
   assert hlo_text.array_bytes("(f32[2,3]{1,0}, s8[5])") == 2 * 3 * 4 + 5

@@ -48,6 +48,7 @@ _DTYPE_BYTES = {
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\](\{[^}]*\})?")
 _INSTR = re.compile(r"^\s+(ROOT )?%?([^\s=]+) = ")
 _HEADER = re.compile(r"^(ENTRY )?%?([^\s(]+) ")
+_END = re.compile(r'^\}(, execution_thread="[^"]*")?$')
 _CALLED = re.compile(
     r"\b(calls|to_apply|body|condition|true_computation|false_computation|branch_computations|called_computations)="
     r"(\{[^}]*\}|%?[\w.\-]+)"
@@ -157,7 +158,8 @@ class HloText:
             self.entry = name
           if not self.spans:
             self.prologue_end = i
-      elif line == "}":  # only a lone brace ends it: attributes may span lines that start with '}'
+      elif _END.match(line):  # only a lone brace ends it (attributes may span lines that start with '}'), or one
+        # that names the computation's thread: TPU modules print SparseCore computations as `}, execution_thread=...`
         self.spans[name] = (start, i)
         start = None
 
