@@ -252,6 +252,7 @@ def test_vllm_rollout_without_tpu_inference_is_a_not_compiled_line(tmp_path, mon
   assert res.returncode == 0, res.stderr[-3000:]
   assert "Traceback" not in res.stderr
   assert f"not compiled: {vllm_programs.NEEDS_STACK}" in res.stdout.splitlines()
+  assert "nothing compiled for v5p-8" in res.stdout and "fits:" not in res.stdout
   rep = json.loads((tmp_path / "v.aot-v5p-8.json").read_text())
   assert rep["programs"] == [] and rep["not_compiled"][0] == vllm_programs.NEEDS_STACK
   assert "actor_update: skipped (MAXTEXT_RL_AOT_PHASES=rollout)" in rep["not_compiled"]

@@ -195,6 +195,9 @@ def run(config, argv: Sequence[str]) -> int:
         flush=True,
     )
     return 1
+  if not rows:  # e.g. only the rollout asked for and it needs tpu-inference: nothing was checked, so no "fits"
+    print(f"nothing compiled for {topo}: every program asked for was skipped or is not compiled here (see above)")
+    return 0
   what = f"the {','.join(sorted(only))} programs fit" if only else "every program of the RL step fits"
   print(f"fits: {what} {topo} ({spec.hbm_bytes / topology.GIB:.0f} GiB per device)")
   logging.info("aot compile done")
