@@ -31,9 +31,13 @@ tpu_log="$(mktemp)"
 lint_log="$(mktemp)"
 trap 'rm -rf "$MAXTEXT_RL_TEST_JAX_CACHE" "$tpu_log" "$lint_log"' EXIT
 status=0
+t=$SECONDS
+source "$ROOT/scripts/venv.sh"
+took "venv (installs only when setup.cfg changed)" "$t"
 # The third pass (tests/tpu_contract in .venv-tpu) needs nothing of .venv: it installs and runs in the background from
-# the start, beside the venv step (one core of pip) and pass 1, so no core idles while it runs alone at the end (its
-# tests are one process; measured, docs/DEVELOPMENT.md). Its output is shown after pass 2.
+# here, beside pass 1, so no core idles while it runs alone at the end (its tests are one process; measured,
+# docs/DEVELOPMENT.md). It starts after the venv step, which is on the critical path and compiles bytecode on both
+# cores. Its output is shown after pass 2.
 tpu_pid=""
 if [ $# -eq 0 ] && [ "${MAXTEXT_RL_SKIP_TPU_CONTRACT:-0}" != "1" ]; then
   (
@@ -54,9 +58,6 @@ if [ $# -eq 0 ] && [ "${MAXTEXT_RL_SKIP_TPU_CONTRACT:-0}" != "1" ]; then
   ) >"$tpu_log" 2>&1 &
   tpu_pid=$!
 fi
-t=$SECONDS
-source "$ROOT/scripts/venv.sh"
-took "venv (installs only when setup.cfg changed)" "$t"
 cd "$ROOT"
 # xpk (launcher tests) lives outside the resolver on purpose: see the `xpk` extra in setup.cfg.
 t=$SECONDS

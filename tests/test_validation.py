@@ -269,7 +269,9 @@ def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
       ("export_lora", ["--output", str(tmp_path / "o"), tiny, "run_name=a/b"], "error: invalid value for 'run_name'"),
       ("export_lora", ["--output", str(tmp_path / "o"), tiny, "learning_rat=1"], "error: unknown config key"),
   ]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+  # PYTHONDONTWRITEBYTECODE: importing the user's reward files makes Python (not the plugin) cache their bytecode in a
+  # __pycache__ beside them; the listing below checks that the refused runs wrote nothing of their own.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", PYTHONDONTWRITEBYTECODE="1")
   p = subprocess.run(
       [sys.executable, "-c", _REFUSE_ALL, json.dumps([(m, [str(a) for a in argv]) for m, argv, _ in cases])],
       cwd=tmp_path,
