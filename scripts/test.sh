@@ -9,8 +9,8 @@
 # Speed (docs/DEVELOPMENT.md, "Test-suite time"): passes 1-2 run on pytest-xdist workers (MAXTEXT_RL_TEST_WORKERS,
 # default 2; `-n 0` among the arguments runs serially), end-to-end runs whose promise is not about a process run
 # train_rl in the worker's own process (tests/_in_process.py), every process of the run shares one JAX compilation
-# cache (a temporary directory of this run only, removed at exit), lint runs niced beside the tests, and each pass
-# prints its slowest tests plus the time of every step ("[time] ...").
+# cache (a temporary directory of this run only, removed at exit), lint runs at the lowest priority after pass 1, and
+# each pass prints its slowest tests plus the time of every step ("[time] ...").
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 T_RUN=$SECONDS
@@ -86,24 +86,26 @@ if "$VENV/bin/python" -c 'import xdist' >/dev/null 2>&1; then
   # --no-loadscope-reorder: modules start in tests/conftest.py's longest-first order, not "most tests first".
   XDIST=(-n "${MAXTEXT_RL_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder)
 fi
-# Style (MaxText's pyink and pylint settings, ~2 min of one core) on a full run, niced beside the tests so it only
-# takes idle cycles off the critical path: a finding fails the run; its output is shown at the end.
-lint_pid=""
-if [ $# -eq 0 ]; then
-  (
-    t=$SECONDS
-    rc=0
-    cpu lint env MAXTEXT_RL_LINT_JOBS=1 nice -n 10 bash "$ROOT/scripts/lint.sh" || rc=$?
-    took "lint (background)" "$t"
-    exit $rc
-  ) >"$lint_log" 2>&1 &
-  lint_pid=$!
-fi
 # `network` tests ask the package registry; they are an explicit check before changing pins (docs/DEVELOPMENT.md).
 t=$SECONDS
 cpu "pass 1" "$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m "not multidevice and not network and not solo" "$@" \
   || status=$?
 took "pass 1 (one CPU device)" "$t"
+# Style (MaxText's pyink and pylint settings, ~155 CPU-s) on a full run, after pass 1 and at the lowest priority: passes
+# 2 and 4 leave ~250 CPU-s idle (pass 4's multi-process tests wait more than they compute), which it takes; beside pass
+# 1, which is CPU-bound, its CPU-seconds were pass 1's wall (docs/DEVELOPMENT.md, "This round"). A finding fails the
+# run; its output is shown at the end.
+lint_pid=""
+if [ $# -eq 0 ]; then
+  (
+    t=$SECONDS
+    rc=0
+    cpu lint env MAXTEXT_RL_LINT_JOBS=1 nice -n 19 bash "$ROOT/scripts/lint.sh" || rc=$?
+    took "lint (background)" "$t"
+    exit $rc
+  ) >"$lint_log" 2>&1 &
+  lint_pid=$!
+fi
 # pytest exits 5 when nothing is collected. On a full run that means the `multidevice` marker was lost and every
 # multidevice test silently vanished: a failure. Only a filtered run (extra arguments) may legitimately select none.
 t=$SECONDS
@@ -134,7 +136,7 @@ rc=0
 cpu "pass 4" "$VENV/bin/python" -m pytest -q -rs --durations=10 -m "solo and not network" "$@" || rc=$?
 if [ $rc -ne 0 ] && { [ $rc -ne 5 ] || [ $# -eq 0 ]; }; then status=$rc; fi
 took "pass 4 (solo: multi-process and Ray, one at a time)" "$t"
-# Lint last: niced, it may still be running here (it only had pass 1's idle cycles); its nice keeps it off pass 4's cores.
+# Lint last: it may still be running here (it only had the idle cycles of passes 2 and 4).
 if [ -n "$lint_pid" ]; then
   t=$SECONDS
   wait "$lint_pid" || status=1
