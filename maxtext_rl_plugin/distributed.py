@@ -239,7 +239,7 @@ def rows_note(rows: int, mesh: jax.sharding.Mesh, axes: Any) -> str | None:
   return (
       f"note: the train micro-batch of {rows} rows does not split over the trainer's {ways}-way data axis: it is "
       f"replicated (as Tunix's shard_input does), and the model's activation sharding pads it to one row per device, "
-      f"so an update costs what {max(rows, ways) + (-max(rows, ways)) % ways} rows would; a train_micro_batch_size "
+      f"so an update costs what {-(-rows // ways) * ways} rows would; a train_micro_batch_size "
       f"(or batch_size) x rl.num_generations divisible by {ways} uses every device"
   )
 
