@@ -105,6 +105,29 @@ def _source_of(engine_path: str) -> set[str]:
   return {name}
 
 
+# The adapter's own module tree roots MaxText's decoder at `model` (`MaxTextForCausalLM.model`), which is what
+# `nnx.state(adapter)` names. tpu-inference's worker hands the same weights re-rooted at `base`, the trainer's root:
+# `TPUWorker.get_weights_state` -> `rl/raiden_worker_sync.extract_weight_state` returns `{"base": state["model"]}`.
+ADAPTER_ROOT = "model"
+WORKER_ROOT = "base"
+
+
+def state_root(engine_flat: Mapping[str, Any]) -> str:
+  """The first name component every engine weight shares (`base` from the real worker, `model` from the module)."""
+  roots = {k.split(".", 1)[0] for k in engine_flat}
+  if len(roots) != 1 or roots.isdisjoint({ADAPTER_ROOT, WORKER_ROOT}):
+    raise ValueError(
+        f"MaxTextForCausalLM weights must all sit under '{WORKER_ROOT}.' (tpu-inference's worker) or "
+        f"'{ADAPTER_ROOT}.' (the module's own state); got roots {sorted(roots)[:4]}"
+    )
+  return roots.pop()
+
+
+def rerooted(flat: Mapping[str, Any], old: str, new: str) -> dict[str, Any]:
+  """`{old.x: v}` -> `{new.x: v}`."""
+  return {new + k[len(old) :]: v for k, v in flat.items()}
+
+
 def convert_and_move(
     layout: AdapterLayout,
     flat: Mapping[str, jax.Array],
@@ -112,10 +135,16 @@ def convert_and_move(
     *,
     chunk_size: int | None = None,
 ) -> dict[str, jax.Array]:
-  """Convert, then move onto the engine's shardings (plugin resharding, `chunk_size` arrays at a time)."""
+  """Convert, then move onto the engine's shardings (plugin resharding, `chunk_size` arrays at a time).
+
+  `engine_flat` is named as the engine's weight state names it (`state_root`); the result is named the same way.
+  """
+  root = state_root(engine_flat)
+  engine_flat = rerooted(engine_flat, root, ADAPTER_ROOT)
   converted = layout.convert(flat, engine_flat)
   unknown = sorted(set(converted) - set(engine_flat))
   if unknown:
     raise ValueError(f"{len(unknown)} converted weights have no MaxTextForCausalLM parameter, e.g. {unknown[:3]}")
   converted = {k: v.astype(engine_flat[k].dtype) for k, v in converted.items()}
-  return move.reshard(converted, {k: engine_flat[k].sharding for k in converted}, chunk_size=chunk_size, donate=False)
+  moved = move.reshard(converted, {k: engine_flat[k].sharding for k in converted}, chunk_size=chunk_size, donate=False)
+  return rerooted(moved, ADAPTER_ROOT, root)

@@ -4,8 +4,12 @@ What is real: the tpu-inference model class (its layers, RoPE, padding, GQA, pag
 the plugin's `VllmRollout.update_params` (MaxText's export tables, the layout/padding mapping, the writes into the
 engine's state), the MaxText model it syncs from. What is not:
 
-* vLLM's engine/scheduler (`vllm.LLM`): `ShimLLM` hands `update_params` the real model's `nnx.state` as its
-  worker's `get_weights_state()` (its leaves alias the model's, as the runner's do); the test drives the model;
+* vLLM's engine/scheduler (`vllm.LLM`): `ShimLLM` stands in for it, but its driver worker is tpu-inference's own
+  `TPUWorker` over a `TPUModelRunner` holding the real model as `load_model` leaves it (`state` from `nnx.split`,
+  `model`), so `get_weights_state()` is the library's (`rl/raiden_worker_sync.extract_weight_state`: a MaxText model's
+  weights come as `{"base": state["model"]}`) and `collective_rpc` runs the worker's real methods through vLLM's own
+  `run_method`; only the runner's KV-cache allocation is left out (the test drives its own caches); the test drives
+  the model;
 * the Pallas ragged paged attention kernel, which cannot run on CPU (not even in interpret mode: its `ref.bitcast`
   views): `reference_attention` swaps `attention_interface.sharded_ragged_paged_attention` -- the one function
   `rpa_attention` looks up at call time -- for the package's own pure-JAX reference of that kernel
@@ -146,23 +150,54 @@ def cpu_fused_moe():
     fused_moe_gmm.gmm_wrapper, dense_gather_reduce.is_compatible = real
 
 
+def real_worker(model) -> Any:
+  """tpu-inference's own `TPUWorker` whose runner holds `model` as `TPUModelRunner.load_model` leaves it.
+
+  The runner's `state` is `nnx.split` of the model (`model_loader.get_flax_model`; its Variables alias the model's)
+  and `model` the module, so the worker's `get_weights_state`, `refresh_model_state_leaves` and
+  `start/finish_weight_update` are the library's code at the pin. Neither object runs `__init__` (that boots a device
+  and vLLM's engine); the runner's KV-cache allocation is the one piece replaced: the test drives its own caches.
+  """
+  from tpu_inference.runner.tpu_runner import TPUModelRunner
+  from tpu_inference.worker.tpu_worker import TPUWorker
+
+  runner = object.__new__(TPUModelRunner)
+  _, runner.state = nnx.split(model)
+  runner.model = model
+  runner.refresh_state_leaves()
+  runner.kv_cache_events = []
+  runner.delete_kv_cache = lambda: runner.kv_cache_events.append("delete")
+  runner.reinitialize_kv_cache = lambda: runner.kv_cache_events.append("reinitialize")
+  worker = object.__new__(TPUWorker)
+  worker.model_runner = runner
+  vars(worker).update(_weight_update_active=False, _kv_cache_freed=False)  # TPUWorker.__init__'s session state
+  return worker
+
+
 class ShimLLM:
-  """`vllm.LLM` at the hardware boundary: its in-process worker's weight state is the real model's `nnx.state`."""
+  """`vllm.LLM` at the hardware boundary: no engine or scheduler, but tpu-inference's real worker (`real_worker`).
+
+  Every method it has, `vllm.LLM` has with the same parameters (test_shim_contract.py).
+  """
 
   model: Any = None  # set per test (the real tpu-inference model)
 
   def __init__(self, **kwargs):
     self.kwargs = kwargs
-    model = type(self).model
-    worker = types.SimpleNamespace(get_weights_state=lambda: nnx.state(model), refresh_model_state_leaves=lambda: None)
-    self.llm_engine = types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=worker))
+    self.llm_engine = types.SimpleNamespace(
+        model_executor=types.SimpleNamespace(driver_worker=real_worker(type(self).model))
+    )
 
-  def reset_prefix_cache(self):
+  def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+    del reset_running_requests, reset_connector  # the prefix cache is the scheduler's; there is none here
     return True
 
   def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-    del method, timeout, args, kwargs
-    return [None]
+    """As vLLM's in-process executor: the worker's method run by vLLM's own `run_method`, one result per worker."""
+    from vllm.v1.serial_utils import run_method
+
+    del timeout
+    return [run_method(self.llm_engine.model_executor.driver_worker, method, tuple(args), dict(kwargs or {}))]
 
 
 def engine_greedy(model, mesh, prompt: list[int], n_decode: int, pad_to: int = 1) -> tuple[np.ndarray, list[int]]:
