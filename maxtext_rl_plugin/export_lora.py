@@ -22,8 +22,8 @@ import argparse
 import os
 import sys
 
-from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin import config_precheck
+from maxtext_rl_plugin.config import load as config_lib
+from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin import run_dir as run_dir_lib

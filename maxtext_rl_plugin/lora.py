@@ -18,7 +18,7 @@ matched by `lora_module_path`, else MaxText's `post_train/lora_module_path.yml` 
 """
 
 # JAX, Flax, Tunix and MaxText's LoRA utilities are imported inside the functions that use them: config loading
-# imports this module for `validate` (validation.py), and loading a config must not import JAX (see config.py).
+# imports this module for `validate` (config/validation.py), and loading a config must not import JAX (see config/load.py).
 # pylint: disable=import-outside-toplevel
 
 from __future__ import annotations

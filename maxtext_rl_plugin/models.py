@@ -19,7 +19,7 @@ from maxtext.utils import maxtext_utils
 from maxtext.utils import model_creation_utils
 from transformers import AutoTokenizer
 
-from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin.errors import ConfigError
 

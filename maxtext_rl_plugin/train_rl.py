@@ -18,7 +18,7 @@ from typing import Sequence
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import signals
-from maxtext_rl_plugin import validation
+from maxtext_rl_plugin.config import validation
 from maxtext_rl_plugin.errors import exit_on_user_error
 from maxtext_rl_plugin.rewards import loader as reward_loader
 
@@ -86,8 +86,8 @@ def _main(argv: list[str]) -> int:
   with exit_on_user_error():
     with signals.GracefulStop():
       # Config and path mistakes first, in a second: the schema's imports (JAX, MaxText, Tunix) take ~10 s.
-      from maxtext_rl_plugin import config as config_lib
-      from maxtext_rl_plugin import config_precheck
+      from maxtext_rl_plugin.config import load as config_lib
+      from maxtext_rl_plugin.config import precheck as config_precheck
 
       _precheck(config_precheck.precheck(argv))
       # Then, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
@@ -105,7 +105,7 @@ def _main(argv: list[str]) -> int:
 
         return aot_run.run(config, argv)
       run_identity.preflight(config)  # path and rerun refusals before the trainer's seconds of imports
-      from maxtext_rl_plugin import trainer
+      from maxtext_rl_plugin.run import loop as trainer
 
     trainer.run(config, argv)
   return 0

@@ -7,10 +7,10 @@ greedy evaluation and per-phase timing. What has no public API in Tunix 0.1.7 or
   resume reads them from its own checkpoint manager, which the plugin does not use);
 * flushing the trainer's buffered metrics: Tunix writes an update's loss/KL/clip fraction one update late (to
   overlap I/O), so without a flush a step's metrics would be logged with the next step;
-* the learner's reward aggregation is private too, but the plugin computes rewards itself (`experience.py`);
+* the learner's reward aggregation is private too, but the plugin computes rewards itself (`run/experience.py`);
 * MaxText 0.2.5's pyconfig (`pyconfig_reads`): `_initialize_pydantic` is the only entry point that raises instead of
   logging many lines and calling sys.exit(2); it reads the yml chain through the module-level `_load_config`, which
-  the plugin swaps for the chain `config_files.py` already read and merged (plugin-config bases, no temporary copies);
+  the plugin swaps for the chain `config/files.py` already read and merged (plugin-config bases, no temporary copies);
 * MaxText 0.2.5's LoRA target resolution (`lora_utils._get_lora_module_path`: lora.lora_module_path, else
   lora_module_path.yml's entry for the model), used as is so the plugin adapts the same modules MaxText would;
 * MaxText 0.2.5's math_verify spawn pool (`math_verify_pool._shutdown_pool`) for the rewards benchmark, which runs

@@ -367,7 +367,7 @@ def test_embedded_multi_turn_equals_from_scratch_recompute(tiny):
 
 def test_products_task_demonstrations_call_the_calculator_the_configured_fraction_of_the_time():
   from transformers import AutoTokenizer  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.config import load as config_lib  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.data import load  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.data import prompts  # pylint: disable=import-outside-toplevel
 

@@ -27,10 +27,10 @@ from maxtext_rl_plugin.algorithms import advantages as advantages_lib
 from maxtext_rl_plugin.algorithms import divergence
 from maxtext_rl_plugin.algorithms import loss as loss_lib
 from maxtext_rl_plugin.algorithms import tunix_wiring
-from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin import config_precheck
+from maxtext_rl_plugin.config import load as config_lib
+from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin.run import build
-from maxtext_rl_plugin.config import load_config
+from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.errors import ConfigError
 
 AGG_MODES = loss_lib.LOSS_AGG_MODES

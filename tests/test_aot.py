@@ -36,7 +36,7 @@ from tunix.rl import function_registry
 from tunix.rl.grpo import grpo_learner
 from tunix.sft import sharding_utils
 
-from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin.aot import anchor_tunix
 from maxtext_rl_plugin.aot import compile as compile_lib

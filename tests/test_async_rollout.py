@@ -1,4 +1,4 @@
-"""Rollouts ahead of the trainer (maxtext_rl_plugin/async_rollout.py + the step loop).
+"""Rollouts ahead of the trainer (maxtext_rl_plugin/run/async_rollout.py + the step loop).
 
 References: the schedule against a hand-counted table; the producer against a simulated sampler whose weight version
 is whatever the last `install` put there, under randomised thread timing (the version a batch was sampled with must be
@@ -15,7 +15,7 @@ import time
 import pytest
 from test_trainer_updates import _train
 
-from maxtext_rl_plugin import async_rollout
+from maxtext_rl_plugin.run import async_rollout
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin.bench import async_rollout as bench
 

@@ -11,16 +11,16 @@ from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
 import pytest
 import yaml
 
-from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin import config_files
-from maxtext_rl_plugin import config_keys
-from maxtext_rl_plugin import evaluation
-from maxtext_rl_plugin import key_status
+from maxtext_rl_plugin.config import load as config_lib
+from maxtext_rl_plugin.config import files as config_files
+from maxtext_rl_plugin.config import keys as config_keys
+from maxtext_rl_plugin.run import evaluation
+from maxtext_rl_plugin.config import key_status
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import registry
 from maxtext_rl_plugin import tunix_compat
-from maxtext_rl_plugin.config_types import PluginKeys
-from maxtext_rl_plugin.config_types import PluginRL
+from maxtext_rl_plugin.config.schema import PluginKeys
+from maxtext_rl_plugin.config.schema import PluginRL
 from maxtext_rl_plugin.errors import ConfigError
 
 import _in_process as in_process
@@ -185,7 +185,7 @@ def test_every_maxtext_and_plugin_key_has_a_status():
   keys |= set(PluginKeys.model_fields) | _maxtext_rl_yml_keys()
   assert len(keys) > 900
   missing = sorted(k for k in keys if key_status.status(k) is None)
-  assert not missing, f"keys without a status in key_status.py: {missing[:20]}"
+  assert not missing, f"keys without a status in config/key_status.py: {missing[:20]}"
   for k in keys:
     s = key_status.status(k)
     assert s.startswith("honoured (") or (s.startswith("refused: ") and len(s) > 20), (k, s)
@@ -297,7 +297,7 @@ def test_refused_key_at_maxtext_default_is_accepted():
 
 
 def test_generation_configs_reach_the_eval_sampling(tmp_path):
-  """generation_configs is honoured (evaluation.py): a user's per-strategy value reaches the eval sampling."""
+  """generation_configs is honoured (run/evaluation.py): a user's per-strategy value reaches the eval sampling."""
   f = tmp_path / "gen.yml"
   f.write_text(
       "base_config: cpu_tiny.yml\neval_sampling_strategy: standard\ngeneration_configs:\n  standard:\n"

@@ -159,7 +159,7 @@ def test_dockerfile_parses_and_references_exist():
       assert args.split()[-1].startswith("${PLUGIN_SRC}/"), args
   # The build's import check names the modules a run starts with, not only the rollout stack.
   check = re.search(r'python3 -c "([^"]*)"', run).group(1)
-  for module in ("maxtext_rl_plugin.train_rl", "maxtext_rl_plugin.trainer", "maxtext_rl_plugin.rollout.vllm"):
+  for module in ("maxtext_rl_plugin.train_rl", "maxtext_rl_plugin.run.loop", "maxtext_rl_plugin.rollout.vllm"):
     assert re.search(rf"\b{re.escape(module)}\b", check), module
 
 

@@ -18,7 +18,7 @@ from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
 import pytest
 import yaml
 
-from maxtext_rl_plugin import config_doc
+from maxtext_rl_plugin.config import doc as config_doc
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"

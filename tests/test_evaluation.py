@@ -1,4 +1,4 @@
-"""Evaluation metrics (maxtext_rl_plugin/evaluation.py) against MaxText's definitions, and the eval/profiler/output
+"""Evaluation metrics (maxtext_rl_plugin/run/evaluation.py) against MaxText's definitions, and the eval/profiler/output
 keys of a real run (eval_interval, num_eval_passes, eval_mode, profiler=xplane, log_period, tensorboard_dir,
 checkpoint_dir).
 
@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from maxtext_rl_plugin import evaluation
+from maxtext_rl_plugin.run import evaluation
 from maxtext_rl_plugin import rewards
 
 import _in_process as in_process

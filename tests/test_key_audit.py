@@ -13,8 +13,8 @@ import re
 
 import pytest
 
-from maxtext_rl_plugin import config_keys
-from maxtext_rl_plugin import key_status
+from maxtext_rl_plugin.config import keys as config_keys
+from maxtext_rl_plugin.config import key_status
 
 DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "DEVELOPMENT.md"
 

@@ -24,7 +24,7 @@ import pytest
 xpk_parser_core = pytest.importorskip("xpk.parser.core", reason="xpk==1.16.0 not installed (pip install xpk==1.16.0)")
 yaml = pytest.importorskip("yaml")
 
-from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import run_dir
 from maxtext_rl_plugin.launch import xpk as xpk_lib
 

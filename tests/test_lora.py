@@ -21,13 +21,13 @@ import pytest
 import yaml
 
 from maxtext_rl_plugin import cli
-from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import export_lora
-from maxtext_rl_plugin import key_status
+from maxtext_rl_plugin.config import key_status
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin import models
-from maxtext_rl_plugin import trainer
+from maxtext_rl_plugin.run import loop as trainer
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.rollout import embedded
 

@@ -20,9 +20,9 @@ import pytest
 from tunix.rl.grpo import grpo_learner
 
 from maxtext_rl_plugin.algorithms import tunix_wiring
-from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin import dynamic_sampling
-from maxtext_rl_plugin import experience
+from maxtext_rl_plugin.config import load as config_lib
+from maxtext_rl_plugin.run import dynamic_sampling
+from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.errors import ConfigError

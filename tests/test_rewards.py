@@ -14,7 +14,7 @@ from tunix.rl import reward_manager
 from tunix.rl.grpo.grpo_learner import GRPOConfig
 
 from maxtext_rl_plugin import rewards
-from maxtext_rl_plugin.config import load_config
+from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rewards import extraction
 from maxtext_rl_plugin.rewards import gsm8k
@@ -841,7 +841,7 @@ def test_a_reward_module_that_exits_at_import_is_one_line(tmp_path, body, fragme
 
 def test_rewards_whose_sum_overflows_float32_are_one_line():
   # Each function returns values within float32; their sum is not (3e38 + 3e38): one line naming the functions.
-  from maxtext_rl_plugin import experience  # pylint: disable=import-outside-toplevel  # imports JAX and Tunix
+  from maxtext_rl_plugin.run import experience  # pylint: disable=import-outside-toplevel  # imports JAX and Tunix
 
   def big(prompts, completions, **kwargs):
     del prompts, kwargs

@@ -1,4 +1,4 @@
-"""Off-policy updates, mini-batches and gradient accumulation (maxtext_rl_plugin/updates.py + the step loop).
+"""Off-policy updates, mini-batches and gradient accumulation (maxtext_rl_plugin/run/updates.py + the step loop).
 
 References: the update plan against hand-counted schedules; gradient accumulation against the unsplit update of the
 same real MaxText model (parameter deltas of one step, with an optimizer made linear in the gradient so a wrong
@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 import pytest
 from tunix.rl.grpo import grpo_learner
 
-from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.run import updates
 
 import _in_process as in_process
 

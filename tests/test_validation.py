@@ -15,11 +15,11 @@ import sys
 
 import pytest
 
-from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin import config_keys
-from maxtext_rl_plugin import config_precheck
-from maxtext_rl_plugin import dependent_keys
-from maxtext_rl_plugin import validation
+from maxtext_rl_plugin.config import load as config_lib
+from maxtext_rl_plugin.config import keys as config_keys
+from maxtext_rl_plugin.config import precheck as config_precheck
+from maxtext_rl_plugin.config import dependent_keys
+from maxtext_rl_plugin.config import validation
 from maxtext_rl_plugin.data import synthetic
 from maxtext_rl_plugin.errors import ConfigError
 

@@ -32,7 +32,7 @@ from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import registry
 from maxtext_rl_plugin.resharding import move
 from maxtext_rl_plugin.run import build
-from maxtext_rl_plugin.config import load_config
+from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.rollout import vllm as vllm_mod
 from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.rollout import vllm_mapping as vm

@@ -150,7 +150,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise ConfigError(f"--programs={','.join(sorted(which))}: expected tunix, plugin or tunix,plugin")
     if not any(a.startswith("compile_topology=") and a != "compile_topology=" for a in argv):
       raise ConfigError("compile_topology=<MaxText topology name, e.g. v5p-128> is required")
-    from maxtext_rl_plugin import config as config_lib
+    from maxtext_rl_plugin.config import load as config_lib
 
     return run(config_lib.load_config(argv), argv, which)
 

@@ -49,7 +49,7 @@ from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin import tunix_compat
-from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.rollout import bucketing
 from maxtext_rl_plugin.rollout import decode
 from maxtext_rl_plugin.rollout import sampling
@@ -160,7 +160,7 @@ def _routing(config, mesh, graphdef, state, rows: int):
 
 def _example(config, mesh, rows: int, beta: float, use_is: bool, routed=None):
   """A Tunix TrainExample of `rows` rows (prompt bucket x completion budget), sharded as Tunix's shard_input does;
-  with `routed` (rl.router_replay) the run's `moe.RoutedTrainExample` carrying the sampler's routing (experience.py)."""
+  with `routed` (rl.router_replay) the run's `moe.RoutedTrainExample` carrying the sampler's routing (run/experience.py)."""
   lp, lc = int(config.max_prefill_predict_length), int(config.max_target_length - config.max_prefill_predict_length)
 
   def arr(shape, dtype):

@@ -26,7 +26,7 @@ import jax
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import models
-from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.aot import compile as compile_lib
 from maxtext_rl_plugin.aot import programs
 from maxtext_rl_plugin.aot import report

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtext_rl_plugin import experience
+from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.rollout import embedded

@@ -1,9 +1,9 @@
-"""`python -m maxtext_rl_plugin.config_doc > docs/config_reference.md`: the configuration reference, generated.
+"""`python -m maxtext_rl_plugin.config.doc > docs/config_reference.md`: the configuration reference, generated.
 
 Every key of the resolved `configs/rl.yml` -- the plugin's own keys and those it inherits from MaxText's
 `post_train/rl.yml` through `base_config` -- with its default (the value the yml chain gives it) and its meaning
 (the pydantic `Field` description from `config_types.PluginRLConfig`, i.e. the plugin's descriptions and MaxText's
-own `types.py` ones) and its status (`key_status.py`: honoured where, or refused why); then every other key of the
+own `types.py` ones) and its status (`config/key_status.py`: honoured where, or refused why); then every other key of the
 schema with its status. Generated rather than written so the reference cannot drift from the schema and the yml;
 tests/test_docs.py regenerates it and fails when the committed file differs.
 """
@@ -17,12 +17,12 @@ from typing import Any, Sequence
 
 import omegaconf
 
-from maxtext_rl_plugin import config_files
-from maxtext_rl_plugin import config_keys
+from maxtext_rl_plugin.config import files as config_files
+from maxtext_rl_plugin.config import keys as config_keys
 from maxtext_rl_plugin import errors
-from maxtext_rl_plugin import key_status
+from maxtext_rl_plugin.config import key_status
 
-REGENERATE = "python -m maxtext_rl_plugin.config_doc > docs/config_reference.md"
+REGENERATE = "python -m maxtext_rl_plugin.config.doc > docs/config_reference.md"
 DEFAULT_YML = "configs/rl.yml"
 
 
@@ -57,7 +57,7 @@ def _fmt_desc(text: str | None) -> str:
 
 
 def _fmt_status(key: str) -> str:
-  """The key's status (`key_status.py`) as a table cell."""
+  """The key's status (`config/key_status.py`) as a table cell."""
   return _fmt_desc(key_status.status(key) or "(no status)")
 
 
@@ -94,11 +94,11 @@ def render(yml: str = DEFAULT_YML) -> str:
   lines = [
       "# Configuration reference",
       "",
-      f"<!-- Generated from {yml} and maxtext_rl_plugin/config_types.py; do not edit. Regenerate with: {REGENERATE} -->",
+      f"<!-- Generated from {yml} and maxtext_rl_plugin/config/schema.py; do not edit. Regenerate with: {REGENERATE} -->",
       "",
       f"Every key of the resolved `{yml}`: {len(plugin)} set by the plugin's `{name}` and {len(inherited)} inherited",
       f"from MaxText 0.2.5's `{base}` through `base_config`. *Default* is the value the yml chain gives the key;",
-      "*meaning* is the key's schema description (`maxtext_rl_plugin.config_types.PluginRLConfig`, which extends",
+      "*meaning* is the key's schema description (`maxtext_rl_plugin.config.schema.PluginRLConfig`, which extends",
       "MaxText's `types.RLConfig`). Override any key on the command line as `key=value`; keys of nested blocks as",
       "`rl.kl_estimator=k1` (keys MaxText also keeps flat, such as `loss_algo`, work either way). Unknown keys and",
       "invalid values are rejected with one line naming the key, on your machine by the launchers before a job is",
@@ -106,7 +106,7 @@ def render(yml: str = DEFAULT_YML) -> str:
       "",
       "*Status* says whether the plugin honours a key (and where) or refuses it (and why): setting a refused key to",
       "anything but MaxText's own RL default (`post_train/rl.yml` over `base.yml`) is an error, so no key is ever",
-      "accepted and then ignored (`maxtext_rl_plugin/key_status.py`).",
+      "accepted and then ignored (`maxtext_rl_plugin/config/key_status.py`).",
       "",
       f"The schema accepts {len(config_keys.config_class().model_fields)} top-level keys in all; those not "
       "listed here keep",

@@ -14,13 +14,14 @@ from typing import Any
 from maxtext.utils import globals as mt_globals
 import omegaconf
 
-from maxtext_rl_plugin import key_status
+from maxtext_rl_plugin.config import key_status
 from maxtext_rl_plugin.errors import ConfigError
 
-CONFIGS_PACKAGE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # maxtext_rl_plugin/, above config/
+CONFIGS_PACKAGE_DIR = os.path.join(_PACKAGE_DIR, "configs")
 
 
-_REPO_CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+_REPO_CONFIGS_DIR = os.path.join(os.path.dirname(_PACKAGE_DIR), "configs")
 
 
 def configs_dir() -> str:

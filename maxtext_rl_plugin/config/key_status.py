@@ -16,7 +16,7 @@ other nested blocks (`dataset`, `reward`, `vllm`, ...) are also top-level fields
 `post_train/rl.yml`.
 """
 
-# The schema (config_types) imports JAX and config_keys.py imports this module: it is imported on first use.
+# The schema (config_types) imports JAX and config/keys.py imports this module: it is imported on first use.
 # pylint: disable=import-outside-toplevel
 
 from __future__ import annotations
@@ -383,8 +383,8 @@ _KEY_STATUS: dict[str, str] = {
         "refused: custom dataset processors are not supported; use train_data_path with GSM8K-style rows"
     ),
     # --- evaluation ---
-    "eval_sampling_strategy": "honoured (trainer: evaluation.py, the sampling of eval passes; greedy is exact greedy)",
-    "generation_configs": "honoured (trainer: evaluation.py, eval_temperature/eval_top_k/eval_top_p per strategy)",
+    "eval_sampling_strategy": "honoured (trainer: run/evaluation.py, the sampling of eval passes; greedy is exact greedy)",
+    "generation_configs": "honoured (trainer: run/evaluation.py, eval_temperature/eval_top_k/eval_top_p per strategy)",
     "eval_corr_lst": "refused: MaxText's eval response lists are not produced by the plugin's eval",
     "eval_make_lst": "refused: MaxText's eval response lists are not produced by the plugin's eval",
     # --- rewards ---
@@ -658,9 +658,9 @@ SCHEMA_ONLY_KEYS: frozenset[str] = frozenset(
 
 
 def _config_class():
-  """The schema, imported when first needed: it imports MaxText's types (and JAX), and config_keys.py, which
+  """The schema, imported when first needed: it imports MaxText's types (and JAX), and config/keys.py, which
   would give it to us, imports this module."""
-  from maxtext_rl_plugin.config_types import PluginRLConfig
+  from maxtext_rl_plugin.config.schema import PluginRLConfig
 
   return PluginRLConfig
 

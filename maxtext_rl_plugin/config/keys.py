@@ -3,7 +3,7 @@
 * an unknown key, including one *inside* a nested block (which pydantic would silently ignore), is one line naming it
   and the closest known key;
 * `block.key` overrides are rewritten to MaxText's flat twin where it keeps one (`rl.loss_algo` -> `loss_algo`);
-* every key has a status (`key_status.py`): a refused key set to anything but MaxText's RL default is an error.
+* every key has a status (`config/key_status.py`): a refused key set to anything but MaxText's RL default is an error.
 
 `light_keys` names the keys without importing the schema (JAX, ~5 s) for `config_precheck`; `schema_keys` imports it.
 """
@@ -22,15 +22,15 @@ from typing import Any, Sequence
 import omegaconf
 import yaml
 
-from maxtext_rl_plugin import config_files
-from maxtext_rl_plugin import key_status
+from maxtext_rl_plugin.config import files as config_files
+from maxtext_rl_plugin.config import key_status
 from maxtext_rl_plugin.errors import ConfigError
 
 
 @functools.cache
 def config_class():
   """The plugin's pydantic schema (MaxText's RL config plus the plugin's keys), imported on first use."""
-  from maxtext_rl_plugin.config_types import PluginRLConfig
+  from maxtext_rl_plugin.config.schema import PluginRLConfig
 
   return PluginRLConfig
 

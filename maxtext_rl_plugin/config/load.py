@@ -3,11 +3,11 @@
 The argv contract is MaxText's (first the yml, then OmegaConf `key=value` overrides, dotted keys for
 nested blocks such as `rl.kl_estimator=k3`). The concerns around it have rooms of their own:
 
-* `config_files.py`: yml names resolve against the packaged configs, so `configs/rl.yml` works from any directory
+* `config/files.py`: yml names resolve against the packaged configs, so `configs/rl.yml` works from any directory
   (e.g. inside the Docker image on a Pathways cluster); `base_config` may name a shipped plugin config;
-* `config_keys.py`: unknown keys and refused keys as one-line errors naming the key;
-* `config_precheck.py`: the same checks on the config as written, before JAX and the schema are imported;
-* `validation.py`: device-free checks, the same for `print_config=true`, the launchers and training.
+* `config/keys.py`: unknown keys and refused keys as one-line errors naming the key;
+* `config/precheck.py`: the same checks on the config as written, before JAX and the schema are imported;
+* `config/validation.py`: device-free checks, the same for `print_config=true`, the launchers and training.
 
 What this module does: MaxText's pydantic initialization of the chain and overrides (its errors as one line naming
 the key and value, never a traceback), once per argv (`parse`: the trainer's device setup reuses the config instead
@@ -34,9 +34,9 @@ import omegaconf
 import pydantic
 import yaml
 
-from maxtext_rl_plugin import config_files
-from maxtext_rl_plugin import config_keys
-from maxtext_rl_plugin import validation
+from maxtext_rl_plugin.config import files as config_files
+from maxtext_rl_plugin.config import keys as config_keys
+from maxtext_rl_plugin.config import validation
 from maxtext_rl_plugin.errors import ConfigError
 
 REDACTED_KEYS = ("hf_access_token",)

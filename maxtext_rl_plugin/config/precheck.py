@@ -13,9 +13,9 @@ from typing import Sequence
 
 import omegaconf
 
-from maxtext_rl_plugin import config_files
-from maxtext_rl_plugin import config_keys
-from maxtext_rl_plugin import validation
+from maxtext_rl_plugin.config import files as config_files
+from maxtext_rl_plugin.config import keys as config_keys
+from maxtext_rl_plugin.config import validation
 from maxtext_rl_plugin.errors import ConfigError
 
 

@@ -4,7 +4,7 @@ We extend rather than fork: `PluginRLConfig` subclasses MaxText 0.2.5's pydantic
 every key of MaxText's `post_train/rl.yml` keeps its meaning, validation and flat-key routing
 (`loss_algo=gspo-token` on the command line lands in `rl.loss_algo`). Plugin keys are grouped by
 the module that reads them; each has a description, which docs/config_reference.md is generated
-from (`python -m maxtext_rl_plugin.config_doc`).
+from (`python -m maxtext_rl_plugin.config.doc`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class PluginRL(types.RL):
           "group_std; rloo, drgrpo: none, which refuse group_std)."
       ),
   )
-  # --- DAPO and kin (algorithms/, experience.py, dynamic_sampling.py) ---
+  # --- DAPO and kin (algorithms/, run/experience.py, run/dynamic_sampling.py) ---
   advantage_estimator: Literal["grpo", "rloo", "drgrpo"] = Field(
       "grpo",
       description=(
@@ -264,7 +264,7 @@ class PluginKeys(BaseModel):
       ),
   )
 
-  # --- training loop (maxtext_rl_plugin.trainer) ---
+  # --- training loop (maxtext_rl_plugin.run.loop) ---
   sft_warmup_steps: int = Field(
       0,
       ge=0,

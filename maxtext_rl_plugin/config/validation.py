@@ -26,8 +26,8 @@ import math
 import os
 from typing import Any, Callable, Iterator
 
-from maxtext_rl_plugin import dependent_keys
-from maxtext_rl_plugin import key_status
+from maxtext_rl_plugin.config import dependent_keys
+from maxtext_rl_plugin.config import key_status
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -237,7 +237,7 @@ RANGES: dict[str, tuple[_Check, str]] = {
     "stop_token_ids": (lambda v: all(t >= 0 for t in v), "must be token ids >= 0"),
     "reward_item_timeout_seconds": (_gt(0.0), "must be > 0"),
 }
-# Each sampling strategy of generation_configs (evaluation.py): the same conventions as the rollout's keys.
+# Each sampling strategy of generation_configs (run/evaluation.py): the same conventions as the rollout's keys.
 _GENERATION_RANGES: dict[str, tuple[_Check, str]] = {
     "eval_temperature": RANGES["decode_sampling_temperature"],
     "eval_top_k": RANGES["decode_sampling_top_k"],

@@ -42,7 +42,7 @@ import uuid
 
 from absl import logging
 
-from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_dir
 

@@ -2,7 +2,7 @@
 
 `build_run` turns a loaded config into an `RLRun`: MaxText models on Tunix's `RLCluster` (actor, reference, rollout
 engine, trainer -> sampler weight sync) and a `GrpoLearner` that wires the plugin's policy loss into the actor trainer.
-Everything here happens once, before the first step; the loop (trainer.py) and the step (step.py) only read it.
+Everything here happens once, before the first step; the loop (run/loop.py) and the step (step.py) only read it.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from tunix.sft import metrics_logger
 
 from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin import distributed
-from maxtext_rl_plugin import evaluation as evaluation_lib
-from maxtext_rl_plugin import experience
+from maxtext_rl_plugin.run import evaluation as evaluation_lib
+from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
@@ -35,7 +35,7 @@ from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import sft
 from maxtext_rl_plugin import tunix_compat
-from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.data import load
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import sync
@@ -139,7 +139,7 @@ def rollout_engine_factory(name: str, sampler_config) -> Any:
   if name == "vllm":
     vllm_rollout.import_vllm()  # fail before any model is built when the [tpu] extra is missing
     return functools.partial(vllm_rollout.VllmRollout, config=sampler_config)
-  # `rollout_engine` is a Literal in config_types.py: the config never reaches here with another name.
+  # `rollout_engine` is a Literal in config/schema.py: the config never reaches here with another name.
   raise ValueError(f"unknown rollout engine {name!r}")
 
 
@@ -269,7 +269,7 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
       offload_to_cpu=False,
       training_config=rl_cluster_lib.RLTrainingConfig(
           actor_optimizer=build_optimizer(config),
-          eval_every_n_steps=10**9,  # eval is the plugin's (evaluation.py, on eval_interval)
+          eval_every_n_steps=10**9,  # eval is the plugin's (run/evaluation.py, on eval_interval)
           max_steps=total_updates(config),
           # Public micro-batch fields (prompts): Tunix derives gradient_accumulation_steps = mini / micro from them.
           mini_batch_size=plan.mini_batch_size,

@@ -30,7 +30,7 @@ position after it (`Sampled.next_position`), the checkpoint of step s stores tha
 order by one thread (async_rollout.RolloutProducer), so the cursor needs no lock. `<run>/batches.jsonl` lists the
 prompts each step trained (masked fillers excluded); the `data/next_position` metric is the cursor after the step.
 With `rl.off_policy_steps > 0` the refills run in the producer thread, ahead of the trainer; batches sampled ahead
-and lost at a stop are re-consumed from the checkpoint's position on resume, as in async_rollout.py.
+and lost at a stop are re-consumed from the checkpoint's position on resume, as in run/async_rollout.py.
 
 Engines and processes: the refill rounds are ordinary `experience.sample` calls, so any rollout engine works (the
 embedded one tested; vLLM by the same contract). More than one JAX process is refused in one line (not yet tested
@@ -49,7 +49,7 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from maxtext_rl_plugin.algorithms import advantages as advantages_lib
 from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
-from maxtext_rl_plugin import experience
+from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import signals

@@ -15,7 +15,7 @@ This replaces Tunix 0.1.7's private `GrpoLearner._generate_and_compute_advantage
       mismatch/logp_abs_diff_mean = mean |d_t|,
       mismatch/kl_k3 = mean( exp(d_t) - d_t - 1 )   (k3 estimate of KL(trainer || sampler) on trainer samples).
 
-The work is split in two halves so that rollouts can run ahead of the trainer (`async_rollout.py`): `sample` is the
+The work is split in two halves so that rollouts can run ahead of the trainer (`run/async_rollout.py`): `sample` is the
 sampler's half (generate, rewards, advantages, behaviour log-probs; depends only on the weights that sampled the batch)
 and `score` the trainer's (reference and old-policy log-probs at the trainer's current weights, importance weights,
 agreement metrics). `make_experience` runs both back to back, the synchronous step.
@@ -47,7 +47,7 @@ from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.agentic import episode as episode_lib
-from maxtext_rl_plugin.updates import UpdatePlan
+from maxtext_rl_plugin.run.updates import UpdatePlan
 from maxtext_rl_plugin.rewards.loader import RewardFunctionError
 
 
@@ -209,7 +209,7 @@ def agreement_metrics(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -
 class Sampled:
   """The sampler's half of a step: what the rollout engine produced and the rewards of it.
 
-  Built by `sample` (in the rollout producer's thread when rollouts run ahead, `async_rollout.py`); everything here
+  Built by `sample` (in the rollout producer's thread when rollouts run ahead, `run/async_rollout.py`); everything here
   depends only on the weights that sampled the batch, never on the trainer's current weights.
   """
 

@@ -8,7 +8,7 @@ Orbax checkpoints of params + optimizer + data position + RNG in MaxText's layou
 
 The rooms of a run (docs/architecture.md): `run/build.py` builds it once, `run/resume.py` restores and saves its
 state, `run/step.py` is one RL step (sample, score, update, install, audit, metrics), this module is the loop around
-the steps (eval and checkpoint cadence, signals, profiling) and `run`, the entry point; `summary.py` the end of it.
+the steps (eval and checkpoint cadence, signals, profiling) and `run`, the entry point; `run/summary.py` the end of it.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from absl import logging
 import jax
 from tunix.rl import rl_cluster as rl_cluster_lib
 
-from maxtext_rl_plugin import async_rollout
+from maxtext_rl_plugin.run import async_rollout
 from maxtext_rl_plugin import distributed
-from maxtext_rl_plugin import dynamic_sampling
-from maxtext_rl_plugin import evaluation as evaluation_lib
+from maxtext_rl_plugin.run import dynamic_sampling
+from maxtext_rl_plugin.run import evaluation as evaluation_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import signals
-from maxtext_rl_plugin import summary as summary_lib
+from maxtext_rl_plugin.run import summary as summary_lib
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.run import resume
 from maxtext_rl_plugin.run import state
@@ -213,7 +213,7 @@ def _staleness_correction(config) -> str:
 
 def _stop(rl_run, producer, ckpt, summary, step: int, total: int, saved: bool, signum: int) -> None:
   """Stop after complete step `step`: checkpoint it unless it is (or nothing trained), then one line, exit 128 + N."""
-  producer.close()  # batches sampled ahead are dropped: a resume samples them again (async_rollout.py)
+  producer.close()  # batches sampled ahead are dropped: a resume samples them again (run/async_rollout.py)
   if not saved and ckpt.enabled and step > 0:
     resume.save(ckpt, rl_run, step, summary)
   ckpt.close()

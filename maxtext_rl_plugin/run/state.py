@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable
 
 from maxtext_rl_plugin import models
-from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.run import updates
 
 
 class PhaseTimer:
