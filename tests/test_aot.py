@@ -68,7 +68,8 @@ def tiny_run_fixture(tmp_path_factory):
       "learning_rate=0.01",
       "warmup_steps_fraction=0",
   ]
-  return build.build_run(config_lib.load_config(argv), argv)
+  parsed = config_lib.parse(argv)
+  return build.build_run(parsed.hyperparameters(), parsed)
 
 
 def _example(run, rows: int):
@@ -157,7 +158,7 @@ def test_moe_programs_are_the_runs_routing_recording_and_replaying_ones(tmp_path
   # update's micro-batch is the run's RoutedTrainExample. Lowered (not compiled) for this host's CPU devices.
   argv = [MOE, f"base_output_directory={tmp_path}", "run_name=m", "rl.router_replay=true", "rl.num_iterations=2"]
   cfg = config_lib.load_config(argv)
-  progs, _ = aot_run.build_programs(cfg, argv, jax.devices())
+  progs, _ = aot_run.build_programs(cfg, config_lib.parse(argv), jax.devices())
   by = {p.name: p for p, _, _ in progs}
   assert list(by) == ["actor_update", "old_logps", "reference_logps", "rollout_prefill_decode"]
   rows = cfg.batch_size * cfg.rl.num_generations

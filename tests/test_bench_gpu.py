@@ -73,9 +73,11 @@ def test_decode_bytes_are_weights_plus_kv_of_the_real_context():
 
 def test_hf_state_dict_computes_what_the_maxtext_kernels_compute():
   """HF Linear layout ([out, in], heads flattened) applied to x gives MaxText's einsums over its scanned kernels."""
-  from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel  # jax: after conftest's platform
+  # pylint: disable=import-outside-toplevel  # jax: after conftest's platform
+  from maxtext_rl_plugin.config import load as config_lib
+  from maxtext_rl_plugin import models
 
-  rs = models.setup_devices(["configs/cpu_tiny.yml", *gpu_common.SHAPES["tiny"]])
+  rs = models.setup_devices(config_lib.parse(["configs/cpu_tiny.yml", *gpu_common.SHAPES["tiny"]]))
   model, _ = models.build_model(rs.trainer_config, rs.trainer_devices)
   cfg = rs.trainer_config
   sd = gpu_rollout.hf_state_dict(model, cfg)

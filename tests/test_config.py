@@ -14,6 +14,7 @@ import yaml
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.config import files as config_files
 from maxtext_rl_plugin.config import keys as config_keys
+from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin.run import evaluation
 from maxtext_rl_plugin.config import key_status
 from maxtext_rl_plugin import models
@@ -439,13 +440,15 @@ def test_user_yml_with_a_token_is_never_copied_to_disk(tmp_path, monkeypatch):
 
 
 def test_config_is_parsed_once_per_argv(monkeypatch):
+  # train_rl's path: the first pass reads argv, the typed pass reads what it read, and the result is handed down
+  # (its HyperParameters view, the device split): MaxText parses once.
   argv = [TINY, "run_name=parse_once_probe"]
   calls = []
   real = pyconfig._initialize_pydantic  # pylint: disable=protected-access  # counts every MaxText parse, ours or not
   monkeypatch.setattr(pyconfig, "_initialize_pydantic", lambda *a, **k: calls.append(a) or real(*a, **k))
-  config_lib.load_config(argv)
-  rs = models.setup_devices(argv)
-  config_lib.load_pydantic(argv)
+  parsed = config_lib.typed(config_precheck.precheck(argv).source())
+  parsed.hyperparameters()
+  rs = models.setup_devices(parsed)
   assert len(calls) == 1
   assert rs.trainer_config.run_name == "parse_once_probe" and not rs.disaggregated
 
@@ -461,7 +464,7 @@ def _maxtext_split(argv):
 
 def _assert_same_split(argv):
   t_pc, s_pc, t_dev, s_dev = _maxtext_split(argv)
-  rs = models.setup_devices(argv)
+  rs = models.setup_devices(config_lib.parse(argv))
   assert rs.trainer_devices == list(t_dev) and rs.sampler_devices == list(s_dev)
   assert rs.trainer_config.get_keys() == config_lib.to_hyperparameters(t_pc).get_keys()
   assert rs.sampler_config.get_keys() == config_lib.to_hyperparameters(s_pc).get_keys()
@@ -483,7 +486,7 @@ def test_device_split_matches_maxtext_pathways_fractions():
 
 def test_slice_counts_must_agree():
   with pytest.raises(ConfigError, match="num_samplers_slices` must be both -1 or both positive"):
-    models.setup_devices([TINY, "num_trainer_slices=2"])
+    models.setup_devices(config_lib.parse([TINY, "num_trainer_slices=2"]))
 
 
 def test_refused_key_set_through_maxtext_environment_override(monkeypatch):
@@ -499,7 +502,7 @@ def test_multislice_split_and_configs_match_maxtext(monkeypatch):
   monkeypatch.setattr(model_creation_utils.jax, "devices", lambda: fakes)
   argv = [TINY, "num_trainer_slices=1", "num_samplers_slices=1", "ici_tensor_parallelism=2"]
   t_pc, s_pc, t_dev, s_dev = _maxtext_split(argv)
-  rs = models.setup_devices(argv, devices=fakes)
+  rs = models.setup_devices(config_lib.parse(argv), devices=fakes)
   assert [d.id for d in rs.trainer_devices] == [d.id for d in t_dev] == [0, 1, 2, 3]
   assert [d.id for d in rs.sampler_devices] == [d.id for d in s_dev] == [4, 5, 6, 7]
   assert rs.trainer_config.get_keys() == config_lib.to_hyperparameters(t_pc).get_keys()

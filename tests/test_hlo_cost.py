@@ -277,6 +277,7 @@ def _v5p_probe() -> dict:
   """The v5p figures the tests above check (run as a script, with libtpu importable)."""
   # pylint: disable=import-outside-toplevel  # the TPU topology and MaxText: only in this subprocess
   import numpy as np
+  from maxtext_rl_plugin.config import load as config_lib
   from maxtext_rl_plugin import models
   from maxtext_rl_plugin.aot import compile as compile_lib
   from maxtext_rl_plugin.aot import programs
@@ -315,7 +316,7 @@ def _v5p_probe() -> dict:
         "max_target_length=64",
         f"scan_layers={scan}",
     ]
-    rs = models.setup_devices(argv, devices=devices)
+    rs = models.setup_devices(config_lib.parse(argv), devices=devices)
     update, _ = programs.actor_update(
         rs.trainer_config, programs.trainer_mesh(rs.trainer_config, rs.trainer_devices), False
     )

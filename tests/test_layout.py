@@ -197,8 +197,9 @@ def arrows_up(graph: dict[str, set[str]]) -> list[str]:
 
 def flat_modules(mods: dict[str, Module]) -> list[str]:
   """Modules directly at the package top (not `__init__`, not a subpackage)."""
-  return sorted(n for n, m in mods.items() if n.count(".") == 1 and m.path.parent == ROOTS[PACKAGE] and
-                m.path.name != "__init__.py")
+  return sorted(
+      n for n, m in mods.items() if n.count(".") == 1 and m.path.parent == ROOTS[PACKAGE] and m.path.name != "__init__.py"
+  )
 
 
 def line_counts(mods: dict[str, Module]) -> dict[str, int]:

@@ -123,7 +123,7 @@ def test_default_module_path_is_maxtexts_per_model_entry():
 @pytest.fixture(name="adapted", scope="module")
 def adapted_fixture():
   """A tiny LoRA model whose adapters change greedy continuations, with its config, tokenizer and mesh."""
-  rs = models.setup_devices([TINY, *LORA])
+  rs = models.setup_devices(config_lib.parse([TINY, *LORA]))
   cfg = rs.trainer_config
   tok = models.load_tokenizer(cfg)
   model, mesh = models.build_model(cfg, rs.trainer_devices, pad_id=tok.pad_token_id)
@@ -303,7 +303,8 @@ def lora_run_fixture(tmp_path_factory):
   """A 2-step LoRA run: its argv, run, and the actor's base/adapter weights before and after."""
   out = tmp_path_factory.mktemp("lora_runs")
   argv = _argv(out, "lora")
-  run = build.build_run(config_lib.load_config(argv), argv)
+  parsed = config_lib.parse(argv)
+  run = build.build_run(parsed.hyperparameters(), parsed)
   actor = run.rl_cluster.actor_trainer.model
   before = {
       "base": _np(nnx.state(actor, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))),
@@ -391,7 +392,8 @@ def test_resume_restores_adapters_and_optimizer_exactly(lora_run):
   shutil.copytree(out / "lora", out / "resumed")
   shutil.rmtree(out / "resumed" / "checkpoints" / "2")
   argv = _argv(out, "resumed")
-  run = build.build_run(config_lib.load_config(argv), argv)
+  parsed = config_lib.parse(argv)
+  run = build.build_run(parsed.hyperparameters(), parsed)
   summary = trainer.train(run)
   assert summary["start_step"] == 1
   for item in ("params", "opt_state"):
@@ -408,7 +410,7 @@ def test_export_writes_merged_maxtext_checkpoint_with_the_adapted_logits(lora_ru
   path = tmp_path / "merged" / "0" / "items"
   assert f"load_parameters_path={path}" in p.stdout
   # MaxText's own loader reads it (from_pretrained with load_parameters_path), with no LoRA keys at all.
-  rs = models.setup_devices([TINY, f"load_parameters_path={path}"])
+  rs = models.setup_devices(config_lib.parse([TINY, f"load_parameters_path={path}"]))
   merged, _ = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=0)
   actor = lora_run["run"].rl_cluster.actor_trainer.model  # the adapted model at step 2
   toks = jnp.asarray(np.random.RandomState(1).randint(0, 5000, (2, 20)), jnp.int32)

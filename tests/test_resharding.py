@@ -54,7 +54,9 @@ def env(repo_root):
     pytest.skip("needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
 
   rs = models.setup_devices(
-      [str(repo_root / TINY), "use_pathways=true", "chips_per_vm=4", "ici_fsdp_parallelism=4", "vocab_size=1024"]
+      config_lib.parse(
+          [str(repo_root / TINY), "use_pathways=true", "chips_per_vm=4", "ici_fsdp_parallelism=4", "vocab_size=1024"]
+      )
   )
   assert rs.disaggregated and len(rs.trainer_devices) == 4 and len(rs.sampler_devices) == 4
   model, tmesh = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=0)

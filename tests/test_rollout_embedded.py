@@ -19,6 +19,7 @@ import pytest
 from flax import nnx
 from tunix.rl.rollout import base_rollout
 
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import registry
 from maxtext_rl_plugin.rollout import bucketing
@@ -32,7 +33,7 @@ NEW = 16
 def scaled_tiny_engine():
   """The tiny CPU model with its decoder weights x3 (so greedy output depends on the context), its tokenizer and
   mesh, its embedded engine, and its graph definition for a no-cache reference forward. Also used by test_agentic."""
-  rs = models.setup_devices(["configs/cpu_tiny.yml"])
+  rs = models.setup_devices(config_lib.parse(["configs/cpu_tiny.yml"]))
   tok = models.load_tokenizer(rs.trainer_config)
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
 

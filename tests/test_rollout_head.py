@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin.rollout import head
 
 
 def _model(overrides):
-  rs = models.setup_devices(["configs/cpu_tiny.yml", *overrides])
+  rs = models.setup_devices(config_lib.parse(["configs/cpu_tiny.yml", *overrides]))
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=0)
   return rs.sampler_config, model.base, mesh
 

@@ -76,8 +76,8 @@ def _run(args, k: int, out_dir: str) -> list[dict]:
       f"rl.off_policy_steps={k}",
       *args.overrides,
   ]
-  config = config_lib.load_config(argv)
-  run = build.build_run(config, argv)
+  parsed = config_lib.parse(argv)
+  run = build.build_run(parsed.hyperparameters(), parsed)
   run.metrics_file = os.path.join(out_dir, f"k{k}.jsonl")
   history = trainer.train(run)["history"]
   return [r for r in history if "perf/step_s" in r]

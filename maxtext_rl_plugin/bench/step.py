@@ -180,8 +180,8 @@ def build(args, side: str, out_dir: str):
       "rl.num_generations=4",
       *args.overrides,
   ]
-  config = config_lib.load_config(argv)
-  run = run_build.build_run(config, argv)
+  parsed = config_lib.parse(argv)
+  run = run_build.build_run(parsed.hyperparameters(), parsed)
   run.metrics_file = os.path.join(out_dir, f"{side}.jsonl")
   clock = StepClock()
   clock.instrument(run)

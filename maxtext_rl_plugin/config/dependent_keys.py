@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from maxtext_rl_plugin.config.unresolved import Unresolved
 from maxtext_rl_plugin.errors import ConfigError
 
 
@@ -59,7 +60,7 @@ FAMILIES: tuple[Family, ...] = (
 
 
 def _get(config: Any, key: str) -> Any:
-  """The value of a dotted key; AttributeError (a `validation.Unresolved` of the first pass) when it is not known."""
+  """The value of a dotted key; `Unresolved` (the first pass) or AttributeError when it is not known."""
   value = config
   for part in key.split("."):
     value = getattr(value, part)
@@ -80,14 +81,14 @@ def check(config: Any) -> None:
   for family in FAMILIES:
     try:
       switch = _get(config, family.switch)
-    except AttributeError:
+    except (Unresolved, AttributeError):
       continue
     if switch is None or family.is_on(switch):
       continue
     for key, default in family.keys.items():
       try:
         value = _get(config, key)
-      except AttributeError:
+      except (Unresolved, AttributeError):
         continue
       if value is not None and not _same(value, default):
         shown = str(switch).lower() if isinstance(switch, bool) else repr(switch)

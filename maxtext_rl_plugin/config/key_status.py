@@ -383,7 +383,9 @@ _KEY_STATUS: dict[str, str] = {
         "refused: custom dataset processors are not supported; use train_data_path with GSM8K-style rows"
     ),
     # --- evaluation ---
-    "eval_sampling_strategy": "honoured (trainer: run/evaluation.py, the sampling of eval passes; greedy is exact greedy)",
+    "eval_sampling_strategy": (
+        "honoured (trainer: run/evaluation.py, the sampling of eval passes; greedy is exact greedy)"
+    ),
     "generation_configs": "honoured (trainer: run/evaluation.py, eval_temperature/eval_top_k/eval_top_p per strategy)",
     "eval_corr_lst": "refused: MaxText's eval response lists are not produced by the plugin's eval",
     "eval_make_lst": "refused: MaxText's eval response lists are not produced by the plugin's eval",

@@ -150,6 +150,13 @@ def parse_overrides(overrides: Sequence[str], keys: KeyNames) -> list[str]:
   return out
 
 
+def check_override_names(overrides: Sequence[str], keys: KeyNames) -> None:
+  """The names of overrides `parse_overrides` already parsed, against `keys` (the typed pass: the schema knows the keys
+  of every block, where the first pass's `light_keys` leave some open)."""
+  for arg in overrides:
+    _check_key(arg.split("=", 1)[0], "command line", keys)
+
+
 def _flatten_user_keys(data: dict, out: dict[str, Any]) -> None:
   """Status-table names (`rl.x`, flat others) -> value, for one yml mapping or the command line."""
   blocks = nested_fields(config_class())

@@ -9,10 +9,11 @@ nested blocks such as `rl.kl_estimator=k3`). The concerns around it have rooms o
 * `config/precheck.py`: the same checks on the config as written, before JAX and the schema are imported;
 * `config/validation.py`: device-free checks, the same for `print_config=true`, the launchers and training.
 
-What this module does: MaxText's pydantic initialization of the chain and overrides (its errors as one line naming
-the key and value, never a traceback), once per argv (`parse`: the trainer's device setup reuses the config instead
-of re-parsing), MaxText's `HyperParameters` view, and one source of truth for keys that MaxText keeps both flat and
-nested (`loss_algo` and `rl.loss_algo`): a dotted override is rewritten to its flat twin, which MaxText routes into
+What this module does: MaxText's pydantic initialization of the chain and overrides the first pass read (`typed`,
+given `config/precheck.Written`; its errors as one line naming the key and value, never a traceback), once: the
+`Parsed` result is handed down (train_rl -> run/loop -> run/build -> models.setup_devices), and nothing below the entry
+points reads argv again; MaxText's `HyperParameters` view, and one source of truth for keys that MaxText keeps both flat
+and nested (`loss_algo` and `rl.loss_algo`): a dotted override is rewritten to its flat twin, which MaxText routes into
 the nested block, and the flat copy is then re-synced from the nested one.
 
 MaxText's `pyconfig` and schema (and `config_types`, `tunix_compat`, built on them) are imported inside functions:
@@ -25,8 +26,6 @@ they import JAX (~5 s), and `--help` or a launcher's dry run should not pay for 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 from typing import Any, Sequence
 import warnings
 
@@ -36,6 +35,7 @@ import yaml
 
 from maxtext_rl_plugin.config import files as config_files
 from maxtext_rl_plugin.config import keys as config_keys
+from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin.config import validation
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -84,6 +84,10 @@ class Parsed:
     from the already-read yml chain): MaxText's multislice trainer/sampler configs."""
     return _initialize(self.yml, self.merged, self.overrides, {**self.kwargs, **updates})
 
+  def hyperparameters(self):
+    """MaxText's `HyperParameters` view of the config (`to_hyperparameters`)."""
+    return to_hyperparameters(self.config)
+
 
 def _initialize(yml: str, merged, overrides: list[str], kwargs: dict[str, Any]):
   """MaxText's pydantic initialization of the merged yml chain plus overrides; its errors as one-line ConfigErrors."""
@@ -103,47 +107,33 @@ def _initialize(yml: str, merged, overrides: list[str], kwargs: dict[str, Any]):
   return pc
 
 
-def _parse_uncached(argv: Sequence[str]) -> Parsed:
-  """Read, check and validate `[yml, key=value, ...]` (see `parse`, which caches this)."""
-  if not argv:
-    raise ConfigError("usage: python -m maxtext_rl_plugin.train_rl <config.yml> [key=value ...]")
-  given = argv[0]
+def typed(written: config_precheck.Written) -> Parsed:
+  """The config the first pass read (`config_precheck.read`), typed and validated: the key names the schema alone
+  knows, refused keys, model_name, the tokenizer and model files, MaxText's pydantic initialization, `validate`."""
   keys = config_keys.schema_keys()
-  chain = config_files.read_chain(given)
-  overrides = config_keys.parse_overrides(argv[1:], keys)
-  for path, cfg in chain:
+  config_keys.check_override_names(written.overrides, keys)
+  for path, cfg in written.chain:
     if not config_files.is_maxtext_file(path):
       config_keys.check_yml_keys(omegaconf.OmegaConf.to_container(cfg, resolve=False), f"in {path}", keys)
   # The user's own spelling (`rl.system_prompt`, not the flat twin the override was rewritten to) picks the status.
-  config_keys.check_refused(config_keys.user_set_values(chain, [a.strip().lstrip("-") for a in argv[1:]]))
-  merged = config_files.merge_chain(chain)
+  config_keys.check_refused(config_keys.user_set_values(written.chain, [a.strip().lstrip("-") for a in written.args]))
+  merged = config_files.merge_chain(written.chain)
   raw = omegaconf.OmegaConf.to_container(merged, resolve=False)
+  overrides = written.overrides
   cli = dict(a.split("=", 1) for a in overrides)
   config_files.check_model_name(str(cli.get("model_name", raw.get("model_name", "default"))))
   overrides = config_files.resolve_tokenizer_path(overrides, raw)
-  kwargs = config_files.model_file_overrides(chain, raw, overrides)
-  pc = _initialize(chain[0][0], merged, overrides, kwargs)
+  kwargs = config_files.model_file_overrides(written.chain, raw, overrides)
+  pc = _initialize(written.chain[0][0], merged, overrides, kwargs)
   validation.validate(pc)
-  return Parsed(pc, chain[0][0], merged, overrides, kwargs)
-
-
-@functools.lru_cache(maxsize=8)
-def _parse_cached(argv: tuple[str, ...], context: tuple) -> Parsed:
-  del context  # cache key only (see parse)
-  return _parse_uncached(argv)
+  return Parsed(pc, written.chain[0][0], merged, overrides, kwargs)
 
 
 def parse(argv: Sequence[str]) -> Parsed:
-  """`[yml, key=value, ...]` parsed and validated once per process; later calls with the same argv (the trainer's
-  `models.setup_devices`, the launchers) get the same result instead of re-reading and re-validating.
-
-  The cache key also holds what else changes the result: the working directory (relative paths), MaxText's
-  `M_<KEY>` environment overrides and HF_TOKEN, and the yml's modification time and size.
-  """
-  env = tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("M_") or k == "HF_TOKEN"))
-  stat = os.stat(argv[0]) if argv and os.path.isfile(argv[0]) else None
-  version = (stat.st_mtime_ns, stat.st_size) if stat else None
-  return _parse_cached(tuple(argv), (os.getcwd(), env, version))
+  """`[yml, key=value, ...]` read and typed, without the first pass's checks (tests, benchmarks, export_lora's second
+  load); `train_rl` runs the first pass and hands its `Written` to `typed`. Each call reads the files again: callers
+  parse once and hand the result down."""
+  return typed(config_precheck.read(argv))
 
 
 def load_pydantic(argv: Sequence[str]):

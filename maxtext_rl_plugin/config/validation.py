@@ -11,7 +11,7 @@ Three layers, all before any model is built (and before JAX has a backend), each
 * `_CROSS_CHECKS`: rules between keys (the completion budget, micro-batch divisibility, the run directory).
 
 Checks that need the device set (the trainer/sampler split, one controller for agentic runs) stay in the trainer
-(`run/build._check_runtime`). Rows that do not divide over the trainer are valid (Tunix replicates them:
+(`run/build.check_runtime`). Rows that do not divide over the trainer are valid (Tunix replicates them:
 `distributed.rows_sharding`); the run says what they cost in one `note:` line.
 
 The same checks run twice: first by `validate_raw` on a `RawConfig` (the yml chain and the command line as written,
@@ -28,6 +28,8 @@ from typing import Any, Callable, Iterator
 
 from maxtext_rl_plugin.config import dependent_keys
 from maxtext_rl_plugin.config import key_status
+from maxtext_rl_plugin.config.unresolved import Unresolved
+from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -39,10 +41,6 @@ INFINITY_MEANS: dict[str, str] = {}
 
 def _bad(key: str, value: Any, why: str) -> ConfigError:
   return ConfigError(f"invalid value for '{key}'={value!r}: {why}")
-
-
-class Unresolved(AttributeError):
-  """A key of a `RawConfig` whose typed value only the schema knows; the check reading it waits for `validate`."""
 
 
 def _typed(value: Any, default: Any) -> Any:
@@ -92,15 +90,25 @@ def _number(value: Any) -> float | None:
 class RawConfig:
   """Attribute view of a merged yml chain plus overrides (plain containers), each value typed like its shipped default
   (`defaults`); a key that is absent, listed in `unresolved` (set by a model file), or not of its default's type
-  raises `Unresolved`, an AttributeError, so `getattr(view, key, None)` reads it as unset."""
+  raises `Unresolved` (config/unresolved.py: not an AttributeError; `value_or(view, key)` reads it as unset)."""
 
-  def __init__(self, values: dict[str, Any], defaults: dict[str, Any], unresolved: frozenset[str] = frozenset()):
+  def __init__(
+      self, values: dict[str, Any], defaults: dict[str, Any], unresolved: frozenset[str] = frozenset(), source: Any = None
+  ):
     self._values = values
     self._defaults = defaults
     self._unresolved = unresolved
+    self._source = source
+
+  def source(self) -> Any:
+    """What this view was built from (`config/precheck.Written`: the yml chain and the overrides, read once), which the
+    typed pass (`config/load.typed`) reads instead of the files and the command line again; None for a nested block."""
+    return self._source
 
   def __getattr__(self, name: str) -> Any:
-    if name.startswith("_") or name in self._unresolved or name not in self._values:
+    if name.startswith("_"):
+      raise AttributeError(name)  # not a key: Python's own protocol lookups (copy, pickle) find nothing here
+    if name in self._unresolved or name not in self._values:
       raise Unresolved(name)
     value, default = self._values[name], self._defaults.get(name)
     if name == "run_name" and value is None:
@@ -169,7 +177,7 @@ def check_numbers(pc) -> None:
 def _get(pc, key: str) -> Any:
   value = pc
   for part in key.split("."):
-    value = value.get(part) if isinstance(value, dict) else getattr(value, part, None)
+    value = value.get(part) if isinstance(value, dict) else value_or(value, part)
   return value
 
 
@@ -251,7 +259,7 @@ def check_ranges(pc) -> None:
     value = _get(pc, key)
     if value is not None and not ok(value):
       raise _bad(key, value, why)
-  for strategy, params in (getattr(pc, "generation_configs", None) or {}).items():
+  for strategy, params in (value_or(pc, "generation_configs") or {}).items():
     for inner, (ok, why) in _GENERATION_RANGES.items():
       value = params.get(inner) if isinstance(params, dict) else None
       if value is not None and not ok(value):
@@ -270,7 +278,7 @@ def check_run_dir(pc) -> None:
     raise _bad("run_name", name, "must be one directory name (no '/', not '.' or '..')")
   run_dir = os.path.join(pc.base_output_directory, name)
   for key in ("checkpoint_dir", "tensorboard_dir"):
-    path = getattr(pc, key, None)
+    path = value_or(pc, key)
     if path and not os.path.normpath(path).startswith(os.path.normpath(run_dir) + os.sep):
       raise _bad(key, path, f"must lie inside the run directory {run_dir}")
 
@@ -414,9 +422,11 @@ def check_processes(pc, processes: int) -> None:
 
 def validate(pc) -> None:
   """Device-free checks of a parsed config, the same for print_config, launchers and training (one line each)."""
-  # algorithms/ and moe import Tunix and JAX: only this second pass, after the schema's imports, needs them.
-  from maxtext_rl_plugin import moe  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.algorithms import shaping  # pylint: disable=import-outside-toplevel
+  # algorithms/, moe and rollout/vllm_config import Tunix and JAX: only this second pass, after the schema's imports,
+  # needs them (validate_raw runs before those imports).
+  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin import moe
+  from maxtext_rl_plugin.algorithms import shaping
 
   for check in _light_checks():
     check(pc)
@@ -424,7 +434,7 @@ def validate(pc) -> None:
   moe.check_config(pc)  # capacity_factor, rl.router_replay
   if pc.rollout_engine == "vllm":
     # The vLLM routes' own checks (the MaxTextForCausalLM route's maxtext_config; head_dim on the native route).
-    from maxtext_rl_plugin.rollout import vllm_config  # pylint: disable=import-outside-toplevel  # imports JAX: validate_raw runs before it
+    from maxtext_rl_plugin.rollout import vllm_config
 
     vllm_config.check_config(pc)
 
@@ -435,5 +445,5 @@ def validate_raw(view: RawConfig) -> None:
   for check in _light_checks():
     try:
       check(view)
-    except (AttributeError, TypeError, ValueError):
+    except (Unresolved, AttributeError, TypeError, ValueError):  # AttributeError: an untyped value's missing method
       continue

@@ -198,8 +198,7 @@ def xpk_executable() -> list[str]:
   if exe:
     return shlex.split(exe)
   try:
-    import xpk  # pylint: disable=unused-import
-
+    importlib.import_module("xpk")
     return [sys.executable, "-m", "xpk.main"]
   except ImportError:
     raise errors.MissingExtraError("the XPK launcher", "xpk", "xpk") from None

@@ -24,7 +24,7 @@ behaviour_version uses `start`: no batch is repeated or skipped, only the first 
 
 The correction for the staleness is the loss's (`rl.rollout_is`: truncated or masked importance weights
 pi_old / pi_behaviour, algorithms/divergence.py) or the PPO ratio against the behaviour policy (`rl.use_rollout_logps`);
-`run/build._check_runtime` refuses k > 0 with neither. Rollout engines whose weights are the trainer's own arrays
+`run/build.check_runtime` refuses k > 0 with neither. Rollout engines whose weights are the trainer's own arrays
 (the embedded engine, colocated) sample from a snapshot pinned at each sync (`pin_params`), since the trainer
 updates the shared arrays while the producer samples.
 

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
-from typing import Any, Sequence
+from typing import Any
 
 from absl import logging
 from flax import nnx
@@ -25,6 +25,7 @@ from tunix.sft import metrics_logger
 
 from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import evaluation as evaluation_lib
 from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin import lora as lora_lib
@@ -60,7 +61,7 @@ def per_host_split(rs: models.RunSetup) -> models.RunSetup:
   return dataclasses.replace(rs, trainer_devices=trainer, sampler_devices=sampler)
 
 
-def _check_runtime(config, rs: models.RunSetup) -> None:
+def check_runtime(config, rs: models.RunSetup) -> None:
   """Checks that need the device set, before any model is built (device-free ones: `config.validate`)."""
   distributed.check_device_split(rs.trainer_devices, rs.sampler_devices)
   distributed.check_synchronous(int(config.rl.off_policy_steps))
@@ -222,11 +223,12 @@ def build_optimizer(config):
   return optax.inject_hyperparams(make)(learning_rate=lr_schedule(config))
 
 
-def build_run(config, argv: Sequence[str]) -> RLRun:
-  """Models, meshes, data, rewards, Tunix cluster and learner for `config`."""
-  rs = per_host_split(models.setup_devices(argv))
+def build_run(config, parsed: config_lib.Parsed) -> RLRun:
+  """Models, meshes, data, rewards, Tunix cluster and learner for `config` (`parsed`: the same config as parsed, which
+  MaxText's multislice trainer/sampler configs are derived from)."""
+  rs = per_host_split(models.setup_devices(parsed))
   config = rs.trainer_config
-  _check_runtime(config, rs)
+  check_runtime(config, rs)
   plan = updates.UpdatePlan.from_config(config)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
   tokenizer = models.load_tokenizer(config)

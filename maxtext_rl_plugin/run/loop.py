@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import signal as signal_lib
-from typing import Any, Sequence
+from typing import Any
 
 from absl import logging
 import jax
@@ -24,11 +24,11 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 
 from maxtext_rl_plugin.run import async_rollout
 from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import dynamic_sampling
 from maxtext_rl_plugin.run import evaluation as evaluation_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
-from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin.run import summary as summary_lib
 from maxtext_rl_plugin.run import build
@@ -230,13 +230,13 @@ def _stop(rl_run, producer, ckpt, summary, step: int, total: int, saved: bool, s
   )
 
 
-def run(config, argv: Sequence[str]) -> dict[str, Any]:
-  """Entry point from `train_rl.main`: check outputs, lock the run directory, build, train (or resume), summarise."""
+def run(config, parsed: config_lib.Parsed) -> dict[str, Any]:
+  """Entry point from `train_rl.main`, after its preflight (`run_identity.preflight`: inputs exist, outputs writable,
+  no rerun that would rewrite a finished run or resume another model): lock the run directory, build, train (or
+  resume), summarise. `parsed` is the config as parsed once (the device split derives MaxText's multislice configs)."""
   out_dir = os.path.join(config.base_output_directory, config.run_name)
   metrics_file = run_dir_lib.resolve_metrics_file(config.metrics_file, out_dir)
-  writer = metrics_lib.is_writer()  # process 0 alone checks, locks and writes the run's files
-  if writer:
-    run_dir_lib.check_writable(out_dir, metrics_file)
+  writer = metrics_lib.is_writer()  # process 0 alone locks and writes the run's files
   finished = resume.finished_summary(config, out_dir)
   if finished is not None:  # a rerun of a finished run reports it and changes nothing
     if writer:
@@ -247,14 +247,13 @@ def run(config, argv: Sequence[str]) -> dict[str, Any]:
       )
       print("\n" + summary_lib.table(finished), flush=True)
     return finished
-  run_identity.check_rerun(config, out_dir, build.num_rl_steps(config))  # nothing written when asked to stop earlier
   lock = run_dir_lib.RunLock(out_dir)
   if writer:
     lock.acquire()
     lock.start_heartbeat()  # a daemon thread: a step longer than the lock's stale_after_s never looks dead
   try:
     with signals.GracefulStop() as stop:
-      rl_run = build.build_run(config, argv)
+      rl_run = build.build_run(config, parsed)
       rl_run.metrics_file = metrics_file
       rl_run.lock = lock
       summary = train(rl_run, stop)

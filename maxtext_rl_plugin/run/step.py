@@ -232,15 +232,13 @@ def train_step(rl_run: RLRun, producer, step: int, snapshot: bool, audit: bool) 
   check_batch(step, sampled, rl_run.config.rl.num_generations)
   rl_run.data_position = dynamic_sampling.next_position(sampled, step, rl_run.config.batch_size)
   exp = experience.score(rl_run, sampled, rl_run.plan, rl_run.timer)
-  t = time.perf_counter()
-  rl_run.rl_cluster.update_actor(updates.micro_batches(exp.example, rl_run.plan), None, skip_jit=False)
-  # Tunix defers writing an update's metrics by one update (to overlap I/O); flush so this step's are this step's.
-  tunix_compat.flush_train_metrics(rl_run.rl_cluster.actor_trainer)
-  check_update(step, rl_run.tee.latest())
-  rl_run.timer.add("train", time.perf_counter() - t)
-  t = time.perf_counter()
-  wait_sync = producer.publish(step, functools.partial(_install_weights, rl_run, snapshot))
-  rl_run.timer.add("weight_sync", time.perf_counter() - t - wait_sync)
+  with rl_run.timer.phase("train"):
+    rl_run.rl_cluster.update_actor(updates.micro_batches(exp.example, rl_run.plan), None, skip_jit=False)
+    # Tunix defers writing an update's metrics by one update (to overlap I/O); flush so this step's are this step's.
+    tunix_compat.flush_train_metrics(rl_run.rl_cluster.actor_trainer)
+    check_update(step, rl_run.tee.latest())
+  with rl_run.timer.phase("weight_sync") as sync:
+    wait_sync = sync.waited = producer.publish(step, functools.partial(_install_weights, rl_run, snapshot))
   if audit:  # after the update: the audit never names a step that did not train
     _audit_batch(rl_run.run_dir, step, batch)
   phases = rl_run.timer.reset()
