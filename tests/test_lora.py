@@ -41,7 +41,7 @@ NEW = 12
 
 # A deterministic reward that varies with the text, and a sampling temperature at which the random-init model's
 # completions differ: every group has a reward spread, so the adapters get a non-zero gradient (see
-# tests/test_trainer_updates.py, where the same pair is explained).
+# tests/run/test_trainer_updates.py, where the same pair is explained).
 _LENGTH_REWARD = """
 def length_reward(prompts, completions, **kwargs):
   return [(sum(map(ord, c)) % 97) / 97.0 for c in completions]
@@ -128,7 +128,7 @@ def adapted_fixture():
   tok = models.load_tokenizer(cfg)
   model, mesh = models.build_model(cfg, rs.trainer_devices, pad_id=tok.pad_token_id)
 
-  def scale(path, x):  # context-dependent greedy continuations (see tests/test_rollout_embedded.py)
+  def scale(path, x):  # context-dependent greedy continuations (see tests/rollout/test_rollout_embedded.py)
     return x * 3.0 if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x
 
   nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))

@@ -7,7 +7,7 @@ its switch is off is one line naming the key, the switch and how to turn it on. 
 (`validation._light_checks`): the config as written, before the schema's imports, and the typed config.
 
 `DEFAULTS` holds each dependent key's shipped default (configs/rl.yml, or the schema's for a schema-only key);
-tests/test_validation.py keeps them equal to the schema's.
+tests/config/test_validation.py keeps them equal to the schema's.
 """
 
 from __future__ import annotations

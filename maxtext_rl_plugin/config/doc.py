@@ -5,7 +5,7 @@ Every key of the resolved `configs/rl.yml` -- the plugin's own keys and those it
 (the pydantic `Field` description from `config_types.PluginRLConfig`, i.e. the plugin's descriptions and MaxText's
 own `types.py` ones) and its status (`config/key_status.py`: honoured where, or refused why); then every other key of the
 schema with its status. Generated rather than written so the reference cannot drift from the schema and the yml;
-tests/test_docs.py regenerates it and fails when the committed file differs.
+tests/config/test_docs.py regenerates it and fails when the committed file differs.
 """
 
 from __future__ import annotations

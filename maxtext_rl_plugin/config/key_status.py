@@ -10,7 +10,7 @@ A MaxText user who switches from MaxText's `train_rl` to this plugin must lose n
 
 Statuses are given per mixin class of `RLConfig` (e.g. every `ModelArchitecture` key is read by MaxText's model
 code, which the plugin builds through `from_pretrained`; every `Goodput` key is pre-training telemetry) with
-per-key overrides. A class missing from `CLASS_STATUS` fails tests/test_config.py, so a MaxText upgrade that adds
+per-key overrides. A class missing from `CLASS_STATUS` fails tests/config/test_config.py, so a MaxText upgrade that adds
 a mixin or a key cannot add a silently ignored key. Keys of the `rl:` block are named `rl.<key>`; keys of MaxText's
 other nested blocks (`dataset`, `reward`, `vllm`, ...) are also top-level fields and are named flat, as in
 `post_train/rl.yml`.
@@ -433,7 +433,7 @@ _KEY_STATUS: dict[str, str] = {
 
 # Refused keys whose MaxText RL default means something the plugin does not do: the text says what it does instead
 # (issue 42's audit; the table in docs/DEVELOPMENT.md, "Where the plugin differs from MaxText's RL defaults", and
-# tests/test_key_audit.py keep the list).
+# tests/config/test_key_audit.py keep the list).
 _KEY_STATUS.update(
     {
         **dict.fromkeys(
@@ -548,13 +548,13 @@ _KEY_STATUS.update(
 BLOCKS = ("rl", "cluster", "dataset", "reward", "special_tokens", "evaluation", "vllm")
 # Blocks whose inner keys have no flat twin: named `<block>.<key>` (`rl.` above, and the plugin's `lora:` block).
 DOTTED_BLOCKS = ("rl", "lora")
-# Every field of the schema that is a nested block (tests/test_config.py compares it with the schema).
+# Every field of the schema that is a nested block (tests/config/test_config.py compares it with the schema).
 NESTED_BLOCKS = (*DOTTED_BLOCKS, *(b for b in BLOCKS if b not in DOTTED_BLOCKS))
 
 # The schema's key names without importing it (config_keys.light_keys, for refusing an unknown key before JAX loads):
 # the shipped defaults' keys (MaxText's base.yml under configs/rl.yml) less YML_ONLY_KEYS (in base.yml, not in the
 # schema: MaxText drops them) plus SCHEMA_ONLY_KEYS (fields with no yml default: derived values, flat twins of
-# `rl.` keys, keys MaxText's base.yml leaves out). tests/test_config.py keeps both exact.
+# `rl.` keys, keys MaxText's base.yml leaves out). tests/config/test_config.py keeps both exact.
 YML_ONLY_KEYS: frozenset[str] = frozenset(
     {
         "blend_cache_dir",

@@ -80,7 +80,7 @@ def shipped_defaults() -> dict[str, Any]:
 @functools.cache
 def light_keys() -> KeyNames:
   """The schema's key names without importing it: the shipped defaults' keys corrected by key_status's two lists
-  of the difference (tests/test_config.py keeps them exact). Blocks with no shipped defaults are left to the schema."""
+  of the difference (tests/config/test_config.py keeps them exact). Blocks with no shipped defaults are left to the schema."""
   defaults = shipped_defaults()
   top = (set(defaults) - key_status.YML_ONLY_KEYS) | {k for k in key_status.SCHEMA_ONLY_KEYS if "." not in k}
   blocks: dict[str, frozenset[str] | None] = {}

@@ -199,7 +199,7 @@ def lr_schedule(config):
 def build_optimizer(config):
   """MaxText's RL optimizer (global-norm clipping + AdamW on `lr_schedule`), with `adam_eps` / `adam_eps_root`.
 
-  The chain is MaxText 0.2.5's `utils_rl.get_optimizer` (tests/test_trainer_updates.py checks the two agree when the
+  The chain is MaxText 0.2.5's `utils_rl.get_optimizer` (tests/run/test_trainer_updates.py checks the two agree when the
   schedule lengths agree); it is rebuilt here because that function drops `adam_eps`/`adam_eps_root` and sizes the
   schedule by `train_steps`, which undercounts updates when a batch is split into mini-batches.
   """

@@ -47,7 +47,7 @@ from maxtext_rl_plugin.aot import topology
 from maxtext_rl_plugin.aot import vllm_programs
 from maxtext_rl_plugin.run import build
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = "configs/cpu_tiny.yml"
 MOE = "configs/cpu_tiny_moe.yml"
 LIBTPU = REPO / ".venv-aot-libtpu"

@@ -13,7 +13,7 @@ independent of it.
 * Parse regressions on hand-written HLO: a computation ends only at a lone `}`; the counter is read through copies
   and CPU's wrapped add/compare fusions; a loop stepping by 2; the decode's `counter < T and ...` is a bound.
 
-The v5p checks run in one subprocess (this file as a script, libtpu on its path as tests/test_aot.py does).
+The v5p checks run in one subprocess (this file as a script, libtpu on its path as tests/aot/test_aot.py does).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import pytest
 
 from maxtext_rl_plugin.aot import hlo_cost, hlo_text
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 LIBTPU = REPO / ".venv-aot-libtpu"
 L1, L2, B, D = 3, 4, 32, 128  # nested scan: 3 x 4 layers of [D, D] on a [B, D] carry
 STACK = 16  # layers of the slice-aware check

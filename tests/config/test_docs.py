@@ -20,7 +20,7 @@ import yaml
 
 from maxtext_rl_plugin.config import doc as config_doc
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 DOCS = REPO / "docs"
 TOKEN = "hf_docs_test_SECRET_991"
 # A filled-in version of the tutorial's "Set up environment variables" block.

@@ -16,7 +16,7 @@ import pytest
 from maxtext_rl_plugin.config import keys as config_keys
 from maxtext_rl_plugin.config import key_status
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "DEVELOPMENT.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "DEVELOPMENT.md"
 
 # key -> (MaxText RL default, words of its status that state what the plugin does)
 AUDIT = {

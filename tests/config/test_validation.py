@@ -27,7 +27,7 @@ from maxtext_rl_plugin.errors import ConfigError
 import _in_process as in_process
 
 TINY = "configs/cpu_tiny.yml"
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.fixture(name="tiny_pc", scope="module")

@@ -16,7 +16,7 @@ import configparser
 
 from maxtext_rl_plugin.launch import __main__ as launch_main
 
-K8S = pathlib.Path(__file__).resolve().parents[1] / "dependencies" / "k8s"
+K8S = pathlib.Path(__file__).resolve().parents[2] / "dependencies" / "k8s"
 VALUES = {
     "RUN_NAME": "qwen3-8b-grpo-ray",
     "DOCKER_IMAGE": "us-docker.pkg.dev/p/r/maxtext-rl-ray:latest",

@@ -323,7 +323,7 @@ def test_container_command_resumes_when_resubmitted(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     return subprocess.run(
         ["bash", "-c", script],
-        cwd=pathlib.Path(__file__).parents[1],
+        cwd=pathlib.Path(__file__).parents[2],
         env=env,
         capture_output=True,
         text=True,

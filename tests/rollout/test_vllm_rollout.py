@@ -120,7 +120,7 @@ def expected_hf(tree: dict, llama: bool) -> dict[str, np.ndarray]:
   return out
 
 
-TREES = json.loads((pathlib.Path(__file__).parent / "data" / "tpu_inference_trees.json").read_text())
+TREES = json.loads((pathlib.Path(__file__).parents[1] / "data" / "tpu_inference_trees.json").read_text())
 
 
 def real_leaves(model_name: str, hc) -> dict[str, tuple[tuple[int, ...], str, str]]:

@@ -10,7 +10,7 @@ import sys
 
 import _in_process as in_process
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 B, G = 2, 4
 # The CPU demo's 528-token tokenizer keeps the model small; at temperature 30 the random-init model's completions
 # differ, and tests/data/dynamic_sampling_rewards.py gives all-1, all-0 and mixed groups.

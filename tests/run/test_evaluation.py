@@ -18,7 +18,7 @@ from maxtext_rl_plugin import rewards
 
 import _in_process as in_process
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _graded(texts, gold):

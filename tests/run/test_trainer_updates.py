@@ -22,7 +22,7 @@ from maxtext_rl_plugin.run import updates
 
 import _in_process as in_process
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 class _Cfg:
