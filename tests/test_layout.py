@@ -290,7 +290,7 @@ def argv_walk(mods: dict[str, Module], start: tuple[str, str] = (f"{PACKAGE}.tra
     in source order, depth first: a function reached twice is read twice (each call is a stop), except a call into a
     function already on the walk's stack (recursion);
   * a **climb back** is a return from a stop to its caller in another file (a reader who followed argv down into a
-    file walks back up to one they had left); a **re-entry** is entering a stop in a file left earlier.
+    file walks back up to one they had left); a **re-entry** is arriving (by a call or a return) in a file left earlier.
 
   Returns {stops, files, climbs, reentries, path}.
   """
@@ -385,7 +385,9 @@ def test_argv_walk_climbs_back_at_most_22_times():
 
 def test_argv_walk_on_a_known_program():
   """The walk on three tiny modules, counted by hand: main -> a.f -> a.g (same file) -> b.h, back up to a.g (climb 1),
-  back up to main (climb 2); `b.unrelated` and `a.later` receive what was made of argv, not argv: not stops."""
+  back up to main (climb 2); main's second call reads a.f, a.g, b.h again (climbs 3 and 4). `b.unrelated` and
+  `a.later` receive what was made of argv, not argv: not stops. Files: train_rl a a b a a train_rl a a b a a train_rl,
+  six arrivals in a file left earlier."""
   src = {
       f"{PACKAGE}.train_rl": "from maxtext_rl_plugin import a\ndef main(argv):\n  x = list(argv)\n  r = a.f(x[1:])\n"
       "  a.f(argv)\n  a.later(r)\n",
@@ -395,8 +397,9 @@ def test_argv_walk_on_a_known_program():
   }
   mods = {n: Module(n, pathlib.Path(n.replace(".", "/") + ".py"), ast.parse(t), t) for n, t in src.items()}
   walk = argv_walk(mods)
-  assert walk["path"] == [f"{PACKAGE}.train_rl.main", f"{PACKAGE}.a.f", f"{PACKAGE}.a.g", f"{PACKAGE}.b.h"]
-  assert walk["climbs"] == 2 and walk["files"] == 3 and walk["reentries"] == 0
+  once = [f"{PACKAGE}.a.f", f"{PACKAGE}.a.g", f"{PACKAGE}.b.h"]
+  assert walk["path"] == [f"{PACKAGE}.train_rl.main", *once, *once]
+  assert walk["climbs"] == 4 and walk["files"] == 3 and walk["reentries"] == 6
 
 
 if __name__ == "__main__":
