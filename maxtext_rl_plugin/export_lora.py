@@ -22,8 +22,8 @@ import argparse
 import os
 import sys
 
-from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin import config_precheck
+from maxtext_rl_plugin.config import load as config_lib
+from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin import run_dir as run_dir_lib
@@ -102,14 +102,15 @@ def _lora_from_run(argv: list[str], config, ckpt_dir: str, step: int | None) -> 
 
 def export(argv, output: str, step: int | None = None) -> str:
   """Build the run's base, apply and restore its adapters, merge, save; returns the `load_parameters_path`."""
-  config_precheck.precheck(argv)  # key names and values as written, before the schema's imports
+  view = config_precheck.precheck(argv)  # key names and values as written, before the schema's imports
   out = os.path.join(os.path.abspath(output), "0")
   if os.path.exists(out):
     raise ConfigError(f"invalid value for '--output'='{output}': {out} already exists")
-  config = config_lib.load_config(argv)
+  config = config_lib.typed(view.source()).hyperparameters()
   run_dir = os.path.join(config.base_output_directory, config.run_name)
   argv = _lora_from_run(list(argv), config, os.path.abspath(run_identity.checkpoint_dir(config, run_dir)), step)
-  config = config_lib.load_config(argv)
+  parsed = config_lib.parse(argv)  # with the run's own lora.* keys
+  config = parsed.hyperparameters()
   if not lora.enabled(config):
     raise ConfigError(
         "export_lora needs the training run's lora.enable_lora=true (a full fine-tuning run's "
@@ -122,7 +123,7 @@ def export(argv, output: str, step: int | None = None) -> str:
   from maxtext_rl_plugin import models
   from maxtext_rl_plugin import sft
 
-  rs = models.setup_devices(argv)
+  rs = models.setup_devices(parsed)
   config = rs.trainer_config
   tokenizer = models.load_tokenizer(config)
   actor, mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)

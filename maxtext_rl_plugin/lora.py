@@ -18,7 +18,7 @@ matched by `lora_module_path`, else MaxText's `post_train/lora_module_path.yml` 
 """
 
 # JAX, Flax, Tunix and MaxText's LoRA utilities are imported inside the functions that use them: config loading
-# imports this module for `validate` (validation.py), and loading a config must not import JAX (see config.py).
+# imports this module for `validate` (config/validation.py), and loading a config must not import JAX (config/load.py).
 # pylint: disable=import-outside-toplevel
 
 from __future__ import annotations
@@ -251,6 +251,10 @@ class Merger:
     self._merged = None
     self._fn = None
     self.num_merges = 0
+
+  def forget(self) -> None:
+    """Drop the last merge, so the next `merged` merges again (what an adapter sync triggers)."""
+    self._key = None
 
   def merged(self, module):
     """The adapted weights, merged once per adapter change (the same adapter leaves reuse the last merge)."""

@@ -19,7 +19,7 @@ from maxtext.utils import maxtext_utils
 from maxtext.utils import model_creation_utils
 from transformers import AutoTokenizer
 
-from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -38,15 +38,14 @@ class RunSetup:
     return list(self.trainer_devices) != list(self.sampler_devices)
 
 
-def setup_devices(argv, devices=None) -> RunSetup:
-  """MaxText's trainer/sampler device split for `argv` (`[yml, k=v, ...]`), from the config parsed once.
+def setup_devices(parsed: config_lib.Parsed, devices=None) -> RunSetup:
+  """MaxText's trainer/sampler device split for the run's config (`config_lib.Parsed`, parsed once by the caller).
 
   Same semantics as MaxText 0.2.5's `model_creation_utils.setup_configs_and_devices` (compared in
-  tests/test_config.py), without its re-parse of argv: single slice -> one config; Pathways with >= 2 VMs splits the
+  tests/config/test_config.py), without its re-parse of argv: single slice -> one config; Pathways with >= 2 VMs splits the
   devices by `trainer_devices_fraction` / `sampler_devices_fraction`; multislice derives the trainer and sampler
   configs (slice counts, fsdp/tensor parallelism) from the parsed one, as MaxText's kwargs do.
   """
-  parsed = config_lib.parse(argv)
   pc = parsed.config
   devices = list(jax.devices() if devices is None else devices)
   if pc.num_trainer_slices == -1 and pc.num_samplers_slices == -1:

@@ -106,7 +106,7 @@ def resolve_metrics_file(metrics_file: str | None, run_dir: str) -> str | None:
   return os.path.join(run_dir, metrics_file)
 
 
-# Files every run writes in its own directory (summary.py, run/step.py, RunLock): no key may name one of them, in this
+# Files every run writes in its own directory (run/summary.py, run/step.py, RunLock): no key may name one of them, in this
 # run's directory or another's.
 RUN_FILES = ("summary.json", "summary.png", "batches.jsonl", ".lock")
 

@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin.data import prompts
 from maxtext_rl_plugin.data import rows
 from maxtext_rl_plugin.errors import CheckpointError
@@ -298,14 +299,14 @@ def check_inputs(config) -> None:
   `./`, `../`, `~`; `org/name` may be a hub id). `config` may be a `validation.RawConfig` (a key it cannot type is
   skipped)."""
   for key in ("train_data_path", "eval_data_path"):
-    spec = getattr(config, key, None)
+    spec = value_or(config, key)
     if _local(spec):
       rows.expand_paths(spec, key)
-  check_load_parameters_path(getattr(config, "load_parameters_path", None))
-  template = getattr(config, "data_template_path", None)
+  check_load_parameters_path(value_or(config, "load_parameters_path"))
+  template = value_or(config, "data_template_path")
   if isinstance(template, str) and template:
     prompts.load_template(template)  # every prompt is built from it (the system prompt, with or without chat)
-  tokenizer = getattr(config, "tokenizer_path", None)
+  tokenizer = value_or(config, "tokenizer_path")
   if _local(tokenizer) and tokenizer.startswith(("/", "./", "../", "~")):
     if not os.path.exists(os.path.expanduser(tokenizer)):
       raise ConfigError(f"invalid value for 'tokenizer_path'='{tokenizer}': no such directory")
@@ -318,12 +319,12 @@ def check_outputs(config) -> None:
   """Every output has one owner (`run_dir.check_owners`), and the run directory and the metrics file can be written
   (`run_dir.check_writable`); a `RawConfig` that cannot type metrics_file probes the directory alone."""
   run_dir = os.path.join(config.base_output_directory, config.run_name)
-  metrics_file = run_dir_lib.resolve_metrics_file(getattr(config, "metrics_file", None), run_dir)
+  metrics_file = run_dir_lib.resolve_metrics_file(value_or(config, "metrics_file"), run_dir)
   run_dirs = {
-      "checkpoint_dir": getattr(config, "checkpoint_dir", None) or os.path.join(run_dir, "checkpoints"),
-      "tensorboard_dir": getattr(config, "tensorboard_dir", None) or os.path.join(run_dir, "tensorboard"),
+      "checkpoint_dir": value_or(config, "checkpoint_dir") or os.path.join(run_dir, "checkpoints"),
+      "tensorboard_dir": value_or(config, "tensorboard_dir") or os.path.join(run_dir, "tensorboard"),
   }
-  inputs = {k: v for k in _INPUT_KEYS if isinstance(v := getattr(config, k, None), str)}
+  inputs = {k: v for k in _INPUT_KEYS if isinstance(v := value_or(config, k), str)}
   run_dir_lib.check_owners(metrics_file, run_dir, run_dirs, inputs)
   run_dir_lib.check_writable(run_dir, metrics_file)
 

@@ -18,7 +18,8 @@ from typing import Sequence
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import signals
-from maxtext_rl_plugin import validation
+from maxtext_rl_plugin.config import validation
+from maxtext_rl_plugin.config.unresolved import Unresolved
 from maxtext_rl_plugin.errors import exit_on_user_error
 from maxtext_rl_plugin.rewards import loader as reward_loader
 
@@ -57,17 +58,17 @@ def _precheck(view) -> None:
   try:
     validation.check_run(view)
     print_config = view.print_config if "print_config" in view else False  # unset: the schema's default
-  except AttributeError:
+  except Unresolved:
     return
   try:
     reward_loader.check_config(view)  # print_config=true too: it refuses what training refuses
-  except AttributeError:
+  except Unresolved:
     pass
   if print_config is False and not _compiling(view):  # compile_topology opens no checkpoint, data or run dir
     run_identity.check_inputs(view)
     try:
       run_identity.check_outputs(view)
-    except AttributeError:
+    except Unresolved:
       return
 
 
@@ -75,7 +76,7 @@ def _compiling(view) -> bool:
   """compile_topology set: compile the run's programs for that TPU (maxtext_rl_plugin.aot) instead of training."""
   try:
     return bool(view.compile_topology) if "compile_topology" in view else False
-  except AttributeError:
+  except Unresolved:
     return False
 
 
@@ -86,16 +87,18 @@ def _main(argv: list[str]) -> int:
   with exit_on_user_error():
     with signals.GracefulStop():
       # Config and path mistakes first, in a second: the schema's imports (JAX, MaxText, Tunix) take ~10 s.
-      from maxtext_rl_plugin import config as config_lib
-      from maxtext_rl_plugin import config_precheck
+      from maxtext_rl_plugin.config import load as config_lib
+      from maxtext_rl_plugin.config import precheck as config_precheck
 
-      _precheck(config_precheck.precheck(argv))
+      view = config_precheck.precheck(argv)  # the yml chain and the overrides, read once
+      _precheck(view)
       # Then, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
       # must be registered now, as MaxText's train_rl.main does; later JAX refuses it.
       from maxtext_rl_plugin import pathways
 
       pathways.initialize()
-      config = config_lib.load_config(argv)
+      parsed = config_lib.typed(view.source())  # handed down from here: nothing below reads argv
+      config = parsed.hyperparameters()
       validation.check_run(config)  # print_config=true refuses what training refuses
       if config.print_config:
         sys.stdout.write(config_lib.dump_yaml(config))
@@ -103,11 +106,11 @@ def _main(argv: list[str]) -> int:
       if config.compile_topology:
         from maxtext_rl_plugin.aot import run as aot_run
 
-        return aot_run.run(config, argv)
+        return aot_run.run(config, parsed)
       run_identity.preflight(config)  # path and rerun refusals before the trainer's seconds of imports
-      from maxtext_rl_plugin import trainer
+      from maxtext_rl_plugin.run import loop as trainer
 
-    trainer.run(config, argv)
+    trainer.run(config, parsed)
   return 0
 
 

@@ -7,10 +7,10 @@ greedy evaluation and per-phase timing. What has no public API in Tunix 0.1.7 or
   resume reads them from its own checkpoint manager, which the plugin does not use);
 * flushing the trainer's buffered metrics: Tunix writes an update's loss/KL/clip fraction one update late (to
   overlap I/O), so without a flush a step's metrics would be logged with the next step;
-* the learner's reward aggregation is private too, but the plugin computes rewards itself (`experience.py`);
+* the learner's reward aggregation is private too, but the plugin computes rewards itself (`run/experience.py`);
 * MaxText 0.2.5's pyconfig (`pyconfig_reads`): `_initialize_pydantic` is the only entry point that raises instead of
   logging many lines and calling sys.exit(2); it reads the yml chain through the module-level `_load_config`, which
-  the plugin swaps for the chain `config_files.py` already read and merged (plugin-config bases, no temporary copies);
+  the plugin swaps for the chain `config/files.py` already read and merged (plugin-config bases, no temporary copies);
 * MaxText 0.2.5's LoRA target resolution (`lora_utils._get_lora_module_path`: lora.lora_module_path, else
   lora_module_path.yml's entry for the model), used as is so the plugin adapts the same modules MaxText would;
 * MaxText 0.2.5's math_verify spawn pool (`math_verify_pool._shutdown_pool`) for the rewards benchmark, which runs
@@ -28,17 +28,21 @@ greedy evaluation and per-phase timing. What has no public API in Tunix 0.1.7 or
 # Tunix's RL utils and MaxText's pyconfig and RL trainer package are imported inside the functions that need them:
 # they are heavy (the whole Tunix/MaxText training stack), and the step-counter helpers need none of them.
 # pylint: disable=import-outside-toplevel
+# This module is where the plugin touches private names (the docstring gives each one's reason), and nowhere else.
+# pylint: disable=protected-access
 
 from __future__ import annotations
 
 import contextlib
 import copy
-
-# MaxText 0.2.5's math_verify_pool annotates with multiprocessing.pool.Pool but imports only multiprocessing.
-import multiprocessing.pool  # pylint: disable=unused-import  # must be loaded before math_verify_pool
+import importlib
 from typing import Any, Callable, Iterator
 
 from maxtext_rl_plugin import distributed
+
+# MaxText 0.2.5's math_verify_pool annotates with multiprocessing.pool.Pool but imports only multiprocessing: the
+# submodule must be loaded before math_verify_pool is (a bare `import multiprocessing.pool` would be an unused name).
+importlib.import_module("multiprocessing.pool")
 
 PINNED_TUNIX = "0.1.7"
 
@@ -46,8 +50,8 @@ PINNED_TUNIX = "0.1.7"
 def set_trainer_steps(actor_trainer: Any, updates: int, micro_steps_per_update: int) -> None:
   """Make a restored trainer count `updates` optimizer updates (`_train_steps`) and the matching micro-steps
   (`_iter_steps`, which also drives Tunix's profiler window and gradient-accumulation phase)."""
-  actor_trainer._train_steps = int(updates)  # pylint: disable=protected-access
-  actor_trainer._iter_steps = int(updates) * int(micro_steps_per_update)  # pylint: disable=protected-access
+  actor_trainer._train_steps = int(updates)
+  actor_trainer._iter_steps = int(updates) * int(micro_steps_per_update)
 
 
 def trainer_steps(actor_trainer: Any) -> tuple[int, int]:
@@ -57,7 +61,7 @@ def trainer_steps(actor_trainer: Any) -> tuple[int, int]:
 
 def flush_train_metrics(actor_trainer: Any) -> None:
   """Write the last update's buffered metrics now (Tunix defers them by one update)."""
-  actor_trainer._write_train_metrics()  # pylint: disable=protected-access
+  actor_trainer._write_train_metrics()
 
 
 def multiprocess_workarounds() -> None:
@@ -74,7 +78,7 @@ def shutdown_maxtext_math_verify_pool() -> None:
   """Stop MaxText's math_verify worker pool now (see the module docstring); a no-op when it never started."""
   from maxtext.trainers.post_train.rl import math_verify_pool
 
-  math_verify_pool._shutdown_pool()  # pylint: disable=protected-access
+  math_verify_pool._shutdown_pool()
 
 
 @contextlib.contextmanager
@@ -82,19 +86,19 @@ def pyconfig_reads(merged: Any) -> Iterator[Callable[..., Any]]:
   """Yield MaxText's `pyconfig._initialize_pydantic` reading `merged` (an OmegaConf mapping) as its yml chain."""
   from maxtext.configs import pyconfig
 
-  original = pyconfig._load_config  # pylint: disable=protected-access
-  pyconfig._load_config = lambda _path: copy.deepcopy(merged)  # pylint: disable=protected-access
+  original = pyconfig._load_config
+  pyconfig._load_config = lambda _path: copy.deepcopy(merged)
   try:
-    yield pyconfig._initialize_pydantic  # pylint: disable=protected-access
+    yield pyconfig._initialize_pydantic
   finally:
-    pyconfig._load_config = original  # pylint: disable=protected-access
+    pyconfig._load_config = original
 
 
 def maxtext_lora_module_path(config: Any) -> str:
   """The regex of the modules MaxText applies LoRA to for `config` (see the module docstring)."""
   from maxtext.utils import lora_utils
 
-  return lora_utils._get_lora_module_path(config)  # pylint: disable=protected-access
+  return lora_utils._get_lora_module_path(config)
 
 
 def actor_train_step(
@@ -106,7 +110,7 @@ def actor_train_step(
   from tunix.sft import peft_trainer
 
   stand_in = _TrainerStandIn(loss_fn=loss_fn, gen_model_input_fn=gen_model_input_fn, _lora_enabled=lora, _has_aux=True)
-  return peft_trainer.PeftTrainer._train_step(stand_in, model, optimizer, inputs)  # pylint: disable=protected-access
+  return peft_trainer.PeftTrainer._train_step(stand_in, model, optimizer, inputs)
 
 
 class _TrainerStandIn:

@@ -23,7 +23,7 @@ import time
 from typing import Any, Iterable, Iterator, Optional, TextIO
 
 from maxtext_rl_plugin import run_dir
-from maxtext_rl_plugin.config import load_config
+from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.errors import DataError
 from maxtext_rl_plugin.errors import exit_on_user_error
 from maxtext_rl_plugin.rewards import extraction as ex

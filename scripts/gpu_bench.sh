@@ -33,7 +33,7 @@ cd /tmp
   python3 -m pip list 2>/dev/null | grep -iE '^(jax|jaxlib|jax-cuda|flax|optax|orbax|torch |transformers|maxtext|google-tunix|qwix|grain|numpy|ml.dtypes|tensorstore|chex) '
 } > "$OUT/versions.txt" 2>&1
 cat "$OUT/versions.txt"
-python3 -c 'import maxtext, tunix, maxtext_rl_plugin.trainer, jax; print("imports ok; jax", jax.__version__, jax.devices())' \
+python3 -c 'import maxtext, tunix, maxtext_rl_plugin.run.loop, jax; print("imports ok; jax", jax.__version__, jax.devices())' \
   || { echo "error: the plugin stack does not import on this image (above)"; exit 3; }
 
 python3 -m maxtext_rl_plugin.bench gpu --out "$OUT" --budget $((BUDGET_S - SECONDS)) "$@"

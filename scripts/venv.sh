@@ -76,7 +76,7 @@ if stamp_stale "$STAMP" "$WANT"; then
   echo "$WANT" > "$STAMP"
 fi
 
-# libtpu for the AOT compile (compile_topology, maxtext_rl_plugin/aot/; tests/test_aot.py): its own --target dir, put
+# libtpu for the AOT compile (compile_topology, maxtext_rl_plugin/aot/; tests/aot/test_aot.py): its own --target dir, put
 # on PYTHONPATH only by the compile subprocesses, so the CPU JAX of .venv never looks for a TPU. ~640 MB, ~20 s warm.
 AOT_LIBTPU="$ROOT/.venv-aot-libtpu"
 AOT_WANT="libtpu==0.0.50.1"

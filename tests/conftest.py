@@ -12,6 +12,7 @@ import importlib.util
 import os
 import pathlib
 import shutil
+import sys
 import tempfile
 
 import jax
@@ -52,6 +53,15 @@ def _use_run_compilation_cache() -> str:
 _use_run_compilation_cache()
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# Tests mirror the source tree (tests/<room>/test_*.py, no __init__.py: a folder is not a package that could shadow a
+# library's module). A test module imports another's helpers by module name (test_trainer_updates._train), wherever
+# that module lives: every room is on the path, after everything else.
+sys.path.extend(
+    str(room)
+    for room in sorted((REPO / "tests").iterdir())
+    if room.is_dir() and room.name not in ("data", "tpu_contract", "__pycache__")
+)
 
 # Test modules, longest first (seconds of one xdist worker, measured: docs/DEVELOPMENT.md "Test-suite time").
 # scripts/test.sh runs `--dist loadfile --no-loadscope-reorder`: a worker that frees up takes the next module in this

@@ -26,7 +26,7 @@ from pathwaysutils import _initialize as pathways_init
 import pytest
 
 from maxtext_rl_plugin import checkpointing
-from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin.config import load as config_lib
 
 FORMATS = [(False, False), (True, False), (False, True), (True, True)]
 

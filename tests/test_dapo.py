@@ -17,8 +17,8 @@ from maxtext_rl_plugin.algorithms import advantages as advantages_lib
 from maxtext_rl_plugin.algorithms import loss as loss_lib
 from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin.algorithms import tunix_wiring
-from maxtext_rl_plugin import dynamic_sampling
-from maxtext_rl_plugin.config import load_config
+from maxtext_rl_plugin.run import dynamic_sampling
+from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.errors import ConfigError
 
 COMBOS = [(est, norm) for est, norms in advantages_lib.ESTIMATOR_NORMS.items() for norm in norms]

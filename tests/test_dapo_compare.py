@@ -8,7 +8,7 @@ import statistics
 
 import pytest
 
-from maxtext_rl_plugin.config import load_config
+from maxtext_rl_plugin.config.load import load_config
 
 _PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "dapo_compare.py")
 _spec = importlib.util.spec_from_file_location("dapo_compare", _PATH)

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 import yaml
 
 from maxtext_rl_plugin import rewards
-from maxtext_rl_plugin.config import load_config
+from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.data import load
 from maxtext_rl_plugin.data import prompts
 from maxtext_rl_plugin.data import rows as rows_lib

@@ -12,7 +12,7 @@ import sys
 
 from transformers import AutoTokenizer
 
-from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.data import load
 from maxtext_rl_plugin.data import prompts
 

@@ -21,13 +21,13 @@ import pytest
 import yaml
 
 from maxtext_rl_plugin import cli
-from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import export_lora
-from maxtext_rl_plugin import key_status
+from maxtext_rl_plugin.config import key_status
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin import models
-from maxtext_rl_plugin import trainer
+from maxtext_rl_plugin.run import loop as trainer
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.rollout import embedded
 
@@ -41,7 +41,7 @@ NEW = 12
 
 # A deterministic reward that varies with the text, and a sampling temperature at which the random-init model's
 # completions differ: every group has a reward spread, so the adapters get a non-zero gradient (see
-# tests/test_trainer_updates.py, where the same pair is explained).
+# tests/run/test_trainer_updates.py, where the same pair is explained).
 _LENGTH_REWARD = """
 def length_reward(prompts, completions, **kwargs):
   return [(sum(map(ord, c)) % 97) / 97.0 for c in completions]
@@ -123,12 +123,12 @@ def test_default_module_path_is_maxtexts_per_model_entry():
 @pytest.fixture(name="adapted", scope="module")
 def adapted_fixture():
   """A tiny LoRA model whose adapters change greedy continuations, with its config, tokenizer and mesh."""
-  rs = models.setup_devices([TINY, *LORA])
+  rs = models.setup_devices(config_lib.parse([TINY, *LORA]))
   cfg = rs.trainer_config
   tok = models.load_tokenizer(cfg)
   model, mesh = models.build_model(cfg, rs.trainer_devices, pad_id=tok.pad_token_id)
 
-  def scale(path, x):  # context-dependent greedy continuations (see tests/test_rollout_embedded.py)
+  def scale(path, x):  # context-dependent greedy continuations (see tests/rollout/test_rollout_embedded.py)
     return x * 3.0 if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x
 
   nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
@@ -303,7 +303,8 @@ def lora_run_fixture(tmp_path_factory):
   """A 2-step LoRA run: its argv, run, and the actor's base/adapter weights before and after."""
   out = tmp_path_factory.mktemp("lora_runs")
   argv = _argv(out, "lora")
-  run = build.build_run(config_lib.load_config(argv), argv)
+  parsed = config_lib.parse(argv)
+  run = build.build_run(parsed.hyperparameters(), parsed)
   actor = run.rl_cluster.actor_trainer.model
   before = {
       "base": _np(nnx.state(actor, nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)))),
@@ -391,7 +392,8 @@ def test_resume_restores_adapters_and_optimizer_exactly(lora_run):
   shutil.copytree(out / "lora", out / "resumed")
   shutil.rmtree(out / "resumed" / "checkpoints" / "2")
   argv = _argv(out, "resumed")
-  run = build.build_run(config_lib.load_config(argv), argv)
+  parsed = config_lib.parse(argv)
+  run = build.build_run(parsed.hyperparameters(), parsed)
   summary = trainer.train(run)
   assert summary["start_step"] == 1
   for item in ("params", "opt_state"):
@@ -408,7 +410,7 @@ def test_export_writes_merged_maxtext_checkpoint_with_the_adapted_logits(lora_ru
   path = tmp_path / "merged" / "0" / "items"
   assert f"load_parameters_path={path}" in p.stdout
   # MaxText's own loader reads it (from_pretrained with load_parameters_path), with no LoRA keys at all.
-  rs = models.setup_devices([TINY, f"load_parameters_path={path}"])
+  rs = models.setup_devices(config_lib.parse([TINY, f"load_parameters_path={path}"]))
   merged, _ = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=0)
   actor = lora_run["run"].rl_cluster.actor_trainer.model  # the adapted model at step 2
   toks = jnp.asarray(np.random.RandomState(1).randint(0, 5000, (2, 20)), jnp.int32)

@@ -1,9 +1,9 @@
 """MaxText mixture-of-experts models on the embedded engine and the trainer, and router replay (moe.py).
 
 References are independent of the code under test: the engine's KV-cached greedy decode against a full no-cache
-MaxText forward of every prefix (as tests/test_rollout_embedded.py does for the dense model); the routing the engine
+MaxText forward of every prefix (as tests/rollout/test_rollout_embedded.py does for the dense model); the routing the engine
 records against the routing the trainer's full forward records; the loss with replay against the NumPy GRPO loss of
-tests/test_algorithms.py evaluated on the *engine's* log-probs (another code path: the cached decode, the router
+tests/algorithms/test_algorithms.py evaluated on the *engine's* log-probs (another code path: the cached decode, the router
 choosing freely). Log-prob tolerance 2e-4 nats + 2e-4 relative (float32, cached vs. full attention summation order;
 the x3 weights give log-probs near -10).
 
@@ -20,9 +20,9 @@ import pytest
 from tunix.rl.grpo import grpo_learner
 
 from maxtext_rl_plugin.algorithms import tunix_wiring
-from maxtext_rl_plugin import config as config_lib
-from maxtext_rl_plugin import dynamic_sampling
-from maxtext_rl_plugin import experience
+from maxtext_rl_plugin.config import load as config_lib
+from maxtext_rl_plugin.run import dynamic_sampling
+from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.errors import ConfigError
@@ -50,7 +50,7 @@ FAMILIES = {
 @pytest.fixture(name="fam", scope="module", params=list(FAMILIES))
 def family_fixture(request):
   """A family's tiny model (decoder x3), its engine, and a no-cache reference forward on the same weights."""
-  rs = models.setup_devices([CONFIG, *FAMILIES[request.param]])
+  rs = models.setup_devices(config_lib.parse([CONFIG, *FAMILIES[request.param]]))
   tok = models.load_tokenizer(rs.trainer_config)
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
 
@@ -326,12 +326,12 @@ def test_train_rl_with_router_replay(tmp_path):
 def test_short_sliding_window_is_refused_by_the_embedded_engine():
   """gpt-oss with a window shorter than the sequence decodes differently from MaxText's forward (measured with
   sliding_window_size=8: 11 of 12 greedy tokens differ), so the engine refuses it in one line."""
-  rs = models.setup_devices([CONFIG, "model_name=gpt-oss-20b", "sliding_window_size=8"])
+  rs = models.setup_devices(config_lib.parse([CONFIG, "model_name=gpt-oss-20b", "sliding_window_size=8"]))
   with pytest.raises(ConfigError, match="sliding_window_size") as e:
     decode.check_sliding_window(rs.sampler_config)
   assert "\n" not in str(e.value)
   decode.check_sliding_window(
-      models.setup_devices([CONFIG, "model_name=gpt-oss-20b", "sliding_window_size=160"]).sampler_config
+      models.setup_devices(config_lib.parse([CONFIG, "model_name=gpt-oss-20b", "sliding_window_size=160"])).sampler_config
   )
 
 
@@ -339,7 +339,7 @@ def test_short_sliding_window_is_refused_by_the_embedded_engine():
 def test_expert_parallel_mesh_decode_records_the_trainers_routing():
   """ici_expert_parallelism=2 on the host devices: the engine's decode over the expert-sharded mesh routes and scores
   the tokens as the trainer's full forward does."""
-  rs = models.setup_devices([CONFIG, "ici_expert_parallelism=2"])
+  rs = models.setup_devices(config_lib.parse([CONFIG, "ici_expert_parallelism=2"]))
   tok = models.load_tokenizer(rs.trainer_config)
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
   assert mesh.shape["expert"] == 2
@@ -379,7 +379,7 @@ def test_load_balance_loss_is_maxtexts_term_of_the_rl_loss():
   )
   out = {}
   for w in (0.0, 0.01, 0.03):
-    rs = models.setup_devices([CONFIG, f"load_balance_loss_weight={w}"])
+    rs = models.setup_devices(config_lib.parse([CONFIG, f"load_balance_loss_weight={w}"]))
     model, _ = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=0)
     out[w] = tunix_wiring.tunix_policy_loss_fn(model, example, cfg, 0, 1)
   (l0, a0), (l1, a1), (l3, a3) = out[0.0], out[0.01], out[0.03]

@@ -391,7 +391,7 @@ def test_orbax_errors_a_save_does_not_explain_are_still_logged(caplog):
 def test_a_step_directory_without_metadata_neither_refuses_nor_decides_a_rerun(tmp_path):
   # An empty `5/` (a tampered or torn checkpoint) beside a real step 2: a rerun asking for 3 steps is not told the run
   # "already trained 5 steps" (the restore sets 5 aside and resumes from 2); step 2's metadata is what is compared.
-  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.config import load as config_lib  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin import run_identity  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.errors import CheckpointError  # pylint: disable=import-outside-toplevel
 
@@ -412,7 +412,8 @@ def test_a_step_directory_without_metadata_neither_refuses_nor_decides_a_rerun(t
 
 _SIGTERM_WHILE_LOADING = """
 import os, signal, sys
-from maxtext_rl_plugin import config_precheck, train_rl
+from maxtext_rl_plugin import train_rl
+from maxtext_rl_plugin.config import precheck as config_precheck
 first_pass = config_precheck.precheck
 def precheck(argv):
   os.kill(os.getpid(), signal.SIGTERM)  # delivered while the config loads, deterministically
@@ -451,7 +452,7 @@ def test_sigterm_while_the_config_loads_is_one_line_and_exit_143(tmp_path):
 
 
 def _tiny(tmp_path, *overrides):
-  from maxtext_rl_plugin import config as config_lib  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.config import load as config_lib  # pylint: disable=import-outside-toplevel
 
   return config_lib.load_config(["configs/cpu_tiny.yml", f"base_output_directory={tmp_path}", "run_name=r", *overrides])
 
@@ -494,7 +495,7 @@ def test_metrics_file_never_names_another_output_or_an_input_of_the_run(tmp_path
   with pytest.raises(run_dir_lib.OutputError, match=re.escape(needle)):
     run_identity.check_outputs(config)
   # The first pass (the config as written, before the schema's imports) refuses it too.
-  from maxtext_rl_plugin import config_precheck  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.config import precheck as config_precheck  # pylint: disable=import-outside-toplevel
 
   with pytest.raises(run_dir_lib.OutputError, match=re.escape(needle)):
     run_identity.check_outputs(

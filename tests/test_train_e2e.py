@@ -148,7 +148,7 @@ def test_grpo_run_writes_checkpoints_tensorboard_metrics_and_progress(grpo_run):
 
 
 # GSPO-token end to end (loss_algo=gspo-token, 2 steps, its sequence-ratio metrics, a finite loss) is one run of
-# tests/test_trainer_updates.py::test_off_policy_updates_make_ratios_and_gspo_clipping_live, which asserts those and
+# tests/run/test_trainer_updates.py::test_off_policy_updates_make_ratios_and_gspo_clipping_live, which asserts those and
 # more (clipping live, exact resume); the progress line's "step N/N" is asserted by the GRPO run above.
 
 

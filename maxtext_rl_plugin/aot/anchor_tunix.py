@@ -89,7 +89,7 @@ def ratios(rows) -> dict:
   return {f: (getattr(t, f) / getattr(p, f) if getattr(p, f) else None) for f in RATIO_FIELDS}
 
 
-def run(config, argv: Sequence[str], which: set[str]) -> int:
+def run(config, parsed, which: set[str]) -> int:
   """Compile the requested rows on the run's trainer devices; print them and the ratios; write the JSON."""
   from maxtext_rl_plugin import lora as lora_lib
   from maxtext_rl_plugin import models
@@ -102,9 +102,9 @@ def run(config, argv: Sequence[str], which: set[str]) -> int:
   topo = config.compile_topology
   spec = topology.device_spec(topo)
   devices = topology.topology_devices(topo, max(1, int(config.compile_topology_num_slices)))
-  rs = models.setup_devices(argv, devices=devices)
+  rs = models.setup_devices(parsed, devices=devices)
   cfg = rs.trainer_config
-  build._check_runtime(cfg, rs)  # pylint: disable=protected-access  # the run's own device-split checks
+  build.check_runtime(cfg, rs)  # the run's own device-split checks
   lora = lora_lib.enabled(cfg)
   mesh = programs.trainer_mesh(cfg, rs.trainer_devices)
   axes = {k: v for k, v in mesh.shape.items() if v > 1}
@@ -150,9 +150,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise ConfigError(f"--programs={','.join(sorted(which))}: expected tunix, plugin or tunix,plugin")
     if not any(a.startswith("compile_topology=") and a != "compile_topology=" for a in argv):
       raise ConfigError("compile_topology=<MaxText topology name, e.g. v5p-128> is required")
-    from maxtext_rl_plugin import config as config_lib
+    from maxtext_rl_plugin.config import load as config_lib
 
-    return run(config_lib.load_config(argv), argv, which)
+    parsed = config_lib.parse(argv)
+    return run(parsed.hyperparameters(), parsed, which)
 
 
 if __name__ == "__main__":

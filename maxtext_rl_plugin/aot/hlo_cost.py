@@ -151,7 +151,7 @@ def _xla_cost(module_text: str) -> dict:
   Private: `jax._src.lib._jax.hlo_module_cost_analysis` is the binding JAX's own `Lowered.cost_analysis` calls
   (jax/_src/interpreters/pxla.py); no public API analyses an HLO module that is not a compiled executable's whole
   program, and a loop body re-entered as a module is not. The analysis is target-independent (it reads the module's
-  ops and shapes), so the CPU client serves TPU modules: tests/test_hlo_cost.py checks it equals
+  ops and shapes), so the CPU client serves TPU modules: tests/aot/test_hlo_cost.py checks it equals
   `compiled.cost_analysis()` on loop-free programs for CPU and for v5p at the pinned JAX.
   """
   client = jax.local_devices(backend="cpu")[0].client

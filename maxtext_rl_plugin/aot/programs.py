@@ -12,7 +12,7 @@ the target's devices) and how often a step runs it. Nothing here reads a checkpo
 * `reference_logps` / `old_logps`: Tunix's `compute_per_token_logps` (stop-gradient) on the trainer mesh, as
   `experience.TrainerLogps` and the reference forward run it, at the micro-batch. On an MoE model the old-policy
   forward is TrainerLogps' own: `moe.forward_logps` over a recording graphdef (routing out, replayed routing in).
-* `rollout`: the embedded engine's whole prefill + decode program (`rollout/decode.MaxTextSampler._program`) for
+* `rollout`: the embedded engine's whole prefill + decode program (`rollout/decode.MaxTextSampler.program`) for
   the compile key a rollout call of the configured batch uses, with its KV cache, on the sampler mesh; on an MoE
   model with routing recorded, as `rollout/embedded.py` builds the engine.
 * MoE with `rl.router_replay`: the update's micro-batch is the run's `moe.RoutedTrainExample` (the sampler's routing
@@ -49,7 +49,7 @@ from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin import tunix_compat
-from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.rollout import bucketing
 from maxtext_rl_plugin.rollout import decode
 from maxtext_rl_plugin.rollout import sampling
@@ -160,7 +160,8 @@ def _routing(config, mesh, graphdef, state, rows: int):
 
 def _example(config, mesh, rows: int, beta: float, use_is: bool, routed=None):
   """A Tunix TrainExample of `rows` rows (prompt bucket x completion budget), sharded as Tunix's shard_input does;
-  with `routed` (rl.router_replay) the run's `moe.RoutedTrainExample` carrying the sampler's routing (experience.py)."""
+  with `routed` (rl.router_replay) the run's `moe.RoutedTrainExample` carrying the sampler's routing (run/experience.py).
+  """
   lp, lc = int(config.max_prefill_predict_length), int(config.max_target_length - config.max_prefill_predict_length)
 
   def arr(shape, dtype):
@@ -317,7 +318,7 @@ def rollout_program(sampler_config, sampler_devices) -> Program:
     key = decode.CompileKey(prompts, g, length, new_tokens, spec, len(stop_arr))
     _, params = model_creation_utils.create_nnx_abstract_model(sampler_config, mesh)
     params = nnx.state(params, nnx.Param)
-    ar = sampler._abstract[sampler.modes[1]]  # pylint: disable=protected-access  # the engine's own abstract model
+    ar = sampler.abstract_model(sampler.modes[1])  # the engine's own abstract model
   rest = nnx.to_pure_dict(nnx.state(ar, nnx.Not(nnx.Any(nnx.Param, nnx.Cache))))
   rep = NamedSharding(mesh, P())
   batch = NamedSharding(mesh, P(sampler.batch_axes or None))
@@ -341,7 +342,7 @@ def rollout_program(sampler_config, sampler_devices) -> Program:
       name="rollout_prefill_decode",
       phase="rollout",
       mesh=mesh,
-      fn=sampler._program(key),  # pylint: disable=protected-access  # the engine's own program for this key
+      fn=sampler.program(key),  # the engine's own program for this key
       args=args,
       calls_per_step=calls,
       knob="rollout_micro_batch_size (KV cache: prompts x generations x max_target_length), sampler_devices_fraction",

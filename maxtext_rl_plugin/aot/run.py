@@ -17,16 +17,16 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Sequence
 
 from absl import logging
 from flax import nnx
 import jax
 
 from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import models
-from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.aot import compile as compile_lib
 from maxtext_rl_plugin.aot import programs
 from maxtext_rl_plugin.aot import report
@@ -63,11 +63,11 @@ def report_path(config) -> str:
   return os.path.join(base, f"{config.run_name}.aot-{topo}.json")
 
 
-def build_programs(config, argv: Sequence[str], devices: list) -> tuple[list, dict]:
-  """(programs in compile order with their residency, facts for the JSON) for the run `argv` on `devices`."""
-  rs = models.setup_devices(argv, devices=devices)
+def build_programs(config, parsed: config_lib.Parsed, devices: list) -> tuple[list, dict]:
+  """(programs in compile order with their residency, facts for the JSON) for the run (`parsed`) on `devices`."""
+  rs = models.setup_devices(parsed, devices=devices)
   cfg = rs.trainer_config
-  build._check_runtime(cfg, rs)  # pylint: disable=protected-access  # the run's own device-split checks, unchanged
+  build.check_runtime(cfg, rs)  # the run's own device-split checks, unchanged
   plan = updates.UpdatePlan.from_config(cfg)
   lora = lora_lib.enabled(cfg)
   _say(
@@ -144,14 +144,14 @@ def build_programs(config, argv: Sequence[str], devices: list) -> tuple[list, di
   return out, facts
 
 
-def run(config, argv: Sequence[str]) -> int:
+def run(config, parsed: config_lib.Parsed) -> int:
   """Compile, print the table, write the JSON; 2 and one line when a program does not fit."""
   topo = config.compile_topology
   num_slices = max(1, int(config.compile_topology_num_slices))
   spec = topology.device_spec(topo)
   t0 = time.perf_counter()
   devices = topology.topology_devices(topo, num_slices)
-  progs, facts = build_programs(config, argv, devices)
+  progs, facts = build_programs(config, parsed, devices)
   only = {p for p in os.environ.get(ONLY_PHASES_ENV, "").split(",") if p}
   if only:  # e.g. a test that compiles the rollout alone: the others are listed as skipped, never as fitting
     facts["not_compiled"] += [

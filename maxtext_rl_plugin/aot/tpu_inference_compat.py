@@ -24,6 +24,7 @@ the pinned tpu-inference 0.32.0 / vllm-tpu 0.32.0:
 from __future__ import annotations
 
 import contextlib
+import importlib
 import logging
 import os
 import sys
@@ -49,8 +50,8 @@ def importable() -> bool:
   vllm_log = logging.getLogger("vllm")  # tpu-inference logs under vllm.tpu_inference
   vllm_log.setLevel(logging.CRITICAL)  # import-time: no tpu_info package, no /dev/vfio, no vllm._C on a CPU host
   try:
-    import tpu_inference  # noqa: F401  # pylint: disable=unused-import
-    import vllm  # noqa: F401  # pylint: disable=unused-import
+    importlib.import_module("tpu_inference")
+    importlib.import_module("vllm")
   except Exception:  # pylint: disable=broad-exception-caught  # any import failure means "not this stack"
     return False
   finally:
@@ -102,9 +103,8 @@ def bindings() -> list[tuple[Any, str]]:
 def for_target(mesh) -> Iterator[None]:
   """Trace tpu-inference's kernels for the TPU of `mesh` (a Mesh of topology devices); see the module docstring."""
   # The kernel modules bind the functions at import: import them before collecting the bindings.
-  from tpu_inference.kernels.ragged_paged_attention.v3 import kernel  # noqa: F401  # pylint: disable=unused-import
-  from tpu_inference.kernels.ragged_paged_attention.v3 import kernel_hd64  # noqa: F401  # pylint: disable=unused-import
-  from tpu_inference.kernels.ragged_paged_attention.v3 import tuned_block_sizes  # noqa: F401  # pylint: disable=unused-import
+  for module in ("kernel", "kernel_hd64", "tuned_block_sizes"):
+    importlib.import_module(f"tpu_inference.kernels.ragged_paged_attention.v3.{module}")
 
   version, name = target_answers(mesh.devices.flat[0])
 

@@ -19,6 +19,7 @@ import time
 import jax
 import numpy as np
 
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin.rollout import embedded
 
@@ -31,7 +32,7 @@ def main(argv=None) -> int:
   ap.add_argument("--new-tokens", type=int, default=24)
   ap.add_argument("--repeats", type=int, default=3)
   args, overrides = ap.parse_known_args(argv)
-  rs = models.setup_devices([args.config, *overrides])
+  rs = models.setup_devices(config_lib.parse([args.config, *overrides]))
   tok = models.load_tokenizer(rs.trainer_config)
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
   engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh, config=rs.sampler_config)

@@ -1,7 +1,7 @@
 """Synchronous vs asynchronous rollouts: `python -m maxtext_rl_plugin.bench async [--help]`.
 
 Runs the same GRPO job twice in one process, `rl.off_policy_steps=0` (rollout -> update -> sync) and
-`rl.off_policy_steps=1` (the next batch is sampled while the current one trains, async_rollout.py), on a disaggregated
+`rl.off_policy_steps=1` (the next batch is sampled while the current one trains, run/async_rollout.py), on a disaggregated
 split of forced CPU devices (MaxText's Pathways split: trainer on the first half, sampler on the second), and reports
 steps/s and the median seconds of each phase after the warm-up steps (compilation).
 
@@ -55,8 +55,8 @@ def _parse(argv):
 
 def _run(args, k: int, out_dir: str) -> list[dict]:
   """One GRPO job with rl.off_policy_steps=k; its per-step metric records."""
-  from maxtext_rl_plugin import config as config_lib
-  from maxtext_rl_plugin import trainer
+  from maxtext_rl_plugin.config import load as config_lib
+  from maxtext_rl_plugin.run import loop as trainer
   from maxtext_rl_plugin.run import build
 
   split = [] if args.colocated else ["use_pathways=true", f"chips_per_vm={args.devices // 2}"]
@@ -76,8 +76,8 @@ def _run(args, k: int, out_dir: str) -> list[dict]:
       f"rl.off_policy_steps={k}",
       *args.overrides,
   ]
-  config = config_lib.load_config(argv)
-  run = build.build_run(config, argv)
+  parsed = config_lib.parse(argv)
+  run = build.build_run(parsed.hyperparameters(), parsed)
   run.metrics_file = os.path.join(out_dir, f"k{k}.jsonl")
   history = trainer.train(run)["history"]
   return [r for r in history if "perf/step_s" in r]

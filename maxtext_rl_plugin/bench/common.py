@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any, Callable
 
+from absl import logging
+
 
 def force_host_devices(n: int) -> None:
   """Ask XLA for `n` host devices (CPU runs of the trainer/sampler split), unless JAX is already imported or the
@@ -71,7 +73,6 @@ def start_split_bench(devices: int) -> int | None:
   force_host_devices(devices)
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   import jax  # pylint: disable=import-outside-toplevel  # only now: XLA_FLAGS are read when the backend starts
-  from absl import logging  # pylint: disable=import-outside-toplevel
 
   logging.set_verbosity(logging.WARNING)
   n_dev = jax.device_count()

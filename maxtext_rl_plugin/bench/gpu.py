@@ -19,7 +19,7 @@ every part:
   device, `resharding.reshard` onto a second mesh of it against a jitted copy of the same bytes.
 * `demo`: `configs/cpu_demo.yml`'s run (what scripts/demo.sh runs), wall time and its before/after table.
 
-`--dry` runs every part with tiny shapes on CPU in about a minute (tests/test_bench_gpu.py), so this cannot rot.
+`--dry` runs every part with tiny shapes on CPU in about a minute (tests/bench/test_bench_gpu.py), so this cannot rot.
 
 This module is the orchestration (one process per part, the budget, the merged record); the parts are in
 `gpu_rollout.py` and `gpu_parts.py`, what they share in `gpu_common.py`, the report in `gpu_report.py`.

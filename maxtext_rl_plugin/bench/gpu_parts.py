@@ -58,10 +58,11 @@ def _one_device_sync(args, name: str) -> dict:
   from flax import nnx
   from jax.sharding import Mesh
 
+  from maxtext_rl_plugin.config import load as config_lib
   from maxtext_rl_plugin import models
   from maxtext_rl_plugin.resharding import move, trees
 
-  rs = models.setup_devices(gpu_common.config_argv(args, name, [*gpu_common.BF16]))
+  rs = models.setup_devices(config_lib.parse(gpu_common.config_argv(args, name, [*gpu_common.BF16])))
   model, mesh = models.build_model(rs.trainer_config, rs.trainer_devices)
   src = nnx.state(model, nnx.Param)
   nbytes = sum(x.nbytes for x in jax.tree.leaves(src))

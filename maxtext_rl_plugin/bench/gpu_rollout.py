@@ -164,6 +164,7 @@ def _rollout_model(args, name: str, ref: dict, peers: bool, done: dict) -> dict:
   import jax
   from flax import nnx
 
+  from maxtext_rl_plugin.config import load as config_lib
   from maxtext_rl_plugin import models
   from maxtext_rl_plugin.bench import peak as bench_peak
   from maxtext_rl_plugin.rollout import embedded
@@ -172,7 +173,7 @@ def _rollout_model(args, name: str, ref: dict, peers: bool, done: dict) -> dict:
   argv = gpu_common.config_argv(
       args, name, [*gpu_common.BF16, f"max_prefill_predict_length={P}", f"max_target_length={P + T}"]
   )
-  rs = models.setup_devices(argv)
+  rs = models.setup_devices(config_lib.parse(argv))
   tok = models.load_tokenizer(rs.sampler_config)
   cfg = rs.sampler_config
   model, mesh = models.build_model(cfg, rs.sampler_devices, pad_id=tok.pad_token_id)
@@ -240,7 +241,7 @@ def rollout_part(args) -> dict:
   ref = gpu_common.references(args)
   peers, reason = args.peers, None
   try:
-    import torch  # pylint: disable=unused-import
+    import torch
 
     cuda = torch.cuda.is_available()
   except ImportError:

@@ -69,6 +69,7 @@ def _one_size(name: str, args) -> dict:
   from flax.core.spmd import logical_axis_rules
   from jax.sharding import Mesh
 
+  from maxtext_rl_plugin.config import load as config_lib
   from maxtext_rl_plugin import lora, models
   from maxtext_rl_plugin.resharding import move
   from maxtext_rl_plugin.resharding import sync as sync_lib
@@ -86,7 +87,7 @@ def _one_size(name: str, args) -> dict:
       f"lora.lora_alpha={args.alpha}",
       *args.set,
   ]
-  rs = models.setup_devices(argv)
+  rs = models.setup_devices(config_lib.parse(argv))
   cfg = rs.trainer_config
   base, tmesh = models.build_model(cfg, rs.trainer_devices)
   actor, _ = lora.apply(cfg, base, tmesh)
@@ -123,7 +124,7 @@ def _one_size(name: str, args) -> dict:
   merger = lora.Merger(cfg)
 
   def merge():
-    merger._key = None  # pylint: disable=protected-access  # forces the re-merge that an adapter sync triggers
+    merger.forget()  # forces the re-merge that an adapter sync triggers
     m = merger.merged(sampler.base)
     jax.block_until_ready(m)
     return m

@@ -27,7 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtext_rl_plugin import experience
+from maxtext_rl_plugin.run import experience
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.rollout import embedded
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
   ap.add_argument("--seed", type=int, default=0)
   args, overrides = ap.parse_known_args(argv)
 
-  rs = models.setup_devices([args.config, *overrides])
+  rs = models.setup_devices(config_lib.parse([args.config, *overrides]))
   cfg = rs.trainer_config
   if not moe.is_moe(cfg):
     print(f"error: {cfg.model_name} is not a mixture-of-experts model (num_experts={cfg.num_experts})")
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
   tok = models.load_tokenizer(cfg)
   pad, eos = int(tok.pad_token_id), int(tok.eos_token_id)
   trainer, _ = models.build_model(cfg, rs.trainer_devices, pad_id=pad)
-  srs = models.setup_devices([args.config, *overrides, f"dtype={args.sampler_dtype}"])
+  srs = models.setup_devices(config_lib.parse([args.config, *overrides, f"dtype={args.sampler_dtype}"]))
   sampler_model, mesh = models.build_model(srs.sampler_config, srs.sampler_devices, pad_id=pad)
   base = nnx.state(trainer, nnx.Param)
   engine = embedded.EmbeddedRollout(rollout_actor=sampler_model, tokenizer=tok, mesh=mesh, config=srs.sampler_config)

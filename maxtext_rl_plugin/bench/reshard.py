@@ -92,6 +92,7 @@ def build(args) -> Setup:
   from flax import nnx
   from jax.sharding import Mesh
 
+  from maxtext_rl_plugin.config import load as config_lib
   from maxtext_rl_plugin import models
   from maxtext_rl_plugin.resharding import trees
 
@@ -106,7 +107,7 @@ def build(args) -> Setup:
       *args.set,
   ]
   t_build = time.perf_counter()
-  rs = models.setup_devices(argv_cfg)
+  rs = models.setup_devices(config_lib.parse(argv_cfg))
   model, tmesh = models.build_model(rs.trainer_config, rs.trainer_devices)
   src = nnx.state(model, nnx.Param)
   jax.block_until_ready(src)

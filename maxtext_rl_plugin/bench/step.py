@@ -161,7 +161,7 @@ def step_flops(cfg, counts: dict) -> dict[str, float]:
 
 def build(args, side: str, out_dir: str):
   """A fresh run (model, meshes, engine, learner) for one side, instrumented; returns (run, clock)."""
-  from maxtext_rl_plugin import config as config_lib
+  from maxtext_rl_plugin.config import load as config_lib
   from maxtext_rl_plugin.run import build as run_build
 
   split = [] if args.colocated else ["use_pathways=true", f"chips_per_vm={args.devices // 2}"]
@@ -180,8 +180,8 @@ def build(args, side: str, out_dir: str):
       "rl.num_generations=4",
       *args.overrides,
   ]
-  config = config_lib.load_config(argv)
-  run = run_build.build_run(config, argv)
+  parsed = config_lib.parse(argv)
+  run = run_build.build_run(parsed.hyperparameters(), parsed)
   run.metrics_file = os.path.join(out_dir, f"{side}.jsonl")
   clock = StepClock()
   clock.instrument(run)
@@ -205,7 +205,7 @@ def measure(args, out_dir: str) -> dict:
   """`--rounds` rounds of both loops, each run on its own fresh build, in ABBA order (Tunix then the plugin, then the
   plugin then Tunix, ...) so a drift of the shared host's speed weighs on both sides alike; each side's warm steps are
   pooled over its runs."""
-  from maxtext_rl_plugin import trainer
+  from maxtext_rl_plugin.run import loop as trainer
   from maxtext_rl_plugin.bench import peak as bench_peak
 
   peak = bench_peak.measure_peak_flops()

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import maxtext
 
-from maxtext_rl_plugin.config_files import configs_dir
+from maxtext_rl_plugin.config.files import configs_dir
 from maxtext_rl_plugin.data.splits import Example
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rewards import gsm8k

@@ -155,12 +155,13 @@ def _read_rows(path: str, key: str) -> tuple[list[tuple[int, Any]], str]:
   ext = os.path.splitext(path)[1].lower()
   if ext == ".parquet":
     try:
+      import pyarrow as pa
       import pyarrow.parquet as pq
     except ImportError as e:
       raise MissingExtraError("reading Parquet data", "pyarrow", "cpu") from e
     try:
       return list(enumerate(pq.read_table(path).to_pylist(), 1)), "row"
-    except Exception as e:  # pylint: disable=broad-exception-caught
+    except (pa.ArrowException, OSError, ValueError, TypeError) as e:  # pyarrow's errors; OSError: unreadable
       raise DataError(f"{key}='{path}': not a readable Parquet file ({type(e).__name__}: {e})") from None
   try:
     with open(path, "rb") as f:

@@ -34,7 +34,7 @@ from absl import logging
 
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_dir
-from maxtext_rl_plugin import validation
+from maxtext_rl_plugin.config import validation
 from maxtext_rl_plugin.launch import xpk as xpk_lib
 
 ENTRIES = ("train_rl", "smoke")

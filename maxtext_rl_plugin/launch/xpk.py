@@ -42,7 +42,7 @@ import uuid
 
 from absl import logging
 
-from maxtext_rl_plugin import config as config_lib
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_dir
 
@@ -198,8 +198,7 @@ def xpk_executable() -> list[str]:
   if exe:
     return shlex.split(exe)
   try:
-    import xpk  # pylint: disable=unused-import
-
+    importlib.import_module("xpk")
     return [sys.executable, "-m", "xpk.main"]
   except ImportError:
     raise errors.MissingExtraError("the XPK launcher", "xpk", "xpk") from None

@@ -12,6 +12,8 @@ falls back to `device_put` at debug level).
 
 from __future__ import annotations
 
+import importlib
+
 from absl import logging
 
 from maxtext_rl_plugin import pathways
@@ -42,12 +44,12 @@ def backend_path() -> str:
       del pathwaysutils
       pathways.require_initialized()  # train_rl.main initialised it before JAX started; too late to do it here
       try:
-        from pathwaysutils.experimental import reshard as _  # pylint: disable=unused-import  # a probe
+        importlib.import_module("pathwaysutils.experimental.reshard")  # a probe
 
         path, why = PATH_PATHWAYS_EXPERIMENTAL, "sidechannel reshard with intermediate sharding, cached plans"
       except ImportError:
         try:
-          from pathwaysutils import reshard as _  # pylint: disable=unused-import,reimported  # a probe
+          importlib.import_module("pathwaysutils.reshard")  # a probe
 
           path, why = (
               PATH_PATHWAYS,

@@ -130,13 +130,15 @@ def _move(arrays: list, shardings: list, *, donate: bool, path: str, two_phase: 
         return host_buffers.put_cpu(arrays, shardings)
       return list(jax.device_put(arrays, shardings, donate=donate))
   if path == backend.PATH_PATHWAYS_EXPERIMENTAL:
-    from pathwaysutils.experimental import reshard as pw
+    from pathwaysutils.experimental import reshard as pw_experimental
 
     def fn(xs, src, dst):
-      return pw.sidechannel_reshard_with_intermediate_sharding(xs, src, dst, donate=donate, cache_resharding_plans=True)
+      return pw_experimental.sidechannel_reshard_with_intermediate_sharding(
+          xs, src, dst, donate=donate, cache_resharding_plans=True
+      )
 
   else:
-    from pathwaysutils import reshard as pw  # pylint: disable=reimported  # the older location
+    from pathwaysutils import reshard as pw  # the older location
 
     def fn(xs, src, dst):
       return pw.reshard_with_intermediate_sharding(xs, src, dst, donate=donate)

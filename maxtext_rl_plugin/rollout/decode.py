@@ -211,7 +211,7 @@ class MaxTextSampler:
       if compiled is None:
         t0 = time.perf_counter()
         with warnings_off():
-          compiled = jax.jit(self._program(key)).lower(*args).compile()
+          compiled = jax.jit(self.program(key)).lower(*args).compile()
         dt = time.perf_counter() - t0
         self.compile_count += 1
         self.compile_seconds += dt
@@ -230,11 +230,16 @@ class MaxTextSampler:
     graphdef, _ = nnx.split(self._abstract[mode])
     return graphdef
 
-  def _program(self, key: CompileKey):
-    """The prefill + G-way expansion + decode loop for one compile key (jitted by `run`)."""
+  def abstract_model(self, mode):
+    """The abstract (shape-only) model of `mode` the programs are built from (the AOT compile builds its own)."""
+    return self._abstract[mode]
+
+  def program(self, key: CompileKey):
+    """The prefill + G-way expansion + decode loop for one compile key (jitted by `run`; compiled AOT as is)."""
+    # pylint: disable=invalid-name  # B, G, L, T, N: the shape names of the module docstring
     prefill_mode, ar_mode = self.modes
-    B, G, L, T = key.prompts, key.generations, key.prompt_len, key.new_tokens  # pylint: disable=invalid-name
-    N = B * G  # pylint: disable=invalid-name
+    B, G, L, T = key.prompts, key.generations, key.prompt_len, key.new_tokens
+    N = B * G
     gd_prefill = self._graphdef(prefill_mode, B, L, T)
     gd_ar = self._graphdef(ar_mode, N, L, T)
     spec = key.spec

@@ -74,7 +74,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
       config: Any = None,
   ):
     # The actor's own MaxText config (no plugin keys) when Tunix builds the engine without ours: hence the
-    # getattr defaults below, which are the plugin's documented defaults (config_types.py).
+    # getattr defaults below, which are the plugin's documented defaults (config/schema.py).
     self.config = config if config is not None else rollout_actor.base.config
     cfg = self.config
     self._actor = _on_rollout_mesh(rollout_actor, mesh, cfg)
@@ -105,7 +105,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
 
     self.sampler = decode.MaxTextSampler(cfg, mesh, self._pad_id, record_routing=moe.is_moe(cfg))
     # Routing of the Tunix generate() calls since the last take_routing(), per thread: the rollout producer's
-    # (async_rollout.py) and the evaluation's calls may overlap.
+    # (run/async_rollout.py) and the evaluation's calls may overlap.
     self._routing = threading.local()
     self._rest: dict | None = None  # RNG-stream state of the decode model (never drawn from; built once)
     self._generate_calls = 0
@@ -153,7 +153,7 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     """From now on sample with the actor's weights as they are now, even while the actor is updated, until the next
     snapshot (`release_snapshot` returns to the live weights).
 
-    For rollouts that run ahead of the trainer on a colocated engine (async_rollout.py): the actor's arrays are the
+    For rollouts that run ahead of the trainer on a colocated engine (run/async_rollout.py): the actor's arrays are the
     trainer's and change under the producer. `nnx.state` returns the model's live Variables (an update shows through
     them), so the snapshot is a new tree of Variables over the current arrays: JAX arrays are immutable and Tunix's
     train step donates only the optimizer, so this keeps that weight version alive without copying it.

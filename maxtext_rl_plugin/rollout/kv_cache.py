@@ -4,7 +4,7 @@ repeated over its generations, the batch axis pinned to the data axes.
 The engine never builds a cache with MaxText's own (static, per-model) sizes: every compile key has its own
 batch, prefill length and AR length, so the cache is made from the abstract model's `nnx.Cache` template with
 those three dimensions replaced. The layouts below are MaxText 0.2.5's standard `KVCache` (tested against it in
-tests/test_rollout_embedded.py); any other cache variable is refused rather than guessed.
+tests/rollout/test_rollout_embedded.py); any other cache variable is refused rather than guessed.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `build_run` turns a loaded config into an `RLRun`: MaxText models on Tunix's `RLCluster` (actor, reference, rollout
 engine, trainer -> sampler weight sync) and a `GrpoLearner` that wires the plugin's policy loss into the actor trainer.
-Everything here happens once, before the first step; the loop (trainer.py) and the step (step.py) only read it.
+Everything here happens once, before the first step; the loop (run/loop.py) and the step (step.py) only read it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import importlib.util
 import os
-from typing import Any, Sequence
+from typing import Any
 
 from absl import logging
 from flax import nnx
@@ -25,8 +25,9 @@ from tunix.sft import metrics_logger
 
 from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin import distributed
-from maxtext_rl_plugin import evaluation as evaluation_lib
-from maxtext_rl_plugin import experience
+from maxtext_rl_plugin.config import load as config_lib
+from maxtext_rl_plugin.run import evaluation as evaluation_lib
+from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
@@ -35,7 +36,7 @@ from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import sft
 from maxtext_rl_plugin import tunix_compat
-from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.data import load
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import sync
@@ -60,7 +61,7 @@ def per_host_split(rs: models.RunSetup) -> models.RunSetup:
   return dataclasses.replace(rs, trainer_devices=trainer, sampler_devices=sampler)
 
 
-def _check_runtime(config, rs: models.RunSetup) -> None:
+def check_runtime(config, rs: models.RunSetup) -> None:
   """Checks that need the device set, before any model is built (device-free ones: `config.validate`)."""
   distributed.check_device_split(rs.trainer_devices, rs.sampler_devices)
   distributed.check_synchronous(int(config.rl.off_policy_steps))
@@ -139,7 +140,7 @@ def rollout_engine_factory(name: str, sampler_config) -> Any:
   if name == "vllm":
     vllm_rollout.import_vllm()  # fail before any model is built when the [tpu] extra is missing
     return functools.partial(vllm_rollout.VllmRollout, config=sampler_config)
-  # `rollout_engine` is a Literal in config_types.py: the config never reaches here with another name.
+  # `rollout_engine` is a Literal in config/schema.py: the config never reaches here with another name.
   raise ValueError(f"unknown rollout engine {name!r}")
 
 
@@ -198,7 +199,7 @@ def lr_schedule(config):
 def build_optimizer(config):
   """MaxText's RL optimizer (global-norm clipping + AdamW on `lr_schedule`), with `adam_eps` / `adam_eps_root`.
 
-  The chain is MaxText 0.2.5's `utils_rl.get_optimizer` (tests/test_trainer_updates.py checks the two agree when the
+  The chain is MaxText 0.2.5's `utils_rl.get_optimizer` (tests/run/test_trainer_updates.py checks the two agree when the
   schedule lengths agree); it is rebuilt here because that function drops `adam_eps`/`adam_eps_root` and sizes the
   schedule by `train_steps`, which undercounts updates when a batch is split into mini-batches.
   """
@@ -222,11 +223,12 @@ def build_optimizer(config):
   return optax.inject_hyperparams(make)(learning_rate=lr_schedule(config))
 
 
-def build_run(config, argv: Sequence[str]) -> RLRun:
-  """Models, meshes, data, rewards, Tunix cluster and learner for `config`."""
-  rs = per_host_split(models.setup_devices(argv))
+def build_run(config, parsed: config_lib.Parsed) -> RLRun:
+  """Models, meshes, data, rewards, Tunix cluster and learner for `config` (`parsed`: the same config as parsed, which
+  MaxText's multislice trainer/sampler configs are derived from)."""
+  rs = per_host_split(models.setup_devices(parsed))
   config = rs.trainer_config
-  _check_runtime(config, rs)
+  check_runtime(config, rs)
   plan = updates.UpdatePlan.from_config(config)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
   tokenizer = models.load_tokenizer(config)
@@ -269,7 +271,7 @@ def build_run(config, argv: Sequence[str]) -> RLRun:
       offload_to_cpu=False,
       training_config=rl_cluster_lib.RLTrainingConfig(
           actor_optimizer=build_optimizer(config),
-          eval_every_n_steps=10**9,  # eval is the plugin's (evaluation.py, on eval_interval)
+          eval_every_n_steps=10**9,  # eval is the plugin's (run/evaluation.py, on eval_interval)
           max_steps=total_updates(config),
           # Public micro-batch fields (prompts): Tunix derives gradient_accumulation_steps = mini / micro from them.
           mini_batch_size=plan.mini_batch_size,

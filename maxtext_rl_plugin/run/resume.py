@@ -22,7 +22,7 @@ from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import tunix_compat
-from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.checkpointing import RunCheckpointer
 from maxtext_rl_plugin.errors import CheckpointError
 from maxtext_rl_plugin.run.build import num_rl_steps, schedule_updates

@@ -7,23 +7,42 @@ modules imports the other.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from maxtext_rl_plugin import models
-from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.run import updates
+
+
+class Span:
+  """The block of one `PhaseTimer.phase`: seconds it spent waiting on another side, not counted as the phase's."""
+
+  def __init__(self):
+    self.waited = 0.0
 
 
 class PhaseTimer:
-  """Accumulates wall seconds per named phase within a step."""
+  """Accumulates wall seconds per named phase within a step; `with timer.phase("train"): ...` times a block (verl's
+  `marked_timer`), so a step reads as its named phases."""
 
   def __init__(self):
     self.seconds: dict[str, float] = {}
 
   def add(self, phase: str, seconds: float) -> None:
     self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+  @contextlib.contextmanager
+  def phase(self, name: str) -> Iterator[Span]:
+    """Add the block's wall seconds to phase `name`, less what the block reports waiting (`span.waited`)."""
+    span = Span()
+    t = time.perf_counter()
+    try:
+      yield span
+    finally:
+      self.add(name, time.perf_counter() - t - span.waited)
 
   def wrap(self, phase: str, fn: Callable) -> Callable:
     @functools.wraps(fn)

@@ -4,7 +4,7 @@ batch(step) -> experience.sample     (rollout, rewards, advantages; async_rollou
                                       inline, or up to rl.off_policy_steps steps ahead in its thread)
             -> experience.score      (ref and old-policy log-probs, importance weights, at the trainer)
             -> rl_cluster.update_actor (mu * batch_size / mini_batch_size optimizer updates, each over
-                                      mini/micro micro-batches: updates.py)
+                                      mini/micro micro-batches: run/updates.py)
             -> producer.publish      (the new weights reach the sampler: rl_cluster.sync_weights when
                                       disaggregated; the rollout engine reshards)
             -> batches.jsonl audit, the step's metrics record
@@ -23,12 +23,12 @@ from absl import logging
 import numpy as np
 from tunix.rl import rl_cluster as rl_cluster_lib
 
-from maxtext_rl_plugin import dynamic_sampling
-from maxtext_rl_plugin import experience
+from maxtext_rl_plugin.run import dynamic_sampling
+from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import tunix_compat
-from maxtext_rl_plugin import updates
+from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.errors import UserError
 from maxtext_rl_plugin.run.state import PhaseTimer, RLRun
 
@@ -50,7 +50,7 @@ def seed_rollout(rl_run: RLRun, step: int) -> None:
 
 def sample_batch(rl_run: RLRun, index: int, phases: dict[str, float]) -> tuple[list, dict, Any]:
   """Batch `index` (trained at step index + 1) sampled by the sampler's current weights: the rollout producer's
-  `sample_fn` (async_rollout.py; in its thread when rollouts run ahead)."""
+  `sample_fn` (run/async_rollout.py; in its thread when rollouts run ahead)."""
   step = index + 1
   seed_rollout(rl_run, step)
   inputs, batch = _step_inputs(rl_run, step)
@@ -128,7 +128,7 @@ def _step_metrics(
   for phase in ("rollout", "reward", "logps", "train", "weight_sync"):
     m[f"time/{phase}_s"] = phases.get(phase, 0.0)
   m["perf/step_s"] = step_seconds
-  # async_rollout.py: weight versions between the batch's sampler and the trainer (<= rl.off_policy_steps), and the
+  # run/async_rollout.py: weight versions between the batch's sampler and the trainer (<= rl.off_policy_steps), and the
   # seconds each side waited for the other.
   m["async/policy_lag"] = float(step - 1 - item.version)
   m["async/wait_rollout_s"] = item.wait_s
@@ -232,15 +232,13 @@ def train_step(rl_run: RLRun, producer, step: int, snapshot: bool, audit: bool) 
   check_batch(step, sampled, rl_run.config.rl.num_generations)
   rl_run.data_position = dynamic_sampling.next_position(sampled, step, rl_run.config.batch_size)
   exp = experience.score(rl_run, sampled, rl_run.plan, rl_run.timer)
-  t = time.perf_counter()
-  rl_run.rl_cluster.update_actor(updates.micro_batches(exp.example, rl_run.plan), None, skip_jit=False)
-  # Tunix defers writing an update's metrics by one update (to overlap I/O); flush so this step's are this step's.
-  tunix_compat.flush_train_metrics(rl_run.rl_cluster.actor_trainer)
-  check_update(step, rl_run.tee.latest())
-  rl_run.timer.add("train", time.perf_counter() - t)
-  t = time.perf_counter()
-  wait_sync = producer.publish(step, functools.partial(_install_weights, rl_run, snapshot))
-  rl_run.timer.add("weight_sync", time.perf_counter() - t - wait_sync)
+  with rl_run.timer.phase("train"):
+    rl_run.rl_cluster.update_actor(updates.micro_batches(exp.example, rl_run.plan), None, skip_jit=False)
+    # Tunix defers writing an update's metrics by one update (to overlap I/O); flush so this step's are this step's.
+    tunix_compat.flush_train_metrics(rl_run.rl_cluster.actor_trainer)
+    check_update(step, rl_run.tee.latest())
+  with rl_run.timer.phase("weight_sync") as sync:
+    wait_sync = sync.waited = producer.publish(step, functools.partial(_install_weights, rl_run, snapshot))
   if audit:  # after the update: the audit never names a step that did not train
     _audit_batch(rl_run.run_dir, step, batch)
   phases = rl_run.timer.reset()

@@ -1,6 +1,6 @@
 """`rollout_engine=vllm` compiled for a TPU topology (maxtext_rl_plugin/aot/vllm_programs.py), in the TPU image's stack.
 
-* A tiny Llama 3.1 for v5p-8, rollout programs only (`MAXTEXT_RL_AOT_PHASES=rollout`: the update is tests/test_aot.py's):
+* A tiny Llama 3.1 for v5p-8, rollout programs only (`MAXTEXT_RL_AOT_PHASES=rollout`: the update is tests/aot/test_aot.py's):
   the report has `vllm_prefill_step` and `vllm_decode_step` in the rollout phase with their calls per step, the
   compiled modules hold tpu-inference's Pallas ragged paged attention (a `tpu_custom_call` named RPA... per layer, from
   XLA's own dump), and the KV pool equals the arithmetic written out here from the two libraries' sources: per layer a

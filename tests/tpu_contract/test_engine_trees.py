@@ -177,7 +177,7 @@ def test_written_values_land_in_the_real_state(model_dir):
     vm.to_engine_state(partial, vm.engine_weights(state), head_dim=32, flax_layout=True)
 
 
-# The engine trees tests/test_vllm_rollout.py (main venv, no tpu-inference) fakes its vLLM worker with: the real
+# The engine trees tests/rollout/test_vllm_rollout.py (main venv, no tpu-inference) fakes its vLLM worker with: the real
 # classes' leaves for the trainer configs it uses (configs/cpu_tiny.yml's Qwen3, and Llama 3.1 shrunk alike), one
 # device. Regenerate with MAXTEXT_RL_REGENERATE_TREES=1 after a tpu-inference upgrade.
 TREES_FILE = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "tpu_inference_trees.json"

@@ -72,7 +72,7 @@ class Pair:
     from tunix.rl.rollout import base_rollout  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin import lora as lora_lib  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
-    from maxtext_rl_plugin.config import load_config  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin.config.load import load_config  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
 
     argv, arch, hf = CASES[name]

@@ -70,7 +70,7 @@ class AdapterPair:
     import vllm  # pylint: disable=import-outside-toplevel  # .venv-tpu only
     from tunix.rl.rollout import base_rollout  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
-    from maxtext_rl_plugin.config import load_config  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin.config.load import load_config  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
 
     argv, tp = FAMILIES[family]

@@ -1,0 +1,290 @@
+"""The plugin's configuration schema: MaxText's `types.RLConfig` plus the plugin's own keys.
+
+We extend rather than fork: `PluginRLConfig` subclasses MaxText 0.2.5's pydantic `RLConfig`, so
+every key of MaxText's `post_train/rl.yml` keeps its meaning, validation and flat-key routing
+(`loss_algo=gspo-token` on the command line lands in `rl.loss_algo`). Plugin keys are grouped by
+the module that reads them; each has a description, which docs/config_reference.md is generated
+from (`python -m maxtext_rl_plugin.config.doc`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from maxtext.configs import types
+from pydantic import BaseModel
+from pydantic import Field
+from pydantic import field_validator
+
+
+class PluginRL(types.RL):
+  """`rl:` block: MaxText's RL keys, with GRPO-group validation and the plugin's loss/sync keys."""
+
+  num_generations: int = Field(
+      2, ge=2, description="Responses sampled per prompt (G in the GRPO paper); >= 2 so a group has a variance."
+  )
+  mini_batch_size: Optional[int] = Field(
+      None,
+      ge=1,
+      description=(
+          "Prompts per optimizer update; None = batch_size (one update per rollout batch per iteration), as Tunix's "
+          "mini_batch_size / verl's ppo_mini_batch_size."
+      ),
+  )
+  kl_estimator: Literal["k1", "k3"] = Field(
+      "k3",
+      description=(
+          "KL(pi || pi_ref) estimator in the loss: 'k3' = exp(r) - r - 1 with r = logp_ref - logp (the GRPO paper's, "
+          "unbiased and >= 0); 'k1' = logp - logp_ref (Tunix 0.1.7's default 'kl')."
+      ),
+  )
+  advantage_norm: Optional[Literal["group_std", "batch_std", "none"]] = Field(
+      None,
+      description=(
+          "Scaling of the baseline-subtracted reward c: c / (std_g(r) + 1e-6) with ddof=1 ('group_std', GRPO), "
+          "c / (std of c over the batch + 1e-6) ('batch_std'), or c ('none'); null = the estimator's own (grpo: "
+          "group_std; rloo, drgrpo: none, which refuse group_std)."
+      ),
+  )
+  # --- DAPO and kin (algorithms/, run/experience.py, run/dynamic_sampling.py) ---
+  advantage_estimator: Literal["grpo", "rloo", "drgrpo"] = Field(
+      "grpo",
+      description=(
+          "Baseline of the advantage: 'grpo' r - mean_g; 'rloo' r - mean of the group's other G-1 rewards; "
+          "'drgrpo' (Dr. GRPO) r - mean_g, unscaled, with the loss normalised by the constant completion budget "
+          "instead of each completion's length (needs rl.loss_agg_mode=sequence-mean-token-mean, which it replaces)."
+      ),
+  )
+  mask_truncated_completions: bool = Field(
+      False,
+      description=(
+          "A completion cut by the length limit (all max_target_length - max_prefill_predict_length tokens used, "
+          "no stop token) contributes no loss: its completion mask is zeroed (DAPO's overlong filtering)."
+      ),
+  )
+  overlong_buffer_len: int = Field(
+      0,
+      ge=0,
+      description=(
+          "L_c of DAPO's soft overlong penalty, in tokens (0 = off): a completion of n tokens gets "
+          "min(0, ((T - L_c) - n) / L_c) * rl.overlong_penalty_factor added to its reward, T the completion budget."
+      ),
+  )
+  overlong_penalty_factor: float = Field(
+      1.0, ge=0.0, description="The penalty of a completion that uses the whole budget (DAPO's overlong factor)."
+  )
+  dynamic_sampling: bool = Field(
+      False,
+      description=(
+          "DAPO's dynamic sampling: groups whose rewards are all equal (zero advantage) are dropped and further "
+          "batch_size-prompt rounds are sampled until the batch holds batch_size informative groups. Refused with "
+          "more than one JAX process."
+      ),
+  )
+  max_refill_rounds: int = Field(
+      3,
+      ge=0,
+      description=(
+          "Extra rounds rl.dynamic_sampling samples at most per step, 0 to 100; when they are spent (or a stop is "
+          "requested) the step trains on the informative groups it has (the missing groups are masked out: no loss), "
+          "reported as dynamic_sampling/short_groups and on the console."
+      ),
+  )
+  # --- multi-turn episodes with tools (agentic/, rl.use_agentic_rollout: MaxText's key, the plugin's meaning) ---
+  agentic_tools: list[Literal["calculator"]] = Field(
+      ["calculator"],
+      description=(
+          "Tools an episode may call under rl.use_agentic_rollout (Tunix's tool classes by name: 'calculator' is "
+          'Tunix\'s CalculatorTool, {"a": number, "b": number, "op": "+"|"-"|"*"|"/"}).'
+      ),
+  )
+  agentic_tool_parser: Literal["qwen"] = Field(
+      "qwen",
+      description=(
+          "Tool-call markup (Tunix's tool parser of that model family): 'qwen' = <tool_call>{\"name\": ..., "
+          '"arguments": {...}}</tool_call>, answered with <tool_response>...</tool_response>.'
+      ),
+  )
+  agentic_max_turns: int = Field(
+      4, ge=1, description="Most assistant turns of one episode (a tool call after the last one ends the episode)."
+  )
+  agentic_turn_tokens: int = Field(
+      0, ge=0, description="Most tokens of one assistant turn; 0 = rl.agentic_max_tokens (the whole budget)."
+  )
+  agentic_max_tokens: int = Field(
+      0,
+      ge=0,
+      description=(
+          "Most tokens of one episode's completion, the assistant's and the tools' together; 0 = the completion "
+          "budget max_target_length - max_prefill_predict_length (the most it can be)."
+      ),
+  )
+  agentic_tool_timeout_s: float = Field(
+      2.0,
+      gt=0.0,
+      description="Longest one tool call may run; past it the episode gets an error observation and continues.",
+  )
+  rollout_is: Literal["off", "truncate", "mask"] = Field(
+      "off",
+      description=(
+          "Rollout importance sampling between the behaviour policy (the sampler's log-probs at sampling time) and "
+          "pi_old (the trainer's forward at the batch's starting weights): 'truncate' weights each token's policy "
+          "gradient by min(pi_old/pi_behaviour, rollout_is_cap) (TIS); 'mask' drops sequences whose geometric-mean "
+          "ratio leaves [1/cap, cap]. Needs rl.use_rollout_logps=false (pi_old must be the trainer's)."
+      ),
+  )
+  rollout_is_cap: float = Field(2.0, gt=1.0, description="C of rl.rollout_is: the truncation cap / mask range [1/C, C].")
+  router_replay: bool = Field(
+      False,
+      description=(
+          "Mixture-of-experts router replay (R3): the embedded rollout records the experts every MoE layer routed each "
+          "prompt and completion token to, and the trainer's old-policy and policy forwards use them "
+          "(MaxText's forced_routed_experts) instead of their own router's choice, so sampler and trainer score the "
+          "same network (docs/moe.md). Decoder blocks MaxText can force (Mixtral, Qwen3.5, Gemma 4) on the embedded "
+          "engine only; the reference model keeps its own routing."
+      ),
+  )
+  verify_weight_sync: Literal["off", "first", "every_n"] = Field(
+      "first",
+      description=(
+          "Check after a trainer->sampler weight sync that the sampler holds the new weights: never, "
+          "on the first sync, or every `verify_weight_sync_every` syncs."
+      ),
+  )
+  verify_weight_sync_every: int = Field(
+      10, ge=1, description="Period (in syncs) of the check when verify_weight_sync=every_n."
+  )
+
+  @field_validator("verify_weight_sync", mode="before")
+  @classmethod
+  def _yaml_off(cls, v):
+    # YAML 1.1 (OmegaConf's CLI parser) reads a bare `off` as False.
+    return "off" if v is False else v
+
+
+class PluginKeys(BaseModel):
+  """Top-level keys the plugin adds (flat, like MaxText's)."""
+
+  # --- CLI ---
+  print_config: bool = Field(False, description="Print the resolved configuration as YAML and exit without training.")
+
+  # --- rollout engine (maxtext_rl_plugin.rollout) ---
+  rollout_engine: Literal["auto", "embedded", "vllm"] = Field(
+      "auto",
+      description=(
+          "'embedded': the plugin's JAX KV-cache engine on MaxText's model code (CPU/GPU/TPU); 'vllm': vLLM-TPU "
+          "(needs the [tpu] extra); 'auto': vllm on a TPU/Pathways backend when vllm is importable, else embedded."
+      ),
+  )
+  rollout_prefill_buckets: list[int] = Field(
+      [32, 64, 128, 256, 512, 1024, 2048],
+      description="Prompt lengths are padded up to the next bucket so the engine compiles once per bucket, not per step.",
+  )
+  rollout_batch_buckets: list[int] = Field(
+      [1, 2, 4, 8, 16, 32, 64, 128, 256],
+      description="Rollout batch sizes are padded up to the next bucket (same reason as rollout_prefill_buckets).",
+  )
+  stop_token_ids: list[int] = Field([], description="Extra token ids that end a completion, besides the tokenizer's EOS.")
+  rollout_seed: int = Field(
+      0,
+      description=(
+          "Seed of rollout sampling; step k samples with a key derived from (rollout_seed, k), so "
+          "resumed runs sample identically."
+      ),
+  )
+
+  # --- data (maxtext_rl_plugin.data) ---
+  train_data_path: str = Field(
+      "",
+      description=(
+          "Local JSONL or Parquet file(s) of GSM8K-style rows (question, answer '... #### N'); "
+          "overrides dataset_name for training."
+      ),
+  )
+  eval_data_path: str = Field(
+      "", description="Local JSONL or Parquet file(s) for evaluation; overrides eval_dataset_name."
+  )
+  synthetic_seed: int = Field(
+      1234, description="Seed of the built-in synthetic arithmetic problem generator (dataset_name=synthetic)."
+  )
+  synthetic_num_eval: int = Field(
+      256, ge=1, description="Size of the held-out synthetic eval split (disjoint from training problems)."
+  )
+  synthetic_min_steps: int = Field(1, ge=1, description="Fewest arithmetic operations in a synthetic problem.")
+  synthetic_max_steps: int = Field(2, ge=1, description="Most arithmetic operations in a synthetic problem.")
+  synthetic_max_value: int = Field(20, ge=2, description="Largest operand in a synthetic problem.")
+  synthetic_teacher_error_rate: float = Field(
+      0.0,
+      ge=0.0,
+      le=1.0,
+      description="Fraction of synthetic training problems whose worked solution (the SFT warm start's demonstration) "
+      "comes from a flawed teacher that adds every pair of numbers whatever the wording says. Models an imperfect SFT "
+      "corpus; rewards and eval always use the true answer.",
+  )
+  synthetic_task: Literal["word_problems", "products"] = Field(
+      "word_problems",
+      description=(
+          "The synthetic task: arithmetic word problems, or 'products' (\"What is 47 * 86?\", operands in "
+          "[10, synthetic_max_value]), where the calculator tool of rl.use_agentic_rollout matters."
+      ),
+  )
+  synthetic_tool_rate: float = Field(
+      0.0,
+      ge=0.0,
+      le=1.0,
+      description=(
+          "synthetic_task=products: fraction of the SFT warm start's demonstrations that call the calculator "
+          "(<tool_call>...</tool_call>) instead of answering from the head."
+      ),
+  )
+  use_chat_template: bool = Field(
+      True,
+      description="Build prompts with the tokenizer's chat template (else the plain template of data_template_path).",
+  )
+
+  # --- rewards (maxtext_rl_plugin.rewards) ---
+  reward_item_timeout_seconds: float = Field(
+      2.0,
+      gt=0,
+      description="Per-completion timeout for the math_verify fallback; a completion that exceeds it scores as wrong.",
+  )
+  reward_call_timeout_seconds: float = Field(
+      300.0,
+      gt=0,
+      description="Longest one call of a reward function (over one rollout batch) may take; past it the run stops with "
+      "one line naming the function (a user function that never returns cannot hang the run).",
+  )
+
+  # --- resharding (maxtext_rl_plugin.resharding) ---
+  reshard_donate: bool = Field(
+      True,
+      description=(
+          "Free the sampler's previous weight buffers chunk by chunk just before the new ones land (the sampler is "
+          "idle during a sync), so a sync needs about one chunk of extra memory instead of a second full copy."
+      ),
+  )
+
+  # --- training loop (maxtext_rl_plugin.run.loop) ---
+  sft_warmup_steps: int = Field(
+      0,
+      ge=0,
+      description="Supervised warm-start steps on gold solutions before RL (0 = off); checkpointed so a rerun skips it.",
+  )
+  sft_learning_rate: float = Field(1e-3, gt=0, description="Learning rate of the SFT warm start.")
+  sft_batch_size: int = Field(16, ge=1, description="Batch size of the SFT warm start.")
+  eval_before_training: bool = Field(
+      True, description="Greedy eval on the eval split before the first RL step (logged at step 0)."
+  )
+  eval_after_training: bool = Field(True, description="Greedy eval after the last RL step.")
+  write_plot: bool = Field(
+      True, description="Write reward/accuracy-per-step PNG (summary.png) into the run directory at the end."
+  )
+
+
+class PluginRLConfig(PluginKeys, types.RLConfig):
+  """MaxText's RLConfig + the plugin's keys; passed to pyconfig as `config_class`."""
+
+  rl: PluginRL = Field(default_factory=PluginRL, description="RL algorithm configuration (GRPO/GSPO).")
+  # MaxText keeps `lora:` in MaxTextConfig (its SFT trainer reads it) but not in RLConfig; the plugin adds the same
+  # block so `lora.enable_lora=true` means what it means in MaxText's train_sft (read by maxtext_rl_plugin.lora).
+  lora: types.LoRA = Field(default_factory=types.LoRA, description="LoRA / QLoRA adapters (MaxText's `lora:` block).")

@@ -1,0 +1,467 @@
+r"""One RL step's experience: rollouts -> rewards -> group advantages -> reference and old-policy log-probs.
+
+This replaces Tunix 0.1.7's private `GrpoLearner._generate_and_compute_advantage` with the same steps on
+`RLCluster`'s public API, plus what that method cannot do:
+
+* rollout micro-batching through `RLCluster.generate(micro_batch_size=...)` (MaxText's `rollout_micro_batch_size`);
+* old-policy log-probs computed once per batch, before its first update, by the *trainer's* forward at the batch's
+  starting weights (Tunix takes them from the rollout engine, `get_old_per_token_logps`, which is unreliable in 0.1.7
+  for every engine), or, with `rl.use_rollout_logps=true` (MaxText's meaning of that key), the log-probs the rollout
+  engine returned with the samples (recomputed on the sampler's weights for an engine that returns none);
+* rollout importance weights (`rl.rollout_is`, divergence.rollout_is_weights) from the behaviour log-probs the
+  engine returned at sampling time and the trainer's old log-probs;
+* sampler-vs-trainer agreement metrics (`rl.log_sampler_trainer_agreement`), behaviour vs trainer:
+      d_t = lp_behaviour - lp_trainer on completion tokens,
+      mismatch/logp_abs_diff_mean = mean |d_t|,
+      mismatch/kl_k3 = mean( exp(d_t) - d_t - 1 )   (k3 estimate of KL(trainer || sampler) on trainer samples).
+
+The work is split in two halves so that rollouts can run ahead of the trainer (`run/async_rollout.py`): `sample` is the
+sampler's half (generate, rewards, advantages, behaviour log-probs; depends only on the weights that sampled the batch)
+and `score` the trainer's (reference and old-policy log-probs at the trainer's current weights, importance weights,
+agreement metrics). `make_experience` runs both back to back, the synchronous step.
+
+Log-probs everywhere are at the rollout temperature (logits / T), the distribution the tokens were sampled from and
+the one Tunix's loss and reference use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Sequence
+
+from flax import nnx
+from flax.linen import partitioning as nn_partitioning
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tunix.rl import common as tunix_common
+from tunix.rl import rl_cluster as rl_cluster_lib
+from tunix.rl.grpo import grpo_learner
+from tunix.rl.rollout import base_rollout
+
+from maxtext_rl_plugin.algorithms import advantages as advantages_lib
+from maxtext_rl_plugin.algorithms import divergence
+from maxtext_rl_plugin.algorithms import shaping
+from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin import moe
+from maxtext_rl_plugin.agentic import episode as episode_lib
+from maxtext_rl_plugin.run.updates import UpdatePlan
+from maxtext_rl_plugin.rewards.loader import RewardFunctionError
+
+
+@dataclasses.dataclass
+class Experience:
+  """A rollout batch ready for the policy update."""
+
+  example: Any  # tunix TrainExample, rows = prompts x G
+  texts: list[str]
+  rewards: np.ndarray  # [rows] summed over reward functions
+  metrics: dict[str, float]
+
+
+def _micro(size: int, num_generations: int) -> int | None:
+  """MaxText's -1 (= no micro-batching) -> None; prompts -> rows."""
+  return None if size is None or int(size) <= 0 else int(size) * num_generations
+
+
+def pad_rows(rows: Sequence[Any], length: int, fill: Any, dtype: Any) -> np.ndarray:
+  """[len(rows), length] array of the variable-length `rows`, right-padded with `fill` (a longer row is cut: it cannot
+  happen with the rollout's max_tokens_to_generate == length, but a cut is safer than a shape error)."""
+  out = np.full((len(rows), length), fill, dtype=dtype)
+  for i, r in enumerate(rows):
+    r = np.asarray(r, dtype=dtype)[:length]
+    out[i, : r.shape[0]] = r
+  return out
+
+
+def sum_rewards(reward_fns: Sequence[Callable], prompts: list, completions: list[str], **kwargs) -> np.ndarray:
+  """Per-completion total reward (the sum over reward functions, as Tunix's learner sums them).
+
+  A function returning the wrong number of values, or a non-finite value, is an error here rather than a silent
+  NaN advantage later.
+  """
+  total = np.zeros(len(completions), dtype=np.float64)
+  names = []
+  for fn in reward_fns:
+    name = getattr(fn, "__name__", repr(fn))
+    names.append(name)
+    try:
+      vals = np.asarray(fn(prompts, completions, **kwargs), dtype=np.float64).reshape(-1)
+    except (TypeError, ValueError, OverflowError) as e:  # a ragged or non-numeric result of a function not wrapped
+      raise RewardFunctionError(f"reward function {name} returned values that are not one number each: {e}") from None
+    if vals.shape[0] != len(completions):
+      raise RewardFunctionError(
+          f"reward function {name} returned {vals.shape[0]} values for {len(completions)} completions"
+      )
+    if not np.all(np.isfinite(vals)):
+      raise RewardFunctionError(f"reward function {name} returned a non-finite reward")
+    total += vals
+  with np.errstate(over="ignore"):
+    out = total.astype(np.float32)
+  if not np.all(np.isfinite(out)):
+    i = int(np.flatnonzero(~np.isfinite(out))[0])
+    raise RewardFunctionError(
+        f"the rewards of completion {i} ({' + '.join(names)}) sum to {total[i]:g}, beyond the float32 range the "
+        "advantages and the loss are computed in; keep rewards within +-3.4e38 (a few units is what GRPO expects)"
+    )
+  return out
+
+
+class TrainerLogps:
+  """Log-probs of sampled completions under the actor's *current* weights, on the trainer mesh (no gradient).
+
+  On an MoE model the forward also records the experts the trainer routed each token to (`last_routing`, host
+  [rows, P+T, layers, k]), and `forced` replays the sampler's (rl.router_replay, moe.py).
+  """
+
+  def __init__(self, rl_cluster: Any, mesh: Any, logical_axis_rules: Any):
+    self._cluster = rl_cluster
+    self._mesh = mesh
+    self._rules = logical_axis_rules
+    self._moe_fn = None
+    self.last_routing: np.ndarray | None = None
+
+  def __call__(
+      self,
+      prompt_ids: jax.Array,
+      completion_ids: jax.Array,
+      pad_id: int,
+      eos_id: int,
+      temperature: float,
+      micro_batch_size: int | None = None,
+      forced: jax.Array | None = None,
+  ) -> jax.Array:
+    model = self._cluster.actor_trainer.model
+    config = getattr(getattr(model, "base", None), "config", None)
+    graphdef, state = nnx.split(model)
+    temperature = float(temperature) if temperature and temperature > 0 else 1.0
+    rows = prompt_ids.shape[0]
+    step = micro_batch_size or rows
+    outs, routes = [], []
+    with self._mesh, nn_partitioning.axis_rules(self._rules):
+      if config is not None and moe.is_moe(config):
+        if self._moe_fn is None:  # the actor's graph is fixed; weights and the forced routing are arguments
+          rec = moe.recording_graphdef(model)
+
+          def fn(state, prompt, completion, forced, temperature):
+            lp, _, route, _ = moe.forward_logps(
+                rec, state, prompt, completion, pad_id, eos_id, temperature=temperature, forced=forced
+            )
+            return lp, route
+
+          self._moe_fn = jax.jit(fn, static_argnums=(4,))
+        for s in range(0, rows, step):
+          lp, route = self._moe_fn(
+              state,
+              prompt_ids[s : s + step],
+              completion_ids[s : s + step],
+              None if forced is None else forced[s : s + step],
+              temperature,
+          )
+          outs.append(lp)
+          routes.append(distributed.to_host(route))
+        self.last_routing = np.concatenate(routes) if all(r is not None for r in routes) else None
+        return jnp.concatenate(outs, axis=0)
+      for s in range(0, rows, step):
+        outs.append(
+            tunix_common.compute_per_token_logps(
+                graphdef,
+                state,
+                prompt_tokens=prompt_ids[s : s + step],
+                completion_tokens=completion_ids[s : s + step],
+                pad_id=pad_id,
+                eos_id=eos_id,
+                stop_gradient=True,
+                return_logits=False,
+                temperature=temperature,
+            )
+        )
+    self.last_routing = None
+    return jnp.concatenate(outs, axis=0)
+
+
+def behaviour_logps(out: Any, length: int) -> np.ndarray | None:
+  """[rows, length] log-probs the sampler assigned to the tokens it sampled (the behaviour policy mu), zero-padded;
+  None when the engine returned none."""
+  if out.logprobs is None or any(lp is None for lp in out.logprobs):
+    return None
+  return pad_rows(out.logprobs, length, 0.0, np.float32)
+
+
+def agreement_metrics(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -> dict[str, float]:
+  """Sampler-vs-trainer log-prob agreement on completion tokens (formulas in the module docstring)."""
+  m = np.asarray(mask, dtype=np.float64)
+  sampler = np.where(m > 0, np.asarray(sampler, np.float64), 0.0)
+  trainer = np.where(m > 0, np.asarray(trainer, np.float64), 0.0)
+  d = sampler - trainer
+  n = max(m.sum(), 1.0)
+  k3 = divergence.kl_estimate(trainer, sampler, "k3", xp=np)  # KL(trainer || sampler): the loss's estimator and clamp
+  return {
+      "mismatch/logp_abs_diff_mean": float(np.abs(d).sum() / n),
+      "mismatch/logp_abs_diff_max": float(np.abs(d).max()) if d.size else 0.0,
+      "mismatch/kl_k3": float((k3 * m).sum() / n),
+  }
+
+
+@dataclasses.dataclass
+class Sampled:
+  """The sampler's half of a step: what the rollout engine produced and the rewards of it.
+
+  Built by `sample` (in the rollout producer's thread when rollouts run ahead, `run/async_rollout.py`); everything here
+  depends only on the weights that sampled the batch, never on the trainer's current weights.
+  """
+
+  prompts: list[str]
+  texts: list[str]
+  prompt_ids: jax.Array  # [rows, P] left-padded
+  completion_ids: np.ndarray  # [rows, T] right-padded with pad_id
+  rewards: np.ndarray  # [rows] summed over reward functions
+  advantages: np.ndarray  # [rows]
+  behaviour: jax.Array | None  # [rows, T] the sampler's log-probs of its tokens, when a consumer needs them
+  reward_values: dict[str, list[float]]  # per reward function, for the step's metrics
+  pad_id: int
+  eos_id: int
+  # [rows] bool, rows that contribute loss (False: a truncated completion under rl.mask_truncated_completions, or a
+  # slot rl.dynamic_sampling could not fill); None = all.
+  loss_rows: np.ndarray | None = None
+  truncated: np.ndarray | None = None  # [rows] bool, completions cut by the length limit (shaping.truncated_rows)
+  metrics: dict[str, float] = dataclasses.field(default_factory=dict)  # the sampler side's step metrics
+  next_position: int | None = None  # rl.dynamic_sampling: the data stream position after this batch
+  # [rows, T] bool, rl.use_agentic_rollout: the policy's own tokens (False on the environment's tool results, which
+  # are in the context but carry no loss: agentic/episode.py); None = every completion token is the policy's.
+  token_mask: np.ndarray | None = None
+  # [rows, P + T, layers, k] on MoE models whose engine reports routing (moe.py): the experts the sampler routed each
+  # prompt and completion token to; replayed in the trainer's forwards under rl.router_replay.
+  routing: np.ndarray | None = None
+
+
+def rollout_routing(run: Any) -> np.ndarray | None:
+  """The routing of the rollout calls this thread made since the last take (the embedded engine's `take_routing`),
+  gathered across processes like the rows themselves (`generate`); None when the engine reports none."""
+  take = getattr(run.rl_cluster.rollout, "take_routing", None)
+  routing = take() if take is not None else None
+  if routing is not None and run.setup.disaggregated and distributed.is_multiprocess():
+    routing = distributed.gather_rows(routing)
+  return routing
+
+
+def put_rows(cluster: Any) -> Callable[[Any], jax.Array]:
+  """Host rows (the same on every process) -> global arrays on the trainer mesh, rows over Tunix's data axis
+  (distributed.py); Tunix passes arrays that are already global through unchanged."""
+  return functools.partial(
+      distributed.global_batch,
+      mesh=cluster.cluster_config.role_to_mesh[rl_cluster_lib.Role.ACTOR],
+      axes=cluster.cluster_config.training_config.data_sharding_axis,
+  )
+
+
+def _gather_output(out: base_rollout.RolloutOutput, pad_id: int) -> base_rollout.RolloutOutput:
+  """Every process's `out` (its own prompts' rows, the same row count on each) as one output of the whole batch in
+  process order, on every process: the plugin's convention that every process holds the same host batch."""
+  lengths = distributed.gather_rows(np.asarray([len(t) for t in out.tokens], np.int64))
+  width = int(distributed.gather_rows(np.asarray([max((len(t) for t in out.tokens), default=0)], np.int64)).max())
+  tokens = distributed.gather_rows(pad_rows(out.tokens, max(width, 1), pad_id, np.int32))
+  logprobs = None
+  if out.logprobs is not None and all(lp is not None for lp in out.logprobs):
+    logprobs = distributed.gather_rows(pad_rows(out.logprobs, max(width, 1), 0.0, np.float32))
+  return base_rollout.RolloutOutput(
+      text=distributed.gather_texts(list(out.text)),
+      logits=None,
+      tokens=[tokens[i, :k] for i, k in enumerate(lengths)],
+      left_padded_prompt_tokens=distributed.gather_rows(np.asarray(out.left_padded_prompt_tokens, np.int32)),
+      logprobs=None if logprobs is None else [logprobs[i, :k] for i, k in enumerate(lengths)],
+  )
+
+
+def generate(run: Any, prompts: list[str], num_generations: int, micro_batch_size: int | None):
+  """The rollout of `prompts` (each repeated `num_generations` times, consecutively).
+
+  Disaggregated runs sample with per-row keys (the embedded engine's `prompt_offset`: a row's tokens depend on its
+  prompt's global index, not on the batch it is sampled in). With more than one JAX process the sampler mesh is
+  per host (distributed.split_local_devices): each process samples its own prompt groups (`process_slice`), and the
+  rows are then gathered so every process holds the whole batch, as 1 process sampling all of them would.
+  """
+  cluster = run.rl_cluster
+  rollout = cluster.rollout
+  if not run.setup.disaggregated:
+    return cluster.generate(prompts=prompts, mode=rl_cluster_lib.Mode.TRAIN, micro_batch_size=micro_batch_size)
+  g = num_generations
+  per_host = distributed.is_multiprocess()
+  own = distributed.process_slice(len(prompts) // g) if per_host else slice(0, len(prompts) // g)
+  keyed = hasattr(rollout, "prompt_offset")
+  if keyed:
+    rollout.prompt_offset = own.start
+  try:
+    out = cluster.generate(
+        prompts=prompts[own.start * g : own.stop * g], mode=rl_cluster_lib.Mode.TRAIN, micro_batch_size=micro_batch_size
+    )
+  finally:
+    if keyed:
+      rollout.prompt_offset = None
+  return _gather_output(out, int(rollout.pad_id())) if per_host else out
+
+
+def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> Sampled:
+  """Rollouts, rewards and group advantages of one batch (`inputs` rows are prompts repeated G times)."""
+  cfg = run.config
+  cluster = run.rl_cluster
+  g = plan.num_generations
+  train_rollout = cluster.cluster_config.rollout_config[rl_cluster_lib.Mode.TRAIN]
+  pad_id, eos_id = int(cluster.rollout.pad_id()), int(cluster.rollout.eos_id())
+
+  t = time.perf_counter()
+  episodes = None
+  if cfg.rl.use_agentic_rollout:  # multi-turn episodes with tools (agentic/episode.py)
+    out, episodes = episode_lib.generate(run, list(inputs["prompts"]), rl_cluster_lib.Mode.TRAIN)
+  else:
+    rollout_routing(run)  # drop routing another caller of this thread left (evaluation)
+    out = generate(run, list(inputs["prompts"]), g, _micro(cfg.rollout_micro_batch_size, g))
+  routing = None if episodes is not None else rollout_routing(run)
+  timer.add("rollout", time.perf_counter() - t)
+
+  completion_ids = pad_rows(out.tokens, train_rollout.max_tokens_to_generate, pad_id, np.int32)
+  put = put_rows(cluster)
+  prompt_ids = put(np.asarray(out.left_padded_prompt_tokens, np.int32))
+
+  t = time.perf_counter()
+  run.rewards.reset()  # the recorder holds this batch's values only
+  rewards = sum_rewards(
+      run.reward_fns, list(inputs["prompts"]), list(out.text), **{k: v for k, v in inputs.items() if k != "prompts"}
+  )
+  reward_values = run.rewards.reset()
+  max_len = completion_ids.shape[1]
+  truncated = shaping.truncated_rows(completion_ids, pad_id, train_rollout.eos_tokens or [eos_id])
+  metrics = {"completion/truncated_fraction": float(truncated.mean())}
+  token_mask = None
+  if episodes is not None:
+    token_mask = pad_rows([e.loss_mask for e in episodes], max_len, 0, np.int32).astype(bool)
+    metrics.update(episode_lib.metrics(episodes))
+  if routing is not None:  # the rollout's expert load (moe.py)
+    mask = moe.routed_mask(np.asarray(out.left_padded_prompt_tokens) != pad_id, completion_ids != pad_id)
+    metrics.update(moe.step_metrics(routing, None, mask, int(cfg.num_experts)))
+  if int(cfg.rl.overlong_buffer_len) > 0:  # DAPO's soft overlong penalty, in tokens (algorithms/shaping.py)
+    penalty = shaping.overlong_penalty(
+        out.tokens, max_len, int(cfg.rl.overlong_buffer_len), float(cfg.rl.overlong_penalty_factor)
+    )
+    rewards = (rewards + penalty).astype(np.float32)
+    reward_values["overlong_penalty"] = [float(x) for x in penalty]
+  estimator, norm, _ = advantages_lib.advantage_config(cfg.rl)
+  advantages = advantages_lib.group_advantages(rewards, g, norm, estimator)
+  timer.add("reward", time.perf_counter() - t)
+
+  behaviour = None
+  if needs_behaviour_logps(cfg, plan):
+    t = time.perf_counter()
+    behaviour = behaviour_logps(out, completion_ids.shape[1])
+    if behaviour is None:  # an engine that returns no log-probs: recompute them on the sampler's weights
+      behaviour = cluster.get_old_per_token_logps(
+          prompt_tokens=prompt_ids,
+          completion_tokens=put(completion_ids),
+          micro_batch_size=_micro(cfg.train_micro_batch_size, g),
+      )
+    timer.add("logps", time.perf_counter() - t)
+  return Sampled(
+      list(inputs["prompts"]),
+      list(out.text),
+      prompt_ids,
+      completion_ids,
+      rewards,
+      advantages,
+      behaviour,
+      reward_values,
+      pad_id,
+      eos_id,
+      loss_rows=~truncated if cfg.rl.mask_truncated_completions else None,
+      truncated=truncated,
+      metrics=metrics,
+      token_mask=token_mask,
+      routing=routing,
+  )
+
+
+def needs_behaviour_logps(cfg: Any, plan: UpdatePlan) -> bool:
+  """Whether a consumer of the batch needs the sampler's log-probs: the old policy of `rl.use_rollout_logps`, the
+  rollout importance weights, or the agreement metrics."""
+  use_sampler = plan.needs_old_logps and cfg.rl.use_rollout_logps
+  return bool(use_sampler or cfg.rl.rollout_is != "off" or cfg.rl.log_sampler_trainer_agreement)
+
+
+def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experience:
+  """The trainer's half: reference and old-policy log-probs at the trainer's current weights, importance weights and
+  agreement metrics; the `TrainExample` the update consumes."""
+  cfg = run.config
+  cluster = run.rl_cluster
+  temperature = cluster.cluster_config.rollout_config[rl_cluster_lib.Mode.TRAIN].temperature
+  pad_id, eos_id = sampled.pad_id, sampled.eos_id
+  logps_micro = _micro(cfg.train_micro_batch_size, plan.num_generations)
+  prompt_ids = sampled.prompt_ids
+  completion_mask = (
+      sampled.completion_ids != pad_id
+  )  # the stop token is kept and trained (algorithms/__init__.py, EOS policy)
+  if sampled.token_mask is not None:  # environment tokens: context, never loss (nor KL, IS weights, agreement)
+    completion_mask = completion_mask & np.asarray(sampled.token_mask, bool)
+  if sampled.loss_rows is not None:  # masked rows contribute no loss (they leave the aggregation's counts too)
+    completion_mask = completion_mask & np.asarray(sampled.loss_rows, bool)[:, None]
+  put = put_rows(cluster)
+  completion = put(sampled.completion_ids)
+  metrics: dict[str, float] = dict(sampled.metrics)
+  t = time.perf_counter()
+  ref = None
+  if float(cfg.rl.grpo_beta) != 0.0:
+    ref = cluster.get_ref_per_token_logps(
+        prompt_tokens=prompt_ids, completion_tokens=completion, pad_id=pad_id, eos_id=eos_id, micro_batch_size=logps_micro
+    )
+  rollout_is = cfg.rl.rollout_is != "off"
+  agreement = bool(cfg.rl.log_sampler_trainer_agreement)
+  use_sampler = plan.needs_old_logps and cfg.rl.use_rollout_logps
+  behaviour = sampled.behaviour
+  # rl.router_replay: the trainer's old-policy and policy forwards route every token as the sampler did (moe.py).
+  forced = put(sampled.routing) if cfg.rl.router_replay and sampled.routing is not None else None
+  trainer_lp = None
+  if (plan.needs_old_logps and not use_sampler) or rollout_is or agreement:
+    trainer_lp = run.trainer_logps(prompt_ids, completion, pad_id, eos_id, temperature, logps_micro, forced=forced)
+    trainer_route = getattr(run.trainer_logps, "last_routing", None)
+    if trainer_route is not None and sampled.routing is not None:  # expert load; the mismatch unless replayed
+      mask = moe.routed_mask(distributed.to_host(prompt_ids) != pad_id, sampled.completion_ids != pad_id)
+      metrics.update(
+          moe.step_metrics(None if forced is not None else sampled.routing, trainer_route, mask, int(cfg.num_experts))
+      )
+  old = None
+  if plan.needs_old_logps:
+    old = behaviour if use_sampler else trainer_lp
+  is_weights = None
+  if rollout_is:
+    w, is_metrics = divergence.rollout_is_weights(
+        distributed.to_host(trainer_lp),
+        distributed.to_host(behaviour),
+        completion_mask,
+        cfg.rl.rollout_is,
+        float(cfg.rl.rollout_is_cap),
+    )
+    is_weights = put(np.asarray(w, np.float32))
+    metrics.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
+  if agreement:
+    metrics.update(agreement_metrics(distributed.to_host(behaviour), distributed.to_host(trainer_lp), completion_mask))
+  timer.add("logps", time.perf_counter() - t)
+
+  example_cls = grpo_learner.TrainExample if forced is None else moe.RoutedTrainExample
+  extra = {} if forced is None else {"routed_experts": forced}
+  example = example_cls(
+      prompt_ids=prompt_ids,
+      prompt_mask=prompt_ids != pad_id,
+      completion_ids=completion,
+      completion_mask=put(completion_mask),
+      ref_per_token_logps=ref,
+      advantages=put(np.asarray(sampled.advantages, np.float32)),
+      old_per_token_logps=None if old is None else put(old),
+      sampler_is_weights=is_weights,
+      **extra,
+  )
+  return Experience(example=example, texts=sampled.texts, rewards=sampled.rewards, metrics=metrics)
+
+
+def make_experience(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> Experience:
+  """Rollouts and everything the update needs for one RL step, sampled and scored at the same weights."""
+  return score(run, sample(run, inputs, plan, timer), plan, timer)
