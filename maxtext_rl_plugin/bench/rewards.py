@@ -31,6 +31,7 @@ from typing import Any, Optional
 # Reward stacks need no accelerator: JAX (imported below through tunix_compat, and by MaxText) stays off any TPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from maxtext_rl_plugin import config_types
 from maxtext_rl_plugin import rewards
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin.rewards import extraction
@@ -132,13 +133,21 @@ def _batches(rows, bs):
     yield rows[s : s + bs]
 
 
+def _plugin_config() -> types.SimpleNamespace:
+  """The default reward stack's keys as a config (rl.yml's defaults: the reward weights and the per-call timeout)."""
+  timeout = config_types.PluginKeys.model_fields["reward_call_timeout_seconds"].default
+  return types.SimpleNamespace(
+      reward_functions="", reward_functions_path="", reward_call_timeout_seconds=timeout, **vars(rewards.RewardConfig())
+  )
+
+
 def run_plugin(rows, bs: int) -> tuple[float, float, list[float]]:
   """(wall seconds, CPU seconds) for the plugin's default stack over `rows`; per-row summed reward.
 
   The stack runs in this process only (the math_verify pool is not touched by these rows), so CPU
   seconds of this process are its single-core cost even when other jobs share the cores.
   """
-  fns = rewards.reward_fns_from_config(rewards.RewardConfig())
+  fns = rewards.reward_fns_from_config(_plugin_config())
   # Cold caches: every timed pass pays for number parsing and gold parsing as a fresh batch would.
   extraction.clear_number_cache()
   gsm8k.gold_alternatives.cache_clear()
