@@ -29,12 +29,13 @@ _SUP_AFTER_NUMBER_RE = re.compile(r"(?<=[0-9)\]])([⁺⁻]?[⁰¹²³⁴⁵⁶�
 # A subscript run after a digit ("5₂": a base? a footnote?) has no one reading: "_{2}", which the grader flags.
 _SUB_AFTER_NUMBER_RE = re.compile(r"(?<=[0-9])([₊₋]?[₀₁₂₃₄₅₆₇₈₉]+)")
 # Vulgar fractions; after a digit they are the fraction of a mixed number ("1½" -> "1 1/2").
-_VULGAR_RE = re.compile(r"([0-9]?)([¼½¾⅐⅑⅒⅓⅔⅕⅖⅗⅘⅙⅚⅛⅜⅝⅞↉])")
-# Characters NFKC would turn into digits where they are not numbers (the "²" of "m²", the "₂" of "CO₂"): kept out of
-# NFKC through private-use stand-ins, so "25 m²" still ends in 25.
-_PROTECTED = "".join(_SUPERSCRIPTS) + "".join(_SUBSCRIPTS) + "ⁿ"
-_TO_PRIVATE = str.maketrans({c: chr(0xE000 + i) for i, c in enumerate(_PROTECTED)})
-_FROM_PRIVATE = str.maketrans({chr(0xE000 + i): c for i, c in enumerate(_PROTECTED)})
+_VULGAR_RE = re.compile(r"([0-9]?)([¼½¾⅐⅑⅒⅓⅔⅕⅖⅗⅘⅙⅚⅛⅜⅝⅞↉])")  # the characters of _VULGAR
+# Characters NFKC would turn into digits where they are not numbers (the "²" of "m²", the "₂" of "CO₂"), and the
+# fractions read below: kept out of NFKC through private-use stand-ins, so "25 m²" still ends in 25.
+_VULGAR = "¼½¾⅐⅑⅒⅓⅔⅕⅖⅗⅘⅙⅚⅛⅜⅝⅞↉"
+_PROTECTED = "".join(_SUPERSCRIPTS) + "".join(_SUBSCRIPTS) + "ⁿ" + _VULGAR
+_TO_PRIVATE = str.maketrans({c: chr(0xF0000 + i) for i, c in enumerate(_PROTECTED)})  # plane 15: private use
+_FROM_PRIVATE = str.maketrans({chr(0xF0000 + i): c for i, c in enumerate(_PROTECTED)})
 # Separators NFKC leaves alone: the Arabic decimal and thousands separators, the fraction and division slashes.
 _SEPARATORS = str.maketrans({"\u066b": ".", "\u066c": ",", "\u2044": "/", "\u2215": "/"})
 _NON_ASCII_DIGIT_RE = re.compile(r"(?![0-9])\d")
@@ -42,19 +43,19 @@ _NON_ASCII_DIGIT_RE = re.compile(r"(?![0-9])\d")
 
 def normalize(text: str) -> str:
   """`text` with Unicode numerals as ASCII: NFKC (full-width digits and separators, circled digits), then the
-  Arabic separators, superscript exponents, subscripts after a digit, vulgar fractions and other scripts' digits.
+  Arabic separators, other scripts' digits, vulgar fractions, superscript exponents and subscripts after a digit.
 
   ASCII text is returned as it is (the common case costs one `isascii`). Signs stay as written: the minus table
   (`extraction.MINUS_SIGNS`) reads U+2212 and the dashes wherever a number is read.
   """
   if text.isascii():
     return text
-  s = _SUP_AFTER_NUMBER_RE.sub(lambda m: "^{" + "".join(_SUPERSCRIPTS[c] for c in m[1]) + "}", text)
-  s = _SUB_AFTER_NUMBER_RE.sub(lambda m: "_{" + "".join(_SUBSCRIPTS[c] for c in m[1]) + "}", s)
-  s = _VULGAR_RE.sub(_vulgar, s)
-  s = unicodedata.normalize("NFKC", s.translate(_TO_PRIVATE)).translate(_FROM_PRIVATE).translate(_SEPARATORS)
+  s = unicodedata.normalize("NFKC", text.translate(_TO_PRIVATE)).translate(_FROM_PRIVATE).translate(_SEPARATORS)
   if not s.isascii():
     s = _NON_ASCII_DIGIT_RE.sub(lambda m: str(unicodedata.decimal(m[0])), s)
+  s = _VULGAR_RE.sub(_vulgar, s)
+  s = _SUP_AFTER_NUMBER_RE.sub(lambda m: "^{" + "".join(_SUPERSCRIPTS[c] for c in m[1]) + "}", s)
+  s = _SUB_AFTER_NUMBER_RE.sub(lambda m: "_{" + "".join(_SUBSCRIPTS[c] for c in m[1]) + "}", s)
   return s
 
 
@@ -153,9 +154,10 @@ _HEDGE_WORD_RE = re.compile(
     r"\b(?:" + "|".join(NEGATIONS + COMPARISONS + ALTERNATIVES) + r"|up[ \t]+to)\b|[a-z]n't\b", re.IGNORECASE
 )
 _MODIFIER_RE = re.compile(r"\b(?:" + "|".join(MODIFIERS) + r")\b", re.IGNORECASE)
-# Comparison and approximation signs, in text and LaTeX ("≤ 5", "x > 4", "\geq 5", "\approx 5", "3 \pm 2", "~5").
+# Comparison and approximation signs, in text and LaTeX ("≤ 5", "x > 4", "\\geq 5", "\\approx 5", "3 \\pm 2", "~5",
+# "5+": five or more).
 COMPARISON_SIGN_RE = re.compile(
-    r"[<>≤≥≦≧≠≈≃≅±∓⩽⩾]|!=|(?<![\\a-zA-Z])~[ \t]{0,2}[0-9.$]"
+    r"[<>≤≥≦≧≠≈≃≅±∓⩽⩾]|!=|(?<![\\a-zA-Z])~[ \t]{0,2}[0-9.$]|[0-9][ \t]{0,2}\+[ \t]{0,2}\Z"
     r"|\\(?:le|ge|leq|geq|leqslant|geqslant|lt|gt|ne|neq|approx|sim|simeq|pm|mp|lesssim|gtrsim)(?![a-zA-Z])"
 )
 

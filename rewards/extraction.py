@@ -126,7 +126,10 @@ _HEDGE_TAIL_RE = re.compile(
 )
 _SUBSCRIPT_DIGIT_RE = re.compile(r"\d_\{")
 _LIST_RE = re.compile(r"[,;][ \t]{1,4}[-\d.\\$]")
-_SIGN_BEFORE_RE = re.compile(r"(?P<before>\S?)[ \t$]*(?P<sign>" + _MINUS_CLASS + r")[ \t$]*\Z")
+# A minus sign right before a box, and what comes before it: an operand (a digit, a closing bracket, a one-letter
+# variable) makes it the operator of an expression ("10 - \\boxed{5}", "x - \\boxed{5}"); else it is the box's sign.
+_SIGN_BEFORE_RE = re.compile(r"(?P<sign>" + _MINUS_CLASS + r")[ \t$]*\Z")
+_OPERAND_BEFORE_RE = re.compile(r"(?:[\d)\]}]|(?<![A-Za-z])[A-Za-z])[ \t$]*\Z")
 _BRACE_RE = re.compile(r"[{}]")
 _BOXED = "\\boxed"
 _MATH_CHARS = frozenset("\\^{}()*/+=<>|[]_")
@@ -429,7 +432,7 @@ def _boxed_value(text: str, box: tuple[int, int, int]) -> tuple[str, Optional[st
   m = _SIGN_BEFORE_RE.search(text, max(0, box[0] - 16), box[0])
   if m is None:
     return _read_answer(content)
-  if m["before"] and (m["before"].isalnum() or m["before"] in ")]}"):
+  if _OPERAND_BEFORE_RE.search(text, max(0, m.start() - 16), m.start()):
     return text[max(0, box[0] - 40) : box[2] + 1].strip(), RULE_AMBIGUOUS
   return _read_answer("-" + content)
 
@@ -457,10 +460,14 @@ def _read_answer(s: str) -> tuple[str, Optional[str]]:
   ("\\sqrt{64}") or a text answer without digits ("B") -- else (`s`, RULE_AMBIGUOUS) for several values, a range, a
   negation or a comparison, or (`s`, RULE_UNREADABLE) for a number whose meaning the grader does not hold."""
   s = s.strip()
-  if len(s) > MAX_ANSWER_CHARS or to_number(s) is not None:
+  if len(s) > MAX_ANSWER_CHARS:
+    return s, None
+  if answer_rule.COMPARISON_SIGN_RE.search(s):  # before the number reader, which drops the "~" of "~5"
+    return s, RULE_AMBIGUOUS
+  if to_number(s) is not None:
     return s, None
   cl = _clean(s)
-  if answer_rule.COMPARISON_SIGN_RE.search(s) or answer_rule.words_say_not_one_value(cl):
+  if answer_rule.words_say_not_one_value(cl):
     return s, RULE_AMBIGUOUS
   if _SUBSCRIPT_DIGIT_RE.search(cl):
     return s, RULE_UNREADABLE
