@@ -60,7 +60,7 @@ def normalize(text: str) -> str:
 
 
 def _vulgar(m: re.Match) -> str:
-  """"½" -> "1/2"; "1½" -> "1 1/2" (a mixed number, which the number grammar reads whole)."""
+  """ "½" -> "1/2"; "1½" -> "1 1/2" (a mixed number, which the number grammar reads whole)."""
   frac = unicodedata.normalize("NFKC", m[2]).replace("\u2044", "/")
   return f"{m[1]} {frac}" if m[1] else frac
 

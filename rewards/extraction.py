@@ -117,10 +117,13 @@ _A_COLON_RE = re.compile(
 _NUMBER_AHEAD = r"[ \t]{0,2}\(?(?:\\?\$)?[ \t]{0,2}(?:" + _MINUS_CLASS + r"[ \t]{0,2})?\.?\d"
 _HEDGE_TAIL_RE = re.compile(
     r"[ \t]{0,4}\(?(?:"
-    r"(?:,[ \t]{0,4})?(?i:or|to|and|through|thru|nor|vs\.?|versus)[ \t]{1,4}" + _NUMBER_AHEAD
+    r"(?:,[ \t]{0,4})?(?i:or|to|and|through|thru|nor|vs\.?|versus)[ \t]{1,4}"
+    + _NUMBER_AHEAD
     + r"|(?:,[ \t]{0,4})?(?i:or[ \t]{1,4}(?:more|less|fewer|so|above|below|over|under|greater|higher|lower))\b"
-    + r"|[,;]" + _NUMBER_AHEAD
-    + r"|[-\u2013\u2014\u2212~:/]" + _NUMBER_AHEAD
+    + r"|[,;]"
+    + _NUMBER_AHEAD
+    + r"|[-\u2013\u2014\u2212~:/]"
+    + _NUMBER_AHEAD
     + r"|\+(?![ \t]{0,4}[\d(\\.])"
     + r")"
 )

@@ -135,7 +135,7 @@ def _batches(rows, bs):
 
 def _plugin_config() -> types.SimpleNamespace:
   """The default reward stack's keys as a config (rl.yml's defaults: the reward weights and the per-call timeout)."""
-  timeout = config_types.PluginKeys.model_fields["reward_call_timeout_seconds"].default
+  timeout = config_types.PluginKeys.model_construct().reward_call_timeout_seconds
   return types.SimpleNamespace(
       reward_functions="", reward_functions_path="", reward_call_timeout_seconds=timeout, **vars(rewards.RewardConfig())
   )
