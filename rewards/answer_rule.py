@@ -38,7 +38,10 @@ _TO_PRIVATE = str.maketrans({c: chr(0xF0000 + i) for i, c in enumerate(_PROTECTE
 _FROM_PRIVATE = str.maketrans({chr(0xF0000 + i): c for i, c in enumerate(_PROTECTED)})
 # Separators NFKC leaves alone: the Arabic decimal and thousands separators, the fraction and division slashes.
 _SEPARATORS = str.maketrans({"\u066b": ".", "\u066c": ",", "\u2044": "/", "\u2215": "/"})
-_NON_ASCII_DIGIT_RE = re.compile(r"(?![0-9])\d")
+_NON_ASCII_DIGIT = r"(?=[^\x00-\x7f])\d"  # a digit of another script ("١٢٣")
+_NON_ASCII_DIGIT_RE = re.compile(_NON_ASCII_DIGIT)
+# What `normalize` changes in NFKC-normal text: the separators above and the digits of other scripts.
+_KEPT_BY_NFKC_RE = re.compile(r"[\u066b\u066c\u2044\u2215]|" + _NON_ASCII_DIGIT)
 
 
 def normalize(text: str) -> str:
@@ -48,8 +51,8 @@ def normalize(text: str) -> str:
   ASCII text is returned as it is (the common case costs one `isascii`). Signs stay as written: the minus table
   (`extraction.MINUS_SIGNS`) reads U+2212 and the dashes wherever a number is read.
   """
-  if text.isascii():
-    return text
+  if text.isascii() or (unicodedata.is_normalized("NFKC", text) and not _KEPT_BY_NFKC_RE.search(text)):
+    return text  # ASCII, or nothing to change ("’", "–", "×": NFKC's quick check in C, then one scan)
   s = unicodedata.normalize("NFKC", text.translate(_TO_PRIVATE)).translate(_FROM_PRIVATE).translate(_SEPARATORS)
   if not s.isascii():
     s = _NON_ASCII_DIGIT_RE.sub(lambda m: str(unicodedata.decimal(m[0])), s)
