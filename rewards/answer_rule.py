@@ -125,22 +125,14 @@ SCALE_WORD_RE = re.compile(r"\b(?i:hundred|thousand|million|billion|trillion|doz
 # More than one value: negation, comparison, approximation, alternatives, ranges
 # ----------------------------------------------------------------------------------------------------------------------
 
-NEGATIONS = ("not", "never", "neither", "nor", "none", "no", "cannot")
-COMPARISONS = (
-    "than",  # less / fewer / more / greater / other than
-    "least",
-    "most",
-    "between",
-    "within",
-    "under",
-    "over",
-    "above",
-    "below",
-    "exceeds",
-    "exceeding",
-    "minimum",
-    "maximum",
-    "upto",
+# Words that make an answer more than one value wherever they stand ("not 5", "5 or more", "maybe 5", "5, at least").
+NEGATIONS = ("not", "never", "neither", "nor", "none", "cannot")
+ALTERNATIVES = ("or", "either", "maybe", "perhaps", "possibly", "probably", "likely")
+BOUNDS = ("between", "minimum", "maximum", "exceeds", "exceeding", "at least", "at most", "up to", "upto")
+# Words that compare or approximate only when they come before the number ("less than 5", "about 5", "over 5"); after
+# it they are the question's words ("5 more apples than Tom", "5 apples left over", "a story about 5 friends" aside).
+QUALIFIERS = (
+    "than",
     "about",
     "around",
     "approximately",
@@ -149,13 +141,22 @@ COMPARISONS = (
     "nearly",
     "almost",
     "circa",
+    "over",
+    "under",
+    "above",
+    "below",
+    "within",
 )
-ALTERNATIVES = ("or", "either", "maybe", "perhaps", "possibly", "probably", "likely")
 # Words that change a number into another value the rule does not compute ("half of 10", "twice 5", "5 squared").
 MODIFIERS = ("half", "halves", "quarter", "quarters", "twice", "thrice", "double", "triple", "squared", "cubed")
-_HEDGE_WORD_RE = re.compile(
-    r"\b(?:" + "|".join(NEGATIONS + COMPARISONS + ALTERNATIVES) + r"|up[ \t]+to)\b|[a-z]n't\b", re.IGNORECASE
-)
+
+
+def _words_re(words) -> str:
+  return r"\b(?:" + "|".join(w.replace(" ", r"[ \t]+") for w in words) + r")\b"
+
+
+_HEDGE_WORD_RE = re.compile(_words_re(NEGATIONS + ALTERNATIVES + BOUNDS) + r"|[a-z]n't\b", re.IGNORECASE)
+_QUALIFIER_BEFORE_RE = re.compile(_words_re(QUALIFIERS) + r"[^a-z0-9]*\Z", re.IGNORECASE)
 _MODIFIER_RE = re.compile(r"\b(?:" + "|".join(MODIFIERS) + r")\b", re.IGNORECASE)
 # Comparison and approximation signs, in text and LaTeX ("≤ 5", "x > 4", "\\geq 5", "\\approx 5", "3 \\pm 2", "~5",
 # "5+": five or more).
@@ -166,9 +167,15 @@ COMPARISON_SIGN_RE = re.compile(
 
 
 def words_say_not_one_value(text: str) -> bool:
-  """Whether the words of an answer negate, compare, approximate or offer alternatives ("not", "less than",
-  "at least", "about", "or", "between", "up to", "isn't")."""
+  """Whether the words of an answer negate, bound or offer alternatives ("not", "isn't", "or", "maybe", "at least",
+  "between", "up to"), wherever they stand."""
   return _HEDGE_WORD_RE.search(text.replace("\u2019", "'")) is not None
+
+
+def qualifier_before(text: str) -> bool:
+  """Whether `text`, the words before an answer's number, ends in a comparison or approximation ("less than",
+  "about", "over", "nearly")."""
+  return _QUALIFIER_BEFORE_RE.search(text) is not None
 
 
 def words_change_the_value(text: str) -> bool:

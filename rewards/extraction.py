@@ -488,6 +488,8 @@ def _read_answer(s: str) -> tuple[str, Optional[str]]:
   m = nums[0]
   if cl.startswith("!", m.end()) and not cl.startswith("!=", m.end()):
     return m.group(0) + "!", None  # "5!" is 120 (math_verify), never 5
+  if answer_rule.qualifier_before(cl[: m.start()]):  # "less than 5", "about 5", "over 5"
+    return s, RULE_AMBIGUOUS
   if answer_rule.words_change_the_value(cl[: m.start()] + " " + cl[m.end() :]):
     return s, RULE_UNREADABLE  # "half of 10", "5 hundred thousand"
   return m.group(0).rstrip(","), None

@@ -81,6 +81,11 @@ HEDGES = [
     (tag("3 * 6 = 18"), "18", True, TAG),
     (tag("The answer is 5."), "5", True, TAG),
     (tag("He needs 5 more apples"), "5", True, TAG),
+    (tag("She has 5 more apples than Tom"), "5", True, TAG),  # "than" after the number is the question's word
+    (tag("5 apples left over"), "5", True, TAG),
+    (tag("The most she can buy is 5"), "5", True, TAG),
+    (tag("more than 5"), "5", False, AMB),  # ... before it, a comparison
+    (tag("over 5 apples"), "5", False, AMB),
     (tag("\\boxed{5}, that is \\boxed{5}"), "5", True, TAG),
     ("#### 5", "5", True, "hash"),
     ("The answer is 5.", "5", True, "answer_is"),
