@@ -158,10 +158,10 @@ def _words_re(words) -> str:
 _HEDGE_WORD_RE = re.compile(_words_re(NEGATIONS + ALTERNATIVES + BOUNDS) + r"|[a-z]n't\b", re.IGNORECASE)
 _QUALIFIER_BEFORE_RE = re.compile(_words_re(QUALIFIERS) + r"[^a-z0-9]*\Z", re.IGNORECASE)
 _MODIFIER_RE = re.compile(r"\b(?:" + "|".join(MODIFIERS) + r")\b", re.IGNORECASE)
-# Comparison and approximation signs, in text and LaTeX ("≤ 5", "x > 4", "\\geq 5", "\\approx 5", "3 \\pm 2", "~5",
-# "5+": five or more).
+# Comparison, approximation and doubt, in signs and LaTeX ("≤ 5", "x > 4", "\\geq 5", "\\approx 5", "3 \\pm 2", "~5",
+# "5+": five or more, "5ish", "5?").
 COMPARISON_SIGN_RE = re.compile(
-    r"[<>≤≥≦≧≠≈≃≅±∓⩽⩾]|!=|(?<![\\a-zA-Z])~[ \t]{0,2}[0-9.$]|[0-9][ \t]{0,2}\+[ \t]{0,2}\Z"
+    r"[<>≤≥≦≧≠≈≃≅±∓⩽⩾?]|!=|(?<![\\a-zA-Z])~[ \t]{0,2}[0-9.$]|[0-9][ \t]{0,2}\+[ \t]{0,2}\Z|[0-9][ \t-]{0,2}ish\b"
     r"|\\(?:le|ge|leq|geq|leqslant|geqslant|lt|gt|ne|neq|approx|sim|simeq|pm|mp|lesssim|gtrsim)(?![a-zA-Z])"
 )
 

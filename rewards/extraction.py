@@ -96,9 +96,10 @@ _SPACED_SIGN = r"(?:(?<![\w)\].])" + _MINUS_CLASS + r"[ \t]{1,2}(?=[\d.\\]))?"
 _BODY_NUM_RE = re.compile(_SPACED_SIGN + _NUM)
 # A qualifier between an answer marker and its number ("the answer is not 5", "#### at least 5"): not one value.
 _QUALIFIER = (
-    r"(?P<q>(?i:not|never|(?:no[ \t]+)?(?:less|fewer|more|greater)[ \t]+than|at[ \t]+(?:least|most)|up[ \t]+to|about"
-    r"|around|approximately|approx\.?|roughly|nearly|almost|over|under|above|below|between|either|maybe|perhaps"
-    r"|possibly|probably)[ \t]{1,4}|[~<>\u2264\u2265\u2248][ \t]{0,2})?"
+    r"(?P<q>(?:(?i:not|never|no|(?:less|fewer|more|greater)[ \t]+than|at[ \t]+(?:least|most)|up[ \t]+to|about|around"
+    r"|approximately|approx\.?|roughly|nearly|almost|over|under|above|below|between|either|maybe|perhaps|possibly"
+    r"|probably|likely|definitely|certainly|clearly|surely|exactly|precisely|really|actually|just|simply|then|thus"
+    r"|therefore|so|now)[ \t]{1,4}){1,3}|(?:[<>]=?|!=|[~\u2264\u2265\u2248\u2260])[ \t]{0,2})?"
 )
 _MARKED_NUM = r"(?P<v>" + _SPACED_SIGN + _NUM + ")"
 _HASH_RE = re.compile(r"####[ \t]{0,16}" + _QUALIFIER + r"\$?[ \t]{0,4}" + _MARKED_NUM)
@@ -125,6 +126,9 @@ _HEDGE_TAIL_RE = re.compile(
     + r"|[-\u2013\u2014\u2212~:/]"
     + _NUMBER_AHEAD
     + r"|\+(?![ \t]{0,4}[\d(\\.])"
+    + r"|[ \t]{0,2}\?"
+    + r"|-?(?i:ish)\b"
+    + r"|(?:,[ \t]{0,4})?(?i:or)\b[^.\n]{0,40}?\d"
     + r")"
 )
 _SUBSCRIPT_DIGIT_RE = re.compile(r"\d_\{")
@@ -543,10 +547,20 @@ def extract(
   return Extraction(None, RULE_NONE)
 
 
+def _hedged_words(words: str) -> bool:
+  """Whether the words between an answer marker and its number qualify it ("not", "at least", "about"); adverbs
+  ("clearly", "therefore") do not."""
+  return (
+      answer_rule.words_say_not_one_value(words) or answer_rule.qualifier_before(words) or "no" in words.lower().split()
+  )
+
+
 def _marked(text: str, m: re.Match, rule: str) -> Extraction:
   """The number an answer marker (`#### N`, "the answer is N", "A: N") points at, or the marked clause with
   RULE_AMBIGUOUS when a qualifier comes before it ("not", "at least") or another value after it ("or 6", "-6")."""
-  if m["q"] or _HEDGE_TAIL_RE.match(text, m.end()):
+  q = m["q"] or ""
+  qualified = q[:1] in tuple("<>!~\u2264\u2265\u2248\u2260") or _hedged_words(q)  # "not 5", ">= 5"; not "clearly 5"
+  if qualified or _HEDGE_TAIL_RE.match(text, m.end()):
     start = m.start("q") if m["q"] else m.start("v")
     end = text.find("\n", m.end())
     return Extraction(text[start : end if 0 <= end < start + 120 else start + 120].strip(), RULE_AMBIGUOUS)
