@@ -5,7 +5,9 @@ because it runs on every completion of every RL step and must not stall on adver
 (100 KB of braces, thousands of unclosed tags). MaxText's `utils_rl.extract_answer` only looks inside
 `<answer>` tags or `\\boxed{}`; models that answer in any other style score zero there. Here each
 completion goes through an ordered list of rules and the rule that fired is recorded, so a reward
-curve can be read together with *how* answers were found.
+curve can be read together with *how* answers were found. A tagged or marked answer must state one value
+(`_read_answer`, `_marked`; the vocabulary in answer_rule.py, the table in docs/rewards.md "The answer rule"); free
+text keeps the last-number convention.
 """
 
 from __future__ import annotations
