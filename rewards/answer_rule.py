@@ -129,18 +129,15 @@ SCALE_WORD_RE = re.compile(r"\b(?i:hundred|thousand|million|billion|trillion|doz
 NEGATIONS = ("not", "never", "neither", "nor", "none", "cannot")
 ALTERNATIVES = ("or", "either", "maybe", "perhaps", "possibly", "probably", "likely")
 BOUNDS = ("between", "minimum", "maximum", "exceeds", "exceeding", "at least", "at most", "up to", "upto")
+APPROXIMATIONS = ("approximately", "approx", "roughly", "circa", "give or take", "or so")
 # Words that compare or approximate only when they come before the number ("less than 5", "about 5", "over 5"); after
 # it they are the question's words ("5 more apples than Tom", "5 apples left over", "a story about 5 friends" aside).
 QUALIFIERS = (
     "than",
     "about",
     "around",
-    "approximately",
-    "approx",
-    "roughly",
     "nearly",
     "almost",
-    "circa",
     "over",
     "under",
     "above",
@@ -155,13 +152,15 @@ def _words_re(words) -> str:
   return r"\b(?:" + "|".join(w.replace(" ", r"[ \t]+") for w in words) + r")\b"
 
 
-_HEDGE_WORD_RE = re.compile(_words_re(NEGATIONS + ALTERNATIVES + BOUNDS) + r"|[a-z]n't\b", re.IGNORECASE)
+_HEDGE_WORD_RE = re.compile(_words_re(NEGATIONS + ALTERNATIVES + BOUNDS + APPROXIMATIONS) + r"|[a-z]n't\b", re.IGNORECASE)
+_BOUND_WORD_RE = re.compile(_words_re(ALTERNATIVES + BOUNDS + APPROXIMATIONS), re.IGNORECASE)
 _QUALIFIER_BEFORE_RE = re.compile(_words_re(QUALIFIERS) + r"[^a-z0-9]*\Z", re.IGNORECASE)
 _MODIFIER_RE = re.compile(r"\b(?:" + "|".join(MODIFIERS) + r")\b", re.IGNORECASE)
 # Comparison, approximation and doubt, in signs and LaTeX ("≤ 5", "x > 4", "\\geq 5", "\\approx 5", "3 \\pm 2", "~5",
 # "5+": five or more, "5ish", "5?").
 COMPARISON_SIGN_RE = re.compile(
-    r"[<>≤≥≦≧≠≈≃≅±∓⩽⩾?]|!=|(?<![\\a-zA-Z])~[ \t]{0,2}[0-9.$]|[0-9][ \t]{0,2}\+[ \t]{0,2}\Z|[0-9][ \t-]{0,2}ish\b"
+    r"[<>≤≥≦≧≠≈≃≅±∓⩽⩾?]|!=|(?<![\\a-zA-Z])~[ \t]{0,2}[0-9.$]|[0-9][ \t]{0,2}\+(?![ \t]{0,2}[\w(\\$])"
+    r"|[0-9][ \t-]{0,2}ish\b"
     r"|\\(?:le|ge|leq|geq|leqslant|geqslant|lt|gt|ne|neq|approx|sim|simeq|pm|mp|lesssim|gtrsim)(?![a-zA-Z])"
 )
 
@@ -170,6 +169,12 @@ def words_say_not_one_value(text: str) -> bool:
   """Whether the words of an answer negate, bound or offer alternatives ("not", "isn't", "or", "maybe", "at least",
   "between", "up to"), wherever they stand."""
   return _HEDGE_WORD_RE.search(text.replace("\u2019", "'")) is not None
+
+
+def words_bound_or_doubt(text: str) -> bool:
+  """`words_say_not_one_value` without the negations: for the words after an answer, where "not" is about something
+  else ("5, not 3")."""
+  return _BOUND_WORD_RE.search(text) is not None
 
 
 def qualifier_before(text: str) -> bool:

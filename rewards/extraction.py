@@ -104,16 +104,18 @@ _QUALIFIER = (
     r"|therefore|so|now)[ \t]{1,4}){1,3}|(?:[<>]=?|!=|[~\u2264\u2265\u2248\u2260])[ \t]{0,2})?"
 )
 _MARKED_NUM = r"(?P<v>" + _SPACED_SIGN + _NUM + ")"
-_HASH_RE = re.compile(r"####[ \t]{0,16}" + _QUALIFIER + r"\$?[ \t]{0,4}" + _MARKED_NUM)
+_OPEN = r"[\[(]?[ \t]{0,2}"  # "#### [3, 5]": a bracket opening a list (the tail then sees the list)
+_HASH_RE = re.compile(r"####[ \t]{0,16}" + _QUALIFIER + _OPEN + r"\$?[ \t]{0,4}" + _MARKED_NUM)
 _ANSWER_IS_RE = re.compile(
     r"answer(?:[ \t]{1,4}is|[ \t]{0,4}:|[ \t]{1,4}=)[ \t]{0,8}(?:\*\*)?[ \t]{0,4}"
     + _QUALIFIER
+    + _OPEN
     + r"\\?\$?[ \t]{0,4}(?:\\boxed\{)?"
     + _MARKED_NUM,
     re.IGNORECASE,
 )
 _A_COLON_RE = re.compile(
-    r"(?:^|\n)[ \t]{0,8}(?:\*\*)?A(?:\*\*)?[ \t]{0,4}:[ \t]{0,8}" + _QUALIFIER + r"\\?\$?[ \t]{0,4}" + _MARKED_NUM
+    r"(?:^|\n)[ \t]{0,8}(?:\*\*)?A(?:\*\*)?[ \t]{0,4}:[ \t]{0,8}" + _QUALIFIER + _OPEN + r"\\?\$?[ \t]{0,4}" + _MARKED_NUM
 )
 # What may follow a marked number and makes it one of several ("#### 3-5", "the answer is 3 or 5", "A: 3:30",
 # "answer: 5 or more", "5+"): another number after a connective, a dash, colon or slash, a list comma, "or more".
@@ -134,6 +136,10 @@ _HEDGE_TAIL_RE = re.compile(
     + r")"
 )
 _SUBSCRIPT_DIGIT_RE = re.compile(r"\d_\{")
+_CLAUSE_END_RE = re.compile(r"[.!;]?(?:\s*\n|[.!;](?:\s|\Z|<))|<|\b(?:because|since|as|so|which|that|where|when)\b")
+# Words of prose (two letters or more, not a LaTeX command): a body with them is read by its numbers, not sent whole to
+# math_verify, which would take a piece of "779 (approx.)" or "5 (3 apples)".
+_PROSE_RE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}")
 _LIST_RE = re.compile(r"[,;][ \t]{1,4}[-\d.\\$]")
 # A minus sign right before a box, and what comes before it: an operand (a digit, a closing bracket, a one-letter
 # variable) makes it the operator of an expression ("10 - \\boxed{5}", "x - \\boxed{5}"); else it is the box's sign.
@@ -484,7 +490,9 @@ def _read_answer(s: str) -> tuple[str, Optional[str]]:
     rhs = cl.rsplit("=", 1)[1].strip()
     if rhs:
       return _read_answer(rhs)
-  if any(c in _MATH_CHARS for c in cl):  # math stays whole ("\\sqrt{64}", "2^3") for math_verify; a list is not one
+  if any(c in _MATH_CHARS for c in cl) and not _PROSE_RE.search(
+      cl
+  ):  # math stays whole ("\\sqrt{64}", "2^3") for math_verify; a list is not one
     return (s, RULE_AMBIGUOUS) if _LIST_RE.search(cl) else (s, None)
   nums = list(_BODY_NUM_RE.finditer(cl))
   if not nums:
@@ -557,12 +565,22 @@ def _hedged_words(words: str) -> bool:
   )
 
 
+def _hedged_clause(text: str, pos: int) -> bool:
+  """Whether the rest of a marked number's clause (to the end of its sentence or line, or a "because") bounds,
+  approximates or doubts it ("5 at most", "5 (approx.)", "5, maybe 6", "5 ± 1"). A negation there is about something
+  else ("5, not 3")."""
+  clause = _CLAUSE_END_RE.split(text[pos : pos + 80], maxsplit=1)[0]
+  return bool(clause.strip()) and (
+      answer_rule.words_bound_or_doubt(clause) or answer_rule.COMPARISON_SIGN_RE.search(clause)
+  )
+
+
 def _marked(text: str, m: re.Match, rule: str) -> Extraction:
   """The number an answer marker (`#### N`, "the answer is N", "A: N") points at, or the marked clause with
   RULE_AMBIGUOUS when a qualifier comes before it ("not", "at least") or another value after it ("or 6", "-6")."""
   q = m["q"] or ""
   qualified = q[:1] in tuple("<>!~\u2264\u2265\u2248\u2260") or _hedged_words(q)  # "not 5", ">= 5"; not "clearly 5"
-  if qualified or _HEDGE_TAIL_RE.match(text, m.end()):
+  if qualified or _HEDGE_TAIL_RE.match(text, m.end()) or _hedged_clause(text, m.end()):
     start = m.start("q") if m["q"] else m.start("v")
     end = text.find("\n", m.end())
     return Extraction(text[start : end if 0 <= end < start + 120 else start + 120].strip(), RULE_AMBIGUOUS)

@@ -75,6 +75,13 @@ HEDGES = [
     ("The answer is >= 5", "5", False, AMB),
     ("The answer is definitely not 5", "5", False, AMB),
     ("#### about 5", "5", False, AMB),
+    ("#### 5, maybe 6", "5", False, AMB),
+    ("The answer is 5 \u00b1 1", "5", False, AMB),
+    ("Answer: 5 (approx.)", "5", False, AMB),
+    ("The answer is 5 at most.", "5", False, AMB),
+    ("The answer is [3, 5]", "5", False, AMB),
+    (tag("The answer is 5+."), "5", False, AMB),
+    (tag("5 (3 apples)"), "5", False, AMB),  # prose with brackets is read by its numbers, not sent to math_verify
     # One value, as models write it: kept.
     (tag("5"), "5", True, TAG),
     (tag("$5"), "5", True, TAG),
@@ -91,6 +98,8 @@ HEDGES = [
     (tag("She has 5 more apples than Tom"), "5", True, TAG),  # "than" after the number is the question's word
     (tag("5 apples left over"), "5", True, TAG),
     (tag("The most she can buy is 5"), "5", True, TAG),
+    (tag("5 (dollars)"), "5", True, TAG),
+    ("<reasoning>The answer is 5.</reasoning>", "5", True, "answer_is"),
     (tag("more than 5"), "5", False, AMB),  # ... before it, a comparison
     (tag("over 5 apples"), "5", False, AMB),
     (tag("\\boxed{5}, that is \\boxed{5}"), "5", True, TAG),
