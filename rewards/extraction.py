@@ -569,7 +569,9 @@ def _hedged_clause(text: str, pos: int) -> bool:
   """Whether the rest of a marked number's clause (to the end of its sentence or line, or a "because") bounds,
   approximates or doubts it ("5 at most", "5 (approx.)", "5, maybe 6", "5 ± 1"). A negation there is about something
   else ("5, not 3")."""
-  clause = _CLAUSE_END_RE.split(text[pos : pos + 80], maxsplit=1)[0]
+  chunk = text[pos : pos + 80]
+  end = _CLAUSE_END_RE.search(chunk)
+  clause = chunk[: end.start()] if end else chunk
   return bool(clause.strip()) and (
       answer_rule.words_bound_or_doubt(clause) or answer_rule.COMPARISON_SIGN_RE.search(clause)
   )
@@ -578,6 +580,8 @@ def _hedged_clause(text: str, pos: int) -> bool:
 def _marked(text: str, m: re.Match, rule: str) -> Extraction:
   """The number an answer marker (`#### N`, "the answer is N", "A: N") points at, or the marked clause with
   RULE_AMBIGUOUS when a qualifier comes before it ("not", "at least") or another value after it ("or 6", "-6")."""
+  if not m["q"] and text[m.end() : m.end() + 1] in ("", "\n"):  # "#### 18" ending its line: nothing qualifies it
+    return Extraction(m["v"], rule)
   q = m["q"] or ""
   qualified = q[:1] in tuple("<>!~\u2264\u2265\u2248\u2260") or _hedged_words(q)  # "not 5", ">= 5"; not "clearly 5"
   if qualified or _HEDGE_TAIL_RE.match(text, m.end()) or _hedged_clause(text, m.end()):
