@@ -136,6 +136,7 @@ _HEDGE_TAIL_RE = re.compile(
     + r")"
 )
 _SUBSCRIPT_DIGIT_RE = re.compile(r"\d_\{")
+_PLAIN_ANSWER_RE = re.compile(r"\\?\$?-?\d[\d,]*(?:\.\d*)?%?")
 _CLAUSE_END_RE = re.compile(r"[.!;]?(?:\s*\n|[.!;](?:\s|\Z|<))|<|\b(?:because|since|as|so|which|that|where|when)\b")
 # Words of prose (two letters or more, not a LaTeX command): a body with them is read by its numbers, not sent whole to
 # math_verify, which would take a piece of "779 (approx.)" or "5 (3 apples)".
@@ -475,7 +476,7 @@ def _read_answer(s: str) -> tuple[str, Optional[str]]:
   ("\\sqrt{64}") or a text answer without digits ("B") -- else (`s`, RULE_AMBIGUOUS) for several values, a range, a
   negation or a comparison, or (`s`, RULE_UNREADABLE) for a number whose meaning the grader does not hold."""
   s = s.strip()
-  if len(s) > MAX_ANSWER_CHARS:
+  if len(s) > MAX_ANSWER_CHARS or _PLAIN_ANSWER_RE.fullmatch(s):  # "1200", "$1,200", "72.00": one value, no more work
     return s, None
   if answer_rule.COMPARISON_SIGN_RE.search(s):  # before the number reader, which drops the "~" of "~5"
     return s, RULE_AMBIGUOUS
