@@ -131,6 +131,7 @@ def score_stream(lines: Iterable[bytes], out: TextIO, config: Any = None) -> col
           rec = {"id": row["id"], **rec}
         stats["correct"] += res.correct
         stats["unreadable"] += res.unreadable
+        stats["ambiguous"] += res.ambiguous
         stats[f"rule:{res.rule}"] += 1
       out.write(json.dumps(rec, ensure_ascii=False) + "\n")
     buf.clear()
@@ -241,7 +242,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     rules = ", ".join(f"{k[5:]}={v}" for k, v in sorted(stats.items()) if k.startswith("rule:"))
     print(
         f"scored {rows} rows: {stats['correct']} correct ({100 * stats['correct'] / max(rows, 1):.1f}%), "
-        f"{stats['errors']} errors, {stats['unreadable']} unreadable answers (scored wrong); rules: {rules or '-'}; "
+        f"{stats['errors']} errors, {stats['unreadable']} unreadable answers (scored wrong), "
+        f"{stats['ambiguous']} answers not one value (ambiguous, scored wrong); rules: {rules or '-'}; "
         f"{rows / max(dt, 1e-9):,.0f} rows/s",
         file=sys.stderr,
     )

@@ -5,7 +5,9 @@ because it runs on every completion of every RL step and must not stall on adver
 (100 KB of braces, thousands of unclosed tags). MaxText's `utils_rl.extract_answer` only looks inside
 `<answer>` tags or `\\boxed{}`; models that answer in any other style score zero there. Here each
 completion goes through an ordered list of rules and the rule that fired is recorded, so a reward
-curve can be read together with *how* answers were found.
+curve can be read together with *how* answers were found. A tagged or marked answer must state one value
+(`_read_answer`, `_marked`; the vocabulary in answer_rule.py, the table in docs/rewards.md "The answer rule"); free
+text keeps the last-number convention.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import functools
 import math
 import re
 from typing import NamedTuple, Optional
+
+from maxtext_rl_plugin.rewards import answer_rule
 
 # Rule names, in priority order (recorded in ScoreResult.rule and the score CLI's output).
 RULE_ANSWER_TAG = "answer_tag"
@@ -26,6 +30,9 @@ RULE_LAST_NUMBER = "last_number"
 RULE_NONE = "none"
 # Not an extraction rule: the grader's verdict on an answer it cannot hold (gsm8k.py; `unreadable` below).
 RULE_UNREADABLE = "unreadable"
+# Not an extraction rule either: a tagged answer that is not one value (several values, a range, a negation, a
+# comparison; answer_rule.py), scored wrong and counted.
+RULE_AMBIGUOUS = "ambiguous"
 RULES = (
     RULE_ANSWER_TAG,
     RULE_BOXED,
@@ -35,6 +42,7 @@ RULES = (
     RULE_LAST_NUMBER,
     RULE_NONE,
     RULE_UNREADABLE,
+    RULE_AMBIGUOUS,
 )
 
 DEFAULT_SOLUTION_START = "<answer>"  # MaxText rl.yml's solution tags; RewardConfig and the data prompts use these
@@ -79,16 +87,65 @@ _MIXED_FRAC = r"\d+" + _LATEX_GAP + r"\\[dt]?frac" + _MIXED_ARG + _MIXED_ARG
 _SIGN = r"(?:(?<![\w)\].])" + _MINUS_CLASS + r"|" + _WORD_SIGN + r")?"
 _MIXED_SLASH = r"\d+[ \u00a0]\d+[ \t]{0,2}/[ \t]{0,2}\d+(?!\d|\.\d)"
 _PLAIN = _UNSIGNED + r"(?:[ \t]{0,2}/[ \t]{0,2}\d+(?:\.\d+)?(?!\d|\.\d))?"
-_NUM = _SIGN + r"(?:" + "|".join((_FRAC, _MIXED_FRAC, _MIXED_SLASH, _PLAIN)) + r")"
+# What a number carries with it, read as part of it (never dropped, never left as a separate number): an exponent
+# ("2^3", "10^{-3}", the "5²" of answer_rule.normalize), a subscript ("5_{2}": flagged unreadable) and a scale ("5
+# thousand", "5k", "$5M": applied by to_number).
+_NUM_SUFFIX = r"(?:\^(?:\{[-+]?\d{1,4}\}|[-+]?\d{1,4}(?![\d.]))|_\{[-+]?\d{1,4}\}|" + answer_rule.SCALE_SUFFIX + ")?"
+_NUM = _SIGN + r"(?:" + "|".join((_FRAC, _MIXED_FRAC, _MIXED_SLASH, _PLAIN)) + r")" + _NUM_SUFFIX
 _NUM_RE = re.compile(_NUM)
-_HASH_RE = re.compile(r"####[ \t]{0,16}\$?[ \t]{0,4}(" + _NUM + ")")
+# A sign apart from its digits ("- 5", "\u2212 5", "\u2014 5") where no operand comes before it: still its sign.
+_SPACED_SIGN = r"(?:(?<![\w)\].])" + _MINUS_CLASS + r"[ \t]{1,2}(?=[\d.\\]))?"
+_BODY_NUM_RE = re.compile(_SPACED_SIGN + _NUM)
+# A qualifier between an answer marker and its number ("the answer is not 5", "#### at least 5"): not one value.
+_QUALIFIER = (
+    r"(?P<q>(?:(?i:not|never|no|(?:less|fewer|more|greater)[ \t]+than|at[ \t]+(?:least|most)|up[ \t]+to|about|around"
+    r"|approximately|approx\.?|roughly|nearly|almost|over|under|above|below|between|either|maybe|perhaps|possibly"
+    r"|probably|likely|definitely|certainly|clearly|surely|exactly|precisely|really|actually|just|simply|then|thus"
+    r"|therefore|so|now)[ \t]{1,4}){1,3}|(?:[<>]=?|!=|[~\u2264\u2265\u2248\u2260])[ \t]{0,2})?"
+)
+_MARKED_NUM = r"(?P<v>" + _SPACED_SIGN + _NUM + ")"
+_OPEN = r"[\[(]?[ \t]{0,2}"  # "#### [3, 5]": a bracket opening a list (the tail then sees the list)
+_HASH_RE = re.compile(r"####[ \t]{0,16}" + _QUALIFIER + _OPEN + r"\$?[ \t]{0,4}" + _MARKED_NUM)
 _ANSWER_IS_RE = re.compile(
-    r"answer(?:[ \t]{1,4}is|[ \t]{0,4}:|[ \t]{1,4}=)[ \t]{0,8}(?:\*\*)?[ \t]{0,4}\\?\$?[ \t]{0,4}(?:\\boxed\{)?("
-    + _NUM
-    + ")",
+    r"answer(?:[ \t]{1,4}is|[ \t]{0,4}:|[ \t]{1,4}=)[ \t]{0,8}(?:\*\*)?[ \t]{0,4}"
+    + _QUALIFIER
+    + _OPEN
+    + r"\\?\$?[ \t]{0,4}(?:\\boxed\{)?"
+    + _MARKED_NUM,
     re.IGNORECASE,
 )
-_A_COLON_RE = re.compile(r"(?:^|\n)[ \t]{0,8}(?:\*\*)?A(?:\*\*)?[ \t]{0,4}:[ \t]{0,8}\\?\$?[ \t]{0,4}(" + _NUM + ")")
+_A_COLON_RE = re.compile(
+    r"(?:^|\n)[ \t]{0,8}(?:\*\*)?A(?:\*\*)?[ \t]{0,4}:[ \t]{0,8}" + _QUALIFIER + _OPEN + r"\\?\$?[ \t]{0,4}" + _MARKED_NUM
+)
+# What may follow a marked number and makes it one of several ("#### 3-5", "the answer is 3 or 5", "A: 3:30",
+# "answer: 5 or more", "5+"): another number after a connective, a dash, colon or slash, a list comma, "or more".
+_NUMBER_AHEAD = r"[ \t]{0,2}\(?(?:\\?\$)?[ \t]{0,2}(?:" + _MINUS_CLASS + r"[ \t]{0,2})?\.?\d"
+_HEDGE_TAIL_RE = re.compile(
+    r"[ \t]{0,4}\(?(?:"
+    r"(?:,[ \t]{0,4})?(?i:or|to|and|through|thru|nor|vs\.?|versus)[ \t]{1,4}"
+    + _NUMBER_AHEAD
+    + r"|(?:,[ \t]{0,4})?(?i:or[ \t]{1,4}(?:more|less|fewer|so|above|below|over|under|greater|higher|lower))\b"
+    + r"|[,;]"
+    + _NUMBER_AHEAD
+    + r"|[-\u2013\u2014\u2212~:/]"
+    + _NUMBER_AHEAD
+    + r"|\+(?![ \t]{0,4}[\d(\\.])"
+    + r"|[ \t]{0,2}\?"
+    + r"|-?(?i:ish)\b"
+    + r"|(?:,[ \t]{0,4})?(?i:or)\b[^.\n]{0,40}?\d"
+    + r")"
+)
+_SUBSCRIPT_DIGIT_RE = re.compile(r"\d_\{")
+_PLAIN_ANSWER_RE = re.compile(r"\\?\$?-?\d[\d,]*(?:\.\d*)?%?")
+_CLAUSE_END_RE = re.compile(r"[.!;]?(?:\s*\n|[.!;](?:\s|\Z|<))|<|\b(?:because|since|as|so|which|that|where|when)\b")
+# Words of prose (two letters or more, not a LaTeX command): a body with them is read by its numbers, not sent whole to
+# math_verify, which would take a piece of "779 (approx.)" or "5 (3 apples)".
+_PROSE_RE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}")
+_LIST_RE = re.compile(r"[,;][ \t]{1,4}[-\d.\\$]")
+# A minus sign right before a box, and what comes before it: an operand (a digit, a closing bracket, a one-letter
+# variable) makes it the operator of an expression ("10 - \\boxed{5}", "x - \\boxed{5}"); else it is the box's sign.
+_SIGN_BEFORE_RE = re.compile(r"(?P<sign>" + _MINUS_CLASS + r")[ \t$]*\Z")
+_OPERAND_BEFORE_RE = re.compile(r"(?:[\d)\]}]|(?<![A-Za-z])[A-Za-z])[ \t$]*\Z")
 _BRACE_RE = re.compile(r"[{}]")
 _BOXED = "\\boxed"
 _MATH_CHARS = frozenset("\\^{}()*/+=<>|[]_")
@@ -101,14 +158,14 @@ MAX_ANSWER_CHARS = 1000
 # "." allowed), "a/b", a mixed number "w n/d", or `\frac{a}{b}`; signs inside fractions too.
 _U = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 _VALUE_RE = re.compile(
-    r"(?P<neg>-)?(?:(?P<num>" + _U + r")"
+    r"(?P<neg>-[ \t]{0,2})?(?:(?P<num>" + _U + r")"
     r"|(?P<fn>-?" + _U + r")\s{0,4}/\s{0,4}(?P<fd>-?" + _U + r")"
     r"|(?P<w>\d+)(?:\s(?P<mn>\d+)\s{0,2}/\s{0,2}(?P<md>\d+)"
     r"|[\s~]{0,4}\\[dt]?frac\{\s{0,4}(?P<xn>\d+)\s{0,4}\}\{\s{0,4}(?P<xd>\d+)\s{0,4}\})"
     r"|\\[dt]?frac\{\s{0,4}(?P<ln>-?" + _U + r")\s{0,4}\}\{\s{0,4}(?P<ld>-?" + _U + r")\s{0,4}\})"
 )
 _GROUPED_RE = re.compile(
-    r"-?(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3})+|\d{1,2}(?:,\d{2})+,\d{3})(?:\.\d*)?(?:[eE][-+]?\d+)?"
+    r"(?:-[ \t]{0,2})?(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3})+|\d{1,2}(?:,\d{2})+,\d{3})(?:\.\d*)?(?:[eE][-+]?\d+)?"
 )
 # The largest decimal exponent read as a value. Every number is an exact Fraction, and its text (format_number) must
 # stay within Python's int<->str limit (4300 digits) with a 256-character mantissa: 10**1000 is held exactly; a larger
@@ -192,6 +249,7 @@ def _to_number_cached(text: str) -> Optional[Fraction]:
 
 def _to_number_uncached(text: str) -> Optional[Fraction]:
   """`to_number` without the cache (long canonical texts are read once)."""
+  text = answer_rule.normalize(text)
   s = _clean(text)
   if not s:
     return None
@@ -202,8 +260,16 @@ def _to_number_uncached(text: str) -> Optional[Fraction]:
   v = _number_value(s)
   if v is not None:
     return v
-  m = _UNIT_WORD_RE.fullmatch(s)  # "18 dollars", "3.5 hours"
+  if _SUBSCRIPT_DIGIT_RE.search(s):
+    return None
+  v = answer_rule.scaled_value(s, to_number, currency=any(c in text for c in "$\u20ac\u00a3\u00a5"))
+  if v is not None:  # "5 thousand", "$1.2 million", "5k", "3 dozen eggs": the multiplier applied
+    return v
+  m = _UNIT_WORD_RE.fullmatch(s)  # "18 dollars", "3.5 hours"; never "5 or more", "5 hundred thousand"
   if m and m.group(1) != s:
+    words = s[m.end(1) :]
+    if answer_rule.words_say_not_one_value(words) or answer_rule.words_change_the_value(words):
+      return None
     return to_number(m.group(1))
   return None
 
@@ -247,9 +313,13 @@ def _exponent_too_large(s: str) -> bool:
 
 
 def unreadable(text: Optional[str]) -> bool:
-  """Whether an extracted answer holds a number the grader cannot hold exactly (an exponent beyond MAX_EXPONENT): it
-  scores as wrong and is counted (`ScoreResult.unreadable`), never compared by its digits nor sent to math_verify."""
-  return isinstance(text, str) and ("e" in text or "E" in text) and _exponent_too_large(text)
+  """Whether an extracted answer holds a number the grader cannot hold exactly (an exponent beyond MAX_EXPONENT, a
+  digit with a subscript: "5_{2}", "5₂"): it scores as wrong and is counted (`ScoreResult.unreadable`), never compared
+  by its digits nor sent to math_verify (which reads "5_{2}" as 5)."""
+  if not isinstance(text, str):
+    return False
+  text = answer_rule.normalize(text)
+  return (("e" in text or "E" in text) and _exponent_too_large(text)) or _SUBSCRIPT_DIGIT_RE.search(text) is not None
 
 
 def format_number(value: Fraction) -> str:
@@ -324,16 +394,16 @@ def parse_gold(text, numeric_only: bool = True) -> Optional[str]:
   return s
 
 
-def last_balanced_boxed(text: str) -> Optional[str]:
-  """Content of the `\\boxed{...}` whose closing brace comes last; linear in len(text).
+def _boxes(text: str, every: bool = False) -> list[tuple[int, int, int]]:
+  """(start of `\\boxed`, content start, content end) of the box whose closing brace comes last, or of every balanced
+  box when `every`; linear in len(text).
 
   One pass over the braces with a stack (MaxText's fixed version of the same idea): unclosed boxes are
   ignored, nested braces inside a box are kept.
   """
   if _BOXED not in text:
-    return None
-  best = None
-  best_end = -1
+    return []
+  found: list[tuple[int, int, int]] = []
   stack: list[int] = []
   for m in _BRACE_RE.finditer(text):
     i = m.start()
@@ -341,11 +411,17 @@ def last_balanced_boxed(text: str) -> Optional[str]:
       stack.append(i)
     elif stack:
       op = stack.pop()
-      if i > best_end and op >= 6 and text.startswith(_BOXED, op - 6):
-        best, best_end = (op + 1, i), i
-  if best is None:
-    return None
-  return text[best[0] : best[1]].strip()
+      if op >= 6 and text.startswith(_BOXED, op - 6):
+        found.append((op - 6, op + 1, i))
+  if every:
+    return found
+  return [max(found, key=lambda b: b[2])] if found else []
+
+
+def last_balanced_boxed(text: str) -> Optional[str]:
+  """Content of the `\\boxed{...}` whose closing brace comes last (see `_boxes`)."""
+  box = _boxes(text)
+  return text[box[0][1] : box[0][2]].strip() if box else None
 
 
 def last_tag_block(text: str, start: str, end: str) -> Optional[str]:
@@ -358,31 +434,80 @@ def last_tag_block(text: str, start: str, end: str) -> Optional[str]:
   return text[i + len(start) : j] if i >= 0 else None
 
 
-def _last_match(regex: re.Pattern, text: str) -> Optional[str]:
+def _last_match(regex: re.Pattern, text: str) -> Optional[re.Match]:
   last = None
   for m in regex.finditer(text):
     last = m
-  return last.group(1) if last else None
+  return last
 
 
-def _value_from_body(body: str) -> str:
-  """The answer inside an `<answer>` body: a boxed value, the body if it is one value, or its last number."""
-  boxed = last_balanced_boxed(body)
-  if boxed is not None:
-    body = boxed
+def _boxed_value(text: str, box: tuple[int, int, int]) -> tuple[str, Optional[str]]:
+  """(answer, verdict) of a box in `text` (see `_read_answer`): a minus sign just before the box is its sign
+  ("-\\boxed{5}" is -5); after an operand ("10 - \\boxed{5}") the box is part of an expression, not one value."""
+  content = text[box[1] : box[2]].strip()
+  m = _SIGN_BEFORE_RE.search(text, max(0, box[0] - 16), box[0])
+  if m is None:
+    return _read_answer(content)
+  if _OPERAND_BEFORE_RE.search(text, max(0, m.start() - 16), m.start()):
+    return text[max(0, box[0] - 40) : box[2] + 1].strip(), RULE_AMBIGUOUS
+  return _read_answer("-" + content)
+
+
+def _read_body(body: str) -> tuple[str, Optional[str]]:
+  """(answer, verdict) of an `<answer>` body or a box's content: its box, else the body read as one value. Boxes that
+  disagree ("\\boxed{3} or \\boxed{5}") are not one value."""
   s = body.strip()
-  if to_number(s) is not None or len(s) > MAX_ANSWER_CHARS:
-    return s
-  if "=" in s:  # "3 * 6 = 18"
-    rhs = s.rsplit("=", 1)[1].strip()
-    if to_number(rhs) is not None:
-      return rhs
-  nums = _NUM_RE.findall(s)
-  # Words around numbers ("18 dollars", "12 then 15 apples") -> the last number; math stays whole
-  # ("\\sqrt{64}", "2^3") for math_verify.
-  if nums and not any(c in _MATH_CHARS for c in s):
-    return nums[-1].rstrip(",")
-  return s
+  boxes = _boxes(s, every=s.count(_BOXED) > 1)
+  if not boxes:
+    return _read_answer(s)
+  outer, reach = [], -1
+  for b in sorted(boxes):  # boxes not inside another box
+    if b[0] > reach:
+      outer.append(b)
+      reach = b[2]
+  if len(outer) > 1 and len({normalize_answer(_boxed_value(s, b)[0]) for b in outer[-16:]}) > 1:
+    return s, RULE_AMBIGUOUS
+  return _boxed_value(s, outer[-1])
+
+
+def _read_answer(s: str) -> tuple[str, Optional[str]]:
+  """The answer rule (answer_rule.py; docs/rewards.md): (answer text, None) when `s` states one value -- one number
+  (with its sign, unit words, scale), an equation's right-hand side ("x = 5"), an expression for math_verify
+  ("\\sqrt{64}") or a text answer without digits ("B") -- else (`s`, RULE_AMBIGUOUS) for several values, a range, a
+  negation or a comparison, or (`s`, RULE_UNREADABLE) for a number whose meaning the grader does not hold."""
+  s = s.strip()
+  if len(s) > MAX_ANSWER_CHARS or _PLAIN_ANSWER_RE.fullmatch(s):  # "1200", "$1,200", "72.00": one value, no more work
+    return s, None
+  if answer_rule.COMPARISON_SIGN_RE.search(s):  # before the number reader, which drops the "~" of "~5"
+    return s, RULE_AMBIGUOUS
+  if to_number(s) is not None:
+    return s, None
+  cl = _clean(s)
+  if answer_rule.words_say_not_one_value(cl):
+    return s, RULE_AMBIGUOUS
+  if _SUBSCRIPT_DIGIT_RE.search(cl):
+    return s, RULE_UNREADABLE
+  if "=" in cl:  # "3 * 6 = 18", "x = 5": the right-hand side, read by the same rule
+    rhs = cl.rsplit("=", 1)[1].strip()
+    if rhs:
+      return _read_answer(rhs)
+  if any(c in _MATH_CHARS for c in cl) and not _PROSE_RE.search(
+      cl
+  ):  # math stays whole ("\\sqrt{64}", "2^3") for math_verify; a list is not one
+    return (s, RULE_AMBIGUOUS) if _LIST_RE.search(cl) else (s, None)
+  nums = list(_BODY_NUM_RE.finditer(cl))
+  if not nums:
+    return s, None
+  if len(nums) > 1:  # "3 or 5", "3-5", "3, 5", "3:30", "12 then 15 apples"
+    return s, RULE_AMBIGUOUS
+  m = nums[0]
+  if cl.startswith("!", m.end()) and not cl.startswith("!=", m.end()):
+    return m.group(0) + "!", None  # "5!" is 120 (math_verify), never 5
+  if answer_rule.qualifier_before(cl[: m.start()]):  # "less than 5", "about 5", "over 5"
+    return s, RULE_AMBIGUOUS
+  if answer_rule.words_change_the_value(cl[: m.start()] + " " + cl[m.end() :]):
+    return s, RULE_UNREADABLE  # "half of 10", "5 hundred thousand"
+  return m.group(0).rstrip(","), None
 
 
 def extract_answer(
@@ -391,8 +516,9 @@ def extract_answer(
   """(answer text or None, rule that fired) for any model's completion.
 
   Rules, first that applies wins: the last `<answer>...</answer>` block (tokens configurable; a
-  `\\boxed{}` or a single number inside it is taken), the last balanced `\\boxed{}`, the last `#### N`,
-  the last "the answer is N" / "Answer: N", the last line "A: N", and finally the last number.
+  `\\boxed{}` inside it is taken; the body must state one value), the last balanced `\\boxed{}`, the last `#### N`,
+  the last "the answer is N" / "Answer: N", the last line "A: N", and finally the last number. A tagged or marked
+  answer that is not one value gives RULE_AMBIGUOUS (or RULE_UNREADABLE), never a piece of it.
   """
   e = extract(text, solution_start, solution_end)
   return e.value, e.rule
@@ -406,27 +532,64 @@ def extract(
     return Extraction(None, RULE_NONE)
   body = last_tag_block(text, solution_start, solution_end) if solution_start and solution_end else None
   if body is not None and body.strip():
-    return Extraction(_value_from_body(body), RULE_ANSWER_TAG, body)
-  boxed = last_balanced_boxed(text)
-  if boxed:
-    return Extraction(_value_from_body(boxed), RULE_BOXED, boxed)
+    value, verdict = _read_body(answer_rule.normalize(body))
+    return Extraction(value, verdict or RULE_ANSWER_TAG, body)
+  text = answer_rule.normalize(text)
+  box = _boxes(text)
+  if box and text[box[0][1] : box[0][2]].strip():
+    value, verdict = _boxed_value(text, box[0])
+    return Extraction(value, verdict or RULE_BOXED, text[box[0][1] : box[0][2]].strip())
   if "####" in text:
-    v = _last_match(_HASH_RE, text)
-    if v is not None:
-      return Extraction(v, RULE_HASH)
+    m = _last_match(_HASH_RE, text)
+    if m is not None:
+      return _marked(text, m, RULE_HASH)
   lower_has_answer = "nswer" in text or "NSWER" in text
   if lower_has_answer:
-    v = _last_match(_ANSWER_IS_RE, text)
-    if v is not None:
-      return Extraction(v, RULE_ANSWER_IS)
+    m = _last_match(_ANSWER_IS_RE, text)
+    if m is not None:
+      return _marked(text, m, RULE_ANSWER_IS)
   if "A" in text and ":" in text:
-    v = _last_match(_A_COLON_RE, text)
-    if v is not None:
-      return Extraction(v, RULE_A_COLON)
+    m = _last_match(_A_COLON_RE, text)
+    if m is not None:
+      return _marked(text, m, RULE_A_COLON)
   v = last_number(text)
   if v is not None:
     return Extraction(v, RULE_LAST_NUMBER)
   return Extraction(None, RULE_NONE)
+
+
+def _hedged_words(words: str) -> bool:
+  """Whether the words between an answer marker and its number qualify it ("not", "at least", "about"); adverbs
+  ("clearly", "therefore") do not."""
+  return (
+      answer_rule.words_say_not_one_value(words) or answer_rule.qualifier_before(words) or "no" in words.lower().split()
+  )
+
+
+def _hedged_clause(text: str, pos: int) -> bool:
+  """Whether the rest of a marked number's clause (to the end of its sentence or line, or a "because") bounds,
+  approximates or doubts it ("5 at most", "5 (approx.)", "5, maybe 6", "5 ± 1"). A negation there is about something
+  else ("5, not 3")."""
+  chunk = text[pos : pos + 80]
+  end = _CLAUSE_END_RE.search(chunk)
+  clause = chunk[: end.start()] if end else chunk
+  return bool(clause.strip()) and (
+      answer_rule.words_bound_or_doubt(clause) or answer_rule.COMPARISON_SIGN_RE.search(clause)
+  )
+
+
+def _marked(text: str, m: re.Match, rule: str) -> Extraction:
+  """The number an answer marker (`#### N`, "the answer is N", "A: N") points at, or the marked clause with
+  RULE_AMBIGUOUS when a qualifier comes before it ("not", "at least") or another value after it ("or 6", "-6")."""
+  if not m["q"] and text[m.end() : m.end() + 1] in ("", "\n"):  # "#### 18" ending its line: nothing qualifies it
+    return Extraction(m["v"], rule)
+  q = m["q"] or ""
+  qualified = q[:1] in tuple("<>!~\u2264\u2265\u2248\u2260") or _hedged_words(q)  # "not 5", ">= 5"; not "clearly 5"
+  if qualified or _HEDGE_TAIL_RE.match(text, m.end()) or _hedged_clause(text, m.end()):
+    start = m.start("q") if m["q"] else m.start("v")
+    end = text.find("\n", m.end())
+    return Extraction(text[start : end if 0 <= end < start + 120 else start + 120].strip(), RULE_AMBIGUOUS)
+  return Extraction(m["v"], rule)
 
 
 def last_number(text: str) -> Optional[str]:

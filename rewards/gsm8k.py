@@ -8,6 +8,9 @@
   model that writes "#### 18" or "The answer is 18" is graded on its answer; formatting is rewarded by
   the two format functions, not by zeroing the answer reward; every rule reads the whole number expression
   ("1/2", "1 1/2", "\\frac{1}{2}", "1e3", "1 234", "\u20135"), the same way for golds and completions;
+* a tagged or marked answer must be one value: "3 or 5", "3-5", "not 5", "at least 5" score as wrong (rule
+  `ambiguous`, counted) before any comparison, where MaxText leaves the verdict to math_verify's parser
+  (docs/rewards.md, "The answer rule");
 * numbers are compared exactly in-process; math_verify only sees what is not a plain number, in
   killable workers with a per-item deadline (`verify.py`);
 * partial credit: a wrong numeric answer within 10% of the gold earns `reward_ratio_guess_to_answer_high`,
@@ -94,6 +97,7 @@ class ScoreResult:
   format_reward: float = 0.0
   answer_reward: float = 0.0
   unreadable: bool = False  # the answer holds a number the grader cannot hold (extraction.unreadable): scored wrong
+  ambiguous: bool = False  # a tagged/marked answer that is not one value ("3 or 5", "at least 5"): scored wrong
 
   def to_dict(self) -> dict:
     return dataclasses.asdict(self)
@@ -205,6 +209,9 @@ def _grade(
 
 
 RULE_UNREADABLE = ex.RULE_UNREADABLE
+RULE_AMBIGUOUS = ex.RULE_AMBIGUOUS
+# Answers that are never compared with the gold: scored `penalty_incorrect_answer`, as a wrong answer, and counted.
+_NOT_ONE_VALUE = (RULE_UNREADABLE, RULE_AMBIGUOUS)
 
 
 def _extract_safely(c: Any, rc: RewardConfig) -> ex.Extraction:
@@ -231,12 +238,13 @@ def _grade_uncached(
     completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig
 ) -> list[tuple[ex.Extraction, bool, float, bool]]:
   """(extraction, correct, answer reward, partial) per completion; slow verifications run in parallel. An answer the
-  grader cannot hold (RULE_UNREADABLE) scores `penalty_incorrect_answer`, as a wrong answer."""
+  grader cannot hold (RULE_UNREADABLE) or that is not one value (RULE_AMBIGUOUS) scores `penalty_incorrect_answer`, as
+  a wrong answer, and never reaches the comparison (nor math_verify, which would read a piece of it)."""
   exts = [_extract_safely(c, rc) for c in completions]
   golds = [gold_alternatives(a) for a in answers]
   pairs, owners = [], []
   for i, (e, g) in enumerate(zip(exts, golds)):
-    if e.value is not None and e.rule != RULE_UNREADABLE:
+    if e.value is not None and e.rule not in _NOT_ONE_VALUE:
       for alt in g:
         pairs.append((e.value, alt))
         owners.append(i)
@@ -246,7 +254,7 @@ def _grade_uncached(
     correct[i] = correct[i] or v
   out = []
   for e, g, ok in zip(exts, golds, correct):
-    if e.rule == RULE_UNREADABLE:
+    if e.rule in _NOT_ONE_VALUE:
       out.append((e, False, rc.penalty_incorrect_answer, False))
     elif e.value is None:
       out.append((e, False, rc.penalty_incorrect_format, False))
@@ -292,8 +300,10 @@ def score_batch(completions: Sequence[str], golds: Sequence[Any], config: Any = 
   for c, (e, ok, answer_r, partial), approx_r in zip(completions, graded, approx):
     fmt = isinstance(c, str) and format_exact_ok(c, rc)
     format_r = (rc.reward_exact_format_match if fmt else 0.0) + approx_r
-    unreadable = e.rule == RULE_UNREADABLE
-    out.append(ScoreResult(ok, format_r + answer_r, e.value, e.rule, fmt, partial, format_r, answer_r, unreadable))
+    unreadable, ambiguous = e.rule == RULE_UNREADABLE, e.rule == RULE_AMBIGUOUS
+    out.append(
+        ScoreResult(ok, format_r + answer_r, e.value, e.rule, fmt, partial, format_r, answer_r, unreadable, ambiguous)
+    )
   return out
 
 

@@ -31,6 +31,7 @@ from typing import Any, Optional
 # Reward stacks need no accelerator: JAX (imported below through tunix_compat, and by MaxText) stays off any TPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from maxtext_rl_plugin import config_types
 from maxtext_rl_plugin import rewards
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin.rewards import extraction
@@ -132,13 +133,21 @@ def _batches(rows, bs):
     yield rows[s : s + bs]
 
 
+def _plugin_config() -> types.SimpleNamespace:
+  """The default reward stack's keys as a config (rl.yml's defaults: the reward weights and the per-call timeout)."""
+  timeout = config_types.PluginKeys.model_construct().reward_call_timeout_seconds
+  return types.SimpleNamespace(
+      reward_functions="", reward_functions_path="", reward_call_timeout_seconds=timeout, **vars(rewards.RewardConfig())
+  )
+
+
 def run_plugin(rows, bs: int) -> tuple[float, float, list[float]]:
   """(wall seconds, CPU seconds) for the plugin's default stack over `rows`; per-row summed reward.
 
   The stack runs in this process only (the math_verify pool is not touched by these rows), so CPU
   seconds of this process are its single-core cost even when other jobs share the cores.
   """
-  fns = rewards.reward_fns_from_config(rewards.RewardConfig())
+  fns = rewards.reward_fns_from_config(_plugin_config())
   # Cold caches: every timed pass pays for number parsing and gold parsing as a fresh batch would.
   extraction.clear_number_cache()
   gsm8k.gold_alternatives.cache_clear()
@@ -308,6 +317,68 @@ def compare_maxtext(rows, tagged, raw, verdicts, plugin_secs: float, bs: int, pr
   }
 
 
+# The answer rule's table (docs/rewards.md), as <answer> bodies: (body, gold, whether the answer is right). The
+# expectation is what the body means, by hand: a hedge, range, negation or comparison is wrong; a number is its
+# whole value (sign, Unicode numerals, scale).
+ANSWER_RULE_ROWS = (
+    *((b, "5", False) for b in ("3 or 5", "not 5", "3-5", "3 to 5", "between 3 and 5", "less than 5", "at least 5")),
+    *((b, "5", False) for b in ("3, 5", "5!", "5 or more", "about 5", "x <= 5", "\\boxed{3} or \\boxed{5}", "8 - 3")),
+    ("3:30", "30", False),
+    ("3:2", "2", False),
+    *((b, "5", False) for b in ("- 5", "\u22125", "\u2212 5", "\u2014 5", "-\\boxed{5}", "5 squared")),
+    *((b, "-5", True) for b in ("- 5", "\u22125", "\u2212 5", "\u2014 5", "-\\boxed{5}")),
+    ("1\uff0c234", "1234", True),
+    ("1\uff0e5", "1.5", True),
+    ("1\u066b5", "1.5", True),
+    ("1\u066c234", "1234", True),
+    ("5\u00b2", "25", True),
+    ("10\u207b\u00b3", "0.001", True),
+    ("1\u00bd", "1.5", True),
+    ("3\u00bc", "3.25", True),
+    ("1\u20442", "0.5", True),
+    ("5 thousand", "5000", True),
+    ("2 million", "2000000", True),
+    ("3 dozen", "36", True),
+    ("5k", "5000", True),
+    ("$5M", "5000000", True),
+    ("$1.2 million", "1200000", True),
+    *((b, "5", True) for b in ("5", "$5", "5.0", "5 apples", "x = 5", "The answer is 5.", "5%")),
+    ("1,234", "1234", True),
+    ("\\frac{1}{2}", "0.5", True),
+)
+
+
+def answer_rule_table(with_maxtext: bool, procs: int) -> dict[str, Any]:
+  """Each ANSWER_RULE_ROWS body in <answer> tags, graded by the plugin (and MaxText 0.2.5's check_numbers): how many
+  wrong answers each rewards and how many right ones each misses; prints the rows where a stack errs."""
+  comps = [_tagged("r", b) for b, _, _ in ANSWER_RULE_ROWS]
+  ours = [v.correct for v in rewards.score_batch(comps, [g for _, g, _ in ANSWER_RULE_ROWS])]
+  theirs = [None] * len(comps)
+  if with_maxtext:
+    from maxtext.trainers.post_train.rl import utils_rl
+
+    cfg = _maxtext_config(procs)
+    answers = [json.dumps([g, g]) for _, g, _ in ANSWER_RULE_ROWS]
+    try:
+      scores = utils_rl.check_numbers(["q"] * len(comps), comps, answers, cfg, question=["q"] * len(comps))
+    finally:
+      tunix_compat.shutdown_maxtext_math_verify_pool()
+    theirs = [sc >= cfg.reward_exact_answer for sc in scores]
+  print(f"{'answer rule row (<answer> body)':<34}{'gold':>9}{'right':>7}{'plugin':>8}{'maxtext':>9}")
+  for (body, gold, want), p, m in zip(ANSWER_RULE_ROWS, ours, theirs):
+    if p != want or (m is not None and m != want):
+      print(f"{body!r:<34}{gold:>9}{want!s:>7}{p!s:>8}{'-' if m is None else str(m):>9}")
+  out = {
+      "answer_rule_rows": len(ANSWER_RULE_ROWS),
+      "answer_rule_plugin_rewarded_wrong": sum(p and not w for p, (_, _, w) in zip(ours, ANSWER_RULE_ROWS)),
+      "answer_rule_plugin_missed_right": sum(w and not p for p, (_, _, w) in zip(ours, ANSWER_RULE_ROWS)),
+  }
+  if with_maxtext:
+    out["answer_rule_maxtext_rewarded_wrong"] = sum(m and not w for m, (_, _, w) in zip(theirs, ANSWER_RULE_ROWS))
+    out["answer_rule_maxtext_missed_right"] = sum(w and not m for m, (_, _, w) in zip(theirs, ANSWER_RULE_ROWS))
+  return out
+
+
 def report_adversarial() -> dict[str, Any]:
   """Print the adversarial latencies; the slowest one for the JSON line."""
   adv = adversarial_latency()
@@ -338,6 +409,7 @@ def main(argv=None) -> int:
   res.update(checks)
   if not args.skip_maxtext:
     res.update(compare_maxtext(rows, tagged, raw, verdicts, plugin_secs, args.batch_size, args.maxtext_procs))
+  res.update(answer_rule_table(not args.skip_maxtext, args.maxtext_procs))
   if not args.skip_adversarial:
     res.update(report_adversarial())
   print(json.dumps(res))

@@ -136,7 +136,7 @@ def test_tutorial_command_runs(index, tmp_path):
     assert "loss_algo=gspo-token" in proc.stdout and f"--workload {EXAMPLE_ENV['WORKLOAD']}-gspo" in proc.stdout
 
 
-@pytest.mark.parametrize("doc", ["tutorial.md", "architecture.md", "tpu_checklist.md"])
+@pytest.mark.parametrize("doc", ["tutorial.md", "architecture.md", "tpu_checklist.md", "rewards.md"])
 def test_relative_links_and_repo_paths_exist(doc):
   text = (DOCS / doc).read_text(encoding="utf-8")
   for target in re.findall(r"\]\(([^)#:\s]+)(?:#[^)]*)?\)", text):
