@@ -67,6 +67,8 @@ def _precheck(view) -> None:
     run_identity.check_inputs(view)
     try:
       run_identity.check_outputs(view)
+      # A resume that changes the loss or the update plan: the checkpoint's metadata says so before any model build.
+      run_identity.check_resume_invariants(view, os.path.join(view.base_output_directory, view.run_name))
     except AttributeError:
       return
 

@@ -27,6 +27,7 @@ import os
 from typing import Any, Callable, Iterator
 
 from maxtext_rl_plugin import dependent_keys
+from maxtext_rl_plugin import early_checks
 from maxtext_rl_plugin import key_status
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin.errors import ConfigError
@@ -385,7 +386,7 @@ _CROSS_CHECKS = (
 
 def _light_checks() -> tuple[Callable[[Any], None], ...]:
   """The checks that import nothing heavy, in order: both passes run them."""
-  return (check_numbers, check_ranges, *_CROSS_CHECKS, lora.validate, dependent_keys.check)
+  return (check_numbers, check_ranges, *_CROSS_CHECKS, lora.validate, dependent_keys.check, *early_checks.CHECKS)
 
 
 # Features one JAX process runs today (the trainer refuses them at start-up when jax.process_count() > 1), with why;
