@@ -134,6 +134,7 @@ UPDATE_KEYS = (
     "rl.force_on_policy_ratio",
     "rl.router_replay",
     "load_balance_loss_weight",
+    "moe_use_megatron_seq_aux_loss",
     "adam_eps_root",
     "rl.use_agentic_rollout",
     "rl.agentic_tools",
@@ -201,7 +202,8 @@ def resume_invariants(config) -> dict[str, Any]:
   loss, the rollout seed and the optimizer updates per step (resume._RESUME_INVARIANTS). Light: the first pass
   (`train_rl._precheck`) compares them on the config as written, before any model is built."""
   b, rl = int(config.batch_size), config.rl
-  mini = b if rl.mini_batch_size is None or int(rl.mini_batch_size) <= 0 else int(rl.mini_batch_size)
+  mini = getattr(rl, "mini_batch_size", None)  # unset as written: the schema's default, None (= batch_size)
+  mini = b if mini is None or int(mini) <= 0 else int(mini)
   return {
       **position_keys(config),
       "loss_algo": rl.loss_algo,
