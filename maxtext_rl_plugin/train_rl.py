@@ -30,10 +30,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(__doc__)
     return 0
   errors.quiet_third_party_logs()
-  if any(a.startswith("compile_topology=") and a != "compile_topology=" for a in argv):
-    # Compiling for a TPU topology on this host: JAX computes on the CPU, libtpu only compiles (MaxText's train_compile
-    # runs the same way); without this a host with libtpu installed would look for a TPU.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
   try:
     return _main(argv)
   except KeyboardInterrupt:  # Ctrl-C before the trainer installed its handlers (config loading): one line, no trace
@@ -91,7 +87,13 @@ def _main(argv: list[str]) -> int:
       from maxtext_rl_plugin import config as config_lib
       from maxtext_rl_plugin import config_precheck
 
-      _precheck(config_precheck.precheck(argv))
+      view = config_precheck.precheck(argv)
+      if _compiling(view):
+        # Compiling for a TPU topology on this host (the command line's or the yml's compile_topology): JAX computes
+        # on the CPU, libtpu only compiles (MaxText's train_compile runs the same way); without this a host with libtpu
+        # installed would look for a TPU. JAX is not imported yet.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+      _precheck(view)
       # Then, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
       # must be registered now, as MaxText's train_rl.main does; later JAX refuses it.
       from maxtext_rl_plugin import pathways

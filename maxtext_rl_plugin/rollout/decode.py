@@ -117,7 +117,9 @@ class MaxTextSampler:
     }
     ar_kv = self._kv_modules[self.modes[1]]
     if not ar_kv:
-      raise ConfigError(f"rollout_engine=embedded cannot sample {cfg.model_name}: it has no MaxText KVCache in autoregressive mode")
+      raise ConfigError(
+          f"rollout_engine=embedded cannot sample {cfg.model_name}: it has no MaxText KVCache in autoregressive mode"
+      )
     for m in ar_kv:
       # Exactly MaxText's KVCache: a subclass (another model's cache) has its own layout this engine does not know.
       exact = type(m) is kvcache.KVCache  # pylint: disable=unidiomatic-typecheck  # subclasses are refused on purpose
