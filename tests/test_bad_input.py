@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import subprocess
+import sys
 import typing
 
 import numpy as np
@@ -253,7 +256,8 @@ def test_an_empty_min_or_max_is_left_out_of_the_records_and_said_once(tmp_path, 
   def no_constants(name):
     raise AssertionError(f"{name} in the metrics stream")
 
-  recs = [json.loads(line, parse_constant=no_constants if "NaN" not in line else None) for line in open(path)]
+  lines = path.read_text(encoding="utf-8").splitlines()
+  recs = [json.loads(line, parse_constant=no_constants if "NaN" not in line else None) for line in lines]
   assert [sorted(r) for r in recs[:2]] == [["step", "train/ratio_mean"]] * 2
   assert recs[2]["train/ratio_min"] == 0.8 and recs[2]["train/ratio_max"] == 1.3
   assert math.isnan(recs[2]["train/loss"])  # a NaN loss stays: run/step.check_update must see it
@@ -290,3 +294,52 @@ def test_ray_launch_fields_are_dataclass_fields():
   assert numeric == set(ray_lib.NUMERIC_FLAGS)
   with pytest.raises(errors.UserError, match="--cpus-per-worker must be > 0"):
     ray_lib.RayLaunch(num_workers=2, overrides=[], cpus_per_worker=-2).validate(check_overrides=False)
+
+
+# Class 6: what a user cannot act on stays off the output, and MAXTEXT_RL_VERBOSE=1 shows it.
+
+
+def _xpk_dry_run(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", errors.VERBOSE_ENV)}
+  env.update(JAX_PLATFORMS="cpu", **env_extra)
+  cmd = [sys.executable, "-m", "maxtext_rl_plugin.launch", "xpk", "--workload", "w", "--cluster", "c"]
+  cmd += ["--tpu-type", "v5p-8", "--project", "p", "--docker-image", "i", "--dry-run", "--", "run_name=x"]
+  return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_the_launcher_prints_no_transformers_import_chatter():
+  # `launch ... --dry-run` validates the overrides (the schema imports transformers): its PyTorch and DeepseekV32Config
+  # warnings came before the launcher's own lines.
+  quiet, loud = _xpk_dry_run({}), _xpk_dry_run({errors.VERBOSE_ENV: "1"})
+  assert quiet.returncode == loud.returncode == 0, quiet.stderr[-2000:]
+  assert "[transformers]" in loud.stderr and "PyTorch was not found" in loud.stderr  # the reference: it is there
+  assert "[transformers]" not in quiet.stderr and "xpk workload create-pathways" in quiet.stdout
+  assert "warning: HF_TOKEN is not set" in quiet.stderr  # what the user can act on stays
+
+
+_ORBAX_SAVES = """
+import os, sys, tempfile
+import numpy as np
+from maxtext_rl_plugin import checkpointing, errors
+directory = tempfile.mkdtemp()
+for name in ("verbose", "quiet"):
+  if name == "quiet":
+    del os.environ[errors.VERBOSE_ENV]
+    print("=== quiet", file=sys.stderr, flush=True)
+  errors.quiet_third_party_logs()
+  storage = checkpointing.Storage()  # the run's default format
+  manager = checkpointing.open_manager(os.path.join(directory, name), ("params", "meta"), storage=storage)
+  checkpointing.save_items(manager, 1, {"params": {"w": np.ones(4, np.float32)}}, {"step": 1}, storage=storage)
+  manager.close()
+"""
+
+
+def test_orbax_ocdbt_merge_notice_is_quiet_unless_verbose():
+  # A real Orbax save on one process logs "Skipping merge of OCDBT checkpoints" (the CPU demo: at every save). One process: a save with MAXTEXT_RL_VERBOSE=1 (the reference: the line is there), then one without.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **{errors.VERBOSE_ENV: "1"})
+  p = subprocess.run(
+      [sys.executable, "-c", _ORBAX_SAVES], env=env, capture_output=True, text=True, timeout=600, check=False
+  )
+  assert p.returncode == 0, p.stderr[-2000:]
+  verbose, quiet = p.stderr.split("=== quiet")
+  assert "Skipping merge of OCDBT checkpoints" in verbose and "Skipping merge" not in quiet

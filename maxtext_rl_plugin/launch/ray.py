@@ -47,13 +47,13 @@ _FORCE_DEVICES_RE = re.compile(r"--xla_force_host_platform_device_count=\S+")
 
 # Every numeric flag of `launch ray` (a field of RayLaunch) -> (accepts the value, what is expected); None (unset) is
 # not checked. tests/test_launch_ray.py fails when a numeric field is missing here.
-NUMERIC_FLAGS: dict[str, tuple[Any, str]] = {
-    "num_workers": (lambda v: v >= 1, ">= 1"),
-    "chips_per_worker": (lambda v: v >= 1, ">= 1"),
-    "cpus_per_worker": (lambda v: v > 0, "> 0 (Ray's CPU resources per worker)"),
-    "cpu_devices_per_worker": (lambda v: v >= 1, ">= 1"),
-    "num_cpus": (lambda v: v >= 1, ">= 1 (CPUs of the local Ray cluster)"),
-    "max_failures": (lambda v: v >= -1, ">= -1 (-1: retry forever)"),
+NUMERIC_FLAGS: dict[str, tuple[float, bool, str]] = {  # field -> (bound, strictly above it, what is expected)
+    "num_workers": (1, False, ">= 1"),
+    "chips_per_worker": (1, False, ">= 1"),
+    "cpus_per_worker": (0, True, "> 0 (Ray's CPU resources per worker)"),
+    "cpu_devices_per_worker": (1, False, ">= 1"),
+    "num_cpus": (1, False, ">= 1 (CPUs of the local Ray cluster)"),
+    "max_failures": (-1, False, ">= -1 (-1: retry forever)"),
 }
 
 
@@ -86,9 +86,9 @@ class RayLaunch:
 
   def validate(self, *, check_overrides: bool = True) -> None:
     """Reject bad flags (one `LaunchError` line) and, for train_rl, bad overrides, before Ray starts anything."""
-    for field, (ok, expected) in NUMERIC_FLAGS.items():
+    for field, (bound, strict, expected) in NUMERIC_FLAGS.items():
       value = getattr(self, field)
-      if value is not None and not (math.isfinite(value) and ok(value)):
+      if value is not None and not (math.isfinite(value) and (value > bound if strict else value >= bound)):
         raise xpk_lib.LaunchError(f"--{field.replace('_', '-')} must be {expected}, got {value}")
     if self.entry not in ENTRIES:
       raise xpk_lib.LaunchError(f"invalid --entry '{self.entry}': expected one of {', '.join(ENTRIES)}")
