@@ -20,6 +20,7 @@ import typing
 import numpy as np
 import pytest
 
+from maxtext_rl_plugin import compile_rl
 from maxtext_rl_plugin import config as config_lib
 from maxtext_rl_plugin import config_precheck
 from maxtext_rl_plugin import config_types
@@ -343,3 +344,15 @@ def test_orbax_ocdbt_merge_notice_is_quiet_unless_verbose():
   assert p.returncode == 0, p.stderr[-2000:]
   verbose, quiet = p.stderr.split("=== quiet")
   assert "Skipping merge of OCDBT checkpoints" in verbose and "Skipping merge" not in quiet
+
+
+def test_compile_rl_accepts_a_yml_that_sets_compile_topology(tmp_path, monkeypatch, capsys):
+  # train_rl accepted it; compile_rl answered "compile_topology=... is required".
+  yml = tmp_path / "aot.yml"
+  yml.write_text("base_config: cpu_tiny.yml\ncompile_topology: v5p-8\n")
+  passed = []
+  monkeypatch.setattr(compile_rl.train_rl, "main", lambda argv: passed.append(argv) or 0)
+  assert compile_rl.main([str(yml), "run_name=c"]) == 0 and passed == [[str(yml), "run_name=c"]]
+  assert compile_rl.main([TINY, "compile_topology=v5p-8"]) == 0
+  assert compile_rl.main([TINY]) == 2 and compile_rl.main([str(yml), "compile_topology="]) == 2
+  assert capsys.readouterr().err.count("error: compile_topology=<MaxText topology name") == 2
