@@ -40,12 +40,9 @@ EMBEDDED_BLOCKS_REFUSED = {
     "qwen3_next": "the gated-DeltaNet layers keep a recurrent state cache the embedded engine does not run",
     "qwen3_5": "the gated-DeltaNet layers keep a recurrent state cache the embedded engine does not run",
 }
-# Checkpoint I/O budgets: a positive number, or null for Orbax's default (checkpointing.Storage).
-_POSITIVE_OR_NULL = (
-    "checkpoint_storage_concurrent_gb",
-    "checkpoint_storage_device_host_concurrent_gb",
-    "checkpoint_storage_target_data_file_size_bytes",
-)
+# Checkpoint I/O budgets (checkpointing.Storage): a positive number, or null for Orbax's default. The OCDBT data file
+# size may also be 0 (TensorStore: no limit), not negative.
+_POSITIVE_OR_NULL = ("checkpoint_storage_concurrent_gb", "checkpoint_storage_device_host_concurrent_gb")
 
 
 def _bad(key: str, value: Any, why: str) -> ConfigError:
@@ -108,6 +105,9 @@ def check_checkpoint_storage(pc) -> None:
     value = getattr(pc, key)
     if value is not None and value <= 0:
       raise _bad(key, value, "must be > 0 (or null: Orbax's default)")
+  size = pc.checkpoint_storage_target_data_file_size_bytes
+  if size is not None and size < 0:
+    raise _bad("checkpoint_storage_target_data_file_size_bytes", size, "must be >= 0 (0: no limit)")
 
 
 def check_embedded_model(pc) -> None:
