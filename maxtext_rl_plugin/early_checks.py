@@ -102,10 +102,10 @@ def check_device_fractions(pc) -> None:
 def check_checkpoint_storage(pc) -> None:
   """Orbax's I/O budgets are positive (0 or less fails at the first save, after the step it was to keep)."""
   for key in _POSITIVE_OR_NULL:
-    value = getattr(pc, key)
+    value = getattr(pc, key, None)  # the config as written may leave one to MaxText's default (positive)
     if value is not None and value <= 0:
       raise _bad(key, value, "must be > 0 (or null: Orbax's default)")
-  size = pc.checkpoint_storage_target_data_file_size_bytes
+  size = getattr(pc, "checkpoint_storage_target_data_file_size_bytes", None)
   if size is not None and size < 0:
     raise _bad("checkpoint_storage_target_data_file_size_bytes", size, "must be >= 0 (0: no limit)")
 
