@@ -12,6 +12,8 @@ from __future__ import annotations
 import sys
 from typing import Sequence
 
+from maxtext_rl_plugin.config import precheck as config_precheck
+from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import train_rl
 
 
@@ -21,10 +23,31 @@ def main(argv: Sequence[str] | None = None) -> int:
   if argv and argv[0] in ("-h", "--help"):
     print(__doc__)
     return 0
-  if not any(a.startswith("compile_topology=") and a != "compile_topology=" for a in argv):
-    print("error: compile_topology=<MaxText topology name, e.g. v5p-128> is required", file=sys.stderr, flush=True)
+  if not asks_topology(argv):
+    print(
+        "error: compile_topology=<MaxText topology name, e.g. v5p-128> is required (on the command line or in the yml)",
+        file=sys.stderr,
+        flush=True,
+    )
     return 2
   return train_rl.main(argv)
+
+
+def asks_topology(argv: Sequence[str]) -> bool:
+  """Whether the command line or the yml chain sets compile_topology (train_rl accepts either); a config the first
+  pass refuses is left to train_rl, which says what is wrong in its one line."""
+  if any(a.startswith("compile_topology=") and a != "compile_topology=" for a in argv):
+    return True
+  if any(a.startswith("compile_topology=") for a in argv):
+    return False  # cleared on the command line
+  try:
+    view = config_precheck.precheck(argv)
+  except errors.UserError:
+    return True
+  try:
+    return bool(view.compile_topology)
+  except AttributeError:
+    return "compile_topology" in view
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ configuration mistake never surfaces as a traceback from deep inside JAX or pyda
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import stat
 import sys
@@ -45,13 +46,38 @@ class MissingExtraError(UserError):
     )
 
 
+# Set to 1 to see what `quiet_third_party_logs` keeps off an entry point's output.
+VERBOSE_ENV = "MAXTEXT_RL_VERBOSE"
+# Library log lines a user can do nothing about, by their text (after any `[process=..][thread=..] ` prefix): Orbax's
+# OCDBT merge notice, logged at every save of a single-process run (it has no per-process subdirectories to merge).
+_UNACTIONABLE = ("Skipping merge of OCDBT checkpoints",)
+
+
+class _DropUnactionable(logging.Filter):
+  """Drops the absl records of `_UNACTIONABLE`."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    return not any(text in message[:200] for text in _UNACTIONABLE)
+
+
+def verbose() -> bool:
+  return os.environ.get(VERBOSE_ENV, "").strip() not in ("", "0", "false")
+
+
 def quiet_third_party_logs() -> None:
-  """Keep libraries' import-time chatter off an entry point's stderr (set before they are imported): transformers
-  warns about PyTorch being absent and about MaxText's model configs, lines before a run's first line, or before a
-  refusal's one line, that say nothing about the run."""
+  """Keep libraries' chatter off an entry point's output (set before they are imported): transformers warns about
+  PyTorch being absent and about MaxText's model configs, lines before a run's first line, or before a refusal's one
+  line, that say nothing about the run; Orbax notes at every save that it has no per-process OCDBT files to merge.
+  Errors still show. `MAXTEXT_RL_VERBOSE=1` keeps every line."""
+  if verbose():
+    return
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
   os.environ.setdefault("GRAIN_LOG_LEVEL", "error")
   os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+  absl_logger = logging.getLogger("absl")  # Orbax logs through absl, absl through this logger
+  if not any(isinstance(f, _DropUnactionable) for f in absl_logger.filters):
+    absl_logger.addFilter(_DropUnactionable())
 
 
 def describe_not_a_file(path: str) -> str:

@@ -100,13 +100,14 @@ class RunLogger:
     self._t0 = time.time()
     self._log_period = max(1, int(log_period))  # MaxText's log_period: console line and TensorBoard flush cadence
     self.history: list[dict[str, Any]] = []
+    self._said_empty: set[str] = set()
 
   def _write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
     """Write one record (scalars only) to TensorBoard and metrics_file; returns it."""
     record: dict[str, Any] = {"step": int(step)}
     for k, v in metrics.items():
       s = _scalar(v)
-      if s is None:
+      if s is None or self._empty_extreme(k, s, step):
         continue
       record[k] = s
       if self._tb is not None:
@@ -119,6 +120,21 @@ class RunLogger:
         raise run_dir.OutputError(f"metrics_file: {run_dir.describe_os_error(e, self._metrics_file)}") from None
     self.history.append(record)
     return record
+
+  def _empty_extreme(self, key: str, value: float, step: int) -> bool:
+    """Whether `value` is the min (+inf) or max (-inf) of an empty set (`train/ratio_min` of a step whose loss saw no
+    token, e.g. dynamic sampling with no informative group): not a measurement, and not a number JSON has. The key is
+    left out of that record, and the first time it happens the run says so once."""
+    empty = (key.endswith("_min") and value == math.inf) or (key.endswith("_max") and value == -math.inf)
+    if empty and key not in self._said_empty:
+      self._said_empty.add(key)
+      if self.writer:
+        print(
+            f"note: {key} left out of step {step}'s metrics: its min/max is over no element (no token reached the "
+            "loss); every such step leaves it out, said once",
+            flush=True,
+        )
+    return empty
 
   def log_step(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
     """Log one RL step (counted from 1) and print the progress line."""

@@ -46,6 +46,7 @@ from maxtext.utils import maxtext_utils
 from tunix.rl import common as tunix_common
 from tunix.rl.grpo import grpo_learner
 
+from maxtext_rl_plugin.config import early_checks
 from maxtext_rl_plugin.errors import ConfigError
 
 UNSET = -1  # no routing recorded for this token (MaxText's forced-routing sentinel, Tunix's UNSET_ROUTED_EXPERT)
@@ -68,28 +69,7 @@ def check_config(pc: Any) -> None:
         "a forward (one per decode step in the rollout, the whole sequence in the trainer), so the sampled and the "
         "trained policy would differ; use dropless routing (capacity_factor=-1)"
     )
-  if not pc.rl.router_replay:
-    return
-  if not is_moe(pc):
-    raise ConfigError(f"rl.router_replay=true needs a mixture-of-experts model; {pc.model_name} has num_experts=1")
-  if not replay_supported(pc):
-    blocks = ", ".join(b.value for b in maxtext_types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS)
-    raise ConfigError(
-        f"rl.router_replay=true: MaxText 0.2.5 cannot force the routing of decoder_block={pc.decoder_block.value} "
-        f"(model {pc.model_name}); it can for {blocks}"
-    )
-  if pc.rollout_engine != "embedded":
-    raise ConfigError(
-        f"rl.router_replay=true needs rollout_engine=embedded: the {pc.rollout_engine} engine does not report the "
-        "experts it routed each token to"
-    )
-  if pc.rl.use_agentic_rollout:
-    raise ConfigError(
-        "rl.router_replay=true with rl.use_agentic_rollout=true: multi-turn episodes re-prefill their transcripts, "
-        "and their routing is not recorded yet"
-    )
-  if int(getattr(pc, "mtp_num_layers", 0) or 0) > 0:
-    raise ConfigError("rl.router_replay=true with mtp_num_layers > 0: MaxText cannot replay routing with MTP")
+  early_checks.check_router_replay(pc)  # also in the first pass, before the schema's imports
 
 
 # ----------------------------------------------------------------------------------------------------------------------

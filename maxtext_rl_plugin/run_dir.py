@@ -139,12 +139,44 @@ def check_owners(metrics_file: str | None, run_dir: str, run_dirs: dict[str, str
           f"invalid value for 'metrics_file': {metrics_file} lies inside {key}={directory}, which another "
           "writer of the run manages; name a file outside it"
       )
+  other = _other_run_dir(metrics_file, run_dir)
+  if other:
+    raise OutputError(
+        f"invalid value for 'metrics_file': {metrics_file} lies in {other}, another run's directory; that run "
+        "prunes its records on resume and takes them for its own on a fresh start: name a file in this run's "
+        f"directory ({run_dir}) or outside any run's"
+    )
   for key, path in inputs.items():
     if path and "://" not in path and os.path.exists(path) and _real(path) == _real(metrics_file):
       raise OutputError(
           f"invalid value for 'metrics_file': {metrics_file} is the run's input {key}; a run appends its "
           "records to metrics_file (and prunes it on resume): name another file"
       )
+
+
+# Files that mark a directory as a run's (run/step.py writes the first at its first step, run/summary.py the second).
+_RUN_MARKS = ("batches.jsonl", "summary.json")
+
+
+def _other_run_dir(metrics_file: str, run_dir: str) -> str | None:
+  """The directory of another run that `metrics_file` lies in, or None: a sibling of this run under the same
+  base_output_directory (`<base>/<other run>/...`, whether that run exists yet or not), or any directory above the
+  file that holds a run's files."""
+  if _within(metrics_file, run_dir):
+    return None
+  base = os.path.dirname(_real(run_dir))
+  if _within(metrics_file, base):
+    first = os.path.relpath(_real(metrics_file), base).split(os.sep)[0]
+    if first != os.path.basename(_real(metrics_file)):
+      return os.path.join(base, first)
+  directory = os.path.dirname(_real(metrics_file))
+  while True:
+    if any(os.path.exists(os.path.join(directory, mark)) for mark in _RUN_MARKS):
+      return directory
+    parent = os.path.dirname(directory)
+    if parent == directory:
+      return None
+    directory = parent
 
 
 def _record_count(path: str) -> int:

@@ -132,9 +132,24 @@ UPDATE_KEYS = (
     "rl.off_policy_steps",
     "rl.dynamic_sampling",
     "rl.max_refill_rounds",
+    "rl.force_on_policy_ratio",
+    "rl.router_replay",
+    "load_balance_loss_weight",
+    "moe_use_megatron_seq_aux_loss",
+    "adam_eps_root",
+    "rl.use_agentic_rollout",
+    "rl.agentic_tools",
+    "rl.agentic_tool_parser",
+    "rl.agentic_max_turns",
+    "rl.agentic_turn_tokens",
+    "rl.agentic_max_tokens",
+    "rl.agentic_tool_timeout_s",
+    "rollout_engine",
     "decode_sampling_temperature",
     "decode_sampling_top_k",
     "decode_sampling_nucleus_p",
+    "stop_strings",
+    "stop_token_ids",
     "max_target_length",
     "reward_functions",
     "reward_functions_path",
@@ -146,7 +161,22 @@ UPDATE_KEYS = (
     "reward_ratio_guess_to_answer_low",
     "penalty_incorrect_format",
     "penalty_incorrect_answer",
+    "reward_item_timeout_seconds",
+    "reward_call_timeout_seconds",
 )
+# Keys of the update's concerns (the rl: block, the loss, the optimizer, the rewards, the rollout) that a resume may
+# change without a note, with why; tests/test_validation.py fails when such a key is in none of UPDATE_KEYS,
+# `resume_invariants` (refused on resume) and this table.
+RESUME_EXEMPT = {
+    "learning_rate_schedule_steps": "resume.schedule_change notes a schedule that changes length",
+    "math_verify_num_procs": "how many processes verify answers, not what they reward",
+    "rl.log_sampler_trainer_agreement": "a metric, not the update",
+    "rl.reshard_chunk_size": "how the weights move to the sampler, not which",
+    "rl.verify_weight_sync": "a check of the weight sync, not the update",
+    "rl.verify_weight_sync_every": "a check of the weight sync, not the update",
+    "rollout_prefill_buckets": "compiled prompt shapes: the same sampling, padded differently",
+    "rollout_batch_buckets": "compiled batch shapes: the same sampling, padded differently",
+}
 
 
 def _dotted(config, key: str) -> Any:
@@ -166,6 +196,52 @@ def position_keys(config) -> dict[str, Any]:
       "data_shuffle_seed": int(config.data_shuffle_seed),
       "dataset": config.train_data_path or config.dataset_name,
   }
+
+
+def resume_invariants(config) -> dict[str, Any]:
+  """What a resume may not change, under the names resume._meta stores them: the data position (`position_keys`), the
+  loss, the rollout seed and the optimizer updates per step (resume._RESUME_INVARIANTS). Light: the first pass
+  (`train_rl._precheck`) compares them on the config as written, before any model is built."""
+  b, rl = int(config.batch_size), config.rl
+  mini = getattr(rl, "mini_batch_size", None)  # unset as written: the schema's default, None (= batch_size)
+  mini = b if mini is None or int(mini) <= 0 else int(mini)
+  return {
+      **position_keys(config),
+      "loss_algo": rl.loss_algo,
+      "rollout_seed": int(config.rollout_seed),
+      "updates_per_step": int(rl.num_iterations) * (b // mini),
+  }
+
+
+_SHOWN_INVARIANT = {
+    "num_generations": "rl.num_generations",
+    "loss_algo": "rl.loss_algo",
+    "updates_per_step": "rl.num_iterations * batch_size / rl.mini_batch_size",
+}
+
+
+def check_resume_invariants(config, run_dir: str, meta: dict[str, Any] | None = None) -> None:
+  """Refuse (one line) a resume that changes a `resume_invariants` key; `meta`: the newest readable checkpoint's
+  metadata (read here when None; nothing to compare without a checkpoint)."""
+  if meta is None:
+    directory = getattr(config, "checkpoint_dir", None) or os.path.join(run_dir, "checkpoints")
+    meta = next((m for m in (read_meta(directory, s) for s in checkpoint_steps(directory)) if m is not None), None)
+    if meta is None:
+      return
+  for key, value in resume_invariants(config).items():
+    if key in meta and meta[key] != value:
+      shown = _SHOWN_INVARIANT.get(key, key)
+      why = (
+          "the checkpoint's data position (batch k = the prompts after k batches of this size and order) would mean "
+          "other prompts"
+          if key in ("batch_size", "num_generations", "data_shuffle_seed", "dataset")
+          else "the checkpoint's steps were trained with it, and its learning-rate schedule and sampling seeds are "
+          "counted in them"
+      )
+      raise CheckpointError(
+          f"cannot resume {run_dir}: its checkpoints were written with {shown}={meta[key]!r} but this run has "
+          f"{shown}={value!r}; {why}: restore the setting or use a new run_name"
+      )
 
 
 def update_values(config) -> dict[str, Any]:
@@ -261,13 +337,7 @@ def check_rerun(config, run_dir: str, asked_steps: int) -> None:
   run_dir_lib.check_resumed_metrics_file(
       run_dir_lib.resolve_metrics_file(config.metrics_file, run_dir), run_dir, meta.get("metrics_file"), newest
   )
-  for key, value in position_keys(config).items():
-    if key in meta and meta[key] != value:
-      raise CheckpointError(
-          f"cannot resume {run_dir}: its checkpoints were written with {key}={meta[key]!r} but this run has "
-          f"{key}={value!r}; the checkpoint's data position (batch k = the prompts after k batches of this size and "
-          "order) would mean other prompts: restore the setting or use a new run_name"
-      )
+  check_resume_invariants(config, run_dir, meta)
   now = identity(config)
   for key, value in now.items():
     if key in meta and meta[key] != json.loads(json.dumps(value)):

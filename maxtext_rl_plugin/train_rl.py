@@ -31,10 +31,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(__doc__)
     return 0
   errors.quiet_third_party_logs()
-  if any(a.startswith("compile_topology=") and a != "compile_topology=" for a in argv):
-    # Compiling for a TPU topology on this host: JAX computes on the CPU, libtpu only compiles (MaxText's train_compile
-    # runs the same way); without this a host with libtpu installed would look for a TPU.
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
   try:
     return _main(argv)
   except KeyboardInterrupt:  # Ctrl-C before the trainer installed its handlers (config loading): one line, no trace
@@ -68,6 +64,8 @@ def _precheck(view) -> None:
     run_identity.check_inputs(view)
     try:
       run_identity.check_outputs(view)
+      # A resume that changes the loss or the update plan: the checkpoint's metadata says so before any model build.
+      run_identity.check_resume_invariants(view, os.path.join(view.base_output_directory, view.run_name))
     except Unresolved:
       return
 
@@ -91,6 +89,11 @@ def _main(argv: list[str]) -> int:
       from maxtext_rl_plugin.config import precheck as config_precheck
 
       view = config_precheck.precheck(argv)  # the yml chain and the overrides, read once
+      if _compiling(view):
+        # Compiling for a TPU topology on this host (the command line's or the yml's compile_topology): JAX computes
+        # on the CPU, libtpu only compiles (MaxText's train_compile runs the same way); without this a host with libtpu
+        # installed would look for a TPU. JAX is not imported yet.
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
       _precheck(view)
       # Then, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
       # must be registered now, as MaxText's train_rl.main does; later JAX refuses it.

@@ -166,7 +166,8 @@ def register_with_tunix() -> None:
 
 def rl_metrics_to_log(algo_config: PluginGrpoConfig) -> dict[str, Callable[[Any], Any]]:
   """Aux keys of `tunix_policy_loss_fn` to hand to `actor_trainer.with_rl_metrics_to_log` (the learner logs only
-  `kl` and `pg_clipfrac` by default); each is averaged over the steps of a logging window."""
+  `kl` and `pg_clipfrac` by default); each is averaged over the steps of a logging window, but the ratio's min and
+  max, which are reduced as such."""
   keys = [
       "kl",
       "pg_clipfrac",
@@ -183,7 +184,9 @@ def rl_metrics_to_log(algo_config: PluginGrpoConfig) -> dict[str, Callable[[Any]
     keys += ["seq_ratio_mean", "seq_clip_fraction"]
   if getattr(algo_config, "compute_entropy", True):
     keys.append("entropy")
-  return {k: np.mean for k in keys}
+  # A window's extremes are the extremes of its steps (the mean of a step's +inf "no token" min and another's 0.9
+  # would be +inf).
+  return {k: np.min if k == "ratio_min" else np.max if k == "ratio_max" else np.mean for k in keys}
 
 
 def tunix_algo_config(config: Any, **overrides: Any) -> PluginGrpoConfig:

@@ -96,12 +96,14 @@ def run(config, parsed, which: set[str]) -> int:
   from maxtext_rl_plugin.aot import compile as compile_lib
   from maxtext_rl_plugin.aot import programs
   from maxtext_rl_plugin.aot import report
+  from maxtext_rl_plugin.aot import run as aot_run
   from maxtext_rl_plugin.aot import topology
   from maxtext_rl_plugin.run import build
 
   topo = config.compile_topology
   spec = topology.device_spec(topo)
-  devices = topology.topology_devices(topo, max(1, int(config.compile_topology_num_slices)))
+  slices = aot_run.num_slices(config)  # MaxText's > 0 rule, one slice
+  devices = topology.topology_devices(topo, slices)
   rs = models.setup_devices(parsed, devices=devices)
   cfg = rs.trainer_config
   build.check_runtime(cfg, rs)  # the run's own device-split checks
@@ -127,7 +129,7 @@ def run(config, parsed, which: set[str]) -> int:
   path = os.path.join(base, f"{config.run_name}.anchor-tunix-{topo}.json")
   extra = {"model": cfg.model_name, "trainer_devices": len(rs.trainer_devices), "tunix_over_plugin": rat}
   with open(path, "w", encoding="utf-8") as f:
-    f.write(report.to_json(rows, spec, topo, max(1, int(config.compile_topology_num_slices)), extra))
+    f.write(report.to_json(rows, spec, topo, slices, extra))
   print(f"[anchor] report: {path}", flush=True)
   logging.info("tunix anchor done")
   return 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import re
 from typing import Any
 
 from maxtext_rl_plugin.aot.compile import Compiled
@@ -166,8 +167,34 @@ def table(rows: list[Row], spec: DeviceSpec, topology: str) -> str:
   return "\n".join(lines)
 
 
-def verdict(rows: list[Row], topology: str) -> str | None:
-  """The one line for the first program that does not fit, else None."""
+# A size as XLA's messages print it ("1.16T", "95.73G", "512.00M"; powers of 1024, as tsl's HumanReadableNumBytes).
+_XLA_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s?([KMGTP])i?B?\b")
+_UNIT = {"K": 1 / 1024**2, "M": 1 / 1024, "G": 1.0, "T": 1024.0, "P": 1024.0**2}
+
+
+def oom_gib(message: str) -> tuple[float, float] | None:
+  """(needed, capacity) in GiB from a compiler out-of-memory message ("Used 1.16T of 95.73G hbm", "1.16T exceeds
+  95.73G"): its first two sizes; None when it does not give two."""
+  sizes = [float(n) * _UNIT[u] for n, u in _XLA_SIZE.findall(message)]
+  return (sizes[0], sizes[1]) if len(sizes) >= 2 else None
+
+
+def _knob(r: Row, resident_gib: float | None) -> str:
+  """What can move the program's memory, given what the report knows: when the state that lives on the devices
+  whatever the batch (the train state, a reference copy) alone fills the HBM, only more devices (or spreading that state
+  over more of them) can; otherwise the program's own knob."""
+  if resident_gib is not None and resident_gib >= r.hbm_gib:
+    return (
+        f"the train state alone is {resident_gib:.1f} GiB per device, over the {r.hbm_gib:.1f} GiB: no batch setting "
+        "moves it; use more chips (a larger compile_topology) or shard it over more of them (ici_fsdp_parallelism, "
+        "trainer_devices_fraction), or LoRA"
+    )
+  return f"lower {r.knob}"
+
+
+def verdict(rows: list[Row], topology: str, resident_gib: float | None = None) -> str | None:
+  """The one line for the first program that does not fit, else None; `resident_gib`: what lives on the trainer's
+  devices whatever the batch (the train state and a reference copy), per device, which decides the knob named."""
   for r in rows:
     if r.oom and "vmem" in r.oom.lower():  # a Pallas kernel's tiles (on-chip VMEM), not the program's HBM
       return (
@@ -175,11 +202,15 @@ def verdict(rows: list[Row], topology: str) -> str | None:
           "tile sizes (megablox: the wi_tile_* / wo_tile_* keys), not the batch"
       )
     if r.oom:
-      return f"program '{r.name}' does not fit on {topology}: the compiler ran out of HBM ({r.oom}); lower {r.knob}"
+      sizes = oom_gib(r.oom)
+      need = f"needs {sizes[0]:.1f} GiB of {sizes[1]:.1f} GiB HBM per device" if sizes else "ran out of HBM"
+      resident = resident_gib if r.phase in ("update", "logps") else None
+      return f"program '{r.name}' does not fit on {topology}: the compiler {need}; {_knob(r, resident)}"
     if not r.fits:
+      resident = resident_gib if r.phase in ("update", "logps") else None
       return (
           f"program '{r.name}' needs {r.needs_gib:.1f} GiB of {r.hbm_gib:.1f} GiB HBM per device on {topology}; "
-          f"lower {r.knob}"
+          f"{_knob(r, resident)}"
       )
   return None
 
@@ -196,7 +227,8 @@ def to_json(rows: list[Row], spec: DeviceSpec, topology: str, num_slices: int, e
               for r in rows
           ],
           "step_seconds": step_estimate(rows),
-          "fits": all(r.fits for r in rows),
+          "fits": all(r.fits for r in rows),  # `extra` (aot/run.py) narrows it to the programs that compiled
+          "compiled_fit": all(r.fits for r in rows),
           **extra,
       },
       indent=1,

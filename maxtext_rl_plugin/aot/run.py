@@ -26,6 +26,7 @@ from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import models
+from maxtext_rl_plugin import run_dir
 from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.aot import compile as compile_lib
 from maxtext_rl_plugin.aot import programs
@@ -34,6 +35,7 @@ from maxtext_rl_plugin.aot import topology
 from maxtext_rl_plugin.aot import tpu_inference_compat as compat
 from maxtext_rl_plugin.aot import vllm_programs
 from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.run import build
 
 # Compile only the programs of these phases (comma-separated: rollout, logps, update, sync); unset: every program.
@@ -54,13 +56,52 @@ def _axes(mesh) -> dict:
 
 
 def report_path(config) -> str:
-  """Beside the run directory; local `./aot/` when the output directory is a bucket (no writes there from here)."""
+  """Beside the run directory; local `./aot_reports/` when the output directory is a bucket (no writes there from
+  here). Probed before anything compiles: an unwritable path is one line then, not after every program."""
   topo = config.compile_topology
   base = str(config.base_output_directory)
   if "://" in base:
     base = "aot_reports"
-  os.makedirs(base, exist_ok=True)
-  return os.path.join(base, f"{config.run_name}.aot-{topo}.json")
+  path = os.path.join(base, f"{config.run_name}.aot-{topo}.json")
+  try:
+    os.makedirs(base, exist_ok=True)
+    with open(path, "a", encoding="utf-8"):
+      pass
+  except OSError as e:
+    raise run_dir.OutputError(f"the AOT report cannot be written: {run_dir.describe_os_error(e, path)}") from None
+  return path
+
+
+def only_phases() -> set[str]:
+  """The phases `MAXTEXT_RL_AOT_PHASES` asks for (empty: every program); one line for a name that is not a phase."""
+  raw = os.environ.get(ONLY_PHASES_ENV, "")
+  asked = [p.strip() for p in raw.split(",") if p.strip()]
+  bad = [p for p in asked if p not in report.PHASES]
+  if bad:
+    raise ConfigError(
+        f"invalid value for {ONLY_PHASES_ENV}={raw!r}: '{bad[0]}' is not a phase; expected a comma-separated list of "
+        f"{', '.join(report.PHASES)}"
+    )
+  return set(asked)
+
+
+def num_slices(config) -> int:
+  """compile_topology_num_slices: MaxText's train_compile asserts it is > 0; its default -1 (unset) compiles one
+  slice. One slice is what this compile covers: the multislice split (num_trainer_slices / num_samplers_slices over
+  DCN) is refused in one line rather than half-built."""
+  n = int(config.compile_topology_num_slices)
+  if n == 0 or n < -1:
+    raise ConfigError(
+        f"invalid value for 'compile_topology_num_slices'={n}: must be > 0 (MaxText's train_compile asserts it; "
+        "-1, the default, compiles one slice)"
+    )
+  if n > 1 or int(config.num_trainer_slices) != -1 or int(config.num_samplers_slices) != -1:
+    raise ConfigError(
+        f"compile_topology_num_slices={n}, num_trainer_slices={config.num_trainer_slices}, num_samplers_slices="
+        f"{config.num_samplers_slices}: the RL compile covers one slice (trainer and sampler on it); the multislice "
+        "split over DCN is not compiled yet: compile one slice (compile_topology_num_slices=1, both slice keys -1)"
+    )
+  return 1
 
 
 def build_programs(config, parsed: config_lib.Parsed, devices: list) -> tuple[list, dict]:
@@ -109,24 +150,27 @@ def build_programs(config, parsed: config_lib.Parsed, devices: list) -> tuple[li
       "rollout_engine": engine,
       "train_state_gib_per_device": train_state_bytes / topology.GIB,
       "reference_copy_gib_per_device": ref_copy / topology.GIB,
-      "not_compiled": [],
+      "not_compiled": [],  # lines that explain a program that does not exist (LoRA: no staging program)
+      "missing": [],  # programs the run executes that were not compiled here: no verdict covers them
   }
   if engine == "vllm":  # tpu-inference's model step and vLLM's KV pool (aot/vllm_programs.py), in the TPU image's stack
     compat.quiet_env(config.compile_topology)
-    if compat.importable():
+    if compat.importable():  # its `not_compiled` lines are programs the run executes that did not compile
       vllm_progs, vllm_facts = vllm_programs.build(
           rs, topology.device_spec(config.compile_topology), trainer_resident, rs.sampler_devices
       )
       out += vllm_progs
-      facts["not_compiled"] += vllm_facts.pop("not_compiled")
+      facts["missing"] += vllm_facts.pop("not_compiled")
       facts.update(vllm_facts)
     else:
-      facts["not_compiled"].append(vllm_programs.NEEDS_STACK)
+      facts["missing"].append(vllm_programs.NEEDS_STACK)
   else:
     if engine == "auto":
-      _say("rollout_engine=auto: compiling the embedded engine (on a TPU with vLLM installed, auto picks vLLM)")
+      facts["engine_note"] = auto_engine_note(rs.sampler_config)
+      _say(facts["engine_note"])
     rollout = programs.rollout_program(rs.sampler_config, rs.sampler_devices)
     out.append((rollout, 0 if rs.disaggregated else trainer_resident, not rs.disaggregated))
+  facts["missing"] += agentic_missing(cfg)
   if rs.disaggregated and lora:
     facts["not_compiled"].append(
         "weight sync: a LoRA run moves only the adapters (replicated, a few MB), which the embedded engine merges; "
@@ -144,15 +188,42 @@ def build_programs(config, parsed: config_lib.Parsed, devices: list) -> tuple[li
   return out, facts
 
 
+def agentic_missing(cfg) -> list[str]:
+  """rl.use_agentic_rollout: the episodes' programs (each turn re-prefills the transcript, then decodes a turn, at
+  shapes of their own) are not built here; the single-turn rollout compiled in their place does not stand for them."""
+  if not cfg.rl.use_agentic_rollout:
+    return []
+  return [
+      "agentic episodes (rl.use_agentic_rollout: a re-prefill of the transcript and a decode per turn, at shapes of "
+      "their own): not built by this compile; the single-turn rollout program compiled does not stand for them"
+  ]
+
+
+def auto_engine_note(sampler_config) -> str:
+  """Which engine a `rollout_engine=auto` compile covers: the embedded one (build._resolve_engine_name picks vLLM only
+  on a TPU with vLLM installed, and only where the config's vLLM route is proven and its head_dim allowed)."""
+  adapter, _ = vllm_config.choose_route(sampler_config)
+  why_not = None if adapter else vllm_config.vllm_head_dim_reason(sampler_config.model_name, sampler_config.head_dim)
+  why_not = why_not or vllm_config.unproven_reason(sampler_config)
+  if why_not:
+    return f"rollout_engine=auto: compiled the embedded engine, which the TPU run takes too ({why_not})"
+  return (
+      "rollout_engine=auto: compiled the embedded engine; on a TPU with vLLM installed the run takes vLLM, whose "
+      "rollout this compile does not cover (compile with rollout_engine=vllm in the TPU image's stack for it)"
+  )
+
+
 def run(config, parsed: config_lib.Parsed) -> int:
-  """Compile, print the table, write the JSON; 2 and one line when a program does not fit."""
+  """Compile, print the table, write the JSON; 2 and one line when a program does not fit, 1 when a program the run
+  executes did not compile (unless MAXTEXT_RL_AOT_PHASES asked for a subset)."""
   topo = config.compile_topology
-  num_slices = max(1, int(config.compile_topology_num_slices))
+  only = only_phases()
+  slices = num_slices(config)
   spec = topology.device_spec(topo)
+  path = report_path(config)
   t0 = time.perf_counter()
-  devices = topology.topology_devices(topo, num_slices)
+  devices = topology.topology_devices(topo, slices)
   progs, facts = build_programs(config, parsed, devices)
-  only = {p for p in os.environ.get(ONLY_PHASES_ENV, "").split(",") if p}
   if only:  # e.g. a test that compiles the rollout alone: the others are listed as skipped, never as fitting
     facts["not_compiled"] += [
         f"{p.name}: skipped ({ONLY_PHASES_ENV}={','.join(sorted(only))})" for p, _, _ in progs if p.phase not in only
@@ -176,21 +247,27 @@ def run(config, parsed: config_lib.Parsed) -> int:
         f"({compiled.seconds:.0f} s)"
     )
   print(report.table(rows, spec, topo), flush=True)
-  for line in facts["not_compiled"]:
+  missing = [] if only else facts["missing"]  # a subset asked for: what it leaves out is said, not an error
+  for line in facts["not_compiled"] + facts["missing"]:
     print(f"not compiled: {line}", flush=True)
   facts["compile_wall_seconds"] = time.perf_counter() - t0
-  facts["all_compiled"] = not failed
-  path = report_path(config)
+  facts["all_compiled"] = not failed and not facts["missing"]
+  # True only when every program of the step compiled and fits; None when the compiled ones fit but not all compiled
+  # (a subset asked for, a failure, a program this environment cannot build): no verdict covers those.
+  compiled_fit = all(r.fits for r in rows)
+  facts["fits"] = (None if (only or not facts["all_compiled"]) else True) if compiled_fit else False
+  resident_gib = facts["train_state_gib_per_device"] + facts["reference_copy_gib_per_device"]
   with open(path, "w", encoding="utf-8") as f:
-    f.write(report.to_json(rows, spec, topo, num_slices, facts))
+    f.write(report.to_json(rows, spec, topo, slices, facts))
   _say(f"report: {path} ({facts['compile_wall_seconds']:.0f} s)")
-  line = report.verdict(rows, topo)
+  line = report.verdict(rows, topo, resident_gib)
   if line is not None:
     raise DoesNotFitError(line)
-  if failed:  # the run would fail where it compiles these: never "every program fits"
+  if failed or missing:  # the verdict covers only what compiled: never "every program fits"
+    names = failed + [m.split(":")[0] for m in missing]
     print(
-        f"error: {', '.join(failed)} failed to compile for {topo} (the run's own program; 'not compiled:' above says "
-        "why); the compiled programs fit",
+        f"error: {len(names)} program(s) of the RL step not compiled for {topo}: {'; '.join(names)} ('not compiled:' "
+        "above says why); the compiled programs fit, the others are not checked",
         file=sys.stderr,
         flush=True,
     )
@@ -199,7 +276,8 @@ def run(config, parsed: config_lib.Parsed) -> int:
     print(f"nothing compiled for {topo}: every program asked for was skipped or is not compiled here (see above)")
     return 0
   what = f"the {','.join(sorted(only))} programs fit" if only else "every program of the RL step fits"
-  print(f"fits: {what} {topo} ({spec.hbm_bytes / topology.GIB:.0f} GiB per device)")
+  engine = f"; {facts['engine_note']}" if "engine_note" in facts else ""
+  print(f"fits: {what} {topo} ({spec.hbm_bytes / topology.GIB:.0f} GiB per device){engine}")
   logging.info("aot compile done")
   sys.stdout.flush()
   return 0

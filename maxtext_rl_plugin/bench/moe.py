@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 
 from flax import nnx
 import jax
@@ -31,6 +32,7 @@ from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
+from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import sampling
 
@@ -56,6 +58,30 @@ def _scaled(state, scale: float):
   return jax.tree_util.tree_map_with_path(f, state)
 
 
+def router_scales(text: str) -> list[float]:
+  """`--router-scales` as floats, each finite and > 0 (a scale multiplies the router's logits: 0 ties every expert,
+  a negative one inverts the routing; neither is a model the sampler would serve)."""
+  try:
+    scales = [float(x) for x in text.split(",")]
+  except ValueError:
+    scales = []
+  if not scales or not all(math.isfinite(x) and x > 0 for x in scales):
+    raise ConfigError(f"invalid value for '--router-scales'={text!r}: expected comma-separated numbers > 0, e.g. 1,0.1")
+  return scales
+
+
+def check_args(args: argparse.Namespace) -> list[float]:
+  """One `error:` line for a flag without a meaning, before any model is built; returns the router scales."""
+  for flag in ("prompts", "generations", "new_tokens"):
+    if getattr(args, flag) < 1:
+      raise ConfigError(f"invalid value for '--{flag.replace('_', '-')}'={getattr(args, flag)}: must be >= 1")
+  if not (math.isfinite(args.temperature) and args.temperature > 0):
+    raise ConfigError(
+        f"invalid value for '--temperature'={args.temperature}: must be > 0 (log-probs are taken at this temperature)"
+    )
+  return router_scales(args.router_scales)
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench moe")
   ap.add_argument("--config", default="configs/cpu_tiny_moe.yml")
@@ -67,6 +93,7 @@ def main(argv=None) -> int:
   ap.add_argument("--temperature", type=float, default=1.0)
   ap.add_argument("--seed", type=int, default=0)
   args, overrides = ap.parse_known_args(argv)
+  scales = check_args(args)
 
   rs = models.setup_devices(config_lib.parse([args.config, *overrides]))
   cfg = rs.trainer_config
@@ -99,7 +126,7 @@ def main(argv=None) -> int:
       f"{'router x':>9}{'routing_mismatch':>18}{'|dlogp| free':>24}{'|dlogp| replay':>24}{'kl_k3 free':>12}"
       f"{'kl_k3 replay':>14}"
   )
-  for scale in (float(x) for x in args.router_scales.split(",")):
+  for scale in scales:
     weights = _scaled(base, scale)
     nnx.update(trainer, weights)
     engine.update_params(weights)

@@ -146,6 +146,7 @@ def parse_overrides(overrides: Sequence[str], keys: KeyNames) -> list[str]:
       key = tail
     if not value.strip() and isinstance(shipped_defaults().get(key), str):
       value = "''"  # `key=` clears a string key (OmegaConf would read None, which a str field refuses)
+    _check_yaml_value(key, value)
     out.append(f"{key}={value}")
   return out
 
@@ -155,6 +156,17 @@ def check_override_names(overrides: Sequence[str], keys: KeyNames) -> None:
   of every block, where the first pass's `light_keys` leave some open)."""
   for arg in overrides:
     _check_key(arg.split("=", 1)[0], "command line", keys)
+def _check_yaml_value(key: str, value: str) -> None:
+  """pyconfig reads a command-line value as YAML (OmegaConf's dotlist): `run_name=[abc` or a JSON object missing its
+  brace is one line here, not a parser's traceback later."""
+  try:
+    omegaconf.OmegaConf.from_dotlist([f"{key}={value}"])
+  except (omegaconf.errors.OmegaConfBaseException, yaml.YAMLError) as e:
+    problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+    raise ConfigError(
+        f"invalid value for '{key}'={value!r} (command line): not valid YAML ({problem}); close its brackets, or "
+        "quote a string that starts with [ or {"
+    ) from None
 
 
 def _flatten_user_keys(data: dict, out: dict[str, Any]) -> None:

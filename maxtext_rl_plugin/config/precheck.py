@@ -3,8 +3,9 @@
 `read` reads the yml chain and the command line once (`Written`: config_files, key names checked without the schema by
 config_keys.light_keys); `precheck` checks model_name and runs `validation.validate_raw` on the config as written, and
 its view carries the `Written` on (`RawConfig.source`) to the typed pass (`config/load.typed`), which checks what
-needs the schema; keys this pass cannot type (derived keys, `M_<KEY>` environment overrides, `${...}` interpolations,
-model-file keys) are left to it.
+needs the schema; keys this pass cannot type (derived keys, `M_<KEY>` environment overrides, `${...}` interpolations)
+are left to it. Model-file keys are read as pyconfig applies them (over the yml chain, under the command line), so a
+check on the model's shape or family (router replay, the vLLM route's head_dim) is decided here too.
 """
 
 from __future__ import annotations
@@ -47,9 +48,10 @@ def read(argv: Sequence[str]) -> Written:
 
 
 def _raw_view(written: Written) -> validation.RawConfig:
-  """The config as written (the merged chain and the overrides) as a `validation.RawConfig`: typed by the shipped
-  defaults; keys a model file sets (configs/models/<model_name>.yml) or an `M_<KEY>` environment variable overrides
-  (both applied by pyconfig, with their own rules) are left unresolved."""
+  """The config as written (the merged chain, the model file configs/models/<model_name>.yml, the overrides, in the
+  order `config/load` applies them) as a `validation.RawConfig`: typed by the shipped defaults; a key an `M_<KEY>`
+  environment variable overrides, or one the command line and the model file both set without
+  override_model_config (pyconfig refuses it), is left unresolved."""
   merged = config_files.merge_chain(written.chain)
   for arg in written.overrides:
     merged = omegaconf.OmegaConf.merge(merged, omegaconf.OmegaConf.from_dotlist([arg]))
@@ -60,9 +62,24 @@ def _raw_view(written: Written) -> validation.RawConfig:
       rl_block[inner] = values.pop(inner)
   model = str(values.get("model_name", "default")).replace("-Instruct", "")
   model_file = os.path.join(config_files.maxtext_configs_dir(), "models", f"{model}.yml")
-  model_keys = set(omegaconf.OmegaConf.load(model_file).keys()) if os.path.isfile(model_file) else set()
+  model_values = (
+      omegaconf.OmegaConf.to_container(omegaconf.OmegaConf.load(model_file), resolve=False)
+      if os.path.isfile(model_file)
+      else {}
+  )
+  # `config/load`'s order: the yml chain, then the model file, then the command line, which may override a model key
+  # only with override_model_config=true (without it pyconfig refuses the pair in its own words: left unresolved);
+  # with it, the plugin's own yml files win over the model file too (config_files.model_file_overrides).
+  cli_keys = {arg.split("=", 1)[0] for arg in written.overrides}
+  own = config_files.model_file_overrides(written.chain, values, written.overrides)
+  twice = set()
+  for key, value in model_values.items():
+    if key not in cli_keys and key not in own:
+      values[key] = value
+    elif key in cli_keys and not values.get("override_model_config"):
+      twice.add(key)
   env_keys = {k for k in values if f"M_{k.upper()}" in os.environ}
-  return validation.RawConfig(values, config_keys.shipped_defaults(), frozenset(model_keys | env_keys), written)
+  return validation.RawConfig(values, config_keys.shipped_defaults(), frozenset(twice | env_keys), written)
 
 
 def precheck(argv: Sequence[str]) -> validation.RawConfig:

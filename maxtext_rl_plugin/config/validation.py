@@ -27,6 +27,7 @@ import os
 from typing import Any, Callable, Iterator
 
 from maxtext_rl_plugin.config import dependent_keys
+from maxtext_rl_plugin.config.load import early_checks
 from maxtext_rl_plugin.config import key_status
 from maxtext_rl_plugin.config.unresolved import Unresolved
 from maxtext_rl_plugin.config.unresolved import value_or
@@ -393,7 +394,7 @@ _CROSS_CHECKS = (
 
 def _light_checks() -> tuple[Callable[[Any], None], ...]:
   """The checks that import nothing heavy, in order: both passes run them."""
-  return (check_numbers, check_ranges, *_CROSS_CHECKS, lora.validate, dependent_keys.check)
+  return (check_numbers, check_ranges, *_CROSS_CHECKS, lora.validate, dependent_keys.check, *early_checks.CHECKS)
 
 
 # Features one JAX process runs today (the trainer refuses them at start-up when jax.process_count() > 1), with why;

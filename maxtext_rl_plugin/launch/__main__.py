@@ -106,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(__doc__)
     return 0 if argv else 2
   flags, overrides = _split(argv)
+  errors.quiet_third_party_logs()  # before validation imports transformers (MAXTEXT_RL_VERBOSE=1 keeps its lines)
   with errors.exit_on_user_error():
     args = _parser().parse_args(flags)  # -h/--help: argparse prints the subcommand's help and exits 0
     if args.cmd == "xpk":

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import socket
@@ -42,6 +43,18 @@ DEFAULT_CONFIG = xpk_lib.DEFAULT_CONFIG
 # Environment of TPU workers, as in the Ray Train tutorial.
 TPU_WORKER_ENV = {"JAX_PLATFORMS": "tpu", "ENABLE_PJRT_COMPATIBILITY": "true"}
 _FORCE_DEVICES_RE = re.compile(r"--xla_force_host_platform_device_count=\S+")
+
+
+# Every numeric flag of `launch ray` (a field of RayLaunch) -> (accepts the value, what is expected); None (unset) is
+# not checked. tests/test_launch_ray.py fails when a numeric field is missing here.
+NUMERIC_FLAGS: dict[str, tuple[float, bool, str]] = {  # field -> (bound, strictly above it, what is expected)
+    "num_workers": (1, False, ">= 1"),
+    "chips_per_worker": (1, False, ">= 1"),
+    "cpus_per_worker": (0, True, "> 0 (Ray's CPU resources per worker)"),
+    "cpu_devices_per_worker": (1, False, ">= 1"),
+    "num_cpus": (1, False, ">= 1 (CPUs of the local Ray cluster)"),
+    "max_failures": (-1, False, ">= -1 (-1: retry forever)"),
+}
 
 
 @dataclasses.dataclass
@@ -73,18 +86,14 @@ class RayLaunch:
 
   def validate(self, *, check_overrides: bool = True) -> None:
     """Reject bad flags (one `LaunchError` line) and, for train_rl, bad overrides, before Ray starts anything."""
-    if self.num_workers < 1:
-      raise xpk_lib.LaunchError(f"--num-workers must be >= 1, got {self.num_workers}")
+    for field, (bound, strict, expected) in NUMERIC_FLAGS.items():
+      value = getattr(self, field)
+      if value is not None and not (math.isfinite(value) and (value > bound if strict else value >= bound)):
+        raise xpk_lib.LaunchError(f"--{field.replace('_', '-')} must be {expected}, got {value}")
     if self.entry not in ENTRIES:
       raise xpk_lib.LaunchError(f"invalid --entry '{self.entry}': expected one of {', '.join(ENTRIES)}")
     if self.use_tpu and not (self.tpu_topology and self.accelerator_type):
       raise xpk_lib.LaunchError("TPU workers need both --tpu-topology (e.g. 4x4) and --accelerator-type (e.g. TPU-V6E)")
-    if self.use_tpu and self.chips_per_worker < 1:
-      raise xpk_lib.LaunchError(f"--chips-per-worker must be >= 1, got {self.chips_per_worker}")
-    if self.max_failures < -1:
-      raise xpk_lib.LaunchError(f"--max-failures must be >= -1 (-1: retry forever), got {self.max_failures}")
-    if self.cpu_devices_per_worker < 1:
-      raise xpk_lib.LaunchError(f"--cpu-devices-per-worker must be >= 1, got {self.cpu_devices_per_worker}")
     if self.entry == "train_rl" and check_overrides:
       pc = xpk_lib.validate_overrides(self.config, self.train_argv()[1:])
       validation.check_processes(pc, self.num_workers)  # what the trainer refuses across processes, before Ray starts

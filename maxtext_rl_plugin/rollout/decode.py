@@ -117,12 +117,17 @@ class MaxTextSampler:
     }
     ar_kv = self._kv_modules[self.modes[1]]
     if not ar_kv:
-      raise NotImplementedError(f"model {cfg.model_name} has no MaxText KVCache in autoregressive mode")
+      raise ConfigError(
+          f"rollout_engine=embedded cannot sample {cfg.model_name}: it has no MaxText KVCache in autoregressive mode"
+      )
     for m in ar_kv:
       # Exactly MaxText's KVCache: a subclass (another model's cache) has its own layout this engine does not know.
       exact = type(m) is kvcache.KVCache  # pylint: disable=unidiomatic-typecheck  # subclasses are refused on purpose
       if getattr(m, "is_gdn", False) or getattr(m, "is_deepseek_v4", False) or not exact:
-        raise NotImplementedError(f"embedded rollout supports MaxText's standard KVCache only, not {type(m).__name__}")
+        raise ConfigError(
+            f"rollout_engine=embedded cannot sample {cfg.model_name}: the embedded engine decodes with MaxText's "
+            f"standard KVCache only, not {type(m).__name__} (docs/models.md)"
+        )
 
     # Data parallelism: the batch goes over the mesh axes MaxText maps "activation_batch" to (first rule wins).
     rules = dict(reversed(list(cfg.logical_axis_rules)))

@@ -15,6 +15,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from maxtext_rl_plugin.config import early_checks
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import vllm_mapping
@@ -161,18 +162,8 @@ def unproven_reason(config: Any) -> str | None:
 
 
 def vllm_head_dim_reason(model_name: str, head_dim: int) -> str | None:
-  """Why vLLM-TPU would sample a different function than the trainer's Qwen3, or None.
-
-  tpu-inference 0.32.0 pads head_dim to a multiple of 128 (64 excepted) and Qwen3's q/k RMS norm then averages over
-  the padded width (tests/tpu_contract/test_forward.py shows the divergence). Every released Qwen3 has head_dim 128;
-  only shrunk test models hit this, so it is refused rather than approximated by rescaling the norm weights.
-  """
-  if str(model_name).startswith("qwen3-") and int(head_dim) % 128 and int(head_dim) != 64:
-    return (
-        f"rollout_engine=vllm with {model_name} needs head_dim 64 or a multiple of 128: tpu-inference pads it to "
-        f"{-(-int(head_dim) // 128) * 128} and normalises Qwen3's q/k over the padded width (use rollout_engine=embedded)"
-    )
-  return None
+  """Why vLLM-TPU would sample a different function than the trainer's Qwen3, or None (early_checks says why)."""
+  return early_checks.qwen3_head_dim_reason(model_name, head_dim)
 
 
 def check_config(config: Any) -> None:

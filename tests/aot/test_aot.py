@@ -255,7 +255,7 @@ def test_vllm_rollout_without_tpu_inference_is_a_not_compiled_line(tmp_path, mon
   assert f"not compiled: {vllm_programs.NEEDS_STACK}" in res.stdout.splitlines()
   assert "nothing compiled for v5p-8" in res.stdout and "fits:" not in res.stdout
   rep = json.loads((tmp_path / "v.aot-v5p-8.json").read_text())
-  assert rep["programs"] == [] and rep["not_compiled"][0] == vllm_programs.NEEDS_STACK
+  assert rep["programs"] == [] and rep["missing"] == [vllm_programs.NEEDS_STACK] and rep["fits"] is None
   assert "actor_update: skipped (MAXTEXT_RL_AOT_PHASES=rollout)" in rep["not_compiled"]
 
 
@@ -339,3 +339,104 @@ def test_published_figures_per_jax_device():
   assert topology.device_spec("v5litepod-16").generation == "v5e"
   with pytest.raises(errors.ConfigError, match="compile_topology"):
     topology.device_spec("v3-8")
+
+
+# Issue 51, class 2: a verdict says no more than was compiled. Device-free (no libtpu): the checks run before the
+# target's devices are asked for, and the verdict's arithmetic is the report's.
+
+
+def _aot_config(tmp_path, **over):
+  keys = {
+      "compile_topology": "v5p-8",
+      "base_output_directory": str(tmp_path),
+      "run_name": "r",
+      "compile_topology_num_slices": 1,
+      "num_trainer_slices": -1,
+      "num_samplers_slices": -1,
+  }
+  return types.SimpleNamespace(**{**keys, **over})
+
+
+@pytest.fixture(name="no_target")
+def no_target_fixture(monkeypatch):
+  """The target's devices: asking for them fails the test (the refusal must come first)."""
+  monkeypatch.setattr(topology, "topology_devices", lambda *a: pytest.fail("reached the topology before refusing"))
+
+
+@pytest.mark.parametrize("phases, bad", [("updates", "updates"), ("ROLLOUT", "ROLLOUT"), ("rollout,bogus", "bogus")])
+def test_aot_phases_are_validated_in_one_line(tmp_path, monkeypatch, no_target, phases, bad):
+  del no_target
+  monkeypatch.setenv(aot_run.ONLY_PHASES_ENV, phases)
+  with pytest.raises(errors.ConfigError) as e:
+    aot_run.run(_aot_config(tmp_path), [])
+  assert f"'{bad}' is not a phase; expected a comma-separated list of rollout, logps, update, sync" in str(e.value)
+  monkeypatch.setenv(aot_run.ONLY_PHASES_ENV, " rollout,update ")
+  assert aot_run.only_phases() == {"rollout", "update"}
+
+
+@pytest.mark.parametrize(
+    "over, needle",
+    [
+        ({"compile_topology_num_slices": 0}, "'compile_topology_num_slices'=0: must be > 0"),
+        ({"compile_topology_num_slices": -5}, "'compile_topology_num_slices'=-5: must be > 0"),
+        ({"compile_topology_num_slices": 2}, "the RL compile covers one slice"),
+        ({"num_trainer_slices": 1, "num_samplers_slices": 1}, "the RL compile covers one slice"),
+    ],
+)
+def test_aot_slices_are_maxtexts_rule_or_one_line(tmp_path, no_target, over, needle):
+  del no_target
+  with pytest.raises(errors.ConfigError, match=needle.replace("(", r"\(")):
+    aot_run.run(_aot_config(tmp_path, **over), [])
+  assert aot_run.num_slices(_aot_config(tmp_path, compile_topology_num_slices=-1)) == 1  # MaxText's default: unset
+
+
+def test_an_unwritable_report_path_is_refused_before_compiling(tmp_path, no_target):
+  del no_target
+  (tmp_path / "file").write_text("")
+  with pytest.raises(errors.UserError, match="the AOT report cannot be written") as e:
+    aot_run.run(_aot_config(tmp_path / "file"), [])
+  assert "\n" not in str(e.value)
+
+
+def test_a_partial_compile_is_no_fit_and_exits_non_zero(tmp_path, monkeypatch, capsys):
+  # The vllm rollout without tpu-inference printed `not compiled: ...` and then `fits: every program ...`, exit 0,
+  # `fits: true` in the JSON. The trainer programs are skipped here (nothing to compile on this host); what counts is
+  # that a program the run executes was not compiled.
+  monkeypatch.setattr(topology, "topology_devices", lambda *a: [])
+  facts = {"not_compiled": [], "missing": [vllm_programs.NEEDS_STACK], "train_state_gib_per_device": 1.0}
+  facts["reference_copy_gib_per_device"] = 0.0
+  monkeypatch.setattr(aot_run, "build_programs", lambda *a: ([], dict(facts, missing=list(facts["missing"]))))
+  assert aot_run.run(_aot_config(tmp_path), []) == 1
+  out, err = capsys.readouterr()
+  assert "fits:" not in out and f"not compiled: {vllm_programs.NEEDS_STACK}" in out
+  assert err.startswith("error: 1 program(s) of the RL step not compiled for v5p-8: vllm rollout needs tpu-inference")
+  rep = json.loads((tmp_path / "r.aot-v5p-8.json").read_text())
+  assert rep["fits"] is None and not rep["all_compiled"] and rep["missing"] == [vllm_programs.NEEDS_STACK]
+  monkeypatch.setenv(aot_run.ONLY_PHASES_ENV, "rollout")  # a subset asked for: said, not an error
+  assert aot_run.run(_aot_config(tmp_path), []) == 0
+
+
+def test_agentic_and_auto_verdicts_say_what_they_cover():
+  agentic = config_lib.load_config([TINY, "rl.use_agentic_rollout=true", "rl.agentic_tools=['calculator']"])
+  assert "agentic episodes" in aot_run.agentic_missing(agentic)[0]
+  assert not aot_run.agentic_missing(config_lib.load_config([TINY]))
+  # cpu_tiny's head_dim 16: auto never takes vLLM for it; head_dim 128: on a TPU with vLLM it would.
+  assert "which the TPU run takes too" in aot_run.auto_engine_note(config_lib.load_config([TINY, "head_dim=16"]))
+  note = aot_run.auto_engine_note(config_lib.load_config([TINY, "head_dim=128"]))
+  assert "the run takes vLLM, whose rollout this compile does not cover" in note
+
+
+def test_the_oom_line_is_in_gib_and_names_the_knob_that_can_move_it():
+  # "1.16T exceeds 95.73G ... lower train_micro_batch_size", where the train state alone was 945 GiB per chip.
+  spec = topology.device_spec("v5p-128")
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+  prog = programs.Program("actor_update", "update", mesh, None, (), calls_per_step=1, knob="train_micro_batch_size")
+  oom = "RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm. Used 1.16T of 95.73G hbm. Exceeded by 1.07T."
+  c = compile_lib.Compiled(prog, 1.0, oom=oom)
+  r = report.row(c, spec, 0, False)
+  assert report.oom_gib(oom) == pytest.approx((1.16 * 1024, 95.73))
+  line = report.verdict([r], "v5p-128", resident_gib=945.0)
+  assert "the compiler needs 1187.8 GiB of 95.7 GiB HBM per device" in line
+  assert "the train state alone is 945.0 GiB per device" in line and "more chips" in line
+  assert "train_micro_batch_size" not in line
+  assert report.verdict([r], "v5p-128", resident_gib=20.0).endswith("; lower train_micro_batch_size")

@@ -8,6 +8,7 @@ MAXTEXT_RL_TEST_RAY_ENTRY=train_rl to run `train_rl configs/cpu_tiny.yml num_bat
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -122,6 +123,25 @@ def test_max_failures_is_rays_failure_config(launch_cli):
   assert rc == 0 and 'failure={"max_failures": 2}' in out
   rc, out, err = launch_cli(["ray", "--num-workers", "2", "--max-failures", "-2", "--dry-run"])
   assert rc == 2 and out == "" and err.count("\n") == 1 and "--max-failures" in err
+
+
+def test_every_numeric_flag_is_range_checked(launch_cli):
+  """Issue 51: `--cpus-per-worker -2` was accepted (the check covered only --cpu-devices-per-worker). Every numeric
+  field of RayLaunch has a bound in NUMERIC_FLAGS (a new one without fails here), and each bad value is one line."""
+  numeric = {f.name for f in dataclasses.fields(ray_lib.RayLaunch) if f.type in ("int", "float", "int | None")}
+  assert numeric == set(ray_lib.NUMERIC_FLAGS)
+  for flag, value in [
+      ("--cpus-per-worker", "-2"),
+      ("--cpus-per-worker", "0"),
+      ("--cpus-per-worker", "nan"),
+      ("--num-cpus", "0"),
+      ("--cpu-devices-per-worker", "0"),
+      ("--chips-per-worker", "-1"),
+  ]:
+    rc, out, err = launch_cli(["ray", "--num-workers", "2", flag, value, "--dry-run"])
+    assert rc == 2 and out == "" and err.count("\n") == 1 and f"{flag} must be" in err, (flag, value, err)
+  rc, out, err = launch_cli(["ray", "--num-workers", "2", "--cpus-per-worker", "0.5", "--num-cpus", "2", "--dry-run"])
+  assert rc == 0 and out.startswith("ray JaxTrainer"), err
 
 
 def test_hf_access_token_override_travels_in_the_environment_never_argv(monkeypatch, launch_cli):

@@ -986,7 +986,7 @@ def test_adapter_route_refusals_are_one_line(argv, match):
 
 @pytest.mark.parametrize("model", ["gemma3-4b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek3-671b", "gpt-oss-20b"])
 def test_families_without_a_native_class_take_the_adapter_route_and_say_why(model):
-  cfg = load_config(["configs/cpu_tiny.yml", f"model_name={model}"])
+  cfg = load_config(["configs/cpu_tiny.yml", f"model_name={model}", "rollout_engine=auto"])  # embedded refuses MLA
   adapter, why = vllm_config.choose_route(cfg)
   assert adapter and why.startswith(f"no native vLLM class for {model}: ") and "(MaxTextForCausalLM)" in why
   assert "\n" not in why
@@ -1073,7 +1073,8 @@ def test_adapter_route_lora_syncs_only_the_adapted_kernels(monkeypatch, tokenize
 def test_auto_takes_a_proven_vllm_route_only(monkeypatch, model, engine):
   """rollout_engine=auto on a TPU with vLLM: a family whose vLLM route tests/tpu_contract proves gets vLLM (its route
   line is printed by the engine); one that no route proves stays embedded and says why."""
-  cfg = load_config(["configs/cpu_tiny.yml", f"model_name={model}", "head_dim=128"])
+  # rollout_engine=auto as written: cpu_tiny's embedded engine refuses DeepSeek's MLA cache at config time.
+  cfg = load_config(["configs/cpu_tiny.yml", f"model_name={model}", "head_dim=128", "rollout_engine=auto"])
   real_find_spec = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")

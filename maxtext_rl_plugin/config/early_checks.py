@@ -1,0 +1,206 @@
+"""Refusals the config as written decides, light enough for the first pass (no JAX, no schema, no model build).
+
+Each was a traceback or a refusal after the model build (issue 51): a value outside an enumerated key's choices, an MoE
+routing more experts per token than it has, trainer and sampler devices that overlap, a checkpoint I/O budget of 0
+GB (found at the first save), a model family the embedded engine cannot decode, router replay on a family MaxText
+cannot force, a head_dim the vLLM route refuses. `validation._light_checks` runs them in both passes (on the
+`RawConfig` of `config_precheck` and on the typed config), so each is one `error:` line within a second or two.
+
+MaxText's own lists that live in modules importing JAX (`maxtext.configs.types`) are restated here;
+tests/test_validation.py compares each with MaxText's and the schema's at the pinned versions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.rollout import vllm_maxtext
+
+# The plugin schema's enumerated keys (config/schema.py `Literal[...]` fields) and their choices.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "rollout_engine": ("auto", "embedded", "vllm"),
+    "synthetic_task": ("word_problems", "products"),
+    "rl.kl_estimator": ("k1", "k3"),
+    "rl.advantage_norm": ("group_std", "batch_std", "none"),
+    "rl.advantage_estimator": ("grpo", "rloo", "drgrpo"),
+    "rl.agentic_tool_parser": ("qwen",),
+    "rl.rollout_is": ("off", "truncate", "mask"),
+    "rl.verify_weight_sync": ("off", "first", "every_n"),
+}
+# maxtext.configs.types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS at MaxText 0.2.5 (its decoder raises for the others).
+FORCED_ROUTING_BLOCKS = ("qwen3_5", "mixtral", "gemma4")
+# What the embedded engine's KV-cached decode cannot run (rollout/decode.MaxTextSampler refuses their caches).
+EMBEDDED_ATTENTION_REFUSED = {
+    "mla": "multi-head latent attention (DeepSeek, Kimi) keeps an MlaKVCache, whose layout the embedded engine does not "
+    "know",
+    "compressed": "DeepSeek-V4's compressed attention keeps its own cache, which the embedded engine does not know",
+}
+EMBEDDED_BLOCKS_REFUSED = {
+    "qwen3_next": "the gated-DeltaNet layers keep a recurrent state cache the embedded engine does not run",
+    "qwen3_5": "the gated-DeltaNet layers keep a recurrent state cache the embedded engine does not run",
+}
+# Checkpoint I/O budgets (checkpointing.Storage): a positive number, or null for Orbax's default. The OCDBT data file
+# size may also be 0 (TensorStore: no limit), not negative.
+_POSITIVE_OR_NULL = ("checkpoint_storage_concurrent_gb", "checkpoint_storage_device_host_concurrent_gb")
+
+
+def _bad(key: str, value: Any, why: str) -> ConfigError:
+  return ConfigError(f"invalid value for '{key}'={value!r}: {why}")
+
+
+def _get(pc, key: str) -> Any:
+  """A dotted key's value (AttributeError when the first pass cannot type it: the check waits for the second)."""
+  value = pc
+  for part in key.split("."):
+    value = getattr(value, part)
+  return value
+
+
+def _experts(pc) -> int:
+  """num_experts; 1 (MaxText's base.yml default) where the config as written leaves it to that default."""
+  return int(getattr(pc, "num_experts", 1))
+
+
+def _name(value: Any) -> str:
+  """An enum's value (the typed config) or the string itself (the config as written)."""
+  return str(getattr(value, "value", value))
+
+
+def check_choices(pc) -> None:
+  """An enumerated key holds one of its choices (pydantic refuses it too, after the schema's imports)."""
+  for key, choices in CHOICES.items():
+    try:
+      value = _get(pc, key)
+    except AttributeError:
+      continue
+    if value is not None and value not in choices:
+      raise _bad(key, value, f"expected one of {', '.join(choices)}")
+
+
+def check_moe(pc) -> None:
+  """An MoE layer routes each token to num_experts_per_tok of its num_experts experts."""
+  experts, per_tok = _experts(pc), int(getattr(pc, "num_experts_per_tok", 1))
+  if experts > 1 and not 1 <= per_tok <= experts:
+    raise _bad("num_experts_per_tok", per_tok, f"must be between 1 and num_experts={experts}")
+
+
+def check_device_fractions(pc) -> None:
+  """The trainer takes the first `trainer_devices_fraction` of the devices and the sampler the last
+  `sampler_devices_fraction` (models.setup_devices, as MaxText's): fractions that add up to more than 1 give some devices
+  to both, which is neither the colocated run (both 1.0: every device is both) nor a disaggregated one."""
+  t, s = float(pc.trainer_devices_fraction), float(pc.sampler_devices_fraction)
+  if t + s > 1.0 and not t == s == 1.0:
+    raise _bad(
+        "trainer_devices_fraction",
+        t,
+        f"with sampler_devices_fraction={s} the trainer's first {t:g} and the sampler's last {s:g} of the devices "
+        "overlap; make them add up to at most 1 (disaggregated), or set both to 1.0 (colocated)",
+    )
+
+
+def check_checkpoint_storage(pc) -> None:
+  """Orbax's I/O budgets are positive (0 or less fails at the first save, after the step it was to keep)."""
+  for key in _POSITIVE_OR_NULL:
+    value = getattr(pc, key, None)  # the config as written may leave one to MaxText's default (positive)
+    if value is not None and value <= 0:
+      raise _bad(key, value, "must be > 0 (or null: Orbax's default)")
+  size = getattr(pc, "checkpoint_storage_target_data_file_size_bytes", None)
+  if size is not None and size < 0:
+    raise _bad("checkpoint_storage_target_data_file_size_bytes", size, "must be >= 0 (0: no limit)")
+
+
+def check_embedded_model(pc) -> None:
+  """rollout_engine=embedded needs a model whose decode cache the engine knows (docs/models.md: "refused")."""
+  if pc.rollout_engine != "embedded":
+    return
+  attention, block = _name(pc.attention_type), _name(pc.decoder_block)
+  why = EMBEDDED_ATTENTION_REFUSED.get(attention) or EMBEDDED_BLOCKS_REFUSED.get(block)
+  if why:
+    raise ConfigError(
+        f"rollout_engine=embedded cannot sample {pc.model_name} (decoder_block={block}, attention_type={attention}): "
+        f"{why}; use rollout_engine=vllm on a TPU (docs/models.md)"
+    )
+
+
+def router_replay_refusal(pc) -> str | None:
+  """Why `rl.router_replay=true` cannot run with this config (one line), or None (moe.check_config raises it)."""
+  if not pc.rl.router_replay:
+    return None
+  if _experts(pc) <= 1:
+    return f"rl.router_replay=true needs a mixture-of-experts model; {pc.model_name} has num_experts=1"
+  block = _name(pc.decoder_block)
+  if block not in FORCED_ROUTING_BLOCKS:
+    return (
+        f"rl.router_replay=true: MaxText 0.2.5 cannot force the routing of decoder_block={block} "
+        f"(model {pc.model_name}); it can for {', '.join(FORCED_ROUTING_BLOCKS)}"
+    )
+  if pc.rollout_engine != "embedded":
+    return (
+        f"rl.router_replay=true needs rollout_engine=embedded: the {pc.rollout_engine} engine does not report the "
+        "experts it routed each token to"
+    )
+  if pc.rl.use_agentic_rollout:
+    return (
+        "rl.router_replay=true with rl.use_agentic_rollout=true: multi-turn episodes re-prefill their transcripts, "
+        "and their routing is not recorded yet"
+    )
+  if int(getattr(pc, "mtp_num_layers", 0) or 0) > 0:
+    return "rl.router_replay=true with mtp_num_layers > 0: MaxText cannot replay routing with MTP"
+  return None
+
+
+def check_router_replay(pc) -> None:
+  why = router_replay_refusal(pc)
+  if why:
+    raise ConfigError(why)
+
+
+def qwen3_head_dim_reason(model_name: str, head_dim: int) -> str | None:
+  """Why vLLM-TPU would sample a different function than the trainer's Qwen3, or None.
+
+  tpu-inference 0.32.0 pads head_dim to a multiple of 128 (64 excepted) and Qwen3's q/k RMS norm then averages over
+  the padded width (tests/tpu_contract/test_forward.py shows the divergence). Every released Qwen3 has head_dim 128;
+  only shrunk test models hit this, so it is refused rather than approximated by rescaling the norm weights.
+  """
+  if str(model_name).startswith("qwen3-") and int(head_dim) % 128 and int(head_dim) != 64:
+    return (
+        f"rollout_engine=vllm with {model_name} needs head_dim 64 or a multiple of 128: tpu-inference pads it to "
+        f"{-(-int(head_dim) // 128) * 128} and normalises Qwen3's q/k over the padded width (use rollout_engine=embedded)"
+    )
+  return None
+
+
+# Qwen3 variants the native route does not map (rollout/vllm_mapping._UNSUPPORTED_QWEN3 less the MoE ones): their vLLM
+# route is MaxText's own decoder, which computes with the model's head_dim.
+_ADAPTER_QWEN3 = ("qwen3-next", "qwen3-vl", "qwen3-omni", "qwen3-coder")
+
+
+def check_vllm_head_dim(pc) -> None:
+  """The native vLLM route's head_dim rule, for the dense Qwen3 models it runs (the MoE ones, the variants it does not
+  map and a config naming MaxTextForCausalLM take MaxText's own attention, which computes with the model's head_dim);
+  rollout/vllm_config.check_config decides the route itself in the second pass."""
+  if pc.rollout_engine != "vllm" or _experts(pc) > 1:
+    return
+  try:
+    if vllm_maxtext.selected(pc):
+      return
+  except AttributeError:  # the config as written: unset (no adapter named) or set in a form only the schema types
+    if "vllm_hf_overrides" in pc:
+      return
+  if str(pc.model_name).startswith(_ADAPTER_QWEN3):
+    return
+  reason = qwen3_head_dim_reason(pc.model_name, pc.head_dim)
+  if reason:
+    raise _bad("head_dim", pc.head_dim, reason)
+
+
+CHECKS = (
+    check_choices,
+    check_moe,
+    check_device_fractions,
+    check_checkpoint_storage,
+    check_embedded_model,
+    check_router_replay,
+    check_vllm_head_dim,
+)

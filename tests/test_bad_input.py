@@ -1,0 +1,358 @@
+"""Issue 51, classes 3-5: bad input refused in one line, before any model is built; records kept whole.
+
+Each refusal is asserted in the first pass (`config_precheck.precheck` and `train_rl._precheck`: the config as
+written, before JAX, the schema and any model) and, where the typed config used to end in a traceback, in the second
+pass too (`config.load_config`). `train_rl.main` is run with the schema's loader replaced by one that fails the test,
+so "refused before the model build" is checked, not timed. References: the values each key's meaning rules out
+(MaxText's own rules: top-k <= experts, an I/O budget > 0), and what a real run writes (resume._meta's metadata).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import typing
+
+import numpy as np
+import pytest
+
+from maxtext_rl_plugin import compile_rl
+from maxtext_rl_plugin.config import load as config_lib
+from maxtext_rl_plugin.config import precheck as config_precheck
+from maxtext_rl_plugin.config import schema as config_types
+from maxtext_rl_plugin.config import early_checks
+from maxtext_rl_plugin import errors
+from maxtext_rl_plugin.config import key_status
+from maxtext_rl_plugin import metrics as metrics_lib
+from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin import train_rl
+from maxtext_rl_plugin.algorithms import tunix_wiring
+from maxtext_rl_plugin.bench import moe as bench_moe
+from maxtext_rl_plugin.run import resume
+
+TINY = "configs/cpu_tiny.yml"
+MOE = "configs/cpu_tiny_moe.yml"
+
+# (config, overrides, what the one line says). Every row was a traceback or a refusal after the model build.
+_REFUSED = [
+    (TINY, ["run_name=[abc"], "invalid value for 'run_name'='[abc' (command line): not valid YAML"),
+    (TINY, ["stop_strings={a"], "invalid value for 'stop_strings'='{a' (command line): not valid YAML"),
+    (TINY, ['vllm_hf_overrides={"architectures":["MaxTextForCausalLM"]'], "'vllm_hf_overrides'="),
+    (MOE, ["num_experts_per_tok=8"], "invalid value for 'num_experts_per_tok'=8: must be between 1 and num_experts=4"),
+    (TINY, ["trainer_devices_fraction=0.75"], "invalid value for 'trainer_devices_fraction'=0.75: with sampler_"),
+    (TINY, ["checkpoint_storage_concurrent_gb=0"], "invalid value for 'checkpoint_storage_concurrent_gb'=0: must be > 0"),
+    (TINY, ["checkpoint_storage_concurrent_gb=-4"], "'checkpoint_storage_concurrent_gb'=-4: must be > 0"),
+    (TINY, ["model_name=deepseek3-tiny"], "rollout_engine=embedded cannot sample deepseek3-tiny (decoder_block=deepseek"),
+    (TINY, ["rollout_engine=bogus"], "invalid value for 'rollout_engine'='bogus': expected one of auto, embedded, vllm"),
+    (TINY, ["rl.kl_estimator=k2"], "invalid value for 'rl.kl_estimator'='k2': expected one of k1, k3"),
+    (TINY, ["rl.router_replay=true"], "rl.router_replay=true needs a mixture-of-experts model; qwen3-0.6b has"),
+    (
+        TINY,
+        ["model_name=qwen3-30b-a3b", "rl.router_replay=true"],
+        "rl.router_replay=true: MaxText 0.2.5 cannot force the routing of decoder_block=qwen3_moe",
+    ),
+    (TINY, ["rollout_engine=vllm"], "invalid value for 'head_dim'=16: rollout_engine=vllm with qwen3-0.6b needs"),
+]
+# Rows whose typed config (the second pass) used to end in a traceback: checked there too.
+_SECOND_PASS = {"run_name=[abc", "num_experts_per_tok=8", "trainer_devices_fraction=0.75", "model_name=deepseek3-tiny"}
+
+
+def _ids(rows):
+  return [" ".join(r[1]) for r in rows]
+
+
+@pytest.mark.parametrize("config, overrides, needle", _REFUSED, ids=_ids(_REFUSED))
+def test_the_first_pass_refuses_in_one_line(config, overrides, needle):
+  with pytest.raises(errors.ConfigError) as e:
+    config_precheck.precheck([config, *overrides])
+  assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+  if overrides[0] in _SECOND_PASS:
+    with pytest.raises(errors.ConfigError) as e2:
+      config_lib.load_config([config, *overrides])
+    assert needle in str(e2.value), str(e2.value)
+
+
+@pytest.mark.parametrize(
+    "config, overrides",
+    [
+        (TINY, ["trainer_devices_fraction=1.0", "sampler_devices_fraction=1.0"]),  # colocated: every device is both
+        (TINY, ["trainer_devices_fraction=0.25", "sampler_devices_fraction=0.75"]),
+        (TINY, ["checkpoint_storage_concurrent_gb=null"]),  # Orbax's default
+        (TINY, ["rollout_engine=vllm", "head_dim=64"]),
+        (TINY, ["rollout_engine=vllm", 'vllm_hf_overrides={"architectures":["MaxTextForCausalLM"]}']),
+        (TINY, ["stop_strings=['</answer>']", "run_name='[abc]'"]),
+        (MOE, ["rl.router_replay=true"]),  # Mixtral: MaxText forces its routing
+        (MOE, ["num_experts_per_tok=4"]),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else v,
+)
+def test_the_first_pass_refuses_nothing_these_mean(config, overrides):
+  config_precheck.precheck([config, *overrides])
+
+
+def test_early_checks_restate_maxtext_and_the_schema():
+  # The lists early_checks keeps light (no JAX) are MaxText's and the schema's, at the pinned versions.
+  from maxtext.configs import types as maxtext_types  # pylint: disable=import-outside-toplevel  # JAX: this test only
+
+  assert early_checks.FORCED_ROUTING_BLOCKS == tuple(
+      b.value for b in maxtext_types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS
+  )
+  literal = {}
+  for prefix, cls in (("", config_types.PluginKeys), ("rl.", config_types.PluginRL)):
+    for name, field in cls.model_fields.items():
+      if name not in cls.__annotations__ or typing.get_origin(field.annotation) is list:
+        continue  # MaxText's own field (pydantic refuses its values in the second pass), or a list of choices
+      for a in (field.annotation, *typing.get_args(field.annotation)):  # Literal[...] or Optional[Literal[...]]
+        if typing.get_origin(a) is typing.Literal:
+          literal[prefix + name] = typing.get_args(a)
+  assert literal == early_checks.CHOICES
+
+
+def _refused_before_the_schema(monkeypatch, capsys, argv) -> str:
+  """train_rl.main's one `error:` line for `argv`; the schema's loader fails the test if it is reached."""
+
+  def must_not_load(_argv):
+    raise AssertionError("the config reached the schema (and the model build after it)")
+
+  monkeypatch.setattr(config_lib, "load_config", must_not_load)
+  with pytest.raises(SystemExit) as e:
+    train_rl.main(argv)
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+  return err
+
+
+@pytest.mark.parametrize(
+    "overrides, needle",
+    [
+        (["model_name=qwen3-30b-a3b", "rl.router_replay=true"], "cannot force the routing of decoder_block=qwen3_moe"),
+        (["rollout_engine=bogus"], "'rollout_engine'='bogus'"),
+        (["rollout_engine=vllm"], "'head_dim'=16"),
+        (["num_experts_per_tok=9"], "'num_experts_per_tok'=9"),
+    ],
+    ids=lambda v: " ".join(v) if isinstance(v, list) else "",
+)
+def test_refused_before_the_schema_and_the_model(monkeypatch, capsys, tmp_path, overrides, needle):
+  config = MOE if overrides[0].startswith("num_experts") else TINY
+  err = _refused_before_the_schema(monkeypatch, capsys, [config, f"base_output_directory={tmp_path}", *overrides])
+  assert needle in err
+
+
+@pytest.fixture(name="checkpointed_run", scope="module")
+def checkpointed_run_fixture(tmp_path_factory):
+  """A cpu_tiny run directory whose step 2 holds the metadata a real run writes (resume._meta of its typed config)."""
+  base = tmp_path_factory.mktemp("resume")
+  argv = [TINY, f"base_output_directory={base}", "run_name=r", "num_batches=4"]
+  config = config_lib.load_config(argv)
+  meta_dir = base / "r" / "checkpoints" / "2" / "meta"
+  meta_dir.mkdir(parents=True)
+  (meta_dir / "metadata").write_text(json.dumps(resume._meta(config, 2)))  # pylint: disable=protected-access
+  return argv, config
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("loss_algo=gspo-token", "written with rl.loss_algo='grpo' but this run has rl.loss_algo='gspo-token'"),
+        ("rl.num_iterations=2", "written with rl.num_iterations * batch_size / rl.mini_batch_size=1 but this run has"),
+        ("batch_size=4", "written with batch_size=2 but this run has batch_size=4"),
+    ],
+)
+def test_a_resume_that_changes_the_update_is_refused_before_the_schema(
+    monkeypatch, capsys, checkpointed_run, override, needle
+):
+  argv, _ = checkpointed_run
+  err = _refused_before_the_schema(monkeypatch, capsys, [*argv, override])
+  assert needle in err and "cannot resume" in err
+
+
+def test_the_same_resume_is_refused_by_the_second_pass_too(checkpointed_run):
+  argv, _ = checkpointed_run
+  config = config_lib.load_config([*argv, "loss_algo=gspo-token"])
+  with pytest.raises(errors.CheckpointError, match="rl.loss_algo='grpo'"):
+    run_identity.preflight(config)
+  run_identity.preflight(config_lib.load_config([*argv, "learning_rate=1e-5"]))  # an update key: a note, not a refusal
+
+
+def test_a_resume_says_every_update_key_it_changes(checkpointed_run):
+  # rl.router_replay and load_balance_loss_weight got no note (rl.dynamic_sampling did).
+  argv, config = checkpointed_run
+  meta = {"step": 2, "update_keys": run_identity.update_values(config)}
+  changed = config_lib.load_config(
+      [*argv, "rl.router_replay=true", "load_balance_loss_weight=0.05", "model_name=mixtral-8x7b", "num_experts=4"]
+      + ["num_experts_per_tok=2", "capacity_factor=-1", "base_moe_mlp_dim=32", "sparse_matmul=false", "megablox=false"]
+  )
+  notes = "\n".join(run_identity.update_changes(changed, meta))
+  assert "note: resuming with rl.router_replay=True, not the False of the checkpoint's steps (1-2)" in notes
+  assert "note: resuming with load_balance_loss_weight=0.05, not the" in notes
+
+
+def test_every_update_key_is_noted_refused_or_exempt():
+  # The keys of the update's concerns (the rl: block, the loss, optimizer, rewards, rollout): each is noted on resume
+  # (UPDATE_KEYS), refused on resume (resume_invariants' keys) or exempt with a reason. A new key in none fails here.
+  concerns = (
+      "honoured (algorithms",
+      "honoured (rewards",
+      "honoured (trainer: optimizer",
+      "honoured (rollout engine",
+      "honoured (async_rollout",
+      "honoured (dynamic_sampling",
+      "honoured (experience",
+      "honoured (agentic",
+      "honoured (moe",
+  )
+  refused_on_resume = {
+      "batch_size",
+      "rl.num_generations",
+      "data_shuffle_seed",
+      "train_data_path",
+      "dataset_name",
+      "rl.loss_algo",
+      "rollout_seed",
+      "rl.num_iterations",
+      "rl.mini_batch_size",
+  }
+  domain = set()
+  for key in key_status.all_keys():
+    status = key_status.status(key) or ""
+    if (key.startswith("rl.") or status.startswith(concerns)) and status.startswith("honoured"):
+      domain.add(key_status.canonical(key))
+  missing = domain - set(run_identity.UPDATE_KEYS) - refused_on_resume - set(run_identity.RESUME_EXEMPT)
+  assert not missing, f"neither noted on resume, refused nor exempt (run_identity.RESUME_EXEMPT): {sorted(missing)}"
+  assert {"rl.router_replay", "load_balance_loss_weight"} <= set(run_identity.UPDATE_KEYS)
+
+
+def test_metrics_file_in_another_runs_directory_is_refused(tmp_path):
+  # Run X writing into run Y's directory: Y's fresh start took the file for its own and pruned X's records.
+  base = tmp_path / "runs"
+  argv = [TINY, f"base_output_directory={base}", "run_name=x", f"metrics_file={base / 'y' / 'metrics.jsonl'}"]
+  with pytest.raises(errors.UserError, match=r"lies in .*/runs/y, another run's directory"):
+    train_rl._precheck(config_precheck.precheck(argv))  # pylint: disable=protected-access
+  elsewhere = tmp_path / "old" / "z"  # a run directory under another base: known by the files a run writes
+  elsewhere.mkdir(parents=True)
+  (elsewhere / "batches.jsonl").write_text("")
+  argv[-1] = f"metrics_file={elsewhere / 'sub' / 'm.jsonl'}"
+  with pytest.raises(errors.UserError, match="another run's directory"):
+    train_rl._precheck(config_precheck.precheck(argv))  # pylint: disable=protected-access
+  for ok in (base / "x" / "m.jsonl", base / "all.jsonl", tmp_path / "mine" / "m.jsonl"):
+    argv[-1] = f"metrics_file={ok}"
+    train_rl._precheck(config_precheck.precheck(argv))  # pylint: disable=protected-access
+
+
+def test_an_empty_min_or_max_is_left_out_of_the_records_and_said_once(tmp_path, capsys):
+  # Dynamic sampling with no informative group: the loss saw no token, ratio_min = min() = +inf, ratio_max = -inf.
+  path = tmp_path / "m.jsonl"
+  logger = metrics_lib.RunLogger(str(tmp_path / "tb"), str(path), total_steps=3)
+  try:
+    for step in (1, 2):
+      logger.log_step(step, {"train/ratio_min": math.inf, "train/ratio_max": -math.inf, "train/ratio_mean": 1.0})
+    logger.log_step(3, {"train/ratio_min": 0.8, "train/ratio_max": 1.3, "train/loss": math.nan})
+  finally:
+    logger.close()
+
+  def no_constants(name):
+    raise AssertionError(f"{name} in the metrics stream")
+
+  lines = path.read_text(encoding="utf-8").splitlines()
+  recs = [json.loads(line, parse_constant=no_constants if "NaN" not in line else None) for line in lines]
+  assert [sorted(r) for r in recs[:2]] == [["step", "train/ratio_mean"]] * 2
+  assert recs[2]["train/ratio_min"] == 0.8 and recs[2]["train/ratio_max"] == 1.3
+  assert math.isnan(recs[2]["train/loss"])  # a NaN loss stays: run/step.check_update must see it
+  out = capsys.readouterr().out
+  assert out.count("note: train/ratio_min left out") == 1 and out.count("note: train/ratio_max left out") == 1
+  # A logging window reduces the extremes as extremes: one empty step does not turn the window's min into +inf.
+  reducers = tunix_wiring.rl_metrics_to_log(tunix_wiring.PluginGrpoConfig(num_generations=2))
+  assert reducers["ratio_min"]([math.inf, 0.9]) == 0.9 and reducers["ratio_max"]([-math.inf, 1.2]) == 1.2
+  assert reducers["ratio_mean"] is np.mean
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--router-scales", "abc"], "'--router-scales'='abc'"),
+        (["--router-scales", "1,-0.1"], "'--router-scales'='1,-0.1'"),
+        (["--prompts", "0"], "'--prompts'=0: must be >= 1"),
+        (["--temperature", "-1"], "'--temperature'=-1.0: must be > 0"),
+        (["--temperature", "nan"], "'--temperature'=nan"),
+    ],
+)
+def test_bench_moe_flags_are_one_line_before_any_model(monkeypatch, argv, needle):
+  monkeypatch.setattr(bench_moe.models, "setup_devices", lambda *a, **k: pytest.fail("reached the model setup"))
+  with pytest.raises(errors.ConfigError) as e:
+    bench_moe.main(argv)
+  assert needle in str(e.value)
+
+
+def test_ray_launch_fields_are_dataclass_fields():
+  # test_launch_ray.py checks every numeric flag against NUMERIC_FLAGS when ray is installed; this one always runs.
+  from maxtext_rl_plugin.launch import ray as ray_lib  # pylint: disable=import-outside-toplevel
+
+  numeric = {f.name for f in dataclasses.fields(ray_lib.RayLaunch) if f.type in ("int", "float", "int | None")}
+  assert numeric == set(ray_lib.NUMERIC_FLAGS)
+  with pytest.raises(errors.UserError, match="--cpus-per-worker must be > 0"):
+    ray_lib.RayLaunch(num_workers=2, overrides=[], cpus_per_worker=-2).validate(check_overrides=False)
+
+
+# Class 6: what a user cannot act on stays off the output, and MAXTEXT_RL_VERBOSE=1 shows it.
+
+
+def _xpk_dry_run(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k not in ("TRANSFORMERS_VERBOSITY", errors.VERBOSE_ENV)}
+  env.update(JAX_PLATFORMS="cpu", **env_extra)
+  cmd = [sys.executable, "-m", "maxtext_rl_plugin.launch", "xpk", "--workload", "w", "--cluster", "c"]
+  cmd += ["--tpu-type", "v5p-8", "--project", "p", "--docker-image", "i", "--dry-run", "--", "run_name=x"]
+  return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
+
+
+def test_the_launcher_prints_no_transformers_import_chatter():
+  # `launch ... --dry-run` validates the overrides (the schema imports transformers): its PyTorch and DeepseekV32Config
+  # warnings came before the launcher's own lines.
+  quiet, loud = _xpk_dry_run({}), _xpk_dry_run({errors.VERBOSE_ENV: "1"})
+  assert quiet.returncode == loud.returncode == 0, quiet.stderr[-2000:]
+  assert "[transformers]" in loud.stderr and "PyTorch was not found" in loud.stderr  # the reference: it is there
+  assert "[transformers]" not in quiet.stderr and "xpk workload create-pathways" in quiet.stdout
+  assert "warning: HF_TOKEN is not set" in quiet.stderr  # what the user can act on stays
+
+
+_ORBAX_SAVES = """
+import os, sys, tempfile
+import numpy as np
+from maxtext_rl_plugin import checkpointing, errors
+directory = tempfile.mkdtemp()
+for name in ("verbose", "quiet"):
+  if name == "quiet":
+    del os.environ[errors.VERBOSE_ENV]
+    print("=== quiet", file=sys.stderr, flush=True)
+  errors.quiet_third_party_logs()
+  storage = checkpointing.Storage()  # the run's default format
+  manager = checkpointing.open_manager(os.path.join(directory, name), ("params", "meta"), storage=storage)
+  checkpointing.save_items(manager, 1, {"params": {"w": np.ones(4, np.float32)}}, {"step": 1}, storage=storage)
+  manager.close()
+"""
+
+
+def test_orbax_ocdbt_merge_notice_is_quiet_unless_verbose():
+  # A real Orbax save on one process logs "Skipping merge of OCDBT checkpoints" (the CPU demo: at every save). One process: a save with MAXTEXT_RL_VERBOSE=1 (the reference: the line is there), then one without.
+  env = dict(os.environ, JAX_PLATFORMS="cpu", **{errors.VERBOSE_ENV: "1"})
+  p = subprocess.run(
+      [sys.executable, "-c", _ORBAX_SAVES], env=env, capture_output=True, text=True, timeout=600, check=False
+  )
+  assert p.returncode == 0, p.stderr[-2000:]
+  verbose, quiet = p.stderr.split("=== quiet")
+  assert "Skipping merge of OCDBT checkpoints" in verbose and "Skipping merge" not in quiet
+
+
+def test_compile_rl_accepts_a_yml_that_sets_compile_topology(tmp_path, monkeypatch, capsys):
+  # train_rl accepted it; compile_rl answered "compile_topology=... is required".
+  yml = tmp_path / "aot.yml"
+  yml.write_text("base_config: cpu_tiny.yml\ncompile_topology: v5p-8\n")
+  passed = []
+  monkeypatch.setattr(compile_rl.train_rl, "main", lambda argv: passed.append(argv) or 0)
+  assert compile_rl.main([str(yml), "run_name=c"]) == 0 and passed == [[str(yml), "run_name=c"]]
+  assert compile_rl.main([TINY, "compile_topology=v5p-8"]) == 0
+  assert compile_rl.main([TINY]) == 2 and compile_rl.main([str(yml), "compile_topology="]) == 2
+  assert capsys.readouterr().err.count("error: compile_topology=<MaxText topology name") == 2
