@@ -80,7 +80,8 @@ class UpdatePlan:
 
   @property
   def accumulation_steps(self) -> int:
-    """Micro-batches per optimizer update (Tunix's gradient_accumulation_steps)."""
+    """Micro-batches per optimizer update (MaxText's gradient_accumulation_steps), accumulated inside the update's one
+    jitted step (accumulation.py)."""
     return self.mini_batch_size // self.micro_batch_size
 
   @property
