@@ -196,10 +196,16 @@ class RunCheckpointer:
     logging.info("saved checkpoint step %d to %s", step, self.directory)
 
   def restore(self, step: int, params_target: Any, opt_state_target: Any) -> tuple[Any, Any, dict[str, Any]]:
-    """Restore `step` into the shardings/dtypes of the targets (abstract or concrete trees)."""
+    """Restore `step` into the shardings/dtypes of the targets (abstract or concrete trees); a checkpoint written with
+    Tunix's `optax.MultiSteps` optimizer state (before the update accumulated inside its step) restores too."""
     targets = {"params": params_target, "opt_state": opt_state_target}
     try:
+      legacy = multisteps_layout(self._manager, step)
+      if legacy is not None:
+        targets["opt_state"] = legacy_target(legacy, params_target, opt_state_target)
       restored, meta = restore_items(self._manager, step, targets, distributed.mesh_of(params_target))
+      if legacy is not None:
+        restored["opt_state"] = from_multisteps(restored["opt_state"], opt_state_target)
     except (ValueError, KeyError, FileNotFoundError) as e:
       raise CheckpointError(
           f"checkpoint {self.directory}/{step} does not match this model/optimizer "
@@ -211,6 +217,73 @@ class RunCheckpointer:
     """Wait for an async save in flight and release Orbax's threads."""
     if self._manager:
       self._manager.close()
+
+
+# A checkpoint's optimizer state as Tunix's `optax.MultiSteps` wrapped it (plugin checkpoints written before the actor
+# update accumulated micro-batches itself, accumulation.py): `opt_state.{mini_step, gradient_step, inner_opt_state,
+# acc_grads}` where the optimizer's own state is now `opt_state.*`. The accumulator is read (sharded as the params, so
+# no device holds it whole) and dropped: between RL steps it is zero (every step ends on an optimizer update).
+_MULTISTEPS_INNER = "inner_opt_state"
+_MULTISTEPS_ACC = "acc_grads"
+
+
+def _name(path: tuple) -> str:
+  """A key path as Orbax names a checkpoint leaf: its keys joined by '.'."""
+  return ".".join(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path)
+
+
+def _by_name(tree: Any, is_leaf=None) -> dict[str, Any]:
+  return {_name(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]}
+
+
+def multisteps_layout(manager: ocp.CheckpointManager, step: int) -> Any:
+  """The `opt_state` item's tree metadata when `step` holds MultiSteps' optimizer state, else None."""
+  tree = manager.item_metadata(step)["opt_state"]
+  tree = getattr(tree, "tree", tree)
+  inner = tree.get("opt_state") if isinstance(tree, dict) else None
+  return tree if isinstance(inner, dict) and _MULTISTEPS_INNER in inner and _MULTISTEPS_ACC in inner else None
+
+
+def _is_meta(x: Any) -> bool:
+  return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def legacy_target(layout: Any, params_target: Any, opt_state_target: Any) -> Any:
+  """The abstract MultiSteps-layout tree (`layout`: the checkpoint's metadata) to restore into: the optimizer's own
+  state laid out as the live `opt_state_target`, the accumulator as the params, the counters as the live step."""
+  live = _by_name(opt_state_target)
+  params = _by_name(params_target)
+  scalar = next(x for n, x in live.items() if n.split(".")[0] == "step")
+  inner, acc = f"opt_state.{_MULTISTEPS_INNER}.", f"opt_state.{_MULTISTEPS_ACC}."
+
+  def target(path, meta):
+    n = _name(path)
+    if n.startswith(inner):
+      like = live["opt_state." + n[len(inner) :]]
+    elif n.startswith(acc):
+      like = params[n[len(acc) :]]
+    else:  # step, mini_step, gradient_step: scalars
+      like = scalar
+    return jax.ShapeDtypeStruct(tuple(meta.shape), meta.dtype, sharding=getattr(like, "sharding", None))
+
+  return jax.tree_util.tree_map_with_path(target, layout, is_leaf=_is_meta)
+
+
+def from_multisteps(restored: Any, opt_state_target: Any) -> Any:
+  """The live optimizer's state from a restored MultiSteps-layout tree: the inner optimizer's state as it is, and the
+  update count (`step`) from MultiSteps' `gradient_step` (its own `step` counted micro-batches)."""
+  old = _by_name(restored)
+  inner = f"opt_state.{_MULTISTEPS_INNER}."
+
+  def value(path, like):
+    n = _name(path)
+    if n.startswith("opt_state."):
+      src = old[inner + n[len("opt_state.") :]]
+    else:  # step[.value]
+      src = old["opt_state.gradient_step" + n[len("step") :]]
+    return src if src.dtype == like.dtype else src.astype(like.dtype)
+
+  return jax.tree_util.tree_map_with_path(value, opt_state_target)
 
 
 class _OrbaxErrorLogs(std_logging.Filter):

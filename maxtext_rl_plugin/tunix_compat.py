@@ -16,6 +16,10 @@ greedy evaluation and per-phase timing. What has no public API in Tunix 0.1.7 or
 * MaxText 0.2.5's math_verify spawn pool (`math_verify_pool._shutdown_pool`) for the rewards benchmark, which runs
   MaxText's reward stack side by side with the plugin's: left to interpreter exit, its finalizer can block on
   orphaned locks, and MaxText has no public way to stop it;
+* the actor trainer's step body (`use_train_step`): Tunix jits whatever its public `create_train_step_fn` returns,
+  calling it as `step(model, optimizer, inputs) -> (loss, aux, grad_norm)` with the optimizer donated; the plugin's
+  step (accumulation.py) accumulates micro-batches inside one update instead of Tunix's `optax.MultiSteps`, with the
+  loss (GrpoLearner's, which returns aux) and input functions the learner set;
 * multi-process runs (`multiprocess_workarounds`): `RLCluster` snapshots the actor's whole state to pinned host memory
   with one `jax.device_put` (`tunix.rl.utils.put_params_on_memory_kind`, at construction and on every sync), which
   in a multi-controller program rejects the model's typed PRNG-key leaves on a global mesh. The plugin swaps in
@@ -62,6 +66,35 @@ def trainer_steps(actor_trainer: Any) -> tuple[int, int]:
 def flush_train_metrics(actor_trainer: Any) -> None:
   """Write the last update's buffered metrics now (Tunix defers them by one update)."""
   actor_trainer._write_train_metrics()
+
+
+def use_train_step(actor_trainer: Any, step: Callable[..., Any], steps: int) -> None:
+  """Make `actor_trainer` jit `step(model, optimizer, inputs, *, loss_fn, gen_model_input_fn, lora, steps)` (the
+  accumulating update, accumulation.train_step) with the loss and input functions its learner set, instead of
+  `PeftTrainer._train_step`; call after the learner is built (it sets them) and before the first update."""
+  from tunix.sft import utils as sft_utils
+
+  trainer = actor_trainer
+  if trainer.config.gradient_accumulation_steps is not None:
+    raise ValueError("the actor trainer accumulates itself (train_micro_batch_size set): its MultiSteps would too")
+  lora = sft_utils.is_lora_enabled(trainer.model)
+
+  def create_train_step_fn():
+    def train_step(model, optimizer, inputs):
+      return step(
+          model,
+          optimizer,
+          inputs,
+          loss_fn=trainer.loss_fn,
+          gen_model_input_fn=trainer.gen_model_input_fn,
+          lora=lora,
+          steps=steps,
+      )
+
+    return train_step
+
+  trainer.create_train_step_fn = create_train_step_fn
+  trainer.clear_jit_cache()
 
 
 def multiprocess_workarounds() -> None:

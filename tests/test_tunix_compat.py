@@ -107,3 +107,20 @@ def test_actor_train_step_body_reads_only_what_the_stand_in_holds():
       "optimizer",
       "inputs",
   ]
+
+
+def test_train_step_seam_the_accumulating_update_uses():
+  """`use_train_step`: the trainer jits what `create_train_step_fn` returns with the optimizer donated and unpacks
+  (loss, aux, grad_norm); MultiSteps wraps the optimizer only when gradient_accumulation_steps is set, which
+  RLTrainingConfig derives only from train_micro_batch_size (build_run leaves it unset)."""
+  jit_src = inspect.getsource(peft_trainer.PeftTrainer.jit_train_and_eval_step)
+  assert "self.create_train_step_fn()" in jit_src and 'donate_argnames=("optimizer",)' in jit_src
+  assert "train_loss, aux, grad_norm = train_step(train_example)" in inspect.getsource(peft_trainer.PeftTrainer.train)
+  init_src = inspect.getsource(peft_trainer.PeftTrainer.__init__)
+  assert "if training_config.gradient_accumulation_steps is not None:" in init_src and "MultiSteps" in init_src
+  post_src = inspect.getsource(rl_cluster.RLTrainingConfig.__post_init__)
+  assert "if self.train_micro_batch_size is not None:" in post_src
+  assert "self.gradient_accumulation_steps = (" in post_src
+  # Its step body: value_and_grad of the learner's loss over the trainable params, global norm, optimizer update.
+  body = inspect.getsource(getattr(peft_trainer.PeftTrainer, "_train_step"))
+  assert "nnx.value_and_grad(" in body and "optax.global_norm(grads)" in body and "optimizer.update(model, grads)" in body

@@ -5,9 +5,10 @@
 Why: the plugin's update replaces Tunix's loss (`tunix_wiring.tunix_policy_loss_fn`: configurable KL estimator,
 aggregation, entropy metric, MoE terms) but keeps Tunix's trainer step. Whether that costs HBM or FLOPs is answered
 by compiling Tunix 0.1.7's unmodified GRPO loss (`algo_core.grpo_loss_fn`, looked up by the name `GRPOConfig`
-gives it, as `GRPOLearner.__init__` does, and wrapped in the learner's own lambda) inside the same
-`PeftTrainer._train_step` (`tunix_compat.actor_train_step`), over the same abstract actor + optimizer state
-(`programs.abstract_train_state`) and micro-batch (`programs._example`) on the same trainer devices and mesh
+gives it, as `GRPOLearner.__init__` does, and wrapped in the learner's own lambda) inside the same train step
+(`accumulation.train_step`, which with one micro-batch per update is `PeftTrainer._train_step`'s body), over the same
+abstract actor + optimizer state (`programs.abstract_train_state`) and example (`programs._example`) on the same
+trainer devices and mesh
 (`models.setup_devices` on the topology's devices). Only the loss function differs between the two rows.
 
 Tunix's loss gets Tunix's own `GRPOConfig` with the run's G, mu, beta, epsilon, loss_algo and aggregation; the KL
@@ -26,6 +27,7 @@ from typing import Sequence
 from absl import logging
 
 from maxtext_rl_plugin import errors
+from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.errors import ConfigError
 
 # JAX reads JAX_PLATFORMS when it is imported: JAX, Flax, MaxText and Tunix are imported inside the functions, after
@@ -76,7 +78,8 @@ def tunix_update(plugin_update, graphdef, config, lora: bool):
   algo = tunix_algo_config(config)
   loss_fn = tunix_loss_fn(algo, programs.PAD_ID, programs.EOS_ID)
 
-  step = programs.train_step_fn(graphdef, loss_fn, algo, lora)
+  steps = updates.UpdatePlan.from_config(config).accumulation_steps
+  step = programs.train_step_fn(graphdef, loss_fn, algo, lora, steps)
   return dataclasses.replace(plugin_update, name=TUNIX_ROW, fn=step, note="Tunix 0.1.7 algo_core.grpo_loss_fn")
 
 

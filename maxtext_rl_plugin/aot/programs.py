@@ -3,12 +3,12 @@
 Each `Program` is a function, its abstract arguments (`jax.ShapeDtypeStruct`s carrying the run's `NamedSharding`s on
 the target's devices) and how often a step runs it. Nothing here reads a checkpoint, a tokenizer or data:
 
-* `actor_update`: Tunix's actor-trainer step (`PeftTrainer._train_step`, through `tunix_compat.actor_train_step`)
-  with the loss the learner registers (`tunix_wiring.tunix_policy_loss_fn` via Tunix's function registry, the algo
-  config of `tunix_wiring.tunix_algo_config`), the optimizer of `run/build.build_optimizer` (wrapped in
-  `optax.MultiSteps` when a mini-batch has several micro-batches, as Tunix does), over the model `from_pretrained`
+* `actor_update`: the actor trainer's step (`accumulation.train_step`, the body the run's actor trainer jits: one
+  optimizer update over a mini-batch, its micro-batches accumulated inside) with the loss the learner registers
+  (`tunix_wiring.tunix_policy_loss_fn` via Tunix's function registry, the algo config of
+  `tunix_wiring.tunix_algo_config`), the optimizer of `run/build.build_optimizer`, over the model `from_pretrained`
   builds (`model_creation_utils.get_nnx_create_model_fn` on `get_mesh_from_config`'s mesh), LoRA applied by
-  MaxText's `apply_lora_to_model` as `lora.apply` does; at the train micro-batch.
+  MaxText's `apply_lora_to_model` as `lora.apply` does; at the mini-batch.
 * `reference_logps` / `old_logps`: Tunix's `compute_per_token_logps` (stop-gradient) on the trainer mesh, as
   `experience.TrainerLogps` and the reference forward run it, at the micro-batch. On an MoE model the old-policy
   forward is TrainerLogps' own: `moe.forward_logps` over a recording graphdef (routing out, replayed routing in).
@@ -44,11 +44,11 @@ from tunix.rl import common as tunix_common
 from tunix.rl import function_registry
 
 from maxtext_rl_plugin.algorithms import tunix_wiring
+from maxtext_rl_plugin.run import accumulation
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
-from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.rollout import bucketing
 from maxtext_rl_plugin.rollout import decode
@@ -107,11 +107,9 @@ def _train_state_fn(config, mesh, tx, lora: bool, pad_id: int = PAD_ID) -> Calla
 
 
 def optimizer(config) -> optax.GradientTransformation:
-  """The actor's optimizer as Tunix's trainer holds it: build_optimizer, MultiSteps over micro-batches."""
-  plan = updates.UpdatePlan.from_config(config)
-  # build_run always sets train_micro_batch_size, so RLTrainingConfig derives gradient_accumulation_steps (>= 1) and
-  # PeftTrainer always wraps the optimizer in MultiSteps (one gradient-accumulator copy of the trainable params).
-  return optax.MultiSteps(build.build_optimizer(config), plan.accumulation_steps)
+  """The actor's optimizer as the run's trainer holds it: build_optimizer, with no MultiSteps wrapper (build_run
+  leaves Tunix's train_micro_batch_size unset; micro-batches accumulate inside the step, accumulation.py)."""
+  return build.build_optimizer(config)
 
 
 def abstract_train_state(config, mesh, lora: bool, pad_id: int = PAD_ID):
@@ -194,21 +192,24 @@ def loss_fn_of(config, pad_id: int = PAD_ID, eos_id: int = EOS_ID):
 
 
 def update_fn(graphdef, config, lora: bool, pad_id: int = PAD_ID, eos_id: int = EOS_ID):
-  """The actor update as a pure function of (state, example): Tunix's train step on the merged module."""
+  """The actor update as a pure function of (state, example): the run's train step on the merged module."""
   loss_fn, algo = loss_fn_of(config, pad_id, eos_id)
-  return train_step_fn(graphdef, loss_fn, algo, lora)
+  return train_step_fn(graphdef, loss_fn, algo, lora, updates.UpdatePlan.from_config(config).accumulation_steps)
 
 
-def train_step_fn(graphdef, loss_fn, algo, lora: bool):
-  """Tunix's train step with `loss_fn` (and its `algo` config) as a pure function of (state, example); the plugin's
-  update and aot/anchor_tunix.py's Tunix-loss update differ only in the loss."""
+def train_step_fn(graphdef, loss_fn, algo, lora: bool, steps: int):
+  """The run's train step (`accumulation.train_step` over `steps` micro-batches) with `loss_fn` (and its `algo`
+  config) as a pure function of (state, example); the plugin's update and aot/anchor_tunix.py's Tunix-loss update
+  differ only in the loss."""
 
   def gen_input(x):
     return {"train_example": x, "algo_config": algo}
 
   def step(state, example):
     ts = nnx.merge(graphdef, state)
-    loss, aux, grad_norm = tunix_compat.actor_train_step(ts.model, ts.optimizer, example, loss_fn, gen_input, lora)
+    loss, aux, grad_norm = accumulation.train_step(
+        ts.model, ts.optimizer, example, loss_fn=loss_fn, gen_model_input_fn=gen_input, lora=lora, steps=steps
+    )
     return nnx.state(ts), loss, aux, grad_norm
 
   return step
@@ -218,7 +219,7 @@ def actor_update(config, mesh, lora: bool, pad_id: int = PAD_ID, eos_id: int = E
   """The update program and the abstract train state (shared with the log-prob forwards)."""
   plan = updates.UpdatePlan.from_config(config)
   graphdef, state, shardings = abstract_train_state(config, mesh, lora, pad_id)
-  rows = plan.micro_batch_size * plan.num_generations
+  rows = plan.mini_batch_size * plan.num_generations  # one mini-batch per call, its micro-batches accumulated inside
   beta = float(config.rl.grpo_beta)
   routed = _routing(config, mesh, graphdef, state, rows) if replays_routing(config) else None
   example = _example(config, mesh, rows, beta, config.rl.rollout_is != "off", routed)
@@ -229,7 +230,7 @@ def actor_update(config, mesh, lora: bool, pad_id: int = PAD_ID, eos_id: int = E
       mesh=mesh,
       fn=update_fn(graphdef, config, lora, pad_id, eos_id),
       args=(state, example),
-      calls_per_step=plan.micro_steps_per_step,
+      calls_per_step=plan.updates_per_step,
       knob="train_micro_batch_size (or remat_policy, trainer_devices_fraction)",
       rules=config.logical_axis_rules,
       in_shardings=(shardings, ex_sh),

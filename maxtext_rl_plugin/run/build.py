@@ -24,6 +24,7 @@ from tunix.rl.rollout import base_rollout
 from tunix.sft import metrics_logger
 
 from maxtext_rl_plugin.algorithms import tunix_wiring
+from maxtext_rl_plugin.run import accumulation
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import evaluation as evaluation_lib
@@ -273,9 +274,11 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
           actor_optimizer=build_optimizer(config),
           eval_every_n_steps=10**9,  # eval is the plugin's (run/evaluation.py, on eval_interval)
           max_steps=total_updates(config),
-          # Public micro-batch fields (prompts): Tunix derives gradient_accumulation_steps = mini / micro from them.
+          # Public micro-batch fields (prompts). train_micro_batch_size stays unset: Tunix would derive
+          # gradient_accumulation_steps from it and wrap the optimizer in optax.MultiSteps (a persistent accumulator);
+          # the plugin's train step accumulates the mini-batch's micro-batches itself (accumulation.py).
           mini_batch_size=plan.mini_batch_size,
-          train_micro_batch_size=plan.micro_batch_size,
+          train_micro_batch_size=None,
           rollout_micro_batch_size=None if config.rollout_micro_batch_size <= 0 else config.rollout_micro_batch_size,
           compute_logps_micro_batch_size=plan.micro_batch_size,
           metrics_logging_options=metrics_logger.MetricsLoggerOptions(
@@ -303,6 +306,7 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   # The learner wires the plugin's policy loss into the actor trainer; its own step (`train()`) is not used.
   learner = grpo_learner.GrpoLearner(rl_cluster=rl_cluster, algo_config=algo_config, reward_fns=reward_fns)
   rl_cluster.actor_trainer.with_rl_metrics_to_log(tunix_wiring.rl_metrics_to_log(algo_config))
+  tunix_compat.use_train_step(rl_cluster.actor_trainer, accumulation.train_step, plan.accumulation_steps)
   trainer_logps = experience.TrainerLogps(rl_cluster, actor_mesh, config.logical_axis_rules)
   if (
       config.rl.off_policy_steps > 0

@@ -114,7 +114,7 @@ def _restore_newest(rl_run: RLRun, ckpt) -> tuple[int, dict]:
         print(f"skipped checkpoint step {bad} (does not restore: {why}); kept as {kept}", flush=True)
     nnx.update(trainer.model, params)
     nnx.update(trainer.optimizer, opt_state)
-    tunix_compat.set_trainer_steps(trainer, step * rl_run.plan.updates_per_step, rl_run.plan.accumulation_steps)
+    tunix_compat.set_trainer_steps(trainer, step * rl_run.plan.updates_per_step, rl_run.plan.trainer_calls_per_update)
     rl_run.rl_cluster.global_steps = step
     if rl_run.learner.should_sync_weights:
       rl_run.rl_cluster.sync_weights()

@@ -233,7 +233,7 @@ def train_step(rl_run: RLRun, producer, step: int, snapshot: bool, audit: bool) 
   rl_run.data_position = dynamic_sampling.next_position(sampled, step, rl_run.config.batch_size)
   exp = experience.score(rl_run, sampled, rl_run.plan, rl_run.timer)
   with rl_run.timer.phase("train"):
-    rl_run.rl_cluster.update_actor(updates.micro_batches(exp.example, rl_run.plan), None, skip_jit=False)
+    rl_run.rl_cluster.update_actor(updates.update_batches(exp.example, rl_run.plan), None, skip_jit=False)
     # Tunix defers writing an update's metrics by one update (to overlap I/O); flush so this step's are this step's.
     tunix_compat.flush_train_metrics(rl_run.rl_cluster.actor_trainer)
     check_update(step, rl_run.tee.latest())

@@ -6,7 +6,7 @@ Sizes are counted in prompts, as MaxText's `batch_size` and Tunix's `RLTrainingC
     B  = batch_size                 prompts sampled per RL step (one rollout batch)
     M  = rl.mini_batch_size         prompts per optimizer update (default B; verl's ppo_mini_batch_size)
     m  = train_micro_batch_size     prompts per forward/backward (default M); gradients of M/m micro-batches
-                                    are averaged before the update (optax.MultiSteps inside Tunix's trainer)
+                                    are averaged inside the update's one jitted step (accumulation.py)
     mu = rl.num_iterations          passes over the rollout batch (mu in the GRPO paper)
 
     updates per RL step = mu * B / M,   micro-steps per RL step = mu * B / m
@@ -80,12 +80,19 @@ class UpdatePlan:
 
   @property
   def accumulation_steps(self) -> int:
-    """Micro-batches per optimizer update (Tunix's gradient_accumulation_steps)."""
+    """Micro-batches per optimizer update (MaxText's gradient_accumulation_steps), accumulated inside the update's one
+    jitted step (accumulation.py)."""
     return self.mini_batch_size // self.micro_batch_size
 
   @property
   def micro_steps_per_step(self) -> int:
     return self.updates_per_step * self.accumulation_steps
+
+  @property
+  def trainer_calls_per_update(self) -> int:
+    """Calls of Tunix's train step per optimizer update: 1, the micro-batches are accumulated inside it
+    (accumulation.py; Tunix's own `gradient_accumulation_steps` stays unset, so it counts one micro-step per update)."""
+    return 1
 
   @property
   def needs_old_logps(self) -> bool:
@@ -107,8 +114,9 @@ class UpdatePlan:
         yield slice(start, start + rows)
 
 
-def slice_rows(example: Any, rows: slice) -> Any:
-  """The rows `rows` of a Tunix `TrainExample` (every array field's leading axis; None fields stay None)."""
+def slice_rows(example: Any, rows: slice | np.ndarray) -> Any:
+  """The rows `rows` (a slice, or row indices in order) of a Tunix `TrainExample` (every array field's leading axis;
+  None fields stay None)."""
   fields = {}
   for f in dataclasses.fields(example):
     v = getattr(example, f.name)
@@ -119,6 +127,23 @@ def slice_rows(example: Any, rows: slice) -> Any:
 
 
 def micro_batches(example: Any, plan: UpdatePlan) -> list[Any]:
-  """The TrainExamples Tunix's trainer consumes for one RL step: `plan.micro_steps_per_step` of them; the trainer
-  applies an optimizer update after every `plan.accumulation_steps`."""
+  """Every micro-batch of one RL step in training order (`plan.micro_steps_per_step` TrainExamples)."""
   return [slice_rows(example, s) for s in plan.micro_batch_rows()]
+
+
+def strided_order(rows: int, steps: int) -> np.ndarray:
+  """The row order of a mini-batch of `steps` contiguous micro-batches of `rows` rows each such that MaxText's strided
+  split (`accumulation.split_micro_batches`: micro-batch i = rows i, i + steps, ...) gives back micro-batch i:
+  position j * steps + i holds row i * rows + j."""
+  return (np.arange(steps)[None, :] * rows + np.arange(rows)[:, None]).reshape(-1)
+
+
+def update_batches(example: Any, plan: UpdatePlan) -> list[Any]:
+  """The TrainExamples Tunix's trainer consumes for one RL step: one per optimizer update (`plan.updates_per_step`),
+  each the mini-batch whose `plan.accumulation_steps` micro-batches the jitted step accumulates
+  (accumulation.train_step), its rows ordered for the strided split (`strided_order`)."""
+  k = plan.accumulation_steps
+  micro_rows = plan.micro_batch_size * plan.num_generations
+  starts = [s.start for s in plan.micro_batch_rows()][::k]
+  blocks = [slice_rows(example, slice(start, start + k * micro_rows)) for start in starts]
+  return blocks if k == 1 else [slice_rows(b, strided_order(micro_rows, k)) for b in blocks]
