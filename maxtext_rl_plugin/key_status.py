@@ -348,6 +348,16 @@ _KEY_STATUS: dict[str, str] = {
     "rl.reshard_chunk_size": "honoured (resharding: trainer->sampler sync chunk)",
     "rl.verify_weight_sync": "honoured (resharding: post-sync check)",
     "rl.verify_weight_sync_every": "honoured (resharding: post-sync check)",
+    **dict.fromkeys(
+        (
+            "rl.parity_check",
+            "rl.parity_check_every",
+            "rl.parity_logp_tolerance_mean",
+            "rl.parity_logp_tolerance_max",
+            "rl.parity_routing_tolerance",
+        ),
+        "honoured (parity.py: sampler vs trainer log-probs of the sampled tokens, stop before the update)",
+    ),
     # --- cluster ---
     "rollout_data_parallelism": VLLM_ROLLOUT,
     "rollout_tensor_parallelism": VLLM_ROLLOUT,
