@@ -140,8 +140,9 @@ class PluginRL(types.RL):
           "Mixture-of-experts router replay (R3): the embedded rollout records the experts every MoE layer routed each "
           "prompt and completion token to, and the trainer's old-policy and policy forwards use them "
           "(MaxText's forced_routed_experts) instead of their own router's choice, so sampler and trainer score the "
-          "same network (docs/moe.md). Decoder blocks MaxText can force (Mixtral, Qwen3.5, Gemma 4) on the embedded "
-          "engine only; the reference model keeps its own routing."
+          "same network (docs/moe.md). Every MoE family (MaxText forces Mixtral, Qwen3.5 and Gemma 4; the plugin "
+          "forces Qwen3-MoE, gpt-oss and DeepSeek at their MoE modules), on the embedded engine only; the reference "
+          "model keeps its own routing."
       ),
   )
   verify_weight_sync: Literal["off", "first", "every_n"] = Field(

@@ -527,7 +527,8 @@ _KEY_STATUS.update(
         ),
         "rl.router_replay": (
             "honoured (moe.py: the embedded rollout's routing replayed in the trainer's old-policy and policy "
-            "forwards; refused for decoder blocks MaxText cannot force and for engines that do not report routing)"
+            "forwards, forced by MaxText or at the MoE modules by the plugin; refused for engines that do not report "
+            "routing)"
         ),
     }
 )

@@ -68,7 +68,7 @@ class ParityError(UserError):
   """The sampler's log-probs of its own tokens are not the trainer's: the run stops before the step's update."""
 
 
-def _precision(dtype: Any) -> str:
+def precision(dtype: Any) -> str:
   """'float32' or 'bfloat16' (anything below 32 bits counts as bfloat16: the looser tolerances)."""
   return "float32" if jnp.dtype(dtype).itemsize >= 4 else "bfloat16"
 
@@ -77,8 +77,8 @@ def pairing(config: Any, engine: str = "embedded") -> str:
   """'<sampler>/<trainer>' precision of a run: the embedded engine computes in MaxText's `dtype` like the trainer;
   vLLM in the weights' dtype (rollout/vllm_config.py passes `weight_dtype` as vLLM's `dtype`). A float32 sampler
   against a bfloat16 trainer gets the bfloat16/bfloat16 tolerances."""
-  trainer = _precision(config.dtype)
-  sampler = _precision(config.weight_dtype if engine == "vllm" else config.dtype)
+  trainer = precision(config.dtype)
+  sampler = precision(config.weight_dtype if engine == "vllm" else config.dtype)
   if sampler == "float32" and trainer == "bfloat16":
     sampler = "bfloat16"
   return f"{sampler}/{trainer}"
@@ -125,29 +125,42 @@ def figures(
   return out
 
 
+def exceeded(figs: dict[str, float], tol: Tolerance) -> str | None:
+  """The first figure past its tolerance ('mean', 'routing' or 'max'), or None: the mean first (a sampler computing
+  another function moves every token), then the routing, then the tail."""
+  if figs["parity/logp_abs_diff_mean"] > tol.mean:
+    return "mean"
+  routing = figs.get("parity/routing_mismatch_fraction")
+  if routing is not None and routing > tol.routing:
+    return "routing"
+  if figs["parity/logp_abs_diff_max"] > tol.max:
+    return "max"
+  return None
+
+
 def check(step: int, figs: dict[str, float], tol: Tolerance, pair: str) -> None:
-  """Raise `ParityError` (one line) when a figure is past its tolerance: the mean first (a sampler computing another
-  function moves every token), then the routing, then the tail."""
+  """Raise `ParityError` (one line: the step, the figure, the tolerance, the likeliest cause) when `exceeded`."""
+  which = exceeded(figs, tol)
   where = f"step {step}: the sampler and the trainer disagree on the sampled tokens"
   stop = f"stopped before step {step}'s update (rl.parity_check; {pair} sampler/trainer)"
   mean, worst = figs["parity/logp_abs_diff_mean"], figs["parity/logp_abs_diff_max"]
   n = int(figs.get("parity/tokens", 0))
-  if mean > tol.mean:
+  if which == "mean":
     raise ParityError(
         f"{where}: mean |log p_sampler - log p_trainer| = {mean:.3g} over {n} completion tokens > "
         f"rl.parity_logp_tolerance_mean = {tol.mean:g}; {stop}. Likeliest cause: the sampler runs another function "
         "than the trainer: a weight mapping that puts same-shape tensors in the wrong place (gate/up kernels or kv "
         "heads exchanged, a transposed or unpadded kernel) or a sampler built with another model config"
     )
-  routing = figs.get("parity/routing_mismatch_fraction")
-  if routing is not None and routing > tol.routing:
+  if which == "routing":
+    routing = figs["parity/routing_mismatch_fraction"]
     raise ParityError(
         f"{where}: {routing:.1%} of (token, MoE layer) pairs go to other experts > rl.parity_routing_tolerance = "
         f"{tol.routing:g}; {stop}. Likeliest cause: the two sides' routers break near-ties differently (a bfloat16 "
         "router); rl.router_replay=true replays the sampler's routing in the trainer, float32_gate_logits=true "
         "computes the router in float32"
     )
-  if worst > tol.max:
+  if which == "max":
     raise ParityError(
         f"{where}: max |log p_sampler - log p_trainer| = {worst:.3g} (mean {mean:.3g}) > rl.parity_logp_tolerance_max "
         f"= {tol.max:g}; {stop}. Likeliest cause: a few tokens scored very differently while most agree: precision "
