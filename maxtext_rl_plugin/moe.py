@@ -11,8 +11,13 @@ token to different experts, so pi_theta / pi_old compares different networks (Me
   MaxText's NNX decoder does (sorted by layer; scanned layers already carry a leading layer axis);
 * replay: a decoder call with `forced_routed_experts` [batch, seq, layers, k] uses those indices instead of the
   router's top-k (the router's logits still give the weights, so the router keeps its gradient); an index outside
-  [0, num_experts) (-1 here) is an unused slot: the token gets no expert output there. MaxText supports it for
-  `types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS` (Qwen3.5, Mixtral, Gemma 4 at this pin) and refuses others.
+  [0, num_experts) (-1 here) is an unused slot: the token gets no expert output there. MaxText's decoder passes it
+  down for `types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS` (Qwen3.5, Mixtral, Gemma 4 at this pin) and refuses the
+  others, whose layers take no such argument (Qwen3-MoE, gpt-oss, DeepSeek). For those the plugin forces the routing
+  where it records it: `set_replay` puts each layer's experts on its `RoutedMoE` module (`ForcedExperts`, a variable
+  that a scanned stack's scan slices per layer like the layer's weights) and the recording class's `__call__` hands
+  them to MaxText's own `RoutedMoE.__call__` as its `forced_routed_experts`, which threads them to `get_topk` on the
+  dense, sparse (megablox / ragged) and expert-parallel paths.
 
 Routing arrays are laid out like the trainer's input, prompt then completion: [rows, P + T, layers, k] int32 with
 P = max_prompt_length (prompts left-padded) and T = the completion budget; -1 where no token was routed (prompt
@@ -46,7 +51,7 @@ from maxtext.utils import maxtext_utils
 from tunix.rl import common as tunix_common
 from tunix.rl.grpo import grpo_learner
 
-from maxtext_rl_plugin.config import early_checks
+from maxtext_rl_plugin.config.load import early_checks
 from maxtext_rl_plugin.errors import ConfigError
 
 UNSET = -1  # no routing recorded for this token (MaxText's forced-routing sentinel, Tunix's UNSET_ROUTED_EXPERT)
@@ -56,9 +61,16 @@ def is_moe(config: Any) -> bool:
   return int(config.num_experts) > 1
 
 
-def replay_supported(config: Any) -> bool:
-  """Whether MaxText can force routing for this model (its own list; its decoder raises for the others)."""
+def replay_native(config: Any) -> bool:
+  """Whether MaxText's decoder forces this model's routing itself (`forced_routed_experts`, its own list); the plugin
+  forces the others at their MoE modules (`set_replay`)."""
   return config.decoder_block in maxtext_types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS
+
+
+def replay_supported(config: Any) -> bool:
+  """Whether the trainer can replay this MoE model's routing: every MaxText decoder block whose MoE layers are
+  `RoutedMoE` modules (MaxText's list, and the plugin's forcing for Qwen3-MoE, gpt-oss, DeepSeek and the rest)."""
+  return is_moe(config)
 
 
 def check_config(pc: Any) -> None:
@@ -119,6 +131,21 @@ def _recording_sparse_matmul(
     _INSIDE_SPARSE.reset(token)
 
 
+class ForcedExperts(nnx.Variable):
+  """The experts a module must route each token to in the next call (router replay where MaxText's decoder does not
+  pass `forced_routed_experts` down): [batch, seq, k], or [layers, batch, seq, k] on a scanned stack, whose scan
+  slices it per layer with the rest of the layer's state."""
+
+
+def _forcing_call(self, inputs, *args, forced_routed_experts=None, **kwargs):
+  """MaxText's `RoutedMoE.__call__`, given the module's `ForcedExperts` as its own `forced_routed_experts` argument
+  when the decoder passed none: MaxText threads that argument to `get_topk` on the dense, sparse and expert-parallel
+  paths (an all-gather on EP meshes), where the recording above sees the forced indices."""
+  if forced_routed_experts is None and isinstance(getattr(self, "forced_experts", None), ForcedExperts):
+    forced_routed_experts = self.forced_experts.value
+  return super(type(self), self).__call__(inputs, *args, forced_routed_experts=forced_routed_experts, **kwargs)
+
+
 _RECORDING_CLASSES: dict[type, type] = {}
 
 
@@ -132,6 +159,7 @@ def _recording_class(cls: type) -> type:
         (cls,),
         {
             "__slots__": (),
+            "__call__": _forcing_call,
             "get_topk": _recording_get_topk,
             "sparse_matmul": _recording_sparse_matmul,
             "_records_routing": True,
@@ -173,6 +201,36 @@ def _layer_key(path) -> tuple:
     nums = re.findall(r"\d+", str(part))
     key.append(int(nums[0]) if nums else str(part))
   return tuple(key)
+
+
+def _moe_modules(model: Any) -> list[tuple[Any, int]]:
+  """`model`'s routed-MoE modules in `routing`'s layer order (path order, numbers as numbers), each with the number
+  of layers it runs: its router kernel's scan axis on a scanned stack ([emb, layers, experts]), else 1."""
+  found = [(path, node) for path, node in nnx.iter_graph(model) if isinstance(node, maxtext_moe.RoutedMoE)]
+  found.sort(key=lambda item: _layer_key(item[0]))
+  out = []
+  for _, node in found:
+    kernel = node.gate.kernel.value
+    out.append((node, int(kernel.shape[int(node.config.param_scan_axis)]) if kernel.ndim == 3 else 1))
+  return out
+
+
+def set_replay(model: Any, forced: jax.Array) -> None:
+  """Force `model`'s next call to route as `forced` [batch, seq, layers, k] (layers in `routing`'s order) at each
+  routed-MoE module (`ForcedExperts`): router replay for decoder blocks whose layers MaxText does not hand
+  `forced_routed_experts`. Call it on a model merged for one forward (the modules' classes become the recording ones,
+  which read `ForcedExperts`)."""
+  record_routing(model)
+  modules = _moe_modules(model)
+  total = sum(n for _, n in modules)
+  if forced.shape[2] != total:
+    raise ValueError(f"forced routing has {forced.shape[2]} MoE layers; the model has {total}")
+  start = 0
+  for node, n in modules:
+    part = forced[:, :, start : start + n, :].astype(jnp.int32)
+    scanned = node.gate.kernel.value.ndim == 3
+    node.forced_experts = ForcedExperts(jnp.transpose(part, (2, 0, 1, 3)) if scanned else part[:, :, 0, :])
+    start += n
 
 
 def routing(model: Any, batch: int) -> jax.Array | None:
@@ -232,6 +290,10 @@ def forward_logps(
   """
   model = nnx.merge(graphdef, state)
   tokens, positions, attn_mask, _ = tunix_common.process_ids(prompt_tokens, completion_tokens, pad_id, eos_id)
+  maxtext_config = getattr(getattr(model, "base", None), "config", None)
+  if forced is not None and not replay_native(maxtext_config):  # forced at the MoE modules themselves
+    set_replay(model, forced)
+    forced = None
   logits, _ = model(tokens, positions, None, attn_mask, forced_routed_experts=forced)
   t = completion_tokens.shape[1]
   logits = logits[:, -t - 1 : -1, :]

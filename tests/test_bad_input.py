@@ -52,8 +52,8 @@ _REFUSED = [
     (TINY, ["rl.router_replay=true"], "rl.router_replay=true needs a mixture-of-experts model; qwen3-0.6b has"),
     (
         TINY,
-        ["model_name=qwen3-30b-a3b", "rl.router_replay=true"],
-        "rl.router_replay=true: MaxText 0.2.5 cannot force the routing of decoder_block=qwen3_moe",
+        ["model_name=qwen3-30b-a3b", "rl.router_replay=true", "ici_pipeline_parallelism=2"],
+        "rl.router_replay=true with pipeline parallelism",
     ),
     (TINY, ["rollout_engine=vllm"], "invalid value for 'head_dim'=16: rollout_engine=vllm with qwen3-0.6b needs"),
 ]
@@ -95,12 +95,7 @@ def test_the_first_pass_refuses_nothing_these_mean(config, overrides):
 
 
 def test_early_checks_restate_maxtext_and_the_schema():
-  # The lists early_checks keeps light (no JAX) are MaxText's and the schema's, at the pinned versions.
-  from maxtext.configs import types as maxtext_types  # pylint: disable=import-outside-toplevel  # JAX: this test only
-
-  assert early_checks.FORCED_ROUTING_BLOCKS == tuple(
-      b.value for b in maxtext_types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS
-  )
+  # The choices early_checks keeps light (no JAX) are the schema's.
   literal = {}
   for prefix, cls in (("", config_types.PluginKeys), ("rl.", config_types.PluginRL)):
     for name, field in cls.model_fields.items():
@@ -129,7 +124,10 @@ def _refused_before_the_schema(monkeypatch, capsys, argv) -> str:
 @pytest.mark.parametrize(
     "overrides, needle",
     [
-        (["model_name=qwen3-30b-a3b", "rl.router_replay=true"], "cannot force the routing of decoder_block=qwen3_moe"),
+        (
+            ["model_name=qwen3-30b-a3b", "rl.router_replay=true", "rl.use_agentic_rollout=true"],
+            "rl.router_replay=true with rl.use_agentic_rollout=true",
+        ),
         (["rollout_engine=bogus"], "'rollout_engine'='bogus'"),
         (["rollout_engine=vllm"], "'head_dim'=16"),
         (["num_experts_per_tok=9"], "'num_experts_per_tok'=9"),

@@ -44,7 +44,25 @@ FAMILIES = {
     "gpt-oss": ["model_name=gpt-oss-20b", "sliding_window_size=160"],
     # MaxText's TPU default path: routing and top-k inside a shard_map (jax.lax.ragged_dot on CPU; megablox needs TPU).
     "mixtral-sparse": ["sparse_matmul=true", "megablox=false"],
+    # The plugin's own forcing (moe.set_replay: MaxText's qwen3_moe layers take no forced_routed_experts) on the
+    # sparse path too.
+    "qwen3-moe-sparse": ["model_name=qwen3-30b-a3b", "sparse_matmul=true", "megablox=false"],
 }
+# DeepSeek-V3 (MLA): the trainer's forward only (the embedded engine refuses MLA's latent KV cache, docs/moe.md).
+DEEPSEEK = [
+    "model_name=deepseek3-671b",
+    "base_num_kv_heads=4",
+    "first_num_dense_layers=1",
+    "base_num_decoder_layers=3",
+    "q_lora_rank=16",
+    "kv_lora_rank=16",
+    "qk_nope_head_dim=16",
+    "qk_rope_head_dim=8",
+    "v_head_dim=16",
+    "n_routing_groups=-1",
+    "topk_routing_group=-1",
+    "shared_experts=1",
+]
 
 
 @pytest.fixture(name="fam", scope="module", params=list(FAMILIES))
@@ -151,9 +169,8 @@ def test_engine_routing_is_the_trainers_routing(fam, sampled):
 
 def test_replay_forces_the_recorded_experts(fam, sampled):
   """Replaying the sampler's routing reproduces its log-probs; replaying another routing changes them, and the
-  trainer's layers then report the forced experts (MaxText's forced_routed_experts reaches every layer)."""
-  if not moe.replay_supported(fam["config"]):
-    pytest.skip(f"MaxText cannot force routing for {fam['config'].decoder_block.value} (refusal tested below)")
+  trainer's layers then report the forced experts (MaxText's forced_routed_experts, or the plugin's forcing at the
+  MoE modules for the decoder blocks MaxText does not pass it to, reaches every layer)."""
   res, _, _ = sampled
   e = fam["config"].num_experts
   lp, route = fam["trainer"](res.left_padded_prompts, res.tokens, jnp.asarray(res.routing))
@@ -168,8 +185,6 @@ def test_replay_forces_the_recorded_experts(fam, sampled):
 def test_loss_with_replay_matches_numpy(fam, sampled):
   """The plugin's Tunix loss on a RoutedTrainExample == NumPy's GRPO loss on the engine's log-probs (independent
   path); with another routing forced it does not, so the replayed routing is the one the loss uses."""
-  if not moe.replay_supported(fam["config"]):
-    pytest.skip(f"MaxText cannot force routing for {fam['config'].decoder_block.value}")
   res, _, _ = sampled
   tok, model = fam["tok"], fam["model"]
   rng = np.random.default_rng(3)
@@ -214,9 +229,10 @@ def test_loss_with_replay_matches_numpy(fam, sampled):
 
 
 def test_config_refusals_are_one_line():
-  """rl.router_replay where MaxText cannot force (Qwen3-MoE), on a dense model, on vLLM; token dropping."""
+  """rl.router_replay on a dense model, on vLLM, with pipeline parallelism; token dropping. Qwen3-MoE, gpt-oss and
+  DeepSeek replay (the plugin forces their routing)."""
   cases = [
-      ([CONFIG, "model_name=qwen3-30b-a3b", "rl.router_replay=true"], "cannot force the routing of decoder_block"),
+      ([CONFIG, "rl.router_replay=true", "ici_pipeline_parallelism=2"], "pipeline parallelism"),
       (["configs/cpu_tiny.yml", "rl.router_replay=true"], "needs a mixture-of-experts model"),
       ([CONFIG, "rl.router_replay=true", "rollout_engine=vllm"], "does not report the experts"),
       ([CONFIG, "capacity_factor=1.25"], "use dropless routing"),
@@ -225,7 +241,67 @@ def test_config_refusals_are_one_line():
     with pytest.raises(ConfigError, match=msg) as e:
       config_lib.load_config(argv)
     assert "\n" not in str(e.value)
-  assert config_lib.load_config([CONFIG, "rl.router_replay=true"]).rl.router_replay
+  for extra in ([], ["model_name=qwen3-30b-a3b"], ["model_name=gpt-oss-20b"], DEEPSEEK):
+    assert config_lib.load_config([CONFIG, *extra, "rl.router_replay=true"]).rl.router_replay
+
+
+def test_deepseek_trainer_replays_the_forced_experts():
+  """DeepSeek-V3 (MLA, a dense first layer, shared experts, sigmoid scores): forcing the trainer's own routing
+  reproduces its free forward exactly, another routing is what its MoE layers then report and changes the log-probs,
+  and the replayed loss equals NumPy's GRPO loss on the free forward's log-probs (the forced experts are the ones
+  the loss uses)."""
+  rs = models.setup_devices([CONFIG, *DEEPSEEK])
+  cfg = rs.trainer_config
+  assert cfg.decoder_block.value == "deepseek" and not moe.replay_native(cfg)
+  model, _ = models.build_model(cfg, rs.trainer_devices, pad_id=0)
+  rec = moe.recording_graphdef(model)
+  fwd = jax.jit(lambda st, p, c, forced: moe.forward_logps(rec, st, p, c, 0, 1, forced=forced)[::2])
+  rng = np.random.default_rng(0)
+  prompt = jnp.asarray(rng.integers(10, 1000, (2, 6)), jnp.int32)
+  completion = jnp.asarray(rng.integers(10, 1000, (2, 5)), jnp.int32)
+  lp, route = (np.asarray(x) for x in fwd(nnx.state(model), prompt, completion, None))
+  assert route.shape == (2, 11, cfg.num_decoder_layers - cfg.first_num_dense_layers, cfg.num_experts_per_tok)
+  lp_same, route_same = (np.asarray(x) for x in fwd(nnx.state(model), prompt, completion, jnp.asarray(route)))
+  np.testing.assert_array_equal(route_same, route)
+  np.testing.assert_allclose(lp_same, lp, atol=1e-6)
+  other = np.where(route >= 0, (route + 1) % cfg.num_experts, moe.UNSET)
+  lp_other, route_other = (np.asarray(x) for x in fwd(nnx.state(model), prompt, completion, jnp.asarray(other)))
+  np.testing.assert_array_equal(route_other, other)
+  assert np.abs(lp_other - lp).max() > 1e-2
+
+  mask = np.ones(lp.shape, bool)
+  old = lp.astype(np.float64) + rng.normal(0.0, 0.05, lp.shape)
+  adv = np.array([1.0, -1.0])
+  algo = tunix_wiring.PluginGrpoConfig(num_generations=2, beta=0.0, epsilon=0.2, loss_algo="grpo")
+
+  def loss(routing):
+    example = moe.RoutedTrainExample(
+        prompt_ids=prompt,
+        prompt_mask=jnp.ones(prompt.shape, bool),
+        completion_ids=completion,
+        completion_mask=jnp.asarray(mask),
+        advantages=jnp.asarray(adv, jnp.float32),
+        ref_per_token_logps=None,
+        old_per_token_logps=jnp.asarray(old, jnp.float32),
+        routed_experts=jnp.asarray(routing),
+    )
+    return float(tunix_wiring.tunix_policy_loss_fn(model, example, algo, 0, 1)[0])
+
+  want, _, _ = np_policy_loss(
+      lp.astype(np.float64),
+      old,
+      np.zeros_like(old),
+      adv,
+      mask.astype(np.float64),
+      algo="grpo",
+      eps=0.2,
+      eps_high=0.2,
+      beta=0.0,
+      kl="k3",
+      agg="sequence-mean-token-mean",
+  )
+  assert loss(route) == pytest.approx(want, rel=1e-4, abs=1e-5)
+  assert abs(loss(other) - want) > 1e-3
 
 
 def test_step_metrics_and_layout_helpers():
@@ -359,6 +435,40 @@ def test_expert_parallel_mesh_decode_records_the_trainers_routing():
   mask = moe.routed_mask(res.left_padded_prompts != tok.pad_token_id, res.mask)
   assert moe.mismatch_fraction(res.routing, np.asarray(route), mask) == 0.0
   np.testing.assert_allclose(np.asarray(lp)[res.mask], res.logps[res.mask], atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.multidevice
+def test_expert_parallel_replay_forces_the_recorded_experts():
+  """Qwen3-MoE (the plugin's forcing) on an expert-sharded mesh (ici_expert_parallelism=2): replaying the engine's
+  routing reproduces its log-probs, and another routing is what the layers report (MaxText all-gathers the forced
+  experts over the expert axis with the router's logits)."""
+  rs = models.setup_devices([CONFIG, "model_name=qwen3-30b-a3b", "ici_expert_parallelism=2"])
+  tok = models.load_tokenizer(rs.trainer_config)
+  cfg = rs.trainer_config
+  model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
+  assert mesh.shape["expert"] == 2 and not moe.replay_native(cfg)
+  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
+  prompts = _prompts(tok) + [tok.encode("x")]
+  res = engine.generate_tokens(
+      prompts,
+      num_generations=1,
+      max_new_tokens=8,
+      rng=jax.random.PRNGKey(3),
+      sampling_params=sampling.SamplingParams.create(1.0, 0, 1.0),
+      prompt_pad_to=24,
+  )
+  graphdef, state = moe.recording_graphdef(model), nnx.state(model)
+  p, c = jnp.asarray(res.left_padded_prompts), jnp.asarray(res.tokens)
+  pad, eos = tok.pad_token_id, tok.eos_token_id
+  with mesh:
+    fwd = jax.jit(lambda st, forced: moe.forward_logps(graphdef, st, p, c, pad, eos, forced=forced)[::2])
+    lp, route = (np.asarray(x) for x in fwd(state, jnp.asarray(res.routing)))
+    other = np.where(res.routing >= 0, (res.routing + 1) % cfg.num_experts, moe.UNSET)
+    lp2, route2 = (np.asarray(x) for x in fwd(state, jnp.asarray(other)))
+  np.testing.assert_array_equal(route, res.routing)
+  np.testing.assert_allclose(lp[res.mask], res.logps[res.mask], atol=2e-4, rtol=2e-4)
+  np.testing.assert_array_equal(route2, other)
+  assert np.abs(lp2 - res.logps)[res.mask].max() > 1e-2
 
 
 def test_load_balance_loss_is_maxtexts_term_of_the_rl_loss():

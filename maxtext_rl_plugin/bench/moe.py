@@ -1,17 +1,22 @@
 """`python -m maxtext_rl_plugin.bench moe`: how often the sampler and the trainer route a token differently, and what
-router replay (`rl.router_replay`, moe.py) does to the sampler-trainer log-prob mismatch.
+router replay (`rl.router_replay`, moe.py) does to the sampler-trainer log-prob mismatch and to the parity gate.
 
 The sampler is the embedded engine on the model in `--sampler-dtype` (MaxText's `dtype`: activations and the router's
-logits, bfloat16 by default, as a production sampler runs); the trainer is the same weights in float32, MaxText's
-full forward of prompt + completion. Routing is close to tied when the router's logits are small, so the router
-kernels are scaled by each `--router-scales` value (1 = the model's own) to show the range. For each scale, the
-engine samples `--prompts` x `--generations` completions at `--temperature`; then, on the sampled tokens:
+logits, bfloat16 by default, as a production sampler runs); the trainer is the same weights in `--trainer-dtype`
+(float32 by default), MaxText's full forward of prompt + completion. Routing is close to tied when the router's logits
+are small, so the router kernels are scaled by each `--router-scales` value (1 = the model's own) to show the range.
+For each scale, the engine samples `--prompts` x `--generations` completions at `--temperature`; then, on the sampled
+tokens:
 
   routing_mismatch  fraction of (token, MoE layer) pairs whose top-k expert sets differ, sampler vs trainer
                     (prompt tokens and completion tokens but the last: the ones both sides route)
   |dlogp| mean/max  |lp_sampler - lp_trainer| over completion tokens, the trainer routing freely ("free") or
-                    replaying the sampler's routing ("replay")
+                    replaying the sampler's routing ("replay"): the parity gate's figures (parity.py)
+  ratio std / range the spread of the per-token policy ratio exp(lp_trainer - lp_sampler) that an on-policy update
+                    would see at its first step (1 everywhere when both sides compute the same function)
   kl_k3             k3 estimate of KL(trainer || sampler) (experience.agreement_metrics, the step metric)
+  gate              the parity gate's verdict at its default tolerances for this precision pairing: "ok", or the
+                    first figure past its tolerance ("mean", "routing", "max": the run would stop)
 
 With replay the routing mismatch is zero by construction; what remains of the log-prob mismatch is the precision
 difference of the expert and attention math itself.
@@ -33,6 +38,7 @@ from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.run import parity
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import sampling
 
@@ -82,10 +88,29 @@ def check_args(args: argparse.Namespace) -> list[float]:
   return router_scales(args.router_scales)
 
 
+def _compare(sampler_lp, trainer_lp, mask, routing_mismatch, tol) -> dict:
+  """One side's figures: the agreement metrics, the policy ratio's spread and the parity gate's figures and verdict."""
+  m = np.asarray(mask, bool)
+  ratio = np.exp(np.asarray(trainer_lp, np.float64) - np.asarray(sampler_lp, np.float64))[m]
+  out = dict(experience.agreement_metrics(sampler_lp, trainer_lp, mask))
+  out.update(
+      {
+          "ratio_std": float(ratio.std()) if ratio.size else 0.0,
+          "ratio_min": float(ratio.min()) if ratio.size else 1.0,
+          "ratio_max": float(ratio.max()) if ratio.size else 1.0,
+      }
+  )
+  figs = parity.figures(sampler_lp, trainer_lp, mask, routing_mismatch)
+  out.update(figs)
+  out["gate"] = parity.exceeded(figs, tol) or "ok"
+  return out
+
+
 def main(argv=None) -> int:
   ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench moe")
   ap.add_argument("--config", default="configs/cpu_tiny_moe.yml")
   ap.add_argument("--sampler-dtype", default="bfloat16")
+  ap.add_argument("--trainer-dtype", default="float32")
   ap.add_argument("--router-scales", default="1,0.1,0.01")
   ap.add_argument("--prompts", type=int, default=8)
   ap.add_argument("--generations", type=int, default=4)
@@ -95,7 +120,7 @@ def main(argv=None) -> int:
   args, overrides = ap.parse_known_args(argv)
   scales = check_args(args)
 
-  rs = models.setup_devices(config_lib.parse([args.config, *overrides]))
+  rs = models.setup_devices(config_lib.parse([args.config, *overrides, f"dtype={args.trainer_dtype}"]))
   cfg = rs.trainer_config
   if not moe.is_moe(cfg):
     print(f"error: {cfg.model_name} is not a mixture-of-experts model (num_experts={cfg.num_experts})")
@@ -117,14 +142,18 @@ def main(argv=None) -> int:
   prompts = [tok.encode(p) for p in (_PROMPTS * args.prompts)[: args.prompts]]
   width = max(len(p) for p in prompts)
   params = sampling.SamplingParams.create(args.temperature, 0, 1.0)
+  # The gate's tolerances for this pairing (the sampler is the embedded engine in its own dtype).
+  pair = f"{parity.precision(args.sampler_dtype)}/{parity.precision(args.trainer_dtype)}"
+  tol = parity.PAIRING_TOLERANCES.get(pair, parity.PAIRING_TOLERANCES["bfloat16/bfloat16"])
   rows = []
   print(
       f"{cfg.model_name} ({cfg.decoder_block.value}), {cfg.num_experts} experts top-{cfg.num_experts_per_tok}, "
-      f"{cfg.num_decoder_layers} layers; sampler {args.sampler_dtype}, trainer {cfg.dtype}"
+      f"{cfg.num_decoder_layers} layers; sampler {args.sampler_dtype}, trainer {args.trainer_dtype}; gate tolerances "
+      f"mean {tol.mean:g} max {tol.max:g} routing {tol.routing:g}"
   )
   print(
-      f"{'router x':>9}{'routing_mismatch':>18}{'|dlogp| free':>24}{'|dlogp| replay':>24}{'kl_k3 free':>12}"
-      f"{'kl_k3 replay':>14}"
+      f"{'router x':>9}{'routing':>9} | {'free: |dlogp| mean/max':>23}{'ratio std':>10}{'kl_k3':>10}{'gate':>6} | "
+      f"{'replay: |dlogp| mean/max':>25}{'ratio std':>10}{'kl_k3':>10}{'gate':>6}"
   )
   for scale in scales:
     weights = _scaled(base, scale)
@@ -142,28 +171,38 @@ def main(argv=None) -> int:
     p, c = jnp.asarray(res.left_padded_prompts), jnp.asarray(res.tokens)
     lp_free, route_free = (np.asarray(x) for x in fwd(state, p, c, None))
     mask = moe.routed_mask(res.left_padded_prompts != pad, res.mask)
+    mismatch = moe.mismatch_fraction(res.routing, route_free, mask)
     row = {
         "router_scale": scale,
-        "routing_mismatch": moe.mismatch_fraction(res.routing, route_free, mask),
-        "free": experience.agreement_metrics(res.logps, lp_free, res.mask),
+        "routing_mismatch": mismatch,
+        "free": _compare(res.logps, lp_free, res.mask, mismatch, tol),
         "tokens": int(res.mask.sum()),
     }
     if replay_ok:
       lp_replay, _ = fwd(state, p, c, jnp.asarray(res.routing))
-      row["replay"] = experience.agreement_metrics(res.logps, np.asarray(lp_replay), res.mask)
+      row["replay"] = _compare(res.logps, np.asarray(lp_replay), res.mask, None, tol)
     rows.append(row)
 
     def cells(m):
       if m is None:
-        return f"{'n/a':>24}"
-      return f"{m['mismatch/logp_abs_diff_mean']:>12.2e}/{m['mismatch/logp_abs_diff_max']:<11.2e}"
+        return f"{'n/a':>51}"
+      return (
+          f"{m['mismatch/logp_abs_diff_mean']:>12.2e}/{m['mismatch/logp_abs_diff_max']:<10.2e}{m['ratio_std']:>10.2e}"
+          f"{m['mismatch/kl_k3']:>10.2e}{m['gate']:>6}"
+      )
 
-    kl_replay = row["replay"]["mismatch/kl_k3"] if "replay" in row else float("nan")
-    print(
-        f"{scale:>9g}{row['routing_mismatch']:>18.4f}{cells(row['free'])}{cells(row.get('replay'))}"
-        f"{row['free']['mismatch/kl_k3']:>12.2e}{kl_replay:>14.2e}"
-    )
+    print(f"{scale:>9g}{mismatch:>9.2%} | {cells(row['free'])} | {cells(row.get('replay'))}")
   if not replay_ok:
-    print(f"replay: MaxText cannot force the routing of decoder_block={cfg.decoder_block.value}")
-  print(json.dumps({"bench": "moe", "model": cfg.model_name, "sampler_dtype": args.sampler_dtype, "rows": rows}))
+    print(f"replay: the trainer cannot replay {cfg.model_name}'s routing")
+  print(
+      json.dumps(
+          {
+              "bench": "moe",
+              "model": cfg.model_name,
+              "sampler_dtype": args.sampler_dtype,
+              "trainer_dtype": args.trainer_dtype,
+              "rows": rows,
+          }
+      )
+  )
   return 0

@@ -52,6 +52,7 @@ FAMILIES: tuple[Family, ...] = (
         "rl.verify_weight_sync=every_n",
         {"rl.verify_weight_sync_every": 10},
     ),
+    Family("rl.parity_check", lambda v: v == "every_n", "rl.parity_check=every_n", {"rl.parity_check_every": 10}),
     Family(
         "sft_warmup_steps", lambda v: v > 0, "sft_warmup_steps > 0", {"sft_learning_rate": 1.0e-3, "sft_batch_size": 16}
     ),

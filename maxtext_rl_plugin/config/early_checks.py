@@ -28,8 +28,6 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rl.rollout_is": ("off", "truncate", "mask"),
     "rl.verify_weight_sync": ("off", "first", "every_n"),
 }
-# maxtext.configs.types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS at MaxText 0.2.5 (its decoder raises for the others).
-FORCED_ROUTING_BLOCKS = ("qwen3_5", "mixtral", "gemma4")
 # What the embedded engine's KV-cached decode cannot run (rollout/decode.MaxTextSampler refuses their caches).
 EMBEDDED_ATTENTION_REFUSED = {
     "mla": "multi-head latent attention (DeepSeek, Kimi) keeps an MlaKVCache, whose layout the embedded engine does not "
@@ -129,11 +127,12 @@ def router_replay_refusal(pc) -> str | None:
     return None
   if _experts(pc) <= 1:
     return f"rl.router_replay=true needs a mixture-of-experts model; {pc.model_name} has num_experts=1"
-  block = _name(pc.decoder_block)
-  if block not in FORCED_ROUTING_BLOCKS:
+  # Every MoE family replays (moe.py forces the routing itself where MaxText's decoder does not); pipeline stages
+  # slice the layers their own way and cannot carry each layer's forced experts.
+  if int(pc.ici_pipeline_parallelism) > 1 or int(pc.dcn_pipeline_parallelism) > 1:
     return (
-        f"rl.router_replay=true: MaxText 0.2.5 cannot force the routing of decoder_block={block} "
-        f"(model {pc.model_name}); it can for {', '.join(FORCED_ROUTING_BLOCKS)}"
+        "rl.router_replay=true with pipeline parallelism: the pipeline's stages run the layers with their own "
+        "slicing, which cannot carry each layer's forced experts (MaxText refuses it too)"
     )
   if pc.rollout_engine != "embedded":
     return (

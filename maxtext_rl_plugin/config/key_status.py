@@ -348,6 +348,16 @@ _KEY_STATUS: dict[str, str] = {
     "rl.reshard_chunk_size": "honoured (resharding: trainer->sampler sync chunk)",
     "rl.verify_weight_sync": "honoured (resharding: post-sync check)",
     "rl.verify_weight_sync_every": "honoured (resharding: post-sync check)",
+    **dict.fromkeys(
+        (
+            "rl.parity_check",
+            "rl.parity_check_every",
+            "rl.parity_logp_tolerance_mean",
+            "rl.parity_logp_tolerance_max",
+            "rl.parity_routing_tolerance",
+        ),
+        "honoured (parity.py: sampler vs trainer log-probs of the sampled tokens, stop before the update)",
+    ),
     # --- cluster ---
     "rollout_data_parallelism": VLLM_ROLLOUT,
     "rollout_tensor_parallelism": VLLM_ROLLOUT,
@@ -519,7 +529,8 @@ _KEY_STATUS.update(
         ),
         "rl.router_replay": (
             "honoured (moe.py: the embedded rollout's routing replayed in the trainer's old-policy and policy "
-            "forwards; refused for decoder blocks MaxText cannot force and for engines that do not report routing)"
+            "forwards, forced by MaxText or at the MoE modules by the plugin; refused for engines that do not report "
+            "routing)"
         ),
     }
 )

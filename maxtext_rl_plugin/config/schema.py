@@ -140,8 +140,9 @@ class PluginRL(types.RL):
           "Mixture-of-experts router replay (R3): the embedded rollout records the experts every MoE layer routed each "
           "prompt and completion token to, and the trainer's old-policy and policy forwards use them "
           "(MaxText's forced_routed_experts) instead of their own router's choice, so sampler and trainer score the "
-          "same network (docs/moe.md). Decoder blocks MaxText can force (Mixtral, Qwen3.5, Gemma 4) on the embedded "
-          "engine only; the reference model keeps its own routing."
+          "same network (docs/moe.md). Every MoE family (MaxText forces Mixtral, Qwen3.5 and Gemma 4; the plugin "
+          "forces Qwen3-MoE, gpt-oss and DeepSeek at their MoE modules), on the embedded engine only; the reference "
+          "model keeps its own routing."
       ),
   )
   verify_weight_sync: Literal["off", "first", "every_n"] = Field(
@@ -155,7 +156,45 @@ class PluginRL(types.RL):
       10, ge=1, description="Period (in syncs) of the check when verify_weight_sync=every_n."
   )
 
-  @field_validator("verify_weight_sync", mode="before")
+  parity_check: Literal["off", "first", "every_n"] = Field(
+      "first",
+      description=(
+          "The parity gate (parity.py): at a checked step the trainer scores the sampled tokens and compares with the "
+          "sampler's own log-probs (mean and max |log p difference|, for MoE the fraction of tokens routed to other "
+          "experts), logged as parity/* metrics; past a tolerance the run stops before the step's update. Never, on "
+          "the first step, or every `parity_check_every` steps."
+      ),
+  )
+  parity_check_every: int = Field(10, ge=1, description="Period (in steps) of the check when parity_check=every_n.")
+  parity_logp_tolerance_mean: Optional[float] = Field(
+      None,
+      gt=0.0,
+      description=(
+          "Largest mean |log p_sampler - log p_trainer| over completion tokens at a checked step; null = the "
+          "precision pairing's default (sampler/trainer: float32/float32 1e-3, bfloat16/float32 and "
+          "bfloat16/bfloat16 0.05)."
+      ),
+  )
+  parity_logp_tolerance_max: Optional[float] = Field(
+      None,
+      gt=0.0,
+      description=(
+          "Largest max |log p_sampler - log p_trainer| at a checked step; null = the pairing's default "
+          "(float32/float32 0.1, with a bfloat16 side 2.0)."
+      ),
+  )
+  parity_routing_tolerance: Optional[float] = Field(
+      None,
+      ge=0.0,
+      le=1.0,
+      description=(
+          "MoE: largest fraction of (token, MoE layer) pairs the sampler routed to other experts than the trainer "
+          "at a checked step (not checked under rl.router_replay); null = the pairing's default (float32/float32 "
+          "0.01, with a bfloat16 side 0.10)."
+      ),
+  )
+
+  @field_validator("verify_weight_sync", "parity_check", mode="before")
   @classmethod
   def _yaml_off(cls, v):
     # YAML 1.1 (OmegaConf's CLI parser) reads a bare `off` as False.

@@ -46,6 +46,7 @@ from maxtext_rl_plugin.algorithms import divergence
 from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import moe
+from maxtext_rl_plugin.run import parity
 from maxtext_rl_plugin.agentic import episode as episode_lib
 from maxtext_rl_plugin.run.updates import UpdatePlan
 from maxtext_rl_plugin.rewards.loader import RewardFunctionError
@@ -362,6 +363,8 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
           micro_batch_size=_micro(cfg.train_micro_batch_size, g),
       )
     timer.add("logps", time.perf_counter() - t)
+  elif cfg.rl.parity_check != "off":  # the parity gate's sampler side (parity.py), free when the engine returns them
+    behaviour = behaviour_logps(out, completion_ids.shape[1])
   return Sampled(
       list(inputs["prompts"]),
       list(out.text),
@@ -388,9 +391,11 @@ def needs_behaviour_logps(cfg: Any, plan: UpdatePlan) -> bool:
   return bool(use_sampler or cfg.rl.rollout_is != "off" or cfg.rl.log_sampler_trainer_agreement)
 
 
-def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experience:
+def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any, parity_step: int | None = None) -> Experience:
   """The trainer's half: reference and old-policy log-probs at the trainer's current weights, importance weights and
-  agreement metrics; the `TrainExample` the update consumes."""
+  agreement metrics; the `TrainExample` the update consumes. With `parity_step` (a step the parity gate checks, its
+  batch sampled at the trainer's current weights) the gate's figures join the metrics, and a figure past its
+  tolerance stops the run here, before the update (parity.py)."""
   cfg = run.config
   cluster = run.rl_cluster
   temperature = cluster.cluster_config.rollout_config[rl_cluster_lib.Mode.TRAIN].temperature
@@ -419,8 +424,12 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experienc
   behaviour = sampled.behaviour
   # rl.router_replay: the trainer's old-policy and policy forwards route every token as the sampler did (moe.py).
   forced = put(sampled.routing) if cfg.rl.router_replay and sampled.routing is not None else None
+  if parity_step is not None and behaviour is None:  # an engine that returned no log-probs: its weights' forward
+    behaviour = cluster.get_old_per_token_logps(
+        prompt_tokens=prompt_ids, completion_tokens=completion, micro_batch_size=logps_micro
+    )
   trainer_lp = None
-  if (plan.needs_old_logps and not use_sampler) or rollout_is or agreement:
+  if (plan.needs_old_logps and not use_sampler) or rollout_is or agreement or parity_step is not None:
     trainer_lp = run.trainer_logps(prompt_ids, completion, pad_id, eos_id, temperature, logps_micro, forced=forced)
     trainer_route = getattr(run.trainer_logps, "last_routing", None)
     if trainer_route is not None and sampled.routing is not None:  # expert load; the mismatch unless replayed
@@ -428,6 +437,16 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any) -> Experienc
       metrics.update(
           moe.step_metrics(None if forced is not None else sampled.routing, trainer_route, mask, int(cfg.num_experts))
       )
+  if parity_step is not None:
+    figs = parity.figures(
+        distributed.to_host(behaviour),
+        distributed.to_host(trainer_lp),
+        completion_mask,
+        routing_mismatch=metrics.get("moe/routing_mismatch_fraction"),
+    )
+    metrics.update(figs)
+    engine = getattr(run, "engine_name", "embedded")
+    parity.check(parity_step, figs, parity.tolerance(cfg, engine), parity.pairing(cfg, engine))
   old = None
   if plan.needs_old_logps:
     old = behaviour if use_sampler else trainer_lp

@@ -25,6 +25,7 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 
 from maxtext_rl_plugin.run import dynamic_sampling
 from maxtext_rl_plugin.run import experience
+from maxtext_rl_plugin.run import parity
 from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import tunix_compat
@@ -231,7 +232,11 @@ def train_step(rl_run: RLRun, producer, step: int, snapshot: bool, audit: bool) 
   batch, inputs, sampled = item.value
   check_batch(step, sampled, rl_run.config.rl.num_generations)
   rl_run.data_position = dynamic_sampling.next_position(sampled, step, rl_run.config.batch_size)
-  exp = experience.score(rl_run, sampled, rl_run.plan, rl_run.timer)
+  # The parity gate (parity.py): the first step this process runs (a resumed run's sampler is new too) and every N-th,
+  # when the batch was sampled by the trainer's current weights (policy lag 0).
+  nth = step - int(getattr(producer, "start", 0))
+  gate = step if parity.due(rl_run.config, nth) and item.version == step - 1 else None
+  exp = experience.score(rl_run, sampled, rl_run.plan, rl_run.timer, parity_step=gate)
   with rl_run.timer.phase("train"):
     rl_run.rl_cluster.update_actor(updates.update_batches(exp.example, rl_run.plan), None, skip_jit=False)
     # Tunix defers writing an update's metrics by one update (to overlap I/O); flush so this step's are this step's.
