@@ -29,6 +29,7 @@ def _free_port() -> int:
 
 
 def _run_two(tmp_path) -> list[dict]:
+  """tests/_per_host_worker.py as a 2-process JAX program (4 CPU devices each); what each process saw."""
   addr = f"127.0.0.1:{_free_port()}"
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RAY_ADDRESS")}
   env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", XLA_FLAGS="--xla_force_host_platform_device_count=4")

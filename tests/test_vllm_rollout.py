@@ -857,7 +857,7 @@ def test_multi_controller_run_gets_one_vllm_engine_per_host(monkeypatch, qwen, t
 
   # Process 1 of 2; the rollout mesh spans both hosts' 4 devices (ids as multi-process CPU JAX numbers them).
   monkeypatch.setattr(jax, "process_index", lambda: 1)
-  monkeypatch.setattr(distributed, "gather_rows", lambda a: np.asarray(a))  # this host's part of the guard's gather
+  monkeypatch.setattr(distributed, "gather_rows", np.asarray)  # this host's part of the guard's gather
   checked = []
   real_check = per_host.check_hosts
   monkeypatch.setattr(per_host, "check_hosts", lambda src, got: checked.append(sorted(src)) or real_check(src, got))

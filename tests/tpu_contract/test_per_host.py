@@ -40,7 +40,14 @@ def test_one_engine_per_host_computes_the_global_trainers_function(tmp_path):
     procs = [
         stack.enter_context(
             subprocess.Popen(
-                [sys.executable, str(HERE / "_per_host_engine.py"), str(i), addr, str(tmp_path / f"p{i}.json"), str(tmp_path)],
+                [
+                    sys.executable,
+                    str(HERE / "_per_host_engine.py"),
+                    str(i),
+                    addr,
+                    str(tmp_path / f"p{i}.json"),
+                    str(tmp_path),
+                ],
                 cwd=HERE.parents[1],
                 env=env,
                 stdout=subprocess.PIPE,
