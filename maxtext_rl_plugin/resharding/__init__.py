@@ -9,6 +9,8 @@ sampler layout. This package is the one place that does it, one concern a module
 * `host_buffers.py`: on CPU, destination shards assembled from the source shards into pooled host buffers that
   XLA adopts zero-copy;
 * `move.py`: `reshard`, chunk by chunk, the sampler's old buffers of a chunk freed before its new ones land;
+* `per_host.py`: a multi-controller run's sync into one engine per host (relayout onto a (hosts, local) mesh, each
+  host's own shards adopted) and its guard, which names the host;
 * `verify.py`: the guard (`rl.verify_weight_sync`): per-array on-device checksums compared on the host;
 * `trees.py`: flattening with parameter paths, the structure check, logical axes -> sampler shardings;
 * `sync.py`: `WeightSync` (reshard, install, verify per policy) and its hook into Tunix's `RLCluster`.

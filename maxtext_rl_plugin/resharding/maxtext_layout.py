@@ -32,6 +32,7 @@ import jax
 from maxtext.integration.vllm import weight_converter
 
 from maxtext_rl_plugin.resharding import move
+from maxtext_rl_plugin.resharding import per_host
 
 _GEMMA_BLOCK = re.compile(r"(^|\.)layers\.(layers_\d+|layers_remainder)\.|(^|\.)layers_remainder\.")
 
@@ -134,10 +135,13 @@ def convert_and_move(
     engine_flat: Mapping[str, Any],
     *,
     chunk_size: int | None = None,
+    checksums: dict[str, int] | None = None,
 ) -> dict[str, jax.Array]:
-  """Convert, then move onto the engine's shardings (plugin resharding, `chunk_size` arrays at a time).
+  """Convert, then move onto the engine's shardings (plugin resharding, `chunk_size` arrays at a time); `checksums`
+  (a per-host sync's guard) is filled with the converted arrays' trainer-side checksums before they move.
 
-  `engine_flat` is named as the engine's weight state names it (`state_root`); the result is named the same way.
+  `engine_flat` is named as the engine's weight state names it (`state_root`); the result (and `checksums`) is named
+  the same way.
   """
   root = state_root(engine_flat)
   engine_flat = rerooted(engine_flat, root, ADAPTER_ROOT)
@@ -146,5 +150,7 @@ def convert_and_move(
   if unknown:
     raise ValueError(f"{len(unknown)} converted weights have no MaxTextForCausalLM parameter, e.g. {unknown[:3]}")
   converted = {k: v.astype(engine_flat[k].dtype) for k, v in converted.items()}
+  if checksums is not None:
+    checksums.update(rerooted(per_host.source_checksums(converted), ADAPTER_ROOT, root))
   moved = move.reshard(converted, {k: engine_flat[k].sharding for k in converted}, chunk_size=chunk_size, donate=False)
   return rerooted(moved, ADAPTER_ROOT, root)

@@ -25,6 +25,7 @@ import numpy as np
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.resharding import backend
 from maxtext_rl_plugin.resharding import host_buffers
+from maxtext_rl_plugin.resharding import per_host
 from maxtext_rl_plugin.resharding import trees
 
 PyTree = Any
@@ -118,8 +119,8 @@ def _move(arrays: list, shardings: list, *, donate: bool, path: str, two_phase: 
   """Move one chunk of arrays to `shardings` on `path`; returns the new arrays in order."""
   if path == backend.PATH_DEVICE_PUT:
     if distributed.is_multiprocess() and all(s.is_fully_addressable for s in shardings):
-      # Multi-controller: a trainer mesh spanning every process -> this process's own sampler mesh.
-      return distributed.to_process_local(arrays, shardings)
+      # Multi-controller: a trainer mesh spanning every process -> this process's own sampler (per_host.py).
+      return per_host.to_local(arrays, shardings)
     if _use_two_phase(arrays, two_phase):
       return _device_put_two_phase(arrays, shardings, donate=donate)
     # JAX's single-controller reshard between different device sets *and* layouts assembles each array on

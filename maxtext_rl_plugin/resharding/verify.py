@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
 from maxtext_rl_plugin.resharding import trees
@@ -107,9 +108,16 @@ def _sharded_dims(x: jax.Array) -> tuple[int, ...]:
   return tuple(dims)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _checksums_jit(leaves: list, sharded: tuple) -> jax.Array:
+def _checksums_body(leaves: list, sharded: tuple) -> jax.Array:
   return jnp.stack([_checksum(x, d) for x, d in zip(leaves, sharded)]) if leaves else jnp.zeros((0,), jnp.uint32)
+
+
+_checksums_jit = jax.jit(_checksums_body, static_argnums=1)
+
+
+@functools.lru_cache(maxsize=None)
+def _replicated_checksums_jit(mesh: jax.sharding.Mesh):
+  return jax.jit(_checksums_body, static_argnums=1, out_shardings=NamedSharding(mesh, P()))
 
 
 def checksums(tree: PyTree) -> np.ndarray:
@@ -127,6 +135,25 @@ def checksums(tree: PyTree) -> np.ndarray:
     for idx in groups.values():
       sub = [leaves[i] for i in idx]
       out[idx] = np.asarray(jax.device_get(_checksums_jit(sub, tuple(_sharded_dims(x) for x in sub))))
+  return out
+
+
+def global_checksums(leaves: list) -> np.ndarray:
+  """uint32 checksums of arrays that may span other processes' devices (a multi-controller trainer mesh), the same
+  values on every process: one jit per mesh whose result is replicated on it, so each process reads its own copy.
+  Every process must call it with the same arrays in the same order (the reductions are collectives)."""
+  out = np.zeros((len(leaves),), np.uint32)
+  groups: dict[Any, list[int]] = collections.defaultdict(list)
+  for i, x in enumerate(leaves):
+    groups[x.sharding.mesh if isinstance(x.sharding, NamedSharding) else None].append(i)
+  with jax.transfer_guard("allow"):
+    for mesh, idx in groups.items():
+      sub = [leaves[i] for i in idx]
+      if mesh is None or all(x.is_fully_addressable for x in sub):
+        out[idx] = checksums(sub)
+        continue
+      sums = _replicated_checksums_jit(mesh)(sub, tuple(_sharded_dims(x) for x in sub))
+      out[idx] = np.asarray(sums.addressable_data(0))
   return out
 
 

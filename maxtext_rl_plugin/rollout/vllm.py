@@ -40,9 +40,12 @@ from tunix.generate import tokenizer_adapter
 from tunix.generate import utils as tunix_gen_utils
 from tunix.rl.rollout import base_rollout
 
+from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import lora as lora_lib
+from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin.resharding import maxtext_layout
 from maxtext_rl_plugin.resharding import move
+from maxtext_rl_plugin.resharding import per_host
 from maxtext_rl_plugin.resharding import verify
 from maxtext_rl_plugin.errors import DataError, MissingExtraError
 from maxtext_rl_plugin.rollout import vllm_config
@@ -85,6 +88,7 @@ def write_weights(
     chunk_size: int | None = None,
     donate: bool = False,
     require_all: bool = True,
+    source_checksums: dict[str, int] | None = None,
 ) -> dict[str, jax.Array]:
   """Map MaxText weights `{path: array}` to vLLM's and write them into the engine's weight `state`; returns them.
 
@@ -92,6 +96,7 @@ def write_weights(
   layout and padding (`to_engine_state`), the engine's shardings, writes into `state` (tpu-inference's
   `get_weights_state()`: its leaves alias the runner's). `chunk_size` MaxText tensors at a time bound the HF-layout
   copies. `require_all`: every engine weight must be written (a full sync); an adapter-only sync writes a subset.
+  `source_checksums` (a per-host sync's guard): filled with the engine-layout arrays' trainer-side checksums.
   tests/tpu_contract/test_forward.py runs this path into the real tpu-inference classes and checks their logits.
   """
   engine_flat = vllm_mapping.engine_weights(state)  # weights only: tpu-inference's Llama also holds RNG state
@@ -107,6 +112,8 @@ def write_weights(
     new, _ = vllm_mapping.to_engine_state(
         hf, engine_flat, require_all=False, head_dim=hf_config["head_dim"], flax_layout=flax_layout
     )
+    if source_checksums is not None:
+      source_checksums.update(per_host.source_checksums(new))
     new = _reshard(new, {k: engine_flat[k].sharding for k in new})
     new = _unaliased(new, trainer_buffers)
     set_leaves(new)
@@ -127,16 +134,19 @@ def write_adapter_weights(
     *,
     chunk_size: int | None = None,
     require_all: bool = True,
+    source_checksums: dict[str, int] | None = None,
 ) -> dict[str, jax.Array]:
   """The MaxTextForCausalLM route's sync: MaxText weights `{path: array}` in the adapter's layout
-  (resharding/maxtext_layout.py), moved onto the engine's shardings and written into its weight `state`.
+  (resharding/maxtext_layout.py), moved onto the engine's shardings and written into its weight `state`
+  (`source_checksums`: as in `write_weights`).
 
   tests/tpu_contract/test_forward_maxtext.py runs this path into the real adapter and checks its logits.
   """
   engine_flat = vllm_mapping.engine_weights(state)
   trainer_buffers = set().union(*(move.buffer_ids(v) for v in flat.values()))
   # Identity-layout leaves (embedding, norms) can come back as the trainer's own arrays: copied, as on the native route.
-  written = _unaliased(maxtext_layout.convert_and_move(layout, flat, engine_flat, chunk_size=chunk_size), trainer_buffers)
+  moved = maxtext_layout.convert_and_move(layout, flat, engine_flat, chunk_size=chunk_size, checksums=source_checksums)
+  written = _unaliased(moved, trainer_buffers)
   vllm_mapping.engine_state_setter(state)(written)
   if require_all:
     vllm_mapping.check_all_written(engine_flat, written)
@@ -161,15 +171,21 @@ class VllmRollout(base_rollout.BaseRollout):
     self.adapter_route, why = vllm_config.choose_route(config)
     if self.adapter_route:
       vllm_maxtext.register_adapter()
-    vllm_config.check_single_controller()
     self._vllm = vllm
     self._config = config
     self._mesh = mesh
     if not isinstance(tokenizer, tokenizer_adapter.TokenizerAdapter):
       tokenizer = tokenizer_adapter.TokenizerAdapter(tokenizer)
     self._tokenizer = tokenizer
+    # A multi-controller run without Pathways: one engine per host, on this process's devices of the rollout mesh
+    # (tpu-inference looks `device_indexes` up in jax.local_devices()); each process samples its share of a batch.
+    self.per_host = distributed.is_multiprocess() and not pathways.requested()
+    devices = [d for d in mesh.devices.flat if not self.per_host or d.process_index == jax.process_index()]
     self.engine_kwargs = vllm_config.vllm_engine_kwargs(
-        config, int(mesh.devices.size), device_ids=[int(i) for i in mesh.device_ids.flatten()]
+        config,
+        len(devices),
+        device_ids=[int(d.id) for d in devices],
+        hosts=jax.process_count() if self.per_host else 1,
     )
     self._layout = None
     if self.adapter_route:
@@ -341,6 +357,8 @@ class VllmRollout(base_rollout.BaseRollout):
     # The prefix cache is scheduler-side: drop it first, or it serves blocks computed with old weights.
     llm.reset_prefix_cache()
     llm.collective_rpc("start_weight_update", kwargs={"free_kv_cache": free_kv})
+    # Per host, the guard compares every host's engine with the trainer-side checksums (resharding/per_host.py).
+    sources = {} if self.per_host and self._should_verify() else None
     try:
       worker = _driver_worker(llm)
       if self.adapter_route:
@@ -350,6 +368,7 @@ class VllmRollout(base_rollout.BaseRollout):
             self._layout,
             chunk_size=cfg.rl.reshard_chunk_size,
             require_all=not self._lora_only(filter_types),
+            source_checksums=sources,
         )
       else:
         written = write_weights(
@@ -361,9 +380,12 @@ class VllmRollout(base_rollout.BaseRollout):
             chunk_size=cfg.rl.reshard_chunk_size,
             donate=bool(cfg.reshard_donate),
             require_all=not self._lora_only(filter_types),
+            source_checksums=sources,
         )
       worker.refresh_model_state_leaves()
-      if self._should_verify():
+      if sources is not None:
+        per_host.check_hosts(sources, vllm_mapping.engine_weights(worker.get_weights_state()))
+      elif self._should_verify():
         _verify_engine_holds(worker, written)
     finally:
       llm.collective_rpc("finish_weight_update")

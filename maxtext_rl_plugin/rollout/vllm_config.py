@@ -1,67 +1,67 @@
-"""What a config asks of vLLM-TPU, before any engine exists: the route, the process topology, the engine's arguments.
+"""What a config asks of vLLM-TPU, before any engine exists: the route, the per-host split, the engine's arguments.
 
 Device-free and vLLM-free (print_config and the run's build read it; rollout/vllm.py builds the engine from it):
 - the route (`choose_route`): MaxText's own decoder inside vLLM (`MaxTextForCausalLM`, rollout/vllm_maxtext.py) when
   `vllm_hf_overrides` names it or the plugin has no native mapping for the family, else the native tpu-inference class
   (rollout/vllm_mapping.py); which routes tests/tpu_contract proves by logits (`PROVEN_*`, `unproven_reason`);
-- what refuses a config (`check_config`, `vllm_head_dim_reason`, `multi_controller_reason`);
+- what refuses a config (`check_config`, `vllm_head_dim_reason`); one engine per host in a multi-controller run
+  (`per_host_parallelism`);
 - `vllm.LLM(...)` and `vllm.SamplingParams(...)` keyword arguments from MaxText's keys.
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any, Sequence
 
-import jax
 import jax.numpy as jnp
 
-from maxtext_rl_plugin.config import early_checks
-from maxtext_rl_plugin import pathways
+from maxtext_rl_plugin.config.load import early_checks
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import vllm_mapping
 from maxtext_rl_plugin.rollout import vllm_maxtext
 
-
-def multi_controller_reason(process_count: int, on_pathways: bool) -> str | None:
-  """Why vLLM-TPU cannot run in this process topology, or None when it can.
-
-  tpu-inference 0.32.0 builds its mesh from `device_indexes` looked up in `jax.local_devices()`; with several JAX
-  controllers (Ray/multi-host without Pathways) the rollout mesh holds global device ids that are not all local,
-  so engine start-up fails with a KeyError. Pathways is a single controller: every device is local to it.
-  """
-  if process_count > 1 and not on_pathways:
-    return (
-        f"rollout_engine=vllm needs a single JAX controller (Pathways, or one host); this run has "
-        f"{process_count} JAX processes without Pathways and tpu-inference looks the rollout mesh's device ids up "
-        "in jax.local_devices(). Use rollout_engine=embedded (or auto) for multi-controller runs"
-    )
-  return None
-
-
-def check_single_controller() -> None:
-  """Raise a one-line ConfigError when this process topology cannot run vLLM-TPU (see multi_controller_reason)."""
-  reason = multi_controller_reason(jax.process_count(), pathways.requested())
-  if reason:
-    raise ConfigError(reason)
-
-
 # ------------------------------------------------------------------------------- config -> vLLM
 
 
-def vllm_engine_kwargs(config: Any, num_sampler_devices: int, *, device_ids: Sequence[int] | None = None) -> dict:
+def per_host_parallelism(config: Any, hosts: int) -> Any:
+  """The rollout parallelism keys one host's engine gets when `hosts` engines sample side by side (a
+  multi-controller run): `rollout_data_parallelism` keeps MaxText's meaning, the whole sampler's data parallelism
+  (hosts x each engine's replicas), so each engine gets its `hosts`-th part; tensor and expert parallelism are
+  within a host. -1 stays -1 (derived from the host's devices)."""
+  dp = int(config.rollout_data_parallelism)
+  if hosts > 1 and dp != -1 and dp % hosts:
+    raise ConfigError(
+        f"invalid value for 'rollout_data_parallelism'={dp}: a multi-controller run samples on one vLLM engine per "
+        f"host, so the sampler's data parallelism must be a multiple of its {hosts} hosts (or -1, derived per host)"
+    )
+  return types.SimpleNamespace(
+      rollout_tensor_parallelism=int(config.rollout_tensor_parallelism),
+      rollout_data_parallelism=dp if dp == -1 else dp // max(hosts, 1),
+      rollout_expert_parallelism=int(config.rollout_expert_parallelism),
+  )
+
+
+def vllm_engine_kwargs(
+    config: Any, num_sampler_devices: int, *, device_ids: Sequence[int] | None = None, hosts: int = 1
+) -> dict:
   """The `vllm.LLM(...)` keyword arguments for a plugin config and `num_sampler_devices` rollout chips.
 
   tp/dp/ep come from `rollout_{tensor,data,expert}_parallelism` (at most one -1, derived from the device
-  count, MaxText's rule); `device_ids` pins vLLM-TPU's mesh to the rollout devices.
+  count, MaxText's rule); `device_ids` pins vLLM-TPU's mesh to the rollout devices. With `hosts` > 1 the engine is
+  one host's (`per_host_parallelism`): `num_sampler_devices` and `device_ids` are that host's.
   """
   # Here, not at the top: model_creation_utils imports MaxText's whole model zoo and its tokenizer dependencies
   # (tiktoken, ...), which the TPU image's vLLM import check (tests/tpu_contract/test_image_check.py) does not have.
   from maxtext.utils import model_creation_utils  # pylint: disable=import-outside-toplevel
 
+  where = f" (per host: {hosts} hosts x {num_sampler_devices} devices)" if hosts > 1 else ""
   try:
-    par = model_creation_utils.get_rollout_kwargs_for_parallelism(config, num_sampler_devices)
+    par = model_creation_utils.get_rollout_kwargs_for_parallelism(
+        per_host_parallelism(config, hosts), num_sampler_devices
+    )
   except ValueError as e:
-    raise ConfigError(f"rollout parallelism: {str(e).strip().splitlines()[0]}") from None
+    raise ConfigError(f"rollout parallelism{where}: {str(e).strip().splitlines()[0]}") from None
   tp, dp, ep = par["tensor_parallel_size"], par["data_parallel_size"], par["expert_parallel_size"]
 
   strategy = {"expert_parallelism": ep, "enable_dp_attention": bool(config.enable_dp_attention)}

@@ -104,10 +104,8 @@ def total_updates(config) -> int:
 
 
 def _resolve_engine_name(config) -> str:
-  """`rollout_engine` resolved ('auto': vLLM on TPU when installed and one controller drives the sampler)."""
-  multi = vllm_config.multi_controller_reason(jax.process_count(), pathways.requested())
-  if config.rollout_engine == "vllm" and multi:
-    raise ConfigError(multi)
+  """`rollout_engine` resolved ('auto': vLLM on TPU when installed, on Pathways and in multi-controller runs alike:
+  there, one engine per host, rollout/vllm.py)."""
   if config.rollout_engine != "auto":
     return config.rollout_engine
 
@@ -122,15 +120,14 @@ def _resolve_engine_name(config) -> str:
   elif unproven:  # auto takes a proven vLLM route only; rollout_engine=vllm runs it anyway, saying so
     name = "embedded"
     logging.info("rollout_engine=auto resolved to 'embedded': %s", unproven)
-  elif name == "vllm" and multi:
-    name = "embedded"
-    logging.info(
-        "rollout_engine=auto resolved to 'embedded': vLLM is installed but %d JAX processes run without "
-        "Pathways (tpu-inference needs the rollout devices local to one controller)",
-        jax.process_count(),
-    )
   else:
-    logging.info("rollout_engine=auto resolved to '%s' (backend %s)", name, jax.default_backend())
+    per_host = name == "vllm" and jax.process_count() > 1 and not pathways.requested()
+    logging.info(
+        "rollout_engine=auto resolved to '%s' (backend %s%s)",
+        name,
+        jax.default_backend(),
+        f"; one engine per host on {jax.process_count()} JAX processes" if per_host else "",
+    )
   return name
 
 

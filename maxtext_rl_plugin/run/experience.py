@@ -243,7 +243,7 @@ def rollout_routing(run: Any) -> np.ndarray | None:
   gathered across processes like the rows themselves (`generate`); None when the engine reports none."""
   take = getattr(run.rl_cluster.rollout, "take_routing", None)
   routing = take() if take is not None else None
-  if routing is not None and run.setup.disaggregated and distributed.is_multiprocess():
+  if routing is not None and samples_per_host(run):
     routing = distributed.gather_rows(routing)
   return routing
 
@@ -276,20 +276,28 @@ def _gather_output(out: base_rollout.RolloutOutput, pad_id: int) -> base_rollout
   )
 
 
+def samples_per_host(run: Any) -> bool:
+  """Whether each JAX process samples only its own share of a batch: a multi-process run whose sampler is per host
+  (a disaggregated split, distributed.split_local_devices, or an engine that is one per host itself: vLLM)."""
+  rollout = run.rl_cluster.rollout
+  return distributed.is_multiprocess() and (run.setup.disaggregated or bool(getattr(rollout, "per_host", False)))
+
+
 def generate(run: Any, prompts: list[str], num_generations: int, micro_batch_size: int | None):
   """The rollout of `prompts` (each repeated `num_generations` times, consecutively).
 
   Disaggregated runs sample with per-row keys (the embedded engine's `prompt_offset`: a row's tokens depend on its
   prompt's global index, not on the batch it is sampled in). With more than one JAX process the sampler mesh is
-  per host (distributed.split_local_devices): each process samples its own prompt groups (`process_slice`), and the
-  rows are then gathered so every process holds the whole batch, as 1 process sampling all of them would.
+  per host (distributed.split_local_devices, or vLLM's one engine per host): each process samples its own prompt
+  groups (`process_slice`), and the rows are then gathered so every process holds the whole batch, as 1 process
+  sampling all of them would.
   """
   cluster = run.rl_cluster
   rollout = cluster.rollout
-  if not run.setup.disaggregated:
+  per_host = samples_per_host(run)
+  if not run.setup.disaggregated and not per_host:
     return cluster.generate(prompts=prompts, mode=rl_cluster_lib.Mode.TRAIN, micro_batch_size=micro_batch_size)
   g = num_generations
-  per_host = distributed.is_multiprocess()
   own = distributed.process_slice(len(prompts) // g) if per_host else slice(0, len(prompts) // g)
   keyed = hasattr(rollout, "prompt_offset")
   if keyed:

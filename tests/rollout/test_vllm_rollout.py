@@ -27,10 +27,13 @@ from maxtext.utils import model_creation_utils
 from transformers import AutoTokenizer
 from tunix.rl.rollout import base_rollout
 
+from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import errors
+from maxtext_rl_plugin import experience
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import registry
 from maxtext_rl_plugin.resharding import move
+from maxtext_rl_plugin.resharding import per_host
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.rollout import vllm as vllm_mod
@@ -834,43 +837,58 @@ def test_engine_never_aliases_trainer_buffers(monkeypatch, qwen, tokenizer):
 # ------------------------------------------------------------------ multi-controller (Ray without Pathways)
 
 
-def test_multi_controller_without_pathways_never_gets_vllm(monkeypatch, qwen, tokenizer, capsys):
-  """tpu-inference looks the rollout mesh's device ids up in jax.local_devices(): with several JAX controllers and
-  no Pathways that is a KeyError at engine start. auto picks embedded (and says why); explicit vllm is refused."""
-
-  assert vllm_config.multi_controller_reason(1, False) is None and vllm_config.multi_controller_reason(4, True) is None
-  assert "jax.local_devices()" in vllm_config.multi_controller_reason(2, False)
-  cfg = qwen[0]
+def test_multi_controller_run_gets_one_vllm_engine_per_host(monkeypatch, qwen, tokenizer):
+  """2 JAX processes without Pathways (Ray workers, TPU VMs): auto picks vLLM on TPU as on Pathways; the engine is
+  this process's own (its devices of the rollout mesh as tpu-inference's device_indexes, looked up in
+  jax.local_devices()), tensor parallelism within the host and rollout_data_parallelism split over the hosts; the
+  first sync is checked by the per-host guard; the run samples per host."""
+  cfg, tree = qwen
   real_find_spec = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: object() if n == "vllm" else real_find_spec(n, *a))
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # a TPU host of the Ray image (vLLM installed)
   logged = []
   monkeypatch.setattr(absl_logging, "info", lambda msg, *a: logged.append(msg % a))
-  # cpu_tiny's Qwen3 has head_dim 16, which tpu-inference pads and normalises differently: auto stays embedded.
-  assert build._resolve_engine_name(_Override(cfg, rollout_engine="auto")) == "embedded"  # pylint: disable=protected-access
-  assert "normalises Qwen3's q/k over the padded width" in logged[-1]
-  auto = _Override(cfg, rollout_engine="auto", head_dim=128)
-  assert build._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access  # one controller
   monkeypatch.setattr(jax, "process_count", lambda: 2)
-  assert build._resolve_engine_name(auto) == "embedded"  # pylint: disable=protected-access
-  assert "2 JAX processes run without Pathways" in logged[-1]
-  with pytest.raises(SystemExit) as exit_info, errors.exit_on_user_error():
-    build._resolve_engine_name(_Override(cfg, rollout_engine="vllm"))  # pylint: disable=protected-access
-  assert exit_info.value.code == 2
-  err = capsys.readouterr().err
-  assert err.startswith("error: rollout_engine=vllm needs a single JAX controller") and err.count("\n") == 1
-  # Pathways is one controller: vLLM is fine there.
-  monkeypatch.setattr(pathways, "requested", lambda: True)
-  assert build._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access
-  # The engine itself refuses too (library use), before vLLM starts.
   monkeypatch.setattr(pathways, "requested", lambda: False)
-  module, _ = make_fake_vllm({}, 0)
+  auto = _Override(cfg, rollout_engine="auto", head_dim=128)
+  assert build._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access
+  assert "one engine per host on 2 JAX processes" in logged[-1]
+  assert build._resolve_engine_name(_Override(cfg, rollout_engine="vllm")) == "vllm"  # pylint: disable=protected-access
+
+  # Process 1 of 2; the rollout mesh spans both hosts' 4 devices (ids as multi-process CPU JAX numbers them).
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(distributed, "gather_rows", np.asarray)  # this host's part of the guard's gather
+  checked = []
+  real_check = per_host.check_hosts
+  monkeypatch.setattr(per_host, "check_hosts", lambda src, got: checked.append(sorted(src)) or real_check(src, got))
+  devices = [types.SimpleNamespace(id=2048 * p + i, process_index=p) for p in (0, 1) for i in range(4)]
+  mesh = types.SimpleNamespace(devices=np.asarray(devices, dtype=object).reshape(2, 4))
+  module, _ = make_fake_vllm(fake_engine_state(cfg.model_name, vm.hf_config_from_params(tree, cfg.model_name)), 0)
   monkeypatch.setitem(sys.modules, "vllm", module)
-  with pytest.raises(errors.ConfigError, match="single JAX controller"):
-    vllm_mod.VllmRollout(
-        rollout_actor={}, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), config=cfg
-    )
-  assert module.LLM.instances == []
+  split = _Override(cfg, rollout_tensor_parallelism=2, rollout_data_parallelism=4, rollout_expert_parallelism=1)
+  rollout = vllm_mod.VllmRollout(
+      rollout_actor=tree, tokenizer=tokenizer, mesh=mesh, rollout_config=_rollout_config(cfg), config=split
+  )
+  kw = module.LLM.instances[-1].kwargs
+  assert kw["additional_config"]["sharding"]["sharding_strategy"]["device_indexes"] == [2048, 2049, 2050, 2051]
+  assert (kw["tensor_parallel_size"], kw["data_parallel_size"]) == (2, 2)  # 2 hosts x 2 replicas = 4, MaxText's dp
+  assert rollout.per_host and checked == [sorted(vm.engine_weights(module.LLM.instances[-1].worker.state))]
+  run = types.SimpleNamespace(
+      rl_cluster=types.SimpleNamespace(rollout=rollout), setup=types.SimpleNamespace(disaggregated=False)
+  )
+  assert experience.samples_per_host(run)  # each process samples its share, then the rows are gathered
+
+  # Impossible splits are one line, before vLLM starts.
+  for bad, match in (
+      (_Override(split, rollout_data_parallelism=3), r"'rollout_data_parallelism'=3: .* multiple of its 2 hosts"),
+      (_Override(split, rollout_tensor_parallelism=8, rollout_data_parallelism=-1), r"per host: 2 hosts x 4 devices"),
+  ):
+    with pytest.raises(errors.ConfigError, match=match) as ei:
+      vllm_mod.VllmRollout(
+          rollout_actor=tree, tokenizer=tokenizer, mesh=mesh, rollout_config=_rollout_config(cfg), config=bad
+      )
+    assert "\n" not in str(ei.value)
+  assert len(module.LLM.instances) == 1
 
 
 def test_qwen3_head_dim_that_tpu_inference_pads_is_refused_at_validation():

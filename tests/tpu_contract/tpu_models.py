@@ -52,9 +52,12 @@ MAXTEXT_NAME = {"llama": "llama3.1-8b", "qwen3": "qwen3-0.6b"}
 _cache: dict = {}
 
 
-def build(tmp_root, arch: str, *, abstract: bool = True, tp: int = TP, dtype: str = "bfloat16", **overrides):
-  """(model, vllm_config, mesh) for the real tpu-inference class of `arch`; concrete weights unless `abstract`."""
-  key = (arch, abstract, tp, dtype, json.dumps(overrides, sort_keys=True))
+def build(
+    tmp_root, arch: str, *, abstract: bool = True, tp: int = TP, dtype: str = "bfloat16", devices=None, **overrides
+):
+  """(model, vllm_config, mesh) for the real tpu-inference class of `arch`; concrete weights unless `abstract`;
+  on `devices` (default the first `tp`; a per-host engine passes its own process's)."""
+  key = (arch, abstract, tp, dtype, json.dumps(overrides, sort_keys=True), tuple(d.id for d in devices or ()))
   if key in _cache:
     return _cache[key]
   from flax import nnx
@@ -77,7 +80,7 @@ def build(tmp_root, arch: str, *, abstract: bool = True, tp: int = TP, dtype: st
   jax_parallel_state.init_pp_distributed_environment(ip="", rank=0, world_size=1, device=None, need_pp=False)
   shape = [1] * len(MESH_AXIS_NAMES)
   shape[MESH_AXIS_NAMES.index("model")] = tp
-  mesh = jax.sharding.Mesh(np.array(jax.devices()[:tp]).reshape(shape), MESH_AXIS_NAMES)
+  mesh = jax.sharding.Mesh(np.array(list(devices or jax.devices())[:tp]).reshape(shape), MESH_AXIS_NAMES)
   cls = getattr(importlib.import_module(f"tpu_inference.models.jax.{module}"), cls_name)
   with jax.set_mesh(mesh):
     if abstract:
