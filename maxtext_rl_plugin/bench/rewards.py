@@ -31,7 +31,7 @@ from typing import Any, Optional
 # Reward stacks need no accelerator: JAX (imported below through tunix_compat, and by MaxText) stays off any TPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from maxtext_rl_plugin import config_types
+from maxtext_rl_plugin.config import schema as config_types
 from maxtext_rl_plugin import rewards
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin.rewards import extraction

@@ -27,7 +27,7 @@ import os
 from typing import Any, Callable, Iterator
 
 from maxtext_rl_plugin.config import dependent_keys
-from maxtext_rl_plugin.config.load import early_checks
+from maxtext_rl_plugin.config import early_checks
 from maxtext_rl_plugin.config import key_status
 from maxtext_rl_plugin.config.unresolved import Unresolved
 from maxtext_rl_plugin.config.unresolved import value_or

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 
-from maxtext_rl_plugin.config.load import early_checks
+from maxtext_rl_plugin.config import early_checks
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import vllm_mapping
 from maxtext_rl_plugin.rollout import vllm_maxtext

@@ -29,7 +29,7 @@ from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import errors
-from maxtext_rl_plugin import experience
+from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import registry
 from maxtext_rl_plugin.resharding import move
