@@ -14,6 +14,7 @@ from typing import Sequence
 
 from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin import errors
+from maxtext_rl_plugin.config.unresolved import Unresolved
 from maxtext_rl_plugin import train_rl
 
 
@@ -46,7 +47,7 @@ def asks_topology(argv: Sequence[str]) -> bool:
     return True
   try:
     return bool(view.compile_topology)
-  except AttributeError:
+  except Unresolved:
     return "compile_topology" in view
 
 

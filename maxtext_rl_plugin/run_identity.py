@@ -171,6 +171,11 @@ RESUME_EXEMPT = {
     "learning_rate_schedule_steps": "resume.schedule_change notes a schedule that changes length",
     "math_verify_num_procs": "how many processes verify answers, not what they reward",
     "rl.log_sampler_trainer_agreement": "a metric, not the update",
+    "rl.parity_check": "a check of sampler-trainer agreement (run/parity.py), not the update",
+    "rl.parity_check_every": "a check of sampler-trainer agreement, not the update",
+    "rl.parity_logp_tolerance_max": "a check of sampler-trainer agreement, not the update",
+    "rl.parity_logp_tolerance_mean": "a check of sampler-trainer agreement, not the update",
+    "rl.parity_routing_tolerance": "a check of sampler-trainer agreement, not the update",
     "rl.reshard_chunk_size": "how the weights move to the sampler, not which",
     "rl.verify_weight_sync": "a check of the weight sync, not the update",
     "rl.verify_weight_sync_every": "a check of the weight sync, not the update",
@@ -203,7 +208,7 @@ def resume_invariants(config) -> dict[str, Any]:
   loss, the rollout seed and the optimizer updates per step (resume._RESUME_INVARIANTS). Light: the first pass
   (`train_rl._precheck`) compares them on the config as written, before any model is built."""
   b, rl = int(config.batch_size), config.rl
-  mini = getattr(rl, "mini_batch_size", None)  # unset as written: the schema's default, None (= batch_size)
+  mini = value_or(rl, "mini_batch_size", None)  # unset as written: the schema's default, None (= batch_size)
   mini = b if mini is None or int(mini) <= 0 else int(mini)
   return {
       **position_keys(config),
@@ -224,7 +229,7 @@ def check_resume_invariants(config, run_dir: str, meta: dict[str, Any] | None = 
   """Refuse (one line) a resume that changes a `resume_invariants` key; `meta`: the newest readable checkpoint's
   metadata (read here when None; nothing to compare without a checkpoint)."""
   if meta is None:
-    directory = getattr(config, "checkpoint_dir", None) or os.path.join(run_dir, "checkpoints")
+    directory = value_or(config, "checkpoint_dir", None) or os.path.join(run_dir, "checkpoints")
     meta = next((m for m in (read_meta(directory, s) for s in checkpoint_steps(directory)) if m is not None), None)
     if meta is None:
       return

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from maxtext_rl_plugin.config.unresolved import Unresolved
+from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import vllm_maxtext
 
@@ -27,6 +29,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "rl.agentic_tool_parser": ("qwen",),
     "rl.rollout_is": ("off", "truncate", "mask"),
     "rl.verify_weight_sync": ("off", "first", "every_n"),
+    "rl.parity_check": ("off", "first", "every_n"),
 }
 # What the embedded engine's KV-cached decode cannot run (rollout/decode.MaxTextSampler refuses their caches).
 EMBEDDED_ATTENTION_REFUSED = {
@@ -57,7 +60,7 @@ def _get(pc, key: str) -> Any:
 
 def _experts(pc) -> int:
   """num_experts; 1 (MaxText's base.yml default) where the config as written leaves it to that default."""
-  return int(getattr(pc, "num_experts", 1))
+  return int(value_or(pc, "num_experts", 1))
 
 
 def _name(value: Any) -> str:
@@ -70,7 +73,7 @@ def check_choices(pc) -> None:
   for key, choices in CHOICES.items():
     try:
       value = _get(pc, key)
-    except AttributeError:
+    except Unresolved:
       continue
     if value is not None and value not in choices:
       raise _bad(key, value, f"expected one of {', '.join(choices)}")
@@ -78,7 +81,7 @@ def check_choices(pc) -> None:
 
 def check_moe(pc) -> None:
   """An MoE layer routes each token to num_experts_per_tok of its num_experts experts."""
-  experts, per_tok = _experts(pc), int(getattr(pc, "num_experts_per_tok", 1))
+  experts, per_tok = _experts(pc), int(value_or(pc, "num_experts_per_tok", 1))
   if experts > 1 and not 1 <= per_tok <= experts:
     raise _bad("num_experts_per_tok", per_tok, f"must be between 1 and num_experts={experts}")
 
@@ -100,10 +103,10 @@ def check_device_fractions(pc) -> None:
 def check_checkpoint_storage(pc) -> None:
   """Orbax's I/O budgets are positive (0 or less fails at the first save, after the step it was to keep)."""
   for key in _POSITIVE_OR_NULL:
-    value = getattr(pc, key, None)  # the config as written may leave one to MaxText's default (positive)
+    value = value_or(pc, key, None)  # the config as written may leave one to MaxText's default (positive)
     if value is not None and value <= 0:
       raise _bad(key, value, "must be > 0 (or null: Orbax's default)")
-  size = getattr(pc, "checkpoint_storage_target_data_file_size_bytes", None)
+  size = value_or(pc, "checkpoint_storage_target_data_file_size_bytes", None)
   if size is not None and size < 0:
     raise _bad("checkpoint_storage_target_data_file_size_bytes", size, "must be >= 0 (0: no limit)")
 
@@ -144,7 +147,7 @@ def router_replay_refusal(pc) -> str | None:
         "rl.router_replay=true with rl.use_agentic_rollout=true: multi-turn episodes re-prefill their transcripts, "
         "and their routing is not recorded yet"
     )
-  if int(getattr(pc, "mtp_num_layers", 0) or 0) > 0:
+  if int(value_or(pc, "mtp_num_layers", 0) or 0) > 0:
     return "rl.router_replay=true with mtp_num_layers > 0: MaxText cannot replay routing with MTP"
   return None
 
@@ -184,7 +187,7 @@ def check_vllm_head_dim(pc) -> None:
   try:
     if vllm_maxtext.selected(pc):
       return
-  except AttributeError:  # the config as written: unset (no adapter named) or set in a form only the schema types
+  except Unresolved:  # the config as written: unset (no adapter named) or set in a form only the schema types
     if "vllm_hf_overrides" in pc:
       return
   if str(pc.model_name).startswith(_ADAPTER_QWEN3):
