@@ -114,6 +114,8 @@ _ANSWER_IS_RE = re.compile(
     + _MARKED_NUM,
     re.IGNORECASE,
 )
+# Every answer marker, with or without a number after it (the last one's clause is checked for hedges).
+_ANSWER_MARK_RE = re.compile(r"answer(?:[ \t]{1,4}is|[ \t]{0,4}:|[ \t]{1,4}=)", re.IGNORECASE)
 _A_COLON_RE = re.compile(
     r"(?:^|\n)[ \t]{0,8}(?:\*\*)?A(?:\*\*)?[ \t]{0,4}:[ \t]{0,8}" + _QUALIFIER + _OPEN + r"\\?\$?[ \t]{0,4}" + _MARKED_NUM
 )
@@ -540,12 +542,21 @@ def extract(
     value, verdict = _boxed_value(text, box[0])
     return Extraction(value, verdict or RULE_BOXED, text[box[0][1] : box[0][2]].strip())
   if "####" in text:
+    k = text.rfind("####") + 4
+    end = text.find("\n", k)
+    line = text[k : end if 0 <= end < k + MAX_ANSWER_CHARS else k + MAX_ANSWER_CHARS + 1].strip()
+    if any(c.isdigit() for c in line):  # GSM8K's "#### N": the line is the answer, read as a tag body (and as golds)
+      value, verdict = _read_answer(line)
+      return Extraction(value, verdict or RULE_HASH)
     m = _last_match(_HASH_RE, text)
     if m is not None:
       return _marked(text, m, RULE_HASH)
   lower_has_answer = "nswer" in text or "NSWER" in text
   if lower_has_answer:
     m = _last_match(_ANSWER_IS_RE, text)
+    k = _last_match(_ANSWER_MARK_RE, text)
+    if k is not None and (m is None or m.start() < k.start()) and _hedged_clause(text, k.end(), negations=True):
+      return Extraction(text[k.end() : k.end() + 80].split("\n", 1)[0].strip(), RULE_AMBIGUOUS)  # "unclear, maybe 5"
     if m is not None:
       return _marked(text, m, RULE_ANSWER_IS)
   if "A" in text and ":" in text:
@@ -566,16 +577,17 @@ def _hedged_words(words: str) -> bool:
   )
 
 
-def _hedged_clause(text: str, pos: int) -> bool:
-  """Whether the rest of a marked number's clause (to the end of its sentence or line, or a "because") bounds,
-  approximates or doubts it ("5 at most", "5 (approx.)", "5, maybe 6", "5 ± 1"). A negation there is about something
-  else ("5, not 3")."""
+def _hedged_clause(text: str, pos: int, negations: bool = False) -> bool:
+  """Whether the clause from `pos` (to the end of its sentence or line, or a "because") bounds, approximates or doubts
+  a number ("5 at most", "5 (approx.)", "5, maybe 6", "5 ± 1"). After a marked number a negation is about something
+  else ("5, not 3"); right after the marker (`negations`) it is the answer's ("the answer is not clear, maybe 5")."""
   chunk = text[pos : pos + 80]
   end = _CLAUSE_END_RE.search(chunk)
   clause = chunk[: end.start()] if end else chunk
-  return bool(clause.strip()) and (
-      answer_rule.words_bound_or_doubt(clause) or answer_rule.COMPARISON_SIGN_RE.search(clause)
-  )
+  if not clause.strip() or (negations and not any(c.isdigit() for c in clause)):
+    return False
+  words = answer_rule.words_say_not_one_value if negations else answer_rule.words_bound_or_doubt
+  return bool(words(clause) or answer_rule.COMPARISON_SIGN_RE.search(clause))
 
 
 def _marked(text: str, m: re.Match, rule: str) -> Extraction:
