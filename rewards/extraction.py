@@ -493,9 +493,8 @@ def _read_answer(s: str) -> tuple[str, Optional[str]]:
     rhs = cl.rsplit("=", 1)[1].strip()
     if rhs:
       return _read_answer(rhs)
-  if any(c in _MATH_CHARS for c in cl) and not _PROSE_RE.search(
-      cl
-  ):  # math stays whole ("\\sqrt{64}", "2^3") for math_verify; a list is not one
+  expression = any(c in _MATH_CHARS for c in cl) and not _PROSE_RE.search(cl)
+  if expression:  # math stays whole ("\\sqrt{64}", "2^3") for math_verify; a list is not one value
     return (s, RULE_AMBIGUOUS) if _LIST_RE.search(cl) else (s, None)
   nums = list(_BODY_NUM_RE.finditer(cl))
   if not nums:
