@@ -203,6 +203,7 @@ class Extraction(NamedTuple):
   value: Optional[str]
   rule: str
   raw: Optional[str] = None  # the unstripped text the value came from (answer tag body), for whitespace rewards
+  found_by: Optional[str] = None  # the rule that found an answer judged RULE_AMBIGUOUS (gsm8k.py: non-numeric golds)
 
 
 def _clean(text: str) -> str:
@@ -534,19 +535,19 @@ def extract(
   body = last_tag_block(text, solution_start, solution_end) if solution_start and solution_end else None
   if body is not None and body.strip():
     value, verdict = _read_body(answer_rule.normalize(body))
-    return Extraction(value, verdict or RULE_ANSWER_TAG, body)
+    return Extraction(value, verdict or RULE_ANSWER_TAG, body, RULE_ANSWER_TAG)
   text = answer_rule.normalize(text)
   box = _boxes(text)
   if box and text[box[0][1] : box[0][2]].strip():
     value, verdict = _boxed_value(text, box[0])
-    return Extraction(value, verdict or RULE_BOXED, text[box[0][1] : box[0][2]].strip())
+    return Extraction(value, verdict or RULE_BOXED, text[box[0][1] : box[0][2]].strip(), RULE_BOXED)
   if "####" in text:
     k = text.rfind("####") + 4
     end = text.find("\n", k)
     line = text[k : end if 0 <= end < k + MAX_ANSWER_CHARS else k + MAX_ANSWER_CHARS + 1].strip()
     if any(c.isdigit() for c in line):  # GSM8K's "#### N": the line is the answer, read as a tag body (and as golds)
       value, verdict = _read_answer(line)
-      return Extraction(value, verdict or RULE_HASH)
+      return Extraction(value, verdict or RULE_HASH, None, RULE_HASH)
     m = _last_match(_HASH_RE, text)
     if m is not None:
       return _marked(text, m, RULE_HASH)
@@ -555,7 +556,8 @@ def extract(
     m = _last_match(_ANSWER_IS_RE, text)
     k = _last_match(_ANSWER_MARK_RE, text)
     if k is not None and (m is None or m.start() < k.start()) and _hedged_clause(text, k.end(), negations=True):
-      return Extraction(text[k.end() : k.end() + 80].split("\n", 1)[0].strip(), RULE_AMBIGUOUS)  # "unclear, maybe 5"
+      clause = text[k.end() : k.end() + 80].split("\n", 1)[0].strip()  # "unclear, maybe 5"
+      return Extraction(clause, RULE_AMBIGUOUS, None, RULE_ANSWER_IS)
     if m is not None:
       return _marked(text, m, RULE_ANSWER_IS)
   if "A" in text and ":" in text:
@@ -599,7 +601,8 @@ def _marked(text: str, m: re.Match, rule: str) -> Extraction:
   if qualified or _HEDGE_TAIL_RE.match(text, m.end()) or _hedged_clause(text, m.end()):
     start = m.start("q") if m["q"] else m.start("v")
     end = text.find("\n", m.end())
-    return Extraction(text[start : end if 0 <= end < start + 120 else start + 120].strip(), RULE_AMBIGUOUS)
+    clause = text[start : end if 0 <= end < start + 120 else start + 120].strip()
+    return Extraction(clause, RULE_AMBIGUOUS, None, rule)
   return Extraction(m["v"], rule)
 
 

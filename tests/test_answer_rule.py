@@ -203,6 +203,14 @@ def test_each_row_gets_its_verdict(table):
   assert _verdicts(table) == table
 
 
+def test_a_gold_that_is_not_one_number_sets_its_own_shape():
+  """The score CLI keeps non-numeric golds: an answer shaped like one ("(3, 5)", "3:30") is compared with it."""
+  golds = ["(3, 5)", "3:30", "(3, 5)", "5"]
+  comps = [tag("(3, 5)"), tag("3:30"), tag("(3, 6)"), tag("(3, 5)")]
+  res = rewards.score_batch(comps, golds)
+  assert [(r.correct, r.rule) for r in res] == [(True, TAG), (True, TAG), (False, TAG), (False, AMB)]
+
+
 def test_an_answer_that_is_not_one_value_is_scored_wrong_counted_and_never_verified(monkeypatch):
   """ambiguous/unreadable rows earn penalty_incorrect_answer (not the format penalty, not partial credit), set their
   flags, and no piece of them reaches the comparison (math_verify reads "5_{2}" as 5)."""
