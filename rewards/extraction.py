@@ -114,6 +114,8 @@ _ANSWER_IS_RE = re.compile(
     + _MARKED_NUM,
     re.IGNORECASE,
 )
+# Every answer marker, with or without a number after it (the last one's clause is checked for hedges).
+_ANSWER_MARK_RE = re.compile(r"answer(?:[ \t]{1,4}is|[ \t]{0,4}:|[ \t]{1,4}=)", re.IGNORECASE)
 _A_COLON_RE = re.compile(
     r"(?:^|\n)[ \t]{0,8}(?:\*\*)?A(?:\*\*)?[ \t]{0,4}:[ \t]{0,8}" + _QUALIFIER + _OPEN + r"\\?\$?[ \t]{0,4}" + _MARKED_NUM
 )
@@ -201,6 +203,7 @@ class Extraction(NamedTuple):
   value: Optional[str]
   rule: str
   raw: Optional[str] = None  # the unstripped text the value came from (answer tag body), for whitespace rewards
+  found_by: Optional[str] = None  # the rule that found an answer judged RULE_AMBIGUOUS (gsm8k.py: non-numeric golds)
 
 
 def _clean(text: str) -> str:
@@ -491,9 +494,8 @@ def _read_answer(s: str) -> tuple[str, Optional[str]]:
     rhs = cl.rsplit("=", 1)[1].strip()
     if rhs:
       return _read_answer(rhs)
-  if any(c in _MATH_CHARS for c in cl) and not _PROSE_RE.search(
-      cl
-  ):  # math stays whole ("\\sqrt{64}", "2^3") for math_verify; a list is not one
+  expression = any(c in _MATH_CHARS for c in cl) and not _PROSE_RE.search(cl)
+  if expression:  # math stays whole ("\\sqrt{64}", "2^3") for math_verify; a list is not one value
     return (s, RULE_AMBIGUOUS) if _LIST_RE.search(cl) else (s, None)
   nums = list(_BODY_NUM_RE.finditer(cl))
   if not nums:
@@ -533,19 +535,29 @@ def extract(
   body = last_tag_block(text, solution_start, solution_end) if solution_start and solution_end else None
   if body is not None and body.strip():
     value, verdict = _read_body(answer_rule.normalize(body))
-    return Extraction(value, verdict or RULE_ANSWER_TAG, body)
+    return Extraction(value, verdict or RULE_ANSWER_TAG, body, RULE_ANSWER_TAG)
   text = answer_rule.normalize(text)
   box = _boxes(text)
   if box and text[box[0][1] : box[0][2]].strip():
     value, verdict = _boxed_value(text, box[0])
-    return Extraction(value, verdict or RULE_BOXED, text[box[0][1] : box[0][2]].strip())
+    return Extraction(value, verdict or RULE_BOXED, text[box[0][1] : box[0][2]].strip(), RULE_BOXED)
   if "####" in text:
+    k = text.rfind("####") + 4
+    end = text.find("\n", k)
+    line = text[k : end if 0 <= end < k + MAX_ANSWER_CHARS else k + MAX_ANSWER_CHARS + 1].strip()
+    if any(c.isdigit() for c in line):  # GSM8K's "#### N": the line is the answer, read as a tag body (and as golds)
+      value, verdict = _read_answer(line)
+      return Extraction(value, verdict or RULE_HASH, None, RULE_HASH)
     m = _last_match(_HASH_RE, text)
     if m is not None:
       return _marked(text, m, RULE_HASH)
   lower_has_answer = "nswer" in text or "NSWER" in text
   if lower_has_answer:
     m = _last_match(_ANSWER_IS_RE, text)
+    k = _last_match(_ANSWER_MARK_RE, text)
+    if k is not None and (m is None or m.start() < k.start()) and _hedged_clause(text, k.end(), negations=True):
+      clause = text[k.end() : k.end() + 80].split("\n", 1)[0].strip()  # "unclear, maybe 5"
+      return Extraction(clause, RULE_AMBIGUOUS, None, RULE_ANSWER_IS)
     if m is not None:
       return _marked(text, m, RULE_ANSWER_IS)
   if "A" in text and ":" in text:
@@ -566,16 +578,17 @@ def _hedged_words(words: str) -> bool:
   )
 
 
-def _hedged_clause(text: str, pos: int) -> bool:
-  """Whether the rest of a marked number's clause (to the end of its sentence or line, or a "because") bounds,
-  approximates or doubts it ("5 at most", "5 (approx.)", "5, maybe 6", "5 ± 1"). A negation there is about something
-  else ("5, not 3")."""
+def _hedged_clause(text: str, pos: int, negations: bool = False) -> bool:
+  """Whether the clause from `pos` (to the end of its sentence or line, or a "because") bounds, approximates or doubts
+  a number ("5 at most", "5 (approx.)", "5, maybe 6", "5 ± 1"). After a marked number a negation is about something
+  else ("5, not 3"); right after the marker (`negations`) it is the answer's ("the answer is not clear, maybe 5")."""
   chunk = text[pos : pos + 80]
   end = _CLAUSE_END_RE.search(chunk)
   clause = chunk[: end.start()] if end else chunk
-  return bool(clause.strip()) and (
-      answer_rule.words_bound_or_doubt(clause) or answer_rule.COMPARISON_SIGN_RE.search(clause)
-  )
+  if not clause.strip() or (negations and not any(c.isdigit() for c in clause)):
+    return False
+  words = answer_rule.words_say_not_one_value if negations else answer_rule.words_bound_or_doubt
+  return bool(words(clause) or answer_rule.COMPARISON_SIGN_RE.search(clause))
 
 
 def _marked(text: str, m: re.Match, rule: str) -> Extraction:
@@ -588,7 +601,8 @@ def _marked(text: str, m: re.Match, rule: str) -> Extraction:
   if qualified or _HEDGE_TAIL_RE.match(text, m.end()) or _hedged_clause(text, m.end()):
     start = m.start("q") if m["q"] else m.start("v")
     end = text.find("\n", m.end())
-    return Extraction(text[start : end if 0 <= end < start + 120 else start + 120].strip(), RULE_AMBIGUOUS)
+    clause = text[start : end if 0 <= end < start + 120 else start + 120].strip()
+    return Extraction(clause, RULE_AMBIGUOUS, None, rule)
   return Extraction(m["v"], rule)
 
 

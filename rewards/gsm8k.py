@@ -234,6 +234,10 @@ def _band_safely(value: str, golds: tuple[str, ...]) -> int:
     return 0
 
 
+def _no_number(golds: tuple[str, ...]) -> bool:
+  return bool(golds) and all(ex.to_number(g) is None for g in golds)
+
+
 def _grade_uncached(
     completions: Sequence[str], answers: Sequence[Any], rc: RewardConfig
 ) -> list[tuple[ex.Extraction, bool, float, bool]]:
@@ -242,6 +246,12 @@ def _grade_uncached(
   a wrong answer, and never reaches the comparison (nor math_verify, which would read a piece of it)."""
   exts = [_extract_safely(c, rc) for c in completions]
   golds = [gold_alternatives(a) for a in answers]
+  # The answer rule reads "one value" against a numeric gold; a gold that is not one number ("(3, 5)", "3:30" in the
+  # score CLI) sets its own shape, so such an answer is compared with it as found.
+  exts = [
+      ex.Extraction(e.value, e.found_by, e.raw) if e.rule == RULE_AMBIGUOUS and e.found_by and _no_number(g) else e
+      for e, g in zip(exts, golds)
+  ]
   pairs, owners = [], []
   for i, (e, g) in enumerate(zip(exts, golds)):
     if e.value is not None and e.rule not in _NOT_ONE_VALUE:

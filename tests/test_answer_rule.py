@@ -76,6 +76,8 @@ HEDGES = [
     ("The answer is definitely not 5", "5", False, AMB),
     ("#### about 5", "5", False, AMB),
     ("#### 5, maybe 6", "5", False, AMB),
+    ("#### not really sure, maybe 5", "5", False, AMB),  # the line after "####" is read whole, as a gold is
+    ("The answer is 3. Hmm, the answer is unclear, maybe 5", "5", False, AMB),  # the last marker's clause
     ("The answer is 5 \u00b1 1", "5", False, AMB),
     ("Answer: 5 (approx.)", "5", False, AMB),
     ("The answer is 5 at most.", "5", False, AMB),
@@ -106,6 +108,9 @@ HEDGES = [
     ("#### 5", "5", True, "hash"),
     ("The answer is 5.", "5", True, "answer_is"),
     ("The answer is clearly 5.", "5", True, "answer_is"),
+    ("#### 18 dollars", "18", True, "hash"),
+    ("#### 3 * 6 = 18", "18", True, "hash"),
+    ("The answer is the sum of 3 and 2: 5", "5", True, "last_number"),
     ("The answer is 5, not 3.", "5", True, "answer_is"),
     ("The answer is 18, since 3 * 6 = 18.", "18", True, "answer_is"),
     # Free-form completions without a tag or marker keep the field's last-number convention.
@@ -196,6 +201,14 @@ def _verdicts(rows):
 @pytest.mark.parametrize("table", [HEDGES, SIGNS, UNICODE, SCALES], ids=["hedges", "signs", "unicode", "scales"])
 def test_each_row_gets_its_verdict(table):
   assert _verdicts(table) == table
+
+
+def test_a_gold_that_is_not_one_number_sets_its_own_shape():
+  """The score CLI keeps non-numeric golds: an answer shaped like one ("(3, 5)", "3:30") is compared with it."""
+  golds = ["(3, 5)", "3:30", "(3, 5)", "5"]
+  comps = [tag("(3, 5)"), tag("3:30"), tag("(3, 6)"), tag("(3, 5)")]
+  res = rewards.score_batch(comps, golds)
+  assert [(r.correct, r.rule) for r in res] == [(True, TAG), (True, TAG), (False, TAG), (False, AMB)]
 
 
 def test_an_answer_that_is_not_one_value_is_scored_wrong_counted_and_never_verified(monkeypatch):
