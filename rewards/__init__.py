@@ -10,7 +10,7 @@ package). Public API:
 * `python -m maxtext_rl_plugin.rewards score --input IN.jsonl --output OUT.jsonl`.
 """
 
-from maxtext_rl_plugin.rewards.extraction import RULES, extract, extract_answer, normalize_answer, parse_gold, to_number
+from maxtext_rl_plugin.rewards.extraction import RULES, extract, extract_answer
 from maxtext_rl_plugin.rewards.gsm8k import (
     DEFAULT_STACK,
     RewardConfig,
@@ -23,6 +23,7 @@ from maxtext_rl_plugin.rewards.gsm8k import (
     score_batch,
 )
 from maxtext_rl_plugin.rewards.loader import RewardFn, reward_fns_from_config
+from maxtext_rl_plugin.rewards.number_grammar import normalize_answer, parse_gold, to_number
 from maxtext_rl_plugin.rewards.verify import fast_verdict, is_correct, verify_batch
 
 __all__ = [

@@ -8,7 +8,7 @@ Arabic separators ("1，234", "1٫5"), superscripts ("5²" is 5^2, "10⁻³" is 
 and scale words ("5 thousand", "$5M") are applied; what cannot be held exactly (a digit with a subscript, "5 hundred
 thousand") is `unreadable`. Never a piece of a number. The table is in docs/rewards.md ("The answer rule").
 
-Pure functions on strings; `extraction.py` applies them (the number grammar lives there).
+Pure functions on strings; `extraction.py` applies them and `number_grammar.py` holds the number grammar.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def normalize(text: str) -> str:
   Arabic separators, other scripts' digits, vulgar fractions, superscript exponents and subscripts after a digit.
 
   ASCII text is returned as it is (the common case costs one `isascii`). Signs stay as written: the minus table
-  (`extraction.MINUS_SIGNS`) reads U+2212 and the dashes wherever a number is read.
+  (`number_grammar.MINUS_SIGNS`) reads U+2212 and the dashes wherever a number is read.
   """
   if text.isascii() or (unicodedata.is_normalized("NFKC", text) and not _KEPT_BY_NFKC_RE.search(text)):
     return text  # ASCII, or nothing to change ("’", "–", "×": NFKC's quick check in C, then one scan)

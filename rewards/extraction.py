@@ -1,4 +1,4 @@
-"""Answer extraction and number normalization for GSM8K-style completions.
+"""Locating the answer in a GSM8K-style completion: which text is the answer, found by which rule.
 
 Everything here is pure Python with linear-time scans (`str.rfind`, regexes with bounded quantifiers),
 because it runs on every completion of every RL step and must not stall on adversarial text
@@ -8,17 +8,19 @@ completion goes through an ordered list of rules and the rule that fired is reco
 curve can be read together with *how* answers were found. A tagged or marked answer must state one value
 (`_read_answer`, `_marked`; the vocabulary in answer_rule.py, the table in docs/rewards.md "The answer rule"); free
 text keeps the last-number convention.
+
+What one number is (signs, separators, fractions, scales, exponents) and its value are in number_grammar.py: this
+module decides where the answer is and whether it is one value, that one reads a piece of text as a number. Split so
+that each stays one concern under 500 lines.
 """
 
 from __future__ import annotations
 
-from fractions import Fraction
-import functools
-import math
 import re
 from typing import NamedTuple, Optional
 
 from maxtext_rl_plugin.rewards import answer_rule
+from maxtext_rl_plugin.rewards import number_grammar as ng
 
 # Rule names, in priority order (recorded in ScoreResult.rule and the score CLI's output).
 RULE_ANSWER_TAG = "answer_tag"
@@ -28,7 +30,7 @@ RULE_ANSWER_IS = "answer_is"
 RULE_A_COLON = "a_colon"
 RULE_LAST_NUMBER = "last_number"
 RULE_NONE = "none"
-# Not an extraction rule: the grader's verdict on an answer it cannot hold (gsm8k.py; `unreadable` below).
+# Not an extraction rule: the grader's verdict on an answer it cannot hold (gsm8k.py; `number_grammar.unreadable`).
 RULE_UNREADABLE = "unreadable"
 # Not an extraction rule either: a tagged answer that is not one value (several values, a range, a negation, a
 # comparison; answer_rule.py), scored wrong and counted.
@@ -48,54 +50,6 @@ RULES = (
 DEFAULT_SOLUTION_START = "<answer>"  # MaxText rl.yml's solution tags; RewardConfig and the data prompts use these
 DEFAULT_SOLUTION_END = "</answer>"
 
-# Minus signs as models and people type them (hyphen-minus, U+2212, hyphens, figure/en/em dash, small and
-# full-width hyphen-minus) and thousands separators (comma, apostrophes, space, no-break/narrow/thin space): both
-# are read the same way in gold answers and completions, so "-5" and "\u20135" or "1,234" and "1 234" are one value.
-MINUS_SIGNS = "-\u2212\u2010\u2011\u2012\u2013\u2014\ufe63\uff0d"
-GROUP_SEPARATORS = ",'\u2019 \u00a0\u202f\u2009"
-_MINUS_CLASS = "[" + re.escape(MINUS_SIGNS) + "]"
-_SEP_CLASS = "[" + re.escape(GROUP_SEPARATORS) + "]"
-_MINUS_TO_ASCII = str.maketrans({c: "-" for c in MINUS_SIGNS[1:]})
-_SEPARATORS_OUT = str.maketrans({c: None for c in GROUP_SEPARATORS})
-# Separators that only ever group digits (a space also separates words, so it is not one of them).
-_DIGIT_GLUE = ",'\u2019"
-# One unsigned number: digits in groups of three ("1,234", "1 234 567"; a group is never followed by a 4th digit),
-# the Indian grouping (lakh, crore: "1,00,000", "12,34,567") or plain digits, an optional decimal part, an optional
-# exponent ("1e5", "2.5E-3"; not the "e" of a word). Never a fragment of a longer run of digits and separators: a
-# number does not start right after a digit or a digit + comma/point, nor end before a digit or a comma/point + digit,
-# so "1,0000", the European "3,5" or "1.000.000" is no number at all (flagged: no answer), never its last group.
-_UNSIGNED = (
-    r"(?<!\d)(?<!\d[." + re.escape(_DIGIT_GLUE) + r"])"
-    r"(?:(?:\d{1,2}(?:,\d{2})+,\d{3}(?!\d)|\d{1,3}(?:" + _SEP_CLASS + r"\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+)"
-    r"(?:[eE][-+]?\d+(?![\w]))?(?!\d|[." + re.escape(_DIGIT_GLUE) + r"]\d)"
-)
-# A sign written as a word ("negative 5", "minus 5"), read as "-" when it does not follow a number (then "minus" is
-# the operator of "7 minus 2").
-_WORD_SIGN = r"(?:(?<![\w)\]}])(?<![\d)\]}][ \t])(?:[Nn]egative|[Mm]inus|NEGATIVE|MINUS)[ \t]{1,2})"
-_WORD_SIGN_RE = re.compile(r"(?:negative|minus)\s{1,2}(?=[\d.\\])", re.IGNORECASE)
-# A number expression as written in text, read whole: `\frac{a}{b}`/`\dfrac`/`\tfrac`, a mixed number "1 1/2" or
-# "3\frac{1}{3}", a fraction "3/4", or one number; an optional sign only when not glued to a preceding word/number,
-# so the "-" of "5-3" is an operator. No capturing groups (findall returns whole matches).
-# A `\frac` argument: braced, or (LaTeX's short form, `\frac12`) one digit; the gap between the whole part of a mixed
-# number and its `\frac`: spaces, "~", LaTeX's spacing commands (`3\ \frac{1}{2}`, `3\,\frac12`) and math delimiters
-# (`5 $\frac{3}{4}$`, `$5$ $\frac34$`, `5 \(\frac{3}{4}\)`: the fraction typeset as math after a plain whole part).
-_FRAC_ARG = r"(?:\{[ \t]{0,4}" + _MINUS_CLASS + r"?" + _UNSIGNED + r"[ \t]{0,4}\}|\d)"
-_MIXED_ARG = r"(?:\{[ \t]{0,4}\d+[ \t]{0,4}\}|\d)"
-_LATEX_GAP = r"(?:[ \t~$]|\\[ ,;:!()]){0,6}"
-_FRAC = r"\\[dt]?frac" + _FRAC_ARG + _FRAC_ARG
-_MIXED_FRAC = r"\d+" + _LATEX_GAP + r"\\[dt]?frac" + _MIXED_ARG + _MIXED_ARG
-_SIGN = r"(?:(?<![\w)\].])" + _MINUS_CLASS + r"|" + _WORD_SIGN + r")?"
-_MIXED_SLASH = r"\d+[ \u00a0]\d+[ \t]{0,2}/[ \t]{0,2}\d+(?!\d|\.\d)"
-_PLAIN = _UNSIGNED + r"(?:[ \t]{0,2}/[ \t]{0,2}\d+(?:\.\d+)?(?!\d|\.\d))?"
-# What a number carries with it, read as part of it (never dropped, never left as a separate number): an exponent
-# ("2^3", "10^{-3}", the "5²" of answer_rule.normalize), a subscript ("5_{2}": flagged unreadable) and a scale ("5
-# thousand", "5k", "$5M": applied by to_number).
-_NUM_SUFFIX = r"(?:\^(?:\{[-+]?\d{1,4}\}|[-+]?\d{1,4}(?![\d.]))|_\{[-+]?\d{1,4}\}|" + answer_rule.SCALE_SUFFIX + ")?"
-_NUM = _SIGN + r"(?:" + "|".join((_FRAC, _MIXED_FRAC, _MIXED_SLASH, _PLAIN)) + r")" + _NUM_SUFFIX
-_NUM_RE = re.compile(_NUM)
-# A sign apart from its digits ("- 5", "\u2212 5", "\u2014 5") where no operand comes before it: still its sign.
-_SPACED_SIGN = r"(?:(?<![\w)\].])" + _MINUS_CLASS + r"[ \t]{1,2}(?=[\d.\\]))?"
-_BODY_NUM_RE = re.compile(_SPACED_SIGN + _NUM)
 # A qualifier between an answer marker and its number ("the answer is not 5", "#### at least 5"): not one value.
 _QUALIFIER = (
     r"(?P<q>(?:(?i:not|never|no|(?:less|fewer|more|greater)[ \t]+than|at[ \t]+(?:least|most)|up[ \t]+to|about|around"
@@ -103,7 +57,7 @@ _QUALIFIER = (
     r"|probably|likely|definitely|certainly|clearly|surely|exactly|precisely|really|actually|just|simply|then|thus"
     r"|therefore|so|now)[ \t]{1,4}){1,3}|(?:[<>]=?|!=|[~\u2264\u2265\u2248\u2260])[ \t]{0,2})?"
 )
-_MARKED_NUM = r"(?P<v>" + _SPACED_SIGN + _NUM + ")"
+_MARKED_NUM = r"(?P<v>" + ng.SPACED_SIGN + ng.NUM + ")"
 _OPEN = r"[\[(]?[ \t]{0,2}"  # "#### [3, 5]": a bracket opening a list (the tail then sees the list)
 _HASH_RE = re.compile(r"####[ \t]{0,16}" + _QUALIFIER + _OPEN + r"\$?[ \t]{0,4}" + _MARKED_NUM)
 _ANSWER_IS_RE = re.compile(
@@ -121,7 +75,7 @@ _A_COLON_RE = re.compile(
 )
 # What may follow a marked number and makes it one of several ("#### 3-5", "the answer is 3 or 5", "A: 3:30",
 # "answer: 5 or more", "5+"): another number after a connective, a dash, colon or slash, a list comma, "or more".
-_NUMBER_AHEAD = r"[ \t]{0,2}\(?(?:\\?\$)?[ \t]{0,2}(?:" + _MINUS_CLASS + r"[ \t]{0,2})?\.?\d"
+_NUMBER_AHEAD = r"[ \t]{0,2}\(?(?:\\?\$)?[ \t]{0,2}(?:" + ng.MINUS_CLASS + r"[ \t]{0,2})?\.?\d"
 _HEDGE_TAIL_RE = re.compile(
     r"[ \t]{0,4}\(?(?:"
     r"(?:,[ \t]{0,4})?(?i:or|to|and|through|thru|nor|vs\.?|versus)[ \t]{1,4}"
@@ -137,7 +91,6 @@ _HEDGE_TAIL_RE = re.compile(
     + r"|(?:,[ \t]{0,4})?(?i:or)\b[^.\n]{0,40}?\d"
     + r")"
 )
-_SUBSCRIPT_DIGIT_RE = re.compile(r"\d_\{")
 _PLAIN_ANSWER_RE = re.compile(r"\\?\$?-?\d[\d,]*(?:\.\d*)?%?")
 _CLAUSE_END_RE = re.compile(r"[.!;]?(?:\s*\n|[.!;](?:\s|\Z|<))|<|\b(?:because|since|as|so|which|that|where|when)\b")
 # Words of prose (two letters or more, not a LaTeX command): a body with them is read by its numbers, not sent whole to
@@ -146,55 +99,11 @@ _PROSE_RE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}")
 _LIST_RE = re.compile(r"[,;][ \t]{1,4}[-\d.\\$]")
 # A minus sign right before a box, and what comes before it: an operand (a digit, a closing bracket, a one-letter
 # variable) makes it the operator of an expression ("10 - \\boxed{5}", "x - \\boxed{5}"); else it is the box's sign.
-_SIGN_BEFORE_RE = re.compile(r"(?P<sign>" + _MINUS_CLASS + r")[ \t$]*\Z")
+_SIGN_BEFORE_RE = re.compile(r"(?P<sign>" + ng.MINUS_CLASS + r")[ \t$]*\Z")
 _OPERAND_BEFORE_RE = re.compile(r"(?:[\d)\]}]|(?<![A-Za-z])[A-Za-z])[ \t$]*\Z")
 _BRACE_RE = re.compile(r"[{}]")
 _BOXED = "\\boxed"
 _MATH_CHARS = frozenset("\\^{}()*/+=<>|[]_")
-
-# Longest extracted answer we try to interpret; anything longer is not a GSM8K answer and would only
-# feed math_verify a parsing problem.
-MAX_ANSWER_CHARS = 1000
-
-# Canonical numeric forms accepted without math_verify (after `_clean` and the ASCII tables): one number (a trailing
-# "." allowed), "a/b", a mixed number "w n/d", or `\frac{a}{b}`; signs inside fractions too.
-_U = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
-_VALUE_RE = re.compile(
-    r"(?P<neg>-[ \t]{0,2})?(?:(?P<num>" + _U + r")"
-    r"|(?P<fn>-?" + _U + r")\s{0,4}/\s{0,4}(?P<fd>-?" + _U + r")"
-    r"|(?P<w>\d+)(?:\s(?P<mn>\d+)\s{0,2}/\s{0,2}(?P<md>\d+)"
-    r"|[\s~]{0,4}\\[dt]?frac\{\s{0,4}(?P<xn>\d+)\s{0,4}\}\{\s{0,4}(?P<xd>\d+)\s{0,4}\})"
-    r"|\\[dt]?frac\{\s{0,4}(?P<ln>-?" + _U + r")\s{0,4}\}\{\s{0,4}(?P<ld>-?" + _U + r")\s{0,4}\})"
-)
-_GROUPED_RE = re.compile(
-    r"(?:-[ \t]{0,2})?(?:\d{1,3}(?:" + _SEP_CLASS + r"\d{3})+|\d{1,2}(?:,\d{2})+,\d{3})(?:\.\d*)?(?:[eE][-+]?\d+)?"
-)
-# The largest decimal exponent read as a value. Every number is an exact Fraction, and its text (format_number) must
-# stay within Python's int<->str limit (4300 digits) with a 256-character mantissa: 10**1000 is held exactly; a larger
-# exponent ("1e400" is fine, "1e999999999" is not) is read whole and flagged unreadable, never cut to its last digits.
-MAX_EXPONENT = 1000
-_EXPONENT_RE = re.compile(r"(?<=[\d.])[eE][-+]?(\d+)")
-_NON_FINITE_RE = re.compile(r"[-+]?(?:nan|inf|infinity)", re.IGNORECASE)
-_SHORT_FRAC_RE = re.compile(r"\\([dt]?frac)(?:\{([^{}]{1,64})\}|(\d))(?:\{([^{}]{1,64})\}|(\d))")
-_TEXT_CMD_RE = re.compile(r"\\(?:text|mathrm|textbf|mbox|mathbf)\{([^{}]{0,64})\}")
-_STRIP_TOKENS = (
-    "\\$",
-    "$",
-    "\\%",
-    "%",
-    "\\!",
-    "~",
-    "\\,",
-    "\\;",
-    "\\ ",
-    "^\\circ",
-    "^{\\circ}",
-    "\u00b0",
-    "**",
-    "\\left",
-    "\\right",
-)
-_UNIT_WORD_RE = re.compile(r"^(" + _NUM + r")[ \t]{0,4}[a-zA-Z][a-zA-Z ]{0,40}\.?$")
 
 
 class Extraction(NamedTuple):
@@ -204,197 +113,6 @@ class Extraction(NamedTuple):
   rule: str
   raw: Optional[str] = None  # the unstripped text the value came from (answer tag body), for whitespace rewards
   found_by: Optional[str] = None  # the rule that found an answer judged RULE_AMBIGUOUS (gsm8k.py: non-numeric golds)
-
-
-def _clean(text: str) -> str:
-  """Strip decoration around a value: `$`, `%`, `\\text{units}`, `\\(`...`\\)`, a trailing period."""
-  s = text.strip()
-  if not s:
-    return s
-  if "\\" in s or "{" in s:
-    s = _TEXT_CMD_RE.sub(r" \1", s)
-    if "frac" in s:  # LaTeX's short arguments: `\frac12` and `\frac1{2}` are `\frac{1}{2}`
-      s = _SHORT_FRAC_RE.sub(lambda m: f"\\{m[1]}{{{m[2] or m[3]}}}{{{m[4] or m[5]}}}", s)
-    for a, b in (("\\(", ""), ("\\)", ""), ("\\[", ""), ("\\]", "")):
-      s = s.replace(a, b)
-  for tok in _STRIP_TOKENS:
-    if tok in s:
-      s = s.replace(tok, "")
-  s = s.strip().rstrip(".").strip()
-  if len(s) >= 2 and s[0] == "{" and s[-1] == "}":
-    s = s[1:-1].strip()
-  return s
-
-
-def to_number(text: Optional[str]) -> Optional[Fraction]:
-  """Exact value of a plainly written number ("1,234", "$18.00", "-3.5", "3/4", "\\frac{3}{4}", "25%").
-
-  Returns None for anything that needs a math parser (expressions, sets, words); those go to
-  math_verify. Exact `Fraction`s, so "72.00" == "72" and "0.5" == "1/2" without float error.
-  """
-  if text is None:
-    return None
-  if len(text) <= 256:
-    return _to_number_cached(text)
-  # Longer: the canonical text of a large value (format_number of "1e400" has 401 digits) reads back; not cached.
-  return _to_number_uncached(text) if len(text) <= _MAX_CANONICAL_CHARS else None
-
-
-# The longest canonical number text (format_number): a fraction of two integers of up to 256 + MAX_EXPONENT digits.
-_MAX_CANONICAL_CHARS = 2 * (256 + MAX_EXPONENT) + 2
-
-
-@functools.lru_cache(maxsize=65536)
-def _to_number_cached(text: str) -> Optional[Fraction]:
-  """`to_number` for a short string, cached: rewards parse the same golds and answers again every batch."""
-  return _to_number_uncached(text)
-
-
-def _to_number_uncached(text: str) -> Optional[Fraction]:
-  """`to_number` without the cache (long canonical texts are read once)."""
-  text = answer_rule.normalize(text)
-  s = _clean(text)
-  if not s:
-    return None
-  if s[0] == "+":
-    s = s[1:]
-  elif s[0] in "nNmM":
-    s = _WORD_SIGN_RE.sub("-", s, count=1) if _WORD_SIGN_RE.match(s) else s
-  v = _number_value(s)
-  if v is not None:
-    return v
-  if _SUBSCRIPT_DIGIT_RE.search(s):
-    return None
-  v = answer_rule.scaled_value(s, to_number, currency=any(c in text for c in "$\u20ac\u00a3\u00a5"))
-  if v is not None:  # "5 thousand", "$1.2 million", "5k", "3 dozen eggs": the multiplier applied
-    return v
-  m = _UNIT_WORD_RE.fullmatch(s)  # "18 dollars", "3.5 hours"; never "5 or more", "5 hundred thousand"
-  if m and m.group(1) != s:
-    words = s[m.end(1) :]
-    if answer_rule.words_say_not_one_value(words) or answer_rule.words_change_the_value(words):
-      return None
-    return to_number(m.group(1))
-  return None
-
-
-def clear_number_cache() -> None:
-  """Forget every parsed number: a benchmark's timed pass then pays for parsing as a fresh batch would."""
-  _to_number_cached.cache_clear()
-
-
-def _number_value(s: str) -> Optional[Fraction]:
-  """Exact value of one whole number expression (see `_VALUE_RE`), or None (also for a zero denominator)."""
-  s = s.translate(_MINUS_TO_ASCII)
-  # Grouping separators are removed only where they group thousands ("1 234", not the "1 1/2" of a mixed number).
-  s = s.translate(_SEPARATORS_OUT) if _GROUPED_RE.fullmatch(s) else s.replace("\u00a0", " ")
-  m = _VALUE_RE.fullmatch(s)
-  if m is None or _exponent_too_large(s):
-    return None
-  g = m.groupdict()
-  try:
-    if g["num"] is not None:
-      v = Fraction(g["num"].rstrip(".") or "0")
-    elif g["fn"] is not None:
-      v = Fraction(g["fn"]) / Fraction(g["fd"])
-    elif g["w"] is not None:
-      num, den = (g["mn"], g["md"]) if g["mn"] is not None else (g["xn"], g["xd"])
-      v = int(g["w"]) + Fraction(int(num), int(den))
-    else:
-      v = Fraction(g["ln"]) / Fraction(g["ld"])
-  except (ValueError, ZeroDivisionError):
-    return None
-  return -v if g["neg"] else v
-
-
-def _exponent_too_large(s: str) -> bool:
-  """Whether `s` writes a decimal exponent beyond `MAX_EXPONENT` (leading zeros ignored; no int() of a long string)."""
-  for m in _EXPONENT_RE.finditer(s):
-    digits = m.group(1).lstrip("0")
-    if len(digits) > 4 or (digits and int(digits) > MAX_EXPONENT):
-      return True
-  return False
-
-
-def unreadable(text: Optional[str]) -> bool:
-  """Whether an extracted answer holds a number the grader cannot hold exactly (an exponent beyond MAX_EXPONENT, a
-  digit with a subscript: "5_{2}", "5₂"): it scores as wrong and is counted (`ScoreResult.unreadable`), never compared
-  by its digits nor sent to math_verify (which reads "5_{2}" as 5)."""
-  if not isinstance(text, str):
-    return False
-  text = answer_rule.normalize(text)
-  return (("e" in text or "E" in text) and _exponent_too_large(text)) or _SUBSCRIPT_DIGIT_RE.search(text) is not None
-
-
-def format_number(value: Fraction) -> str:
-  """Canonical text of a number: "72", "-3.5", "1/3" (non-terminating decimals stay fractions)."""
-  if value.denominator == 1:
-    return str(value.numerator)
-  den = value.denominator
-  while den % 2 == 0:
-    den //= 2
-  while den % 5 == 0:
-    den //= 5
-  if den != 1:
-    return f"{value.numerator}/{value.denominator}"
-  # Terminating decimal: exact digits, no float rounding.
-  sign = "-" if value < 0 else ""
-  v = abs(value)
-  whole = v.numerator // v.denominator
-  frac = v - whole
-  digits = ""
-  while frac:
-    frac *= 10
-    d = frac.numerator // frac.denominator
-    digits += str(d)
-    frac -= d
-  return f"{sign}{whole}.{digits}"
-
-
-def normalize_answer(text: Optional[str]) -> Optional[str]:
-  """Canonical string of an answer: the number's canonical text, else the cleaned text (None if empty)."""
-  if text is None:
-    return None
-  v = to_number(text)
-  if v is not None:
-    return format_number(v)
-  s = _clean(text)
-  return s or None
-
-
-def parse_gold(text, numeric_only: bool = True) -> Optional[str]:
-  """Gold answer of a GSM8K row: the value after the last `#### `, else the whole text if it is one value.
-
-  Parsed once per row at load time; returns the canonical string ("1,200" -> "1200", "$18.00" -> "18",
-  "1e5" -> "100000", "1 1/2" -> "3/2") or None when there is no usable answer: the row is then skipped and
-  counted by the data loader. A gold is never cut short ("#### 1e5" is not "1"): a line holding anything but
-  one number expression (after `$`, units, a trailing period) is refused, and so are NaN/Infinity.
-  `numeric_only=False` also keeps a short non-numeric answer ("\\frac{\\pi}{2}"), for the score CLI.
-  """
-  if text is None or isinstance(text, bool):
-    return None
-  if isinstance(text, (int, float)):
-    if not math.isfinite(text):
-      return None
-    text = str(text)  # "1e+20" for a JSON 1e20: read exactly below
-  if not isinstance(text, str):
-    return None
-  if "####" in text:
-    tail = text.rsplit("####", 1)[1].strip()
-    if not tail:
-      return None
-    s = tail.split("\n", 1)[0].strip()
-  else:
-    s = text.strip()
-    if not s or len(s) > MAX_ANSWER_CHARS:
-      return None
-  v = to_number(s)
-  if v is not None:
-    return format_number(v)
-  # A non-numeric answer (e.g. "\\frac{\\pi}{2}") is kept only if asked for, a single short line, not a
-  # non-finite number, and not an expression holding a number we could not read whole ("1/0").
-  if numeric_only or "\n" in s or len(s) > 64 or _NON_FINITE_RE.fullmatch(_clean(s)) or _NUM_RE.fullmatch(_clean(s)):
-    return None
-  return s
 
 
 def _boxes(text: str, every: bool = False) -> list[tuple[int, int, int]]:
@@ -468,7 +186,7 @@ def _read_body(body: str) -> tuple[str, Optional[str]]:
     if b[0] > reach:
       outer.append(b)
       reach = b[2]
-  if len(outer) > 1 and len({normalize_answer(_boxed_value(s, b)[0]) for b in outer[-16:]}) > 1:
+  if len(outer) > 1 and len({ng.normalize_answer(_boxed_value(s, b)[0]) for b in outer[-16:]}) > 1:
     return s, RULE_AMBIGUOUS
   return _boxed_value(s, outer[-1])
 
@@ -479,16 +197,16 @@ def _read_answer(s: str) -> tuple[str, Optional[str]]:
   ("\\sqrt{64}") or a text answer without digits ("B") -- else (`s`, RULE_AMBIGUOUS) for several values, a range, a
   negation or a comparison, or (`s`, RULE_UNREADABLE) for a number whose meaning the grader does not hold."""
   s = s.strip()
-  if len(s) > MAX_ANSWER_CHARS or _PLAIN_ANSWER_RE.fullmatch(s):  # "1200", "$1,200", "72.00": one value, no more work
+  if len(s) > ng.MAX_ANSWER_CHARS or _PLAIN_ANSWER_RE.fullmatch(s):  # "1200", "$1,200", "72.00": one value, no more work
     return s, None
   if answer_rule.COMPARISON_SIGN_RE.search(s):  # before the number reader, which drops the "~" of "~5"
     return s, RULE_AMBIGUOUS
-  if to_number(s) is not None:
+  if ng.to_number(s) is not None:
     return s, None
-  cl = _clean(s)
+  cl = ng.clean(s)
   if answer_rule.words_say_not_one_value(cl):
     return s, RULE_AMBIGUOUS
-  if _SUBSCRIPT_DIGIT_RE.search(cl):
+  if ng.SUBSCRIPT_DIGIT_RE.search(cl):
     return s, RULE_UNREADABLE
   if "=" in cl:  # "3 * 6 = 18", "x = 5": the right-hand side, read by the same rule
     rhs = cl.rsplit("=", 1)[1].strip()
@@ -497,7 +215,7 @@ def _read_answer(s: str) -> tuple[str, Optional[str]]:
   expression = any(c in _MATH_CHARS for c in cl) and not _PROSE_RE.search(cl)
   if expression:  # math stays whole ("\\sqrt{64}", "2^3") for math_verify; a list is not one value
     return (s, RULE_AMBIGUOUS) if _LIST_RE.search(cl) else (s, None)
-  nums = list(_BODY_NUM_RE.finditer(cl))
+  nums = list(ng.BODY_NUM_RE.finditer(cl))
   if not nums:
     return s, None
   if len(nums) > 1:  # "3 or 5", "3-5", "3, 5", "3:30", "12 then 15 apples"
@@ -544,7 +262,7 @@ def extract(
   if "####" in text:
     k = text.rfind("####") + 4
     end = text.find("\n", k)
-    line = text[k : end if 0 <= end < k + MAX_ANSWER_CHARS else k + MAX_ANSWER_CHARS + 1].strip()
+    line = text[k : end if 0 <= end < k + ng.MAX_ANSWER_CHARS else k + ng.MAX_ANSWER_CHARS + 1].strip()
     if any(c.isdigit() for c in line):  # GSM8K's "#### N": the line is the answer, read as a tag body (and as golds)
       value, verdict = _read_answer(line)
       return Extraction(value, verdict or RULE_HASH, None, RULE_HASH)
@@ -617,7 +335,7 @@ def last_number(text: str) -> Optional[str]:
     while lo > 0 and (not text[lo - 1].isspace() or (lo >= 2 and text[lo - 2].isdigit())):
       lo -= 1
     found = None
-    for m in _NUM_RE.finditer(text, lo):
+    for m in ng.NUM_RE.finditer(text, lo):
       found = m.group(0)
     if found is not None or lo == 0:
       return found.rstrip(",") if found else None

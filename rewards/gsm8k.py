@@ -28,6 +28,7 @@ import json
 from typing import Any, Optional, Sequence
 
 from maxtext_rl_plugin.rewards import extraction as ex
+from maxtext_rl_plugin.rewards import number_grammar as ng
 from maxtext_rl_plugin.rewards import verify
 
 _EPS = Fraction(1, 10**6)
@@ -96,7 +97,7 @@ class ScoreResult:
   partial: bool
   format_reward: float = 0.0
   answer_reward: float = 0.0
-  unreadable: bool = False  # the answer holds a number the grader cannot hold (extraction.unreadable): scored wrong
+  unreadable: bool = False  # the answer holds a number the grader cannot hold (number_grammar.unreadable): scored wrong
   ambiguous: bool = False  # a tagged/marked answer that is not one value ("3 or 5", "at least 5"): scored wrong
 
   def to_dict(self) -> dict:
@@ -151,17 +152,17 @@ def gold_alternatives(gold: Any) -> tuple[str, ...]:
   """Acceptable answers for a gold: a bare value, a GSM8K solution ending in `#### N`, or MaxText's
   JSON-encoded list of acceptable answers (`'["72", "72"]'`)."""
   if not isinstance(gold, str):
-    g = ex.parse_gold(gold, numeric_only=False)
+    g = ng.parse_gold(gold, numeric_only=False)
     return (g,) if g is not None else ()
   s = gold.strip()
   if s.startswith("[") and s.endswith("]"):
     try:
       items = json.loads(s)
       if isinstance(items, list):
-        return tuple(dict.fromkeys(a for a in (ex.parse_gold(str(i), numeric_only=False) for i in items) if a))
+        return tuple(dict.fromkeys(a for a in (ng.parse_gold(str(i), numeric_only=False) for i in items) if a))
     except ValueError:
       pass
-  g = ex.parse_gold(s, numeric_only=False)
+  g = ng.parse_gold(s, numeric_only=False)
   return (g,) if g is not None else ()
 
 
@@ -170,12 +171,12 @@ def _ratio_band(pred: Optional[str], golds: tuple[str, ...]) -> int:
 
   Exact (Fractions): a float conversion overflows on "1e400" (OverflowError: one sampled completion ended a run) and
   rounds huge values together."""
-  p = ex.to_number(pred)
+  p = ng.to_number(pred)
   if p is None:
     return 0
   best = 0
   for g in golds:
-    gv = ex.to_number(g)
+    gv = ng.to_number(g)
     if gv is None or gv + _EPS == 0:
       continue
     r = (p + _EPS) / (gv + _EPS)
@@ -216,15 +217,15 @@ _NOT_ONE_VALUE = (RULE_UNREADABLE, RULE_AMBIGUOUS)
 
 def _extract_safely(c: Any, rc: RewardConfig) -> ex.Extraction:
   """The completion's extraction, or RULE_UNREADABLE when the grader cannot hold its answer: an exponent beyond
-  extraction.MAX_EXPONENT, or any error reading it (one sampled text must never end a run or a scoring file)."""
+  number_grammar.MAX_EXPONENT, or any error reading it (one sampled text must never end a run or a scoring file)."""
   if not isinstance(c, str):
     return ex.Extraction(None, ex.RULE_NONE)
   try:
     e = ex.extract(c, rc.solution_start_token, rc.solution_end_token)
-    ex.to_number(e.value)
+    ng.to_number(e.value)
   except (ValueError, OverflowError, ArithmeticError, RecursionError, MemoryError):
     return ex.Extraction(None, RULE_UNREADABLE)
-  return ex.Extraction(e.value, RULE_UNREADABLE, e.raw) if ex.unreadable(e.value) else e
+  return ex.Extraction(e.value, RULE_UNREADABLE, e.raw) if ng.unreadable(e.value) else e
 
 
 def _band_safely(value: str, golds: tuple[str, ...]) -> int:
@@ -235,7 +236,7 @@ def _band_safely(value: str, golds: tuple[str, ...]) -> int:
 
 
 def _no_number(golds: tuple[str, ...]) -> bool:
-  return bool(golds) and all(ex.to_number(g) is None for g in golds)
+  return bool(golds) and all(ng.to_number(g) is None for g in golds)
 
 
 def _grade_uncached(

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 from absl import logging
 
-from maxtext_rl_plugin.rewards import extraction as ex
+from maxtext_rl_plugin.rewards import number_grammar as ng
 
 DEFAULT_TIMEOUT_SECONDS = 2.0
 # Worker start-up (Python + sympy + math_verify imports) is not charged to an item's deadline.
@@ -42,13 +42,13 @@ def fast_verdict(pred: Optional[str], gold: Optional[str]) -> Optional[bool]:
     return False
   if pred == gold:
     return True
-  g = ex.to_number(gold)
-  p = ex.to_number(pred)
+  g = ng.to_number(gold)
+  p = ng.to_number(pred)
   if g is not None and p is not None:
     return g == p
-  if len(pred) > ex.MAX_ANSWER_CHARS:
+  if len(pred) > ng.MAX_ANSWER_CHARS:
     return False
-  pn, gn = ex.normalize_answer(pred), ex.normalize_answer(gold)
+  pn, gn = ng.normalize_answer(pred), ng.normalize_answer(gold)
   if pn is None or gn is None:
     return False
   if pn == gn:

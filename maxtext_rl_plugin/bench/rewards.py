@@ -34,8 +34,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from maxtext_rl_plugin.config import schema as config_types
 from maxtext_rl_plugin import rewards
 from maxtext_rl_plugin import tunix_compat
-from maxtext_rl_plugin.rewards import extraction
 from maxtext_rl_plugin.rewards import gsm8k
+from maxtext_rl_plugin.rewards import number_grammar
 from maxtext_rl_plugin.rewards import verify
 
 _CALC = re.compile(r"<<[^<>]*>>")
@@ -149,7 +149,7 @@ def run_plugin(rows, bs: int) -> tuple[float, float, list[float]]:
   """
   fns = rewards.reward_fns_from_config(_plugin_config())
   # Cold caches: every timed pass pays for number parsing and gold parsing as a fresh batch would.
-  extraction.clear_number_cache()
+  number_grammar.clear_number_cache()
   gsm8k.gold_alternatives.cache_clear()
   out: list[float] = []
   t, c = time.perf_counter(), time.process_time()

@@ -21,7 +21,7 @@ from maxtext_rl_plugin.data import synthetic
 from maxtext_rl_plugin.errors import DataError
 from maxtext_rl_plugin.errors import describe_not_a_file
 from maxtext_rl_plugin.errors import MissingExtraError
-from maxtext_rl_plugin.rewards import extraction
+from maxtext_rl_plugin.rewards import number_grammar
 
 _QUESTION_KEYS = ("question", "problem", "prompt")
 _ANSWER_KEYS = ("answer", "solution", "expected_answer")
@@ -106,7 +106,7 @@ def rows_to_examples(rows: Iterable[Any], source: str, unit: str = "") -> tuple[
       sk.bad(n, "no_question")
       continue
     a = _first(row, _ANSWER_KEYS)
-    gold = extraction.parse_gold(a) if a is not None else None
+    gold = number_grammar.parse_gold(a) if a is not None else None
     if gold is None:
       sk.bad(n, "no_answer")
       continue

@@ -18,6 +18,7 @@ from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rewards import extraction
 from maxtext_rl_plugin.rewards import gsm8k
+from maxtext_rl_plugin.rewards import number_grammar
 from maxtext_rl_plugin.rewards import verify
 
 TUNIX_DEMO_WEIGHTS = {  # Tunix's GSM8K GRPO demo values: every term distinguishable
@@ -675,7 +676,7 @@ def test_a_numpy_array_of_rewards_is_accepted(tmp_path):
     ],
 )
 def test_number_grammar_reads_whole_or_flags(text, value):
-  assert extraction.to_number(text) == (None if value is None else Fraction(value))
+  assert number_grammar.to_number(text) == (None if value is None else Fraction(value))
 
 
 @pytest.mark.parametrize(
