@@ -57,7 +57,7 @@ def test_one_engine_per_host_computes_the_global_trainers_function(tmp_path):
         )
         for i in (0, 1)
     ]
-    logs = [p.communicate(timeout=400)[0] for p in procs]
+    logs = [p.communicate(timeout=900)[0] for p in procs]
   assert [p.returncode for p in procs] == [0, 0], "\n".join(l[-4000:] for l in logs)
   outs = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in (0, 1)]
   for p, o in enumerate(outs):
