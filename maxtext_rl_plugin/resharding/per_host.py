@@ -185,7 +185,8 @@ def check_hosts(source: Mapping[str, int], installed: Mapping[str, Any]) -> None
   """Every host's `installed` engine weights against the trainer's `source` checksums; on a mismatch every process
   raises the same `WeightSyncError` naming the first host and its first parameter that differ."""
   names = sorted(source)
-  missing = [i for i, n in enumerate(names) if installed.get(n) is None]
+  # A leaf still holding a buffer the sync released (its install did not take effect) differs too.
+  missing = [i for i, n in enumerate(names) if installed.get(n) is None or installed[n].is_deleted()]
   present = [i for i in range(len(names)) if i not in set(missing)]
   local = verify.checksums([installed[names[i]] for i in present]) if present else np.zeros((0,), np.uint32)
   bad = sorted(missing + [i for i, c in zip(present, local) if int(c) != int(source[names[i]])])

@@ -91,6 +91,10 @@ def main() -> None:
       rope_scaling=LLAMA31_ROPE,
       tie_word_embeddings=False,
   )
+  # Laid out as tpu-inference's loader lays a model out (`_get_nnx_model`: the partition specs of its metadata), so
+  # within a host the engine's weights are TP-sharded and the relayout must hand every device its own shard.
+  state = nnx.state(engine)
+  nnx.update(engine, jax.device_put(state, nnx.get_named_sharding(state, engine_mesh)))
   forward.ShimLLM.model = engine
   vllm.LLM = forward.ShimLLM
   os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -112,6 +116,9 @@ def main() -> None:
       "engine_local": all(
           set(v.sharding.device_set) <= set(local) for v in vllm_mapping.engine_weights(nnx.state(engine)).values()
       ),
+      "engine_sharded": sorted(
+          k for k, v in vllm_mapping.engine_weights(nnx.state(engine)).items() if not v.sharding.is_fully_replicated
+      ),
   }
   prompt = [int(t) for t in np.random.default_rng(7).integers(0, 1024, PROMPT_LEN)]
 
@@ -123,6 +130,7 @@ def main() -> None:
         "tokens": tokens,
         "maxtext_greedy": [int(t) for t in np.argmax(want[len(prompt) - 1 :], axis=-1)],
     }
+    print(f"host {me} {what}: gap {out[what]['gap']:.2e}, tokens {tokens}", flush=True)
 
   def sync() -> str | None:
     try:
@@ -154,6 +162,20 @@ def main() -> None:
     per_host.local_shards = rotated
   out["wrong_shards"] = sync()
   per_host.local_shards = real_shards
+  if me == 1:  # host 1 given rows that are not its copy's: the embedding rolled by half (host 0's half on it)
+
+    def rolled_setter(state):
+      def write(new):
+        new = dict(new)
+        if "model.embed.embedding" in new:
+          new["model.embed.embedding"] = jnp.roll(new["model.embed.embedding"], 512, axis=0)
+        real_setter(state)(new)
+
+      return write
+
+    vllm_mapping.engine_state_setter = rolled_setter
+  out["other_rows"] = sync()
+  vllm_mapping.engine_state_setter = real_setter
   out["clean_again"] = sync()
 
   distributed.barrier("done")

@@ -57,7 +57,7 @@ def test_one_engine_per_host_computes_the_global_trainers_function(tmp_path):
         )
         for i in (0, 1)
     ]
-    logs = [p.communicate(timeout=400)[0] for p in procs]
+    logs = [p.communicate(timeout=900)[0] for p in procs]
   assert [p.returncode for p in procs] == [0, 0], "\n".join(l[-4000:] for l in logs)
   outs = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in (0, 1)]
   for p, o in enumerate(outs):
@@ -70,7 +70,11 @@ def test_one_engine_per_host_computes_the_global_trainers_function(tmp_path):
     assert o["before_resync"]["gap"] > 100 * REL_TOL  # the step changed the function: the re-sync is what matches
     assert o["resync"] is None and o["clean_again"] is None
     assert o["stale"].startswith("weight sync check failed on host 0 (JAX process 0): its engine's "), o["stale"]
+    assert "model.layers.0.self_attn.q_proj.kernel" in o["engine_sharded"]  # TP within the host, as on a TPU
     assert o["wrong_shards"].startswith("weight sync check failed on host 1 (JAX process 1): its engine's ")
+    assert o["other_rows"].startswith(
+        "weight sync check failed on host 1 (JAX process 1): its engine's 'model.embed.embedding' differs"
+    )
   assert outs[0]["local_ids"] != outs[1]["local_ids"]
   for when in ("first_sync", "after_step"):
     assert outs[0][when]["tokens"] == outs[1][when]["tokens"]  # every host's engine samples the same function
