@@ -365,11 +365,13 @@ def test_dynamic_sampling_refill_keeps_routing_aligned_with_rows():
 
 
 def test_train_rl_with_router_replay(tmp_path):
-  """Two GRPO steps of the tiny Mixtral through train_rl with replay, mini-batches (2 updates per step, so the old-policy
-  log-probs come from the trainer's replayed forward) and the agreement metrics: the MoE metrics are in the stream,
-  and the replayed trainer scores the sampled tokens as the sampler did (float32 on both sides)."""
+  """Two GRPO steps of the tiny Qwen3-MoE (the plugin forces its routing: MaxText's qwen3_moe layers take no
+  forced_routed_experts) through train_rl with replay, mini-batches (2 updates per step, so the old-policy log-probs
+  come from the trainer's replayed forward) and the agreement metrics: the MoE metrics are in the stream, the replayed
+  trainer scores the sampled tokens as the sampler did (float32 on both sides), and the parity gate's figures are on
+  the first step's record (rl.parity_check=first) and pass."""
   moe_keys = [
-      "model_name=mixtral-8x7b",
+      "model_name=qwen3-30b-a3b",
       "vocab_size=151936",
       "base_mlp_dim=32",
       "base_moe_mlp_dim=32",
@@ -397,6 +399,9 @@ def test_train_rl_with_router_replay(tmp_path):
     assert "moe/routing_mismatch_fraction" not in r  # zero by construction under replay
     assert r["mismatch/logp_abs_diff_max"] < 1e-3
     assert np.isfinite(r["loss"])
+  assert recs[0]["parity/logp_abs_diff_mean"] < 1e-4 and recs[0]["parity/tokens"] > 0
+  assert "parity/routing_mismatch_fraction" not in recs[0]  # not defined under replay
+  assert "parity/logp_abs_diff_mean" not in recs[1]
 
 
 def test_short_sliding_window_is_refused_by_the_embedded_engine():
