@@ -522,7 +522,7 @@ def test_forced_experts_are_the_ones_a_qwen3_moe_layer_computes_with(path):
   k, e = cfg.num_experts_per_tok, cfg.num_experts
   forced = np.stack([rng.integers(0, e, size=(2, 5))] * k, axis=-1)
   forced = (forced + np.arange(k)) % e  # k distinct experts per token
-  node.forced_experts = moe.ForcedExperts(jnp.asarray(forced, jnp.int32))
+  moe.force_experts(node, jnp.asarray(forced, jnp.int32))
   with mesh, nn_partitioning.axis_rules(cfg.logical_axis_rules):
     y = np.asarray(node(jnp.asarray(x))[0], np.float64)
     del node.forced_experts
