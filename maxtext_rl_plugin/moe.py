@@ -14,7 +14,7 @@ token to different experts, so pi_theta / pi_old compares different networks (Me
   [0, num_experts) (-1 here) is an unused slot: the token gets no expert output there. MaxText's decoder passes it
   down for `types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS` (Qwen3.5, Mixtral, Gemma 4 at this pin) and refuses the
   others, whose layers take no such argument (Qwen3-MoE, gpt-oss, DeepSeek). For those the plugin forces the routing
-  where it records it: `set_replay` puts each layer's experts on its `RoutedMoE` module (`ForcedExperts`, a variable
+  where it records it: `set_replay` puts each layer's experts on its `RoutedMoE` module (`force_experts`, an intermediate
   that a scanned stack's scan slices per layer like the layer's weights) and the recording class's `__call__` hands
   them to MaxText's own `RoutedMoE.__call__` as its `forced_routed_experts`, which threads them to `get_topk` on the
   dense, sparse (megablox / ragged) and expert-parallel paths.
@@ -131,17 +131,19 @@ def _recording_sparse_matmul(
     _INSIDE_SPARSE.reset(token)
 
 
-class ForcedExperts(nnx.Variable):
-  """The experts a module must route each token to in the next call (router replay where MaxText's decoder does not
-  pass `forced_routed_experts` down): [batch, seq, k], or [layers, batch, seq, k] on a scanned stack, whose scan
-  slices it per layer with the rest of the layer's state."""
+def force_experts(module: Any, experts: jax.Array) -> None:
+  """Make `module` (a recording `RoutedMoE`) route each token to `experts` in its next call (router replay where
+  MaxText's decoder does not pass `forced_routed_experts` down): [batch, seq, k], or [layers, batch, seq, k] on a
+  scanned stack, whose scan slices it per layer with the rest of the layer's state. An `nnx.Intermediate` named
+  `forced_experts`: never a parameter, so never trained, synced or checkpointed."""
+  module.forced_experts = nnx.Intermediate(experts)
 
 
 def _forcing_call(self, inputs, *args, forced_routed_experts=None, **kwargs):
-  """MaxText's `RoutedMoE.__call__`, given the module's `ForcedExperts` as its own `forced_routed_experts` argument
+  """MaxText's `RoutedMoE.__call__`, given the module's `force_experts` as its own `forced_routed_experts` argument
   when the decoder passed none: MaxText threads that argument to `get_topk` on the dense, sparse and expert-parallel
   paths (an all-gather on EP meshes), where the recording above sees the forced indices."""
-  if forced_routed_experts is None and isinstance(getattr(self, "forced_experts", None), ForcedExperts):
+  if forced_routed_experts is None and isinstance(getattr(self, "forced_experts", None), nnx.Variable):
     forced_routed_experts = self.forced_experts.value
   return super(type(self), self).__call__(inputs, *args, forced_routed_experts=forced_routed_experts, **kwargs)
 
@@ -217,9 +219,9 @@ def _moe_modules(model: Any) -> list[tuple[Any, int]]:
 
 def set_replay(model: Any, forced: jax.Array) -> None:
   """Force `model`'s next call to route as `forced` [batch, seq, layers, k] (layers in `routing`'s order) at each
-  routed-MoE module (`ForcedExperts`): router replay for decoder blocks whose layers MaxText does not hand
+  routed-MoE module (`force_experts`): router replay for decoder blocks whose layers MaxText does not hand
   `forced_routed_experts`. Call it on a model merged for one forward (the modules' classes become the recording ones,
-  which read `ForcedExperts`)."""
+  which read `forced_experts`)."""
   record_routing(model)
   modules = _moe_modules(model)
   total = sum(n for _, n in modules)
@@ -229,7 +231,7 @@ def set_replay(model: Any, forced: jax.Array) -> None:
   for node, n in modules:
     part = forced[:, :, start : start + n, :].astype(jnp.int32)
     scanned = node.gate.kernel.value.ndim == 3
-    node.forced_experts = ForcedExperts(jnp.transpose(part, (2, 0, 1, 3)) if scanned else part[:, :, 0, :])
+    force_experts(node, jnp.transpose(part, (2, 0, 1, 3)) if scanned else part[:, :, 0, :])
     start += n
 
 

@@ -13,9 +13,11 @@ One model per family, built once (module fixture), decoder weights x3 so greedy 
 from __future__ import annotations
 
 from flax import nnx
+from flax.linen import partitioning as nn_partitioning
 import jax
 import jax.numpy as jnp
 import numpy as np
+from maxtext.layers import moe as maxtext_moe
 import pytest
 from tunix.rl.grpo import grpo_learner
 
@@ -365,11 +367,13 @@ def test_dynamic_sampling_refill_keeps_routing_aligned_with_rows():
 
 
 def test_train_rl_with_router_replay(tmp_path):
-  """Two GRPO steps of the tiny Mixtral through train_rl with replay, mini-batches (2 updates per step, so the old-policy
-  log-probs come from the trainer's replayed forward) and the agreement metrics: the MoE metrics are in the stream,
-  and the replayed trainer scores the sampled tokens as the sampler did (float32 on both sides)."""
+  """Two GRPO steps of the tiny Qwen3-MoE (the plugin forces its routing: MaxText's qwen3_moe layers take no
+  forced_routed_experts) through train_rl with replay, mini-batches (2 updates per step, so the old-policy log-probs
+  come from the trainer's replayed forward) and the agreement metrics: the MoE metrics are in the stream, the replayed
+  trainer scores the sampled tokens as the sampler did (float32 on both sides), and the parity gate's figures are on
+  the first step's record (rl.parity_check=first) and pass."""
   moe_keys = [
-      "model_name=mixtral-8x7b",
+      "model_name=qwen3-30b-a3b",
       "vocab_size=151936",
       "base_mlp_dim=32",
       "base_moe_mlp_dim=32",
@@ -397,6 +401,9 @@ def test_train_rl_with_router_replay(tmp_path):
     assert "moe/routing_mismatch_fraction" not in r  # zero by construction under replay
     assert r["mismatch/logp_abs_diff_max"] < 1e-3
     assert np.isfinite(r["loss"])
+  assert recs[0]["parity/logp_abs_diff_mean"] < 1e-4 and recs[0]["parity/tokens"] > 0
+  assert "parity/routing_mismatch_fraction" not in recs[0]  # not defined under replay
+  assert "parity/logp_abs_diff_mean" not in recs[1]
 
 
 def test_short_sliding_window_is_refused_by_the_embedded_engine():
@@ -498,3 +505,36 @@ def test_load_balance_loss_is_maxtexts_term_of_the_rl_loss():
   assert lb1 > 0 and lb3 == pytest.approx(3 * lb1, rel=1e-5)
   assert float(l1) - float(l0) == pytest.approx(lb1, rel=1e-4, abs=1e-7)
   assert float(l3) - float(l1) == pytest.approx(2 * lb1, rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize("path", ["sparse_matmul=false", "sparse_matmul=true"], ids=["dense", "sparse"])
+def test_forced_experts_are_the_ones_a_qwen3_moe_layer_computes_with(path):
+  """One Qwen3-MoE layer (MaxText's RoutedMoE, the plugin's forcing) on random hidden states with a forced routing
+  that is not its router's: its output equals NumPy's sum over the forced experts of softmax(router logits at those
+  experts) * wo(silu(x wi_0) * x wi_1), and differs from the layer's free output."""
+  rs = models.setup_devices([CONFIG, "model_name=qwen3-30b-a3b", "scan_layers=false", path, "megablox=false"])
+  cfg = rs.trainer_config
+  model, mesh = models.build_model(cfg, rs.trainer_devices, pad_id=0)
+  node = next(n for _, n in nnx.iter_graph(model) if isinstance(n, maxtext_moe.RoutedMoE))
+  moe.record_routing(model)
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(2, 5, cfg.emb_dim)).astype(np.float32)
+  k, e = cfg.num_experts_per_tok, cfg.num_experts
+  forced = np.stack([rng.integers(0, e, size=(2, 5))] * k, axis=-1)
+  forced = (forced + np.arange(k)) % e  # k distinct experts per token
+  moe.force_experts(node, jnp.asarray(forced, jnp.int32))
+  with mesh, nn_partitioning.axis_rules(cfg.logical_axis_rules):
+    y = np.asarray(node(jnp.asarray(x))[0], np.float64)
+    del node.forced_experts
+    free = np.asarray(node(jnp.asarray(x))[0], np.float64)
+  w = {"/".join(map(str, p)): np.asarray(v.value, np.float64) for p, v in nnx.state(node, nnx.Param).flat_state()}
+  logits = np.take_along_axis(x.astype(np.float64) @ w["gate/kernel"], forced, -1)
+  weights = np.exp(logits - logits.max(-1, keepdims=True))
+  weights /= weights.sum(-1, keepdims=True)
+  want = np.zeros(y.shape)
+  for b, s, j in np.ndindex(*forced.shape):
+    ex = forced[b, s, j]
+    h, u = x[b, s] @ w["wi_0"][ex], x[b, s] @ w["wi_1"][ex]
+    want[b, s] += weights[b, s, j] * ((h / (1.0 + np.exp(-h))) * u) @ w["wo"][ex]
+  np.testing.assert_allclose(y, want, atol=1e-5, rtol=1e-4)
+  assert np.abs(free - want).max() > 1e-2

@@ -121,6 +121,10 @@ def test_bench_moe_float32_sampler_routes_as_the_trainer_and_replay_is_measured(
   assert row["routing_mismatch"] == 0.0
   for side in ("free", "replay"):
     assert row[side]["mismatch/logp_abs_diff_max"] < 1e-4 and abs(row[side]["mismatch/kl_k3"]) < 1e-8, side
+    # the parity gate's figures and verdict at float32/float32's tolerances; the policy ratio is 1 to float32
+    assert row[side]["parity/logp_abs_diff_max"] == row[side]["mismatch/logp_abs_diff_max"] and row[side]["gate"] == "ok"
+    assert row[side]["ratio_std"] < 1e-4 and abs(row[side]["ratio_max"] - 1.0) < 1e-4
+  assert out["trainer_dtype"] == "float32" and row["free"]["parity/routing_mismatch_fraction"] == 0.0
 
 
 def test_bench_agentic_times_a_turn_and_its_prefill_per_context_length(capsys):
