@@ -83,6 +83,7 @@ _LONGEST_FIRST = (
     "test_rollout_embedded",
     "test_install",
     "test_config",
+    "test_bad_input",
     "test_docs",
     "test_launch_ray",
     "test_bench",

@@ -334,7 +334,8 @@ for name in ("verbose", "quiet"):
 
 
 def test_orbax_ocdbt_merge_notice_is_quiet_unless_verbose():
-  # A real Orbax save on one process logs "Skipping merge of OCDBT checkpoints" (the CPU demo: at every save). One process: a save with MAXTEXT_RL_VERBOSE=1 (the reference: the line is there), then one without.
+  # A real Orbax save on one process logs "Skipping merge of OCDBT checkpoints" (the CPU demo: at every save). One
+  # process: a save with MAXTEXT_RL_VERBOSE=1 (the reference: the line is there), then one without.
   env = dict(os.environ, JAX_PLATFORMS="cpu", **{errors.VERBOSE_ENV: "1"})
   p = subprocess.run(
       [sys.executable, "-c", _ORBAX_SAVES], env=env, capture_output=True, text=True, timeout=600, check=False
