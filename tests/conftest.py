@@ -77,6 +77,7 @@ _LONGEST_FIRST = (
     "test_lora",
     "test_moe",
     "test_aot",
+    "test_accumulation",
     "test_dynamic_sampling_e2e",
     "test_bench_gpu",
     "test_evaluation",

@@ -124,18 +124,16 @@ def _compare(argv, lora: bool):
     micro = updates.micro_batches(example, plan)
     minis = updates.update_batches(example, plan)
     assert len(minis) == plan.updates_per_step and len(micro) == plan.micro_steps_per_step
-    diffs, old_losses, new_losses = [], [], []
+    diffs, moves, old_losses, new_losses = [], [], [], []
     k = plan.accumulation_steps
     for u, mini in enumerate(minis):
       losses = [float(old_step(old_model, old_opt, m)[0]) for m in micro[u * k : (u + 1) * k]]
       old_losses.append(float(np.mean(losses)))
       new_losses.append(float(new_step(new_model, new_opt, mini)[0]))
       old, new = _leaves(old_model, lora), _leaves(new_model, lora)
-      scale = max(np.abs(old[n] - init[n]).max() for n in old)
-      diffs.append(max(np.abs(old[n] - new[n]).max() for n in old) / scale)
-      if u == 0:
-        moved = scale
-  return diffs, moved, old_losses, new_losses
+      moves.append(max(np.abs(old[n] - init[n]).max() for n in old))
+      diffs.append(max(np.abs(old[n] - new[n]).max() for n in old) / moves[-1])
+  return diffs, moves[0], old_losses, new_losses
 
 
 @pytest.mark.parametrize(
