@@ -165,7 +165,7 @@ UPDATE_KEYS = (
     "reward_call_timeout_seconds",
 )
 # Keys of the update's concerns (the rl: block, the loss, the optimizer, the rewards, the rollout) that a resume may
-# change without a note, with why; tests/test_validation.py fails when such a key is in none of UPDATE_KEYS,
+# change without a note, with why; tests/test_bad_input.py fails when such a key is in none of UPDATE_KEYS,
 # `resume_invariants` (refused on resume) and this table.
 RESUME_EXEMPT = {
     "learning_rate_schedule_steps": "resume.schedule_change notes a schedule that changes length",

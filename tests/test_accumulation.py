@@ -5,7 +5,7 @@ The reference is the code path the run took before: Tunix's own train-step body 
 `PeftTrainer` wraps it when `train_micro_batch_size` is set. Both run the registry's policy loss on the same real tiny
 MaxText model; the parameters after every update must agree to float32 round-off, with 1, 2 and 4 micro-batches per
 update, two updates in a row (the second sees moved weights, as with rl.num_iterations=2), full fine-tuning and LoRA.
-The optimizer is made nearly linear in the gradient (adam_eps=1000, as tests/test_trainer_updates.py does), so a wrong
+The optimizer is made nearly linear in the gradient (adam_eps=1000, as tests/run/test_trainer_updates.py does), so a wrong
 scale (a sum instead of a mean over micro-batches) cannot hide behind Adam's scale invariance.
 """
 

@@ -46,7 +46,7 @@ _FORCE_DEVICES_RE = re.compile(r"--xla_force_host_platform_device_count=\S+")
 
 
 # Every numeric flag of `launch ray` (a field of RayLaunch) -> (accepts the value, what is expected); None (unset) is
-# not checked. tests/test_launch_ray.py fails when a numeric field is missing here.
+# not checked. tests/launch/test_launch_ray.py fails when a numeric field is missing here.
 NUMERIC_FLAGS: dict[str, tuple[float, bool, str]] = {  # field -> (bound, strictly above it, what is expected)
     "num_workers": (1, False, ">= 1"),
     "chips_per_worker": (1, False, ">= 1"),
