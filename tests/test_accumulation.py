@@ -22,6 +22,7 @@ import orbax.checkpoint as ocp
 import pytest
 from tunix.rl.grpo import grpo_learner
 
+from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import accumulation
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import models
@@ -88,7 +89,7 @@ def _leaves(model, lora: bool) -> dict[str, np.ndarray]:
 def _compare(argv, lora: bool):
   """Two updates over one batch on the MultiSteps path and on accumulation.train_step; returns the max relative
   parameter difference of each update, the parameter change of the first, and both paths' losses."""
-  rs = models.setup_devices(argv)
+  rs = models.setup_devices(config_lib.parse(argv))
   config = rs.trainer_config
   plan = updates.UpdatePlan.from_config(config)
   loss_fn, algo = programs.loss_fn_of(config)

@@ -238,12 +238,14 @@ def test_config_refusals_are_one_line():
       (["configs/cpu_tiny.yml", "rl.router_replay=true"], "needs a mixture-of-experts model"),
       ([CONFIG, "rl.router_replay=true", "rollout_engine=vllm"], "does not report the experts"),
       ([CONFIG, "capacity_factor=1.25"], "use dropless routing"),
+      # DeepSeek replays on the trainer side (test below), but no engine that reports routing samples MLA here.
+      ([CONFIG, *DEEPSEEK, "rl.router_replay=true"], "cannot sample deepseek3-671b"),
   ]
   for argv, msg in cases:
     with pytest.raises(ConfigError, match=msg) as e:
       config_lib.load_config(argv)
     assert "\n" not in str(e.value)
-  for extra in ([], ["model_name=qwen3-30b-a3b"], ["model_name=gpt-oss-20b"], DEEPSEEK):
+  for extra in ([], ["model_name=qwen3-30b-a3b"], ["model_name=gpt-oss-20b"]):
     assert config_lib.load_config([CONFIG, *extra, "rl.router_replay=true"]).rl.router_replay
 
 
@@ -252,7 +254,7 @@ def test_deepseek_trainer_replays_the_forced_experts():
   reproduces its free forward exactly, another routing is what its MoE layers then report and changes the log-probs,
   and the replayed loss equals NumPy's GRPO loss on the free forward's log-probs (the forced experts are the ones
   the loss uses)."""
-  rs = models.setup_devices([CONFIG, *DEEPSEEK])
+  rs = models.setup_devices(config_lib.parse([CONFIG, *DEEPSEEK, "rollout_engine=auto"]))  # trainer side only
   cfg = rs.trainer_config
   assert cfg.decoder_block.value == "deepseek" and not moe.replay_native(cfg)
   model, _ = models.build_model(cfg, rs.trainer_devices, pad_id=0)
@@ -449,7 +451,7 @@ def test_expert_parallel_replay_forces_the_recorded_experts():
   """Qwen3-MoE (the plugin's forcing) on an expert-sharded mesh (ici_expert_parallelism=2): replaying the engine's
   routing reproduces its log-probs, and another routing is what the layers report (MaxText all-gathers the forced
   experts over the expert axis with the router's logits)."""
-  rs = models.setup_devices([CONFIG, "model_name=qwen3-30b-a3b", "ici_expert_parallelism=2"])
+  rs = models.setup_devices(config_lib.parse([CONFIG, "model_name=qwen3-30b-a3b", "ici_expert_parallelism=2"]))
   tok = models.load_tokenizer(rs.trainer_config)
   cfg = rs.trainer_config
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
@@ -512,7 +514,9 @@ def test_forced_experts_are_the_ones_a_qwen3_moe_layer_computes_with(path):
   """One Qwen3-MoE layer (MaxText's RoutedMoE, the plugin's forcing) on random hidden states with a forced routing
   that is not its router's: its output equals NumPy's sum over the forced experts of softmax(router logits at those
   experts) * wo(silu(x wi_0) * x wi_1), and differs from the layer's free output."""
-  rs = models.setup_devices([CONFIG, "model_name=qwen3-30b-a3b", "scan_layers=false", path, "megablox=false"])
+  rs = models.setup_devices(
+      config_lib.parse([CONFIG, "model_name=qwen3-30b-a3b", "scan_layers=false", path, "megablox=false"])
+  )
   cfg = rs.trainer_config
   model, mesh = models.build_model(cfg, rs.trainer_devices, pad_id=0)
   node = next(n for _, n in nnx.iter_graph(model) if isinstance(n, maxtext_moe.RoutedMoE))

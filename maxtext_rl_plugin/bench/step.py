@@ -178,6 +178,9 @@ def build(args, side: str, out_dir: str):
       "eval_after_training=false",
       "batch_size=4",
       "rl.num_generations=4",
+      # The parity gate adds a trainer forward to the first step of the plugin's loop, which Tunix's loop has no
+      # counterpart of: off, so both sides do the same work (its cost is the old-policy forward's, in `logps`).
+      "rl.parity_check=off",
       *args.overrides,
   ]
   parsed = config_lib.parse(argv)
