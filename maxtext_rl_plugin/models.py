@@ -42,8 +42,8 @@ def setup_devices(parsed: config_lib.Parsed, devices=None) -> RunSetup:
   """MaxText's trainer/sampler device split for the run's config (`config_lib.Parsed`, parsed once by the caller).
 
   Same semantics as MaxText 0.2.5's `model_creation_utils.setup_configs_and_devices` (compared in
-  tests/config/test_config.py), without its re-parse of argv: single slice -> one config; Pathways with >= 2 VMs splits the
-  devices by `trainer_devices_fraction` / `sampler_devices_fraction`; multislice derives the trainer and sampler
+  tests/config/test_config.py), without its re-parse of argv: single slice -> one config; Pathways with >= 2 VMs splits
+  the devices by `trainer_devices_fraction` / `sampler_devices_fraction`; multislice derives the trainer and sampler
   configs (slice counts, fsdp/tensor parallelism) from the parsed one, as MaxText's kwargs do.
   """
   pc = parsed.config

@@ -1,11 +1,11 @@
 """MaxText mixture-of-experts models on the embedded engine and the trainer, and router replay (moe.py).
 
 References are independent of the code under test: the engine's KV-cached greedy decode against a full no-cache
-MaxText forward of every prefix (as tests/rollout/test_rollout_embedded.py does for the dense model); the routing the engine
-records against the routing the trainer's full forward records; the loss with replay against the NumPy GRPO loss of
-tests/algorithms/test_algorithms.py evaluated on the *engine's* log-probs (another code path: the cached decode, the router
-choosing freely). Log-prob tolerance 2e-4 nats + 2e-4 relative (float32, cached vs. full attention summation order;
-the x3 weights give log-probs near -10).
+MaxText forward of every prefix (as tests/rollout/test_rollout_embedded.py does for the dense model); the routing the
+engine records against the routing the trainer's full forward records; the loss with replay against the NumPy GRPO
+loss of tests/algorithms/test_algorithms.py evaluated on the *engine's* log-probs (another code path: the cached
+decode, the router choosing freely). Log-prob tolerance 2e-4 nats + 2e-4 relative (float32, cached vs. full attention
+summation order; the x3 weights give log-probs near -10).
 
 One model per family, built once (module fixture), decoder weights x3 so greedy output depends on the context.
 """

@@ -21,6 +21,6 @@ the EOS token in the completion and `pad_id` must differ from `eos_id`.
 Numerical guards (no effect in any sane regime): log-ratios and KL log-differences are clamped to +-20 (ratios
 within [2e-9, 4.9e8]) so one runaway token cannot overflow exp() and poison the step with inf/NaN.
 
-Every formula is in the docstring of the module that computes it; tests/algorithms/test_algorithms.py checks each against a
-NumPy re-derivation.
+Every formula is in the docstring of the module that computes it; tests/algorithms/test_algorithms.py checks each
+against a NumPy re-derivation.
 """

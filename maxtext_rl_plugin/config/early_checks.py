@@ -3,8 +3,9 @@
 Each was a traceback or a refusal after the model build (issue 51): a value outside an enumerated key's choices, an MoE
 routing more experts per token than it has, trainer and sampler devices that overlap, a checkpoint I/O budget of 0
 GB (found at the first save), a model family the embedded engine cannot decode, router replay where no layer can carry
-the forced experts (no MoE, pipeline stages, an engine that does not report routing), a head_dim the vLLM route refuses. `validation._light_checks` runs them in both passes (on the
-`RawConfig` of `config_precheck` and on the typed config), so each is one `error:` line within a second or two.
+the forced experts (no MoE, pipeline stages, an engine that does not report routing), a head_dim the vLLM route
+refuses. `validation._light_checks` runs them in both passes (on the `RawConfig` of `config_precheck` and on the typed
+config), so each is one `error:` line within a second or two.
 
 The schema's enumerated choices (config/schema.py imports JAX and MaxText) are restated here; tests/test_bad_input.py
 compares them with the schema's.

@@ -1,10 +1,10 @@
 """`rollout_engine=vllm` compiled for a TPU topology (maxtext_rl_plugin/aot/vllm_programs.py), in the TPU image's stack.
 
-* A tiny Llama 3.1 for v5p-8, rollout programs only (`MAXTEXT_RL_AOT_PHASES=rollout`: the update is tests/aot/test_aot.py's):
-  the report has `vllm_prefill_step` and `vllm_decode_step` in the rollout phase with their calls per step, the
-  compiled modules hold tpu-inference's Pallas ragged paged attention (a `tpu_custom_call` named RPA... per layer, from
-  XLA's own dump), and the KV pool equals the arithmetic written out here from the two libraries' sources: per layer a
-  page is block x 2 x kv heads (padded to TP) x head_dim x 2 bytes, and vLLM allocates
+* A tiny Llama 3.1 for v5p-8, rollout programs only (`MAXTEXT_RL_AOT_PHASES=rollout`: the update is
+  tests/aot/test_aot.py's): the report has `vllm_prefill_step` and `vllm_decode_step` in the rollout phase with their
+  calls per step, the compiled modules hold tpu-inference's Pallas ragged paged attention (a `tpu_custom_call` named
+  RPA... per layer, from XLA's own dump), and the KV pool equals the arithmetic written out here from the two
+  libraries' sources: per layer a page is block x 2 x kv heads (padded to TP) x head_dim x 2 bytes, and vLLM allocates
   floor(devices x (HBM x hbm_utilization_vllm - bytes in use) / (layers x page)) blocks.
 * A sampler whose weights exceed `hbm_utilization_vllm` of the chip: one `error:` line naming the two knobs, exit 2.
 * The private names tpu_inference_compat touches exist at the pins and answer as on the target.
@@ -14,6 +14,8 @@ Compiles run in subprocesses with the image's libtpu (.venv-tpu-libtpu, scripts/
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
 import json
 import os
 import pathlib
@@ -110,8 +112,6 @@ def test_a_sampler_that_cannot_hold_its_weights_is_one_line_and_exit_2(tmp_path)
 
 
 def test_the_private_names_compat_touches_exist_at_the_pins():
-  import importlib.util  # pylint: disable=import-outside-toplevel
-  import inspect  # pylint: disable=import-outside-toplevel
   from tpu_inference import tpu_info  # pylint: disable=import-outside-toplevel
   from tpu_inference.kernels.ragged_paged_attention.v3 import kernel, tuned_block_sizes  # pylint: disable=import-outside-toplevel
 
