@@ -142,10 +142,6 @@ def test_rollouts_ahead_with_lora_resume_at_the_checkpointed_position(tmp_path):
       "lora.enable_lora=true",
       "lora.lora_rank=4",
       "lora.lora_alpha=8",
-      # The parity gate stops this run's resume (mean |dlogp| 3.3e-3 > 1e-3 at the first step after it, float32, LoRA
-      # adapters non-zero; a fresh run is checked at step 1, where they are zero): not yet diagnosed (the closing note
-      # of the round that added the gate). Off here, where the data position is what is tested.
-      "rl.parity_check=off",
   ]
   stopped = _kill_after_first_step(tmp_path, "async", *extra)
   assert 1 <= stopped < 4
