@@ -80,7 +80,8 @@ def shipped_defaults() -> dict[str, Any]:
 @functools.cache
 def light_keys() -> KeyNames:
   """The schema's key names without importing it: the shipped defaults' keys corrected by key_status's two lists
-  of the difference (tests/config/test_config.py keeps them exact). Blocks with no shipped defaults are left to the schema."""
+  of the difference (tests/config/test_config.py keeps them exact). Blocks with no shipped defaults are left to the schema.
+  """
   defaults = shipped_defaults()
   top = (set(defaults) - key_status.YML_ONLY_KEYS) | {k for k in key_status.SCHEMA_ONLY_KEYS if "." not in k}
   blocks: dict[str, frozenset[str] | None] = {}
@@ -156,6 +157,8 @@ def check_override_names(overrides: Sequence[str], keys: KeyNames) -> None:
   of every block, where the first pass's `light_keys` leave some open)."""
   for arg in overrides:
     _check_key(arg.split("=", 1)[0], "command line", keys)
+
+
 def _check_yaml_value(key: str, value: str) -> None:
   """pyconfig reads a command-line value as YAML (OmegaConf's dotlist): `run_name=[abc` or a JSON object missing its
   brace is one line here, not a parser's traceback later."""
