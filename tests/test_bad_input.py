@@ -98,9 +98,11 @@ def test_early_checks_restate_maxtext_and_the_schema():
   # The choices early_checks keeps light (no JAX) are the schema's.
   literal = {}
   for prefix, cls in (("", config_types.PluginKeys), ("rl.", config_types.PluginRL)):
+    # The plugin's own fields: those its concern classes declare (MaxText's are refused by pydantic in the second pass).
+    own = {n for k in cls.__mro__ if k.__module__ == config_types.__name__ for n in vars(k).get("__annotations__", {})}
     for name, field in cls.model_fields.items():
-      if name not in cls.__annotations__ or typing.get_origin(field.annotation) is list:
-        continue  # MaxText's own field (pydantic refuses its values in the second pass), or a list of choices
+      if name not in own or typing.get_origin(field.annotation) is list:
+        continue  # MaxText's own field, or a list of choices
       for a in (field.annotation, *typing.get_args(field.annotation)):  # Literal[...] or Optional[Literal[...]]
         if typing.get_origin(a) is typing.Literal:
           literal[prefix + name] = typing.get_args(a)

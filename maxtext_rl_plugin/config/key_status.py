@@ -145,7 +145,22 @@ CLASS_STATUS: dict[str, str] = {
     "Tensorboard": "refused: Vertex TensorBoard upload is not implemented; logs go to tensorboard_dir",
     "DerivedValues": DERIVED,
     "RL": ALGO,
+    # The plugin's concerns (config/schema.py): a class whose keys one line covers has it here; the others' keys each
+    # have their own entry below.
     "PluginRL": ALGO,
+    "PluginGroup": ALGO,
+    "PluginDapo": ALGO,
+    "PluginAgentic": "honoured (agentic/: the episodes of rl.use_agentic_rollout)",
+    "PluginRolloutCorrection": "honoured (algorithms: rollout importance sampling)",
+    "PluginRouterReplay": ALGO,
+    "PluginSyncCheck": "honoured (resharding: post-sync check)",
+    "PluginParity": "honoured (run/parity.py: sampler vs trainer log-probs of the sampled tokens, stop before the update)",
+    "PluginCli": "honoured (train_rl)",
+    "PluginRollout": ROLLOUT,
+    "PluginData": DATA,
+    "PluginRewards": REWARDS,
+    "PluginResharding": "honoured (resharding: trainer->sampler sync)",
+    "PluginRunLoop": TRAINER,
     "RLCluster": DEVICES,
     "RLDataset": DATA,
     "RLEvaluation": "honoured (trainer: eval)",
@@ -328,36 +343,11 @@ _KEY_STATUS: dict[str, str] = {
     "rl.force_on_policy_ratio": TRAINER,
     "rl.log_sampler_trainer_agreement": TRAINER,
     "rl.epsilon_high": ALGO,
-    "rl.rollout_is": "honoured (algorithms: rollout importance sampling)",
-    "rl.rollout_is_cap": "honoured (algorithms: rollout importance sampling)",
     "rl.use_agentic_rollout": _AGENTIC_ROLLOUT,
-    **dict.fromkeys(
-        (
-            "rl.agentic_tools",
-            "rl.agentic_tool_parser",
-            "rl.agentic_max_turns",
-            "rl.agentic_turn_tokens",
-            "rl.agentic_max_tokens",
-            "rl.agentic_tool_timeout_s",
-        ),
-        "honoured (agentic/: the episodes of rl.use_agentic_rollout)",
-    ),
     "rl.off_policy_steps": "honoured (async_rollout: rollouts up to N RL steps ahead of the trainer, every engine)",
     "rl.max_concurrency": _AGENTIC,
     "rl.system_prompt": _AGENTIC,
     "rl.reshard_chunk_size": "honoured (resharding: trainer->sampler sync chunk)",
-    "rl.verify_weight_sync": "honoured (resharding: post-sync check)",
-    "rl.verify_weight_sync_every": "honoured (resharding: post-sync check)",
-    **dict.fromkeys(
-        (
-            "rl.parity_check",
-            "rl.parity_check_every",
-            "rl.parity_logp_tolerance_mean",
-            "rl.parity_logp_tolerance_max",
-            "rl.parity_routing_tolerance",
-        ),
-        "honoured (parity.py: sampler vs trainer log-probs of the sampled tokens, stop before the update)",
-    ),
     # --- cluster ---
     "rollout_data_parallelism": VLLM_ROLLOUT,
     "rollout_tensor_parallelism": VLLM_ROLLOUT,
@@ -485,32 +475,12 @@ _KEY_STATUS.update(
     }
 )
 
-# The plugin's own keys, by the module that reads them (config_types.PluginKeys groups them the same way).
+# The plugin's own keys that their concern's class status (CLASS_STATUS, config/schema.py's classes) does not cover.
 _KEY_STATUS.update(
     {
         "print_config": "honoured (train_rl: print the resolved configuration and exit)",
-        **dict.fromkeys(
-            ("rollout_engine", "rollout_prefill_buckets", "rollout_batch_buckets", "stop_token_ids", "rollout_seed"),
-            ROLLOUT,
-        ),
-        **dict.fromkeys(
-            (
-                "train_data_path",
-                "eval_data_path",
-                "synthetic_seed",
-                "synthetic_num_eval",
-                "synthetic_min_steps",
-                "synthetic_max_steps",
-                "synthetic_max_value",
-                "synthetic_teacher_error_rate",
-                "synthetic_task",
-                "synthetic_tool_rate",
-            ),
-            DATA,
-        ),
         "reward_item_timeout_seconds": REWARDS,
         "reward_call_timeout_seconds": "honoured (rewards/loader.py: RewardFn, per call)",
-        "reshard_donate": "honoured (resharding: trainer->sampler sync)",
         **dict.fromkeys(("sft_warmup_steps", "sft_learning_rate", "sft_batch_size"), "honoured (sft: warm start)"),
         **dict.fromkeys(("eval_before_training", "eval_after_training"), "honoured (trainer: eval)"),
         "write_plot": "honoured (summary: summary.png)",
@@ -697,6 +667,13 @@ def _declaring_class() -> dict[str, str]:
   return out
 
 
+@functools.cache
+def _rl_block_classes() -> frozenset[str]:
+  """The classes the `rl:` block is made of (MaxText's `RL` and the plugin's concerns): a flat key one of them declares
+  is a twin of an `rl:` key."""
+  return frozenset(k.__name__ for k in _config_class().model_fields["rl"].annotation.__mro__ if "model_fields" in dir(k))
+
+
 def all_keys() -> list[str]:
   """Every key of the schema: top-level fields (minus block containers) and `rl.<key>`."""
   return sorted(k for k in _declaring_class() if k not in BLOCKS + DOTTED_BLOCKS)
@@ -712,7 +689,7 @@ def canonical(key: str) -> str:
     return tail.split(".")[0]
   if tail:
     return head  # a dict-valued field such as generation_configs.greedy.eval_top_k
-  if _declaring_class().get(key) in ("RL", "PluginRL"):
+  if _declaring_class().get(key) in _rl_block_classes():
     return f"rl.{key}"
   return key
 

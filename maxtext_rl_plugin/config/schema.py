@@ -2,9 +2,15 @@
 
 We extend rather than fork: `PluginRLConfig` subclasses MaxText 0.2.5's pydantic `RLConfig`, so
 every key of MaxText's `post_train/rl.yml` keeps its meaning, validation and flat-key routing
-(`loss_algo=gspo-token` on the command line lands in `rl.loss_algo`). Plugin keys are grouped by
-the module that reads them; each has a description, which docs/config_reference.md is generated
-from (`python -m maxtext_rl_plugin.config.doc`).
+(`loss_algo=gspo-token` on the command line lands in `rl.loss_algo`).
+
+The plugin's own keys come in one class per concern, as MaxText's `types.py` keeps one class per concern and combines
+them in `RLConfig`: the `rl:` block's (`PluginRL` = the concerns below + MaxText's `types.RL`) and the flat ones
+(`PluginKeys`). Each field has a description, which docs/config_reference.md is generated from
+(`python -m maxtext_rl_plugin.config.doc`); config/key_status.py gives a concern's status by its class where one line
+covers it. A concern's cross-key checks are not pydantic validators here: the first pass runs them on the config as
+written, before this module's imports (JAX, MaxText), so they are plain functions in config/validation.py and
+config/early_checks.py, named in each class's docstring, and both passes run the same ones.
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ from pydantic import Field
 from pydantic import field_validator
 
 
-class PluginRL(types.RL):
-  """`rl:` block: MaxText's RL keys, with GRPO-group validation and the plugin's loss/sync keys."""
+class PluginGroup(BaseModel):
+  """`rl:` GRPO groups and the loss's estimators (algorithms/); checks: validation._check_algorithm, _check_batches."""
 
   num_generations: int = Field(
       2, ge=2, description="Responses sampled per prompt (G in the GRPO paper); >= 2 so a group has a variance."
@@ -46,7 +52,12 @@ class PluginRL(types.RL):
           "group_std; rloo, drgrpo: none, which refuse group_std)."
       ),
   )
-  # --- DAPO and kin (algorithms/, run/experience.py, run/dynamic_sampling.py) ---
+
+
+class PluginDapo(BaseModel):
+  """`rl:` DAPO and kin: baselines, truncation and overlong shaping, dynamic sampling (algorithms/, run/experience.py,
+  run/dynamic_sampling.py); checks: validation._check_algorithm, dependent_keys (rl.max_refill_rounds)."""
+
   advantage_estimator: Literal["grpo", "rloo", "drgrpo"] = Field(
       "grpo",
       description=(
@@ -90,7 +101,12 @@ class PluginRL(types.RL):
           "reported as dynamic_sampling/short_groups and on the console."
       ),
   )
-  # --- multi-turn episodes with tools (agentic/, rl.use_agentic_rollout: MaxText's key, the plugin's meaning) ---
+
+
+class PluginAgentic(BaseModel):
+  """`rl:` multi-turn episodes with tools (agentic/; `rl.use_agentic_rollout` is MaxText's key, the plugin's meaning);
+  checks: validation._check_agentic, dependent_keys (rl.agentic_*)."""
+
   agentic_tools: list[Literal["calculator"]] = Field(
       ["calculator"],
       description=(
@@ -124,6 +140,11 @@ class PluginRL(types.RL):
       gt=0.0,
       description="Longest one tool call may run; past it the episode gets an error observation and continues.",
   )
+
+
+class PluginRolloutCorrection(BaseModel):
+  """`rl:` importance weights for the sampler-trainer mismatch (algorithms/divergence.py); checks: dependent_keys."""
+
   rollout_is: Literal["off", "truncate", "mask"] = Field(
       "off",
       description=(
@@ -134,6 +155,11 @@ class PluginRL(types.RL):
       ),
   )
   rollout_is_cap: float = Field(2.0, gt=1.0, description="C of rl.rollout_is: the truncation cap / mask range [1/C, C].")
+
+
+class PluginRouterReplay(BaseModel):
+  """`rl:` mixture-of-experts routing replay (moe.py); checks: early_checks.check_router_replay."""
+
   router_replay: bool = Field(
       False,
       description=(
@@ -145,6 +171,11 @@ class PluginRL(types.RL):
           "model keeps its own routing."
       ),
   )
+
+
+class PluginSyncCheck(BaseModel):
+  """`rl:` the weight sync's guard (resharding/verify.py); checks: dependent_keys (rl.verify_weight_sync_every)."""
+
   verify_weight_sync: Literal["off", "first", "every_n"] = Field(
       "first",
       description=(
@@ -156,10 +187,21 @@ class PluginRL(types.RL):
       10, ge=1, description="Period (in syncs) of the check when verify_weight_sync=every_n."
   )
 
+  @field_validator("verify_weight_sync", mode="before")
+  @classmethod
+  def _sync_yaml_off(cls, v):
+    # YAML 1.1 (OmegaConf's CLI parser) reads a bare `off` as False.
+    return "off" if v is False else v
+
+
+class PluginParity(BaseModel):
+  """`rl:` the parity gate (run/parity.py): sampler vs trainer log-probs at a checked step; checks: dependent_keys
+  (rl.parity_check_every), early_checks.CHOICES."""
+
   parity_check: Literal["off", "first", "every_n"] = Field(
       "first",
       description=(
-          "The parity gate (parity.py): at a checked step the trainer scores the sampled tokens and compares with the "
+          "The parity gate (run/parity.py): at a checked step the trainer scores the sampled tokens and compares with the "
           "sampler's own log-probs (mean and max |log p difference|, for MoE the fraction of tokens routed to other "
           "experts), logged as parity/* metrics; past a tolerance the run stops before the step's update. Never, on "
           "the first step, or every `parity_check_every` steps."
@@ -194,20 +236,38 @@ class PluginRL(types.RL):
       ),
   )
 
-  @field_validator("verify_weight_sync", "parity_check", mode="before")
+  @field_validator("parity_check", mode="before")
   @classmethod
-  def _yaml_off(cls, v):
+  def _parity_yaml_off(cls, v):
     # YAML 1.1 (OmegaConf's CLI parser) reads a bare `off` as False.
     return "off" if v is False else v
 
 
-class PluginKeys(BaseModel):
-  """Top-level keys the plugin adds (flat, like MaxText's)."""
+class PluginRL(
+    PluginParity,
+    PluginSyncCheck,
+    PluginRouterReplay,
+    PluginRolloutCorrection,
+    PluginAgentic,
+    PluginDapo,
+    PluginGroup,
+    types.RL,
+):
+  """`rl:` block: MaxText's RL keys, with GRPO-group validation and the plugin's concerns above.
 
-  # --- CLI ---
+  Bases in reverse: pydantic orders fields from the last base to the first, so the keys keep the order of this module
+  (print_config, docs/config_reference.md)."""
+
+
+class PluginCli(BaseModel):
+  """The command line (train_rl)."""
+
   print_config: bool = Field(False, description="Print the resolved configuration as YAML and exit without training.")
 
-  # --- rollout engine (maxtext_rl_plugin.rollout) ---
+
+class PluginRollout(BaseModel):
+  """The rollout engine (rollout/); checks: early_checks.check_choices, check_embedded_model, check_vllm_head_dim."""
+
   rollout_engine: Literal["auto", "embedded", "vllm"] = Field(
       "auto",
       description=(
@@ -232,7 +292,10 @@ class PluginKeys(BaseModel):
       ),
   )
 
-  # --- data (maxtext_rl_plugin.data) ---
+
+class PluginData(BaseModel):
+  """Prompts and answers (data/); checks: validation._check_synthetic."""
+
   train_data_path: str = Field(
       "",
       description=(
@@ -281,7 +344,10 @@ class PluginKeys(BaseModel):
       description="Build prompts with the tokenizer's chat template (else the plain template of data_template_path).",
   )
 
-  # --- rewards (maxtext_rl_plugin.rewards) ---
+
+class PluginRewards(BaseModel):
+  """Reward computation (rewards/); checks: the schema's bounds."""
+
   reward_item_timeout_seconds: float = Field(
       2.0,
       gt=0,
@@ -294,7 +360,10 @@ class PluginKeys(BaseModel):
       "one line naming the function (a user function that never returns cannot hang the run).",
   )
 
-  # --- resharding (maxtext_rl_plugin.resharding) ---
+
+class PluginResharding(BaseModel):
+  """The trainer-to-sampler weight sync (resharding/)."""
+
   reshard_donate: bool = Field(
       True,
       description=(
@@ -303,7 +372,10 @@ class PluginKeys(BaseModel):
       ),
   )
 
-  # --- training loop (maxtext_rl_plugin.run.loop) ---
+
+class PluginRunLoop(BaseModel):
+  """The run around the RL steps (run/loop.py, sft.py, run/summary.py): warm start, eval, the plot."""
+
   sft_warmup_steps: int = Field(
       0,
       ge=0,
@@ -318,6 +390,10 @@ class PluginKeys(BaseModel):
   write_plot: bool = Field(
       True, description="Write reward/accuracy-per-step PNG (summary.png) into the run directory at the end."
   )
+
+
+class PluginKeys(PluginRunLoop, PluginResharding, PluginRewards, PluginData, PluginRollout, PluginCli):
+  """Top-level keys the plugin adds (flat, like MaxText's), one class per concern (bases in reverse: see PluginRL)."""
 
 
 class PluginRLConfig(PluginKeys, types.RLConfig):

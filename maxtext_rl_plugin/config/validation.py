@@ -246,6 +246,13 @@ RANGES: dict[str, tuple[_Check, str]] = {
     "stop_token_ids": (lambda v: all(t >= 0 for t in v), "must be token ids >= 0"),
     "reward_item_timeout_seconds": (_gt(0.0), "must be > 0"),
 }
+
+# Numeric plugin keys every value of whose type means something: no schema bound and no RANGES row. A new numeric key
+# gets a bound in config/schema.py, a row above, or a line here (tests/config/test_validation.py fails otherwise).
+UNBOUNDED: dict[str, str] = {
+    "synthetic_seed": "any integer seeds the synthetic generator",
+    "rollout_seed": "any integer seeds the rollout's sampling keys",
+}
 # Each sampling strategy of generation_configs (run/evaluation.py): the same conventions as the rollout's keys.
 _GENERATION_RANGES: dict[str, tuple[_Check, str]] = {
     "eval_temperature": RANGES["decode_sampling_temperature"],
