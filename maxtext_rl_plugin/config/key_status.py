@@ -154,7 +154,9 @@ CLASS_STATUS: dict[str, str] = {
     "PluginRolloutCorrection": "honoured (algorithms: rollout importance sampling)",
     "PluginRouterReplay": ALGO,
     "PluginSyncCheck": "honoured (resharding: post-sync check)",
-    "PluginParity": "honoured (run/parity.py: sampler vs trainer log-probs of the sampled tokens, stop before the update)",
+    "PluginParity": (
+        "honoured (run/parity.py: sampler vs trainer log-probs of the sampled tokens, stop before the update)"
+    ),
     "PluginCli": "honoured (train_rl)",
     "PluginRollout": ROLLOUT,
     "PluginData": DATA,
@@ -671,7 +673,9 @@ def _declaring_class() -> dict[str, str]:
 def _rl_block_classes() -> frozenset[str]:
   """The classes the `rl:` block is made of (MaxText's `RL` and the plugin's concerns): a flat key one of them declares
   is a twin of an `rl:` key."""
-  return frozenset(k.__name__ for k in _config_class().model_fields["rl"].annotation.__mro__ if "model_fields" in dir(k))
+  return frozenset(
+      k.__name__ for k in _config_class().model_fields.get("rl").annotation.__mro__ if "model_fields" in dir(k)
+  )
 
 
 def all_keys() -> list[str]:

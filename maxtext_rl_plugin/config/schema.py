@@ -201,9 +201,9 @@ class PluginParity(BaseModel):
   parity_check: Literal["off", "first", "every_n"] = Field(
       "first",
       description=(
-          "The parity gate (run/parity.py): at a checked step the trainer scores the sampled tokens and compares with the "
-          "sampler's own log-probs (mean and max |log p difference|, for MoE the fraction of tokens routed to other "
-          "experts), logged as parity/* metrics; past a tolerance the run stops before the step's update. Never, on "
+          "The parity gate (run/parity.py): at a checked step the trainer scores the sampled tokens and compares with "
+          "the sampler's own log-probs (mean and max |log p difference|, for MoE the fraction of tokens routed to "
+          "other experts), logged as parity/* metrics; past a tolerance the run stops before the step's update. Never, on "
           "the first step, or every `parity_check_every` steps."
       ),
   )

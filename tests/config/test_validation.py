@@ -19,7 +19,7 @@ import pytest
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.config import keys as config_keys
 from maxtext_rl_plugin.config import precheck as config_precheck
-from maxtext_rl_plugin.config import schema
+from maxtext_rl_plugin.config import schema as config_schema
 from maxtext_rl_plugin.config import dependent_keys
 from maxtext_rl_plugin.config import validation
 from maxtext_rl_plugin.config.unresolved import Unresolved
@@ -199,18 +199,19 @@ def test_every_range_key_exists_in_the_schema(tiny_pc):
 def test_every_numeric_plugin_key_is_bounded_or_exempt():
   # A new int/float plugin key needs a bound (the schema's ge/gt/le/lt), a RANGES row, or an UNBOUNDED line with why.
   loose = []
-  for prefix, cls in (("", schema.PluginKeys), ("rl.", schema.PluginRL)):
-    own = {n for k in cls.__mro__ if k.__module__ == schema.__name__ for n in vars(k).get("__annotations__", {})}
+  for prefix, cls in (("", config_schema.PluginKeys), ("rl.", config_schema.PluginRL)):
+    own = {n for k in cls.__mro__ if k.__module__ == config_schema.__name__ for n in vars(k).get("__annotations__", {})}
     for name in sorted(own):
-      field = cls.model_fields[name]
+      field = cls.model_fields.get(name)
       numeric = {int, float} & {field.annotation, *typing.get_args(field.annotation)}
       key = prefix + name
       if numeric and not field.metadata and key not in validation.RANGES and key not in validation.UNBOUNDED:
         loose.append(key)
   assert not loose, f"numeric plugin keys with no bound, RANGES row or UNBOUNDED reason: {loose}"
-  assert set(validation.UNBOUNDED) <= set(schema.PluginKeys.model_fields) | {
-      f"rl.{k}" for k in schema.PluginRL.model_fields
+  known = set(config_schema.PluginKeys.model_fields.keys()) | {
+      f"rl.{k}" for k in config_schema.PluginRL.model_fields.keys()
   }
+  assert set(validation.UNBOUNDED) <= known
 
 
 def test_a_run_needs_a_run_name():
