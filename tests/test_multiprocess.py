@@ -9,13 +9,6 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import pathlib
-import socket
-import subprocess
-import sys
 import types
 
 import jax
@@ -30,51 +23,12 @@ from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin.rollout import embedded
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _env(**extra) -> dict:
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RAY_ADDRESS")}
-  env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", **extra)
-  return env
+import _two_processes as two_processes
 
 
 def _two_processes(tmp_path, mode: str, devices_per_process: int = 1) -> list[dict]:
   """Run tests/_multiprocess_worker.py in `mode` as a 2-process JAX program; what each process saw."""
-  addr = f"127.0.0.1:{_free_port()}"
-  extra = (
-      {"XLA_FLAGS": f"--xla_force_host_platform_device_count={devices_per_process}"} if devices_per_process > 1 else {}
-  )
-  with contextlib.ExitStack() as stack:
-    procs = [
-        stack.enter_context(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(REPO / "tests" / "_multiprocess_worker.py"),
-                    str(i),
-                    addr,
-                    str(tmp_path / f"p{i}.json"),
-                    mode,
-                ],
-                cwd=REPO,
-                env=_env(**extra),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-        for i in (0, 1)
-    ]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-  assert [p.returncode for p in procs] == [0, 0], "\n".join(l[-3000:] for l in logs)
-  return [json.loads((tmp_path / f"p{i}.json").read_text()) for i in (0, 1)]
+  return two_processes.run(tmp_path, "_multiprocess_worker.py", mode, devices_per_process=devices_per_process)
 
 
 @pytest.mark.solo

@@ -5,52 +5,18 @@ naming the host and the parameter on every process."""
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import pathlib
-import socket
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 import _per_host_worker as worker
-
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+import _two_processes as two_processes
 
 
 def _run_two(tmp_path) -> list[dict]:
   """tests/_per_host_worker.py as a 2-process JAX program (4 CPU devices each); what each process saw."""
-  addr = f"127.0.0.1:{_free_port()}"
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "RAY_ADDRESS")}
-  env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  script = str(REPO / "tests" / "_per_host_worker.py")
-  with contextlib.ExitStack() as stack:
-    procs = [
-        stack.enter_context(
-            subprocess.Popen(
-                [sys.executable, script, str(i), addr, str(tmp_path / f"p{i}.json")],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-        for i in (0, 1)
-    ]
-    logs = [p.communicate(timeout=240)[0] for p in procs]
-  assert [p.returncode for p in procs] == [0, 0], "\n".join(l[-3000:] for l in logs)
-  return [json.loads((tmp_path / f"p{i}.json").read_text()) for i in (0, 1)]
+  return two_processes.run(tmp_path, "_per_host_worker.py", devices_per_process=4)
 
 
 def _bits(a: np.ndarray) -> list:
