@@ -23,6 +23,12 @@ from pydantic import Field
 from pydantic import field_validator
 
 
+def _yaml_off(value):
+  """A bare `off` is False to YAML 1.1 (OmegaConf's CLI parser): back to the choice it names, for the off/first/every_n
+  keys."""
+  return "off" if value is False else value
+
+
 class PluginGroup(BaseModel):
   """`rl:` GRPO groups and the loss's estimators (algorithms/); checks: validation._check_algorithm, _check_batches."""
 
@@ -187,11 +193,8 @@ class PluginSyncCheck(BaseModel):
       10, ge=1, description="Period (in syncs) of the check when verify_weight_sync=every_n."
   )
 
-  @field_validator("verify_weight_sync", mode="before")
-  @classmethod
-  def _sync_yaml_off(cls, v):
-    # YAML 1.1 (OmegaConf's CLI parser) reads a bare `off` as False.
-    return "off" if v is False else v
+  # Its own name: PluginRL inherits every concern's validators, and a shared name would keep only one of them.
+  _sync_off = field_validator("verify_weight_sync", mode="before")(_yaml_off)
 
 
 class PluginParity(BaseModel):
@@ -203,8 +206,8 @@ class PluginParity(BaseModel):
       description=(
           "The parity gate (run/parity.py): at a checked step the trainer scores the sampled tokens and compares with "
           "the sampler's own log-probs (mean and max |log p difference|, for MoE the fraction of tokens routed to "
-          "other experts), logged as parity/* metrics; past a tolerance the run stops before the step's update. Never, on "
-          "the first step, or every `parity_check_every` steps."
+          "other experts), logged as parity/* metrics; past a tolerance the run stops before the step's update. "
+          "Never, on the first step, or every `parity_check_every` steps."
       ),
   )
   parity_check_every: int = Field(10, ge=1, description="Period (in steps) of the check when parity_check=every_n.")
@@ -236,11 +239,7 @@ class PluginParity(BaseModel):
       ),
   )
 
-  @field_validator("parity_check", mode="before")
-  @classmethod
-  def _parity_yaml_off(cls, v):
-    # YAML 1.1 (OmegaConf's CLI parser) reads a bare `off` as False.
-    return "off" if v is False else v
+  _parity_off = field_validator("parity_check", mode="before")(_yaml_off)
 
 
 class PluginRL(
