@@ -207,7 +207,8 @@ class PluginParity(BaseModel):
           "The parity gate (run/parity.py): at a checked step the trainer scores the sampled tokens and compares with "
           "the sampler's own log-probs (mean and max |log p difference|, for MoE the fraction of tokens routed to "
           "other experts), logged as parity/* metrics; past a tolerance the run stops before the step's update. "
-          "Never, on the first step, or every `parity_check_every` steps."
+          "Never, on each launch's first step (a fresh run's step 1, the first step after a resume), or also every "
+          "`parity_check_every` steps of the launch."
       ),
   )
   parity_check_every: int = Field(10, ge=1, description="Period (in steps) of the check when parity_check=every_n.")

@@ -85,14 +85,11 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     self._pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     self._eos_id = int(tokenizer.eos_token_id)
     extra = [int(t) for t in (getattr(cfg, "stop_token_ids", None) or [])]
-    self._stop_ids = [self._eos_id] + [t for t in dict.fromkeys(extra) if t != self._eos_id]
+    # The pad id ends a completion too (stops.pad_stops says why: the trainer cannot represent a sampled pad token
+    # mid-row). Like any pad-valued stop token it is kept as the row's last token and Tunix's 'not pad' completion
+    # mask leaves it untrained (GenerationResult.lengths still counts it).
+    self._stop_ids = list(dict.fromkeys([self._eos_id, *extra, *stops.pad_stops(self._pad_id, self._eos_id)]))
     self._stop_strings = [s for s in (getattr(cfg, "stop_strings", None) or []) if s]
-    if self._pad_id in self._stop_ids:
-      logging.warning(
-          "EmbeddedRollout: stop token %d is also the pad id; Tunix's 'not pad' completion mask will "
-          "not train it (GenerationResult.lengths still counts it)",
-          self._pad_id,
-      )
     self._prefill_buckets = list(getattr(cfg, "rollout_prefill_buckets", None) or [32, 64, 128, 256, 512, 1024, 2048])
     self._batch_buckets = list(getattr(cfg, "rollout_batch_buckets", None) or [1, 2, 4, 8, 16, 32, 64, 128, 256])
     self._default_sampling = sampling.SamplingParams.create(

@@ -48,6 +48,7 @@ from maxtext_rl_plugin.resharding import move
 from maxtext_rl_plugin.resharding import per_host
 from maxtext_rl_plugin.resharding import verify
 from maxtext_rl_plugin.errors import DataError, MissingExtraError
+from maxtext_rl_plugin.rollout import stops as stops_lib
 from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.rollout import vllm_mapping
 from maxtext_rl_plugin.rollout import vllm_maxtext
@@ -465,7 +466,8 @@ class VllmRollout(base_rollout.BaseRollout):
       kw["top_p"] = 1.0 if rollout_config.top_p is None else float(rollout_config.top_p)
       kw["top_k"] = 0 if rollout_config.top_k in (None, -1) else int(rollout_config.top_k)
     eos = list(rollout_config.eos_tokens or [self._tokenizer.eos_id()])
-    kw["stop_token_ids"] = sorted(set(int(t) for t in eos + kw["stop_token_ids"]))
+    pad = stops_lib.pad_stops(self._tokenizer.pad_id(), self._tokenizer.eos_id())  # as the embedded engine (why there)
+    kw["stop_token_ids"] = sorted(set(int(t) for t in eos + kw["stop_token_ids"] + pad))
     return kw
 
 

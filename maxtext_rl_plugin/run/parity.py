@@ -31,7 +31,9 @@ router ties break differently (a bf16 router); under `rl.router_replay` the trai
 that figure is not defined and only the log-probs are checked.
 
 A step whose batch was sampled by older weights than the trainer's (`rl.off_policy_steps` > 0) is not checked: the
-two sides are different policies by design. The first step always has both sides at the same weights.
+two sides are different policies by design. A launch's first step (a fresh run's step 1, or the first step after a
+resume) always has both sides at the same weights. Both sides read a completion up to its first pad token: an engine
+that samples the pad id mid-row ends the completion there (rollout/stops.pad_stops says why).
 """
 
 from __future__ import annotations
@@ -100,10 +102,11 @@ def tolerance(config: Any, engine: str = "embedded") -> Tolerance:
   )
 
 
-def due(config: Any, step: int) -> bool:
-  """Whether step `step` (1-based) is checked: the first, and under every_n every `rl.parity_check_every`-th (the same
-  rule as `rl.verify_weight_sync`'s)."""
-  return verify.verify_due(str(config.rl.parity_check), int(config.rl.parity_check_every), int(step))
+def due(config: Any, step: int, start: int = 0) -> bool:
+  """Whether step `step` (1-based) of a launch that resumed after step `start` (0: a fresh run) is checked: the
+  launch's first step (a resume's sampler got its weights from a checkpoint: the same risk as a first sync), and
+  under every_n every `rl.parity_check_every`-th step of the launch, counted as `rl.verify_weight_sync` counts syncs."""
+  return verify.verify_due(str(config.rl.parity_check), int(config.rl.parity_check_every), int(step) - int(start))
 
 
 def figures(

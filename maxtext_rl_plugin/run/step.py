@@ -232,11 +232,9 @@ def train_step(rl_run: RLRun, producer, step: int, snapshot: bool, audit: bool) 
   batch, inputs, sampled = item.value
   check_batch(step, sampled, rl_run.config.rl.num_generations)
   rl_run.data_position = dynamic_sampling.next_position(sampled, step, rl_run.config.batch_size)
-  # The parity gate (run/parity.py): the run's first step and every N-th, when the batch was sampled by the trainer's
-  # current weights (policy lag 0). Not the first step after a resume: two resumed runs of the suite (an async LoRA
-  # run, Ray's two workers after a restart) disagree there by 2.6e-3 and 3.3e-3 mean |dlogp| in float32, over the
-  # f32/f32 tolerance, where their first steps agree to < 1e-4; not diagnosed yet (the round's closing note).
-  gate = step if parity.due(rl_run.config, step) and item.version == step - 1 else None
+  # The parity gate (run/parity.py): the launch's first step (after a resume too) and every N-th, when the batch was
+  # sampled by the trainer's current weights (policy lag 0).
+  gate = step if parity.due(rl_run.config, step, producer.start) and item.version == step - 1 else None
   exp = experience.score(rl_run, sampled, rl_run.plan, rl_run.timer, parity_step=gate)
   with rl_run.timer.phase("train"):
     rl_run.rl_cluster.update_actor(updates.update_batches(exp.example, rl_run.plan), None, skip_jit=False)

@@ -621,7 +621,9 @@ def test_generate_sampling_params_tokens_and_logprobs(monkeypatch, qwen, tokeniz
   eos = tokenizer.eos_token_id
   assert (sp["temperature"], sp["top_p"], sp["top_k"]) == (0.8, 0.9, 7)
   assert sp["max_tokens"] == cfg.max_target_length - cfg.max_prefill_predict_length
-  assert sp["stop_token_ids"] == sorted({eos, 13}) and sp["stop"] == ["</answer>"] and sp["logprobs"] == 0
+  pad = tokenizer.pad_token_id  # Qwen3's <|endoftext|>, not its EOS: a sampled pad ends the row (stops.pad_stops)
+  assert pad != eos and sp["stop_token_ids"] == sorted({eos, 13, pad})
+  assert sp["stop"] == ["</answer>"] and sp["logprobs"] == 0
   sent = [p["prompt_token_ids"] for p in llm.generate_calls[-1]["prompts"]]
   assert sent == [tokenizer.encode(p) for p in prompts]
   for i, ids in enumerate(sent):

@@ -134,8 +134,13 @@ def test_kill_and_resume_consumes_every_prompt_once_and_matches_the_uninterrupte
 
 def test_rollouts_ahead_with_lora_resume_at_the_checkpointed_position(tmp_path):
   """rl.off_policy_steps=1 (refills in the producer thread, ahead of the trainer) with LoRA: after a kill the batches
-  sampled ahead are re-consumed from the checkpoint's position; still every prompt once, in order."""
+  sampled ahead are re-consumed from the checkpoint's position; still every prompt once, in order. The parity gate
+  checks every step sampled at the trainer's weights (step 1 and the first after the resume, a lag-0 batch): at
+  temperature 30 this run samples the tokenizer's pad id mid-row, which the trainer used to drop from the row's context
+  (3.7e-3 mean |dlogp| over the f32 tolerance, docs/moe.md) before completions ended at a sampled pad."""
   extra = [
+      "rl.parity_check=every_n",
+      "rl.parity_check_every=1",
       "rl.off_policy_steps=1",
       "rl.use_rollout_logps=false",
       "rl.rollout_is=truncate",
@@ -148,7 +153,11 @@ def test_rollouts_ahead_with_lora_resume_at_the_checkpointed_position(tmp_path):
   p = _run(tmp_path, "async", *extra)
   assert f"from checkpoint step {stopped}" in p.stdout
   _check_stream(tmp_path / "async")
-  assert all(r["async/policy_lag"] <= 1 for r in _steps(tmp_path / "async"))
+  steps = _steps(tmp_path / "async")
+  assert all(r["async/policy_lag"] <= 1 for r in steps)
+  checked = [r["step"] for r in steps if "parity/logp_abs_diff_mean" in r]
+  assert checked[0] == 1 and stopped + 1 in checked, checked  # every lag-0 step, the first after the resume among them
+  assert all(r["parity/logp_abs_diff_mean"] < 1e-4 for r in steps if "parity/logp_abs_diff_mean" in r)
 
 
 def test_a_stop_during_refills_is_honoured_within_a_round(tmp_path):
