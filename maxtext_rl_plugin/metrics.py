@@ -70,6 +70,12 @@ class TunixTee:
     pass
 
 
+def is_empty_extreme(key: str, value: float) -> bool:
+  """`value` is the min (+inf) or max (-inf) of an empty set (`train/ratio_min` of a step whose loss saw no token):
+  not a measurement, left out of the record (`RunLogger._empty_extreme`), never a non-finite metric to warn about."""
+  return (key.endswith("_min") and value == math.inf) or (key.endswith("_max") and value == -math.inf)
+
+
 def is_writer() -> bool:
   """Whether this process writes logs, metrics, summaries and the console line: process 0 of a multi-process JAX
   program (every process computes the same metrics), always true for one process."""
@@ -125,7 +131,7 @@ class RunLogger:
     """Whether `value` is the min (+inf) or max (-inf) of an empty set (`train/ratio_min` of a step whose loss saw no
     token, e.g. dynamic sampling with no informative group): not a measurement, and not a number JSON has. The key is
     left out of that record, and the first time it happens the run says so once."""
-    empty = (key.endswith("_min") and value == math.inf) or (key.endswith("_max") and value == -math.inf)
+    empty = is_empty_extreme(key, value)
     if empty and key not in self._said_empty:
       self._said_empty.add(key)
       if self.writer:
