@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin.config import files as config_files
 from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin.data import prompts
 from maxtext_rl_plugin.data import rows
@@ -404,11 +405,43 @@ def check_outputs(config) -> None:
   run_dir_lib.check_writable(run_dir, metrics_file)
 
 
-def preflight(config) -> None:
+# Every key check_inputs and check_outputs read: equal values, equal verdicts (the checks read nothing else).
+PATH_KEYS = (
+    "base_output_directory",
+    "run_name",
+    "metrics_file",
+    "checkpoint_dir",
+    "tensorboard_dir",
+    "load_parameters_path",
+    *_INPUT_KEYS,
+)
+
+
+def path_values(config) -> tuple:
+  """The values of PATH_KEYS as the checks read them: unset (or, in a first-pass view, not typed yet) as None, and the
+  checkpoint and TensorBoard directories as the paths check_outputs resolves (MaxText derives the typed config's from
+  the run directory, with a trailing '/')."""
+  run_dir = os.path.join(str(value_or(config, "base_output_directory") or ""), str(value_or(config, "run_name") or ""))
+  resolved = {"checkpoint_dir": "checkpoints", "tensorboard_dir": "tensorboard"}
+
+  def read(key):
+    value = value_or(config, key)
+    if key in resolved:
+      return os.path.normpath(value or os.path.join(run_dir, resolved[key]))
+    if key == "tokenizer_path":  # a shipped tokenizer's name: the typed config holds its absolute path
+      value = config_files.resolved_tokenizer_path(value)
+    return value or None
+
+  return tuple(read(k) for k in PATH_KEYS)
+
+
+def preflight(config, checked_paths: tuple | None = None) -> None:
   """The run's path checks, before the trainer's imports (JAX backends, MaxText models, Tunix: seconds on a loaded
   machine): inputs exist, outputs writable, and no rerun that would rewrite a finished run or resume another model
-  or data."""
-  check_inputs(config)
-  check_outputs(config)
+  or data. `checked_paths`: the `path_values` the first pass (train_rl._precheck) already checked the inputs and
+  outputs with; when the typed config reads the same, those checks are not run again."""
+  if checked_paths is None or path_values(config) != checked_paths:
+    check_inputs(config)
+    check_outputs(config)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
   check_rerun(config, run_dir, total_steps(config))

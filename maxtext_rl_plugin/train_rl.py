@@ -11,6 +11,7 @@ configuration and exits. Configuration and input mistakes end with one `error: .
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from typing import Sequence
@@ -48,14 +49,29 @@ def _close_writers() -> None:
     metrics.close_all()
 
 
-def _precheck(view) -> None:
+@dataclasses.dataclass
+class Prechecked:
+  """What the first pass checked, by the values it read: the typed pass runs a check again only where a value differs
+  (a key the first pass could not type), so each check runs once, in the first pass that can decide it."""
+
+  run: tuple | None = None  # (run_name, base_output_directory) that validation.check_run passed
+  paths: tuple | None = None  # run_identity.path_values that check_inputs and check_outputs passed
+
+
+def _run_values(config) -> tuple:
+  return (config.run_name, config.base_output_directory)
+
+
+def _precheck(view) -> Prechecked:
   """The refusals `load_config` and `preflight` would make that the config as written already decides (a key the
   first pass cannot type is left to them): a run name, and for training the input files and the outputs."""
+  done = Prechecked()
   try:
     validation.check_run(view)
+    done.run = _run_values(view)
     print_config = view.print_config if "print_config" in view else False  # unset: the schema's default
   except Unresolved:
-    return
+    return done
   try:
     reward_loader.check_config(view)  # print_config=true too: it refuses what training refuses
   except Unresolved:
@@ -64,10 +80,12 @@ def _precheck(view) -> None:
     run_identity.check_inputs(view)
     try:
       run_identity.check_outputs(view)
+      done.paths = run_identity.path_values(view)
       # A resume that changes the loss or the update plan: the checkpoint's metadata says so before any model build.
       run_identity.check_resume_invariants(view, os.path.join(view.base_output_directory, view.run_name))
     except Unresolved:
-      return
+      return done
+  return done
 
 
 def _compiling(view) -> bool:
@@ -94,7 +112,7 @@ def _main(argv: list[str]) -> int:
         # on the CPU, libtpu only compiles (MaxText's train_compile runs the same way); without this a host with libtpu
         # installed would look for a TPU. JAX is not imported yet.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
-      _precheck(view)
+      done = _precheck(view)
       # Then, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
       # must be registered now, as MaxText's train_rl.main does; later JAX refuses it.
       from maxtext_rl_plugin import pathways
@@ -102,7 +120,8 @@ def _main(argv: list[str]) -> int:
       pathways.initialize()
       parsed = config_lib.typed(view.source())  # handed down from here: nothing below reads argv
       config = parsed.hyperparameters()
-      validation.check_run(config)  # print_config=true refuses what training refuses
+      if done.run is None or done.run != _run_values(config):
+        validation.check_run(config)  # print_config=true refuses what training refuses
       if config.print_config:
         sys.stdout.write(config_lib.dump_yaml(config))
         return 0
@@ -110,7 +129,7 @@ def _main(argv: list[str]) -> int:
         from maxtext_rl_plugin.aot import run as aot_run
 
         return aot_run.run(config, parsed)
-      run_identity.preflight(config)  # path and rerun refusals before the trainer's seconds of imports
+      run_identity.preflight(config, done.paths)  # path and rerun refusals before the trainer's seconds of imports
       from maxtext_rl_plugin.run import loop as trainer
 
     trainer.run(config, parsed)

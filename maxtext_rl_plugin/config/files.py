@@ -176,14 +176,22 @@ def resolve_tokenizer_path(overrides: list[str], raw: dict) -> list[str]:
   for arg in overrides:
     if arg.startswith("tokenizer_path="):
       value = arg.split("=", 1)[1]
-  if not value or os.path.isabs(value) or os.path.exists(value):
+  candidate = resolved_tokenizer_path(value)
+  if candidate == value:
     return overrides
+  return [a for a in overrides if not a.startswith("tokenizer_path=")] + [f"tokenizer_path={candidate}"]
+
+
+def resolved_tokenizer_path(value: Any) -> Any:
+  """`value` as the typed config holds it (`resolve_tokenizer_path`); anything else unchanged."""
+  if not isinstance(value, str) or not value or os.path.isabs(value) or os.path.exists(value):
+    return value
   # MAXTEXT_ASSETS_ROOT points into a source checkout; a wheel keeps its assets next to the package.
   for root in (configs_dir(), mt_globals.MAXTEXT_ASSETS_ROOT, os.path.join(mt_globals.MAXTEXT_PKG_DIR, "assets")):
     candidate = os.path.join(root, value)
     if os.path.exists(candidate):
-      return [a for a in overrides if not a.startswith("tokenizer_path=")] + [f"tokenizer_path={candidate}"]
-  return overrides
+      return candidate
+  return value
 
 
 def check_model_name(model_name: str) -> None:
