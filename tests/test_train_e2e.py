@@ -118,6 +118,11 @@ def test_grpo_run_writes_checkpoints_tensorboard_metrics_and_progress(grpo_run):
   recs = read_jsonl(run / "metrics.jsonl")
   steps = [r["step"] for r in recs if "reward/mean" in r]
   assert steps == [1, 2, 3]
+  # The parity gate (run/parity.py; rl.parity_check=first by default) passed this honest run: step 1's record carries
+  # its figures (float32 both sides: the cached decode and the full forward agree to ~1e-6 nats), steps 2-3 none.
+  gated = [r for r in recs if "reward/mean" in r]
+  assert 0.0 <= gated[0]["parity/logp_abs_diff_mean"] < 1e-4 and gated[0]["parity/logp_abs_diff_max"] < 1e-3
+  assert gated[0]["parity/tokens"] > 0 and not any("parity/logp_abs_diff_mean" in r for r in gated[1:])
   evals = [r for r in recs if "eval/accuracy" in r]
   assert [r["step"] for r in evals] == [0, 3]
   assert all(0.0 <= r["eval/accuracy"] <= 1.0 for r in evals)
@@ -164,6 +169,9 @@ def test_resume_continues_with_no_repeated_or_skipped_batch(out, grpo_run):
   assert read_jsonl(run / "batches.jsonl") == read_jsonl(ref / "batches.jsonl")
   recs = [r for r in read_jsonl(run / "metrics.jsonl") if "reward/mean" in r]
   assert [r["step"] for r in recs] == [1, 2, 3]
+  # The gate checks each launch's first step: step 1, and step 3, the resumed launch's first (restored weights).
+  assert [r["step"] for r in recs if "parity/logp_abs_diff_mean" in r] == [1, 3]
+  assert recs[-1]["parity/logp_abs_diff_mean"] < 1e-4
   ref_recs = {r["step"]: r for r in read_jsonl(ref / "metrics.jsonl") if "reward/mean" in r}
   # Same data, same per-step sampling seed, restored params + optimizer: step 3 matches the uninterrupted run.
   assert recs[-1]["reward/mean"] == pytest.approx(ref_recs[3]["reward/mean"], abs=1e-6)
