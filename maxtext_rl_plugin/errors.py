@@ -49,8 +49,10 @@ class MissingExtraError(UserError):
 # Set to 1 to see what `quiet_third_party_logs` keeps off an entry point's output.
 VERBOSE_ENV = "MAXTEXT_RL_VERBOSE"
 # Library log lines a user can do nothing about, by their text (after any `[process=..][thread=..] ` prefix): Orbax's
-# OCDBT merge notice, logged at every save of a single-process run (it has no per-process subdirectories to merge).
-_UNACTIONABLE = ("Skipping merge of OCDBT checkpoints",)
+# OCDBT merge notice, logged at every save of a single-process run (it has no per-process subdirectories to merge);
+# Tunix's "Skipping non-TPU device: cpu. You might be missing jax[tpu] dependency." (sft/utils: its HBM-usage metric
+# on a CPU run, where there is no HBM and no jax[tpu] to install).
+_UNACTIONABLE = ("Skipping merge of OCDBT checkpoints", "Skipping non-TPU device: cpu")
 
 
 class _DropUnactionable(logging.Filter):

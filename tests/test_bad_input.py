@@ -361,3 +361,22 @@ def test_compile_rl_accepts_a_yml_that_sets_compile_topology(tmp_path, monkeypat
   assert compile_rl.main([TINY, "compile_topology=v5p-8"]) == 0
   assert compile_rl.main([TINY]) == 2 and compile_rl.main([str(yml), "compile_topology="]) == 2
   assert capsys.readouterr().err.count("error: compile_topology=<MaxText topology name") == 2
+
+
+def test_the_demos_remaining_unactionable_lines_are_quiet_unless_verbose(monkeypatch):
+  # The CPU demo's output (re-read end to end this round) still carried Tunix's "Skipping non-TPU device: cpu. You might
+  # be missing jax[tpu] dependency." and four WARNING lines about synthetic prompts redrawn to fit the prompt budget,
+  # the synthetic task's design: nothing a user can act on.
+  import logging  # pylint: disable=import-outside-toplevel
+
+  from maxtext_rl_plugin.data import synthetic  # pylint: disable=import-outside-toplevel
+
+  tunix_line = "Skipping non-TPU device: cpu. You might be missing jax[tpu] dependency."
+  record = logging.LogRecord("absl", logging.WARNING, __file__, 1, tunix_line, (), None)
+  assert not errors._DropUnactionable().filter(record)  # pylint: disable=protected-access
+  other = logging.LogRecord("absl", logging.WARNING, __file__, 1, "a checkpoint does not restore", (), None)
+  assert errors._DropUnactionable().filter(other)  # pylint: disable=protected-access
+  monkeypatch.delenv(errors.VERBOSE_ENV, raising=False)
+  assert synthetic._redraw_log() is synthetic.logging.info  # pylint: disable=protected-access
+  monkeypatch.setenv(errors.VERBOSE_ENV, "1")
+  assert synthetic._redraw_log() is synthetic.logging.warning  # pylint: disable=protected-access

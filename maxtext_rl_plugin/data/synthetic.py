@@ -24,6 +24,7 @@ from absl import logging
 
 from maxtext_rl_plugin.data import prompts
 from maxtext_rl_plugin.data import splits
+from maxtext_rl_plugin import errors
 from maxtext_rl_plugin.errors import DataError
 
 SYNTHETIC = "synthetic"  # the dataset_name / eval_dataset_name of this task
@@ -279,8 +280,8 @@ class SyntheticSplit(splits.DatasetSplit):
           and prompts.prompt_lengths(self.tokenizer, [prompt])[0] > self.max_prompt_tokens
       ):
         self.filtered_long += 1
-        if self.filtered_long in (1, 100, 10000):
-          logging.warning(
+        if self.filtered_long in (1, 100, 10000):  # by design (the item count stays exact): a warning only if verbose
+          _redraw_log()(
               "synthetic/%s: %d prompts longer than max_prefill_predict_length=%d redrawn so far",
               self.stream,
               self.filtered_long,
@@ -307,6 +308,12 @@ class SyntheticSplit(splits.DatasetSplit):
     )
 
 
+def _redraw_log():
+  """Redrawn over-long prompts are how the synthetic task meets the prompt budget (the split keeps its size and every
+  item stays a pure function of its index), nothing to act on: absl INFO, a warning under MAXTEXT_RL_VERBOSE=1."""
+  return logging.warning if errors.verbose() else logging.info
+
+
 def synthetic_eval(cfg: SyntheticConfig, n: int, tokenizer, config, max_tokens: Optional[int]) -> splits.ListSplit:
   """`n` distinct synthetic problems from the eval stream (deduplicated on question text)."""
   gen = SyntheticSplit(cfg, "eval", tokenizer, config, max_prompt_tokens=max_tokens)
@@ -323,7 +330,7 @@ def synthetic_eval(cfg: SyntheticConfig, n: int, tokenizer, config, max_tokens: 
   if len(out) < n:
     logging.warning("synthetic eval: only %d distinct problems exist for these knobs (asked for %d)", len(out), n)
   if gen.filtered_long:
-    logging.warning(
+    _redraw_log()(
         "synthetic eval: %d prompts over max_prefill_predict_length=%s redrawn", gen.filtered_long, max_tokens
     )
   return splits.ListSplit(out, "synthetic/eval")
