@@ -330,7 +330,5 @@ def synthetic_eval(cfg: SyntheticConfig, n: int, tokenizer, config, max_tokens: 
   if len(out) < n:
     logging.warning("synthetic eval: only %d distinct problems exist for these knobs (asked for %d)", len(out), n)
   if gen.filtered_long:
-    _redraw_log()(
-        "synthetic eval: %d prompts over max_prefill_predict_length=%s redrawn", gen.filtered_long, max_tokens
-    )
+    _redraw_log()("synthetic eval: %d prompts over max_prefill_predict_length=%s redrawn", gen.filtered_long, max_tokens)
   return splits.ListSplit(out, "synthetic/eval")

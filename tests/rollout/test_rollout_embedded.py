@@ -171,7 +171,7 @@ def test_stop_token_and_stop_string_end_rows(setup, greedy):
   # So a sampled pad id ends a row the same way (the trainer reads a row up to its first pad: stops.pad_stops); a pad
   # that is EOS is a stop already.
   assert tok.pad_token_id != tok.eos_token_id and tok.pad_token_id in eng._stop_ids  # pylint: disable=protected-access
-  assert stops.pad_stops(7, 7) == [] and stops.pad_stops(0, 1) == [0]
+  assert not stops.pad_stops(7, 7) and stops.pad_stops(0, 1) == [0]
   np.testing.assert_array_equal(res.tokens[0, : k + 1], row[: k + 1])
   assert (res.tokens[0, k + 1 :] == tok.pad_token_id).all() and (res.logps[0, k + 1 :] == 0).all()
   np.testing.assert_allclose(res.logps[0, : k + 1], first.logps[0, : k + 1], atol=1e-6)

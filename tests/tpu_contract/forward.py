@@ -258,6 +258,21 @@ def engine_greedy(model, mesh, prompt: list[int], n_decode: int, pad_to: int = 1
   return np.concatenate(rows, axis=0), tokens
 
 
+def parity_figures(engine: np.ndarray, trainer: np.ndarray, prompt_len: int, tokens: list[int]) -> dict[str, float]:
+  """The parity gate's figures (run/parity.py) on a vLLM route: the log-probs the engine gave its own greedy `tokens`
+  (log-softmax of its logits rows from the prompt's last position on, as vLLM reports `logprobs`) against the trainer's
+  forward over the same tokens, through the gate's own `figures`."""
+  from maxtext_rl_plugin.run import parity  # pylint: disable=import-outside-toplevel
+
+  def chosen(logits):
+    rows = np.asarray(logits[prompt_len - 1 : prompt_len - 1 + len(tokens)], np.float64)
+    lp = rows - rows.max(-1, keepdims=True)
+    lp -= np.log(np.exp(lp).sum(-1, keepdims=True))
+    return lp[np.arange(len(tokens)), tokens][None]
+
+  return parity.figures(chosen(engine), chosen(trainer), np.ones((1, len(tokens)), bool))
+
+
 def maxtext_logits(actor, tokens: list[int]) -> np.ndarray:
   """MaxText's own forward (the TunixMaxTextAdapter the trainer holds) over `tokens`: [len, vocab] float32."""
   ids = jnp.asarray([tokens], jnp.int32)

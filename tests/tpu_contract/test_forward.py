@@ -23,6 +23,8 @@ import pytest
 from flax import nnx
 import jax
 
+from maxtext_rl_plugin.run import parity
+
 import forward
 from tpu_models import build
 
@@ -125,7 +127,8 @@ class Pair:
     got, tokens = forward.engine_greedy(self.engine, self.mesh, self.prompt, N_DECODE)
     want = forward.maxtext_logits(self.actor, self.prompt + tokens[:-1])
     g = gap(got, want)
-    print(f"{what}: gap {g:.2e} of max |logit| {np.max(np.abs(want)):.3g}")
+    self.parity = forward.parity_figures(got, want, len(self.prompt), tokens)  # the gate's view of the same tokens
+    print(f"{what}: gap {g:.2e} of max |logit| {np.max(np.abs(want)):.3g}; parity {self.parity}")
     self.greedy_agrees = [int(t) for t in np.argmax(want[len(self.prompt) - 1 :], axis=-1)] == tokens
     return g
 
@@ -213,8 +216,11 @@ def test_the_check_catches_same_shape_mapping_bugs(model_dir, monkeypatch, mutat
     _mutate(mp, mutation)
     pair.sync()
     assert pair.check(f"llama3.1 with {mutation}") > 100 * REL_TOL
+    # The parity gate (run/parity.py), at the route's default tolerances, stops a run on it: from the log-probs alone.
+    assert parity.exceeded(pair.parity, parity.tolerance(pair.cfg, "vllm")) is not None, pair.parity
   pair.sync()  # the real mapping again: the same pair passes
   assert pair.check("llama3.1 unmutated") < REL_TOL
+  assert parity.exceeded(pair.parity, parity.tolerance(pair.cfg, "vllm")) is None, pair.parity
 
 
 def test_llama31_rope_scaling_is_exercised(model_dir):

@@ -27,6 +27,8 @@ import pytest
 from flax import nnx
 import jax
 
+from maxtext_rl_plugin.run import parity
+
 import forward
 import tpu_models
 from test_forward import PROMPT_LEN, REL_TOL, TINY_ARGV, gap, pair_of
@@ -105,7 +107,8 @@ class AdapterPair:
     got, tokens = self.engine_logits()
     want = forward.maxtext_logits(self.actor, self.prompt + tokens[:-1])
     g = gap(got, want)
-    print(f"{what}: gap {g:.2e} of max |logit| {np.max(np.abs(want)):.3g}")
+    self.parity = forward.parity_figures(got, want, len(self.prompt), tokens)  # the gate's view of the same tokens
+    print(f"{what}: gap {g:.2e} of max |logit| {np.max(np.abs(want)):.3g}; parity {self.parity}")
     self.greedy_agrees = [int(t) for t in np.argmax(want[len(self.prompt) - 1 :], axis=-1)] == tokens
     return g
 
@@ -128,6 +131,7 @@ def test_adapter_computes_maxtexts_function_before_and_after_a_train_step(model_
   assert pair.check(f"{family} (MaxTextForCausalLM) after a train step, before the sync") > 100 * REL_TOL
   pair.sync()
   assert pair.check(f"{family} (MaxTextForCausalLM) after the sync") < REL_TOL and pair.greedy_agrees
+  assert parity.exceeded(pair.parity, parity.tolerance(pair.cfg, "vllm")) is None, pair.parity  # the gate lets it run
 
 
 def test_llama_adapter_and_native_class_agree_on_the_same_weights(model_dir):
@@ -190,6 +194,8 @@ def test_the_check_catches_same_shape_moe_sync_bugs(model_dir, monkeypatch, muta
     mp.setattr(maxtext_layout.AdapterLayout, "convert", lambda self, *a: MUTATIONS[mutation](real(self, *a)))
     pair.sync()
     assert pair.check(f"qwen3-moe with {mutation}") > 100 * REL_TOL  # measured 0.14-0.17
+    # The parity gate (run/parity.py), at the route's default tolerances, stops a run on it: from the log-probs alone.
+    assert parity.exceeded(pair.parity, parity.tolerance(pair.cfg, "vllm")) is not None, pair.parity
   pair.sync()  # the real sync again (the unmutated pair's match is the first test's)
 
 
