@@ -11,6 +11,9 @@
 # train_rl in the worker's own process (tests/_in_process.py), every process of the run shares one JAX compilation
 # cache (a temporary directory of this run only, removed at exit), lint runs at the lowest priority after pass 1, and
 # each pass prints its slowest tests plus the time of every step ("[time] ...").
+# Two tiers (docs/DEVELOPMENT.md, "Two tiers"): tests marked `extended` repeat at length what the default suite checks
+# once (the demo's learning claim, model families past one per code path, the benchmark harnesses, the Ray
+# topologies); every pass leaves them out unless MAXTEXT_RL_TEST_EXTENDED=1, which runs the whole suite (~35 min).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 T_RUN=$SECONDS
@@ -23,6 +26,13 @@ cpu() {
   if [ -x /usr/bin/time ]; then /usr/bin/time -f "[cpu] $label: %U s user + %S s sys" "$@"; else "$@"; fi
 }
 export JAX_PLATFORMS=cpu TF_CPP_MIN_LOG_LEVEL=3
+if [ "${MAXTEXT_RL_TEST_EXTENDED:-0}" = "1" ]; then
+  TIER=""
+  echo "[tier] the whole suite: the default tier and the tests marked extended"
+else
+  TIER=" and not extended"
+  echo "[tier] the default tier (CI): tests marked extended are left out; MAXTEXT_RL_TEST_EXTENDED=1 runs them too"
+fi
 # One JAX persistent compilation cache for every process of this run (both xdist workers of every pass and the
 # train_rl subprocesses they start; tests/conftest.py points JAX at it). Never a user's cache: a fresh directory.
 MAXTEXT_RL_TEST_JAX_CACHE="$(mktemp -d -t maxtext-rl-test-jax-cache.XXXXXX)"
@@ -52,7 +62,7 @@ if [ $# -eq 0 ] && [ "${MAXTEXT_RL_SKIP_TPU_CONTRACT:-0}" != "1" ]; then
     # checkout (without configs/ and rewards/, which only the install maps into the package). pytest itself puts
     # tests/tpu_contract on sys.path for its helper modules (forward.py, tpu_models.py).
     XLA_FLAGS="--xla_force_host_platform_device_count=4" TPU_ACCELERATOR_TYPE=v5litepod-4 \
-      cpu "pass 3" "$ROOT/.venv-tpu/bin/python" -P -m pytest -q -rs --durations=25 -p no:cacheprovider tests/tpu_contract || rc=$?
+      cpu "pass 3" "$ROOT/.venv-tpu/bin/python" -P -m pytest -q -rs --durations=25 -p no:cacheprovider -m "not network$TIER" tests/tpu_contract || rc=$?
     took "pass 3 (tests/tpu_contract in .venv-tpu, background)" "$t"
     exit $rc
   ) >"$tpu_log" 2>&1 &
@@ -88,7 +98,7 @@ if "$VENV/bin/python" -c 'import xdist' >/dev/null 2>&1; then
 fi
 # `network` tests ask the package registry; they are an explicit check before changing pins (docs/DEVELOPMENT.md).
 t=$SECONDS
-cpu "pass 1" "$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m "not multidevice and not network and not solo" "$@" \
+cpu "pass 1" "$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m "not multidevice and not network and not solo$TIER" "$@" \
   || status=$?
 took "pass 1 (one CPU device)" "$t"
 # Style (MaxText's pyink and pylint settings, ~155 CPU-s) on a full run, after pass 1 and at the lowest priority: passes
@@ -111,7 +121,7 @@ fi
 t=$SECONDS
 rc=0
 XLA_FLAGS="--xla_force_host_platform_device_count=8" \
-  cpu "pass 2" "$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m multidevice "$@" || rc=$?
+  cpu "pass 2" "$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m "multidevice$TIER" "$@" || rc=$?
 if [ $rc -ne 0 ] && { [ $rc -ne 5 ] || [ $# -eq 0 ]; }; then status=$rc; fi
 took "pass 2 (multidevice, 8 forced CPU devices)" "$t"
 # Third pass only on a full run (extra arguments select main-venv tests).
@@ -133,7 +143,7 @@ fi
 # install (the Ray job: 677 s there, 107 s alone; docs/DEVELOPMENT.md). One at a time, each has both cores.
 t=$SECONDS
 rc=0
-cpu "pass 4" "$VENV/bin/python" -m pytest -q -rs --durations=10 -m "solo and not network" "$@" || rc=$?
+cpu "pass 4" "$VENV/bin/python" -m pytest -q -rs --durations=10 -m "solo and not network$TIER" "$@" || rc=$?
 if [ $rc -ne 0 ] && { [ $rc -ne 5 ] || [ $# -eq 0 ]; }; then status=$rc; fi
 took "pass 4 (solo: multi-process and Ray, one at a time)" "$t"
 # Lint last: it may still be running here (it only had the idle cycles of passes 2 and 4).

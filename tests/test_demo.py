@@ -10,6 +10,7 @@ import json
 import pathlib
 import sys
 
+import pytest
 from transformers import AutoTokenizer
 
 from maxtext_rl_plugin.config import load as config_lib
@@ -52,6 +53,7 @@ def test_demo_tokenizer_round_trips_the_synthetic_distribution():
   assert [tok.decode([i]) for i in ids] == ["<answer>", "1", "2", "3", "</answer>"]
 
 
+@pytest.mark.extended  # 368 s: the learning claim, also measured at full length in docs/cpu_demo.md
 def test_shortened_demo_rl_raises_reward_and_accuracy_and_rerun_resumes(tmp_path):
   p = _run(tmp_path)
   run = tmp_path / "cpu_demo"

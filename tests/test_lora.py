@@ -454,6 +454,7 @@ def test_export_reads_the_runs_lora_keys_and_refuses_a_contradiction(lora_run, t
     np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
+@pytest.mark.extended  # adapter-only syncs: test_vllm_rollout and tpu_contract's LoRA check
 @pytest.mark.multidevice
 def test_disaggregated_lora_run_syncs_only_adapters(tmp_path):
   """8 forced CPU devices split trainer 4 / sampler 4: each sync moves the adapters only (bytes = adapter bytes,

@@ -8,6 +8,7 @@ import _ray_job as job
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # tests/launch/test_launch_ray.py is the default tier's two-worker Ray run
 @pytest.mark.solo
 @pytest.mark.timeout(1800)
 def test_ray_two_workers_disaggregated_match_one_process(tmp_path):

@@ -24,6 +24,7 @@ def _pids_of(out: str, worker: int) -> set[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # tests/launch/test_launch_ray.py is the default tier's two-worker Ray run
 @pytest.mark.solo
 @pytest.mark.timeout(1800)
 def test_ray_two_workers_train_match_one_process_and_resume_after_a_restart(tmp_path):

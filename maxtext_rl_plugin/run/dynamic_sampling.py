@@ -40,7 +40,6 @@ across processes, although every process would compute the same rewards and ther
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -50,6 +49,7 @@ from maxtext_rl_plugin.algorithms import advantages as advantages_lib
 from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.run import experience
+from maxtext_rl_plugin.run.state import PhaseTimer
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import signals
@@ -95,16 +95,6 @@ def refill_seed(rollout_seed: int, step: int, round_: int) -> int:
   """Sampling seed of refill round `round_` >= 1 of step `step`: a function of (rollout_seed, step, round), so a
   resumed run samples what an uninterrupted one would have."""
   return int(np.random.SeedSequence([int(rollout_seed), int(step), int(round_)]).generate_state(1)[0]) % (2**31 - 1)
-
-
-class _Phases:
-  """experience.sample's timer, adding into the producer's phase dict."""
-
-  def __init__(self, phases: dict[str, float]):
-    self.phases = phases
-
-  def add(self, phase: str, seconds: float) -> None:
-    self.phases[phase] = self.phases.get(phase, 0.0) + seconds
 
 
 @dataclasses.dataclass
@@ -216,7 +206,7 @@ class DynamicSampler:
     self.position += n
     return out
 
-  def _sample_round(self, step: int, round_: int, timer: _Phases) -> _Round:
+  def _sample_round(self, step: int, round_: int, timer: PhaseTimer) -> _Round:
     """Round `round_` of step `step`: the next batch_size prompts of the stream, sampled and scored."""
     cfg = self.run.config
     g = int(cfg.rl.num_generations)
@@ -234,22 +224,21 @@ class DynamicSampler:
     cfg = self.run.config
     g, b = int(cfg.rl.num_generations), int(cfg.batch_size)
     step = index + 1
-    timer = _Phases(phases)
+    timer = PhaseTimer(phases)
     rounds = [self._sample_round(step, 0, timer)]
     while sum(int(r.informative.sum()) for r in rounds) < b and len(rounds) <= int(cfg.rl.max_refill_rounds):
       if signals.stop_requested():  # between rounds: the batch is abandoned, the last complete step checkpointed
         raise signals.StopSampling(f"a stop was requested during step {step}'s refill round {len(rounds)}")
       rounds.append(self._sample_round(step, len(rounds), timer))
-    t = time.perf_counter()
-    picks, dropped, short = pick_groups([r.informative for r in rounds], b)
-    examples, inputs, sampled = assemble(rounds, picks, g, experience.put_rows(self.run.rl_cluster), cfg)
-    sampled.next_position = self.position
-    sampled.metrics.update(self._metrics(rounds, dropped, short))
-    for rnd in rounds:  # the round's own sampler-side metrics (truncated fraction of all sampled rows, ...)
-      for k, v in rnd.sampled.metrics.items():
-        if k != "completion/truncated_fraction":
-          sampled.metrics.setdefault(k, v)
-    timer.add("reward", time.perf_counter() - t)
+    with timer.phase("reward"):
+      picks, dropped, short = pick_groups([r.informative for r in rounds], b)
+      examples, inputs, sampled = assemble(rounds, picks, g, experience.put_rows(self.run.rl_cluster), cfg)
+      sampled.next_position = self.position
+      sampled.metrics.update(self._metrics(rounds, dropped, short))
+      for rnd in rounds:  # the round's own sampler-side metrics (truncated fraction of all sampled rows, ...)
+        for k, v in rnd.sampled.metrics.items():
+          if k != "completion/truncated_fraction":
+            sampled.metrics.setdefault(k, v)
     return examples, inputs, sampled
 
   def _metrics(self, rounds: list[_Round], dropped: list[tuple[int, int]], short: int) -> dict[str, float]:

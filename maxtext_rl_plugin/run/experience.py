@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 from typing import Any, Callable, Sequence
 
 from flax import nnx
@@ -320,57 +319,54 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
   train_rollout = cluster.cluster_config.rollout_config[rl_cluster_lib.Mode.TRAIN]
   pad_id, eos_id = int(cluster.rollout.pad_id()), int(cluster.rollout.eos_id())
 
-  t = time.perf_counter()
   episodes = None
-  if cfg.rl.use_agentic_rollout:  # multi-turn episodes with tools (agentic/episode.py)
-    out, episodes = episode_lib.generate(run, list(inputs["prompts"]), rl_cluster_lib.Mode.TRAIN)
-  else:
-    rollout_routing(run)  # drop routing another caller of this thread left (evaluation)
-    out = generate(run, list(inputs["prompts"]), g, _micro(cfg.rollout_micro_batch_size, g))
-  routing = None if episodes is not None else rollout_routing(run)
-  timer.add("rollout", time.perf_counter() - t)
+  with timer.phase("rollout"):
+    if cfg.rl.use_agentic_rollout:  # multi-turn episodes with tools (agentic/episode.py)
+      out, episodes = episode_lib.generate(run, list(inputs["prompts"]), rl_cluster_lib.Mode.TRAIN)
+    else:
+      rollout_routing(run)  # drop routing another caller of this thread left (evaluation)
+      out = generate(run, list(inputs["prompts"]), g, _micro(cfg.rollout_micro_batch_size, g))
+    routing = None if episodes is not None else rollout_routing(run)
 
   completion_ids = pad_rows(out.tokens, train_rollout.max_tokens_to_generate, pad_id, np.int32)
   put = put_rows(cluster)
   prompt_ids = put(np.asarray(out.left_padded_prompt_tokens, np.int32))
 
-  t = time.perf_counter()
-  run.rewards.reset()  # the recorder holds this batch's values only
-  rewards = sum_rewards(
-      run.reward_fns, list(inputs["prompts"]), list(out.text), **{k: v for k, v in inputs.items() if k != "prompts"}
-  )
-  reward_values = run.rewards.reset()
-  max_len = completion_ids.shape[1]
-  truncated = shaping.truncated_rows(completion_ids, pad_id, train_rollout.eos_tokens or [eos_id])
-  metrics = {"completion/truncated_fraction": float(truncated.mean())}
-  token_mask = None
-  if episodes is not None:
-    token_mask = pad_rows([e.loss_mask for e in episodes], max_len, 0, np.int32).astype(bool)
-    metrics.update(episode_lib.metrics(episodes))
-  if routing is not None:  # the rollout's expert load (moe.py)
-    mask = moe.routed_mask(np.asarray(out.left_padded_prompt_tokens) != pad_id, completion_ids != pad_id)
-    metrics.update(moe.step_metrics(routing, None, mask, int(cfg.num_experts)))
-  if int(cfg.rl.overlong_buffer_len) > 0:  # DAPO's soft overlong penalty, in tokens (algorithms/shaping.py)
-    penalty = shaping.overlong_penalty(
-        out.tokens, max_len, int(cfg.rl.overlong_buffer_len), float(cfg.rl.overlong_penalty_factor)
+  with timer.phase("reward"):
+    run.rewards.reset()  # the recorder holds this batch's values only
+    rewards = sum_rewards(
+        run.reward_fns, list(inputs["prompts"]), list(out.text), **{k: v for k, v in inputs.items() if k != "prompts"}
     )
-    rewards = (rewards + penalty).astype(np.float32)
-    reward_values["overlong_penalty"] = [float(x) for x in penalty]
-  estimator, norm, _ = advantages_lib.advantage_config(cfg.rl)
-  advantages = advantages_lib.group_advantages(rewards, g, norm, estimator)
-  timer.add("reward", time.perf_counter() - t)
+    reward_values = run.rewards.reset()
+    max_len = completion_ids.shape[1]
+    truncated = shaping.truncated_rows(completion_ids, pad_id, train_rollout.eos_tokens or [eos_id])
+    metrics = {"completion/truncated_fraction": float(truncated.mean())}
+    token_mask = None
+    if episodes is not None:
+      token_mask = pad_rows([e.loss_mask for e in episodes], max_len, 0, np.int32).astype(bool)
+      metrics.update(episode_lib.metrics(episodes))
+    if routing is not None:  # the rollout's expert load (moe.py)
+      mask = moe.routed_mask(np.asarray(out.left_padded_prompt_tokens) != pad_id, completion_ids != pad_id)
+      metrics.update(moe.step_metrics(routing, None, mask, int(cfg.num_experts)))
+    if int(cfg.rl.overlong_buffer_len) > 0:  # DAPO's soft overlong penalty, in tokens (algorithms/shaping.py)
+      penalty = shaping.overlong_penalty(
+          out.tokens, max_len, int(cfg.rl.overlong_buffer_len), float(cfg.rl.overlong_penalty_factor)
+      )
+      rewards = (rewards + penalty).astype(np.float32)
+      reward_values["overlong_penalty"] = [float(x) for x in penalty]
+    estimator, norm, _ = advantages_lib.advantage_config(cfg.rl)
+    advantages = advantages_lib.group_advantages(rewards, g, norm, estimator)
 
   behaviour = None
   if needs_behaviour_logps(cfg, plan):
-    t = time.perf_counter()
-    behaviour = behaviour_logps(out, completion_ids.shape[1])
-    if behaviour is None:  # an engine that returns no log-probs: recompute them on the sampler's weights
-      behaviour = cluster.get_old_per_token_logps(
-          prompt_tokens=prompt_ids,
-          completion_tokens=put(completion_ids),
-          micro_batch_size=_micro(cfg.train_micro_batch_size, g),
-      )
-    timer.add("logps", time.perf_counter() - t)
+    with timer.phase("logps"):
+      behaviour = behaviour_logps(out, completion_ids.shape[1])
+      if behaviour is None:  # an engine that returns no log-probs: recompute them on the sampler's weights
+        behaviour = cluster.get_old_per_token_logps(
+            prompt_tokens=prompt_ids,
+            completion_tokens=put(completion_ids),
+            micro_batch_size=_micro(cfg.train_micro_batch_size, g),
+        )
   elif cfg.rl.parity_check != "off":  # the parity gate's sampler side (parity.py), free when the engine returns them
     behaviour = behaviour_logps(out, completion_ids.shape[1])
   return Sampled(
@@ -420,58 +416,61 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any, parity_step:
   put = put_rows(cluster)
   completion = put(sampled.completion_ids)
   metrics: dict[str, float] = dict(sampled.metrics)
-  t = time.perf_counter()
-  ref = None
-  if float(cfg.rl.grpo_beta) != 0.0:
-    ref = cluster.get_ref_per_token_logps(
-        prompt_tokens=prompt_ids, completion_tokens=completion, pad_id=pad_id, eos_id=eos_id, micro_batch_size=logps_micro
-    )
-  rollout_is = cfg.rl.rollout_is != "off"
-  agreement = bool(cfg.rl.log_sampler_trainer_agreement)
-  use_sampler = plan.needs_old_logps and cfg.rl.use_rollout_logps
-  behaviour = sampled.behaviour
-  # rl.router_replay: the trainer's old-policy and policy forwards route every token as the sampler did (moe.py).
-  forced = put(sampled.routing) if cfg.rl.router_replay and sampled.routing is not None else None
-  if parity_step is not None and behaviour is None:  # an engine that returned no log-probs: its weights' forward
-    behaviour = cluster.get_old_per_token_logps(
-        prompt_tokens=prompt_ids, completion_tokens=completion, micro_batch_size=logps_micro
-    )
-  trainer_lp = None
-  if (plan.needs_old_logps and not use_sampler) or rollout_is or agreement or parity_step is not None:
-    trainer_lp = run.trainer_logps(prompt_ids, completion, pad_id, eos_id, temperature, logps_micro, forced=forced)
-    trainer_route = getattr(run.trainer_logps, "last_routing", None)
-    if trainer_route is not None and sampled.routing is not None:  # expert load; the mismatch unless replayed
-      mask = moe.routed_mask(distributed.to_host(prompt_ids) != pad_id, sampled.completion_ids != pad_id)
-      metrics.update(
-          moe.step_metrics(None if forced is not None else sampled.routing, trainer_route, mask, int(cfg.num_experts))
+  with timer.phase("logps"):  # the trainer's forwards of this batch
+    ref = None
+    if float(cfg.rl.grpo_beta) != 0.0:
+      ref = cluster.get_ref_per_token_logps(
+          prompt_tokens=prompt_ids,
+          completion_tokens=completion,
+          pad_id=pad_id,
+          eos_id=eos_id,
+          micro_batch_size=logps_micro,
       )
-  if parity_step is not None:
-    figs = parity.figures(
-        distributed.to_host(behaviour),
-        distributed.to_host(trainer_lp),
-        completion_mask,
-        routing_mismatch=metrics.get("moe/routing_mismatch_fraction"),
-    )
-    metrics.update(figs)
-    engine = getattr(run, "engine_name", "embedded")
-    parity.check(parity_step, figs, parity.tolerance(cfg, engine), parity.pairing(cfg, engine))
-  old = None
-  if plan.needs_old_logps:
-    old = behaviour if use_sampler else trainer_lp
-  is_weights = None
-  if rollout_is:
-    w, is_metrics = divergence.rollout_is_weights(
-        distributed.to_host(trainer_lp),
-        distributed.to_host(behaviour),
-        completion_mask,
-        cfg.rl.rollout_is,
-        float(cfg.rl.rollout_is_cap),
-    )
-    is_weights = put(np.asarray(w, np.float32))
-    metrics.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
-  if agreement:
-    metrics.update(agreement_metrics(distributed.to_host(behaviour), distributed.to_host(trainer_lp), completion_mask))
-  timer.add("logps", time.perf_counter() - t)
+    rollout_is = cfg.rl.rollout_is != "off"
+    agreement = bool(cfg.rl.log_sampler_trainer_agreement)
+    use_sampler = plan.needs_old_logps and cfg.rl.use_rollout_logps
+    behaviour = sampled.behaviour
+    # rl.router_replay: the trainer's old-policy and policy forwards route every token as the sampler did (moe.py).
+    forced = put(sampled.routing) if cfg.rl.router_replay and sampled.routing is not None else None
+    if parity_step is not None and behaviour is None:  # an engine that returned no log-probs: its weights' forward
+      behaviour = cluster.get_old_per_token_logps(
+          prompt_tokens=prompt_ids, completion_tokens=completion, micro_batch_size=logps_micro
+      )
+    trainer_lp = None
+    if (plan.needs_old_logps and not use_sampler) or rollout_is or agreement or parity_step is not None:
+      trainer_lp = run.trainer_logps(prompt_ids, completion, pad_id, eos_id, temperature, logps_micro, forced=forced)
+      trainer_route = getattr(run.trainer_logps, "last_routing", None)
+      if trainer_route is not None and sampled.routing is not None:  # expert load; the mismatch unless replayed
+        mask = moe.routed_mask(distributed.to_host(prompt_ids) != pad_id, sampled.completion_ids != pad_id)
+        metrics.update(
+            moe.step_metrics(None if forced is not None else sampled.routing, trainer_route, mask, int(cfg.num_experts))
+        )
+    if parity_step is not None:
+      figs = parity.figures(
+          distributed.to_host(behaviour),
+          distributed.to_host(trainer_lp),
+          completion_mask,
+          routing_mismatch=metrics.get("moe/routing_mismatch_fraction"),
+      )
+      metrics.update(figs)
+      engine = getattr(run, "engine_name", "embedded")
+      parity.check(parity_step, figs, parity.tolerance(cfg, engine), parity.pairing(cfg, engine))
+    old = None
+    if plan.needs_old_logps:
+      old = behaviour if use_sampler else trainer_lp
+    is_weights = None
+    if rollout_is:
+      w, is_metrics = divergence.rollout_is_weights(
+          distributed.to_host(trainer_lp),
+          distributed.to_host(behaviour),
+          completion_mask,
+          cfg.rl.rollout_is,
+          float(cfg.rl.rollout_is_cap),
+      )
+      is_weights = put(np.asarray(w, np.float32))
+      metrics.update({f"rollout_is/{k}": v for k, v in is_metrics.items()})
+    if agreement:
+      metrics.update(agreement_metrics(distributed.to_host(behaviour), distributed.to_host(trainer_lp), completion_mask))
 
   example_cls = grpo_learner.TrainExample if forced is None else moe.RoutedTrainExample
   extra = {} if forced is None else {"routed_experts": forced}

@@ -28,8 +28,9 @@ class PhaseTimer:
   """Accumulates wall seconds per named phase within a step; `with timer.phase("train"): ...` times a block (verl's
   `marked_timer`), so a step reads as its named phases."""
 
-  def __init__(self):
-    self.seconds: dict[str, float] = {}
+  def __init__(self, seconds: dict[str, float] | None = None):
+    """`seconds`: a dict to add into (the async producer's per-step phases), else a new one."""
+    self.seconds: dict[str, float] = {} if seconds is None else seconds
 
   def add(self, phase: str, seconds: float) -> None:
     self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds

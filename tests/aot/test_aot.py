@@ -232,6 +232,7 @@ def test_what_cannot_fit_is_one_line_and_exit_2(tmp_path):
   assert not rep["fits"]
 
 
+@pytest.mark.extended  # a second family; test_tiny_config_compiles_for_v5p_8 and the MoE programs check are the default tier's
 @needs_libtpu
 def test_moe_sparse_matmul_for_v5p_8_compiles_every_program_the_run_executes(tmp_path):
   # MaxText's sparse MoE path (sparse_matmul: ragged grouped matmuls in a shard_map), its TPU default: the engine's
@@ -261,6 +262,7 @@ def test_vllm_rollout_without_tpu_inference_is_a_not_compiled_line(tmp_path, mon
   assert "actor_update: skipped (MAXTEXT_RL_AOT_PHASES=rollout)" in rep["not_compiled"]
 
 
+@pytest.mark.extended  # a measurement beside Tunix's step; its loss is checked by the next test
 @needs_libtpu
 def test_tunix_anchor_compiles_tunixs_grpo_step_beside_the_plugins(tmp_path):
   res = _compile(

@@ -11,6 +11,7 @@ from maxtext_rl_plugin.bench import gpu_report
 from maxtext_rl_plugin.bench import gpu_rollout
 
 
+@pytest.mark.extended  # the GPU harness's dry run: run it before a device session
 @pytest.mark.slow  # every part in its own process: minutes on 2 cores
 def test_dry_run_measures_every_part_and_writes_json_and_markdown(tmp_path, capsys):
   """All four parts at tiny shapes, each in its own process; the files the device call brings back exist."""

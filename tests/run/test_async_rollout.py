@@ -186,6 +186,7 @@ _ASYNC = [
 ]
 
 
+@pytest.mark.extended  # async resume is also the LoRA resume test's (test_dynamic_sampling_e2e)
 @pytest.mark.slow
 def test_off_policy_steps_trains_stale_batches_deterministically_and_resumes(tmp_path):
   run, recs = _train(tmp_path, "async", "rl.off_policy_steps=1", *_ASYNC)

@@ -8,6 +8,8 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
 import _in_process as in_process
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -112,6 +114,7 @@ def _check_stream(run: pathlib.Path) -> list[float]:
   return [r["data/next_position"] for r in recs]
 
 
+@pytest.mark.extended  # the resume position is also the LoRA resume test's below
 def test_kill_and_resume_consumes_every_prompt_once_and_matches_the_uninterrupted_run(tmp_path):
   """Synchronous rollouts, micro-batches of one prompt, truncated completions masked, overlong penalty: a run killed
   after step 1 and resumed trains exactly the batches of the uninterrupted run."""

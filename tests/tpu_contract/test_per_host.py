@@ -12,54 +12,22 @@ shards of its other devices, on both processes. Tolerance as test_forward.py.
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import pathlib
-import socket
-import subprocess
-import sys
 
 from test_forward import REL_TOL
 
-HERE = pathlib.Path(__file__).resolve().parent
-
-
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+import _two_processes as two_processes  # tests/_two_processes.py: pytest puts tests/ (its conftest's folder) on the path
 
 
 def test_one_engine_per_host_computes_the_global_trainers_function(tmp_path):
-  addr = f"127.0.0.1:{_free_port()}"
-  env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
-  env.update(JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  env.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
-  with contextlib.ExitStack() as stack:
-    procs = [
-        stack.enter_context(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(HERE / "_per_host_engine.py"),
-                    str(i),
-                    addr,
-                    str(tmp_path / f"p{i}.json"),
-                    str(tmp_path),
-                ],
-                cwd=HERE.parents[1],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-            )
-        )
-        for i in (0, 1)
-    ]
-    logs = [p.communicate(timeout=900)[0] for p in procs]
-  assert [p.returncode for p in procs] == [0, 0], "\n".join(l[-4000:] for l in logs)
-  outs = [json.loads((tmp_path / f"p{i}.json").read_text()) for i in (0, 1)]
+  outs = two_processes.run(
+      tmp_path,
+      "tpu_contract/_per_host_engine.py",
+      str(tmp_path),
+      devices_per_process=4,
+      timeout=900,
+      env={"TPU_ACCELERATOR_TYPE": os.environ.get("TPU_ACCELERATOR_TYPE", "v5litepod-4")},
+  )
   for p, o in enumerate(outs):
     print(f"host {p}: first sync gap {o['first_sync']['gap']:.2e}, after a step {o['after_step']['gap']:.2e}")
     assert o["process"] == p and o["per_host"] and o["trainer_global"] and o["engine_local"]
