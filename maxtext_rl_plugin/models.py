@@ -9,6 +9,8 @@ given), wrapped in `TunixMaxTextAdapter` so Tunix's RLCluster can drive them.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import pathlib
 from typing import Any
 import warnings
 
@@ -99,17 +101,36 @@ def load_tokenizer(config):
   """The HF tokenizer at `tokenizer_path` (local dir or hub id); pad falls back to EOS."""
   path = config.tokenizer_path
   try:
-    tok = AutoTokenizer.from_pretrained(path, token=config.hf_access_token or None)
+    tok = _tokenizer(path, config.hf_access_token or None, _version(path))
   except (OSError, ValueError) as e:
     raise ConfigError(
         f"invalid value for 'tokenizer_path'='{path}': cannot load a Hugging Face tokenizer ({type(e).__name__})"
     ) from None
-  if tok.pad_token_id is None:
-    tok.pad_token = tok.eos_token
   if config.use_chat_template and not getattr(tok, "chat_template", None):
     raise ConfigError(
         f"tokenizer at '{path}' has no chat template; set use_chat_template=false to use data_template_path instead"
     )
+  return tok
+
+
+def _version(path: str) -> tuple:
+  """What makes a local tokenizer directory another tokenizer: its files' names, sizes and modification times (a hub
+  id has none: the hub's own cache decides)."""
+  root = pathlib.Path(path)
+  if not root.is_dir():
+    return ()
+  return tuple(sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in root.iterdir() if f.is_file()))
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(path: str, token: str | None, version: tuple):
+  """One load per tokenizer and process: Qwen3's 151k-token tokenizer takes ~0.6 s to build, which every run in a
+  process that runs several (the tests, a notebook) paid again. `version` keys the cache on the files' state. The
+  object is shared: nothing in the plugin changes a tokenizer after this, and the pad fallback is set here, once."""
+  del version  # the cache key only
+  tok = AutoTokenizer.from_pretrained(path, token=token)
+  if tok.pad_token_id is None:
+    tok.pad_token = tok.eos_token
   return tok
 
 

@@ -69,6 +69,22 @@ if [ $# -eq 0 ] && [ "${MAXTEXT_RL_SKIP_TPU_CONTRACT:-0}" != "1" ]; then
   tpu_pid=$!
 fi
 cd "$ROOT"
+# Style (MaxText's pyink and pylint settings, ~190 CPU-s) on a full run, in the background from here at the lowest
+# priority: it takes the cycles the passes leave idle (the xpk install, the end of pass 1 when one worker has finished,
+# passes 2 and 4, whose multi-process tests wait more than they compute). Started after pass 1 it was the run's tail
+# once the Ray topologies left pass 4 (163 s waited for it, docs/DEVELOPMENT.md "Two tiers"). A finding fails the run;
+# its output is shown at the end.
+lint_pid=""
+if [ $# -eq 0 ]; then
+  (
+    t=$SECONDS
+    rc=0
+    cpu lint env MAXTEXT_RL_LINT_JOBS=1 nice -n 19 bash "$ROOT/scripts/lint.sh" || rc=$?
+    took "lint (background)" "$t"
+    exit $rc
+  ) >"$lint_log" 2>&1 &
+  lint_pid=$!
+fi
 # xpk (launcher tests) lives outside the resolver on purpose: see the `xpk` extra in setup.cfg.
 t=$SECONDS
 if ! "$VENV/bin/python" -c 'import xpk.parser.core' >/dev/null 2>&1; then
@@ -101,21 +117,6 @@ t=$SECONDS
 cpu "pass 1" "$VENV/bin/python" -m pytest -q -rs --durations=25 "${XDIST[@]}" -m "not multidevice and not network and not solo$TIER" "$@" \
   || status=$?
 took "pass 1 (one CPU device)" "$t"
-# Style (MaxText's pyink and pylint settings, ~155 CPU-s) on a full run, after pass 1 and at the lowest priority: passes
-# 2 and 4 leave ~250 CPU-s idle (pass 4's multi-process tests wait more than they compute), which it takes; beside pass
-# 1, which is CPU-bound, its CPU-seconds were pass 1's wall (docs/DEVELOPMENT.md, "This round"). A finding fails the
-# run; its output is shown at the end.
-lint_pid=""
-if [ $# -eq 0 ]; then
-  (
-    t=$SECONDS
-    rc=0
-    cpu lint env MAXTEXT_RL_LINT_JOBS=1 nice -n 19 bash "$ROOT/scripts/lint.sh" || rc=$?
-    took "lint (background)" "$t"
-    exit $rc
-  ) >"$lint_log" 2>&1 &
-  lint_pid=$!
-fi
 # pytest exits 5 when nothing is collected. On a full run that means the `multidevice` marker was lost and every
 # multidevice test silently vanished: a failure. Only a filtered run (extra arguments) may legitimately select none.
 t=$SECONDS

@@ -141,7 +141,7 @@ def _compare(argv, lora: bool):
     "micro,extra",
     [
         (4, []),  # one micro-batch per update: no accumulator at all
-        (2, []),
+        pytest.param(2, [], marks=pytest.mark.extended),  # 2 micro-batches: the scan of the 4 below, shorter
         (1, ["rl.loss_agg_mode=token-mean"]),  # 4 ragged micro-batches, each normalised by its own tokens
     ],
 )

@@ -6,6 +6,7 @@ Each concern is a room of its own; import the room that owns the piece (no names
     shaping.py        completion lengths, truncation, DAPO's overlong penalty
     divergence.py     KL estimators and rollout importance weights (shared by the loss and the experience)
     tunix_wiring.py   the Tunix algo config, registry entries and the learner's loss entry point
+    packing.py        max_seq_token_per_tpu: the forwards on packed rows, log-probs gathered to the batch layout
     common.py         the choice check and the numerical guard they share
 
 Notation: B completions, T completion positions, m_{i,t} in {0,1} the completion mask, n_i = sum_t m_{i,t},

@@ -23,6 +23,7 @@ from maxtext_rl_plugin.algorithms import advantages
 from maxtext_rl_plugin.algorithms import loss as loss_lib
 from maxtext_rl_plugin.algorithms.common import check_choice
 from maxtext_rl_plugin.algorithms.divergence import KL_ESTIMATORS
+from maxtext_rl_plugin.algorithms import packing
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -87,7 +88,21 @@ def tunix_policy_loss_fn(
   forced = getattr(train_example, "routed_experts", None)
   lb_weight = float(getattr(maxtext_config, "load_balance_loss_weight", 0.0) or 0.0)
   lb_loss = None
-  if forced is not None or (lb_weight > 0 and moe.is_moe(maxtext_config)):
+  entropy = None
+  if getattr(train_example, "packed_tokens", None) is not None:  # max_seq_token_per_tpu (packing.py)
+    per_token_logps, entropy = packing.packed_token_logps(
+        model,
+        train_example.packed_tokens,
+        train_example.packed_positions,
+        train_example.packed_segments,
+        train_example.src_row,
+        train_example.src_col,
+        train_example.src_valid,
+        temperature=getattr(algo_config, "temperature", 1.0),
+        with_entropy=compute_entropy,
+    )
+    logits = None
+  elif forced is not None or (lb_weight > 0 and moe.is_moe(maxtext_config)):
     per_token_logps, logits, _, lb_loss = moe.forward_logps(
         graphdef,
         state,
@@ -132,8 +147,9 @@ def tunix_policy_loss_fn(
     loss = loss + lb_loss
     aux["moe_lb_loss"] = lb_loss
   if compute_entropy:
-    log_probs = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
-    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+    if entropy is None:
+      log_probs = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
+      entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
     aux["entropy"] = loss_lib.token_mean(entropy, train_example.completion_mask.astype(jnp.float32))
   return loss, aux
 

@@ -10,7 +10,7 @@ the target's devices) and how often a step runs it. Nothing here reads a checkpo
   builds (`model_creation_utils.get_nnx_create_model_fn` on `get_mesh_from_config`'s mesh), LoRA applied by
   MaxText's `apply_lora_to_model` as `lora.apply` does; at the mini-batch.
 * `reference_logps` / `old_logps`: Tunix's `compute_per_token_logps` (stop-gradient) on the trainer mesh, as
-  `experience.TrainerLogps` and the reference forward run it, at the micro-batch. On an MoE model the old-policy
+  `logps.TrainerLogps` and the reference forward run it, at the micro-batch. On an MoE model the old-policy
   forward is TrainerLogps' own: `moe.forward_logps` over a recording graphdef (routing out, replayed routing in).
 * `rollout`: the embedded engine's whole prefill + decode program (`rollout/decode.MaxTextSampler.program`) for
   the compile key a rollout call of the configured batch uses, with its KV cache, on the sampler mesh; on an MoE
@@ -128,7 +128,7 @@ def replays_routing(config) -> bool:
 
 
 def _moe_logps(graphdef, temperature: float):
-  """The old-policy forward `experience.TrainerLogps` jits on MoE models: `moe.forward_logps` over a recording
+  """The old-policy forward `logps.TrainerLogps` jits on MoE models: `moe.forward_logps` over a recording
   graphdef (the trainer's routing is an output; `forced` replays the sampler's under rl.router_replay)."""
 
   def forward(model_state, prompt_ids, completion_ids, forced):
@@ -242,7 +242,7 @@ def actor_update(config, mesh, lora: bool, pad_id: int = PAD_ID, eos_id: int = E
 
 def logps_program(name: str, config, mesh, graphdef, state, calls: int) -> Program:
   """Stop-gradient per-token log-probs of the actor (old policy) or the reference, on the trainer mesh: Tunix's
-  `compute_per_token_logps`, or for the old policy of an MoE model `experience.TrainerLogps`' recording forward."""
+  `compute_per_token_logps`, or for the old policy of an MoE model `logps.TrainerLogps`' recording forward."""
   plan = updates.UpdatePlan.from_config(config)
   rows = plan.micro_batch_size * plan.num_generations
   ex = _example(config, mesh, rows, 0.0, False)

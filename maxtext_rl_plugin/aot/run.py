@@ -106,6 +106,11 @@ def num_slices(config) -> int:
 
 def build_programs(config, parsed: config_lib.Parsed, devices: list) -> tuple[list, dict]:
   """(programs in compile order with their residency, facts for the JSON) for the run (`parsed`) on `devices`."""
+  if int(config.max_seq_token_per_tpu or 0) > 0:
+    raise ConfigError(
+        f"max_seq_token_per_tpu={config.max_seq_token_per_tpu}: the compile lays out padded rows; the packed update "
+        "(algorithms/packing.py) is not compiled ahead of time yet: compile with max_seq_token_per_tpu=0"
+    )
   rs = models.setup_devices(parsed, devices=devices)
   cfg = rs.trainer_config
   build.check_runtime(cfg, rs)  # the run's own device-split checks, unchanged

@@ -380,7 +380,10 @@ _KEY_STATUS: dict[str, str] = {
     "hf_train_files": "refused: MaxText's HF file list; give local files as train_data_path (JSONL/Parquet)",
     "hf_eval_files": "refused: MaxText's HF file list; give local files as eval_data_path (JSONL/Parquet)",
     "test_batch_start_index": "refused: the plugin's eval split starts at its first row",
-    "max_seq_token_per_tpu": "refused: sequence packing is not implemented; each sequence is one padded row",
+    "max_seq_token_per_tpu": (
+        "honoured (trainer: algorithms/packing.py, the reference, old-policy and update forwards on packed rows; "
+        "the loss on the batch layout)"
+    ),
     "dataset_processor_path": (
         "refused: custom dataset processors are not supported; use train_data_path with GSM8K-style rows"
     ),

@@ -26,6 +26,7 @@ they import JAX (~5 s), and `--help` or a launcher's dry run should not pay for 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Sequence
 import warnings
 
@@ -55,8 +56,14 @@ def _format_validation_error(e) -> str:
   if len(msg) > 160:
     msg = msg[:150].rsplit(",", 1)[0] + ", ..."
   value = err.get("input")
-  shown = f"={value!r}" if isinstance(value, (str, int, float, bool)) or value is None else ""
   more = f" (+{len(errs) - 1} more)" if len(errs) > 1 else ""
+  # A model-level validator of MaxText's names its key first ("Value error, max_seq_token_per_tpu (100) must be ..."):
+  # name it as a field error is named.
+  key = msg.removeprefix("Value error, ").split(" ", 1)[0]
+  if err["loc_str"] == "config" and msg.startswith("Value error, ") and isinstance(value, dict) and key in value:
+    why = re.sub(r"^\(\S+\)\s*", "", msg.removeprefix(f"Value error, {key}").lstrip())
+    return f"invalid value for '{key}'={value[key]!r}: {why}{more}"
+  shown = f"={value!r}" if isinstance(value, (str, int, float, bool)) or value is None else ""
   return f"invalid value for '{err['loc_str']}'{shown}: {msg}{more}"
 
 

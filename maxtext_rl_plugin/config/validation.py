@@ -388,6 +388,35 @@ def _check_agentic(pc) -> None:
     raise _bad("rl.agentic_tools", rl.agentic_tools, "must name at least one tool (e.g. ['calculator'])")
 
 
+def _check_packing(pc) -> None:
+  """max_seq_token_per_tpu (algorithms/packing.py): MaxText's own check makes a row hold max_target_length tokens; the
+  packed forward does not yet carry an MoE model's routing or a multi-turn episode's layout. (The first pass may not
+  know num_experts, which a model file sets: the typed pass then decides.)"""
+  rows = int(pc.max_seq_token_per_tpu or 0)
+  if rows <= 0:
+    return
+  if rows < int(pc.max_target_length):
+    raise _bad(
+        "max_seq_token_per_tpu",
+        rows,
+        f"must be >= max_target_length={pc.max_target_length} (a packed row holds a whole sequence: the prompt "
+        "budget and the completion budget; MaxText's own check)",
+    )
+  if pc.rl.use_agentic_rollout:
+    raise _bad(
+        "max_seq_token_per_tpu",
+        rows,
+        "packing is not available with rl.use_agentic_rollout yet (episodes are not packed); use 0",
+    )
+  if int(pc.num_experts or 1) > 1:
+    raise _bad(
+        "max_seq_token_per_tpu",
+        rows,
+        f"packing is not available for MoE models yet (num_experts={pc.num_experts}): the router replay and "
+        "load-balancing forwards read the batch layout; use 0 (one padded row per sequence)",
+    )
+
+
 _CROSS_CHECKS = (
     check_run_dir,
     _check_lengths,
@@ -396,6 +425,7 @@ _CROSS_CHECKS = (
     _check_synthetic,
     _check_lora_rank,
     _check_agentic,
+    _check_packing,
 )
 
 

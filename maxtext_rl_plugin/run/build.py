@@ -28,7 +28,7 @@ from maxtext_rl_plugin.run import accumulation
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import evaluation as evaluation_lib
-from maxtext_rl_plugin.run import experience
+from maxtext_rl_plugin.run import logps
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
@@ -304,7 +304,9 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   learner = grpo_learner.GrpoLearner(rl_cluster=rl_cluster, algo_config=algo_config, reward_fns=reward_fns)
   rl_cluster.actor_trainer.with_rl_metrics_to_log(tunix_wiring.rl_metrics_to_log(algo_config))
   tunix_compat.use_train_step(rl_cluster.actor_trainer, accumulation.train_step, plan.accumulation_steps)
-  trainer_logps = experience.TrainerLogps(rl_cluster, actor_mesh, config.logical_axis_rules)
+  trainer_logps = logps.TrainerLogps(
+      rl_cluster, actor_mesh, config.logical_axis_rules, row_tokens=int(config.max_seq_token_per_tpu or 0)
+  )
   if (
       config.rl.off_policy_steps > 0
       and not learner.should_sync_weights

@@ -49,6 +49,7 @@ from maxtext_rl_plugin.algorithms import advantages as advantages_lib
 from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.run import experience
+from maxtext_rl_plugin.run import logps
 from maxtext_rl_plugin.run.state import PhaseTimer
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin import rewards as rewards_lib
@@ -232,7 +233,7 @@ class DynamicSampler:
       rounds.append(self._sample_round(step, len(rounds), timer))
     with timer.phase("reward"):
       picks, dropped, short = pick_groups([r.informative for r in rounds], b)
-      examples, inputs, sampled = assemble(rounds, picks, g, experience.put_rows(self.run.rl_cluster), cfg)
+      examples, inputs, sampled = assemble(rounds, picks, g, logps.put_rows(self.run.rl_cluster), cfg)
       sampled.next_position = self.position
       sampled.metrics.update(self._metrics(rounds, dropped, short))
       for rnd in rounds:  # the round's own sampler-side metrics (truncated fraction of all sampled rows, ...)

@@ -27,15 +27,10 @@ the one Tunix's loss and reference use.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable, Sequence
 
-from flax import nnx
-from flax.linen import partitioning as nn_partitioning
 import jax
-import jax.numpy as jnp
 import numpy as np
-from tunix.rl import common as tunix_common
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
 from tunix.rl.rollout import base_rollout
@@ -45,6 +40,7 @@ from maxtext_rl_plugin.algorithms import divergence
 from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import moe
+from maxtext_rl_plugin.run import logps as logps_lib
 from maxtext_rl_plugin.run import parity
 from maxtext_rl_plugin.agentic import episode as episode_lib
 from maxtext_rl_plugin.run.updates import UpdatePlan
@@ -107,79 +103,6 @@ def sum_rewards(reward_fns: Sequence[Callable], prompts: list, completions: list
         "advantages and the loss are computed in; keep rewards within +-3.4e38 (a few units is what GRPO expects)"
     )
   return out
-
-
-class TrainerLogps:
-  """Log-probs of sampled completions under the actor's *current* weights, on the trainer mesh (no gradient).
-
-  On an MoE model the forward also records the experts the trainer routed each token to (`last_routing`, host
-  [rows, P+T, layers, k]), and `forced` replays the sampler's (rl.router_replay, moe.py).
-  """
-
-  def __init__(self, rl_cluster: Any, mesh: Any, logical_axis_rules: Any):
-    self._cluster = rl_cluster
-    self._mesh = mesh
-    self._rules = logical_axis_rules
-    self._moe_fn = None
-    self.last_routing: np.ndarray | None = None
-
-  def __call__(
-      self,
-      prompt_ids: jax.Array,
-      completion_ids: jax.Array,
-      pad_id: int,
-      eos_id: int,
-      temperature: float,
-      micro_batch_size: int | None = None,
-      forced: jax.Array | None = None,
-  ) -> jax.Array:
-    model = self._cluster.actor_trainer.model
-    config = getattr(getattr(model, "base", None), "config", None)
-    graphdef, state = nnx.split(model)
-    temperature = float(temperature) if temperature and temperature > 0 else 1.0
-    rows = prompt_ids.shape[0]
-    step = micro_batch_size or rows
-    outs, routes = [], []
-    with self._mesh, nn_partitioning.axis_rules(self._rules):
-      if config is not None and moe.is_moe(config):
-        if self._moe_fn is None:  # the actor's graph is fixed; weights and the forced routing are arguments
-          rec = moe.recording_graphdef(model)
-
-          def fn(state, prompt, completion, forced, temperature):
-            lp, _, route, _ = moe.forward_logps(
-                rec, state, prompt, completion, pad_id, eos_id, temperature=temperature, forced=forced
-            )
-            return lp, route
-
-          self._moe_fn = jax.jit(fn, static_argnums=(4,))
-        for s in range(0, rows, step):
-          lp, route = self._moe_fn(
-              state,
-              prompt_ids[s : s + step],
-              completion_ids[s : s + step],
-              None if forced is None else forced[s : s + step],
-              temperature,
-          )
-          outs.append(lp)
-          routes.append(distributed.to_host(route))
-        self.last_routing = np.concatenate(routes) if all(r is not None for r in routes) else None
-        return jnp.concatenate(outs, axis=0)
-      for s in range(0, rows, step):
-        outs.append(
-            tunix_common.compute_per_token_logps(
-                graphdef,
-                state,
-                prompt_tokens=prompt_ids[s : s + step],
-                completion_tokens=completion_ids[s : s + step],
-                pad_id=pad_id,
-                eos_id=eos_id,
-                stop_gradient=True,
-                return_logits=False,
-                temperature=temperature,
-            )
-        )
-    self.last_routing = None
-    return jnp.concatenate(outs, axis=0)
 
 
 def behaviour_logps(out: Any, length: int) -> np.ndarray | None:
@@ -245,16 +168,6 @@ def rollout_routing(run: Any) -> np.ndarray | None:
   if routing is not None and samples_per_host(run):
     routing = distributed.gather_rows(routing)
   return routing
-
-
-def put_rows(cluster: Any) -> Callable[[Any], jax.Array]:
-  """Host rows (the same on every process) -> global arrays on the trainer mesh, rows over Tunix's data axis
-  (distributed.py); Tunix passes arrays that are already global through unchanged."""
-  return functools.partial(
-      distributed.global_batch,
-      mesh=cluster.cluster_config.role_to_mesh[rl_cluster_lib.Role.ACTOR],
-      axes=cluster.cluster_config.training_config.data_sharding_axis,
-  )
 
 
 def _gather_output(out: base_rollout.RolloutOutput, pad_id: int) -> base_rollout.RolloutOutput:
@@ -329,7 +242,7 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
     routing = None if episodes is not None else rollout_routing(run)
 
   completion_ids = pad_rows(out.tokens, train_rollout.max_tokens_to_generate, pad_id, np.int32)
-  put = put_rows(cluster)
+  put = logps_lib.put_rows(cluster)
   prompt_ids = put(np.asarray(out.left_padded_prompt_tokens, np.int32))
 
   with timer.phase("reward"):
@@ -413,12 +326,14 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any, parity_step:
     completion_mask = completion_mask & np.asarray(sampled.token_mask, bool)
   if sampled.loss_rows is not None:  # masked rows contribute no loss (they leave the aggregation's counts too)
     completion_mask = completion_mask & np.asarray(sampled.loss_rows, bool)[:, None]
-  put = put_rows(cluster)
+  put = logps_lib.put_rows(cluster)
   completion = put(sampled.completion_ids)
   metrics: dict[str, float] = dict(sampled.metrics)
   with timer.phase("logps"):  # the trainer's forwards of this batch
     ref = None
-    if float(cfg.rl.grpo_beta) != 0.0:
+    if float(cfg.rl.grpo_beta) != 0.0 and run.trainer_logps.row_tokens > 0:  # max_seq_token_per_tpu
+      ref = run.trainer_logps.reference(prompt_ids, completion, pad_id, temperature, logps_micro)
+    elif float(cfg.rl.grpo_beta) != 0.0:
       ref = cluster.get_ref_per_token_logps(
           prompt_tokens=prompt_ids,
           completion_tokens=completion,

@@ -23,8 +23,10 @@ from absl import logging
 import numpy as np
 from tunix.rl import rl_cluster as rl_cluster_lib
 
+from maxtext_rl_plugin.algorithms import packing
 from maxtext_rl_plugin.run import dynamic_sampling
 from maxtext_rl_plugin.run import experience
+from maxtext_rl_plugin.run import logps
 from maxtext_rl_plugin.run import parity
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import rewards as rewards_lib
@@ -238,7 +240,13 @@ def train_step(rl_run: RLRun, producer, step: int, snapshot: bool, audit: bool) 
   gate = step if parity.due(rl_run.config, step, producer.start) and item.version == step - 1 else None
   exp = experience.score(rl_run, sampled, rl_run.plan, rl_run.timer, parity_step=gate)
   with rl_run.timer.phase("train"):
-    rl_run.rl_cluster.update_actor(updates.update_batches(exp.example, rl_run.plan), None, skip_jit=False)
+    batches = updates.update_batches(exp.example, rl_run.plan)
+    if rl_run.trainer_logps.row_tokens > 0:  # max_seq_token_per_tpu: each update's forward on packed rows
+      put = logps.put_rows(rl_run.rl_cluster)
+      steps = rl_run.plan.accumulation_steps
+      batches = [packing.pack_example(b, sampled.pad_id, rl_run.trainer_logps.row_tokens, steps, put) for b in batches]
+      exp.metrics.update(packing.metrics(batches))
+    rl_run.rl_cluster.update_actor(batches, None, skip_jit=False)
     # Tunix defers writing an update's metrics by one update (to overlap I/O); flush so this step's are this step's.
     tunix_compat.flush_train_metrics(rl_run.rl_cluster.actor_trainer)
     check_update(step, rl_run.tee.latest())

@@ -156,7 +156,7 @@ def test_aot_update_is_the_runs_update_bit_for_bit(tiny_run):
 
 def test_moe_programs_are_the_runs_routing_recording_and_replaying_ones(tmp_path):
   # rl.router_replay on a tiny Mixtral (MaxText can force its routing): the engine records each token's experts, the
-  # old-policy forward is experience.TrainerLogps' recording MoE forward with the sampler's routing replayed, and the
+  # old-policy forward is logps.TrainerLogps' recording MoE forward with the sampler's routing replayed, and the
   # update's micro-batch is the run's RoutedTrainExample. Lowered (not compiled) for this host's CPU devices.
   argv = [MOE, f"base_output_directory={tmp_path}", "run_name=m", "rl.router_replay=true", "rl.num_iterations=2"]
   cfg = config_lib.load_config(argv)
@@ -232,7 +232,7 @@ def test_what_cannot_fit_is_one_line_and_exit_2(tmp_path):
   assert not rep["fits"]
 
 
-@pytest.mark.extended  # a second family; test_tiny_config_compiles_for_v5p_8 and the MoE programs check are the default tier's
+@pytest.mark.extended  # a second family: the tiny config on v5p-8 and the MoE programs check are the default tier's
 @needs_libtpu
 def test_moe_sparse_matmul_for_v5p_8_compiles_every_program_the_run_executes(tmp_path):
   # MaxText's sparse MoE path (sparse_matmul: ragged grouped matmuls in a shard_map), its TPU default: the engine's

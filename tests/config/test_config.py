@@ -255,7 +255,6 @@ def test_honoured_keys(key):
     [
         ("rl.max_concurrency=8", "rl.max_concurrency", "agentic rollout"),
         ("rl.system_prompt=hi", "rl.system_prompt", "agentic rollout"),
-        ("max_seq_token_per_tpu=128", "max_seq_token_per_tpu", "sequence packing is not implemented"),
         ("reward_num_workers=4", "reward_num_workers", "reward worker pool"),
         ("reward_worker_timeout_seconds=10", "reward_worker_timeout_seconds", "reward worker pool"),
         ("tensorboard_dir=/tmp/elsewhere", "tensorboard_dir", "derived by MaxText"),

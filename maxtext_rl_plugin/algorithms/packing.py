@@ -1,0 +1,255 @@
+r"""`max_seq_token_per_tpu`: the trainer's forwards on packed rows, the loss on the batch layout.
+
+Without packing every sequence is one row of P + T tokens (prompt left-padded to P, completion right-padded to T), so
+the reference, old-policy and update forwards pay for every pad. With `max_seq_token_per_tpu` = L > 0 each forward
+packs the batch's sequences into rows of L tokens, as MaxText packs pre-training rows (`packing: true`): a sequence
+keeps its own `decoder_segment_ids` (1, 2, ... within a row; 0 for the row's padding), its positions restart at 0,
+and MaxText's attention masks across segments. The per-token log-probs of the completion tokens are then gathered
+back to the batch layout [B, T], so advantages, KL, clipping, importance weights and every `loss_agg_mode` see the
+values the padded forward gives, to float round-off (the same products summed over other shapes).
+
+A sequence is its non-pad tokens in order: the prompt's (left padding dropped) and the completion's up to its first
+pad, which both engines end a completion at (rollout/stops.pad_stops). That is exactly what the padded forward
+computes with (Tunix's `process_ids`: positions are the cumulative count of non-pad tokens, attention skips pads).
+
+How rows are filled: first-fit decreasing (longest sequence first, ties by row index; each into the first row with
+room, else a new row), deterministic for a given batch. FFD uses at most 11/9 OPT + 6/9 rows (Dosa 2007). Tunix
+0.1.7's `utils.pack_sequences` instead streams next-fit, skips a longer sequence with a warning, and aggregates the loss
+over packed rows (so `sequence-mean-token-mean` averages per pack); neither is what a user of the key expects.
+
+Shapes: the number of packed rows is rounded up to a multiple of `rows_multiple` (the data-parallel ways and the
+micro-batches of an update), and each distinct count compiles once; a batch of N sequences never needs more than N
+rows when L >= P + T, which config validation requires (a longer sequence could not fit a row).
+
+Micro-batches: an update's example holds its micro-batches interleaved for MaxText's strided split
+(`accumulation.split_micro_batches`: micro-batch i = rows i, i + k, ...); `pack_example` packs each micro-batch's
+sequences into rows laid out the same way, and its gather indices point into that micro-batch's own packed rows, so
+the split hands every micro-batch its sequences and their rows together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import flax
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tunix.rl import common as tunix_common
+from tunix.rl.grpo import grpo_learner
+
+from maxtext_rl_plugin import distributed
+
+
+def sequence_lengths(prompt_ids: np.ndarray, completion_ids: np.ndarray, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+  """(non-pad prompt tokens, completion tokens before the first pad) of each row."""
+  prompt_len = (np.asarray(prompt_ids) != pad_id).sum(axis=1)
+  is_pad = np.asarray(completion_ids) == pad_id
+  width = is_pad.shape[1]
+  completion_len = np.where(is_pad.any(axis=1), is_pad.argmax(axis=1), width)
+  return prompt_len.astype(np.int64), completion_len.astype(np.int64)
+
+
+def first_fit_decreasing(lengths: np.ndarray, row_tokens: int) -> tuple[np.ndarray, np.ndarray, int]:
+  """(row, offset) of each sequence and the number of rows: FFD into rows of `row_tokens` tokens."""
+  lengths = np.asarray(lengths, np.int64)
+  if lengths.size and int(lengths.max()) > row_tokens:
+    i = int(lengths.argmax())
+    raise ValueError(
+        f"sequence {i} has {int(lengths[i])} tokens, more than max_seq_token_per_tpu={row_tokens} (one packed row)"
+    )
+  row = np.zeros(lengths.size, np.int64)
+  offset = np.zeros(lengths.size, np.int64)
+  used: list[int] = []
+  for i in np.argsort(-lengths, kind="stable"):
+    n = int(lengths[i])
+    for r, u in enumerate(used):
+      if u + n <= row_tokens:
+        row[i], offset[i] = r, u
+        used[r] += n
+        break
+    else:
+      row[i], offset[i] = len(used), 0
+      used.append(n)
+  return row, offset, len(used)
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+  """A batch's packed forward input and where each completion token's log-prob lands (host arrays).
+
+  tokens, positions, segments: [R, L]. src_row, src_col: [B, T] indices into the packed next-token log-probs
+  [R, L - 1] (column j scores token j + 1 from the logits at j); valid: [B, T], the completion tokens that have one.
+  row, offset: [B], where each sequence starts.
+  """
+
+  tokens: np.ndarray
+  positions: np.ndarray
+  segments: np.ndarray
+  src_row: np.ndarray
+  src_col: np.ndarray
+  valid: np.ndarray
+  row: np.ndarray
+  offset: np.ndarray
+
+
+def pack(
+    prompt_ids: np.ndarray,
+    completion_ids: np.ndarray,
+    pad_id: int,
+    row_tokens: int,
+    rows_multiple: int = 1,
+) -> Packed:
+  """Pack the rows of a left-padded prompt / right-padded completion batch into rows of `row_tokens` tokens."""
+  prompt_ids, completion_ids = np.asarray(prompt_ids), np.asarray(completion_ids)
+  b, t = completion_ids.shape
+  p_len, c_len = sequence_lengths(prompt_ids, completion_ids, pad_id)
+  row, offset, n_rows = first_fit_decreasing(p_len + c_len, row_tokens)
+  n_rows = max(rows_multiple, -(-n_rows // rows_multiple) * rows_multiple)
+  tokens = np.full((n_rows, row_tokens), pad_id, np.int32)
+  positions = np.zeros((n_rows, row_tokens), np.int32)
+  segments = np.zeros((n_rows, row_tokens), np.int32)
+  src_row = np.zeros((b, t), np.int32)
+  src_col = np.zeros((b, t), np.int32)
+  valid = np.zeros((b, t), bool)
+  segment_in_row = np.zeros(n_rows, np.int32)
+  for i in range(b):
+    prompt = prompt_ids[i][prompt_ids[i] != pad_id]
+    seq = np.concatenate([prompt, completion_ids[i, : c_len[i]]])
+    r, o, n = int(row[i]), int(offset[i]), seq.size
+    segment_in_row[r] += 1
+    tokens[r, o : o + n] = seq
+    positions[r, o : o + n] = np.arange(n)
+    segments[r, o : o + n] = segment_in_row[r]
+    # completion token k sits at o + p + k; its log-prob is column o + p + k - 1 of the next-token log-probs
+    k = np.arange(int(c_len[i]))
+    src_row[i, k] = r
+    src_col[i, k] = o + int(p_len[i]) + k - 1
+    valid[i, k] = p_len[i] > 0  # a completion with no prompt before it has no logits for its first token
+  return Packed(tokens, positions, segments, src_row, src_col, valid, row, offset)
+
+
+def packed_token_logps(
+    model: Any,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segments: jax.Array,
+    src_row: jax.Array,
+    src_col: jax.Array,
+    valid: jax.Array,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[jax.Array, jax.Array | None]:
+  """[B, T] log-probs of the completion tokens (0 where not `valid`) from one forward of the packed rows; with
+  `with_entropy`, also the [B, T] entropy of each token's next-token distribution (no gradient)."""
+  logits, _ = model(tokens, positions, None, None, segment_ids=segments)
+  logits = logits[:, :-1, :]
+  if temperature not in (0.0, 1.0):
+    logits = logits / temperature
+  logps = tunix_common.selective_log_softmax(logits, tokens[:, 1:])
+  out = jnp.where(valid, logps[src_row, src_col], 0.0)
+  entropy = None
+  if with_entropy:
+    lp = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
+    ent = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
+    entropy = jnp.where(valid, ent[src_row, src_col], 0.0)
+  return out, entropy
+
+
+@flax.struct.dataclass(frozen=True)
+class PackedTrainExample(grpo_learner.TrainExample):
+  """Tunix's `TrainExample` (batch layout [B, ...]) with its packed forward input ([R, L]) and gather indices ([B, T]).
+
+  `prompt_ids` / `completion_ids` stay, for the metrics that read them; the loss's forward reads the packed fields.
+  """
+
+  packed_tokens: jax.Array | None = None
+  packed_positions: jax.Array | None = None
+  packed_segments: jax.Array | None = None
+  src_row: jax.Array | None = None
+  src_col: jax.Array | None = None
+  src_valid: jax.Array | None = None
+
+
+def pack_example(
+    example: Any,
+    pad_id: int,
+    row_tokens: int,
+    steps: int,
+    put: Callable[[np.ndarray], Any] = np.asarray,
+    rows_multiple: int = 1,
+) -> PackedTrainExample:
+  """`example` (rows interleaved for `steps` micro-batches, `updates.update_batches`) with packed fields laid out the
+  same way: micro-batch i's packed rows at i, i + steps, ... and its indices local to them. `put` places each new
+  field (the trainer's rows sharding, run/logps.put_rows); every process packs the same host batch alike."""
+  prompt = distributed.to_host(example.prompt_ids)
+  completion = distributed.to_host(example.completion_ids)
+  groups = [pack(prompt[i::steps], completion[i::steps], pad_id, row_tokens, rows_multiple) for i in range(steps)]
+  n_rows = max(g.tokens.shape[0] for g in groups)
+
+  def rows(x: np.ndarray, fill: int) -> np.ndarray:
+    return np.concatenate([x, np.full((n_rows - x.shape[0],) + x.shape[1:], fill, x.dtype)])
+
+  def interleave(parts: list[np.ndarray]) -> np.ndarray:
+    stacked = np.stack(parts, axis=1)  # [rows per micro-batch, steps, ...]
+    return stacked.reshape((-1,) + stacked.shape[2:])
+
+  fields = {f.name: getattr(example, f.name) for f in dataclasses.fields(example)}
+  fields.update(
+      packed_tokens=put(interleave([rows(g.tokens, pad_id) for g in groups])),
+      packed_positions=put(interleave([rows(g.positions, 0) for g in groups])),
+      packed_segments=put(interleave([rows(g.segments, 0) for g in groups])),
+      src_row=put(interleave([g.src_row for g in groups])),
+      src_col=put(interleave([g.src_col for g in groups])),
+      src_valid=put(interleave([g.valid for g in groups])),
+  )
+  return PackedTrainExample(**fields)
+
+
+_packed_logps_jit = nnx.jit(packed_token_logps, static_argnames=("temperature", "with_entropy"))
+
+
+def batch_logps(
+    model: Any,
+    prompt_ids: Any,
+    completion_ids: Any,
+    pad_id: int,
+    row_tokens: int,
+    temperature: float,
+    put: Callable[[np.ndarray], Any],
+    micro_batch_size: int | None = None,
+) -> jax.Array:
+  """[B, T] completion log-probs of `model` (no gradient), each micro-batch of rows packed into rows of `row_tokens`:
+  the reference and old-policy forwards of a packed run. `put` places host arrays as the trainer's rows."""
+  prompt, completion = distributed.to_host(prompt_ids), distributed.to_host(completion_ids)
+  rows = prompt.shape[0]
+  step = micro_batch_size or rows
+  outs = []
+  for s in range(0, rows, step):
+    pk = pack(prompt[s : s + step], completion[s : s + step], pad_id, row_tokens)
+    lp, _ = _packed_logps_jit(
+        model,
+        *(put(x) for x in (pk.tokens, pk.positions, pk.segments, pk.src_row, pk.src_col, pk.valid)),
+        temperature=float(temperature),
+    )
+    outs.append(jax.lax.stop_gradient(lp))
+  return jnp.concatenate(outs, axis=0)
+
+
+def metrics(examples: list[PackedTrainExample]) -> dict[str, float]:
+  """What packing bought on a step's updates: packed rows per update, and the share of the forward's token slots that
+  hold a sequence's token, packed (`packing/fill`) and as padded rows would hold them (`packing/padded_fill`)."""
+  rows = real = padded = 0
+  for ex in examples:
+    seg = distributed.to_host(ex.packed_segments)
+    rows += seg.shape[0]
+    real += int((seg > 0).sum())
+    padded += int(ex.prompt_ids.shape[0]) * (int(ex.prompt_ids.shape[1]) + int(ex.completion_ids.shape[1]))
+  slots = rows * (seg.shape[1] if examples else 0)
+  return {
+      "packing/rows": rows / max(len(examples), 1),
+      "packing/fill": real / max(slots, 1),
+      "packing/padded_fill": real / max(padded, 1),
+  }
