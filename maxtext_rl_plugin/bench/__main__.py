@@ -20,6 +20,7 @@ BENCHMARKS = {
     "gpu": "maxtext_rl_plugin.bench.gpu",
     "agentic": "maxtext_rl_plugin.bench.agentic",
     "moe": "maxtext_rl_plugin.bench.moe",
+    "packing": "maxtext_rl_plugin.bench.packing",
 }
 
 

@@ -245,6 +245,7 @@ def test_moe_sparse_matmul_for_v5p_8_compiles_every_program_the_run_executes(tmp
   assert rep["fits"] and rep["all_compiled"] and not rep["not_compiled"]
 
 
+@pytest.mark.extended  # the vLLM rollout's compile is tests/tpu_contract/test_aot_vllm.py's (pass 3)
 @needs_libtpu
 def test_vllm_rollout_without_tpu_inference_is_a_not_compiled_line(tmp_path, monkeypatch):
   # The main .venv has no tpu_inference: the vllm rollout is listed as not compiled, not a traceback. Rollout phase

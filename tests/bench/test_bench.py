@@ -31,6 +31,7 @@ def test_peak_is_positive_and_timed():
   assert r["peak_flops"] > 0 and r["peak_seconds"] > 0 and r["peak_matmul_n"] == 128
 
 
+@pytest.mark.extended  # a benchmark's harness
 def test_bench_rollout_tiny_emits_tunix_and_roofline_keys(capsys):
   """One batch of 1, 4 tokens: the engine and Tunix's Sampler (same weights) must agree token for token."""
   rc = bench_main.main(
@@ -68,7 +69,7 @@ def test_bench_rollout_tiny_emits_tunix_and_roofline_keys(capsys):
   assert np.isfinite(out["speedup_vs_tunix_by_batch"]["1"])
 
 
-@pytest.mark.extended  # a benchmark's harness; test_bench_rollout_tiny is the default tier's
+@pytest.mark.extended  # a benchmark's harness
 def test_bench_step_tiny_reports_every_phase_and_totals_add_up(capsys):
   """One step of each loop (colocated, tiny batch): the JSON has every phase for both, and phases + overhead = total."""
   rc = bench_main.main(
@@ -107,7 +108,7 @@ class _StepCfg(_Cfg):
     num_iterations = 2
 
 
-@pytest.mark.extended  # a benchmark's harness; test_bench_rollout_tiny is the default tier's
+@pytest.mark.extended  # a benchmark's harness
 def test_bench_moe_float32_sampler_routes_as_the_trainer_and_replay_is_measured(capsys):
   """The tiny Mixtral with both sides in float32: the cached decode and the full forward choose the same experts for
   every (token, layer), so the routing mismatch is exactly 0 and replay's log-probs agree with the sampler's."""
@@ -129,7 +130,7 @@ def test_bench_moe_float32_sampler_routes_as_the_trainer_and_replay_is_measured(
   assert out["trainer_dtype"] == "float32" and row["free"]["parity/routing_mismatch_fraction"] == 0.0
 
 
-@pytest.mark.extended  # a benchmark's harness; test_bench_rollout_tiny is the default tier's
+@pytest.mark.extended  # a benchmark's harness
 def test_bench_agentic_times_a_turn_and_its_prefill_per_context_length(capsys):
   rc = bench_main.main(["agentic", "--contexts", "16,40", "--batch", "2", "--new-tokens", "4", "--repeats", "1"])
   assert rc == 0
@@ -150,7 +151,7 @@ def test_step_flops_are_prefill_decode_forward_and_three_pass_update():
   assert f["rollout"] == peak.train_flops(c, rows * 16, 16, passes=1) + peak.decode_flops(c, rows, 16, 5)
 
 
-@pytest.mark.extended  # a benchmark's harness; test_bench_rollout_tiny is the default tier's
+@pytest.mark.extended  # a benchmark's harness
 def test_teacher_forced_check_tells_a_tie_from_a_wrong_model():
   """The Tunix copy of the engine's model agrees on the engine's own greedy tokens; a 5% change to one Tunix weight
   is not a float tie, and the verdict says so."""

@@ -122,8 +122,10 @@ def adapter_pair(model_dir, family: str) -> AdapterPair:
   return _PAIRS[family]
 
 
-# The default tier: a dense family and Qwen3-MoE; Mixtral (MoE again) and Gemma 3 are `extended` (~110 s of pass 3).
-EXTENDED_FAMILIES = ("gemma3", "mixtral")
+# The default tier: Qwen3-MoE (the route's MoE layout and expert mapping). Llama 3.1 (also checked on the native route,
+# test_forward.py, and against it by test_llama_adapter_and_native_class_agree_on_the_same_weights), Mixtral (MoE
+# again) and Gemma 3 are `extended` (~150 s of pass 3).
+EXTENDED_FAMILIES = ("gemma3", "llama3.1", "mixtral")
 
 
 @pytest.mark.parametrize(
