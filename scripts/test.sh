@@ -69,16 +69,16 @@ if [ $# -eq 0 ] && [ "${MAXTEXT_RL_SKIP_TPU_CONTRACT:-0}" != "1" ]; then
   tpu_pid=$!
 fi
 cd "$ROOT"
-# Style (MaxText's pyink and pylint settings, ~200 CPU-s) on a full run, in the background from here at a low priority
-# (nice 10: about a tenth of a core beside pass 1): started after pass 1 it was the run's tail once the Ray topologies
-# left pass 4 (163 s waited for it), and at nice 19 from here still 93 s (docs/DEVELOPMENT.md "Two tiers"). A finding
-# fails the run; its output is shown at the end.
+# Style (MaxText's pyink and pylint settings, ~200 CPU-s) on a full run, in the background from here at the lowest
+# priority. Started after pass 1 it was the run's tail once the Ray topologies left pass 4 (163 s waited for it); from
+# here at nice 19 the wait was 93 s and the run 1,329 s; at nice 10 it waited 24 s but slowed pass 1 by 83 s (1,412 s,
+# docs/DEVELOPMENT.md "Two tiers"). A finding fails the run; its output is shown at the end.
 lint_pid=""
 if [ $# -eq 0 ]; then
   (
     t=$SECONDS
     rc=0
-    cpu lint env MAXTEXT_RL_LINT_JOBS=1 nice -n 10 bash "$ROOT/scripts/lint.sh" || rc=$?
+    cpu lint env MAXTEXT_RL_LINT_JOBS=1 nice -n 19 bash "$ROOT/scripts/lint.sh" || rc=$?
     took "lint (background)" "$t"
     exit $rc
   ) >"$lint_log" 2>&1 &
