@@ -69,6 +69,12 @@ def aggregate(per_token: jax.Array, completion_mask: jax.Array, loss_agg_mode: s
   return seq_sum.sum() / rows  # sequence-mean
 
 
+def token_entropy(logits: jax.Array) -> jax.Array:
+  """[..., V] logits -> [...] entropy of each position's distribution, float32, no gradient (a metric)."""
+  log_probs = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
+  return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+
+
 def token_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
   """Mean of `x` over the tokens where `mask` > 0 (0 for an all-masked batch)."""
   return jnp.where(mask > 0, x, 0.0).sum() / jnp.maximum(mask.sum(), 1.0)

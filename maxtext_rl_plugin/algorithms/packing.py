@@ -40,6 +40,7 @@ import numpy as np
 from tunix.rl import common as tunix_common
 from tunix.rl.grpo import grpo_learner
 
+from maxtext_rl_plugin.algorithms import loss as loss_lib
 from maxtext_rl_plugin import distributed
 
 
@@ -152,9 +153,7 @@ def packed_token_logps(
   out = jnp.where(valid, logps[src_row, src_col], 0.0)
   entropy = None
   if with_entropy:
-    lp = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
-    ent = -jnp.sum(jnp.exp(lp) * lp, axis=-1)
-    entropy = jnp.where(valid, ent[src_row, src_col], 0.0)
+    entropy = jnp.where(valid, loss_lib.token_entropy(logits)[src_row, src_col], 0.0)
   return out, entropy
 
 

@@ -148,8 +148,7 @@ def tunix_policy_loss_fn(
     aux["moe_lb_loss"] = lb_loss
   if compute_entropy:
     if entropy is None:
-      log_probs = jax.nn.log_softmax(jax.lax.stop_gradient(logits).astype(jnp.float32), axis=-1)
-      entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+      entropy = loss_lib.token_entropy(logits)
     aux["entropy"] = loss_lib.token_mean(entropy, train_example.completion_mask.astype(jnp.float32))
   return loss, aux
 
