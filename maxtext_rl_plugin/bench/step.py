@@ -211,7 +211,7 @@ def measure(args, out_dir: str) -> dict:
   from maxtext_rl_plugin.run import loop as trainer
   from maxtext_rl_plugin.bench import peak as bench_peak
 
-  peak = bench_peak.measure_peak_flops()
+  peak = bench_peak.measure_backend_peak_flops()
   runs: dict[str, list[list[dict]]] = {"plugin": [], "tunix": []}
   for r in range(args.rounds):
     for side in ("tunix", "plugin") if r % 2 == 0 else ("plugin", "tunix"):
