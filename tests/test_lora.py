@@ -32,6 +32,7 @@ from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.rollout import embedded
 
 import _in_process as in_process
+from _tiny import SMALL_VOCAB
 
 TINY = "configs/cpu_tiny.yml"
 LORA = ["lora.enable_lora=true", "lora.lora_rank=4", "lora.lora_alpha=8"]
@@ -254,6 +255,7 @@ def _argv(out: pathlib.Path, name: str, *extra):
   reward.write_text(_LENGTH_REWARD)
   return [
       TINY,
+      *SMALL_VOCAB,
       f"base_output_directory={out}",
       f"run_name={name}",
       "reward_functions=length_reward",
@@ -338,7 +340,9 @@ def test_only_adapters_get_optimizer_state(lora_run):
       f"\noptimizer state: LoRA {b['opt_bytes']} B ({int(copies)} x {b['adapter_bytes']} B of adapters) vs full "
       f"fine-tuning {full_bytes} B ({int(copies)} x {b['base_bytes']} B of params): {full_bytes / b['opt_bytes']:.0f}x"
   )
-  assert b["opt_bytes"] * 100 < full_bytes
+  # 13x here (rank 4 on a 64-wide, 2-layer model with the 528-token vocabulary; 140x with Qwen3's 151,936 tokens,
+  # whose embedding LoRA leaves alone): the ratio is the base's bytes over the adapters'.
+  assert b["opt_bytes"] * 10 < full_bytes
 
 
 def test_base_frozen_adapters_trained_reference_is_the_shared_base(lora_run):
@@ -410,10 +414,10 @@ def test_export_writes_merged_maxtext_checkpoint_with_the_adapted_logits(lora_ru
   path = tmp_path / "merged" / "0" / "items"
   assert f"load_parameters_path={path}" in p.stdout
   # MaxText's own loader reads it (from_pretrained with load_parameters_path), with no LoRA keys at all.
-  rs = models.setup_devices(config_lib.parse([TINY, f"load_parameters_path={path}"]))
+  rs = models.setup_devices(config_lib.parse([TINY, *SMALL_VOCAB, f"load_parameters_path={path}"]))
   merged, _ = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=0)
   actor = lora_run["run"].rl_cluster.actor_trainer.model  # the adapted model at step 2
-  toks = jnp.asarray(np.random.RandomState(1).randint(0, 5000, (2, 20)), jnp.int32)
+  toks = jnp.asarray(np.random.RandomState(1).randint(0, 528, (2, 20)), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(20)[None], toks.shape)
   want = np.asarray(actor(toks, pos, None, None)[0])
   got = np.asarray(merged(toks, pos, None, None)[0])

@@ -31,12 +31,16 @@ from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import decode
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import sampling
+from _tiny import SMALL_VOCAB
 from test_algorithms import np_policy_loss
 from test_trainer_updates import _train
 
 REF_WIDTH = 64
 NEW = 12
 CONFIG = "configs/cpu_tiny_moe.yml"  # Mixtral-shaped: 4 experts, top-2, dropless
+# Tests on random token ids below 1,000 build with this vocabulary, not cpu_tiny's 151,936 (whose embedding and head
+# are most of a tiny model's work); tests that encode text use the demo's tokenizer (tests/_tiny.py).
+SMALL_IDS = "vocab_size=1024"
 # Tiny configs of MaxText's MoE families over CONFIG (docs/moe.md says which others build and why not).
 FAMILIES = {
     "mixtral": [],
@@ -79,7 +83,7 @@ EXTENDED_FAMILIES = ("mixtral", "gpt-oss")
 )
 def family_fixture(request):
   """A family's tiny model (decoder x3), its engine, and a no-cache reference forward on the same weights."""
-  rs = models.setup_devices(config_lib.parse([CONFIG, *FAMILIES[request.param]]))
+  rs = models.setup_devices(config_lib.parse([CONFIG, *SMALL_VOCAB, *FAMILIES[request.param]]))
   tok = models.load_tokenizer(rs.trainer_config)
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
 
@@ -263,7 +267,7 @@ def test_deepseek_trainer_replays_the_forced_experts():
   reproduces its free forward exactly, another routing is what its MoE layers then report and changes the log-probs,
   and the replayed loss equals NumPy's GRPO loss on the free forward's log-probs (the forced experts are the ones
   the loss uses)."""
-  rs = models.setup_devices(config_lib.parse([CONFIG, *DEEPSEEK, "rollout_engine=auto"]))  # trainer side only
+  rs = models.setup_devices(config_lib.parse([CONFIG, SMALL_IDS, *DEEPSEEK, "rollout_engine=auto"]))  # trainer side only
   cfg = rs.trainer_config
   assert cfg.decoder_block.value == "deepseek" and not moe.replay_native(cfg)
   model, _ = models.build_model(cfg, rs.trainer_devices, pad_id=0)
@@ -385,7 +389,7 @@ def test_train_rl_with_router_replay(tmp_path):
   the first step's record (rl.parity_check=first) and pass."""
   moe_keys = [
       "model_name=qwen3-30b-a3b",
-      "vocab_size=151936",
+      "vocab_size=528",  # _train's small tokenizer (tests/_tiny.py); the model's own vocabulary is 151,936
       "base_mlp_dim=32",
       "base_moe_mlp_dim=32",
       "num_experts=4",
@@ -507,7 +511,7 @@ def test_load_balance_loss_is_maxtexts_term_of_the_rl_loss():
   )
   out = {}
   for w in (0.0, 0.01, 0.03):
-    rs = models.setup_devices(config_lib.parse([CONFIG, f"load_balance_loss_weight={w}"]))
+    rs = models.setup_devices(config_lib.parse([CONFIG, SMALL_IDS, f"load_balance_loss_weight={w}"]))
     model, _ = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=0)
     out[w] = tunix_wiring.tunix_policy_loss_fn(model, example, cfg, 0, 1)
   (l0, a0), (l1, a1), (l3, a3) = out[0.0], out[0.01], out[0.03]
@@ -524,7 +528,7 @@ def test_forced_experts_are_the_ones_a_qwen3_moe_layer_computes_with(path):
   that is not its router's: its output equals NumPy's sum over the forced experts of softmax(router logits at those
   experts) * wo(silu(x wi_0) * x wi_1), and differs from the layer's free output."""
   rs = models.setup_devices(
-      config_lib.parse([CONFIG, "model_name=qwen3-30b-a3b", "scan_layers=false", path, "megablox=false"])
+      config_lib.parse([CONFIG, SMALL_IDS, "model_name=qwen3-30b-a3b", "scan_layers=false", path, "megablox=false"])
   )
   cfg = rs.trainer_config
   model, mesh = models.build_model(cfg, rs.trainer_devices, pad_id=0)

@@ -25,6 +25,7 @@ from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
 
 import _in_process as in_process
+from _tiny import SMALL_VOCAB
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 FAST = ["num_test_batches=1", "eval_batch_size=2", "checkpoint_period=1", "eval_interval=0", "metrics_file=metrics.jsonl"]
@@ -38,6 +39,7 @@ def _cmd(out, *overrides):
       "configs/cpu_tiny.yml",
       f"base_output_directory={out}",
       "run_name=r",
+      *SMALL_VOCAB,
       *FAST,
       *overrides,
   ]

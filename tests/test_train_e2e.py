@@ -28,6 +28,7 @@ from tunix.sft import sharding_utils as tunix_sharding
 from maxtext_rl_plugin import distributed
 
 import _in_process as in_process
+from _tiny import SMALL_VOCAB
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TINY = "configs/cpu_tiny.yml"
@@ -189,7 +190,7 @@ def test_resume_continues_with_no_repeated_or_skipped_batch(out, grpo_run):
 def test_sigkill_during_checkpoint_write_resumes_from_previous_complete_step(tmp_path):
   out = tmp_path  # its own directory: no shared module fixture, so pytest-xdist may run it beside the GRPO group
   run = out / "killed"
-  cmd = train_command(out, "killed", "num_batches=3")
+  cmd = train_command(out, "killed", *SMALL_VOCAB, "num_batches=3")
   ckpts = run / "checkpoints"
   complete_before_kill: dict[str, str] = {}
   killed = False
@@ -210,7 +211,7 @@ def test_sigkill_during_checkpoint_write_resumes_from_previous_complete_step(tmp
     proc.wait(timeout=60)
   assert killed, "the run finished or stalled before step 2's checkpoint write could be interrupted"
   assert "1" in complete_before_kill and "2" not in complete_before_kill
-  p = train(out, "killed", "num_batches=3")
+  p = train(out, "killed", *SMALL_VOCAB, "num_batches=3")
   assert "from checkpoint step 1" in p.stdout
   # The checkpoint that was complete before the kill is untouched; the run finishes.
   assert params_digest(ckpts / "1") == complete_before_kill["1"]

@@ -45,6 +45,8 @@ from maxtext_rl_plugin.aot import report
 from maxtext_rl_plugin.aot import run as aot_run
 from maxtext_rl_plugin.aot import topology
 from maxtext_rl_plugin.aot import vllm_programs
+
+from _tiny import SMALL_VOCAB
 from maxtext_rl_plugin.run import build
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -60,6 +62,7 @@ def tiny_run_fixture(tmp_path_factory):
   out = tmp_path_factory.mktemp("aot_run")
   argv = [
       TINY,
+      *SMALL_VOCAB,
       f"base_output_directory={out}",
       "run_name=aot",
       "batch_size=2",
@@ -191,6 +194,7 @@ def test_tiny_config_compiles_for_v5p_8_with_every_program(tmp_path):
   # batch_size=1: MaxText's rl.yml default, 1 x 2 rows that do not split over 4 chips: replicated, as the run does.
   res = _compile(
       tmp_path,
+      *SMALL_VOCAB,
       "run_name=t",
       "compile_topology=v5p-8",
       "compile_topology_num_slices=1",

@@ -17,6 +17,7 @@ from maxtext_rl_plugin.run import evaluation
 from maxtext_rl_plugin import rewards
 
 import _in_process as in_process
+from _tiny import SMALL_VOCAB
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -86,6 +87,7 @@ def test_eval_interval_profiler_and_output_dirs_are_honoured(tmp_path):
       "-m",
       "maxtext_rl_plugin.train_rl",
       "configs/cpu_tiny.yml",
+      *SMALL_VOCAB,
       f"base_output_directory={tmp_path}",
       "run_name=ev",
       "num_batches=3",

@@ -24,6 +24,7 @@ from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import updates
 
 import _in_process as in_process
+from _tiny import SMALL_VOCAB
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -148,6 +149,7 @@ def _train(tmp_path, name, *overrides):
       "-m",
       "maxtext_rl_plugin.train_rl",
       "configs/cpu_tiny.yml",
+      *SMALL_VOCAB,
       f"base_output_directory={out}",
       f"run_name={name}",
       f"metrics_file={out / name / 'metrics.jsonl'}",
@@ -175,7 +177,7 @@ def _params(step_dir: pathlib.Path) -> dict[str, np.ndarray]:
 def _init_params() -> dict[str, np.ndarray]:
   """The weights `_train`'s runs start from, keyed as `_params` reads a checkpoint: the actor as run/build builds it
   (models.build_model on the tiny config, its init_weights_seed); a third run at learning_rate=0 gave the same."""
-  rs = models.setup_devices(config_lib.parse(["configs/cpu_tiny.yml"]))
+  rs = models.setup_devices(config_lib.parse(["configs/cpu_tiny.yml", *SMALL_VOCAB]))
   tok = models.load_tokenizer(rs.trainer_config)
   model, _ = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=tok.pad_token_id)
   state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
