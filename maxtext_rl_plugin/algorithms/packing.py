@@ -172,17 +172,8 @@ class PackedTrainExample(grpo_learner.TrainExample):
   src_valid: jax.Array | None = None
 
 
-def pack_example(
-    example: Any,
-    pad_id: int,
-    row_tokens: int,
-    steps: int,
-    put: Callable[[np.ndarray], Any] = np.asarray,
-    rows_multiple: int = 1,
-) -> PackedTrainExample:
-  """`example` (rows interleaved for `steps` micro-batches, `updates.update_batches`) with packed fields laid out the
-  same way: micro-batch i's packed rows at i, i + steps, ... and its indices local to them. `put` places each new
-  field (the trainer's rows sharding, run/logps.put_rows); every process packs the same host batch alike."""
+def _packed_fields(example: Any, pad_id: int, row_tokens: int, steps: int, rows_multiple: int) -> dict[str, np.ndarray]:
+  """The packed fields of `example` as host arrays, micro-batch i's rows at i, i + steps, ... (see `pack_example`)."""
   prompt = distributed.to_host(example.prompt_ids)
   completion = distributed.to_host(example.completion_ids)
   groups = [pack(prompt[i::steps], completion[i::steps], pad_id, row_tokens, rows_multiple) for i in range(steps)]
@@ -195,16 +186,54 @@ def pack_example(
     stacked = np.stack(parts, axis=1)  # [rows per micro-batch, steps, ...]
     return stacked.reshape((-1,) + stacked.shape[2:])
 
+  return {
+      "packed_tokens": interleave([rows(g.tokens, pad_id) for g in groups]),
+      "packed_positions": interleave([rows(g.positions, 0) for g in groups]),
+      "packed_segments": interleave([rows(g.segments, 0) for g in groups]),
+      "src_row": interleave([g.src_row for g in groups]),
+      "src_col": interleave([g.src_col for g in groups]),
+      "src_valid": interleave([g.valid for g in groups]),
+  }
+
+
+def _with_fields(example: Any, packed: dict[str, Any]) -> PackedTrainExample:
   fields = {f.name: getattr(example, f.name) for f in dataclasses.fields(example)}
-  fields.update(
-      packed_tokens=put(interleave([rows(g.tokens, pad_id) for g in groups])),
-      packed_positions=put(interleave([rows(g.positions, 0) for g in groups])),
-      packed_segments=put(interleave([rows(g.segments, 0) for g in groups])),
-      src_row=put(interleave([g.src_row for g in groups])),
-      src_col=put(interleave([g.src_col for g in groups])),
-      src_valid=put(interleave([g.valid for g in groups])),
-  )
-  return PackedTrainExample(**fields)
+  return PackedTrainExample(**fields, **packed)
+
+
+def pack_example(
+    example: Any,
+    pad_id: int,
+    row_tokens: int,
+    steps: int,
+    put: Callable[[np.ndarray], Any] = np.asarray,
+    rows_multiple: int = 1,
+) -> PackedTrainExample:
+  """`example` (rows interleaved for `steps` micro-batches, `updates.update_batches`) with packed fields laid out the
+  same way: micro-batch i's packed rows at i, i + steps, ... and its indices local to them. `put` places each new
+  field (the trainer's rows sharding, run/logps.put_rows); every process packs the same host batch alike."""
+  packed = _packed_fields(example, pad_id, row_tokens, steps, rows_multiple)
+  return _with_fields(example, {k: put(v) for k, v in packed.items()})
+
+
+def pack_update_batches(
+    batches: list[Any],
+    pad_id: int,
+    row_tokens: int,
+    steps: int,
+    put: Callable[[np.ndarray], Any],
+    iterations: int = 1,
+) -> tuple[list[PackedTrainExample], dict[str, float]]:
+  """An RL step's update batches (`updates.update_batches`) packed, and the step's `metrics`.
+
+  With rl.num_iterations = mu > 1 the same mini-batches repeat in every iteration, so each distinct one is packed and
+  placed once and reused mu times; the fill figures come from the host arrays it was packed from (no device read)."""
+  per_iteration, rest = divmod(len(batches), iterations)
+  if rest:
+    raise ValueError(f"{len(batches)} update batches do not split into {iterations} iterations")
+  host = [_packed_fields(b, pad_id, row_tokens, steps, 1) for b in batches[:per_iteration]]
+  packed = [_with_fields(b, {k: put(v) for k, v in h.items()}) for b, h in zip(batches, host)]
+  return packed * iterations, metrics(batches[:per_iteration], [h["packed_segments"] for h in host])
 
 
 _packed_logps_jit = nnx.jit(packed_token_logps, static_argnames=("temperature", "with_entropy"))
@@ -237,16 +266,16 @@ def batch_logps(
   return jnp.concatenate(outs, axis=0)
 
 
-def metrics(examples: list[PackedTrainExample]) -> dict[str, float]:
+def metrics(examples: list[Any], segments: list[np.ndarray]) -> dict[str, float]:
   """What packing bought on a step's updates: packed rows per update, and the share of the forward's token slots that
-  hold a sequence's token, packed (`packing/fill`) and as padded rows would hold them (`packing/padded_fill`)."""
-  rows = real = padded = 0
-  for ex in examples:
-    seg = distributed.to_host(ex.packed_segments)
+  hold a sequence's token, packed (`packing/fill`) and as padded rows would hold them (`packing/padded_fill`).
+  `segments[i]` is `examples[i]`'s packed segment ids, as the host packed them."""
+  rows = real = padded = slots = 0
+  for ex, seg in zip(examples, segments, strict=True):
     rows += seg.shape[0]
+    slots += seg.size
     real += int((seg > 0).sum())
     padded += int(ex.prompt_ids.shape[0]) * (int(ex.prompt_ids.shape[1]) + int(ex.completion_ids.shape[1]))
-  slots = rows * (seg.shape[1] if examples else 0)
   return {
       "packing/rows": rows / max(len(examples), 1),
       "packing/fill": real / max(slots, 1),

@@ -242,10 +242,15 @@ def train_step(rl_run: RLRun, producer, step: int, snapshot: bool, audit: bool) 
   with rl_run.timer.phase("train"):
     batches = updates.update_batches(exp.example, rl_run.plan)
     if rl_run.trainer_logps.row_tokens > 0:  # max_seq_token_per_tpu: each update's forward on packed rows
-      put = logps.put_rows(rl_run.rl_cluster)
-      steps = rl_run.plan.accumulation_steps
-      batches = [packing.pack_example(b, sampled.pad_id, rl_run.trainer_logps.row_tokens, steps, put) for b in batches]
-      exp.metrics.update(packing.metrics(batches))
+      batches, fill = packing.pack_update_batches(
+          batches,
+          sampled.pad_id,
+          rl_run.trainer_logps.row_tokens,
+          rl_run.plan.accumulation_steps,
+          logps.put_rows(rl_run.rl_cluster),
+          iterations=rl_run.plan.num_iterations,
+      )
+      exp.metrics.update(fill)
     rl_run.rl_cluster.update_actor(batches, None, skip_jit=False)
     # Tunix defers writing an update's metrics by one update (to overlap I/O); flush so this step's are this step's.
     tunix_compat.flush_train_metrics(rl_run.rl_cluster.actor_trainer)

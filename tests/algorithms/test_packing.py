@@ -6,6 +6,8 @@ the batch has left-padded prompts and ragged completions, so rows really differ 
 share a packed row. Every loss_agg_mode, GRPO and GSPO-token; micro-batches through the update's strided split.
 """
 
+import dataclasses
+
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -72,6 +74,38 @@ def test_pack_lays_out_each_sequence_with_its_own_segment_and_positions():
   for r in range(pk.tokens.shape[0]):
     used = (pk.row == r).sum()
     assert set(pk.segments[r].tolist()) - {0} == set(range(1, used + 1))
+
+
+def test_a_steps_update_batches_are_packed_once_per_mini_batch_with_host_figures():
+  """rl.num_iterations=2 walks the same two mini-batches twice (updates.update_batches): each is packed and placed
+  once, reused by the second iteration, and the fill figures are counted from the host's packed rows."""
+  minis = []
+  for seed in (4, 5):
+    prompt, completion, _ = _batch(seed)
+    minis.append(grpo_learner.TrainExample(prompt, prompt != PAD, completion, completion != PAD, None, None, None))
+  batches = [*minis, *(dataclasses.replace(m) for m in minis)]  # the second iteration's slices: equal, not the same
+  placed = []
+
+  def put(x):
+    placed.append(x.shape)
+    return np.asarray(x)
+
+  packed, fill = packing.pack_update_batches(batches, PAD, ROW, steps=2, put=put, iterations=2)
+  assert len(placed) == 2 * 6 and packed[2] is packed[0] and packed[3] is packed[1]  # 6 packed fields, 2 batches
+  alone = [packing.pack_example(m, PAD, ROW, steps=2) for m in minis]
+  for got, want in zip(packed, alone):
+    assert np.array_equal(got.packed_tokens, want.packed_tokens) and np.array_equal(got.src_col, want.src_col)
+  segments = [a.packed_segments for a in alone]
+  real = sum(int((s > 0).sum()) for s in segments)
+  tokens = sum(int(((m.prompt_ids != PAD).sum() + (m.completion_ids != PAD).sum())) for m in minis)
+  assert real == tokens  # every sequence token sits in one packed slot
+  assert fill == {
+      "packing/rows": sum(s.shape[0] for s in segments) / 2,
+      "packing/fill": real / sum(s.size for s in segments),
+      "packing/padded_fill": real / (2 * 8 * (8 + 12)),
+  }
+  with pytest.raises(ValueError, match="do not split into 2 iterations"):
+    packing.pack_update_batches(batches[:3], PAD, ROW, steps=2, put=put, iterations=2)
 
 
 def _model(lora: bool, *args: str):

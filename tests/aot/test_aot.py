@@ -45,9 +45,9 @@ from maxtext_rl_plugin.aot import report
 from maxtext_rl_plugin.aot import run as aot_run
 from maxtext_rl_plugin.aot import topology
 from maxtext_rl_plugin.aot import vllm_programs
+from maxtext_rl_plugin.run import build
 
 from _tiny import SMALL_VOCAB
-from maxtext_rl_plugin.run import build
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = "configs/cpu_tiny.yml"
