@@ -73,17 +73,6 @@ def replay_supported(config: Any) -> bool:
   return is_moe(config)
 
 
-def check_config(pc: Any) -> None:
-  """Device-free checks of the MoE keys and `rl.router_replay`, one line each (config validation)."""
-  if is_moe(pc) and float(pc.capacity_factor) > 0:
-    raise ConfigError(
-        f"invalid value for 'capacity_factor'={pc.capacity_factor}: token dropping depends on how many tokens share "
-        "a forward (one per decode step in the rollout, the whole sequence in the trainer), so the sampled and the "
-        "trained policy would differ; use dropless routing (capacity_factor=-1)"
-    )
-  early_checks.check_router_replay(pc)  # also in the first pass, before the schema's imports
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Recording
 # ----------------------------------------------------------------------------------------------------------------------

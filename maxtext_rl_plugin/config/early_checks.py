@@ -87,6 +87,19 @@ def check_moe(pc) -> None:
     raise _bad("num_experts_per_tok", per_tok, f"must be between 1 and num_experts={experts}")
 
 
+def check_dropless(pc) -> None:
+  """An MoE model routes without token dropping (capacity_factor <= 0), so the sampler and the trainer route alike."""
+  capacity = value_or(pc, "capacity_factor", -1.0)
+  if _experts(pc) > 1 and float(capacity) > 0:
+    raise _bad(
+        "capacity_factor",
+        capacity,
+        "token dropping depends on how many tokens share a forward (one per decode step in the rollout, the whole "
+        "sequence in the trainer), so the sampled and the trained policy would differ; use dropless routing "
+        "(capacity_factor=-1)",
+    )
+
+
 def check_device_fractions(pc) -> None:
   """The trainer takes the first `trainer_devices_fraction` of the devices and the sampler the last
   `sampler_devices_fraction` (models.setup_devices, as MaxText's): fractions that add up to more than 1 give some devices
@@ -126,7 +139,7 @@ def check_embedded_model(pc) -> None:
 
 
 def router_replay_refusal(pc) -> str | None:
-  """Why `rl.router_replay=true` cannot run with this config (one line), or None (moe.check_config raises it)."""
+  """Why `rl.router_replay=true` cannot run with this config (one line), or None (check_router_replay raises it)."""
   if not pc.rl.router_replay:
     return None
   if _experts(pc) <= 1:
@@ -201,6 +214,7 @@ def check_vllm_head_dim(pc) -> None:
 CHECKS = (
     check_choices,
     check_moe,
+    check_dropless,
     check_device_fractions,
     check_checkpoint_storage,
     check_embedded_model,

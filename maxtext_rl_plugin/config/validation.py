@@ -460,16 +460,15 @@ def check_processes(pc, processes: int) -> None:
 
 def validate(pc) -> None:
   """Device-free checks of a parsed config, the same for print_config, launchers and training (one line each)."""
-  # algorithms/, moe and rollout/vllm_config import Tunix and JAX: only this second pass, after the schema's imports,
-  # needs them (validate_raw runs before those imports).
+  # algorithms/ and rollout/vllm_config import Tunix and JAX: only this second pass, after the schema's imports,
+  # needs them (validate_raw runs before those imports). The MoE checks (capacity_factor, rl.router_replay) are
+  # early_checks': importing moe.py (MaxText's MoE layers, and through them transformers) cost a launcher 4.3 s.
   # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin import moe
   from maxtext_rl_plugin.algorithms import shaping
 
   for check in _light_checks():
     check(pc)
   shaping.check_config(pc)  # DAPO and kin: estimator x scaling x aggregation, overlong buffer
-  moe.check_config(pc)  # capacity_factor, rl.router_replay
   if pc.rollout_engine == "vllm":
     # The vLLM routes' own checks (the MaxTextForCausalLM route's maxtext_config; head_dim on the native route).
     from maxtext_rl_plugin.rollout import vllm_config
