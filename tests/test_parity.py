@@ -23,12 +23,14 @@ from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import parity
 from maxtext_rl_plugin.rollout import embedded
 import _in_process as in_process
+from _tiny import SMALL_VOCAB
 
 
 def _argv(tmp_path, name, *overrides):
   out = tmp_path / "runs"
   return [
       "configs/cpu_tiny.yml",
+      *SMALL_VOCAB,
       f"base_output_directory={out}",
       f"run_name={name}",
       f"metrics_file={out / name / 'metrics.jsonl'}",

@@ -104,8 +104,9 @@ def out_fixture(tmp_path_factory):
 
 @pytest.fixture(name="grpo_run", scope="module")
 def grpo_run_fixture(out):
-  """A fresh 3-step GRPO run; the reference for the output and resume tests."""
-  p = train(out, "grpo", "num_batches=3")
+  """A fresh 3-step GRPO run; the reference for the output and resume tests. On the demo's tokenizer (tests/_tiny.py):
+  Qwen3's and its chat template run end to end in tests/test_install.py's installed run."""
+  p = train(out, "grpo", *SMALL_VOCAB, "num_batches=3")
   return p, out / "grpo"
 
 
@@ -160,8 +161,8 @@ def test_grpo_run_writes_checkpoints_tensorboard_metrics_and_progress(grpo_run):
 
 def test_resume_continues_with_no_repeated_or_skipped_batch(out, grpo_run):
   _, ref = grpo_run
-  train(out, "resumed", "num_batches=2")
-  p = train(out, "resumed", "num_batches=3")
+  train(out, "resumed", *SMALL_VOCAB, "num_batches=2")
+  p = train(out, "resumed", *SMALL_VOCAB, "num_batches=3")
   assert "resuming" in p.stdout and "from checkpoint step 2" in p.stdout
   # num_batches 2 -> 3 stretches the learning-rate schedule (sized by the run's updates): said, with the key to keep it.
   assert "note: the learning-rate schedule now spans 3 optimizer updates, not the 2" in p.stdout
@@ -230,7 +231,7 @@ def test_bad_input_one_line_and_run_dir_untouched(out, grpo_run, overrides, need
   _, ref = grpo_run
   before = {n: params_digest(ref / "checkpoints" / n) for n in ("1", "2", "3")}
   # num_batches=4: a resume that would train (asking for fewer steps than the 3 done is refused before any key is read)
-  p = train(out, "grpo", *overrides, "num_batches=4", check=False)
+  p = train(out, "grpo", *SMALL_VOCAB, *overrides, "num_batches=4", check=False)
   assert p.returncode == 2, p.stderr[-3000:]
   errs = [l for l in p.stderr.splitlines() if l.startswith("error:")]
   assert len(errs) == 1 and needle in errs[0], p.stderr[-3000:]
@@ -239,7 +240,7 @@ def test_bad_input_one_line_and_run_dir_untouched(out, grpo_run, overrides, need
 
 
 def test_resume_with_incompatible_batch_size_refuses(out, grpo_run):
-  p = train(out, "grpo", "num_batches=4", "batch_size=4", check=False)
+  p = train(out, "grpo", *SMALL_VOCAB, "num_batches=4", "batch_size=4", check=False)
   assert p.returncode == 2
   assert "cannot resume" in p.stderr and "batch_size=2" in p.stderr
 
