@@ -51,8 +51,6 @@ from maxtext.utils import maxtext_utils
 from tunix.rl import common as tunix_common
 from tunix.rl.grpo import grpo_learner
 
-from maxtext_rl_plugin.config import early_checks
-from maxtext_rl_plugin.errors import ConfigError
 
 UNSET = -1  # no routing recorded for this token (MaxText's forced-routing sentinel, Tunix's UNSET_ROUTED_EXPERT)
 

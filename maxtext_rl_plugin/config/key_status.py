@@ -226,8 +226,8 @@ _KEY_STATUS: dict[str, str] = {
         "trainer record it on every MoE model themselves (moe.py); routed-expert replay is rl.router_replay"
     ),
     "capacity_factor": (
-        "honoured (MaxText MoE, dropless -1 by default; > 0 refused by config/early_checks.check_dropless: token dropping depends on "
-        "how many tokens share a forward, one per decode step vs the whole sequence in the trainer)"
+        "honoured (MaxText MoE, dropless -1 by default; > 0 refused by config/early_checks.check_dropless: token "
+        "dropping depends on how many tokens share a forward, one per decode step vs the whole sequence in the trainer)"
     ),
     **dict.fromkeys(
         ("ragged_buffer_factor", "eval_ragged_buffer_factor"),
