@@ -51,7 +51,6 @@ from maxtext.utils import maxtext_utils
 from tunix.rl import common as tunix_common
 from tunix.rl.grpo import grpo_learner
 
-
 UNSET = -1  # no routing recorded for this token (MaxText's forced-routing sentinel, Tunix's UNSET_ROUTED_EXPERT)
 
 

@@ -437,7 +437,7 @@ def test_short_sliding_window_is_refused_by_the_embedded_engine():
 def test_expert_parallel_mesh_decode_records_the_trainers_routing():
   """ici_expert_parallelism=2 on the host devices: the engine's decode over the expert-sharded mesh routes and scores
   the tokens as the trainer's full forward does."""
-  rs = models.setup_devices(config_lib.parse([CONFIG, "ici_expert_parallelism=2"]))
+  rs = models.setup_devices(config_lib.parse([CONFIG, *SMALL_VOCAB, "ici_expert_parallelism=2"]))
   tok = models.load_tokenizer(rs.trainer_config)
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
   assert mesh.shape["expert"] == 2
@@ -464,7 +464,9 @@ def test_expert_parallel_replay_forces_the_recorded_experts():
   """Qwen3-MoE (the plugin's forcing) on an expert-sharded mesh (ici_expert_parallelism=2): replaying the engine's
   routing reproduces its log-probs, and another routing is what the layers report (MaxText all-gathers the forced
   experts over the expert axis with the router's logits)."""
-  rs = models.setup_devices(config_lib.parse([CONFIG, "model_name=qwen3-30b-a3b", "ici_expert_parallelism=2"]))
+  rs = models.setup_devices(
+      config_lib.parse([CONFIG, *SMALL_VOCAB, "model_name=qwen3-30b-a3b", "ici_expert_parallelism=2"])
+  )
   tok = models.load_tokenizer(rs.trainer_config)
   cfg = rs.trainer_config
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)

@@ -290,6 +290,7 @@ def test_disaggregated_run_syncs_and_verifies_weights_every_step(tmp_path):
   trainer->sampler sync goes through the plugin's resharding and is checked bit for bit."""
   argv = [
       TINY,
+      *SMALL_VOCAB,
       f"base_output_directory={tmp_path}",
       "run_name=dis",
       *FAST,

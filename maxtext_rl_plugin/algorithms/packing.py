@@ -11,6 +11,8 @@ values the padded forward gives, to float round-off (the same products summed ov
 A sequence is its non-pad tokens in order: the prompt's (left padding dropped) and the completion's up to its first
 pad, which both engines end a completion at (rollout/stops.pad_stops). That is exactly what the padded forward
 computes with (Tunix's `process_ids`: positions are the cumulative count of non-pad tokens, attention skips pads).
+A multi-turn episode's completion is one such sequence: its environment tokens are ordinary tokens (context, outside
+the loss mask) with pad and EOS removed (agentic/episode.py), and each assistant turn ends at a sampled pad.
 
 How rows are filled: first-fit decreasing (longest sequence first, ties by row index; each into the first row with
 room, else a new row), deterministic for a given batch. FFD uses at most 11/9 OPT + 6/9 rows (Dosa 2007). Tunix

@@ -390,8 +390,9 @@ def _check_agentic(pc) -> None:
 
 def _check_packing(pc) -> None:
   """max_seq_token_per_tpu (algorithms/packing.py): MaxText's own check makes a row hold max_target_length tokens; the
-  packed forward does not yet carry an MoE model's routing or a multi-turn episode's layout. (The first pass may not
-  know num_experts, which a model file sets: the typed pass then decides.)"""
+  packed forward does not yet carry an MoE model's routing (multi-turn episodes pack as any completion: their
+  environment tokens are context outside the loss mask). (The first pass may not know num_experts, which a model file
+  sets: the typed pass then decides.)"""
   rows = int(pc.max_seq_token_per_tpu or 0)
   if rows <= 0:
     return
@@ -401,12 +402,6 @@ def _check_packing(pc) -> None:
         rows,
         f"must be >= max_target_length={pc.max_target_length} (a packed row holds a whole sequence: the prompt "
         "budget and the completion budget; MaxText's own check)",
-    )
-  if pc.rl.use_agentic_rollout:
-    raise _bad(
-        "max_seq_token_per_tpu",
-        rows,
-        "packing is not available with rl.use_agentic_rollout yet (episodes are not packed); use 0",
     )
   if int(pc.num_experts or 1) > 1:
     raise _bad(

@@ -140,9 +140,12 @@ def test_packed_log_probs_equal_the_padded_forward(models_by_lora):
   assert np.max(np.abs(np.asarray(cross)[mask] - np.asarray(padded)[mask])) > 1e-2
 
 
-def _example(model, prompt, completion, rng) -> grpo_learner.TrainExample:
-  """A batch whose old and reference log-probs are the model's own plus noise (ratios near 1, as in a run)."""
+def _example(model, prompt, completion, rng, loss_mask=None) -> grpo_learner.TrainExample:
+  """A batch whose old and reference log-probs are the model's own plus noise (ratios near 1, as in a run);
+  `loss_mask` ANDed into the completion mask as run/experience.score does for a multi-turn episode's environment
+  tokens."""
   rows, _ = completion.shape
+  mask = completion != PAD if loss_mask is None else (completion != PAD) & loss_mask
   graphdef, state = nnx.split(model)
   own = np.asarray(
       tunix_common.compute_per_token_logps(
@@ -153,7 +156,7 @@ def _example(model, prompt, completion, rng) -> grpo_learner.TrainExample:
       prompt_ids=jnp.asarray(prompt),
       prompt_mask=jnp.asarray(prompt != PAD, jnp.int32),
       completion_ids=jnp.asarray(completion),
-      completion_mask=jnp.asarray(completion != PAD, jnp.int32),
+      completion_mask=jnp.asarray(mask, jnp.int32),
       advantages=jnp.asarray(rng.normal(size=rows), jnp.float32),
       ref_per_token_logps=jnp.asarray(own + rng.normal(0, 0.05, own.shape), jnp.float32),
       old_per_token_logps=jnp.asarray(own + rng.normal(0, 0.2, own.shape), jnp.float32),  # some ratios clipped
@@ -173,14 +176,30 @@ def models_fixture():
         (["rl.loss_agg_mode=token-mean", "rl.grpo_beta=0.04"], False),
         (["rl.loss_algo=gspo-token", "rl.loss_agg_mode=sequence-mean-token-mean", "rl.grpo_epsilon=3e-4"], False),
         (["rl.loss_agg_mode=sequence-mean", "rl.grpo_beta=0.04"], True),
+        # A multi-turn batch (rl.use_agentic_rollout): each completion a_1 e_1 a_2 with its environment tokens e_1
+        # in the context but out of the loss mask.
+        (
+            [
+                "rl.loss_agg_mode=token-mean",
+                "rl.grpo_beta=0.04",
+                "rl.use_agentic_rollout=true",
+                "rl.agentic_tools=['calculator']",
+            ],
+            False,
+        ),
     ],
-    ids=["grpo-token-mean-kl", "gspo-token-seq-mean-token-mean", "lora-grpo-seq-mean-kl"],
+    ids=["grpo-token-mean-kl", "gspo-token-seq-mean-token-mean", "lora-grpo-seq-mean-kl", "multi-turn-tool-mask"],
 )
 def test_packed_loss_and_gradients_equal_the_padded_ones(models_by_lora, algo_args, lora):
   _, model, mesh = models_by_lora[lora]
   config = config_lib.load_config([*SMALL, *(LORA if lora else []), *algo_args])
   loss_fn, algo = programs.loss_fn_of(config)
   prompt, completion, rng = _batch(2)
+  loss_mask = None
+  if config.rl.use_agentic_rollout:
+    loss_mask = np.ones(completion.shape, bool)
+    loss_mask[:, 3:6] = False  # environment tokens: the tool's answer between two assistant turns
+    assert ((completion[:, 3:6] != PAD) & ~loss_mask[:, 3:6]).sum() >= 6  # real tokens, out of the loss
   wrt = nnx.LoRAParam if lora else nnx.Param
 
   @nnx.jit
@@ -188,7 +207,7 @@ def test_packed_loss_and_gradients_equal_the_padded_ones(models_by_lora, algo_ar
     return nnx.value_and_grad(lambda m: loss_fn(m, ex, algo), argnums=nnx.DiffState(0, wrt), has_aux=True)(m)
 
   with jax.set_mesh(mesh):
-    example = _example(model, prompt, completion, rng)
+    example = _example(model, prompt, completion, rng, loss_mask)
     packed = packing.pack_example(example, PAD, ROW, steps=1, put=jnp.asarray)
     (want_loss, want_aux), want = value_and_grad(model, example)
     (got_loss, got_aux), got = value_and_grad(model, packed)
