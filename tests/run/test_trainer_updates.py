@@ -196,8 +196,9 @@ def test_gradient_accumulation_equals_the_unsplit_update(tmp_path):
   d_full = np.concatenate([(full[k] - init[k]).ravel() for k in sorted(init)])
   d_micro = np.concatenate([(micro[k] - init[k]).ravel() for k in sorted(init)])
   assert np.abs(d_full).max() > 1e-4  # the step moved the weights: the comparison below is not vacuous
-  # ... and `init` is where the runs started: one step moves a weight by < 1e-3 here, another init by O(1).
-  assert np.abs(d_full).max() < 1e-2 and np.median(np.abs(d_full)) < 1e-6
+  # ... and `init` is where the runs started: one step moves a weight by < 1e-3 here (median ~3e-5 on the 528-token
+  # vocabulary, where most weights take part), another init by ~0.1 (the 64-wide kernels' scale) to O(1).
+  assert np.abs(d_full).max() < 1e-2 and np.median(np.abs(d_full)) < 1e-3
   np.testing.assert_allclose(d_micro, d_full, rtol=0, atol=2e-3 * np.abs(d_full).max())
   assert recs_micro[0]["opt/updates"] == recs_full[0]["opt/updates"] == 1
   # sequence-mean-token-mean over equal micro-batches: the mean of micro-batch losses is the batch loss.
