@@ -233,9 +233,10 @@ def pack_update_batches(
   per_iteration, rest = divmod(len(batches), iterations)
   if rest:
     raise ValueError(f"{len(batches)} update batches do not split into {iterations} iterations")
-  host = [_packed_fields(b, pad_id, row_tokens, steps, 1) for b in batches[:per_iteration]]
-  packed = [_with_fields(b, {k: put(v) for k, v in h.items()}) for b, h in zip(batches, host)]
-  return packed * iterations, metrics(batches[:per_iteration], [h["packed_segments"] for h in host])
+  distinct = batches[:per_iteration]
+  host = [_packed_fields(b, pad_id, row_tokens, steps, 1) for b in distinct]
+  packed = [_with_fields(b, {k: put(v) for k, v in h.items()}) for b, h in zip(distinct, host, strict=True)]
+  return packed * iterations, metrics(distinct, [h["packed_segments"] for h in host])
 
 
 _packed_logps_jit = nnx.jit(packed_token_logps, static_argnames=("temperature", "with_entropy"))
