@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The MoE demo (configs/cpu_demo_moe.yml) in bfloat16 on a GPU, with and without router replay, seeds 0 and 1
+# The MoE demo (configs/cpu_demo_moe.yml) in bfloat16 on a GPU, with and without router replay, SEEDS
 # (docs/moe.md, "The MoE demo with a bf16 sampler"): the learning comparison the 2-core host could not fit. Per seed one
 # warm start, copied into the replay run's directory as docs/cpu_demo.md's recipe does, so both runs start from the
-# same weights; the two seeds run side by side on the one GPU. The parity gate runs every 10 steps, so the
+# same weights; the seeds run side by side on the one GPU. The parity gate runs every 10 steps, so the
 # sampler-trainer mismatch is logged along the way. Results (metrics.jsonl, summary.json, log per run) land in
-# $OUT/moe_demo/; `python -m maxtext_rl_plugin.bench moe_demo_table $OUT/moe_demo` prints the table.
+# $OUT/moe_demo.tgz.
 #   bash scripts/gpu_moe_demo.sh            (on the device machine: run(carry=[".whl"]))
 # BUDGET_S (default 540) bounds it: runs still going then are stopped, and what they wrote comes back. DEMO_ARGS adds
 # key=value overrides to every run (a smoke run: DEMO_ARGS="sft_warmup_steps=5 num_batches=2"); WARM must then match.
@@ -12,6 +12,7 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-$ROOT/gpu_out}"
 BUDGET_S="${BUDGET_S:-540}"
+SEEDS="${SEEDS:-0 1}"  # one lane per seed, side by side (measured: 0 1, then 2 3)
 WARM="${WARM:-300}"  # the config's sft_warmup_steps: the replay run waits for that checkpoint
 mkdir -p "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
@@ -22,7 +23,7 @@ fi
 SITE="${SITE:-/tmp/site}"
 
 RUNS="${RUNS:-/tmp/moe_runs}"
-mkdir -p "$RUNS" "$OUT/moe_demo"
+mkdir -p "$RUNS"
 # Four processes share the GPU; each reserves a slice instead of XLA's default 75%.
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2
 # Deterministic GPU reductions, so 'replay' against 'off' differs by replay alone (checked: the flag is known).
@@ -51,17 +52,16 @@ lane() {  # one seed: the free run; once its warm start is on disk, the replay r
 }
 
 CONFIG="${CONFIG:-$(python3 -c 'import maxtext_rl_plugin, os; print(os.path.join(os.path.dirname(maxtext_rl_plugin.__file__), "configs", "cpu_demo_moe.yml"))')}"
-lane 0 &
-lane0=$!
-lane 1 &
-lane1=$!
+lanes=()
+for s in $SEEDS; do
+  lane "$s" &
+  lanes+=($!)
+done
 ( sleep $((BUDGET_S - SECONDS)); echo "budget reached at ${SECONDS}s: stopping the runs"; pkill -f maxtext_rl_plugin.train_rl ) &
 watchdog=$!
-wait "$lane0" "$lane1"
+wait "${lanes[@]}"
 kill "$watchdog" 2>/dev/null
-for d in "$RUNS"/moe_bf16_*/; do
-  n=$(basename "$d"); mkdir -p "$OUT/moe_demo/$n"
-  cp "$d"/metrics.jsonl "$d"/summary.json "$OUT/moe_demo/$n/" 2>/dev/null
-  cp "$RUNS/$n.log" "$OUT/moe_demo/$n/log.txt" 2>/dev/null
-done
+# One archive: the device tool brings back a bounded number of files.
+for d in "$RUNS"/moe_bf16_*/; do cp "$RUNS/$(basename "$d").log" "$d/log.txt" 2>/dev/null; done
+(cd "$RUNS" && tar czf "$OUT/moe_demo.tgz" moe_bf16_*/metrics.jsonl moe_bf16_*/summary.json moe_bf16_*/log.txt)
 echo "done at ${SECONDS}s"
