@@ -244,12 +244,17 @@ def test_loss_with_replay_matches_numpy(fam, sampled):
 
 
 def test_config_refusals_are_one_line():
-  """rl.router_replay on a dense model, on vLLM, with pipeline parallelism; token dropping. Qwen3-MoE, gpt-oss and
-  DeepSeek replay (the plugin forces their routing)."""
+  """rl.router_replay on a dense model, with pipeline parallelism, on an engine chosen at launch, on vLLM for a router
+  whose capture is not its routing; return_routed_experts on a dense model; token dropping. Qwen3-MoE, gpt-oss and
+  DeepSeek replay (the plugin forces their routing); on vLLM, Qwen3-MoE does."""
   cases = [
       ([CONFIG, "rl.router_replay=true", "ici_pipeline_parallelism=2"], "pipeline parallelism"),
       (["configs/cpu_tiny.yml", "rl.router_replay=true"], "needs a mixture-of-experts model"),
-      ([CONFIG, "rl.router_replay=true", "rollout_engine=vllm"], "does not report the experts"),
+      ([CONFIG, "rl.router_replay=true", "rollout_engine=auto"], "chosen at launch"),
+      # vLLM reports the top-k of the router logits; DeepSeek selects by group-limited, bias-corrected scores.
+      ([CONFIG, *DEEPSEEK, "rl.router_replay=true", "rollout_engine=vllm"], "group-limited"),
+      ([CONFIG, *DEEPSEEK, "return_routed_experts=true", "rollout_engine=vllm"], "group-limited"),
+      (["configs/cpu_tiny.yml", "return_routed_experts=true"], "a dense model routes nothing"),
       ([CONFIG, "capacity_factor=1.25"], "use dropless routing"),
       # DeepSeek replays on the trainer side (test below), but no engine that reports routing samples MLA here.
       ([CONFIG, *DEEPSEEK, "rl.router_replay=true"], "cannot sample deepseek3-671b"),
@@ -260,6 +265,9 @@ def test_config_refusals_are_one_line():
     assert "\n" not in str(e.value)
   for extra in ([], ["model_name=qwen3-30b-a3b"], ["model_name=gpt-oss-20b"]):
     assert config_lib.load_config([CONFIG, *extra, "rl.router_replay=true"]).rl.router_replay
+  # On vLLM, MaxText's decoder inside it captures the routing (rollout/vllm_routing.py; tests/tpu_contract).
+  c = config_lib.load_config([CONFIG, "model_name=qwen3-30b-a3b", "rl.router_replay=true", "rollout_engine=vllm"])
+  assert c.rl.router_replay and c.rollout_engine == "vllm"
 
 
 def test_deepseek_trainer_replays_the_forced_experts():

@@ -151,10 +151,14 @@ def router_replay_refusal(pc) -> str | None:
         "rl.router_replay=true with pipeline parallelism: the pipeline's stages run the layers with their own "
         "slicing, which cannot carry each layer's forced experts (MaxText refuses it too)"
     )
-  if pc.rollout_engine != "embedded":
+  if pc.rollout_engine == "vllm":
+    why = vllm_capture_refusal(pc, "rl.router_replay=true")
+    if why:
+      return why
+  elif pc.rollout_engine != "embedded":
     return (
-        f"rl.router_replay=true needs rollout_engine=embedded: the {pc.rollout_engine} engine does not report the "
-        "experts it routed each token to"
+        f"rl.router_replay=true needs rollout_engine=embedded or vllm: the {pc.rollout_engine} engine is chosen at "
+        "launch, and replay needs an engine that reports the experts it routed each token to"
     )
   if pc.rl.use_agentic_rollout:
     return (
@@ -166,10 +170,42 @@ def router_replay_refusal(pc) -> str | None:
   return None
 
 
+def vllm_capture_refusal(pc, what: str) -> str | None:
+  """Why vLLM cannot report this MoE model's routing (one line), or None (rollout/vllm_routing.py captures it).
+
+  Every MoE family takes MaxText's decoder inside vLLM (the native classes map no MoE model at this pin), whose fused-MoE
+  path records the top-k of the router's logits. DeepSeek-V3/V4 and Kimi-K2 select experts otherwise (MaxText's
+  `deepseek_routing`: group-limited, bias-corrected scores), so what vLLM would report is not the routing it used.
+  """
+  name = str(pc.model_name)
+  if name.startswith(("deepseek3", "deepseek4", "kimi-k2")):
+    return (
+        f"{what} with rollout_engine=vllm and {name}: MaxText's vLLM path records the top-k of the router logits, "
+        "but this model selects experts by group-limited, bias-corrected routing, so the recorded experts are not the "
+        "ones it used"
+    )
+  if bool(value_or(pc, "use_random_routing", False)):
+    return f"{what} with use_random_routing=true: the routing is random, there is nothing to record or replay"
+  return None
+
+
 def check_router_replay(pc) -> None:
   why = router_replay_refusal(pc)
   if why:
     raise ConfigError(why)
+
+
+def check_return_routed_experts(pc) -> None:
+  """MaxText's `return_routed_experts` (record each MoE layer's routing from inference): an MoE model, and on vLLM a
+  model whose recorded experts are the ones it used. The embedded engine records every MoE model's routing anyway."""
+  if not bool(value_or(pc, "return_routed_experts", False)):
+    return
+  if _experts(pc) <= 1:
+    raise _bad("return_routed_experts", True, f"{pc.model_name} has num_experts=1: a dense model routes nothing")
+  if pc.rollout_engine == "vllm":
+    why = vllm_capture_refusal(pc, "return_routed_experts=true")
+    if why:
+      raise ConfigError(why)
 
 
 def qwen3_head_dim_reason(model_name: str, head_dim: int) -> str | None:
@@ -219,5 +255,6 @@ CHECKS = (
     check_checkpoint_storage,
     check_embedded_model,
     check_router_replay,
+    check_return_routed_experts,
     check_vllm_head_dim,
 )

@@ -222,8 +222,11 @@ _KEY_STATUS: dict[str, str] = {
     "moe_use_megatron_seq_aux_loss": "honoured (moe.lb_loss: the sequence-wise aux loss summed over MoE layers)",
     "routed_bias_update_rate": "refused: MaxText's pre-training step updates the routing bias; the RL step does not",
     "return_routed_experts": (
-        "refused: MaxText records routing with it only on its vLLM fused-MoE path; the embedded engine and the "
-        "trainer record it on every MoE model themselves (moe.py); routed-expert replay is rl.router_replay"
+        "honoured (rollout/vllm_routing.py: rollout_engine=vllm captures each token's experts, vLLM's "
+        "enable_return_routed_experts with MaxText's own key in the adapter's maxtext_config, and the step logs the "
+        "sampler-trainer routing mismatch; rl.router_replay=true turns it on and replays it; the embedded engine "
+        "records every MoE model's routing anyway; a dense model or a DeepSeek-style router is refused by "
+        "config/early_checks)"
     ),
     "capacity_factor": (
         "honoured (MaxText MoE, dropless -1 by default; > 0 refused by config/early_checks.check_dropless: token "

@@ -11,7 +11,10 @@ small and explicit (targeted: vllm-tpu 0.32.0 / tpu-inference 0.32.0, the pins i
   `RequestOutput.outputs[0].{token_ids, logprobs}`;
 - weight sync through tpu-inference's weight-update session: `LLM.reset_prefix_cache()`,
   `LLM.collective_rpc("start_weight_update", kwargs={"free_kv_cache": ...})`, the in-process worker's
-  `get_weights_state()` / `refresh_model_state_leaves()`, `collective_rpc("finish_weight_update")`.
+  `get_weights_state()` / `refresh_model_state_leaves()`, `collective_rpc("finish_weight_update")`;
+- on MoE models under `rl.router_replay` or `return_routed_experts`: `LLM(enable_return_routed_experts=True)` and
+  `CompletionOutput.routed_experts`, laid out like the trainer's input by rollout/vllm_routing.py and handed to the step
+  by `take_routing`, as the embedded engine's routing is.
 
 Two routes (`vllm_config.choose_route`, printed once per engine): a native tpu-inference class, synced by
 `write_weights` (the path tests/tpu_contract/test_forward.py runs into the real tpu-inference classes and checks by
@@ -29,6 +32,7 @@ vLLM is imported lazily: without it, constructing the engine raises MissingExtra
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from absl import logging
@@ -52,6 +56,7 @@ from maxtext_rl_plugin.rollout import stops as stops_lib
 from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.rollout import vllm_mapping
 from maxtext_rl_plugin.rollout import vllm_maxtext
+from maxtext_rl_plugin.rollout import vllm_routing
 
 TARGET_API = "vllm-tpu==0.32.0, tpu-inference==0.32.0"
 
@@ -199,6 +204,17 @@ class VllmRollout(base_rollout.BaseRollout):
       )
     else:
       self.route = vllm_mapping.route_line(config.model_name)
+    # MoE routing capture (rl.router_replay, return_routed_experts): only MaxText's decoder inside vLLM reports it.
+    self.capture_routing = vllm_routing.wanted(config)
+    if self.capture_routing:
+      if not self.adapter_route:
+        raise ValueError(
+            "routing capture (rl.router_replay / return_routed_experts) needs vLLM's MaxTextForCausalLM route: "
+            f"tpu-inference's native class for {config.model_name} does not report the experts it routed to"
+        )
+      self.engine_kwargs = vllm_routing.capture_kwargs(self.engine_kwargs)
+    # Routing of the generate() calls since the last take_routing(), per thread (as the embedded engine's).
+    self._routing = threading.local()
     unproven = vllm_config.unproven_reason(config)
     vllm_maxtext.log_route(self.route + (f" [{unproven}]" if unproven else ""))
     # In-process engine: the weight sync writes into the worker's arrays directly.
@@ -259,6 +275,11 @@ class VllmRollout(base_rollout.BaseRollout):
         padded[i, -len(ids) :] = ids
     for ids, comp, lp in zip(prompt_ids, tokens, logps):
       self._logps.setdefault(tuple(ids), {})[tuple(comp.tolist())] = lp
+    if self.capture_routing:
+      routing = vllm_routing.batch_layout(
+          outputs, [len(p) for p in prompt_ids], padded.shape[1], int(rollout_config.max_tokens_to_generate)
+      )
+      self._routing.calls = getattr(self._routing, "calls", []) + [routing]
     return base_rollout.RolloutOutput(
         text=texts, logits=None, tokens=tokens, left_padded_prompt_tokens=padded, logprobs=logps
     )
@@ -314,6 +335,12 @@ class VllmRollout(base_rollout.BaseRollout):
         reason = "eos" if len(ids) and int(ids[-1]) == eos else "stop_token"
       rows.append((ids, np.asarray(lp, dtype=np.float32), reason))
     return rows
+
+  def take_routing(self) -> np.ndarray | None:
+    """The routing [rows, P + T, layers, k] of every `generate` call this thread made since the last take, in call
+    order (rollout/vllm_routing.py); None when the engine captures none (a dense model, or no capture asked)."""
+    calls, self._routing.calls = getattr(self._routing, "calls", []), []
+    return np.concatenate(calls, axis=0) if calls else None
 
   def get_per_token_logps(self, prompt_tokens: jax.Array, completion_tokens: jax.Array) -> jax.Array:
     """The sampler's log-probs of `completion_tokens` [B, T] (0 past each completion), found by prompt and tokens.

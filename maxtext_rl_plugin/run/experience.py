@@ -346,6 +346,11 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any, parity_step:
     use_sampler = plan.needs_old_logps and cfg.rl.use_rollout_logps
     behaviour = sampled.behaviour
     # rl.router_replay: the trainer's old-policy and policy forwards route every token as the sampler did (moe.py).
+    if cfg.rl.router_replay and sampled.routing is None and moe.is_moe(cfg):  # never a silent free-routing update
+      raise RuntimeError(
+          "rl.router_replay=true: the rollout engine returned no routing for this batch "
+          f"({type(cluster.rollout).__name__} has no take_routing, or captured none)"
+      )
     forced = put(sampled.routing) if cfg.rl.router_replay and sampled.routing is not None else None
     if parity_step is not None and behaviour is None:  # an engine that returned no log-probs: its weights' forward
       behaviour = cluster.get_old_per_token_logps(

@@ -264,7 +264,6 @@ def test_honoured_keys(key):
         ("weight_sync_debug=true", "weight_sync_debug", "verify_weight_sync"),
         ("log_weight_sync_time=true", "log_weight_sync_time", "sync"),
         ("rollout_backend=vllm", "rollout_backend", "maps weights itself"),
-        ("return_routed_experts=true", "return_routed_experts", "routed-expert replay"),
         ("enable_goodput_recording=true", "enable_goodput_recording", "goodput"),
         ("enable_emergency_checkpoint=true", "enable_emergency_checkpoint", "emergency"),
         ("mtp_num_layers=1", "mtp_num_layers", "multi-token prediction"),

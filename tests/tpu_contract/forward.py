@@ -200,13 +200,17 @@ class ShimLLM:
     return [run_method(self.llm_engine.model_executor.driver_worker, method, tuple(args), dict(kwargs or {}))]
 
 
-def engine_greedy(model, mesh, prompt: list[int], n_decode: int, pad_to: int = 1) -> tuple[np.ndarray, list[int]]:
+def engine_greedy(
+    model, mesh, prompt: list[int], n_decode: int, pad_to: int = 1, *, prefill_split: int = 0, steps: list | None = None
+) -> tuple[np.ndarray, list[int]]:
   """Prefill `prompt` then `n_decode` greedy decode steps through the paged KV cache of the real model.
 
   Returns (logits [len(prompt) + n_decode, vocab] -- every prefill row, then one row per decode step -- and the
   n_decode + 1 greedy tokens). Positions/pages as vLLM's runner lays them out for one request; each step's tokens are
   padded to a multiple of `pad_to` as the runner's token buckets pad them (the fused-MoE kernel needs tokens x top-k
-  to be a multiple of 16): the metadata covers the real tokens only.
+  to be a multiple of 16): the metadata covers the real tokens only. `prefill_split` > 0 prefills in two chunks, as
+  vLLM's chunked prefill schedules a long prompt (the first chunk samples nothing). `steps`, when given, receives one
+  dict per engine step: what the runner hands tpu-inference's routed-experts capture (`vllm_routed_experts`).
   """
   from tpu_inference.kernels.ragged_paged_attention.v3 import kernel
   from tpu_inference.layers.common.attention_metadata import AttentionMetadata
@@ -247,15 +251,87 @@ def engine_greedy(model, mesh, prompt: list[int], n_decode: int, pad_to: int = 1
         np.asarray(x) for x in (md.seq_lens, md.block_tables, md.query_start_loc, md.request_distribution)
     )
     with jax.set_mesh(mesh), reference_attention(), cpu_fused_moe():
-      kv_caches, hidden, _, _ = model(kv_caches, jnp.asarray(list(ids) + [0] * (padded - n), jnp.int32), md)
-      return np.asarray(model.compute_logits(hidden), np.float32)[:n, :vocab]
+      kv_caches, hidden, _, expert_indices = model(kv_caches, jnp.asarray(list(ids) + [0] * (padded - n), jnp.int32), md)
+      logits = np.asarray(model.compute_logits(hidden), np.float32)[:n, :vocab]
+    if steps is not None:
+      steps.append({
+          "expert_indices": None if expert_indices is None else np.asarray(expert_indices),  # (layers, padded, k)
+          "num_scheduled": n,
+          "padded": padded,
+          "num_computed": start,
+          "block_ids": [int(b) for b in np.asarray(block_tables)],
+      })
+    return logits
 
-  rows = [step(prompt, 0, [0, 0, 1])]  # one prefill request (the "mixed" group of the kernel's distribution)
+  rows = []
+  if prefill_split:  # chunked prefill: the first chunk computes and caches, the second samples
+    rows.append(step(prompt[:prefill_split], 0, [0, 0, 1]))
+    if steps is not None:
+      steps[-1]["sampled"] = False
+  rows.append(step(prompt[prefill_split:], prefill_split, [0, 0, 1]))  # one prefill request ("mixed" group)
   tokens = [int(np.argmax(rows[-1][-1]))]
   for i in range(n_decode):
     rows.append(step([tokens[-1]], len(prompt) + i, [1, 1, 1]))  # one decode-only request
     tokens.append(int(np.argmax(rows[-1][-1])))
   return np.concatenate(rows, axis=0), tokens
+
+
+def vllm_routed_experts(steps: list[dict], prompt_len: int, num_experts: int) -> np.ndarray:
+  """`CompletionOutput.routed_experts` of one request whose engine steps were `steps` (`engine_greedy`), built by the
+  libraries' own code at the pins: vLLM's scheduler-side `AuxOutputSchedulerConnector` (per-step metadata, then
+  `take_output` once each sampled token is appended, as `Scheduler.update_from_output` orders it), tpu-inference's
+  runner split `_routed_experts_step_entries` and its `TPUAuxOutputWorker` (rows stored per physical KV slot, read
+  back from the emit cursor), and the output processor's concatenation of the chunks. Only the request and scheduler
+  output records are plain namespaces carrying the fields those functions read."""
+  from tpu_inference.runner.routed_experts import TPUAuxOutputWorker
+  from tpu_inference.runner.tpu_runner import _routed_experts_step_entries  # pylint: disable=protected-access
+  from vllm.distributed.aux_output_connector.connector import AuxOutputSchedulerConnector
+
+  rid = "req-0"
+  blocks = steps[0]["block_ids"]
+  config = types.SimpleNamespace(model_config=types.SimpleNamespace(get_num_experts=lambda: num_experts))
+  worker = TPUAuxOutputWorker(config, types.SimpleNamespace(num_blocks=max(blocks) + 1), PAGE_SIZE, dp_size=1)
+  connector = AuxOutputSchedulerConnector()
+  request = types.SimpleNamespace(
+      request_id=rid,
+      block_hashes=[],
+      sampling_params=types.SimpleNamespace(routed_experts_prompt_start=0),
+      num_prompt_tokens=prompt_len,
+      num_output_tokens=0,
+      num_tokens=prompt_len,
+      is_finished=lambda: False,
+  )
+  chunks = []
+  for st in steps:
+    new = st["num_computed"] == 0
+    out = types.SimpleNamespace(
+        num_scheduled_tokens={rid: st["num_scheduled"]},
+        scheduled_new_reqs=[types.SimpleNamespace(req_id=rid, num_computed_tokens=0)] if new else [],
+        scheduled_cached_reqs=types.SimpleNamespace(
+            req_ids=[] if new else [rid], num_computed_tokens=[] if new else [st["num_computed"]]
+        ),
+        scheduled_spec_decode_tokens={},
+    )
+    worker.begin_step(connector.build_connector_meta(out, {rid: request}))
+    sampled = st.get("sampled", True)
+    entries = _routed_experts_step_entries(
+        types.SimpleNamespace(dp_size=1),
+        out,
+        st["expert_indices"],
+        [rid],
+        [[0]] if sampled else [[]],
+        {0: [rid]},
+        st["padded"],
+        {rid: blocks},
+    )
+    aux = worker.process_step([rid], entries)
+    if sampled:  # the scheduler appends the sampled token, then takes the rows up to num_tokens - 1
+      request.num_output_tokens += 1
+      request.num_tokens += 1
+      chunk = connector.take_output(request, aux)
+      if chunk is not None:
+        chunks.append(chunk)
+  return np.concatenate(chunks, axis=0)
 
 
 def parity_figures(engine: np.ndarray, trainer: np.ndarray, prompt_len: int, tokens: list[int]) -> dict[str, float]:
