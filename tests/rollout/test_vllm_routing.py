@@ -73,8 +73,9 @@ def test_capture_kwargs_turns_on_both_sides_without_touching_the_input():
 
 def test_capture_is_wanted_for_replay_or_the_maxtext_key_on_moe_models_only():
   def cfg(experts, replay, key):
-    return types.SimpleNamespace(num_experts=experts, rl=types.SimpleNamespace(router_replay=replay),
-                                 return_routed_experts=key)
+    return types.SimpleNamespace(
+        num_experts=experts, rl=types.SimpleNamespace(router_replay=replay), return_routed_experts=key
+    )
 
   assert vllm_routing.wanted(cfg(4, True, False)) and vllm_routing.wanted(cfg(4, False, True))
   assert not vllm_routing.wanted(cfg(4, False, False)) and not vllm_routing.wanted(cfg(1, True, True))

@@ -254,13 +254,15 @@ def engine_greedy(
       kv_caches, hidden, _, expert_indices = model(kv_caches, jnp.asarray(list(ids) + [0] * (padded - n), jnp.int32), md)
       logits = np.asarray(model.compute_logits(hidden), np.float32)[:n, :vocab]
     if steps is not None:
-      steps.append({
-          "expert_indices": None if expert_indices is None else np.asarray(expert_indices),  # (layers, padded, k)
-          "num_scheduled": n,
-          "padded": padded,
-          "num_computed": start,
-          "block_ids": [int(b) for b in np.asarray(block_tables)],
-      })
+      steps.append(
+          {
+              "expert_indices": None if expert_indices is None else np.asarray(expert_indices),  # (layers, padded, k)
+              "num_scheduled": n,
+              "padded": padded,
+              "num_computed": start,
+              "block_ids": [int(b) for b in np.asarray(block_tables)],
+          }
+      )
     return logits
 
   rows = []

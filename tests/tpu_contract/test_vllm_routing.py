@@ -29,8 +29,8 @@ PROMPT_WIDTH, COMPLETION_WIDTH = 112, 8  # the trainer's layout: prompts left-pa
 SPLIT = forward.PAGE_SIZE + 5  # chunked prefill across a page boundary
 
 
-@pytest.fixture(scope="module")
-def pair(model_dir):
+@pytest.fixture(scope="module", name="pair")
+def _pair(model_dir):
   return AdapterPair(model_dir, "qwen3", extra_argv=["rl.router_replay=true"])
 
 
