@@ -23,6 +23,13 @@ Shapes: the number of packed rows is rounded up to a multiple of `rows_multiple`
 micro-batches of an update), and each distinct count compiles once; a batch of N sequences never needs more than N
 rows when L >= P + T, which config validation requires (a longer sequence could not fit a row).
 
+MoE models (moe.py): the sampler's routing [B, P + T, layers, k] is packed with its tokens (`Packed.routing`, UNSET in
+the row padding), so `rl.router_replay` forces each packed token's experts exactly as the padded forward forces that
+token's. MaxText's load-balancing term is computed on the rows the forward runs, padded or packed, as MaxText's own
+packed pre-training computes it: it counts every slot of those rows, so its value differs between the two layouts by
+what the pad slots contribute (the policy loss does not). The trainer's own routing is not unpacked: a packed run logs
+no `moe/routing_mismatch_fraction` or trainer-side expert load.
+
 Micro-batches: an update's example holds its micro-batches interleaved for MaxText's strided split
 (`accumulation.split_micro_batches`: micro-batch i = rows i, i + k, ...); `pack_example` packs each micro-batch's
 sequences into rows laid out the same way, and its gather indices point into that micro-batch's own packed rows, so
@@ -40,10 +47,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from tunix.rl import common as tunix_common
-from tunix.rl.grpo import grpo_learner
 
 from maxtext_rl_plugin.algorithms import loss as loss_lib
 from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin import moe
 
 
 def sequence_lengths(prompt_ids: np.ndarray, completion_ids: np.ndarray, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -85,7 +92,8 @@ class Packed:
 
   tokens, positions, segments: [R, L]. src_row, src_col: [B, T] indices into the packed next-token log-probs
   [R, L - 1] (column j scores token j + 1 from the logits at j); valid: [B, T], the completion tokens that have one.
-  row, offset: [B], where each sequence starts.
+  row, offset: [B], where each sequence starts. routing: [R, L, layers, k], the packed tokens' experts (MoE rows
+  packed with their routing; UNSET in the row padding), else None.
   """
 
   tokens: np.ndarray
@@ -96,6 +104,7 @@ class Packed:
   valid: np.ndarray
   row: np.ndarray
   offset: np.ndarray
+  routing: np.ndarray | None = None
 
 
 def pack(
@@ -104,8 +113,10 @@ def pack(
     pad_id: int,
     row_tokens: int,
     rows_multiple: int = 1,
+    routing: np.ndarray | None = None,
 ) -> Packed:
-  """Pack the rows of a left-padded prompt / right-padded completion batch into rows of `row_tokens` tokens."""
+  """Pack the rows of a left-padded prompt / right-padded completion batch into rows of `row_tokens` tokens;
+  `routing` [B, P + T, layers, k] (an MoE batch's, laid out like its tokens) is packed with them."""
   prompt_ids, completion_ids = np.asarray(prompt_ids), np.asarray(completion_ids)
   b, t = completion_ids.shape
   p_len, c_len = sequence_lengths(prompt_ids, completion_ids, pad_id)
@@ -118,6 +129,10 @@ def pack(
   src_col = np.zeros((b, t), np.int32)
   valid = np.zeros((b, t), bool)
   segment_in_row = np.zeros(n_rows, np.int32)
+  packed_routing = None
+  if routing is not None:
+    routing = np.asarray(routing)
+    packed_routing = np.full((n_rows, row_tokens) + routing.shape[2:], moe.UNSET, np.int32)
   for i in range(b):
     prompt = prompt_ids[i][prompt_ids[i] != pad_id]
     seq = np.concatenate([prompt, completion_ids[i, : c_len[i]]])
@@ -126,12 +141,15 @@ def pack(
     tokens[r, o : o + n] = seq
     positions[r, o : o + n] = np.arange(n)
     segments[r, o : o + n] = segment_in_row[r]
+    if packed_routing is not None:  # the same columns the tokens came from: the prompt's real ones, then the completion
+      cols = np.concatenate([np.flatnonzero(prompt_ids[i] != pad_id), prompt_ids.shape[1] + np.arange(int(c_len[i]))])
+      packed_routing[r, o : o + n] = routing[i, cols]
     # completion token k sits at o + p + k; its log-prob is column o + p + k - 1 of the next-token log-probs
     k = np.arange(int(c_len[i]))
     src_row[i, k] = r
     src_col[i, k] = o + int(p_len[i]) + k - 1
     valid[i, k] = p_len[i] > 0  # a completion with no prompt before it has no logits for its first token
-  return Packed(tokens, positions, segments, src_row, src_col, valid, row, offset)
+  return Packed(tokens, positions, segments, src_row, src_col, valid, row, offset, packed_routing)
 
 
 def packed_token_logps(
@@ -144,10 +162,46 @@ def packed_token_logps(
     valid: jax.Array,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    forced: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:
   """[B, T] log-probs of the completion tokens (0 where not `valid`) from one forward of the packed rows; with
-  `with_entropy`, also the [B, T] entropy of each token's next-token distribution (no gradient)."""
-  logits, _ = model(tokens, positions, None, None, segment_ids=segments)
+  `with_entropy`, also the [B, T] entropy of each token's next-token distribution (no gradient). `forced`: the packed
+  routing to replay (`Packed.routing`, rl.router_replay)."""
+  logps, entropy, _ = packed_forward(
+      model, tokens, positions, segments, src_row, src_col, valid, temperature, with_entropy, forced
+  )
+  return logps, entropy
+
+
+def packed_forward(
+    model: Any,
+    tokens: jax.Array,
+    positions: jax.Array,
+    segments: jax.Array,
+    src_row: jax.Array,
+    src_col: jax.Array,
+    valid: jax.Array,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    forced: jax.Array | None = None,
+    lb_config: Any = None,
+) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
+  """`packed_token_logps`, plus MaxText's load-balancing term of the packed forward when `lb_config` (MaxText's
+  config) is given (moe.lb_loss; None when the model sows none).
+
+  Replay and the load-balancing term run on a model merged for this one forward, as moe.forward_logps does: forcing
+  changes the MoE modules' classes and both leave intermediates, which must not land on the trainer's model."""
+  maxtext_config = getattr(getattr(model, "base", None), "config", None)
+  kwargs = {}
+  if forced is not None or lb_config is not None:
+    graphdef, state = nnx.split(model)
+    model = nnx.merge(graphdef, state)
+    if forced is not None and moe.replay_native(maxtext_config):
+      kwargs["forced_routed_experts"] = forced
+    elif forced is not None:
+      moe.set_replay(model, forced)
+  logits, _ = model(tokens, positions, None, None, segment_ids=segments, **kwargs)
+  lb = None if lb_config is None else moe.lb_loss(model, lb_config)
   logits = logits[:, :-1, :]
   if temperature not in (0.0, 1.0):
     logits = logits / temperature
@@ -156,14 +210,16 @@ def packed_token_logps(
   entropy = None
   if with_entropy:
     entropy = jnp.where(valid, loss_lib.token_entropy(logits)[src_row, src_col], 0.0)
-  return out, entropy
+  return out, entropy, lb
 
 
 @flax.struct.dataclass(frozen=True)
-class PackedTrainExample(grpo_learner.TrainExample):
+class PackedTrainExample(moe.RoutedTrainExample):
   """Tunix's `TrainExample` (batch layout [B, ...]) with its packed forward input ([R, L]) and gather indices ([B, T]).
 
   `prompt_ids` / `completion_ids` stay, for the metrics that read them; the loss's forward reads the packed fields.
+  An MoE batch's routing travels packed (`packed_routing`, [R, L, layers, k]); its batch-layout `routed_experts` is
+  dropped, so the update holds one copy.
   """
 
   packed_tokens: jax.Array | None = None
@@ -172,13 +228,26 @@ class PackedTrainExample(grpo_learner.TrainExample):
   src_row: jax.Array | None = None
   src_col: jax.Array | None = None
   src_valid: jax.Array | None = None
+  packed_routing: jax.Array | None = None
 
 
 def _packed_fields(example: Any, pad_id: int, row_tokens: int, steps: int, rows_multiple: int) -> dict[str, np.ndarray]:
   """The packed fields of `example` as host arrays, micro-batch i's rows at i, i + steps, ... (see `pack_example`)."""
   prompt = distributed.to_host(example.prompt_ids)
   completion = distributed.to_host(example.completion_ids)
-  groups = [pack(prompt[i::steps], completion[i::steps], pad_id, row_tokens, rows_multiple) for i in range(steps)]
+  routing = getattr(example, "routed_experts", None)
+  routing = None if routing is None else distributed.to_host(routing)
+  groups = [
+      pack(
+          prompt[i::steps],
+          completion[i::steps],
+          pad_id,
+          row_tokens,
+          rows_multiple,
+          None if routing is None else routing[i::steps],
+      )
+      for i in range(steps)
+  ]
   n_rows = max(g.tokens.shape[0] for g in groups)
 
   def rows(x: np.ndarray, fill: int) -> np.ndarray:
@@ -188,7 +257,7 @@ def _packed_fields(example: Any, pad_id: int, row_tokens: int, steps: int, rows_
     stacked = np.stack(parts, axis=1)  # [rows per micro-batch, steps, ...]
     return stacked.reshape((-1,) + stacked.shape[2:])
 
-  return {
+  fields = {
       "packed_tokens": interleave([rows(g.tokens, pad_id) for g in groups]),
       "packed_positions": interleave([rows(g.positions, 0) for g in groups]),
       "packed_segments": interleave([rows(g.segments, 0) for g in groups]),
@@ -196,10 +265,14 @@ def _packed_fields(example: Any, pad_id: int, row_tokens: int, steps: int, rows_
       "src_col": interleave([g.src_col for g in groups]),
       "src_valid": interleave([g.valid for g in groups]),
   }
+  if routing is not None:
+    fields["packed_routing"] = interleave([rows(g.routing, moe.UNSET) for g in groups])
+  return fields
 
 
 def _with_fields(example: Any, packed: dict[str, Any]) -> PackedTrainExample:
   fields = {f.name: getattr(example, f.name) for f in dataclasses.fields(example)}
+  fields["routed_experts"] = None  # packed_routing replaces it
   return PackedTrainExample(**fields, **packed)
 
 
@@ -251,19 +324,29 @@ def batch_logps(
     temperature: float,
     put: Callable[[np.ndarray], Any],
     micro_batch_size: int | None = None,
+    forced: Any = None,
 ) -> jax.Array:
   """[B, T] completion log-probs of `model` (no gradient), each micro-batch of rows packed into rows of `row_tokens`:
-  the reference and old-policy forwards of a packed run. `put` places host arrays as the trainer's rows."""
+  the reference and old-policy forwards of a packed run. `put` places host arrays as the trainer's rows; `forced`
+  [B, P + T, layers, k] is the routing to replay (rl.router_replay), packed with its rows."""
   prompt, completion = distributed.to_host(prompt_ids), distributed.to_host(completion_ids)
+  routing = None if forced is None else distributed.to_host(forced)
   rows = prompt.shape[0]
   step = micro_batch_size or rows
   outs = []
   for s in range(0, rows, step):
-    pk = pack(prompt[s : s + step], completion[s : s + step], pad_id, row_tokens)
+    pk = pack(
+        prompt[s : s + step],
+        completion[s : s + step],
+        pad_id,
+        row_tokens,
+        routing=None if routing is None else routing[s : s + step],
+    )
     lp, _ = _packed_logps_jit(
         model,
         *(put(x) for x in (pk.tokens, pk.positions, pk.segments, pk.src_row, pk.src_col, pk.valid)),
         temperature=float(temperature),
+        forced=None if pk.routing is None else put(pk.routing),
     )
     outs.append(jax.lax.stop_gradient(lp))
   return jnp.concatenate(outs, axis=0)

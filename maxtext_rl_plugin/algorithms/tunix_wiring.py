@@ -90,7 +90,7 @@ def tunix_policy_loss_fn(
   lb_loss = None
   entropy = None
   if getattr(train_example, "packed_tokens", None) is not None:  # max_seq_token_per_tpu (packing.py)
-    per_token_logps, entropy = packing.packed_token_logps(
+    per_token_logps, entropy, lb_loss = packing.packed_forward(
         model,
         train_example.packed_tokens,
         train_example.packed_positions,
@@ -100,6 +100,8 @@ def tunix_policy_loss_fn(
         train_example.src_valid,
         temperature=getattr(algo_config, "temperature", 1.0),
         with_entropy=compute_entropy,
+        forced=getattr(train_example, "packed_routing", None),
+        lb_config=maxtext_config if lb_weight > 0 and moe.is_moe(maxtext_config) else None,
     )
     logits = None
   elif forced is not None or (lb_weight > 0 and moe.is_moe(maxtext_config)):

@@ -385,7 +385,7 @@ _KEY_STATUS: dict[str, str] = {
     "test_batch_start_index": "refused: the plugin's eval split starts at its first row",
     "max_seq_token_per_tpu": (
         "honoured (trainer: algorithms/packing.py, the reference, old-policy and update forwards on packed rows; "
-        "the loss on the batch layout)"
+        "the loss on the batch layout; MoE batches pack with their routing)"
     ),
     "dataset_processor_path": (
         "refused: custom dataset processors are not supported; use train_data_path with GSM8K-style rows"

@@ -389,10 +389,9 @@ def _check_agentic(pc) -> None:
 
 
 def _check_packing(pc) -> None:
-  """max_seq_token_per_tpu (algorithms/packing.py): MaxText's own check makes a row hold max_target_length tokens; the
-  packed forward does not yet carry an MoE model's routing (multi-turn episodes pack as any completion: their
-  environment tokens are context outside the loss mask). (The first pass may not know num_experts, which a model file
-  sets: the typed pass then decides.)"""
+  """max_seq_token_per_tpu (algorithms/packing.py): MaxText's own check makes a row hold max_target_length tokens.
+  Multi-turn episodes pack as any completion (their environment tokens are context outside the loss mask); MoE
+  batches pack with their routing."""
   rows = int(pc.max_seq_token_per_tpu or 0)
   if rows <= 0:
     return
@@ -402,13 +401,6 @@ def _check_packing(pc) -> None:
         rows,
         f"must be >= max_target_length={pc.max_target_length} (a packed row holds a whole sequence: the prompt "
         "budget and the completion budget; MaxText's own check)",
-    )
-  if int(pc.num_experts or 1) > 1:
-    raise _bad(
-        "max_seq_token_per_tpu",
-        rows,
-        f"packing is not available for MoE models yet (num_experts={pc.num_experts}): the router replay and "
-        "load-balancing forwards read the batch layout; use 0 (one padded row per sequence)",
     )
 
 

@@ -81,11 +81,19 @@ class TrainerLogps:
     rows = prompt_ids.shape[0]
     step = micro_batch_size or rows
     outs, routes = [], []
-    if self.row_tokens > 0:  # packed rows (validation refuses packing for MoE models)
+    if self.row_tokens > 0:  # packed rows; an MoE batch's routing is packed with them (the trainer's is not unpacked)
       self.last_routing = None
       with self._mesh, nn_partitioning.axis_rules(self._rules):
         return packing.batch_logps(
-            model, prompt_ids, completion_ids, pad_id, self.row_tokens, temperature, put_rows(self._cluster), step
+            model,
+            prompt_ids,
+            completion_ids,
+            pad_id,
+            self.row_tokens,
+            temperature,
+            put_rows(self._cluster),
+            step,
+            forced=forced,
         )
     with self._mesh, nn_partitioning.axis_rules(self._rules):
       if config is not None and moe.is_moe(config):

@@ -20,6 +20,7 @@ from maxtext_rl_plugin.algorithms import packing
 from maxtext_rl_plugin.aot import programs
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import models
+from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.run import accumulation
 
 from test_accumulation import LORA, SMALL, _actor
@@ -269,3 +270,76 @@ def test_a_packed_run_trains_as_the_padded_run(tmp_path):
   # an update: 2 micro-batches of 2 sequences (<= 160 tokens each), each micro-batch's pair in one 320-token row
   assert got["packing/rows"] == 2 and "packing/rows" not in want
   assert got["packing/fill"] >= got["packing/padded_fill"] > 0
+
+
+MOE_FAMILIES = {  # Mixtral: MaxText's own forced_routed_experts; Qwen3-MoE: the plugin forces it (moe.set_replay)
+    "mixtral": [],
+    "qwen3-moe": ["model_name=qwen3-30b-a3b"],
+}
+
+
+def _moe_argv(family: str, *extra: str) -> list[str]:
+  return ["configs/cpu_tiny_moe.yml", *SMALL[1:], "base_moe_mlp_dim=32", *MOE_FAMILIES[family], *extra]
+
+
+def _random_routing(prompt, completion, layers: int, experts: int, k: int, rng) -> np.ndarray:
+  """[B, P + T, layers, k] distinct experts per (token, layer), UNSET where nothing is routed (pads, the last
+  completion token), as the engines lay routing out (moe.py): a routing other than the model's own."""
+  b, width = prompt.shape[0], prompt.shape[1] + completion.shape[1]
+  route = np.argsort(rng.random((b, width, layers, experts)), axis=-1)[..., :k].astype(np.int32)
+  routed = moe.routed_mask(prompt != PAD, completion != PAD)
+  return np.where(routed[:, :, None, None], route, moe.UNSET)
+
+
+# Qwen3-MoE in the default tier (the plugin's own forcing, the path MaxText does not have); Mixtral's forcing is
+# MaxText's forced_routed_experts argument: extended.
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.extended) if f == "mixtral" else f for f in sorted(MOE_FAMILIES)]
+)
+def test_packed_moe_replay_gives_the_padded_replayed_loss_and_gradients(family):
+  """rl.router_replay on packed rows: the batch's routing packed with its tokens (each token's experts at its packed
+  slot) gives the padded replayed forward's loss and gradients; the routing is not the model's own, so replay is not
+  the identity (the free forward's loss differs). With load_balance_loss_weight > 0 the packed update keeps MaxText's
+  load-balancing term."""
+  config = config_lib.load_config(_moe_argv(family, "rl.router_replay=true", "rl.grpo_beta=0.04"))
+  rs = models.setup_devices(config_lib.parse(_moe_argv(family)))
+  model, mesh = _actor(rs.trainer_config, rs.trainer_devices, False)
+  loss_fn, algo = programs.loss_fn_of(config)
+  prompt, completion, rng = _batch(4)
+  routing = _random_routing(prompt, completion, int(config.num_decoder_layers), int(config.num_experts), 2, rng)
+
+  @nnx.jit
+  def value_and_grad(m, ex):
+    return nnx.value_and_grad(lambda m: loss_fn(m, ex, algo), has_aux=True)(m)
+
+  with jax.set_mesh(mesh):
+    plain = _example(model, prompt, completion, rng)
+    fields = {f.name: getattr(plain, f.name) for f in dataclasses.fields(plain)}
+    example = moe.RoutedTrainExample(**fields, routed_experts=jnp.asarray(routing))
+    packed = packing.pack_example(example, PAD, ROW, steps=1, put=jnp.asarray)
+    (want_loss, _), want = value_and_grad(model, example)
+    (got_loss, _), got = value_and_grad(model, packed)
+    (free_loss, _), _ = value_and_grad(model, plain)
+  assert packed.routed_experts is None and packed.packed_routing.shape[:2] == packed.packed_tokens.shape
+  pk = packing.pack(prompt, completion, PAD, ROW, routing=routing)  # each sequence's experts sit at its tokens' slots
+  p_len, c_len = packing.sequence_lengths(prompt, completion, PAD)
+  for i in range(prompt.shape[0]):
+    r, o, n = int(pk.row[i]), int(pk.offset[i]), int(p_len[i] + c_len[i])
+    cols = np.concatenate([np.flatnonzero(prompt[i] != PAD), prompt.shape[1] + np.arange(int(c_len[i]))])
+    np.testing.assert_array_equal(pk.routing[r, o : o + n], routing[i, cols])
+  assert (pk.routing[pk.segments == 0] == moe.UNSET).all()
+  assert abs(float(free_loss) - float(want_loss)) > 1e-3 * abs(float(want_loss))  # replay matters here
+  assert float(got_loss) == pytest.approx(float(want_loss), rel=1e-4, abs=1e-7)
+  want = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(want)}
+  got = {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(got)}
+  assert want and set(got) == set(want)
+  for k, g in want.items():
+    assert np.linalg.norm(got[k] - g) <= 1e-4 * max(np.linalg.norm(g), 1e-6), (k, np.linalg.norm(got[k] - g))
+
+  lb_config = config_lib.load_config(_moe_argv(family, "rl.router_replay=true", "load_balance_loss_weight=0.01"))
+  lb_loss_fn, lb_algo = programs.loss_fn_of(lb_config)
+  lb_rs = models.setup_devices(config_lib.parse(_moe_argv(family, "load_balance_loss_weight=0.01")))
+  lb_model, _ = _actor(lb_rs.trainer_config, lb_rs.trainer_devices, False)
+  with jax.set_mesh(mesh):
+    _, aux = nnx.jit(lambda m, ex: lb_loss_fn(m, ex, lb_algo))(lb_model, packed)
+  assert float(aux["moe_lb_loss"]) > 0.0

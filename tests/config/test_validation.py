@@ -78,13 +78,9 @@ _MEANINGLESS = (
             "'rl.agentic_turn_tokens'=17: must be <= the episode's 16 tokens",
         ),
         (["rl.use_agentic_rollout=true", "rl.agentic_tools=[]"], "'rl.agentic_tools'=[]: must name at least one tool"),
-        # max_seq_token_per_tpu (algorithms/packing.py): a row holds a whole sequence; not yet for MoE models
-        # (multi-turn episodes pack: tests/algorithms/test_packing.py).
+        # max_seq_token_per_tpu (algorithms/packing.py): a row holds a whole sequence (multi-turn episodes and MoE
+        # batches pack: tests/algorithms/test_packing.py).
         (["max_seq_token_per_tpu=100"], "'max_seq_token_per_tpu'=100: must be"),  # MaxText's words in the typed pass
-        (
-            ["num_experts=4", "num_experts_per_tok=2", "max_seq_token_per_tpu=320"],
-            "'max_seq_token_per_tpu'=320: packing is not available for MoE models yet",
-        ),
         # A run_name that would put outputs outside one run directory.
         (["run_name=a/b"], "'run_name'='a/b': must be one directory name"),
         (["run_name=.."], "'run_name'='..': must be one directory name"),
