@@ -17,11 +17,11 @@ small and explicit (targeted: vllm-tpu 0.32.0 / tpu-inference 0.32.0, the pins i
   by `take_routing`, as the embedded engine's routing is.
 
 Two routes (`vllm_config.choose_route`, printed once per engine): a native tpu-inference class, synced by
-`write_weights` (the path tests/tpu_contract/test_forward.py runs into the real tpu-inference classes and checks by
-their logits), or MaxText's own decoder inside vLLM (`MaxTextForCausalLM`, rollout/vllm_maxtext.py), synced by
-`write_adapter_weights` (tests/tpu_contract/test_forward_maxtext.py). A LoRA actor's adapters are merged into their
-kernels on the trainer side (tpu-inference's JAX classes ignore LoRA metadata); adapter-only syncs send only the
-adapted kernels.
+`vllm_sync.write_weights` (the path tests/tpu_contract/test_forward.py runs into the real tpu-inference classes and
+checks by their logits), or MaxText's own decoder inside vLLM (`MaxTextForCausalLM`, rollout/vllm_maxtext.py), synced
+by `vllm_sync.write_adapter_weights` (tests/tpu_contract/test_forward_maxtext.py). A LoRA actor's adapters are merged
+into their kernels on the trainer side (tpu-inference's JAX classes ignore LoRA metadata); adapter-only syncs send only
+the adapted kernels.
 
 vLLM starts from dummy weights (`load_format="dummy"`); the constructor syncs the trainer's weights before
 returning and `generate` refuses to run until a sync succeeded, so step 0 samples the trainer's policy.
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Any, Mapping, Optional, Sequence, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 from absl import logging
 from flax import nnx
@@ -48,7 +48,6 @@ from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin.resharding import maxtext_layout
-from maxtext_rl_plugin.resharding import move
 from maxtext_rl_plugin.resharding import per_host
 from maxtext_rl_plugin.resharding import verify
 from maxtext_rl_plugin.errors import DataError, MissingExtraError
@@ -57,6 +56,7 @@ from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.rollout import vllm_mapping
 from maxtext_rl_plugin.rollout import vllm_maxtext
 from maxtext_rl_plugin.rollout import vllm_routing
+from maxtext_rl_plugin.rollout import vllm_sync
 
 TARGET_API = "vllm-tpu==0.32.0, tpu-inference==0.32.0"
 
@@ -70,93 +70,9 @@ def import_vllm():
   return vllm
 
 
-# ------------------------------------------------------------------------------- weight sync
-
-
-def _reshard(tree: dict, shardings: dict) -> dict:
-  """Move mapped weights onto the engine's shardings through the plugin's resharding (Pathways-aware, chunk-ready)."""
-  # donate=False: identity-layout leaves can alias the trainer's own buffers. Chunking happens upstream.
-  return move.reshard(tree, shardings, chunk_size=None, donate=False)
-
-
 def _driver_worker(llm: Any) -> Any:
   """The in-process vLLM-TPU worker (VLLM_ENABLE_V1_MULTIPROCESSING=0), as Tunix's sampler reaches it."""
   return llm.llm_engine.model_executor.driver_worker
-
-
-def write_weights(
-    state: Any,
-    flat: Mapping[str, jax.Array],
-    model_name: str,
-    hf_config: Mapping[str, Any],
-    *,
-    param_scan_axis: int = 1,
-    chunk_size: int | None = None,
-    donate: bool = False,
-    require_all: bool = True,
-    source_checksums: dict[str, int] | None = None,
-) -> dict[str, jax.Array]:
-  """Map MaxText weights `{path: array}` to vLLM's and write them into the engine's weight `state`; returns them.
-
-  The whole sync apart from vLLM's update session: MaxText's export tables (`map_maxtext_to_vllm`), tpu-inference's
-  layout and padding (`to_engine_state`), the engine's shardings, writes into `state` (tpu-inference's
-  `get_weights_state()`: its leaves alias the runner's). `chunk_size` MaxText tensors at a time bound the HF-layout
-  copies. `require_all`: every engine weight must be written (a full sync); an adapter-only sync writes a subset.
-  `source_checksums` (a per-host sync's guard): filled with the engine-layout arrays' trainer-side checksums.
-  tests/tpu_contract/test_forward.py runs this path into the real tpu-inference classes and checks their logits.
-  """
-  engine_flat = vllm_mapping.engine_weights(state)  # weights only: tpu-inference's Llama also holds RNG state
-  flax_layout = vllm_mapping.is_flax_layout(state)
-  set_leaves = vllm_mapping.engine_state_setter(state)
-  trainer_buffers = set().union(*(move.buffer_ids(v) for v in flat.values()))
-  keys = sorted(flat)
-  step = int(chunk_size or len(keys) or 1)
-  written: dict[str, jax.Array] = {}
-  for i in range(0, len(keys), step):
-    chunk = {k: flat[k] for k in keys[i : i + step]}
-    hf = vllm_mapping.map_maxtext_to_vllm(chunk, model_name, hf_config, param_scan_axis=param_scan_axis)
-    new, _ = vllm_mapping.to_engine_state(
-        hf, engine_flat, require_all=False, head_dim=hf_config["head_dim"], flax_layout=flax_layout
-    )
-    if source_checksums is not None:
-      source_checksums.update(per_host.source_checksums(new))
-    new = _reshard(new, {k: engine_flat[k].sharding for k in new})
-    new = _unaliased(new, trainer_buffers)
-    set_leaves(new)
-    if donate:
-      keep = set(trainer_buffers).union(*(move.buffer_ids(v) for v in new.values()))
-      move.release_buffers([engine_flat[k] for k in new], keep)
-    written.update(new)
-    del hf, new
-  if require_all:
-    vllm_mapping.check_all_written(engine_flat, written)
-  return written
-
-
-def write_adapter_weights(
-    state: Any,
-    flat: Mapping[str, jax.Array],
-    layout: maxtext_layout.AdapterLayout,
-    *,
-    chunk_size: int | None = None,
-    require_all: bool = True,
-    source_checksums: dict[str, int] | None = None,
-) -> dict[str, jax.Array]:
-  """The MaxTextForCausalLM route's sync: MaxText weights `{path: array}` in the adapter's layout
-  (resharding/maxtext_layout.py), moved onto the engine's shardings and written into its weight `state`
-  (`source_checksums`: as in `write_weights`).
-
-  tests/tpu_contract/test_forward_maxtext.py runs this path into the real adapter and checks its logits.
-  """
-  engine_flat = vllm_mapping.engine_weights(state)
-  trainer_buffers = set().union(*(move.buffer_ids(v) for v in flat.values()))
-  # Identity-layout leaves (embedding, norms) can come back as the trainer's own arrays: copied, as on the native route.
-  moved = maxtext_layout.convert_and_move(layout, flat, engine_flat, chunk_size=chunk_size, checksums=source_checksums)
-  written = _unaliased(moved, trainer_buffers)
-  vllm_mapping.engine_state_setter(state)(written)
-  if require_all:
-    vllm_mapping.check_all_written(engine_flat, written)
-  return written
 
 
 class VllmRollout(base_rollout.BaseRollout):
@@ -390,7 +306,7 @@ class VllmRollout(base_rollout.BaseRollout):
     try:
       worker = _driver_worker(llm)
       if self.adapter_route:
-        written = write_adapter_weights(
+        written = vllm_sync.write_adapter_weights(
             worker.get_weights_state(),
             flat,
             self._layout,
@@ -399,7 +315,7 @@ class VllmRollout(base_rollout.BaseRollout):
             source_checksums=sources,
         )
       else:
-        written = write_weights(
+        written = vllm_sync.write_weights(
             worker.get_weights_state(),
             flat,
             cfg.model_name,
@@ -414,7 +330,7 @@ class VllmRollout(base_rollout.BaseRollout):
       if sources is not None:
         per_host.check_hosts(sources, vllm_mapping.engine_weights(worker.get_weights_state()))
       elif self._should_verify():
-        _verify_engine_holds(worker, written)
+        vllm_sync.verify_engine_holds(worker, written)
     finally:
       llm.collective_rpc("finish_weight_update")
     self._weights_valid = True
@@ -496,26 +412,6 @@ class VllmRollout(base_rollout.BaseRollout):
     pad = stops_lib.pad_stops(self._tokenizer.pad_id(), self._tokenizer.eos_id())  # as the embedded engine (why there)
     kw["stop_token_ids"] = sorted(set(int(t) for t in eos + kw["stop_token_ids"] + pad))
     return kw
-
-
-def _unaliased(new: dict, trainer_buffers: set) -> dict:
-  """Copy leaves backed by the trainer's own buffers (same layout, dtype and sharding, e.g. a colocated bf16
-  norm): the train step donates its parameters, which would delete the engine's weight under it."""
-  return {k: (jnp.copy(v) if move.buffer_ids(v) & trainer_buffers else v) for k, v in new.items()}
-
-
-def _verify_engine_holds(worker: Any, written: Mapping[str, jax.Array]) -> None:
-  """Re-read the worker's weights and check every written leaf holds what was written (`rl.verify_weight_sync`).
-
-  Catches a write path that updated a copy (e.g. a tpu-inference version whose `get_weights_state()` no
-  longer aliases the runner's arrays): the sampler would otherwise keep its dummy weights silently.
-  """
-  now = vllm_mapping.engine_weights(worker.get_weights_state())
-  for name in sorted(written):
-    got, want = now.get(name), written[name]
-    same = got is want or (got is not None and bool(jnp.array_equal(jnp.asarray(got), want)))
-    if not same:
-      raise RuntimeError(f"vLLM weight sync did not take effect: engine parameter {name} differs from the trainer's")
 
 
 def _actor_params(rollout_actor: Any) -> Any:

@@ -39,6 +39,7 @@ from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.rollout import vllm as vllm_mod
 from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.rollout import vllm_mapping as vm
+from maxtext_rl_plugin.rollout import vllm_sync
 
 DUMMY = 7.0  # the fake engine's "dummy init" value
 LLAMA = ["model_name=llama3.1-8b"]
@@ -324,7 +325,7 @@ def _build(monkeypatch, cfg, tree, tokenizer, engine_state=None):
     reshard_calls.append(sorted(new))
     return jax.device_put(new, shardings)
 
-  monkeypatch.setattr(vllm_mod, "_reshard", fake_reshard)
+  monkeypatch.setattr(vllm_sync, "_reshard", fake_reshard)
   rollout = vllm_mod.VllmRollout(
       rollout_actor=tree, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), config=cfg
   )

@@ -181,6 +181,9 @@ class ShimLLM:
   """
 
   model: Any = None  # set per test (the real tpu-inference model)
+  mesh: Any = None  # its mesh, for `generate`
+  pad_to: int = 1  # the runner's token bucket multiple (16 for the fused-MoE kernel)
+  seed: int = 0
 
   def __init__(self, **kwargs):
     self.kwargs = kwargs
@@ -192,6 +195,69 @@ class ShimLLM:
     del reset_running_requests, reset_connector  # the prefix cache is the scheduler's; there is none here
     return True
 
+  def generate(
+      self,
+      prompts,
+      sampling_params=None,
+      *,
+      use_tqdm=True,
+      lora_request=None,
+      priority=None,
+      tokenization_kwargs=None,
+      mm_processor_kwargs=None,
+  ):
+    """`vllm.LLM.generate` for token prompts, one request at a time through the real model's paged KV cache
+    (`engine_greedy`), sampled as vLLM's sampler samples for the plugin's settings (temperature, no top-k / top-p),
+    answered in vLLM's own `RequestOutput` / `CompletionOutput` / `Logprob` with `processed_logprobs` (the engine's
+    `logprobs_mode`: after temperature), the finish reason vLLM gives, and, when the engine was built with
+    `enable_return_routed_experts`, the routing vLLM's and tpu-inference's capture code returns
+    (`vllm_routed_experts`). What the stand-in does not do (stop strings, top-k / top-p, LoRA requests) raises."""
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    del use_tqdm, priority, tokenization_kwargs, mm_processor_kwargs
+    sp = sampling_params
+    if lora_request is not None or sp.stop or sp.top_k not in (0, -1) or sp.top_p < 1.0:
+      raise NotImplementedError("the vLLM stand-in samples without stop strings, top-k, top-p or LoRA requests")
+    capture = bool(self.kwargs.get("enable_return_routed_experts"))
+    experts = int(self.model.vllm_config.model_config.get_num_experts()) if capture else 0
+    temperature = float(sp.temperature)
+    stops = set(sp.stop_token_ids or ())
+    outputs = []
+    for n, prompt in enumerate(prompts):
+      ids = [int(t) for t in prompt["prompt_token_ids"]]
+      rng = np.random.default_rng((type(self).seed, len(outputs), *ids[-4:]))
+      type(self).seed += 1
+
+      def pick(row, rng=rng):
+        if temperature <= 0:
+          return int(np.argmax(row))
+        z = row.astype(np.float64) / temperature
+        p = np.exp(z - z.max())
+        return int(rng.choice(len(p), p=p / p.sum()))
+
+      steps = [] if capture else None
+      rows, tokens = engine_greedy(
+          self.model, self.mesh, ids, int(sp.max_tokens) - 1, self.pad_to, steps=steps, pick=pick, stop_ids=stops
+      )
+      chosen = np.asarray(rows[len(ids) - 1 :], np.float64) / (temperature if temperature > 0 else 1.0)
+      chosen -= chosen.max(-1, keepdims=True)
+      logps = chosen - np.log(np.exp(chosen).sum(-1, keepdims=True))
+      logprobs = [{t: Logprob(logprob=float(logps[j, t]), rank=1)} for j, t in enumerate(tokens)]
+      stopped = tokens[-1] in stops
+      comp = CompletionOutput(
+          index=0,
+          text="",
+          token_ids=tokens,
+          cumulative_logprob=float(sum(lp[t].logprob for lp, t in zip(logprobs, tokens))),
+          logprobs=logprobs,
+          routed_experts=vllm_routed_experts(steps, len(ids), experts) if capture else None,
+          finish_reason="stop" if stopped else "length",
+          stop_reason=None,
+      )
+      outputs.append(RequestOutput(str(n), None, ids, None, [comp], finished=True))
+    return outputs
+
   def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
     """As vLLM's in-process executor: the worker's method run by vLLM's own `run_method`, one result per worker."""
     from vllm.v1.serial_utils import run_method
@@ -201,7 +267,16 @@ class ShimLLM:
 
 
 def engine_greedy(
-    model, mesh, prompt: list[int], n_decode: int, pad_to: int = 1, *, prefill_split: int = 0, steps: list | None = None
+    model,
+    mesh,
+    prompt: list[int],
+    n_decode: int,
+    pad_to: int = 1,
+    *,
+    prefill_split: int = 0,
+    steps: list | None = None,
+    pick=None,
+    stop_ids=(),
 ) -> tuple[np.ndarray, list[int]]:
   """Prefill `prompt` then `n_decode` greedy decode steps through the paged KV cache of the real model.
 
@@ -210,7 +285,9 @@ def engine_greedy(
   padded to a multiple of `pad_to` as the runner's token buckets pad them (the fused-MoE kernel needs tokens x top-k
   to be a multiple of 16): the metadata covers the real tokens only. `prefill_split` > 0 prefills in two chunks, as
   vLLM's chunked prefill schedules a long prompt (the first chunk samples nothing). `steps`, when given, receives one
-  dict per engine step: what the runner hands tpu-inference's routed-experts capture (`vllm_routed_experts`).
+  dict per engine step: what the runner hands tpu-inference's routed-experts capture (`vllm_routed_experts`). `pick`
+  turns a logits row into the next token (argmax by default; ShimLLM.generate samples); decoding stops early after a
+  token in `stop_ids`.
   """
   from tpu_inference.kernels.ragged_paged_attention.v3 import kernel
   from tpu_inference.layers.common.attention_metadata import AttentionMetadata
@@ -271,10 +348,13 @@ def engine_greedy(
     if steps is not None:
       steps[-1]["sampled"] = False
   rows.append(step(prompt[prefill_split:], prefill_split, [0, 0, 1]))  # one prefill request ("mixed" group)
-  tokens = [int(np.argmax(rows[-1][-1]))]
+  pick = pick or (lambda row: int(np.argmax(row)))
+  tokens = [pick(rows[-1][-1])]
   for i in range(n_decode):
+    if tokens[-1] in stop_ids:
+      break
     rows.append(step([tokens[-1]], len(prompt) + i, [1, 1, 1]))  # one decode-only request
-    tokens.append(int(np.argmax(rows[-1][-1])))
+    tokens.append(pick(rows[-1][-1]))
   return np.concatenate(rows, axis=0), tokens
 
 

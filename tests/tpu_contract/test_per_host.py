@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from test_forward import REL_TOL
 
 import _two_processes as two_processes  # tests/_two_processes.py: pytest puts tests/ (its conftest's folder) on the path
@@ -46,3 +48,33 @@ def test_one_engine_per_host_computes_the_global_trainers_function(tmp_path):
   assert outs[0]["local_ids"] != outs[1]["local_ids"]
   for when in ("first_sync", "after_step"):
     assert outs[0][when]["tokens"] == outs[1][when]["tokens"]  # every host's engine samples the same function
+
+
+@pytest.mark.extended  # ~2 x 110 CPU-s: two train_rl processes, each decoding eagerly through the stand-in
+def test_a_two_process_train_rl_samples_from_one_vllm_engine_per_host(tmp_path):
+  """`train_rl` for 2 GRPO steps with `rollout_engine=vllm` in a multi-controller run (_per_host_train.py): each
+  process builds one engine on its own devices, the plugin's per-host sync fills it (checked every sync), each host
+  samples its share of the batch, and the step's records hold the whole batch's rewards, an update and the parity
+  gate's figures against the global trainer (float32 both sides)."""
+  outs = two_processes.run(
+      tmp_path,
+      "tpu_contract/_per_host_train.py",
+      str(tmp_path),
+      devices_per_process=4,
+      timeout=900,
+      env={"TPU_ACCELERATOR_TYPE": os.environ.get("TPU_ACCELERATOR_TYPE", "v5litepod-4")},
+  )
+  for p, o in enumerate(outs):
+    assert o["process"] == p and o["rc"] == 0 and o["engines"] == 1
+    assert o["device_indexes"] == [o["local_ids"]]  # the engine on this process's own devices
+  steps = [r for r in outs[0]["records"] if "reward/mean" in r]
+  print(
+      "\n".join(
+          str({k: v for k, v in r.items() if k.startswith(("step", "reward/mean", "parity", "time/weight"))})
+          for r in steps
+      )
+  )
+  assert [r["step"] for r in steps] == [1, 2]
+  for r in steps:
+    assert r["opt/updates"] >= 1 and r["time/weight_sync_s"] > 0
+    assert r["parity/tokens"] > 0 and r["parity/logp_abs_diff_mean"] < 1e-4, r  # the engine samples the trainer
