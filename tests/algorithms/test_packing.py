@@ -300,7 +300,7 @@ def test_packed_moe_replay_gives_the_padded_replayed_loss_and_gradients(family):
   """rl.router_replay on packed rows: the batch's routing packed with its tokens (each token's experts at its packed
   slot) gives the padded replayed forward's loss and gradients; the routing is not the model's own, so replay is not
   the identity (the free forward's loss differs). With load_balance_loss_weight > 0 the packed update keeps MaxText's
-  load-balancing term."""
+  load-balancing term (checked on Mixtral, extended tier)."""
   config = config_lib.load_config(_moe_argv(family, "rl.router_replay=true", "rl.grpo_beta=0.04"))
   rs = models.setup_devices(config_lib.parse(_moe_argv(family)))
   model, mesh = _actor(rs.trainer_config, rs.trainer_devices, False)
@@ -336,6 +336,8 @@ def test_packed_moe_replay_gives_the_padded_replayed_loss_and_gradients(family):
   for k, g in want.items():
     assert np.linalg.norm(got[k] - g) <= 1e-4 * max(np.linalg.norm(g), 1e-6), (k, np.linalg.norm(got[k] - g))
 
+  if family != "mixtral":  # the load-balancing check builds a second model: once, in the extended tier
+    return
   lb_config = config_lib.load_config(_moe_argv(family, "rl.router_replay=true", "load_balance_loss_weight=0.01"))
   lb_loss_fn, lb_algo = programs.loss_fn_of(lb_config)
   lb_rs = models.setup_devices(config_lib.parse(_moe_argv(family, "load_balance_loss_weight=0.01")))

@@ -46,7 +46,8 @@ MOE = [
 FAMILIES = {
     # family: (MaxText argv, rollout TP)
     "llama3.1": (["model_name=llama3.1-8b", "head_dim=32"], 4),
-    "qwen3": (["model_name=qwen3-30b-a3b", "head_dim=32", *MOE], 2),
+    # rl.router_replay: the engine captures its routing (test_vllm_routing.py shares this pair); the logits must not move
+    "qwen3": (["model_name=qwen3-30b-a3b", "head_dim=32", *MOE, "rl.router_replay=true"], 2),
     "mixtral": (["model_name=mixtral-8x7b", "head_dim=32", "base_mlp_dim=64", *MOE], 2),  # fully MoE: mlp = moe mlp
     "gemma3": (["model_name=gemma3-4b", "head_dim=32"], 2),
 }
