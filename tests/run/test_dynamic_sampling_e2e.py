@@ -163,6 +163,9 @@ def test_rollouts_ahead_with_lora_resume_at_the_checkpointed_position(tmp_path):
   assert all(r["parity/logp_abs_diff_mean"] < 1e-4 for r in steps if "parity/logp_abs_diff_mean" in r)
 
 
+# ~67 s: the default tier checks a stop mid-run with test_reliability.py's SIGTERM checkpoint and resume, and the refill
+# loop with the LoRA resume test above.
+@pytest.mark.extended
 def test_a_stop_during_refills_is_honoured_within_a_round(tmp_path):
   # Step 1 is informative; from step 2 on every group is uniform (informative_once), so step 2 refills up to
   # rl.max_refill_rounds=100 rounds. A SIGTERM during its second refill (the 4th reward call) used to wait for all 100

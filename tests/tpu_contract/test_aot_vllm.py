@@ -100,6 +100,9 @@ def test_tiny_vllm_rollout_compiles_for_v5p_8_with_the_kernel_and_vllms_kv_pool(
     assert "RPAd-" in text and "RPAm-" in text, name
 
 
+# ~40 s (a second compile subprocess): the default tier compiles the fitting rollout and checks the KV pool's
+# arithmetic; tests/aot/test_aot.py checks the one-line no-fit exit for the embedded programs.
+@pytest.mark.extended
 @needs_libtpu
 def test_a_sampler_that_cannot_hold_its_weights_is_one_line_and_exit_2(tmp_path):
   # 0.02% of 95 GiB is 0.019 GiB: the weights (0.03 GiB a chip) and the colocated trainer's state are already past it.

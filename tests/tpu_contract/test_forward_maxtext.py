@@ -143,6 +143,7 @@ def test_adapter_computes_maxtexts_function_before_and_after_a_train_step(model_
   assert parity.exceeded(pair.parity, parity.tolerance(pair.cfg, "vllm")) is None, pair.parity  # the gate lets it run
 
 
+@pytest.mark.extended  # ~35 s (builds the Llama adapter pair): each route is checked against MaxText's forward
 def test_llama_adapter_and_native_class_agree_on_the_same_weights(model_dir):
   """The two vLLM routes for Llama 3.1 compute the same function: the native LlamaForCausalLM synced from the adapter
   pair's actor gives the adapter engine's logits."""
