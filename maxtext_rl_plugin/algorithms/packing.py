@@ -152,27 +152,6 @@ def pack(
   return Packed(tokens, positions, segments, src_row, src_col, valid, row, offset, packed_routing)
 
 
-def packed_token_logps(
-    model: Any,
-    tokens: jax.Array,
-    positions: jax.Array,
-    segments: jax.Array,
-    src_row: jax.Array,
-    src_col: jax.Array,
-    valid: jax.Array,
-    temperature: float = 1.0,
-    with_entropy: bool = False,
-    forced: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array | None]:
-  """[B, T] log-probs of the completion tokens (0 where not `valid`) from one forward of the packed rows; with
-  `with_entropy`, also the [B, T] entropy of each token's next-token distribution (no gradient). `forced`: the packed
-  routing to replay (`Packed.routing`, rl.router_replay)."""
-  logps, entropy, _ = packed_forward(
-      model, tokens, positions, segments, src_row, src_col, valid, temperature, with_entropy, forced
-  )
-  return logps, entropy
-
-
 def packed_forward(
     model: Any,
     tokens: jax.Array,
@@ -186,8 +165,10 @@ def packed_forward(
     forced: jax.Array | None = None,
     lb_config: Any = None,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
-  """`packed_token_logps`, plus MaxText's load-balancing term of the packed forward when `lb_config` (MaxText's
-  config) is given (moe.lb_loss; None when the model sows none).
+  """([B, T] log-probs of the completion tokens (0 where not `valid`), their entropy, the load-balancing term) from one
+  forward of the packed rows. The entropy of each token's next-token distribution (no gradient) with `with_entropy`,
+  else None; `forced`: the packed routing to replay (`Packed.routing`, rl.router_replay); MaxText's load-balancing
+  term (moe.lb_loss) when `lb_config` (MaxText's config) is given and the model sows one, else None.
 
   Replay and the load-balancing term run on a model merged for this one forward, as moe.forward_logps does: forcing
   changes the MoE modules' classes and both leave intermediates, which must not land on the trainer's model."""
@@ -312,7 +293,7 @@ def pack_update_batches(
   return packed * iterations, metrics(distinct, [h["packed_segments"] for h in host])
 
 
-_packed_logps_jit = nnx.jit(packed_token_logps, static_argnames=("temperature", "with_entropy"))
+_packed_forward_jit = nnx.jit(packed_forward, static_argnames=("temperature", "with_entropy"))
 
 
 def batch_logps(
@@ -342,7 +323,7 @@ def batch_logps(
         row_tokens,
         routing=None if routing is None else routing[s : s + step],
     )
-    lp, _ = _packed_logps_jit(
+    lp, _, _ = _packed_forward_jit(
         model,
         *(put(x) for x in (pk.tokens, pk.positions, pk.segments, pk.src_row, pk.src_col, pk.valid)),
         temperature=float(temperature),

@@ -52,6 +52,10 @@ class TrainerLogps:
   def reference(self, prompt_ids, completion_ids, pad_id: int, temperature: float, micro_batch_size=None) -> jax.Array:
     """The reference model's log-probs on packed rows (a packed run; otherwise Tunix's `get_ref_per_token_logps`)."""
     model = self._cluster.inference_worker.get_model("reference")
+    return self._packed(model, prompt_ids, completion_ids, pad_id, temperature, micro_batch_size)
+
+  def _packed(self, model, prompt_ids, completion_ids, pad_id, temperature, micro_batch_size, forced=None) -> jax.Array:
+    """`model`'s log-probs on packed rows (algorithms/packing.py), on the trainer mesh; `forced` replays routing."""
     with self._mesh, nn_partitioning.axis_rules(self._rules):
       return packing.batch_logps(
           model,
@@ -62,6 +66,7 @@ class TrainerLogps:
           temperature,
           put_rows(self._cluster),
           micro_batch_size,
+          forced=forced,
       )
 
   def __call__(
@@ -75,26 +80,15 @@ class TrainerLogps:
       forced: jax.Array | None = None,
   ) -> jax.Array:
     model = self._cluster.actor_trainer.model
-    config = getattr(getattr(model, "base", None), "config", None)
-    graphdef, state = nnx.split(model)
     temperature = float(temperature) if temperature and temperature > 0 else 1.0
     rows = prompt_ids.shape[0]
     step = micro_batch_size or rows
-    outs, routes = [], []
     if self.row_tokens > 0:  # packed rows; an MoE batch's routing is packed with them (the trainer's is not unpacked)
       self.last_routing = None
-      with self._mesh, nn_partitioning.axis_rules(self._rules):
-        return packing.batch_logps(
-            model,
-            prompt_ids,
-            completion_ids,
-            pad_id,
-            self.row_tokens,
-            temperature,
-            put_rows(self._cluster),
-            step,
-            forced=forced,
-        )
+      return self._packed(model, prompt_ids, completion_ids, pad_id, temperature, step, forced)
+    config = getattr(getattr(model, "base", None), "config", None)
+    graphdef, state = nnx.split(model)
+    outs, routes = [], []
     with self._mesh, nn_partitioning.axis_rules(self._rules):
       if config is not None and moe.is_moe(config):
         if self._moe_fn is None:  # the actor's graph is fixed; weights and the forced routing are arguments

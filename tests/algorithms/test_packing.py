@@ -26,7 +26,7 @@ from maxtext_rl_plugin.run import accumulation
 from test_accumulation import LORA, SMALL, _actor
 
 PAD = programs.PAD_ID
-_packed_logps = nnx.jit(packing.packed_token_logps, static_argnames=("temperature", "with_entropy"))
+_packed_logps = nnx.jit(packing.packed_forward, static_argnames=("temperature", "with_entropy"))
 ROW = 40  # two of the longest sequences (8 + 12 tokens) per row
 
 
@@ -124,7 +124,7 @@ def test_packed_log_probs_equal_the_padded_forward(models_by_lora):
         graphdef, state, jnp.asarray(prompt), jnp.asarray(completion), PAD, programs.EOS_ID, temperature=0.7
     )
     pk = packing.pack(prompt, completion, PAD, ROW)
-    got, _ = _packed_logps(
+    got, _, _ = _packed_logps(
         model,
         *(jnp.asarray(x) for x in (pk.tokens, pk.positions, pk.segments, pk.src_row, pk.src_col, pk.valid)),
         temperature=0.7,
@@ -133,7 +133,7 @@ def test_packed_log_probs_equal_the_padded_forward(models_by_lora):
   np.testing.assert_allclose(np.asarray(got)[mask], np.asarray(padded)[mask], rtol=2e-5, atol=2e-5)
   assert np.all(np.asarray(got)[~mask] == 0.0)
   # not vacuous: the same indices on rows packed without segment ids read other sequences' context
-  cross, _ = _packed_logps(
+  cross, _, _ = _packed_logps(
       model,
       *(jnp.asarray(x) for x in (pk.tokens, pk.positions, np.ones_like(pk.segments), pk.src_row, pk.src_col, pk.valid)),
       temperature=0.7,
@@ -237,7 +237,7 @@ def test_micro_batches_get_their_own_sequences_and_rows(models_by_lora):
     for i in range(steps):
       micro = jax.tree.map(lambda x, i=i: x[i], split)
       assert np.array_equal(np.asarray(micro.completion_ids), completion[i::steps])
-      got, _ = _packed_logps(
+      got, _, _ = _packed_logps(
           model,
           micro.packed_tokens,
           micro.packed_positions,
