@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
   x.add_argument("--max-restarts", type=int, default=None)
   x.add_argument("--config", default=xpk_lib.DEFAULT_CONFIG, help="train_rl yml (a shipped name or a path in the image)")
   x.add_argument("--dry-run", action="store_true", help="print the xpk command (one line) and run nothing")
+  x.add_argument(
+      "--allow-local-output",
+      action="store_true",
+      help="accept a base_output_directory that is not gs:// (a volume every pod mounts); refused otherwise",
+  )
 
   for name, helptext in (("xpk-delete", "xpk workload delete"), ("xpk-list", "xpk workload list")):
     d = sub.add_parser(name, help=helptext)
@@ -87,7 +92,12 @@ def _parser() -> argparse.ArgumentParser:
   )
   r.add_argument("--storage-path", default=None, help="Ray Train storage (shared across nodes, e.g. /data or gs://)")
   r.add_argument("--result-dir", default=None, help="smoke: write each worker's metrics to <dir>/rank<i>.json")
-  r.add_argument("--address", default=None, help="Ray cluster address (default: RAY_ADDRESS or a local cluster)")
+  r.add_argument(
+      "--address",
+      default=None,
+      help="Ray cluster: host:port (the head's GCS), ray://host:port, auto or local (default: RAY_ADDRESS or a local "
+      "cluster); a head that does not answer within seconds is one error line",
+  )
   r.add_argument("--num-cpus", type=int, default=None, help="CPUs of a local Ray cluster started by the launcher")
   r.add_argument(
       "--max-failures",
@@ -122,6 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           zone=args.zone,
           max_restarts=args.max_restarts,
           config=args.config,
+          allow_local_output=args.allow_local_output,
       )
       for w in xpk_lib.warnings_for(overrides, args.max_restarts, dict(os.environ)):
         print(f"warning: {w}", file=sys.stderr, flush=True)

@@ -44,6 +44,18 @@ DEFAULT_CONFIG = xpk_lib.DEFAULT_CONFIG
 TPU_WORKER_ENV = {"JAX_PLATFORMS": "tpu", "ENABLE_PJRT_COMPATIBILITY": "true"}
 _FORCE_DEVICES_RE = re.compile(r"--xla_force_host_platform_device_count=\S+")
 
+# A Ray address as `ray.init` takes it: `auto` / `local` (Ray resolves them), `host:port` (the head's GCS port) or
+# `ray://host:port` (Ray Client). Ray's own parser takes `not-an-address:xx` apart and raises a ValueError traceback
+# deep in ray.init; an address that nothing answers on (a closed port, a firewalled head) makes ray.init retry for
+# minutes. Both are checked here first: the form before --dry-run returns, the head by a short probe before ray.init.
+ADDRESS_KEYWORDS = ("auto", "local")
+_ADDRESS_RE = re.compile(r"^(?:ray://)?(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s/:\[\]@?#]+):(?P<port>[0-9]{1,5})$")
+ADDRESS_FORMS = "host:port (the head's GCS port, e.g. 10.0.0.2:6379), ray://host:port (Ray Client), auto or local"
+# Seconds the probe waits for the head to accept a TCP connection and then to answer the HTTP/2 preface (GCS and the
+# Ray Client server are gRPC servers: HTTP/2, which answers a client preface with its SETTINGS frame at once).
+PROBE_TIMEOUT_S = 5.0
+_HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # + an empty SETTINGS
+
 
 # Every numeric flag of `launch ray` (a field of RayLaunch) -> (accepts the value, what is expected); None (unset) is
 # not checked. tests/launch/test_launch_ray.py fails when a numeric field is missing here.
@@ -94,9 +106,19 @@ class RayLaunch:
       raise xpk_lib.LaunchError(f"invalid --entry '{self.entry}': expected one of {', '.join(ENTRIES)}")
     if self.use_tpu and not (self.tpu_topology and self.accelerator_type):
       raise xpk_lib.LaunchError("TPU workers need both --tpu-topology (e.g. 4x4) and --accelerator-type (e.g. TPU-V6E)")
+    self.head()  # the address's form, also for --dry-run (ray.init would raise a ValueError traceback)
     if self.entry == "train_rl" and check_overrides:
       pc = xpk_lib.validate_overrides(self.config, self.train_argv()[1:])
       validation.check_processes(pc, self.num_workers)  # what the trainer refuses across processes, before Ray starts
+
+  def head(self, environ: dict[str, str] | None = None) -> tuple[str, int] | None:
+    """(host, port) of the head node ray.init connects to: --address, or RAY_ADDRESS where ray.init reads it (no
+    --address, or `auto`); None where Ray starts or finds a local cluster itself."""
+    environ = os.environ if environ is None else environ
+    env = environ.get("RAY_ADDRESS", "").strip()
+    if env and (self.address is None or self.address.strip() == "auto"):
+      return head_address(env, "RAY_ADDRESS")
+    return head_address(self.address)
 
   def run_name(self) -> str:
     return self.name or xpk_lib.override_value(self.overrides, "run_name") or "maxtext-rl"
@@ -183,6 +205,44 @@ class RayLaunch:
         f"worker_env={json.dumps(env, sort_keys=True)} failure={json.dumps(self.failure_config_kwargs())} "
         f"argv={json.dumps(self.loop_config()['argv'])}"
     )
+
+
+def head_address(address: str | None, source: str = "--address") -> tuple[str, int] | None:
+  """(host, port) of the head node `address` names; None for auto, local or no address (Ray resolves those itself).
+  Anything else is one `LaunchError` line naming `source` (the flag, or RAY_ADDRESS)."""
+  if address is None or address.strip() in ADDRESS_KEYWORDS:
+    return None
+  m = _ADDRESS_RE.match(address.strip())
+  port = int(m["port"]) if m else 0
+  if not 1 <= port <= 65535:
+    raise xpk_lib.LaunchError(f"{source} '{address}' is not a Ray address: expected {ADDRESS_FORMS}")
+  return m["host"].strip("[]"), port
+
+
+def probe_head(host: str, port: int, timeout_s: float | None = None) -> None:
+  """Fail in seconds, in one line, where ray.init would retry for minutes: nothing listens at host:port (a closed
+  port, a host that drops the connection attempt), or something accepts and never answers a gRPC client's first
+  bytes (not a Ray head, or a hung one). Sends HTTP/2's client preface and waits for any answer: a GCS or Ray Client
+  server replies with its SETTINGS frame at once. With TLS (RAY_USE_TLS) the server expects a TLS handshake, so only
+  the connection is checked."""
+  timeout_s = PROBE_TIMEOUT_S if timeout_s is None else timeout_s
+  where = f"the Ray head at {host}:{port}"
+  try:
+    with socket.create_connection((host, port), timeout=timeout_s) as s:
+      if os.environ.get("RAY_USE_TLS", "0").strip().lower() in ("1", "true"):
+        return
+      s.sendall(_HTTP2_PREFACE)
+      s.recv(1)  # any byte, or the peer closing, is an answer
+  except socket.timeout:
+    raise xpk_lib.LaunchError(
+        f"{where} did not answer within {timeout_s:g} s (a firewall dropping the connection, or a port that is not "
+        "a Ray head's GCS / Ray Client port); check --address (or RAY_ADDRESS) and that `ray start --head` runs there"
+    ) from None
+  except OSError as e:
+    why = e.strerror or str(e) or type(e).__name__
+    raise xpk_lib.LaunchError(
+        f"cannot reach {where}: {why}; check --address (or RAY_ADDRESS) and that `ray start --head` runs there"
+    ) from None
 
 
 def _cpu_xla_flags(inherited: str, devices: int) -> str:
@@ -290,6 +350,9 @@ def run(launch: RayLaunch, *, dry_run: bool = False) -> int:
   """Validate, print what runs, and (unless dry_run) connect to Ray and fit. Returns an exit code."""
   launch.validate()
   trainer = build_trainer(launch)
+  head = None if dry_run else launch.head()
+  if head is not None:
+    probe_head(*head)  # seconds, one line: ray.init retries an unreachable head for minutes
   for w in launch.warnings():
     print(f"warning: {w}", file=sys.stderr, flush=True)
   print(launch.describe(), file=sys.stdout if dry_run else sys.stderr, flush=True)
@@ -300,7 +363,10 @@ def run(launch: RayLaunch, *, dry_run: bool = False) -> int:
   init_kwargs: dict[str, Any] = {"address": launch.address, "ignore_reinit_error": True}
   if launch.num_cpus and not launch.address and not os.environ.get("RAY_ADDRESS"):
     init_kwargs["num_cpus"] = launch.num_cpus  # only meaningful for a local cluster started here
-  ray.init(**init_kwargs)
+  try:
+    ray.init(**init_kwargs)
+  except ConnectionError as e:  # `auto` with no cluster running, a head that went away after the probe
+    raise xpk_lib.LaunchError(f"Ray could not connect: {' '.join(str(e).split())[:300]}") from None
   try:
     result = trainer.fit()
   finally:

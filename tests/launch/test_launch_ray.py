@@ -8,11 +8,14 @@ MAXTEXT_RL_TEST_RAY_ENTRY=train_rl to run `train_rl configs/cpu_tiny.yml num_bat
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -154,6 +157,102 @@ def test_hf_access_token_override_travels_in_the_environment_never_argv(monkeypa
   launch = ray_lib.RayLaunch(num_workers=2, overrides=[f"hf_access_token={secret}", "run_name=tok"])
   assert all(secret not in a for a in launch.train_argv()) and launch.worker_env({})["HF_TOKEN"] == secret
   assert secret not in launch.describe() and secret not in json.dumps(launch.loop_config())
+
+
+@pytest.mark.parametrize(
+    "address, env, needle",
+    [
+        ("not-an-address:xx", None, "--address 'not-an-address:xx' is not a Ray address"),
+        ("10.0.0.2", None, "--address '10.0.0.2' is not a Ray address"),
+        ("127.0.0.1:0", None, "is not a Ray address"),
+        ("127.0.0.1:70000", None, "is not a Ray address"),
+        ("ray://", None, "is not a Ray address"),
+        ("http://127.0.0.1:8265", None, "is not a Ray address"),  # the dashboard's job-submission address
+        (None, "head:port", "RAY_ADDRESS 'head:port' is not a Ray address"),
+        ("auto", "nope", "RAY_ADDRESS 'nope' is not a Ray address"),  # ray.init reads RAY_ADDRESS for auto
+    ],
+)
+def test_a_malformed_address_is_one_line_also_in_dry_run(address, env, needle, monkeypatch, launch_cli):
+  """Issue 61: `--address not-an-address:xx` was a ValueError traceback from inside ray.init, and --dry-run accepted
+  it. The form is checked with the other flags, before --dry-run returns."""
+  if env is None:
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+  else:
+    monkeypatch.setenv("RAY_ADDRESS", env)
+  argv = ["ray", "--num-workers", "1", "--entry", "smoke", "--dry-run"]
+  rc, out, err = launch_cli(argv + (["--address", address] if address else []))
+  assert rc == 2 and out == "" and err.count("\n") == 1 and needle in err, err
+  assert "ray://host:port" in err  # the forms Ray takes
+
+
+def test_well_formed_addresses_pass_the_dry_run(monkeypatch, launch_cli):
+  monkeypatch.delenv("RAY_ADDRESS", raising=False)
+  for address in ("auto", "local", "10.0.0.2:6379", "ray://head-svc.ns.svc.cluster.local:10001", "[::1]:6379"):
+    rc, out, err = launch_cli(["ray", "--num-workers", "1", "--entry", "smoke", "--dry-run", "--address", address])
+    assert rc == 0 and out.startswith("ray JaxTrainer"), (address, err)
+  assert ray_lib.head_address("ray://[::1]:10001") == ("::1", 10001)
+
+
+@pytest.fixture(name="no_ray_init")
+def _no_ray_init(monkeypatch):
+  """ray.init must never be reached for an unreachable head (it retried for minutes); the probe is shortened."""
+  ray = pytest.importorskip("ray")
+
+  def init(**kwargs):
+    raise AssertionError(f"ray.init reached with {kwargs}")
+
+  monkeypatch.setattr(ray, "init", init)
+  monkeypatch.setattr(ray_lib, "PROBE_TIMEOUT_S", 0.5, raising=False)  # absent before the probe existed
+  monkeypatch.delenv("RAY_ADDRESS", raising=False)
+  monkeypatch.delenv("RAY_USE_TLS", raising=False)
+
+
+def _launch_smoke(launch_cli, address):
+  t0 = time.monotonic()
+  rc, out, err = launch_cli(["ray", "--num-workers", "1", "--entry", "smoke", "--address", address])
+  return rc, out, err, time.monotonic() - t0
+
+
+def test_a_closed_port_is_one_line_in_seconds(no_ray_init, launch_cli):
+  """Issue 61: `--address 127.0.0.1:1` hung past 120 s inside ray.init. A port bound and not listening (loopback
+  only) refuses the connection: one line before ray.init."""
+  del no_ray_init
+  with socket.socket() as closed:
+    closed.bind(("127.0.0.1", 0))  # held, not listening: no other process can take the port during the test
+    port = closed.getsockname()[1]
+    rc, _, err, seconds = _launch_smoke(launch_cli, f"127.0.0.1:{port}")
+  assert rc == 2 and err.count("\n") == 1, err
+  assert err.startswith(f"error: cannot reach the Ray head at 127.0.0.1:{port}: Connection refused"), err
+  assert seconds < 15, seconds  # the ray.train import of build_trainer included
+
+
+def test_a_head_that_accepts_and_never_answers_is_one_line_in_seconds(no_ray_init, launch_cli):
+  """A listening socket that never speaks (the kernel completes the handshake; nobody reads or writes) stands for
+  an unreachable or hung head node: the probe's answer timeout ends it in one line."""
+  del no_ray_init
+  with socket.socket() as silent:
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    for address in (f"127.0.0.1:{port}", f"ray://127.0.0.1:{port}"):
+      rc, _, err, seconds = _launch_smoke(launch_cli, address)
+      assert rc == 2 and err.count("\n") == 1, err
+      assert err.startswith(f"error: the Ray head at 127.0.0.1:{port} did not answer within 0.5 s"), err
+      assert seconds < 15, seconds
+
+
+def test_the_probe_passes_a_real_grpc_server():
+  """The reference for "answers": a gRPC server (what the head's GCS and Ray Client server are), on loopback."""
+  grpc = pytest.importorskip("grpc")
+  server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+  port = server.add_insecure_port("127.0.0.1:0")
+  server.start()
+  try:
+    t0 = time.monotonic()
+    ray_lib.probe_head("127.0.0.1", port, timeout_s=5)
+    assert time.monotonic() - t0 < 5
+  finally:
+    server.stop(None)
 
 
 @pytest.mark.solo
