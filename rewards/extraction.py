@@ -50,57 +50,42 @@ RULES = (
 DEFAULT_SOLUTION_START = "<answer>"  # MaxText rl.yml's solution tags; RewardConfig and the data prompts use these
 DEFAULT_SOLUTION_END = "</answer>"
 
-# A qualifier between an answer marker and its number ("the answer is not 5", "#### at least 5"): not one value.
-_QUALIFIER = (
-    r"(?P<q>(?:(?i:not|never|no|(?:less|fewer|more|greater)[ \t]+than|at[ \t]+(?:least|most)|up[ \t]+to|about|around"
-    r"|approximately|approx\.?|roughly|nearly|almost|over|under|above|below|between|either|maybe|perhaps|possibly"
-    r"|probably|likely|definitely|certainly|clearly|surely|exactly|precisely|really|actually|just|simply|then|thus"
-    r"|therefore|so|now)[ \t]{1,4}){1,3}|(?:[<>]=?|!=|[~\u2264\u2265\u2248\u2260])[ \t]{0,2})?"
-)
-_MARKED_NUM = r"(?P<v>" + ng.SPACED_SIGN + ng.NUM + ")"
-_OPEN = r"[\[(]?[ \t]{0,2}"  # "#### [3, 5]": a bracket opening a list (the tail then sees the list)
-_HASH_RE = re.compile(r"####[ \t]{0,16}" + _QUALIFIER + _OPEN + r"\$?[ \t]{0,4}" + _MARKED_NUM)
-_ANSWER_IS_RE = re.compile(
-    r"answer(?:[ \t]{1,4}is|[ \t]{0,4}:|[ \t]{1,4}=)[ \t]{0,8}(?:\*\*)?[ \t]{0,4}"
-    + _QUALIFIER
-    + _OPEN
-    + r"\\?\$?[ \t]{0,4}(?:\\boxed\{)?"
-    + _MARKED_NUM,
+# Answer markers: "the answer is", "Answer:", "answer =", and "the answer <modal> be": a modal of possibility ("could",
+# "might", "may", "can") makes the clause a guess (ambiguous); the others assert.
+_ANSWER_MARK_RE = re.compile(
+    r"answer(?:[ \t]{1,4}is|[ \t]{0,4}:|[ \t]{1,4}=|[ \t]{1,4}(?P<modal>could|might|may|can|would|will|should|must)"
+    r"[ \t]{1,4}be)(?:[ \t]{0,4}:)?",
     re.IGNORECASE,
 )
-# Every answer marker, with or without a number after it (the last one's clause is checked for hedges).
-_ANSWER_MARK_RE = re.compile(r"answer(?:[ \t]{1,4}is|[ \t]{0,4}:|[ \t]{1,4}=)", re.IGNORECASE)
-_A_COLON_RE = re.compile(
-    r"(?:^|\n)[ \t]{0,8}(?:\*\*)?A(?:\*\*)?[ \t]{0,4}:[ \t]{0,8}" + _QUALIFIER + _OPEN + r"\\?\$?[ \t]{0,4}" + _MARKED_NUM
-)
-# What may follow a marked number and makes it one of several ("#### 3-5", "the answer is 3 or 5", "A: 3:30",
-# "answer: 5 or more", "5+"): another number after a connective, a dash, colon or slash, a list comma, "or more".
-_NUMBER_AHEAD = r"[ \t]{0,2}\(?(?:\\?\$)?[ \t]{0,2}(?:" + ng.MINUS_CLASS + r"[ \t]{0,2})?\.?\d"
-_HEDGE_TAIL_RE = re.compile(
-    r"[ \t]{0,4}\(?(?:"
-    r"(?:,[ \t]{0,4})?(?i:or|to|and|through|thru|nor|vs\.?|versus)[ \t]{1,4}"
-    + _NUMBER_AHEAD
-    + r"|(?:,[ \t]{0,4})?(?i:or[ \t]{1,4}(?:more|less|fewer|so|above|below|over|under|greater|higher|lower))\b"
-    + r"|[,;]"
-    + _NUMBER_AHEAD
-    + r"|[-\u2013\u2014\u2212~:/]"
-    + _NUMBER_AHEAD
-    + r"|\+(?![ \t]{0,4}[\d(\\.])"
-    + r"|[ \t]{0,2}\?"
-    + r"|-?(?i:ish)\b"
-    + r"|(?:,[ \t]{0,4})?(?i:or)\b[^.\n]{0,40}?\d"
-    + r")"
-)
+_GUESSING_MODALS = ("could", "might", "may", "can")
+_A_COLON_RE = re.compile(r"(?:^|\n)[ \t]{0,8}(?:\*\*)?A(?:\*\*)?[ \t]{0,4}:")
 _PLAIN_ANSWER_RE = re.compile(r"\\?\$?-?\d[\d,]*(?:\.\d*)?%?")
-_CLAUSE_END_RE = re.compile(r"[.!;]?(?:\s*\n|[.!;](?:\s|\Z|<))|<|\b(?:because|since|as|so|which|that|where|when)\b")
+# Where a marked clause ends: a line break, a sentence end (a stop before a capital, a tag or the end: "ca. 5" and
+# "5..6" go on), a tag, or a subordinate clause ("because", "since", "which").
+_CLAUSE_END_RE = re.compile(
+    r"[.!;]?[ \t]*\n|[.!;](?=[ \t]*(?:[A-Z<]|\Z))|<|\b(?:because|since|as|so|which|that|where|when)\b"
+)
 # Words of prose (two letters or more, not a LaTeX command): a body with them is read by its numbers, not sent whole to
 # math_verify, which would take a piece of "779 (approx.)" or "5 (3 apples)".
 _PROSE_RE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z]{2,}")
 _LIST_RE = re.compile(r"[,;][ \t]{1,4}[-\d.\\$]")
+_LIST_SEP_RE = re.compile(r"[,;][ \t]{1,4}\S")  # "x = 5, y = 6": several equations, not one
+_DIGIT_UNDERSCORE_RE = re.compile(r"\d_\d")  # "1_000": no grouping the grammar reads (Python's), never "1" or "000"
 # A minus sign right before a box, and what comes before it: an operand (a digit, a closing bracket, a one-letter
 # variable) makes it the operator of an expression ("10 - \\boxed{5}", "x - \\boxed{5}"); else it is the box's sign.
 _SIGN_BEFORE_RE = re.compile(r"(?P<sign>" + ng.MINUS_CLASS + r")[ \t$]*\Z")
 _OPERAND_BEFORE_RE = re.compile(r"(?:[\d)\]}]|(?<![A-Za-z])[A-Za-z])[ \t$]*\Z")
+# Math delimiters around a box ("$\\boxed{5}$", "\\(\\boxed{5}\\)"): markup, not part of its value.
+_DELIMS_RE = re.compile(r"\$|\\[()\[\]]")
+# What joins one value to another right before a box in free text ("\\boxed{5} or \\boxed{6}", "5 then \\boxed{6}").
+_JOINED_BEFORE_RE = re.compile(
+    r"(?:\d|\}|\b(?i:or|and|then|to|nor|vs|versus|through|thru|between|from|plus|minus|times|than)|"
+    r"\b(?i:could|might|may|can)[ \t]+be)[ \t,]*\Z"
+)
+# A relation right before the last number of free text ("~5", "≳ 5", "< 5"): the number does not stand alone.
+_RELATION_BEFORE_RE = re.compile(
+    r"(?:[≤≥≦≧≠≈≃≅±∓⩽⩾≲≳≪≫∼≍≊≒≶≷⪅⪆∝]|(?<![\\\w])~|(?<![\w\"'/-])[<>]=?)[ \t]{0,2}\Z"  # not a tag's ">" nor "->"
+)
 _BRACE_RE = re.compile(r"[{}]")
 _BOXED = "\\boxed"
 _MATH_CHARS = frozenset("\\^{}()*/+=<>|[]_")
@@ -162,21 +147,56 @@ def _last_match(regex: re.Pattern, text: str) -> Optional[re.Match]:
   return last
 
 
-def _boxed_value(text: str, box: tuple[int, int, int]) -> tuple[str, Optional[str]]:
+def _boxed_value(text: str, box: tuple[int, int, int], free: bool = False) -> tuple[str, Optional[str]]:
   """(answer, verdict) of a box in `text` (see `_read_answer`): a minus sign just before the box is its sign
-  ("-\\boxed{5}" is -5); after an operand ("10 - \\boxed{5}") the box is part of an expression, not one value."""
+  ("-\\boxed{5}" is -5); after an operand ("10 - \\boxed{5}") the box is part of an expression, not one value. What
+  stands around the box must read too (`_box_context`): "2\\boxed{5}", "\\boxed{5}0", "\\boxed{5} or 6" do not."""
   content = text[box[1] : box[2]].strip()
+  start, sign = box[0], ""
   m = _SIGN_BEFORE_RE.search(text, max(0, box[0] - 16), box[0])
-  if m is None:
-    return _read_answer(content)
-  if _OPERAND_BEFORE_RE.search(text, max(0, m.start() - 16), m.start()):
-    return text[max(0, box[0] - 40) : box[2] + 1].strip(), RULE_AMBIGUOUS
-  return _read_answer("-" + content)
+  if m is not None:
+    if _OPERAND_BEFORE_RE.search(text, max(0, m.start() - 16), m.start()):
+      return text[max(0, box[0] - 40) : box[2] + 1].strip(), RULE_AMBIGUOUS
+    start, sign = m.start(), "-"
+  verdict = _box_context(text, start, box[2] + 1, free)
+  if verdict is not None:
+    return text[max(0, start - 40) : box[2] + 41].strip(), verdict
+  return _read_answer(sign + content)
+
+
+def _box_context(text: str, start: int, end: int, free: bool) -> Optional[str]:
+  """The verdict on the text around a box at text[start:end] (None: the box is the answer). Nothing may be glued to
+  it ("2\\boxed{5}", "\\boxed{5}^2", "\\boxed{3}\\frac12"); what follows it to the end of its clause must read as a
+  span's tail (answer_rule.read_tail: "\\boxed{5} or 6", "$\\boxed{5}$ thousand" do not); what precedes it must read
+  as a span's lead in a tag body, and in free text (`free`: working precedes it) must not join it to another value
+  ("\\boxed{5} or \\boxed{6}") nor qualify it ("about \\boxed{5}")."""
+  before, after = text[:start].rstrip(" \t$"), text[end:]
+  if text[start - 1 : start].isalnum() or text[start - 1 : start] in ("}", "_", "^") or after[:1].isalnum():
+    return RULE_AMBIGUOUS
+  if after[:1] in ("^", "_", "{", "\\") and not after.startswith(("\\)", "\\]")):
+    return RULE_AMBIGUOUS
+  if free:
+    stop = _CLAUSE_END_RE.search(after, 0, 200)
+    after = after[: stop.start() if stop else 200]
+  tail = answer_rule.read_tail(_DELIMS_RE.sub("", after), False)
+  if tail is not None:
+    return tail
+  lead = _DELIMS_RE.sub("", before)
+  if lead.rstrip().endswith("="):  # "3 + 2 = \\boxed{5}": the right-hand side; "x = 5, y = \\boxed{6}" is not one
+    return RULE_AMBIGUOUS if _LIST_SEP_RE.search(lead[lead.rfind("\n") + 1 :]) else None
+  if not free:
+    return answer_rule.read_lead(lead, False)
+  clause = re.split(r"[.!?;:\n]", lead[-200:])[-1]
+  if _JOINED_BEFORE_RE.search(clause) or answer_rule.COMPARISON_SIGN_RE.search(clause[-3:]):
+    return RULE_AMBIGUOUS
+  if answer_rule.words_say_not_one_value(clause) or answer_rule.qualifier_before(clause):
+    return RULE_AMBIGUOUS
+  return None
 
 
 def _read_body(body: str) -> tuple[str, Optional[str]]:
   """(answer, verdict) of an `<answer>` body or a box's content: its box, else the body read as one value. Boxes that
-  disagree ("\\boxed{3} or \\boxed{5}") are not one value."""
+  disagree ("\\boxed{3} or \\boxed{5}") are not one value; boxes that agree ("\\boxed{5}, that is \\boxed{5}") are."""
   s = body.strip()
   boxes = _boxes(s, every=s.count(_BOXED) > 1)
   if not boxes:
@@ -186,17 +206,26 @@ def _read_body(body: str) -> tuple[str, Optional[str]]:
     if b[0] > reach:
       outer.append(b)
       reach = b[2]
-  if len(outer) > 1 and len({ng.normalize_answer(_boxed_value(s, b)[0]) for b in outer[-16:]}) > 1:
-    return s, RULE_AMBIGUOUS
+  if len(outer) > 1:
+    values = {ng.normalize_answer(_read_answer(s[b[1] : b[2]])[0]) for b in outer[-16:]}
+    if len(values) > 1:
+      return s, RULE_AMBIGUOUS
+    return _read_answer(s[outer[-1][1] : outer[-1][2]])
   return _boxed_value(s, outer[-1])
 
 
-def _read_answer(s: str) -> tuple[str, Optional[str]]:
-  """The answer rule (answer_rule.py; docs/rewards.md): (answer text, None) when `s` states one value -- one number
-  (with its sign, unit words, scale), an equation's right-hand side ("x = 5"), an expression for math_verify
-  ("\\sqrt{64}") or a text answer without digits ("B") -- else (`s`, RULE_AMBIGUOUS) for several values, a range, a
-  negation or a comparison, or (`s`, RULE_UNREADABLE) for a number whose meaning the grader does not hold."""
+def _read_answer(s: str, marked: bool = False) -> tuple[str, Optional[str]]:
+  """The answer rule (docs/rewards.md "The answer rule"): (answer text, None) when the span `s` reads WHOLE as one
+  value -- one number with its sign, separators, currency, scale and unit (number_grammar.py, answer_rule.py), with
+  around it only what the span grammar allows (`answer_rule.read_lead`/`read_tail`: markup, a statement before it, a
+  unit phrase after it, punctuation); an equation read at its last "=" ("3 * 6 = 18"); an expression for math_verify
+  ("\\sqrt{64}"); a text answer without digits ("B") -- else (`s`, RULE_AMBIGUOUS) when anything is left over
+  (several values, a range, a negation, a comparison, a hedge, a piece of a number), or (`s`, RULE_UNREADABLE) for a
+  number whose meaning the grader does not hold ("5 squared", "5₂"). `marked`: the clause after an answer marker,
+  where only asserting adverbs may precede the number ("clearly 5"; "ca. 5" is left over)."""
   s = s.strip()
+  if marked:  # "the answer is 5, not 3": one value stated, another ruled out
+    s = answer_rule.CORRECTION_RE.sub("", s)
   if len(s) > ng.MAX_ANSWER_CHARS or _PLAIN_ANSWER_RE.fullmatch(s):  # "1200", "$1,200", "72.00": one value, no more work
     return s, None
   if answer_rule.COMPARISON_SIGN_RE.search(s):  # before the number reader, which drops the "~" of "~5"
@@ -206,28 +235,35 @@ def _read_answer(s: str) -> tuple[str, Optional[str]]:
   cl = ng.clean(s)
   if answer_rule.words_say_not_one_value(cl):
     return s, RULE_AMBIGUOUS
-  if ng.SUBSCRIPT_DIGIT_RE.search(cl):
+  if ng.SUBSCRIPT_DIGIT_RE.search(cl) or _DIGIT_UNDERSCORE_RE.search(cl):
     return s, RULE_UNREADABLE
-  if "=" in cl:  # "3 * 6 = 18", "x = 5": the right-hand side, read by the same rule
-    rhs = cl.rsplit("=", 1)[1].strip()
-    if rhs:
-      return _read_answer(rhs)
+  if "=" in cl:  # "3 * 6 = 18", "x = 5": the right-hand side, read by the same rule; "x = 5, y = 6" is not one value
+    lhs, rhs = cl.rsplit("=", 1)
+    if rhs.strip():
+      return (s, RULE_AMBIGUOUS) if _LIST_SEP_RE.search(lhs) else _read_answer(rhs)
+  if marked and ":" in cl:  # "the answer is the sum of 3 and 2: 5": a colon marks the value again
+    head, value = cl.rsplit(":", 1)
+    if _PROSE_RE.search(head) and value.strip():
+      return _read_answer(value, marked=True)
   expression = any(c in _MATH_CHARS for c in cl) and not _PROSE_RE.search(cl)
   if expression:  # math stays whole ("\\sqrt{64}", "2^3") for math_verify; a list is not one value
     return (s, RULE_AMBIGUOUS) if _LIST_RE.search(cl) else (s, None)
   nums = list(ng.BODY_NUM_RE.finditer(cl))
-  if not nums:
-    return s, None
-  if len(nums) > 1:  # "3 or 5", "3-5", "3, 5", "3:30", "12 then 15 apples"
+  if not nums:  # a text answer ("B"), or digits no number reads whole ("1,0000"): never a piece of them
+    return (s, RULE_UNREADABLE) if any(c.isdigit() for c in cl) else (s, None)
+  if len(nums) > 1:  # "3 or 5", "3-5", "3, 5", "3:30", "12 then 15 apples", "5..6", "5 & 6"
     return s, RULE_AMBIGUOUS
   m = nums[0]
   if cl.startswith("!", m.end()) and not cl.startswith("!=", m.end()):
     return m.group(0) + "!", None  # "5!" is 120 (math_verify), never 5
-  if answer_rule.qualifier_before(cl[: m.start()]):  # "less than 5", "about 5", "over 5"
+  value = m.group(0).rstrip(",")
+  lead = answer_rule.read_lead(cl[: m.start()], marked)
+  tail = answer_rule.read_tail(cl[m.end() :], ng.to_number(value) in (1, -1))
+  if RULE_UNREADABLE in (lead, tail):  # "half of 10", "5 hundred thousand", "5 squared"
+    return s, RULE_UNREADABLE
+  if lead or tail:
     return s, RULE_AMBIGUOUS
-  if answer_rule.words_change_the_value(cl[: m.start()] + " " + cl[m.end() :]):
-    return s, RULE_UNREADABLE  # "half of 10", "5 hundred thousand"
-  return m.group(0).rstrip(","), None
+  return value, None
 
 
 def extract_answer(
@@ -257,75 +293,68 @@ def extract(
   text = answer_rule.normalize(text)
   box = _boxes(text)
   if box and text[box[0][1] : box[0][2]].strip():
-    value, verdict = _boxed_value(text, box[0])
+    value, verdict = _boxed_value(text, box[0], free=True)
     return Extraction(value, verdict or RULE_BOXED, text[box[0][1] : box[0][2]].strip(), RULE_BOXED)
-  if "####" in text:
-    k = text.rfind("####") + 4
-    end = text.find("\n", k)
-    line = text[k : end if 0 <= end < k + ng.MAX_ANSWER_CHARS else k + ng.MAX_ANSWER_CHARS + 1].strip()
-    if any(c.isdigit() for c in line):  # GSM8K's "#### N": the line is the answer, read as a tag body (and as golds)
+  k = text.rfind("####")
+  while k >= 0:  # GSM8K's "#### N": the last such line holding digits is the answer, read as a tag body (as golds)
+    end = text.find("\n", k + 4)
+    line = text[k + 4 : end if 0 <= end < k + 4 + ng.MAX_ANSWER_CHARS else k + 5 + ng.MAX_ANSWER_CHARS].strip()
+    if any(c.isdigit() for c in line):
       value, verdict = _read_answer(line)
       return Extraction(value, verdict or RULE_HASH, None, RULE_HASH)
-    m = _last_match(_HASH_RE, text)
-    if m is not None:
-      return _marked(text, m, RULE_HASH)
-  lower_has_answer = "nswer" in text or "NSWER" in text
-  if lower_has_answer:
-    m = _last_match(_ANSWER_IS_RE, text)
-    k = _last_match(_ANSWER_MARK_RE, text)
-    if k is not None and (m is None or m.start() < k.start()) and _hedged_clause(text, k.end(), negations=True):
-      clause = text[k.end() : k.end() + 80].split("\n", 1)[0].strip()  # "unclear, maybe 5"
-      return Extraction(clause, RULE_AMBIGUOUS, None, RULE_ANSWER_IS)
-    if m is not None:
-      return _marked(text, m, RULE_ANSWER_IS)
+    k = text.rfind("####", 0, k)
+  if "nswer" in text or "NSWER" in text:
+    e = _marked(text, _ANSWER_MARK_RE, RULE_ANSWER_IS)
+    if e is not None:
+      return e
   if "A" in text and ":" in text:
-    m = _last_match(_A_COLON_RE, text)
-    if m is not None:
-      return _marked(text, m, RULE_A_COLON)
-  v = last_number(text)
-  if v is not None:
-    return Extraction(v, RULE_LAST_NUMBER)
-  return Extraction(None, RULE_NONE)
+    e = _marked(text, _A_COLON_RE, RULE_A_COLON)
+    if e is not None:
+      return e
+  return _last_number(text)
 
 
-def _hedged_words(words: str) -> bool:
-  """Whether the words between an answer marker and its number qualify it ("not", "at least", "about"); adverbs
-  ("clearly", "therefore") do not."""
-  return (
-      answer_rule.words_say_not_one_value(words) or answer_rule.qualifier_before(words) or "no" in words.lower().split()
-  )
+def _marked(text: str, marker: re.Pattern, rule: str) -> Optional[Extraction]:
+  """The clause after the last answer marker whose clause holds digits (to its sentence's end, a line break or a
+  "because"), read by the answer rule with only asserting adverbs before the number (`_read_answer(marked=True)`);
+  None when no marker has one. A marker of possibility ("the answer could be 5") is a guess: ambiguous."""
+  for m in reversed(list(marker.finditer(text))[-64:]):
+    chunk = text[m.end() : m.end() + 2 * ng.MAX_ANSWER_CHARS]
+    stop = _CLAUSE_END_RE.search(chunk)
+    clause = chunk[: stop.start() if stop else ng.MAX_ANSWER_CHARS].strip().rstrip(",;:").rstrip()
+    if not any(c.isdigit() for c in clause):
+      continue
+    if (m.groupdict().get("modal") or "").lower() in _GUESSING_MODALS:
+      return Extraction(clause, RULE_AMBIGUOUS, None, rule)
+    value, verdict = _read_answer(clause, marked=True)
+    if verdict is None and ng.to_number(value) is not None:
+      value = ng.clean(value)  # reported as the number ("$-4.5" is "-4.5")
+    return Extraction(value, verdict or rule, None, rule)
+  return None
 
 
-def _hedged_clause(text: str, pos: int, negations: bool = False) -> bool:
-  """Whether the clause from `pos` (to the end of its sentence or line, or a "because") bounds, approximates or doubts
-  a number ("5 at most", "5 (approx.)", "5, maybe 6", "5 ± 1"). After a marked number a negation is about something
-  else ("5, not 3"); right after the marker (`negations`) it is the answer's ("the answer is not clear, maybe 5")."""
-  chunk = text[pos : pos + 80]
-  end = _CLAUSE_END_RE.search(chunk)
-  clause = chunk[: end.start()] if end else chunk
-  if not clause.strip() or (negations and not any(c.isdigit() for c in clause)):
-    return False
-  words = answer_rule.words_say_not_one_value if negations else answer_rule.words_bound_or_doubt
-  return bool(words(clause) or answer_rule.COMPARISON_SIGN_RE.search(clause))
-
-
-def _marked(text: str, m: re.Match, rule: str) -> Extraction:
-  """The number an answer marker (`#### N`, "the answer is N", "A: N") points at, or the marked clause with
-  RULE_AMBIGUOUS when a qualifier comes before it ("not", "at least") or another value after it ("or 6", "-6")."""
-  if not m["q"] and text[m.end() : m.end() + 1] in ("", "\n"):  # "#### 18" ending its line: nothing qualifies it
-    return Extraction(m["v"], rule)
-  q = m["q"] or ""
-  qualified = q[:1] in tuple("<>!~\u2264\u2265\u2248\u2260") or _hedged_words(q)  # "not 5", ">= 5"; not "clearly 5"
-  if qualified or _HEDGE_TAIL_RE.match(text, m.end()) or _hedged_clause(text, m.end()):
-    start = m.start("q") if m["q"] else m.start("v")
-    end = text.find("\n", m.end())
-    clause = text[start : end if 0 <= end < start + 120 else start + 120].strip()
-    return Extraction(clause, RULE_AMBIGUOUS, None, rule)
-  return Extraction(m["v"], rule)
+def _last_number(text: str) -> Extraction:
+  """The free-form fallback: MaxText's last-number rule, reading whole numbers only. A last number glued to a letter,
+  an underscore or more digits ("0x10", "1_000") is a piece of a token no grammar reads: unreadable, never the piece."""
+  m = _last_number_match(text)
+  if m is None:
+    return Extraction(None, RULE_NONE)
+  before, after = text[m.start() - 1 : m.start()], text[m.end() : m.end() + 2]
+  if before.isalnum() or before == "_" or after[:1] == "_" or (after[:1] in ".," and after[1:2].isdigit()):
+    return Extraction(text[max(0, m.start() - 16) : m.end() + 16].strip(), RULE_UNREADABLE, None, RULE_LAST_NUMBER)
+  if _RELATION_BEFORE_RE.search(text, max(0, m.start() - 4), m.start()):  # "~5", "≳ 5", "< 5": not one value
+    return Extraction(text[max(0, m.start() - 16) : m.end()].strip(), RULE_AMBIGUOUS, None, RULE_LAST_NUMBER)
+  return Extraction(m.group(0).rstrip(","), RULE_LAST_NUMBER)
 
 
 def last_number(text: str) -> Optional[str]:
   """The last number written in `text` (scans the tail first, so long completions cost little)."""
+  m = _last_number_match(text)
+  return m.group(0).rstrip(",") if m else None
+
+
+def _last_number_match(text: str) -> Optional[re.Match]:
+  """The match of the last number in `text`, scanning the tail first (see `last_number`)."""
   n = len(text)
   window = 512
   while True:
@@ -336,9 +365,9 @@ def last_number(text: str) -> Optional[str]:
       lo -= 1
     found = None
     for m in ng.NUM_RE.finditer(text, lo):
-      found = m.group(0)
+      found = m
     if found is not None or lo == 0:
-      return found.rstrip(",") if found else None
+      return found
     window *= 8
 
 

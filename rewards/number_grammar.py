@@ -29,6 +29,7 @@ MINUS_CLASS = "[" + re.escape(MINUS_SIGNS) + "]"
 _SEP_CLASS = "[" + re.escape(GROUP_SEPARATORS) + "]"
 _MINUS_TO_ASCII = str.maketrans({c: "-" for c in MINUS_SIGNS[1:]})
 _SEPARATORS_OUT = str.maketrans({c: None for c in GROUP_SEPARATORS})
+# LaTeX's thousands separators ("1{,}500", "1\\,500") are read as separators too (`_UNSIGNED`, `clean`).
 # Separators that only ever group digits (a space also separates words, so it is not one of them).
 _DIGIT_GLUE = ",'\u2019"
 # One unsigned number: digits in groups of three ("1,234", "1 234 567"; a group is never followed by a 4th digit),
@@ -38,7 +39,8 @@ _DIGIT_GLUE = ",'\u2019"
 # so "1,0000", the European "3,5" or "1.000.000" is no number at all (flagged: no answer), never its last group.
 _UNSIGNED = (
     r"(?<!\d)(?<!\d[." + re.escape(_DIGIT_GLUE) + r"])"
-    r"(?:(?:\d{1,2}(?:,\d{2})+,\d{3}(?!\d)|\d{1,3}(?:" + _SEP_CLASS + r"\d{3}(?!\d))+|\d+)(?:\.\d+)?|\.\d+)"
+    r"(?:(?:\d{1,2}(?:,\d{2})+,\d{3}(?!\d)|\d{1,3}(?:(?:" + _SEP_CLASS + r"|\{,\}|\\,)\d{3}(?!\d))+|\d+)(?:\.\d+)?"
+    r"|\.\d+)"
     r"(?:[eE][-+]?\d+(?![\w]))?(?!\d|[." + re.escape(_DIGIT_GLUE) + r"]\d)"
 )
 # A sign written as a word ("negative 5", "minus 5"), read as "-" when it does not follow a number (then "minus" is
@@ -67,7 +69,9 @@ NUM = _SIGN + r"(?:" + "|".join((_FRAC, _MIXED_FRAC, _MIXED_SLASH, _PLAIN)) + r"
 NUM_RE = re.compile(NUM)
 # A sign apart from its digits ("- 5", "\u2212 5", "\u2014 5") where no operand comes before it: still its sign.
 SPACED_SIGN = r"(?:(?<![\w)\].])" + MINUS_CLASS + r"[ \t]{1,2}(?=[\d.\\]))?"
-BODY_NUM_RE = re.compile(SPACED_SIGN + NUM)
+# In an answer span (a tag body, a marked clause) the sign may stand on the line before its digits ("-\n5").
+BODY_NUM_RE = re.compile(r"(?:(?<![\w)\].])" + MINUS_CLASS + r"[ \t\n]{1,3}(?=[\d.\\]))?" + NUM)
+CURRENCY = "$\u20ac\u00a3\u00a5\u20b9"  # $ € £ ¥ ₹
 SUBSCRIPT_DIGIT_RE = re.compile(r"\d_\{")
 
 # Longest extracted answer we try to interpret; anything longer is not a GSM8K answer and would only
@@ -78,7 +82,7 @@ MAX_ANSWER_CHARS = 1000
 # "." allowed), "a/b", a mixed number "w n/d", or `\frac{a}{b}`; signs inside fractions too.
 _U = r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?"
 _VALUE_RE = re.compile(
-    r"(?P<neg>-[ \t]{0,2})?(?:(?P<num>" + _U + r")"
+    r"(?P<neg>-\s{0,3})?(?:(?P<num>" + _U + r")"
     r"|(?P<fn>-?" + _U + r")\s{0,4}/\s{0,4}(?P<fd>-?" + _U + r")"
     r"|(?P<w>\d+)(?:\s(?P<mn>\d+)\s{0,2}/\s{0,2}(?P<md>\d+)"
     r"|[\s~]{0,4}\\[dt]?frac\{\s{0,4}(?P<xn>\d+)\s{0,4}\}\{\s{0,4}(?P<xd>\d+)\s{0,4}\})"
@@ -98,6 +102,10 @@ _TEXT_CMD_RE = re.compile(r"\\(?:text|mathrm|textbf|mbox|mathbf)\{([^{}]{0,64})\
 _STRIP_TOKENS = (
     "\\$",
     "$",
+    "\u20ac",
+    "\u00a3",
+    "\u00a5",
+    "\u20b9",
     "\\%",
     "%",
     "\\!",
@@ -112,7 +120,7 @@ _STRIP_TOKENS = (
     "\\left",
     "\\right",
 )
-_UNIT_WORD_RE = re.compile(r"^(" + NUM + r")[ \t]{0,4}[a-zA-Z][a-zA-Z ]{0,40}\.?$")
+_UNIT_WORD_RE = re.compile(r"^(" + NUM + r")[ \t]{0,4}[a-zA-Z(][a-zA-Z ()]{0,40}\.?$")
 
 
 def clean(text: str) -> str:
@@ -126,6 +134,8 @@ def clean(text: str) -> str:
       s = _SHORT_FRAC_RE.sub(lambda m: f"\\{m[1]}{{{m[2] or m[3]}}}{{{m[4] or m[5]}}}", s)
     for a, b in (("\\(", ""), ("\\)", ""), ("\\[", ""), ("\\]", "")):
       s = s.replace(a, b)
+  if "{,}" in s:
+    s = s.replace("{,}", ",")
   for tok in _STRIP_TOKENS:
     if tok in s:
       s = s.replace(tok, "")
@@ -174,15 +184,15 @@ def _to_number_uncached(text: str) -> Optional[Fraction]:
     return v
   if SUBSCRIPT_DIGIT_RE.search(s):
     return None
-  v = answer_rule.scaled_value(s, to_number, currency=any(c in text for c in "$\u20ac\u00a3\u00a5"))
+  v = answer_rule.scaled_value(s, to_number, currency=any(c in text for c in CURRENCY))
   if v is not None:  # "5 thousand", "$1.2 million", "5k", "3 dozen eggs": the multiplier applied
     return v
-  m = _UNIT_WORD_RE.fullmatch(s)  # "18 dollars", "3.5 hours"; never "5 or more", "5 hundred thousand"
+  m = _UNIT_WORD_RE.fullmatch(s)  # "18 dollars", "5 apples": the span grammar's tail; never "5 max", "5 grand"
   if m and m.group(1) != s:
-    words = s[m.end(1) :]
-    if answer_rule.words_say_not_one_value(words) or answer_rule.words_change_the_value(words):
+    v = to_number(m.group(1))
+    if v is None or answer_rule.read_tail(s[m.end(1) :], abs(v) == 1) is not None:
       return None
-    return to_number(m.group(1))
+    return v
   return None
 
 
@@ -299,8 +309,17 @@ def parse_gold(text, numeric_only: bool = True) -> Optional[str]:
   v = to_number(s)
   if v is not None:
     return format_number(v)
-  # A non-numeric answer (e.g. "\\frac{\\pi}{2}") is kept only if asked for, a single short line, not a
-  # non-finite number, and not an expression holding a number we could not read whole ("1/0").
+  # A non-numeric answer (e.g. "\\frac{\\pi}{2}", "(3, 5)", "B") is kept only if asked for, a single short line, not a
+  # non-finite number, and not a number that does not read whole: an expression holding a number we could not read
+  # ("1/0"), digits glued to letters or underscores ("0x10", "1_000", "5..6"), digits among words ("5 max", "5 apples
+  # and 3 pears"). Such a gold is refused (the row is skipped and counted), never compared by a piece of it.
   if numeric_only or "\n" in s or len(s) > 64 or _NON_FINITE_RE.fullmatch(clean(s)) or NUM_RE.fullmatch(clean(s)):
     return None
+  if any(c.isdigit() for c in s) and _NOT_WHOLE_GOLD_RE.search(_LATEX_CMD_RE.sub(" ", s)):
+    return None
   return s
+
+
+# In a non-numeric gold: digits glued to a letter, an underscore or a second point, or a word of prose beside digits.
+_NOT_WHOLE_GOLD_RE = re.compile(r"[A-Za-z_]\d|\d[A-Za-z_]|\d\.\.|\.\.\d|\d\.\d+\.|[A-Za-z]{2,}")
+_LATEX_CMD_RE = re.compile(r"\\[A-Za-z]+")

@@ -110,7 +110,7 @@ HEDGES = [
     ("The answer is clearly 5.", "5", True, "answer_is"),
     ("#### 18 dollars", "18", True, "hash"),
     ("#### 3 * 6 = 18", "18", True, "hash"),
-    ("The answer is the sum of 3 and 2: 5", "5", True, "last_number"),
+    ("The answer is the sum of 3 and 2: 5", "5", True, "answer_is"),  # a colon marks the value again (round six)
     ("The answer is 5, not 3.", "5", True, "answer_is"),
     ("The answer is 18, since 3 * 6 = 18.", "18", True, "answer_is"),
     # Free-form completions without a tag or marker keep the field's last-number convention.

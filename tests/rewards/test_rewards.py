@@ -103,8 +103,10 @@ def test_perturbed_gsm8k_answers_score_wrong(gsm8k_rows):
         ("<answer>He has 18 dollars</answer>", "18", "answer_tag"),
         ("<answer>3 * 6 = 18</answer>", "18", "answer_tag"),
         ("<answer>\\sqrt{64}</answer>", "\\sqrt{64}", "answer_tag"),
-        ("so \\boxed{\\frac{1}{2}} and \\boxed{x{y}z}", "x{y}z", "boxed"),
-        ("\\boxed{5} then \\boxed{ 6 }", "6", "boxed"),
+        # Boxes joined in one clause are several values (round six); on separate lines the last one wins.
+        ("so \\boxed{\\frac{1}{2}} and \\boxed{x{y}z}", "so \\boxed{\\frac{1}{2}} and \\boxed{x{y}z}", "ambiguous"),
+        ("\\boxed{5} then \\boxed{ 6 }", "\\boxed{5} then \\boxed{ 6 }", "ambiguous"),
+        ("\\boxed{5}.\nNo, wait: \\boxed{ 6 }", "6", "boxed"),
         ("16 - 3 - 4 = 9\n#### 1,200", "1,200", "hash"),
         ("5-3 is 2. The answer is $-4.5.", "-4.5", "answer_is"),
         ("Final Answer: 42", "42", "answer_is"),
@@ -220,10 +222,11 @@ def test_gold_is_read_whole_or_refused(gold, expected):
 
 
 def test_gold_line_that_is_not_one_number_is_never_cut_to_one():
-  """Training skips the row; the score CLI keeps the text as a non-numeric gold, never read as its first number."""
+  """Training skips the row, and so does the score CLI (round six: digits among words do not read whole, so the gold is
+  refused rather than kept as text math_verify would read a piece of); never read as its first number."""
   gold = "#### 5 apples and 3 pears"
   assert rewards.parse_gold(gold) is None
-  assert gsm8k.gold_alternatives(gold) == ("5 apples and 3 pears",)
+  assert gsm8k.gold_alternatives(gold) == ()
   assert [rewards.score(c, gold).correct for c in ("#### 5", "#### 3", "<answer>5</answer>")] == [False, False, False]
 
 
