@@ -21,6 +21,7 @@ from maxtext.utils import maxtext_utils
 from maxtext.utils import model_creation_utils
 from transformers import AutoTokenizer
 
+from maxtext_rl_plugin.config import early_checks
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin.errors import ConfigError
@@ -94,6 +95,10 @@ def setup_devices(parsed: config_lib.Parsed, devices=None) -> RunSetup:
     )
   t_hp = config_lib.to_hyperparameters(t_pc)
   s_hp = t_hp if s_pc is t_pc else config_lib.to_hyperparameters(s_pc)
+  # Before any model is built: MaxText's mesh creation asserts the same, 10-20 s later, in a traceback.
+  early_checks.check_mesh(t_hp, len(t_dev), " of the trainer" if s_dev is not t_dev else "")
+  if s_dev is not t_dev:
+    early_checks.check_mesh(s_hp, len(s_dev), " of the sampler")
   return RunSetup(t_hp, s_hp, list(t_dev), list(s_dev))
 
 

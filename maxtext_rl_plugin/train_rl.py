@@ -88,6 +88,18 @@ def _precheck(view) -> Prechecked:
   return done
 
 
+def _check_mesh_here(config) -> None:
+  """The ici_*/dcn_* sizes against this host's devices, for print_config=true (training checks them at its device split,
+  models.setup_devices); a Pathways or multislice run splits the devices first, so only that split can tell."""
+  if config.use_pathways or config.num_trainer_slices != -1:
+    return
+  import jax
+
+  from maxtext_rl_plugin.config import early_checks
+
+  early_checks.check_mesh(config, jax.device_count())
+
+
 def _compiling(view) -> bool:
   """compile_topology set: compile the run's programs for that TPU (maxtext_rl_plugin.aot) instead of training."""
   try:
@@ -123,6 +135,7 @@ def _main(argv: list[str]) -> int:
       if done.run is None or done.run != _run_values(config):
         validation.check_run(config)  # print_config=true refuses what training refuses
       if config.print_config:
+        _check_mesh_here(config)  # what the run's device split (models.setup_devices) would refuse on this host
         sys.stdout.write(config_lib.dump_yaml(config))
         return 0
       if config.compile_topology:

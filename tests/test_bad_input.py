@@ -10,13 +10,22 @@ so "refused before the model build" is checked, not timed. References: the value
 from __future__ import annotations
 
 import dataclasses
+import enum
+import inspect
+import itertools
 import json
 import math
 import os
+import re
 import subprocess
 import sys
+import types
 import typing
 
+from maxtext.configs import types as max_types
+from maxtext.layers import nnx_decoders
+from maxtext.utils import max_utils
+import jax
 import numpy as np
 import pytest
 
@@ -25,9 +34,11 @@ from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin.config import schema as config_types
 from maxtext_rl_plugin.config import early_checks
+from maxtext_rl_plugin.config import keys as config_keys
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin.config import key_status
 from maxtext_rl_plugin import metrics as metrics_lib
+from maxtext_rl_plugin import models
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import train_rl
 from maxtext_rl_plugin.algorithms import tunix_wiring
@@ -56,9 +67,29 @@ _REFUSED = [
         "rl.router_replay=true with pipeline parallelism",
     ),
     (TINY, ["rollout_engine=vllm"], "invalid value for 'head_dim'=16: rollout_engine=vllm with qwen3-0.6b needs"),
+    # Issue 61: MaxText's own tracebacks (ZeroDivisionError, AssertionError) 10-21 s later, or the schema pass's 10 s.
+    (TINY, ["head_dim=0"], "invalid value for 'head_dim'=0: must be >= 1"),
+    (TINY, ["head_dim=-4"], "invalid value for 'head_dim'=-4: must be >= 1"),
+    (TINY, ["base_num_kv_heads=0"], "invalid value for 'base_num_kv_heads'=0: must be >= 1"),
+    (TINY, ["base_num_query_heads=3", "base_num_kv_heads=2"], "'base_num_query_heads'=3: must be a multiple of base_n"),
+    (TINY, ["ici_tensor_parallelism=4"], "invalid value for 'base_num_kv_heads'=2: must be divisible by 4"),
+    (TINY, ["remat_policy=Full"], "invalid value for 'remat_policy'='Full': expected one of full, minimal"),
+    (TINY, ["remat_policy=bogus"], "invalid value for 'remat_policy'='bogus': expected one of full, minimal"),
+    (TINY, ["loss_algo=no_such_name"], "invalid value for 'rl.loss_algo'='no_such_name': expected one of grpo, gspo"),
+    (TINY, ["decoder_block=foo"], "invalid value for 'decoder_block'='foo': expected one of default,"),
+    (TINY, ["ici_fsdp_parallelism=0"], "invalid value for 'ici_fsdp_parallelism'=0: must be >= 1, or -1"),
+    (TINY, ["dcn_data_parallelism=-2"], "invalid value for 'dcn_data_parallelism'=-2: must be >= 1, or -1"),
 ]
 # Rows whose typed config (the second pass) used to end in a traceback: checked there too.
-_SECOND_PASS = {"run_name=[abc", "num_experts_per_tok=8", "trainer_devices_fraction=0.75", "model_name=deepseek3-tiny"}
+_SECOND_PASS = {
+    "run_name=[abc",
+    "num_experts_per_tok=8",
+    "trainer_devices_fraction=0.75",
+    "model_name=deepseek3-tiny",
+    "head_dim=0",
+    "base_num_query_heads=3",
+    "remat_policy=Full",
+}
 
 
 def _ids(rows):
@@ -87,6 +118,8 @@ def test_the_first_pass_refuses_in_one_line(config, overrides, needle):
         (TINY, ["stop_strings=['</answer>']", "run_name='[abc]'"]),
         (MOE, ["rl.router_replay=true"]),  # Mixtral: MaxText forces its routing
         (MOE, ["num_experts_per_tok=4"]),
+        (TINY, ["remat_policy=minimal_with_context"]),  # a name MaxText's decoder knows beyond its RematPolicy enum
+        (TINY, ["ici_tensor_parallelism=2"]),  # cpu_tiny's 2 key/value heads split over 2 devices
     ],
     ids=lambda v: " ".join(v) if isinstance(v, list) else v,
 )
@@ -95,18 +128,29 @@ def test_the_first_pass_refuses_nothing_these_mean(config, overrides):
 
 
 def test_early_checks_restate_maxtext_and_the_schema():
-  # The choices early_checks keeps light (no JAX) are the schema's.
+  # The choices the first pass keeps light (no JAX, config/choices.py) are every enumerated field of the schema:
+  # MaxText's and the plugin's Literal[...] and Enum fields (model_name: check_model_name; lists: per item).
   literal = {}
-  for prefix, cls in (("", config_types.PluginKeys), ("rl.", config_types.PluginRL)):
-    # The plugin's own fields: those its concern classes declare (MaxText's are refused by pydantic in the second pass).
-    own = {n for k in cls.__mro__ if k.__module__ == config_types.__name__ for n in vars(k).get("__annotations__", {})}
+  blocks = [("", config_types.PluginRLConfig)] + [
+      (f"{b}.", m) for b, m in config_keys.nested_fields(config_types.PluginRLConfig).items()
+  ]
+  for prefix, cls in blocks:
     for name, field in cls.model_fields.items():
-      if name not in own or typing.get_origin(field.annotation) is list:
-        continue  # MaxText's own field, or a list of choices
-      for a in (field.annotation, *typing.get_args(field.annotation)):  # Literal[...] or Optional[Literal[...]]
+      if name == "model_name" or typing.get_origin(field.annotation) is list:
+        continue
+      for a in (field.annotation, *typing.get_args(field.annotation)):  # Literal[...], Optional[...], an Enum
         if typing.get_origin(a) is typing.Literal:
           literal[prefix + name] = typing.get_args(a)
-  assert literal == early_checks.CHOICES
+        elif isinstance(a, type) and issubclass(a, enum.Enum):
+          literal[prefix + name] = tuple(m.value for m in a)
+  assert {k: v for k, v in early_checks.CHOICES.items() if k != "remat_policy"} == literal
+  # remat_policy is a plain string in the schema: MaxText's RematPolicy and the names its decoder's get_remat_policy
+  # compares with (an AssertionError at the first forward otherwise), read from its source.
+  source = inspect.getsource(nnx_decoders.NNXDecoder.get_remat_policy)
+  decoder = set(re.findall(r'remat_policy == "(\w+)"', source)) | set(
+      re.findall(r'"(\w+)"', source.split("{")[1].split("}")[0])
+  )
+  assert set(early_checks.CHOICES["remat_policy"]) == {p.value for p in max_types.RematPolicy} | decoder | {"none"}
 
 
 def _refused_before_the_schema(monkeypatch, capsys, argv) -> str:
@@ -384,3 +428,58 @@ def test_the_demos_remaining_unactionable_lines_are_quiet_unless_verbose(monkeyp
   assert synthetic._redraw_log() is synthetic.logging.info  # pylint: disable=protected-access
   monkeypatch.setenv(errors.VERBOSE_ENV, "1")
   assert synthetic._redraw_log() is synthetic.logging.warning  # pylint: disable=protected-access
+
+
+def _mesh_config(ici: dict[str, int], dcn: dict[str, int], slices: int = 1):
+  axes = ["data", "stage", "fsdp", "tensor", "expert"]
+  return types.SimpleNamespace(
+      mesh_axes=axes,
+      ici_parallelism=[ici.get(a, 1) for a in axes],
+      dcn_parallelism=[dcn.get(a, 1) for a in axes],
+      num_slices=slices,
+  )
+
+
+def _maxtext_accepts(config, devices: int) -> bool:
+  """MaxText's own mesh rule (max_utils.fill_unspecified_mesh_axes), the reference: an AssertionError means no mesh."""
+  try:
+    max_utils.fill_unspecified_mesh_axes(list(config.ici_parallelism), devices // config.num_slices, "ICI")
+    max_utils.fill_unspecified_mesh_axes(list(config.dcn_parallelism), config.num_slices, "DCN")
+  except AssertionError:
+    return False
+  return True
+
+
+@pytest.mark.parametrize("devices, slices", [(1, 1), (4, 1), (8, 2), (6, 1)])
+def test_the_mesh_check_agrees_with_maxtexts_mesh_rule(devices, slices):
+  # Issue 61: ici_fsdp_parallelism=3 or ici_tensor_parallelism=2 on one device were MaxText's AssertionError after
+  # 10-21 s. Every combination of sizes on three axes, against MaxText's own function.
+  sizes = (-1, 1, 2, 3, 4)
+  for fsdp, tensor, data in itertools.product(sizes, sizes, sizes):
+    for dcn in ({"data": -1}, {"data": 2}, {"data": -1, "fsdp": 2}, {"fsdp": -1, "data": -1}):
+      config = _mesh_config({"fsdp": fsdp, "tensor": tensor, "data": data}, dcn, slices)
+      why = early_checks.mesh_refusal(config, devices)
+      assert (why is None) == _maxtext_accepts(config, devices), (fsdp, tensor, data, dcn, why)
+      assert why is None or (why.startswith("invalid value for '") and "\n" not in why)
+
+
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("ici_fsdp_parallelism=3", "'ici_fsdp_parallelism'=3: the ici sizes multiply to 3"),
+        (
+            "ici_tensor_parallelism=2",
+            "'ici_tensor_parallelism'=2: the ici sizes (ici_tensor_parallelism=2) do not divide",
+        ),
+        ("ici_tensor_parallelism=-1", "'ici_tensor_parallelism'=-1: ici_fsdp_parallelism is -1 too"),
+    ],
+)
+def test_a_mesh_this_host_cannot_make_is_one_line_before_the_model(monkeypatch, capsys, tmp_path, override, needle):
+  # print_config=true refuses it (it accepted it), and the run's device split refuses it before any model is built.
+  argv = [TINY, f"base_output_directory={tmp_path}", "run_name=m", override]
+  with pytest.raises(SystemExit) as e:
+    train_rl.main([*argv, "print_config=true"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and needle in err and err.count("\n") == 1, err
+  with pytest.raises(errors.ConfigError, match=re.escape(needle)):
+    models.setup_devices(config_lib.parse(argv), devices=jax.devices()[:1])

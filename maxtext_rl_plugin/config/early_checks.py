@@ -13,25 +13,17 @@ compares them with the schema's.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+from maxtext_rl_plugin.config import choices as config_choices
 from maxtext_rl_plugin.config.unresolved import Unresolved
 from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import vllm_maxtext
 
-# The plugin schema's enumerated keys (config/schema.py `Literal[...]` fields) and their choices.
-CHOICES: dict[str, tuple[str, ...]] = {
-    "rollout_engine": ("auto", "embedded", "vllm"),
-    "synthetic_task": ("word_problems", "products"),
-    "rl.kl_estimator": ("k1", "k3"),
-    "rl.advantage_norm": ("group_std", "batch_std", "none"),
-    "rl.advantage_estimator": ("grpo", "rloo", "drgrpo"),
-    "rl.agentic_tool_parser": ("qwen",),
-    "rl.rollout_is": ("off", "truncate", "mask"),
-    "rl.verify_weight_sync": ("off", "first", "every_n"),
-    "rl.parity_check": ("off", "first", "every_n"),
-}
+# Every enumerated key of the schema and remat_policy (config/choices.py), with its choices.
+CHOICES = config_choices.CHOICES
 # What the embedded engine's KV-cached decode cannot run (rollout/decode.MaxTextSampler refuses their caches).
 EMBEDDED_ATTENTION_REFUSED = {
     "mla": "multi-head latent attention (DeepSeek, Kimi) keeps an MlaKVCache, whose layout the embedded engine does not "
@@ -70,14 +62,18 @@ def _name(value: Any) -> str:
 
 
 def check_choices(pc) -> None:
-  """An enumerated key holds one of its choices (pydantic refuses it too, after the schema's imports)."""
+  """An enumerated key holds one of its choices (config/choices.py; pydantic refuses it too, after the schema's imports,
+  and MaxText's decoder refuses an unknown remat_policy with an AssertionError at the first forward)."""
   for key, choices in CHOICES.items():
     try:
       value = _get(pc, key)
-    except Unresolved:
+    except (Unresolved, AttributeError):  # AttributeError: a block the first pass does not type (`vllm:`)
       continue
-    if value is not None and value not in choices:
-      raise _bad(key, value, f"expected one of {', '.join(choices)}")
+    if value is not None and getattr(value, "value", value) not in choices:
+      shown = ", ".join(repr(c) if c == "" else str(c) for c in choices)
+      close = [c for c in choices if str(c).lower() == str(value).lower()]
+      hint = f" (did you mean '{close[0]}'? choices are case-sensitive)" if close else ""
+      raise _bad(key, value, f"expected one of {shown}{hint}")
 
 
 def check_moe(pc) -> None:
@@ -85,6 +81,112 @@ def check_moe(pc) -> None:
   experts, per_tok = _experts(pc), int(value_or(pc, "num_experts_per_tok", 1))
   if experts > 1 and not 1 <= per_tok <= experts:
     raise _bad("num_experts_per_tok", per_tok, f"must be between 1 and num_experts={experts}")
+
+
+# MaxText's model dimensions (configs/types.py bounds none of them): below 1 each is a ZeroDivisionError or a shape error
+# in the model build, 10-20 s later.
+MODEL_DIMS = (
+    "base_emb_dim",
+    "base_mlp_dim",
+    "base_num_decoder_layers",
+    "base_num_query_heads",
+    "base_num_kv_heads",
+    "head_dim",
+    "vocab_size",
+)
+# The mesh axes MaxText shards attention heads over (types.py's logical rules: "heads", "q_heads", "kv_heads").
+HEAD_AXES = ("tensor", "tensor_sequence", "autoregressive")
+
+
+def check_model_shape(pc) -> None:
+  """The model's dimensions are positive and its heads group as MaxText's attention asserts: every key/value head
+  serves the same number of query heads (attentions._validate_kv_heads), and the key/value heads split evenly over
+  the mesh axes that shard heads (attentions._validate_kv_head_sharding)."""
+  for key in MODEL_DIMS:
+    value = value_or(pc, key, None)
+    if value is not None and int(value) < 1:
+      raise _bad(key, value, "must be >= 1 (a model dimension)")
+  query, kv = value_or(pc, "base_num_query_heads", None), value_or(pc, "base_num_kv_heads", None)
+  if query is not None and kv is not None and int(query) % int(kv):
+    raise _bad(
+        "base_num_query_heads",
+        query,
+        f"must be a multiple of base_num_kv_heads={kv}: grouped-query attention gives every key/value head the same "
+        "number of query heads (MaxText: 'Invalid num_kv_heads for GQA')",
+    )
+  if kv is None or int(value_or(pc, "global_parameter_scale", 1)) != 1:
+    return  # a scaled model's head counts are derived by the schema
+  shards, named = 1, []
+  for axis in HEAD_AXES:
+    for kind in ("ici", "dcn"):
+      key = f"{kind}_{axis}_parallelism"
+      value = value_or(pc, key, 1)
+      if value is not None and int(value) > 1:
+        shards *= int(value)
+        named.append(f"{key}={value}")
+  if int(kv) % shards:
+    raise _bad(
+        "base_num_kv_heads",
+        kv,
+        f"must be divisible by {shards} ({' x '.join(named)}): the mesh axes that shard attention heads cannot split "
+        "one head (MaxText refuses it at the model build)",
+    )
+
+
+def _parallelism_keys(pc) -> list[str]:
+  """The ici_*/dcn_* parallelism keys the config holds (MaxText's base.yml names them; the first pass reads the
+  shipped defaults, the typed config its fields)."""
+  names = pc.field_names() if hasattr(pc, "field_names") else list(type(pc).model_fields)
+  return [k for k in names if k.startswith(("ici_", "dcn_")) and k.endswith("_parallelism")]
+
+
+def check_parallelism_values(pc) -> None:
+  """Each ici_*/dcn_* parallelism is a positive size, or -1 (the axis that takes the devices the others leave): 0 or
+  a negative size is an AssertionError in MaxText's mesh creation (fill_unspecified_mesh_axes)."""
+  for key in _parallelism_keys(pc):
+    value = value_or(pc, key, None)
+    if isinstance(value, int) and not isinstance(value, bool) and value != -1 and value < 1:
+      raise _bad(key, value, "must be >= 1, or -1 (the one axis that takes the devices the others leave)")
+
+
+# A mesh axis's key where its name is not the axis's (MaxText's ici_map/dcn_map).
+_AXIS_KEY = {"stage": "pipeline", "model": "tensor"}
+
+
+def mesh_refusal(config, devices: int, where: str = "") -> str | None:
+  """Why MaxText's mesh for `devices` devices cannot be made from the config's ici_*/dcn_* parallelism, or None.
+
+  MaxText's rule (max_utils.fill_unspecified_mesh_axes): the ici sizes multiply to the devices of one slice and the dcn
+  sizes to the number of slices, one axis of each may be -1 and then takes what the others leave. `config` is the
+  typed config: `ici_parallelism`/`dcn_parallelism` are MaxText's sizes in `mesh_axes` order."""
+  slices = max(int(config.num_slices), 1)
+  for kind, sizes, target, unit in (
+      ("ici", config.ici_parallelism, devices // slices, "devices per slice"),
+      ("dcn", config.dcn_parallelism, slices, "slices"),
+  ):
+    named = {f"{kind}_{_AXIS_KEY.get(a, a)}_parallelism": int(v) for a, v in zip(config.mesh_axes, sizes)}
+    free = [k for k, v in named.items() if v == -1]
+    fixed = {k: v for k, v in named.items() if v != -1}
+    product = math.prod(fixed.values())
+    shown = " x ".join(f"{k}={v}" for k, v in fixed.items() if v != 1) or "all 1"
+    if len(free) > 1:
+      return (
+          f"invalid value for '{free[-1]}'=-1: {free[0]} is -1 too; at most one {kind} axis may be -1 (it takes the "
+          f"{unit} the others leave)"
+      )
+    if free and (product < 1 or target % product):
+      culprit = next((k for k, v in fixed.items() if v != 1), free[0])
+      return (
+          f"invalid value for '{culprit}'={named[culprit]}: the {kind} sizes ({shown}) do not divide the {target} "
+          f"{unit}{where}, so {free[0]}=-1 cannot take the rest"
+      )
+    if not free and product != target:
+      culprit = next((k for k, v in fixed.items() if v != 1), next(iter(fixed)))
+      return (
+          f"invalid value for '{culprit}'={named[culprit]}: the {kind} sizes multiply to {product} ({shown}), not "
+          f"the {target} {unit}{where}; make them multiply to {target}, or set one axis to -1"
+      )
+  return None
 
 
 def check_dropless(pc) -> None:
@@ -247,8 +349,19 @@ def check_vllm_head_dim(pc) -> None:
     raise _bad("head_dim", pc.head_dim, reason)
 
 
+def check_mesh(config, devices: int, where: str = "") -> None:
+  """Refuse (one line) a config whose mesh cannot be made on `devices` devices (`mesh_refusal`): MaxText's
+  AssertionError at mesh creation otherwise. Called where the devices are known: the run's device split
+  (models.setup_devices) and train_rl's print_config/compile_topology (MaxText's num_target_devices)."""
+  why = mesh_refusal(config, devices, where)
+  if why:
+    raise ConfigError(why)
+
+
 CHECKS = (
     check_choices,
+    check_model_shape,
+    check_parallelism_values,
     check_moe,
     check_dropless,
     check_device_fractions,

@@ -183,6 +183,8 @@ def _get(pc, key: str) -> Any:
 
 
 _Check = Callable[[Any], bool]
+# The smallest sampling temperature of a rollout (RANGES' decode_sampling_temperature row says why).
+MIN_SAMPLING_TEMPERATURE = 1e-2
 # rl.dynamic_sampling's bound on refill rounds per step: each samples batch_size prompts; 10**6 rounds is a step that
 # never ends, not a setting (DAPO's recipe uses a handful).
 MAX_REFILL_ROUNDS = 100
@@ -223,7 +225,12 @@ RANGES: dict[str, tuple[_Check, str]] = {
     "adam_weight_decay": (_ge(0.0), "must be >= 0"),
     "gradient_clipping_threshold": (_ge(0.0), "must be >= 0 (0 = no clipping)"),
     "warmup_steps_fraction": (_unit, "must be in [0, 1]"),
-    "decode_sampling_temperature": (_ge(0.0), "must be >= 0 (0 = greedy)"),
+    "decode_sampling_temperature": (
+        lambda v: v == 0 or v >= MIN_SAMPLING_TEMPERATURE,
+        f"must be >= {MIN_SAMPLING_TEMPERATURE:g}: the log-probs are the logits divided by it, so below that a change "
+        "of less than one logit already overflows float32's exp in the importance ratio (NaN loss); 1.0 samples the "
+        "model as it is",
+    ),
     "decode_sampling_top_k": (_ge(0), "must be >= 0 (0 = off)"),
     "decode_sampling_nucleus_p": (_prob_mass, "must be in (0, 1] (1 = off; 0 would keep no token)"),
     "max_prefill_predict_length": (_ge(1), "must be >= 1 (the prompt budget in tokens)"),
@@ -242,6 +249,8 @@ RANGES: dict[str, tuple[_Check, str]] = {
         f"must be in [0, {MAX_REFILL_ROUNDS}] (each round samples a whole batch; when they are spent the step trains on "
         "the informative groups it found)",
     ),
+    "rope_max_timescale": (_gt(0), "must be > 0 (RoPE's longest wavelength; 0 divides by zero: NaN loss)"),
+    "rope_min_timescale": (_gt(0), "must be > 0 (RoPE's shortest wavelength; 0 divides by zero: NaN loss)"),
     "log_period": (_ge(1), "must be >= 1 (steps between progress lines and TensorBoard flushes)"),
     "stop_token_ids": (lambda v: all(t >= 0 for t in v), "must be token ids >= 0"),
     "reward_item_timeout_seconds": (_gt(0.0), "must be > 0"),
@@ -255,7 +264,7 @@ UNBOUNDED: dict[str, str] = {
 }
 # Each sampling strategy of generation_configs (run/evaluation.py): the same conventions as the rollout's keys.
 _GENERATION_RANGES: dict[str, tuple[_Check, str]] = {
-    "eval_temperature": RANGES["decode_sampling_temperature"],
+    "eval_temperature": (_ge(0.0), "must be >= 0 (0 = greedy)"),  # evaluation trains nothing: any temperature works
     "eval_top_k": RANGES["decode_sampling_top_k"],
     "eval_top_p": RANGES["decode_sampling_nucleus_p"],
 }
@@ -329,6 +338,23 @@ def _check_lengths(pc) -> None:
         f"must exceed max_prefill_predict_length={pc.max_prefill_predict_length} (the difference is the "
         "completion budget)",
     )
+
+
+def _check_sampling(pc) -> None:
+  """A rollout samples: with decode_sampling_temperature=0 (or top-k 1) every response of a group is the same greedy
+  decode, every advantage is 0, and nothing is ever learned. Greedy decoding is for evaluation (generation_configs)."""
+  groups = value_or(pc.rl, "num_generations", None)
+  if groups is None or int(groups) < 2:
+    return
+  for key, greedy in (("decode_sampling_temperature", 0), ("decode_sampling_top_k", 1)):
+    if value_or(pc, key, None) == greedy:
+      raise _bad(
+          key,
+          greedy,
+          f"the rollout would be greedy, so the rl.num_generations={groups} responses to a prompt are identical, every "
+          "advantage is 0 and nothing is learned; sample (e.g. decode_sampling_temperature=1.0, "
+          "decode_sampling_top_k=0) and keep greedy decoding for evaluation (generation_configs)",
+      )
 
 
 def _check_algorithm(pc) -> None:
@@ -408,6 +434,7 @@ _CROSS_CHECKS = (
     check_run_dir,
     _check_lengths,
     _check_batches,
+    _check_sampling,
     _check_algorithm,
     _check_synthetic,
     _check_lora_rank,

@@ -48,11 +48,17 @@ _MEANINGLESS = (
         (["rl.rollout_is_cap=inf"], "'rl.rollout_is_cap'=inf: must be a finite number"),
         (["sft_learning_rate=inf"], "'sft_learning_rate'=inf: must be a finite number"),
         # Values that used to be silently reinterpreted.
-        (["decode_sampling_temperature=-1"], "'decode_sampling_temperature'=-1.0: must be >= 0 (0 = greedy)"),
+        (["decode_sampling_temperature=-1"], "'decode_sampling_temperature'=-1.0: must be >= 0.01"),
+        # Issue 61: values that cannot work (NaN loss after 36 s, or a group of identical greedy responses).
+        (["decode_sampling_temperature=1e-8"], "'decode_sampling_temperature'=1e-08: must be >= 0.01"),
+        (["decode_sampling_temperature=0"], "'decode_sampling_temperature'=0: the rollout would be greedy, so the"),
+        (["decode_sampling_top_k=1"], "'decode_sampling_top_k'=1: the rollout would be greedy"),
+        (["rope_max_timescale=0"], "'rope_max_timescale'=0: must be > 0"),
+        (["rope_min_timescale=0"], "'rope_min_timescale'=0: must be > 0"),
+        (["generation_configs.greedy.eval_temperature=-0.5"], "'generation_configs.greedy.eval_temperature'=-0.5"),
         (["decode_sampling_nucleus_p=0"], "'decode_sampling_nucleus_p'=0"),
         (["decode_sampling_top_k=-3"], "'decode_sampling_top_k'=-3: must be >= 0 (0 = off)"),
         (["generation_configs.greedy.eval_top_p=0"], "'generation_configs.greedy.eval_top_p'=0"),
-        (["generation_configs.greedy.eval_temperature=-0.5"], "'generation_configs.greedy.eval_temperature'=-0.5"),
         (["adam_b1=1.0"], "'adam_b1'=1.0: must be in [0, 1)"),
         (["adam_b2=-0.1"], "'adam_b2'=-0.1: must be in [0, 1)"),
         (
@@ -119,7 +125,7 @@ def test_the_first_pass_refuses_nothing_the_typed_config_accepts():
       TINY,
       "learning_rate=1e-4",
       "adam_b1=0",
-      "decode_sampling_temperature=0",
+      "decode_sampling_temperature=0.01",
       "decode_sampling_top_k=0",
       "decode_sampling_nucleus_p=1",
       "checkpoint_period=10.0",
@@ -145,10 +151,12 @@ def test_the_first_pass_knows_every_key_name_of_the_schema():
 
 
 def test_documented_conventions_still_pass():
+  # Greedy evaluation (eval_temperature 0) stays valid; a greedy rollout does not (a group of identical responses).
   c = config_lib.load_config(
-      [TINY, "decode_sampling_temperature=0", "decode_sampling_top_k=0", "decode_sampling_nucleus_p=1", "adam_b1=0"]
+      [TINY, "generation_configs.greedy.eval_temperature=0", "decode_sampling_top_k=0", "decode_sampling_nucleus_p=1"]
+      + ["adam_b1=0"]
   )
-  assert (c.decode_sampling_temperature, c.decode_sampling_top_k, c.decode_sampling_nucleus_p) == (0.0, 0, 1.0)
+  assert (c.decode_sampling_top_k, c.decode_sampling_nucleus_p) == (0, 1.0)
 
 
 def _float_leaves(pc):
