@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import run_dir
+from maxtext_rl_plugin import storage as storage_lib
 from maxtext_rl_plugin.errors import CheckpointError
 
 
@@ -136,13 +137,13 @@ class RunCheckpointer:
       enabled: bool = True,
       async_save: bool = False,
   ):
-    self.directory = os.path.abspath(directory)
+    self.directory = storage_lib.absolute(directory)  # a bucket path as given: Orbax writes there through TensorStore
     self.period = max(1, int(period))
     self.enabled = enabled
     self.storage = storage
     self._manager = None
     if enabled:
-      os.makedirs(self.directory, exist_ok=True)
+      storage_lib.makedirs(self.directory)
       self._manager = open_manager(
           self.directory, ("params", "opt_state", "meta"), storage=storage, max_to_keep=max_to_keep, async_save=async_save
       )
@@ -166,7 +167,7 @@ class RunCheckpointer:
     # One name for every process (process 0's clock); process 0 alone renames, the others wait for it.
     dst = f"{src}.corrupt-{distributed.agree_from_writer(int(time.time()))}"
     if distributed.is_writer_process():
-      os.rename(src, dst)
+      storage_lib.rename(src, dst)
     distributed.barrier(f"set_aside_{step}")
     if self._manager is not None:
       self._manager.reload()

@@ -27,6 +27,7 @@ from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin import storage
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin.errors import CheckpointError
 from maxtext_rl_plugin.errors import ConfigError
@@ -50,7 +51,7 @@ def restore_adapters(model, ckpt_dir: str, step: int | None) -> int:
 
   from maxtext_rl_plugin import checkpointing
 
-  if not os.path.isdir(ckpt_dir):
+  if not storage.isdir(ckpt_dir):
     raise CheckpointError(f"no checkpoints in {ckpt_dir}: run training with this config first")
   # Restores read any format (Orbax detects it per checkpoint); `storage` only matters for writing.
   manager = checkpointing.open_manager(
@@ -103,12 +104,13 @@ def _lora_from_run(argv: list[str], config, ckpt_dir: str, step: int | None) -> 
 def export(argv, output: str, step: int | None = None) -> str:
   """Build the run's base, apply and restore its adapters, merge, save; returns the `load_parameters_path`."""
   view = config_precheck.precheck(argv)  # key names and values as written, before the schema's imports
-  out = os.path.join(os.path.abspath(output), "0")
-  if os.path.exists(out):
+  out = os.path.join(storage.absolute(output), "0")
+  if storage.exists(out):
     raise ConfigError(f"invalid value for '--output'='{output}': {out} already exists")
+  run_dir_lib.check_not_in_other_run(out, "--output", None)  # never a step inside a run's checkpoints
   config = config_lib.typed(view.source()).hyperparameters()
   run_dir = os.path.join(config.base_output_directory, config.run_name)
-  argv = _lora_from_run(list(argv), config, os.path.abspath(run_identity.checkpoint_dir(config, run_dir)), step)
+  argv = _lora_from_run(list(argv), config, storage.absolute(run_identity.checkpoint_dir(config, run_dir)), step)
   parsed = config_lib.parse(argv)  # with the run's own lora.* keys
   config = parsed.hyperparameters()
   if not lora.enabled(config):
@@ -116,7 +118,7 @@ def export(argv, output: str, step: int | None = None) -> str:
         "export_lora needs the training run's lora.enable_lora=true (a full fine-tuning run's "
         "checkpoints already hold every weight)"
     )
-  run_dir_lib.probe_dir(os.path.abspath(output), "--output")  # writable (created), once the run is one to export
+  run_dir_lib.probe_dir(storage.absolute(output), "--output")  # writable (created), once the run is one to export
   from flax import nnx
   from maxtext.common import checkpointing as mt_checkpointing
 
@@ -128,12 +130,12 @@ def export(argv, output: str, step: int | None = None) -> str:
   tokenizer = models.load_tokenizer(config)
   actor, mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
   if config.sft_warmup_steps > 0:
-    sft_dir = os.path.join(os.path.abspath(run_dir), "checkpoints", "sft", str(config.sft_warmup_steps))
-    if not os.path.isdir(sft_dir):
+    sft_dir = os.path.join(storage.absolute(run_dir), "checkpoints", "sft", str(config.sft_warmup_steps))
+    if not storage.isdir(sft_dir):
       raise CheckpointError(f"the run's base is its SFT warm start, but {sft_dir} does not exist")
     sft.warm_start(config, actor, mesh, tokenizer, None, run_dir)  # restores (the finished warm start is there)
   lora_actor, _ = lora.apply(config, actor, mesh, tokenizer.pad_token_id)
-  ckpt_dir = os.path.abspath(config.checkpoint_dir or os.path.join(run_dir, "checkpoints"))
+  ckpt_dir = storage.absolute(config.checkpoint_dir or os.path.join(run_dir, "checkpoints"))
   step = restore_adapters(lora_actor, ckpt_dir, step)
   merged = lora.merged_params(lora_actor, config)
   try:

@@ -20,6 +20,7 @@ import numpy as np
 from tensorboardX import SummaryWriter
 
 from maxtext_rl_plugin import run_dir
+from maxtext_rl_plugin import storage
 
 
 def _scalar(value: Any) -> float | None:
@@ -93,14 +94,14 @@ class RunLogger:
     self._tb = None
     self._metrics_file = metrics_file if self.writer else None
     if self.writer:
-      os.makedirs(tensorboard_dir, exist_ok=True)
+      storage.makedirs(tensorboard_dir)  # tensorboardX writes gs:// itself (google-cloud-storage)
       # Steps after `start_step` were trained by an attempt that died and are trained again: tensorboardX's purge_step
       # marks this file so TensorBoard drops the earlier events from `start_step + 1` on (from 0 on a fresh start,
       # like the metrics file's prune) and shows every step once.
       self._tb = SummaryWriter(logdir=tensorboard_dir, flush_secs=10, purge_step=start_step + 1 if start_step else 0)
       _OPEN.add(self)
     if self._metrics_file:
-      os.makedirs(os.path.dirname(os.path.abspath(metrics_file)), exist_ok=True)
+      storage.makedirs(os.path.dirname(storage.absolute(metrics_file)))
     self.total_steps = total_steps
     self._start_step = start_step
     self._t0 = time.time()
@@ -120,9 +121,8 @@ class RunLogger:
         self._tb.add_scalar(k, s, int(step))
     if self._metrics_file:
       try:
-        with open(self._metrics_file, "a", encoding="utf-8") as f:
-          f.write(json.dumps(record) + "\n")  # one write per record: a failure leaves at most a torn last line
-      except OSError as e:
+        storage.append_text(self._metrics_file, json.dumps(record) + "\n")  # a failure leaves at most a torn line
+      except Exception as e:  # pylint: disable=broad-exception-caught  # OSError locally, the client's in a bucket
         raise run_dir.OutputError(f"metrics_file: {run_dir.describe_os_error(e, self._metrics_file)}") from None
     self.history.append(record)
     return record

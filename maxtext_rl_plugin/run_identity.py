@@ -24,6 +24,7 @@ import os
 from typing import Any
 
 from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.config import files as config_files
 from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin.data import prompts
@@ -292,18 +293,17 @@ def checkpoint_steps(directory: str) -> list[int]:
   """Complete checkpoint steps on disk, newest first (Orbax renames `<step>.orbax-checkpoint-tmp-*` when done;
   set-aside corrupt steps are `<step>.corrupt-*`), without importing Orbax."""
   try:
-    names = os.listdir(directory)
+    names = storage.listdir(directory)
   except OSError:
     return []
-  return sorted((int(n) for n in names if n.isdigit() and os.path.isdir(os.path.join(directory, n))), reverse=True)
+  return sorted((int(n) for n in names if n.isdigit() and storage.isdir(os.path.join(directory, n))), reverse=True)
 
 
 def read_meta(directory: str, step: int) -> dict[str, Any] | None:
   """The JSON metadata item of a checkpoint step, or None when it is missing or unreadable (a corrupt step: the
   restore sets it aside and says so)."""
   try:
-    with open(os.path.join(directory, str(step), "meta", "metadata"), encoding="utf-8") as f:
-      meta = json.load(f)
+    meta = json.loads(storage.read_text(os.path.join(directory, str(step), "meta", "metadata")))
   except (OSError, ValueError):
     return None
   return meta if isinstance(meta, dict) else None
@@ -332,6 +332,7 @@ def check_rerun(config, run_dir: str, asked_steps: int) -> None:
   # trained to: the restore sets it aside, so it neither refuses a rerun nor decides what is compared.
   readable = [(s, m) for s, m in ((s, read_meta(directory, s)) for s in checkpoint_steps(directory)) if m is not None]
   if not readable:
+    check_overwrite(config, run_dir)
     return
   newest, meta = readable[0]
   if newest > asked_steps:
@@ -354,6 +355,19 @@ def check_rerun(config, run_dir: str, asked_steps: int) -> None:
       )
 
 
+def check_overwrite(config, run_dir: str) -> None:
+  """A run without checkpoints to resume from (enable_checkpointing=false) would start over in `run_dir`, replacing a
+  finished run's records, summary, plot and batches: refused in one line unless `overwrite_run=true` asks for it."""
+  summary = os.path.join(run_dir, "summary.json")
+  if value_or(config, "overwrite_run") is True or not storage.isfile(summary):
+    return
+  raise CheckpointError(
+      f"{run_dir} holds a finished run (its summary.json) and no checkpoint to resume from (enable_checkpointing="
+      f"{value_or(config, 'enable_checkpointing')}); this run would start over and replace its records, summary and "
+      "plot: use a new run_name, or overwrite_run=true to replace them"
+  )
+
+
 def total_steps(config) -> int:
   """RL steps the run asks for (run.build.num_rl_steps): MaxText's train_steps counts one update per iteration."""
   return int(config.train_steps) // max(1, int(config.rl.num_iterations))
@@ -365,7 +379,7 @@ def _local(path: Any) -> bool:
 
 def check_load_parameters_path(path: Any) -> None:
   """One line instead of MaxText's traceback for a missing local base checkpoint."""
-  if _local(path) and not os.path.exists(path):
+  if _local(path) and not storage.exists(path):
     raise CheckpointError(f"invalid value for 'load_parameters_path'='{path}': no such checkpoint directory")
 
 
@@ -376,7 +390,7 @@ def check_inputs(config) -> None:
   skipped)."""
   for key in ("train_data_path", "eval_data_path"):
     spec = value_or(config, key)
-    if _local(spec):
+    if isinstance(spec, str) and spec:  # local files and objects in a bucket alike (storage)
       rows.expand_paths(spec, key)
   check_load_parameters_path(value_or(config, "load_parameters_path"))
   template = value_or(config, "data_template_path")

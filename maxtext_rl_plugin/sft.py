@@ -23,6 +23,7 @@ import optax
 
 from maxtext_rl_plugin import checkpointing
 from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin import storage as storage_lib
 from maxtext_rl_plugin.data import prompts
 from maxtext_rl_plugin.metrics import format_duration
 from maxtext_rl_plugin.metrics import is_writer
@@ -55,7 +56,7 @@ def _say(line: str) -> None:
 def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dict:
   """Train `model` in place for `config.sft_warmup_steps` steps, or restore the finished warm start."""
   steps = config.sft_warmup_steps
-  ckpt_dir = os.path.join(os.path.abspath(run_dir), "checkpoints", "sft")
+  ckpt_dir = os.path.join(storage_lib.absolute(run_dir), "checkpoints", "sft")  # a bucket path as given
   storage = checkpointing.Storage.from_config(config)
   manager = checkpointing.open_manager(ckpt_dir, ("params", "meta"), storage=storage, max_to_keep=1)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)

@@ -27,6 +27,7 @@ from typing import Sequence
 from absl import logging
 
 from maxtext_rl_plugin import errors
+from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -126,13 +127,11 @@ def run(config, parsed, which: set[str]) -> int:
   rat = ratios(rows)
   if rat:
     print("tunix / plugin: " + ", ".join(f"{k} {v:.3f}" for k, v in rat.items() if v is not None), flush=True)
-  base = str(config.base_output_directory)
-  base = "aot_reports" if "://" in base else base  # no writes to a bucket from here (as compile_rl)
-  os.makedirs(base, exist_ok=True)
+  base = str(config.base_output_directory)  # a bucket too (storage), as compile_rl's report
+  storage.makedirs(base)
   path = os.path.join(base, f"{config.run_name}.anchor-tunix-{topo}.json")
   extra = {"model": cfg.model_name, "trainer_devices": len(rs.trainer_devices), "tunix_over_plugin": rat}
-  with open(path, "w", encoding="utf-8") as f:
-    f.write(report.to_json(rows, spec, topo, slices, extra))
+  storage.write_atomic(path, report.to_json(rows, spec, topo, slices, extra))
   print(f"[anchor] report: {path}", flush=True)
   logging.info("tunix anchor done")
   return 0

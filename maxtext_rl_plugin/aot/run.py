@@ -9,7 +9,7 @@ checkpoint, no tokenizer, no data: `load_parameters_path` and `tokenizer_path` a
 A program that does not fit ends the command with one line (`error: program ... needs X GiB of Y GiB ...`) and exit 2,
 after the table; one that fails to compile (the run's own program would fail the same way) with an `error:` line and
 exit 1; the JSON report is written either way (`<base_output_directory>/<run_name>.aot-<topology>.json`,
-or `./aot_reports/` when the output directory is remote).
+a bucket too, through maxtext_rl_plugin/storage.py).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import run_dir
+from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.aot import compile as compile_lib
 from maxtext_rl_plugin.aot import programs
@@ -56,20 +57,13 @@ def _axes(mesh) -> dict:
 
 
 def report_path(config) -> str:
-  """Beside the run directory; local `./aot_reports/` when the output directory is a bucket (no writes there from
-  here). Probed before anything compiles: an unwritable path is one line then, not after every program."""
+  """Beside the run directory (`<base_output_directory>/<run_name>.aot-<topology>.json`, a bucket too, through
+  `storage`). Its directory is probed before anything compiles: an unwritable path or a bucket without credentials is
+  one line then, not after every program."""
   topo = config.compile_topology
   base = str(config.base_output_directory)
-  if "://" in base:
-    base = "aot_reports"
-  path = os.path.join(base, f"{config.run_name}.aot-{topo}.json")
-  try:
-    os.makedirs(base, exist_ok=True)
-    with open(path, "a", encoding="utf-8"):
-      pass
-  except OSError as e:
-    raise run_dir.OutputError(f"the AOT report cannot be written: {run_dir.describe_os_error(e, path)}") from None
-  return path
+  run_dir.probe_dir(base, "base_output_directory")
+  return os.path.join(base, f"{config.run_name}.aot-{topo}.json")
 
 
 def only_phases() -> set[str]:
@@ -262,8 +256,10 @@ def run(config, parsed: config_lib.Parsed) -> int:
   compiled_fit = all(r.fits for r in rows)
   facts["fits"] = (None if (only or not facts["all_compiled"]) else True) if compiled_fit else False
   resident_gib = facts["train_state_gib_per_device"] + facts["reference_copy_gib_per_device"]
-  with open(path, "w", encoding="utf-8") as f:
-    f.write(report.to_json(rows, spec, topo, slices, facts))
+  try:
+    storage.write_atomic(path, report.to_json(rows, spec, topo, slices, facts))
+  except Exception as e:  # pylint: disable=broad-exception-caught  # OSError locally, the client's in a bucket
+    raise run_dir.OutputError(f"the AOT report was not written: {run_dir.describe_os_error(e, path)}") from None
   _say(f"report: {path} ({facts['compile_wall_seconds']:.0f} s)")
   line = report.verdict(rows, topo, resident_gib)
   if line is not None:

@@ -182,6 +182,37 @@ def resolve_tokenizer_path(overrides: list[str], raw: dict) -> list[str]:
   return [a for a in overrides if not a.startswith("tokenizer_path=")] + [f"tokenizer_path={candidate}"]
 
 
+# Keys that name a path on the user's machine: `~` in them means the home directory, as a shell would have expanded it
+# (pyconfig does not, and `base_output_directory=~/runs` made a literal `./~/runs`).
+HOME_PATH_KEYS = (
+    "base_output_directory",
+    "metrics_file",
+    "checkpoint_dir",
+    "tensorboard_dir",
+    "train_data_path",
+    "eval_data_path",
+    "load_parameters_path",
+    "data_template_path",
+    "reward_functions_path",
+    "tokenizer_path",
+)
+
+
+def expand_home_paths(overrides: list[str], raw: dict) -> list[str]:
+  """`overrides` plus `key=<expanded>` for each HOME_PATH_KEYS value (from the yml chain or the overrides) that
+  starts with `~`, so MaxText derives checkpoint_dir and tensorboard_dir from the expanded directory."""
+  values = {k: raw.get(k) for k in HOME_PATH_KEYS}
+  for arg in overrides:
+    key, _, value = arg.partition("=")
+    if key in values:
+      values[key] = value
+  out = list(overrides)
+  for key, value in values.items():
+    if isinstance(value, str) and value.startswith("~"):
+      out = [a for a in out if not a.startswith(f"{key}=")] + [f"{key}={os.path.expanduser(value)}"]
+  return out
+
+
 def resolved_tokenizer_path(value: Any) -> Any:
   """`value` as the typed config holds it (`resolve_tokenizer_path`); anything else unchanged."""
   if not isinstance(value, str) or not value or os.path.isabs(value) or os.path.exists(value):

@@ -492,6 +492,7 @@ _KEY_STATUS.update(
         **dict.fromkeys(("sft_warmup_steps", "sft_learning_rate", "sft_batch_size"), "honoured (sft: warm start)"),
         **dict.fromkeys(("eval_before_training", "eval_after_training"), "honoured (trainer: eval)"),
         "write_plot": "honoured (summary: summary.png)",
+        "overwrite_run": "honoured (run_identity.check_overwrite: a finished run without checkpoints is replaced)",
         "rl.kl_estimator": ALGO,
         "rl.advantage_norm": ALGO,
         # DAPO and kin

@@ -129,7 +129,7 @@ def typed(written: config_precheck.Written) -> Parsed:
   overrides = written.overrides
   cli = dict(a.split("=", 1) for a in overrides)
   config_files.check_model_name(str(cli.get("model_name", raw.get("model_name", "default"))))
-  overrides = config_files.resolve_tokenizer_path(overrides, raw)
+  overrides = config_files.resolve_tokenizer_path(config_files.expand_home_paths(overrides, raw), raw)
   kwargs = config_files.model_file_overrides(written.chain, raw, overrides)
   pc = _initialize(written.chain[0][0], merged, overrides, kwargs)
   validation.validate(pc)

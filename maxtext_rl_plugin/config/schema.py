@@ -390,6 +390,11 @@ class PluginRunLoop(BaseModel):
   write_plot: bool = Field(
       True, description="Write reward/accuracy-per-step PNG (summary.png) into the run directory at the end."
   )
+  overwrite_run: bool = Field(
+      False,
+      description="Let a run with nothing to resume from (enable_checkpointing=false) start over in the directory of "
+      "a finished run, replacing its records, summary and plot (refused otherwise).",
+  )
 
 
 class PluginKeys(PluginRunLoop, PluginResharding, PluginRewards, PluginData, PluginRollout, PluginCli):

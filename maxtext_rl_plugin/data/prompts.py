@@ -14,6 +14,7 @@ from typing import Sequence
 
 import maxtext
 
+from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.config.files import configs_dir
 from maxtext_rl_plugin.data.splits import Example
 from maxtext_rl_plugin.errors import ConfigError
@@ -35,7 +36,7 @@ _DEFAULT_TEMPLATE = {
 def _template_candidates(path: str) -> list[str]:
   """Where a relative data_template_path may live: as given, MaxText's package root, the shipped configs."""
   cands = [path]
-  if not os.path.isabs(path):
+  if not os.path.isabs(path) and not storage.is_remote(path):
     pkg = os.path.dirname(os.path.abspath(maxtext.__file__))
     cands.append(os.path.join(os.path.dirname(pkg), path))  # MaxText's own resolution (site-packages root)
     if path.startswith("maxtext/"):
@@ -53,14 +54,13 @@ def load_template(path: str) -> dict[str, str]:
   """
   if not path:
     return dict(_DEFAULT_TEMPLATE)
-  found = next((c for c in _template_candidates(path) if os.path.isfile(c)), None)
+  found = next((c for c in _template_candidates(path) if storage.isfile(c)), None)
   if found is None:
     raise ConfigError(
         f"invalid value for 'data_template_path'='{path}': file not found (also looked in MaxText's package)"
     )
   try:
-    with open(found, encoding="utf-8") as f:
-      tpl = json.load(f)
+    tpl = json.loads(storage.read_text(found))
   except (OSError, ValueError) as e:
     raise ConfigError(f"invalid value for 'data_template_path'='{path}': not a readable JSON file ({e})") from None
   if not isinstance(tpl, dict) or not isinstance(tpl.get("SYSTEM_PROMPT"), str):

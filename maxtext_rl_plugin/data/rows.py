@@ -10,13 +10,14 @@ not UTF-8) are skipped and counted in one warning per source instead of failing 
 from __future__ import annotations
 
 import dataclasses
-import glob
+import io
 import json
 import os
 from typing import Any, Iterable, Optional, Sequence
 
 from absl import logging
 
+from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.data import synthetic
 from maxtext_rl_plugin.errors import DataError
 from maxtext_rl_plugin.errors import describe_not_a_file
@@ -135,13 +136,24 @@ def expand_paths(spec: str, key: str) -> list[str]:
   for part in (p.strip() for p in spec.split(",")):
     if not part:
       continue
-    matches = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
-    if not matches:
-      raise DataError(f"{key}='{part}': no files match")
-    for m in matches:
-      if not os.path.isfile(m):
-        raise DataError(f"{key}='{m}': {describe_not_a_file(m)}")
-      paths.append(m)
+    try:
+      storage.check_credentials(part, key)
+      matches = storage.glob(part) if any(c in part for c in "*?[") else [part]
+      if not matches:
+        raise DataError(f"{key}='{part}': no files match")
+      for m in matches:
+        if not storage.isfile(m):
+          why = "file not found (no such object)" if storage.is_remote(m) else describe_not_a_file(m)
+          raise DataError(f"{key}='{m}': {why}")
+        paths.append(m)
+    except storage.StorageError as e:
+      raise DataError(str(e.strerror)) from None
+    except DataError:
+      raise
+    except Exception as e:  # pylint: disable=broad-exception-caught  # a bucket's errors (gcsfs, google-auth)
+      if not storage.is_remote(part):
+        raise
+      raise DataError(f"{key}='{part}': cannot read {storage.bucket_of(part)} ({type(e).__name__}: {e})") from None
   if not paths:
     raise DataError(f"{key}='{spec}': no files given")
   return paths
@@ -160,14 +172,14 @@ def _read_rows(path: str, key: str) -> tuple[list[tuple[int, Any]], str]:
     except ImportError as e:
       raise MissingExtraError("reading Parquet data", "pyarrow", "cpu") from e
     try:
-      return list(enumerate(pq.read_table(path).to_pylist(), 1)), "row"
+      source = io.BytesIO(storage.read_bytes(path)) if storage.is_remote(path) else path
+      return list(enumerate(pq.read_table(source).to_pylist(), 1)), "row"
     except (pa.ArrowException, OSError, ValueError, TypeError) as e:  # pyarrow's errors; OSError: unreadable
       raise DataError(f"{key}='{path}': not a readable Parquet file ({type(e).__name__}: {e})") from None
   try:
-    with open(path, "rb") as f:
-      raw = f.read()
+    raw = storage.read_bytes(path)
   except OSError as e:
-    raise DataError(f"{key}='{path}': {e.strerror}") from None
+    raise DataError(f"{key}='{path}': {e.strerror or e}") from None
   if raw.startswith(b"\xef\xbb\xbf"):
     raw = raw[3:]  # UTF-8 byte order mark (Windows editors write one)
   for magic, what in _NOT_TEXT:

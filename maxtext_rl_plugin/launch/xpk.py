@@ -219,6 +219,7 @@ def build_create(
     config: str = DEFAULT_CONFIG,
     environ: dict[str, str] | None = None,
     validate: bool = True,
+    allow_local_output: bool = False,
 ) -> Command:
   """Validated `xpk workload create-pathways ...` for train_rl; raises a one-line UserError on bad input."""
   environ = os.environ if environ is None else environ
@@ -237,7 +238,8 @@ def build_create(
     raise LaunchError("--project is required")
   train_args = train_overrides(workload, overrides)
   if validate:
-    validate_overrides(config, train_args)
+    base = str(validate_overrides(config, train_args).base_output_directory or "")
+    check_output_directory(base, allow_local_output)
   token = environ.get(SECRET_ENV) or None
   argv = [
       "workload",
@@ -301,15 +303,23 @@ def _project_zone(project: str | None, zone: str | None) -> list[str]:
   return out
 
 
+def check_output_directory(base: str, allow_local_output: bool) -> None:
+  """A Pathways workload's outputs must outlive its pods: base_output_directory (from the yml or an override) is a
+  bucket, or the user says with --allow-local-output that the path is a volume every pod mounts. One line otherwise."""
+  if base.startswith("gs://") or allow_local_output:
+    return
+  shown = f"'{base}'" if base else "not set"
+  raise LaunchError(
+      f"base_output_directory is {shown}: outputs written inside the pod (checkpoints, metrics, the run lock) are lost "
+      "with it and a resubmitted workload cannot resume; give base_output_directory=gs://BUCKET/PATH, or "
+      "--allow-local-output when that path is a volume every pod mounts"
+  )
+
+
 def warnings_for(overrides: Sequence[str], max_restarts: int | None, environ: dict[str, str]) -> list[str]:
   """Things that are legal but probably not what a cluster run wants (printed to stderr, not fatal)."""
+  del overrides  # base_output_directory is checked (check_output_directory), not warned about
   out = []
-  base = override_value(overrides, "base_output_directory")
-  if not base or not base.startswith("gs://"):
-    out.append(
-        "base_output_directory is not a gs:// path: checkpoints written inside the pod are lost with it, so a "
-        "resubmitted workload cannot resume"
-    )
   if not environ.get(SECRET_ENV):
     out.append(f"{SECRET_ENV} is not set: gated Hugging Face models/tokenizers/datasets will fail to download")
   try:

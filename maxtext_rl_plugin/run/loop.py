@@ -30,6 +30,7 @@ from maxtext_rl_plugin.run import evaluation as evaluation_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import signals
+from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.run import summary as summary_lib
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.run import resume
@@ -252,6 +253,10 @@ def run(config, parsed: config_lib.Parsed) -> dict[str, Any]:
     lock.acquire()
     lock.start_heartbeat()  # a daemon thread: a step longer than the lock's stale_after_s never looks dead
   try:
+    if writer:  # each output belongs to the run that first wrote it (run_dir.py, "Owner marks")
+      run_dir_lib.claim(out_dir, out_dir, "run_name", is_dir=True)
+      if metrics_file and not storage.within(metrics_file, out_dir):
+        run_dir_lib.claim(metrics_file, out_dir, "metrics_file")
     with signals.GracefulStop() as stop:
       rl_run = build.build_run(config, parsed)
       rl_run.metrics_file = metrics_file

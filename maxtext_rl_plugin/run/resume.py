@@ -20,6 +20,7 @@ from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin import storage
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin.run import updates
@@ -69,7 +70,7 @@ def _meta(config, step: int, extra: dict | None = None) -> dict:
 def _metrics_path(config) -> str | None:
   run_dir = os.path.join(config.base_output_directory, config.run_name)
   path = run_dir_lib.resolve_metrics_file(config.metrics_file, run_dir)
-  return os.path.abspath(path) if path and "://" not in path else path
+  return storage.absolute(path) if path else path
 
 
 def _check_resume_compatible(config, meta: dict, path: str) -> None:
@@ -189,11 +190,10 @@ def finished_summary(config, run_dir: str) -> dict[str, Any] | None:
   """The summary of a run that already trained every step (its summary.json and final checkpoint exist), else None."""
   path = os.path.join(run_dir, "summary.json")
   final = os.path.join(config.checkpoint_dir or os.path.join(run_dir, "checkpoints"), str(num_rl_steps(config)))
-  if not (os.path.isfile(path) and os.path.isdir(final)):
+  if not (storage.isfile(path) and storage.isdir(final)):
     return None
   try:
-    with open(path, encoding="utf-8") as f:
-      summary = json.load(f)
+    summary = json.loads(storage.read_text(path))
   except (OSError, ValueError):
     return None
   return summary if summary.get("total_steps") == num_rl_steps(config) else None

@@ -31,6 +31,7 @@ from maxtext_rl_plugin.run import parity
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin import storage
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.errors import UserError
@@ -79,9 +80,8 @@ def _audit_batch(run_dir: str, step: int, batch) -> None:
   """Append which examples step `step` trained on to `<run>/batches.jsonl` (resume audit trail)."""
   path = os.path.join(run_dir, "batches.jsonl")
   try:
-    with open(path, "a", encoding="utf-8") as f:
-      f.write(json.dumps({"step": step, "ids": [e.id for e in batch]}) + "\n")
-  except OSError as e:
+    storage.append_text(path, json.dumps({"step": step, "ids": [e.id for e in batch]}) + "\n")
+  except Exception as e:  # pylint: disable=broad-exception-caught  # OSError locally, the client's in a bucket
     raise run_dir_lib.OutputError(run_dir_lib.describe_os_error(e, path)) from None
 
 

@@ -9,6 +9,8 @@ import json
 import os
 from typing import Any
 
+from maxtext_rl_plugin import storage
+
 
 def _fmt(v, pct=False) -> str:
   """A summary table cell: '-' for missing, a percentage or three decimals."""
@@ -19,26 +21,23 @@ def _fmt(v, pct=False) -> str:
 
 def read_history(path: str | None) -> list[dict[str, Any]] | None:
   """Every record of the run's metrics file (steps before a resume included), or None without a file."""
-  if not path or not os.path.isfile(path):
+  if not path or not storage.isfile(path):
     return None
   out = []
-  with open(path, encoding="utf-8") as f:
-    for line in f:
-      try:
-        rec = json.loads(line)
-      except ValueError:
-        continue
-      if isinstance(rec, dict):
-        out.append(rec)
+  for line in storage.read_text(path).splitlines():
+    try:
+      rec = json.loads(line)
+    except ValueError:
+      continue
+    if isinstance(rec, dict):
+      out.append(rec)
   return out
 
 
 def write_json(run_dir: str, summary: dict[str, Any]) -> None:
   """`<run>/summary.json` (all but the history), replaced atomically: a rerun of a finished run reads it."""
-  tmp = os.path.join(run_dir, f".summary.json.{os.getpid()}")
-  with open(tmp, "w", encoding="utf-8") as f:
-    json.dump({k: v for k, v in summary.items() if k != "history"}, f, indent=2, default=str)
-  os.replace(tmp, os.path.join(run_dir, "summary.json"))
+  text = json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2, default=str)
+  storage.write_atomic(os.path.join(run_dir, "summary.json"), text)
 
 
 def table(summary: dict[str, Any]) -> str:
@@ -123,8 +122,9 @@ def plot(summary: dict[str, Any], path: str) -> str | None:
   ax2.grid(alpha=0.3)
   ax2.legend()
   fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=110)
+  storage.makedirs(os.path.dirname(storage.absolute(path)))
+  with storage.open_write_bytes(path) as buf:  # one upload in a bucket, a rename locally
+    fig.savefig(buf, dpi=110, format="png")
   plt.close(fig)
   return path
 

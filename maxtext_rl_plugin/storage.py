@@ -1,0 +1,391 @@
+"""One storage layer for every path a user gives the plugin: local disk and object storage (`gs://`) alike.
+
+Every file the plugin reads or writes at a user-given path (the run directory and all under it, `metrics_file`, data
+files, the AOT report, export_lora's output) goes through this module; nothing else opens such a path
+(tests/test_storage_paths.py greps for it).
+
+Paths go through `etils.epath`, MaxText's and Orbax's own choice (MaxText's common/checkpointing.py and input
+pipeline; Orbax takes epath paths and writes arrays through TensorStore's GCS driver): a bucket MaxText's checkpoints
+reach is a bucket every output of the plugin reaches, with the same credentials, and `gs://` resolves the way it does
+for them (tf.io.gfile in an image with TensorFlow, gcsfs elsewhere). Local paths keep their plain `os` calls (and
+`~` is expanded: `base_output_directory=~/runs` means the home directory, never a literal `./~`).
+
+What object storage lacks, and how each promise is kept there:
+* No atomic rename: one object upload is atomic (a reader sees the old object or the new one, whole), so
+  `write_atomic` uploads in one request where local disk writes a temporary file and renames it.
+* No append: `append_text` rewrites the object with the new text (a metrics record is ~1 kB per step; a 1,000-step
+  run rewrites ~1 MB per step, far below one checkpoint).
+* No O_EXCL: `create_exclusive` and `replace_if` use GCS's generation preconditions (`ifGenerationMatch=0` creates only
+  if absent, `ifGenerationMatch=g` replaces only the version `g` that was read) through google-cloud-storage, because
+  epath exposes no precondition. The run lock and the owner marks (run_dir.py) are built on these two calls.
+Tests run all of it against fake-gcs-server (tests/_gcs.py), which enforces those preconditions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import functools
+import glob as glob_lib
+import io
+import logging as std_logging
+import os
+import shutil
+from typing import Iterator
+
+from etils import epath
+
+EMULATOR_ENV = "STORAGE_EMULATOR_HOST"  # google-cloud-storage's and gcsfs's own variable for an emulator endpoint
+TENSORSTORE_ENV = "TENSORSTORE_GCS_HTTP_URL"  # TensorStore's (Orbax's arrays) variable for the same endpoint
+
+# gcsfs asks every bucket's layout of the storage-control API first and, without credentials (an emulator), logs one
+# line per call before it falls back to plain GCS: noise, not a problem of the run.
+std_logging.getLogger("gcsfs").setLevel(std_logging.ERROR)
+
+
+class StorageError(OSError):
+  """An object-storage call failed (credentials, a missing bucket, the service): `describe_error` says it in a line."""
+
+
+def is_remote(path: str | os.PathLike | None) -> bool:
+  """Whether `path` names object storage (`gs://...`, any `scheme://`) rather than the local file system."""
+  return path is not None and "://" in os.fspath(path)
+
+
+def bucket_of(path: str) -> str:
+  """`gs://bucket/a/b` -> `gs://bucket` (the thing a missing credential or bucket is said about)."""
+  scheme, rest = path.split("://", 1)
+  return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def expand(path: str) -> str:
+  """A local path with `~` expanded (as a shell would have); a remote one as given, without a trailing '/'."""
+  if is_remote(path):
+    return path.rstrip("/") if path.count("/") > 2 else path
+  return os.path.expanduser(path)
+
+
+def absolute(path: str) -> str:
+  """A path as the run records and compares it: absolute and `~`-expanded locally, unchanged remotely."""
+  return expand(path) if is_remote(path) else os.path.abspath(os.path.expanduser(path))
+
+
+def real(path: str) -> str:
+  """`absolute` with local symbolic links resolved (two names for one file compare equal)."""
+  return expand(path) if is_remote(path) else os.path.realpath(os.path.expanduser(path))
+
+
+def within(path: str, directory: str) -> bool:
+  """Whether `path` is `directory` or lies below it."""
+  path, directory = real(path), real(directory)
+  return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _p(path: str) -> epath.Path:
+  return epath.Path(expand(path))
+
+
+# --- reading -----------------------------------------------------------------------------------------------------------
+
+
+def exists(path: str) -> bool:
+  return _p(path).exists() if is_remote(path) else os.path.exists(expand(path))
+
+
+def isfile(path: str) -> bool:
+  if not is_remote(path):
+    return os.path.isfile(expand(path))
+  p = _p(path)
+  return p.exists() and not p.is_dir()
+
+
+def isdir(path: str) -> bool:
+  return _p(path).is_dir() if is_remote(path) else os.path.isdir(expand(path))
+
+
+def listdir(path: str) -> list[str]:
+  """Names in a directory (OSError when it is not one: a remote prefix with no object is empty, not an error)."""
+  if not is_remote(path):
+    return os.listdir(expand(path))
+  p = _p(path)
+  return [c.name for c in p.iterdir()] if p.is_dir() else []
+
+
+def glob(pattern: str) -> list[str]:
+  """Sorted matches of a glob pattern, local or remote."""
+  if not is_remote(pattern):
+    return sorted(glob_lib.glob(expand(pattern)))
+  scheme, rest = pattern.split("://", 1)
+  bucket, _, inner = rest.partition("/")
+  return sorted(os.fspath(p) for p in epath.Path(f"{scheme}://{bucket}").glob(inner))
+
+
+def read_bytes(path: str) -> bytes:
+  return _p(path).read_bytes() if is_remote(path) else _read_local(expand(path))
+
+
+def _read_local(path: str) -> bytes:
+  with open(path, "rb") as f:
+    return f.read()
+
+
+def read_text(path: str) -> str:
+  return read_bytes(path).decode("utf-8")
+
+
+def size(path: str) -> int:
+  return _p(path).stat().length if is_remote(path) else os.path.getsize(expand(path))
+
+
+def version(path: str) -> str:
+  """What changes when the file's content is replaced (a cache key): size and mtime locally, the object's stat
+  remotely."""
+  if is_remote(path):
+    st = _p(path).stat()
+    return f"{st.length}:{st.mtime}"
+  st = os.stat(expand(path))
+  return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+# --- writing -----------------------------------------------------------------------------------------------------------
+
+
+def makedirs(path: str) -> None:
+  """Create a directory and its parents (remote: a no-op beyond gcsfs's own bookkeeping; prefixes need no object)."""
+  if is_remote(path):
+    _p(path).mkdir(parents=True, exist_ok=True)
+  else:
+    os.makedirs(expand(path), exist_ok=True)
+
+
+def write_atomic(path: str, data: bytes | str) -> None:
+  """Replace `path` with `data` so a reader (or a crash) never sees half of it: a temporary file renamed into place
+  and fsynced locally, one object upload remotely (GCS replaces an object atomically)."""
+  raw = data.encode("utf-8") if isinstance(data, str) else data
+  if is_remote(path):
+    _p(path).write_bytes(raw)
+    return
+  path = expand(path)
+  tmp = f"{path}.{os.getpid()}.tmp"
+  try:
+    with open(tmp, "wb") as f:
+      f.write(raw)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  finally:
+    with contextlib.suppress(OSError):
+      os.remove(tmp)
+
+
+def append_text(path: str, text: str, *, sync: bool = False) -> None:
+  """Append `text` (one or more whole lines): one `write` locally, so a failure leaves at most a torn last line;
+  remotely the object is rewritten with the text added (objects are immutable; see the module docstring)."""
+  if is_remote(path):
+    p = _p(path)
+    old = p.read_bytes() if p.exists() else b""
+    p.write_bytes(old + text.encode("utf-8"))
+    return
+  with open(expand(path), "a", encoding="utf-8") as f:
+    f.write(text)
+    if sync:
+      f.flush()
+      os.fsync(f.fileno())
+
+
+def remove(path: str) -> None:
+  """Remove a file (missing is not an error)."""
+  with contextlib.suppress(FileNotFoundError):
+    if is_remote(path):
+      p = _p(path)
+      if p.exists():
+        p.unlink()
+    else:
+      os.remove(expand(path))
+
+
+def rmtree(path: str) -> None:
+  if is_remote(path):
+    p = _p(path)
+    if p.exists():
+      p.rmtree()
+  else:
+    shutil.rmtree(expand(path), ignore_errors=True)
+
+
+def rename(src: str, dst: str) -> None:
+  """Move a file or directory (remote: gcsfs copies each object and deletes the source: not atomic, which is why the
+  plugin renames only what it sets aside, never a live checkpoint)."""
+  if is_remote(src):
+    _p(src).rename(_p(dst))
+  else:
+    os.rename(expand(src), expand(dst))
+
+
+@contextlib.contextmanager
+def open_write_bytes(path: str) -> Iterator[io.BytesIO]:
+  """A buffer whose content becomes `path` (atomically) when the block ends without error: for writers that want a
+  file object (matplotlib's savefig, json.dump)."""
+  buf = io.BytesIO()
+  yield buf
+  write_atomic(path, buf.getvalue())
+
+
+# --- exclusive creation and conditional replacement (the run lock, owner marks) ----------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _gcs_client():
+  """google-cloud-storage's client: anonymous against an emulator (`STORAGE_EMULATOR_HOST`, which the client reads
+  itself), the environment's credentials otherwise."""
+  from google.cloud import storage as gcs  # pylint: disable=import-outside-toplevel  # only for gs:// outputs
+
+  if os.environ.get(EMULATOR_ENV):
+    return gcs.Client.create_anonymous_client()
+  return gcs.Client()
+
+
+def _blob(path: str):
+  if not path.startswith("gs://"):
+    return None
+  bucket, _, name = path[len("gs://") :].partition("/")
+  return _gcs_client().bucket(bucket).blob(name)
+
+
+def _precondition_failed(e: Exception) -> bool:
+  return type(e).__name__ == "PreconditionFailed"  # google.api_core.exceptions, imported lazily with the client
+
+
+def create_exclusive(path: str, text: str) -> bool:
+  """Create `path` holding `text` only if it does not exist (True), else leave it (False): O_EXCL locally,
+  `ifGenerationMatch=0` on GCS. Other schemes have no such primitive here: an existence check, then a write."""
+  blob = _blob(expand(path))
+  if blob is not None:
+    try:
+      blob.upload_from_string(text, if_generation_match=0)
+    except Exception as e:  # pylint: disable=broad-exception-caught  # google.api_core's, imported with the client
+      if _precondition_failed(e):
+        return False
+      raise
+    return True
+  if is_remote(path):
+    if exists(path):
+      return False
+    write_atomic(path, text)
+    return True
+  try:
+    fd = os.open(expand(path), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+  except FileExistsError:
+    return False
+  with os.fdopen(fd, "w", encoding="utf-8") as f:
+    f.write(text)
+    f.flush()
+    os.fsync(f.fileno())
+  return True
+
+
+def read_versioned(path: str) -> tuple[str, object] | None:
+  """(text, version) of `path`, or None when it is missing: the version `replace_if` compares (the object's
+  generation on GCS, size and mtime locally)."""
+  blob = _blob(expand(path))
+  if blob is not None:
+    blob = blob.bucket.get_blob(blob.name)
+    if blob is None:
+      return None
+    return blob.download_as_bytes(if_generation_match=blob.generation).decode("utf-8"), blob.generation
+  try:
+    v = version(path)
+    return read_text(path), v
+  except (FileNotFoundError, NotADirectoryError):
+    return None
+
+
+def replace_if(path: str, text: str, expected: object) -> bool:
+  """Replace `path` with `text` only if it is still at version `expected` (from `read_versioned`): True when replaced.
+  On GCS this is one conditional upload, so of two processes replacing the same version exactly one succeeds. Locally
+  the version is compared, then the file removed and created with O_EXCL, so of two racing processes one creates it
+  and the other sees it exist (False)."""
+  blob = _blob(expand(path))
+  if blob is not None:
+    try:
+      blob.upload_from_string(text, if_generation_match=expected)
+    except Exception as e:  # pylint: disable=broad-exception-caught  # google.api_core's, imported with the client
+      if _precondition_failed(e):
+        return False
+      raise
+    return True
+  try:
+    if version(path) != expected:
+      return False
+  except FileNotFoundError:
+    pass
+  remove(path)
+  return create_exclusive(path, text)
+
+
+def overwrite_if(path: str, text: str, expected: object) -> bool:
+  """`replace_if` for the holder's own refresh (a heartbeat): on local disk an atomic rename (the file never goes
+  missing for a reader), after comparing the version; on GCS the conditional upload."""
+  if _blob(expand(path)) is not None:
+    return replace_if(path, text, expected)
+  try:
+    if version(path) != expected:
+      return False
+  except FileNotFoundError:
+    return False
+  write_atomic(path, text)
+  return True
+
+
+# --- errors and reachability -------------------------------------------------------------------------------------------
+
+
+def describe_error(e: BaseException, path: str) -> str:
+  """One line for a failed read or write of `path`: no space left (with the free space), a credential or bucket
+  problem of object storage, or the error itself."""
+  if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+    return f"no space left on the device writing {path} ({_free_space(path)})"
+  if is_remote(path):
+    first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+    return f"cannot write {path} ({bucket_of(path)}): {type(e).__name__}: {first}"
+  if isinstance(e, OSError):
+    return f"cannot write {path}: {e.strerror or e}"
+  return f"cannot write {path}: {e}"
+
+
+def _free_space(path: str) -> str:
+  probe = expand(path)
+  while probe and not os.path.exists(probe):
+    probe = os.path.dirname(probe)
+  try:
+    return f"{shutil.disk_usage(probe or '/').free / 2**20:.0f} MiB free"
+  except OSError:
+    return "free space unknown"
+
+
+def check_credentials(path: str, key: str) -> None:
+  """Before the first request to a bucket: an emulator endpoint, or Google's application default credentials, must be
+  there; else one line naming the bucket and what to set (no traceback, no request to the service). Raises
+  `StorageError`."""
+  if not path.startswith("gs://") or os.environ.get(EMULATOR_ENV):
+    return
+  import google.auth  # pylint: disable=import-outside-toplevel  # only for gs:// paths
+  from google.auth import exceptions as auth_exceptions  # pylint: disable=import-outside-toplevel
+
+  try:
+    google.auth.default()
+  except auth_exceptions.DefaultCredentialsError:
+    raise StorageError(
+        errno.EACCES,
+        f"invalid value for '{key}'='{path}': no Google Cloud credentials for {bucket_of(path)} (run "
+        "`gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, or run on a GCP VM or GKE pod "
+        f"with a service account; for a dry run against an emulator set {EMULATOR_ENV} and {TENSORSTORE_ENV})",
+    ) from None
+
+
+def point_tensorstore_at_emulator() -> None:
+  """With `STORAGE_EMULATOR_HOST` set and `TENSORSTORE_GCS_HTTP_URL` not, point TensorStore (Orbax's arrays) at the
+  same emulator, so one variable sends every output of a dry run there (docs/tutorial.md)."""
+  host = os.environ.get(EMULATOR_ENV)
+  if host and not os.environ.get(TENSORSTORE_ENV):
+    os.environ[TENSORSTORE_ENV] = host if "://" in host else f"http://{host}"
