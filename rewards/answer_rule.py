@@ -247,16 +247,32 @@ _IRREGULAR_PLURALS = frozenset(
 # Words of the grammar itself, never a unit: connectives and operators between values, bounds, hedges, pronouns and
 # verbs. A phrase holding one is not a unit phrase ("5 and up", "5 max", "5 or so").
 _RESERVED = frozenset(
-    """and or nor to through thru than of vs versus plus minus times over by per from between either then is are was
+    """and or nor to through thru than of vs versus plus minus over by per from between either then is are was
     were be been has have had does do did this that these those its his her their it he she they we you i yes no not
     never less more most least max min maximum minimum tops about around approx approximately roughly nearly almost
-    under above below up down guess ish so maybe perhaps possibly probably likely thus hence plus also""".split()
+    under above below up down guess ish so maybe perhaps possibly probably likely thus hence plus also near like within
+    beyond past toward towards""".split()
 )
+# Conjunctions: after a unit phrase they start another clause, which the span does not read ("5 apples and up").
+_CLAUSE_JOINERS = frozenset("and or nor but if unless though although assuming give plus minus up to through".split())
 # Words that may come before the noun of a unit phrase ("5 more apples", "5 extra cookies").
 _NOUN_MODIFIERS = frozenset("more fewer extra additional whole full total".split())
 # What may follow a bare number (no unit): where the value stands, not a bound ("5 each", "5 in total", "5 left").
 _BARE_REST = frozenset(
-    ("each", "apiece", "total", "in total", "in all", "altogether", "overall", "left", "remaining", "left over")
+    (
+        "each",
+        "apiece",
+        "total",
+        "in total",
+        "in all",
+        "altogether",
+        "overall",
+        "left",
+        "remaining",
+        "left over",
+        "more",
+        "fewer",
+    )
 )
 # Adverbs that assert a value ("the answer is clearly 5", "it is exactly 5"): dropped before the number.
 _ASSERTIVE = (
@@ -316,22 +332,25 @@ def read_tail(text: str, singular: bool) -> Optional[str]:
   if t.startswith("(") and t.count("(") == 1:  # "5 (dollars)": a unit phrase in brackets, nothing else
     words = t[1:].split()
     return None if words and _unit_phrase(words, singular) == len(words) else "ambiguous"
-  if t.lower() in _BARE_REST:
-    return None
   words = t.split()
+  if t.lower() in _BARE_REST or (len(words) == 2 and words[0].lower() in ("per", "a", "an", "each", "every")):
+    return None  # "5 in total", "5 per hour", "5 a day"
   k = _unit_phrase(words, singular) if _WORD_RE.fullmatch(words[0]) else 0
   if k == 0:
     return "ambiguous"
   rest = " ".join(words[k:])
   if rest and (words_bound_or_doubt(rest) or re.search(r"[^\w\s,'’-]", rest) or rest[:1] == ","):
     return "ambiguous"
+  if rest and words[k].lower() in _CLAUSE_JOINERS:  # "5 apples and up", "5 apples if I'm right": another clause
+    return "ambiguous"
   return None
 
 
 def read_lead(text: str, marked: bool) -> Optional[str]:
   """The verdict on what precedes an answer's number (None, "ambiguous", "unreadable"): markup; after an answer marker
-  (`marked`) only asserting adverbs ("clearly"); in a tag body also a statement ending in a verb ("He needs", "The
-  answer is", "Total:"). Anything else is left over: "ca. 5", "≳ 5", "could be 5", "about 5", "-" of "--5"."""
+  (`marked`) only asserting adverbs ("clearly"); in a tag body also a statement whose last word is not one of the
+  grammar's ("He needs", "It will take", "The answer is", "Total:"; "be" only after a modal that asserts). Anything
+  else is left over: "ca. 5", "≳ 5", "could be 5", "about 5", "-" of "--5"."""
   if any(c.isdigit() for c in text):
     return "ambiguous"
   if words_change_the_value(text) or _MODIFIER_RE.search(text):
@@ -352,6 +371,4 @@ def read_lead(text: str, marked: bool) -> Optional[str]:
     return None
   if last == "be":
     return None if len(words) > 1 and words[-2].lower() in _ASSERTING_MODALS else "ambiguous"
-  if last not in _RESERVED and last.isalpha() and (last.endswith("ed") or (last.endswith("s") and len(last) > 2)):
-    return None
-  return "ambiguous"
+  return None if last.isalpha() and last not in _RESERVED else "ambiguous"

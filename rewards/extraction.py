@@ -5,9 +5,10 @@ because it runs on every completion of every RL step and must not stall on adver
 (100 KB of braces, thousands of unclosed tags). MaxText's `utils_rl.extract_answer` only looks inside
 `<answer>` tags or `\\boxed{}`; models that answer in any other style score zero there. Here each
 completion goes through an ordered list of rules and the rule that fired is recorded, so a reward
-curve can be read together with *how* answers were found. A tagged or marked answer must state one value
-(`_read_answer`, `_marked`; the vocabulary in answer_rule.py, the table in docs/rewards.md "The answer rule"); free
-text keeps the last-number convention.
+curve can be read together with *how* answers were found. A tagged, boxed or marked answer counts only if its span
+reads WHOLE under a small grammar (`_read_answer`, `_box_context`, `_marked`; the word classes in answer_rule.py, the
+grammar in docs/rewards.md "The answer grammar"): anything left over makes it ambiguous. Free text keeps the
+last-number convention, reading whole numbers only (`_last_number`).
 
 What one number is (signs, separators, fractions, scales, exponents) and its value are in number_grammar.py: this
 module decides where the answer is and whether it is one value, that one reads a piece of text as a number. Split so
@@ -138,13 +139,6 @@ def last_tag_block(text: str, start: str, end: str) -> Optional[str]:
   # If the last `end` has no `start` before it, no earlier `end` has one either.
   i = text.rfind(start, 0, j)
   return text[i + len(start) : j] if i >= 0 else None
-
-
-def _last_match(regex: re.Pattern, text: str) -> Optional[re.Match]:
-  last = None
-  for m in regex.finditer(text):
-    last = m
-  return last
 
 
 def _boxed_value(text: str, box: tuple[int, int, int], free: bool = False) -> tuple[str, Optional[str]]:
