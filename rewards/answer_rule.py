@@ -103,8 +103,9 @@ SCALES = {
     "\u4ebf": 10**8,  # 亿
     "\u5104": 10**8,  # 億
 }
-# Fraction words after a number: its denominator ("5 tenths" is 1/2, "3 fifths" is 3/5). Halves and quarters are not
-# here: "5 quarters" is as often five coins as 5/4 (MODIFIERS: unreadable).
+# Fraction words after a number, in the plural: its denominator ("5 tenths" is 1/2, "3 fifths" is 3/5; the singular is
+# an ordinal: "76 sixth graders"). Halves and quarters are not here: "5 quarters" is as often five coins as 5/4
+# (MODIFIERS: unreadable).
 FRACTION_WORDS = {
     "third": 3,
     "fourth": 4,
@@ -126,12 +127,12 @@ _CJK_SCALES = "[\u767e\u5343\u4e07\u842c\u4ebf\u5104]"
 # first, see `scaled_value`), "MM". Non-capturing.
 SCALE_SUFFIX = (
     r"(?:[ \t]{1,2}(?i:" + _SCALE_WORDS + r")s?(?![A-Za-z])"
-    r"|[ \t]{1,2}(?i:" + _FRACTION_WORDS + r")s?(?![A-Za-z])"
+    r"|[ \t]{1,2}(?i:" + _FRACTION_WORDS + r")s(?![A-Za-z])"  # plural only: "76 sixth graders" is 76
     r"|[ \t]{0,2}MM(?![A-Za-z0-9])|[ \t]?" + _CJK_SCALES + r"|(?:[kKMB]|bn|mn)(?![A-Za-z0-9]))"
 )
 _SCALED_RE = re.compile(
     r"(?P<cur>\\?[$€£¥₹])?[ \t]{0,2}(?P<num>.*?[0-9.])[ \t]{0,2}"
-    r"(?P<scale>(?i:" + _SCALE_WORDS + r")s?|(?i:" + _FRACTION_WORDS + r")s?|[kKMB]|MM|bn|mn|m|" + _CJK_SCALES + r")"
+    r"(?P<scale>(?i:" + _SCALE_WORDS + r")s?|(?i:" + _FRACTION_WORDS + r")s|[kKMB]|MM|bn|mn|m|" + _CJK_SCALES + r")"
     r"(?P<rest>[ \t]{1,4}[A-Za-z][A-Za-z ]{0,40})?\.?"
 )
 
@@ -158,7 +159,7 @@ def scaled_value(text: str, read, currency: bool) -> Optional[Fraction]:
 # Words that change a number into another value whatever their place: scale words (applied only right after their
 # number) and any "-illion" the list above does not hold ("5 zillion": unreadable, never 5).
 SCALE_WORD_RE = re.compile(
-    r"\b(?i:" + _SCALE_WORDS + r"|" + _FRACTION_WORDS + r")s?\b|\b[A-Za-z]*illions?\b|\bMM\b|" + _CJK_SCALES
+    r"\b(?i:" + _SCALE_WORDS + r")s?\b|\b(?i:" + _FRACTION_WORDS + r")s\b|\b[A-Za-z]*illions?\b|\bMM\b|" + _CJK_SCALES
 )
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -83,10 +83,6 @@ _JOINED_BEFORE_RE = re.compile(
     r"(?:\d|\}|\b(?i:or|and|then|to|nor|vs|versus|through|thru|between|from|plus|minus|times|than)|"
     r"\b(?i:could|might|may|can)[ \t]+be)[ \t,]*\Z"
 )
-# A relation right before the last number of free text ("~5", "≳ 5", "< 5"): the number does not stand alone.
-_RELATION_BEFORE_RE = re.compile(
-    r"(?:[≤≥≦≧≠≈≃≅±∓⩽⩾≲≳≪≫∼≍≊≒≶≷⪅⪆∝]|(?<![\\\w])~|(?<![\w\"'/-])[<>]=?)[ \t]{0,2}\Z"  # not a tag's ">" nor "->"
-)
 _BRACE_RE = re.compile(r"[{}]")
 _BOXED = "\\boxed"
 _MATH_CHARS = frozenset("\\^{}()*/+=<>|[]_")
@@ -336,8 +332,6 @@ def _last_number(text: str) -> Extraction:
   before, after = text[m.start() - 1 : m.start()], text[m.end() : m.end() + 2]
   if before.isalnum() or before == "_" or after[:1] == "_" or (after[:1] in ".," and after[1:2].isdigit()):
     return Extraction(text[max(0, m.start() - 16) : m.end() + 16].strip(), RULE_UNREADABLE, None, RULE_LAST_NUMBER)
-  if _RELATION_BEFORE_RE.search(text, max(0, m.start() - 4), m.start()):  # "~5", "≳ 5", "< 5": not one value
-    return Extraction(text[max(0, m.start() - 16) : m.end()].strip(), RULE_AMBIGUOUS, None, RULE_LAST_NUMBER)
   return Extraction(m.group(0).rstrip(","), RULE_LAST_NUMBER)
 
 

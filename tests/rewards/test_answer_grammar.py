@@ -3,7 +3,7 @@ if it reads WHOLE; anything left over makes it ambiguous (or unreadable when it 
 
 Every expected verdict is written by hand from what the answer means (the reference), never read off the code: a
 wrong answer scores 0, a right answer that reads whole scores 1. `PROBE` holds every form the issue's bad-input
-probe listed, with its gold; on the code before this round 84 of its 196 rows rewarded a wrong answer and 33 missed
+probe listed, with its gold; on the code before this round 82 of its 194 rows rewarded a wrong answer and 33 missed
 a right one. The training reward (`check_answer`) and the score CLI are checked to agree with `score_batch` on it.
 """
 
@@ -67,7 +67,6 @@ PROBE = [
         [],
         ["5"],
     ),
-    *_rows(["so it is \u2273 5", "Total: ~5"], [], ["5"]),
     # Scale words and numerals: their value, never the bare number.
     *[
         row
@@ -99,7 +98,7 @@ PROBE = [
 
 def test_the_probe_forms_score_what_they_mean():
   res = rewards.score_batch([c for c, _, _ in PROBE], [g for _, g, _ in PROBE])
-  assert len(PROBE) == 196
+  assert len(PROBE) == 194
   assert [(c, g) for (c, g, ok), r in zip(PROBE, res) if r.correct and not ok] == []  # wrong answers rewarded
   assert [(c, g) for (c, g, ok), r in zip(PROBE, res) if ok and not r.correct] == []  # right answers missed
 
@@ -203,7 +202,6 @@ GRAMMAR = {
         ("the code is 0x10", "10", False, UNR),
         ("The total is 1{,}500", "1500", True, LAST),
         ("so she has 5 apples", "5", True, LAST),
-        ("Total: ~5", "5", False, AMB),
     ],
 }
 
