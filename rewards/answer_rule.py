@@ -1,12 +1,15 @@
-"""The answer rule's vocabulary: Unicode numerals to ASCII, scale words, and what makes an answer more than one value.
+"""The answer rule's vocabulary and the word classes of its span grammar: Unicode numerals to ASCII, scale and
+fraction words, units, the words of the grammar, and what may stand around an answer's number (`read_lead`,
+`read_tail`).
 
-A tagged answer (`<answer>...</answer>`, `\\boxed{}`, `#### N`, "the answer is N") is read as ONE value or not at all.
+A tagged answer (`<answer>...</answer>`, `\\boxed{}`, `#### N`, "the answer is N") is read as ONE value or not at all:
+its span counts only if it reads whole, and anything left over makes it ambiguous.
 RL learns whatever is rewarded, and hedging ("3 or 5", "at least 5", "3-5") is the cheapest thing to learn, so an
 answer that states several values, a range, a negation or a comparison is wrong (rule `ambiguous`), never its last
 number. Numbers are read with their whole meaning: a sign apart from its digits ("- 5", "-\\boxed{5}"), full-width and
 Arabic separators ("1，234", "1٫5"), superscripts ("5²" is 5^2, "10⁻³" is 10^-3), vulgar fractions ("1½" is 1 1/2)
 and scale words ("5 thousand", "$5M") are applied; what cannot be held exactly (a digit with a subscript, "5 hundred
-thousand") is `unreadable`. Never a piece of a number. The table is in docs/rewards.md ("The answer rule").
+thousand") is `unreadable`. Never a piece of a number. The grammar is in docs/rewards.md ("The answer grammar").
 
 Pure functions on strings; `extraction.py` applies them and `number_grammar.py` holds the number grammar.
 """

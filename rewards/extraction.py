@@ -205,7 +205,7 @@ def _read_body(body: str) -> tuple[str, Optional[str]]:
 
 
 def _read_answer(s: str, marked: bool = False) -> tuple[str, Optional[str]]:
-  """The answer rule (docs/rewards.md "The answer rule"): (answer text, None) when the span `s` reads WHOLE as one
+  """The answer rule (docs/rewards.md "The answer grammar"): (answer text, None) when the span `s` reads WHOLE as one
   value -- one number with its sign, separators, currency, scale and unit (number_grammar.py, answer_rule.py), with
   around it only what the span grammar allows (`answer_rule.read_lead`/`read_tail`: markup, a statement before it, a
   unit phrase after it, punctuation); an equation read at its last "=" ("3 * 6 = 18"); an expression for math_verify

@@ -8,9 +8,9 @@
   model that writes "#### 18" or "The answer is 18" is graded on its answer; formatting is rewarded by
   the two format functions, not by zeroing the answer reward; every rule reads the whole number expression
   ("1/2", "1 1/2", "\\frac{1}{2}", "1e3", "1 234", "\u20135"), the same way for golds and completions;
-* a tagged or marked answer must be one value: "3 or 5", "3-5", "not 5", "at least 5" score as wrong (rule
-  `ambiguous`, counted) before any comparison, where MaxText leaves the verdict to math_verify's parser
-  (docs/rewards.md, "The answer rule");
+* a tagged, boxed or marked answer counts only if its span reads whole as one value under a small grammar: "3 or
+  5", "3-5", "not 5", "5 max", "\\boxed{5}0" score as wrong (rule `ambiguous`, counted) before any comparison, where
+  MaxText leaves the verdict to math_verify's parser (docs/rewards.md, "The answer grammar");
 * numbers are compared exactly in-process; math_verify only sees what is not a plain number, in
   killable workers with a per-item deadline (`verify.py`);
 * partial credit: a wrong numeric answer within 10% of the gold earns `reward_ratio_guess_to_answer_high`,
