@@ -13,6 +13,7 @@ import json
 import pytest
 
 from maxtext_rl_plugin import rewards
+from maxtext_rl_plugin.data import rows as data_rows
 from maxtext_rl_plugin.rewards import cli
 from maxtext_rl_plugin.rewards import gsm8k
 
@@ -292,3 +293,14 @@ def test_the_text_golds_the_score_cli_keeps_still_set_their_own_shape():
   """Golds without a number to read ("B", "\\frac{\\pi}{2}") or shaped as several ("(3, 5)", "3:30") are kept."""
   for gold in ("B", "\\frac{\\pi}{2}", "(3, 5)", "3:30"):
     assert gsm8k.gold_alternatives(gold) == (gold,)
+
+
+def test_training_data_skips_a_gold_that_does_not_read_whole_counts_it_and_says_so_once(caplog):
+  """The data loader reads golds with the same grammar (`number_grammar.parse_gold`): such rows are skipped, counted
+  as "no parsable gold answer", in one warning for the source."""
+  golds = ["#### 0x10", "#### 5 max", "#### 1_000", "#### 5 grand", "#### 18"]
+  examples, skips = data_rows.rows_to_examples([{"question": "q", "answer": a} for a in golds], "probe.jsonl")
+  assert [e[1] for e in examples] == ["5000", "18"]
+  assert (skips.no_answer, skips.skipped) == (3, 3)
+  warnings = [r.getMessage() for r in caplog.records if "probe.jsonl: skipped" in r.getMessage()]
+  assert len(warnings) == 1 and "no parsable gold answer ('#### N'): 3" in warnings[0]
