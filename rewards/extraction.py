@@ -83,6 +83,7 @@ _JOINED_BEFORE_RE = re.compile(
     r"(?:\d|\}|\b(?i:or|and|then|to|nor|vs|versus|through|thru|between|from|plus|minus|times|than)|"
     r"\b(?i:could|might|may|can)[ \t]+be)[ \t,]*\Z"
 )
+_GLUED_BEFORE_RE = re.compile(r"\d(?:\\,|\{,\})\Z")
 _BRACE_RE = re.compile(r"[{}]")
 _BOXED = "\\boxed"
 _MATH_CHARS = frozenset("\\^{}()*/+=<>|[]_")
@@ -330,7 +331,13 @@ def _last_number(text: str) -> Extraction:
   if m is None:
     return Extraction(None, RULE_NONE)
   before, after = text[m.start() - 1 : m.start()], text[m.end() : m.end() + 2]
-  if before.isalnum() or before == "_" or after[:1] == "_" or (after[:1] in ".," and after[1:2].isdigit()):
+  if (
+      before.isalnum()
+      or before == "_"
+      or after[:1] == "_"
+      or (after[:1] in ".," and after[1:2].isdigit())
+      or _GLUED_BEFORE_RE.search(text, max(0, m.start() - 4), m.start())  # "1\\,5", "1{,}5": a broken grouping
+  ):
     return Extraction(text[max(0, m.start() - 16) : m.end() + 16].strip(), RULE_UNREADABLE, None, RULE_LAST_NUMBER)
   return Extraction(m.group(0).rstrip(","), RULE_LAST_NUMBER)
 

@@ -98,6 +98,7 @@ MAX_EXPONENT = 1000
 _EXPONENT_RE = re.compile(r"(?<=[\d.])[eE][-+]?(\d+)")
 _NON_FINITE_RE = re.compile(r"[-+]?(?:nan|inf|infinity)", re.IGNORECASE)
 _SHORT_FRAC_RE = re.compile(r"\\([dt]?frac)(?:\{([^{}]{1,64})\}|(\d))(?:\{([^{}]{1,64})\}|(\d))")
+_THIN_SPACE_GROUP_RE = re.compile(r"(?<=\d)\\,(?=\d{3}(?!\d))")
 _TEXT_CMD_RE = re.compile(r"\\(?:text|mathrm|textbf|mbox|mathbf)\{([^{}]{0,64})\}")
 _STRIP_TOKENS = (
     "\\$",
@@ -136,6 +137,8 @@ def clean(text: str) -> str:
       s = s.replace(a, b)
   if "{,}" in s:
     s = s.replace("{,}", ",")
+  if "\\," in s:  # LaTeX's thin space: a thousands separator between groups of three ("1\\,500"), else a space
+    s = _THIN_SPACE_GROUP_RE.sub("", s).replace("\\,", " ")
   for tok in _STRIP_TOKENS:
     if tok in s:
       s = s.replace(tok, "")

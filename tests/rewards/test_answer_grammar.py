@@ -124,6 +124,7 @@ GRAMMAR = {
         (tag("1{,}500"), "1500", True, TAG),
         (tag("1\\,500"), "500", False, TAG),
         (tag("1_000"), "1", False, UNR),
+        (tag("1\\,5"), "15", False, AMB),  # a thin space that groups no thousands: two numbers, never 15
         (tag("5..6"), "6", False, AMB),
         (tag("5 & 6"), "6", False, AMB),
     ],
@@ -202,6 +203,8 @@ GRAMMAR = {
         ("so we get 1_000", "0", False, UNR),
         ("the code is 0x10", "10", False, UNR),
         ("The total is 1{,}500", "1500", True, LAST),
+        ("so 1{,}5", "5", False, UNR),
+        ("so 1\\,5", "5", False, UNR),
         ("so she has 5 apples", "5", True, LAST),
     ],
 }
