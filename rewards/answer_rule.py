@@ -288,6 +288,8 @@ _ASSERTIVE_TAIL_RE = re.compile(r"(?:[ \t,]+(?i:" + _ASSERTIVE + r"))+[ \t,]*\Z"
 # modal that asserts ("will be"), never "could be", "might be".
 _COPULAS = frozenset("is are was were am equals equal makes gives yields totals has have had got get need left".split())
 _ASSERTING_MODALS = frozenset("will would should must shall to".split())
+# Verbs of doubt: a statement holding one is a guess ("I think 5", "My guess is 5", "I'm not sure, 5").
+_DOUBT_RE = re.compile(r"\b(?:think|thinking|guess|guessing|believe|suppose|estimate|assume|reckon|sure|unsure)\b", re.I)
 _WORD_RE = re.compile(r"[A-Za-z][A-Za-z'’/-]*")
 _MARKUP_RE = re.compile(r"\A[\s*_`\"'(\[{]+|[\s*_`\"')\]}]+\Z")
 _TRAILING_PUNCT_RE = re.compile(r"[\s.,;:!)\]}*_`\"']+\Z")
@@ -368,6 +370,8 @@ def read_lead(text: str, marked: bool) -> Optional[str]:
   if not t:
     return None
   if marked:
+    return "ambiguous"
+  if _DOUBT_RE.search(t):
     return "ambiguous"
   words = t.split()
   last = words[-1].lower()

@@ -175,6 +175,8 @@ GRAMMAR = {
         (tag("\u2273 5"), "5", False, AMB),
         (tag("It could be 5"), "5", False, AMB),
         (tag("somewhere near 5"), "5", False, AMB),
+        (tag("My guess is 5"), "5", False, AMB),
+        (tag("I think it's 5"), "5", False, AMB),
     ],
     "equation": [  # an expression only as "... = N", read at the last "="; several equations are several values
         (tag("20 + 15 = 35"), "35", True, TAG),
