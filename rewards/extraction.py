@@ -236,6 +236,8 @@ def _read_answer(s: str, marked: bool = False) -> tuple[str, Optional[str]]:
     head, value = cl.rsplit(":", 1)
     if _PROSE_RE.search(head) and value.strip():
       return _read_answer(value, marked=True)
+  if cl[:1] + cl[-1:] in ("()", "[]") and not any(c in "()[]" for c in cl[1:-1]):  # "(5)": its content, read
+    return _read_answer(cl[1:-1], marked)
   expression = any(c in _MATH_CHARS for c in cl) and not _PROSE_RE.search(cl)
   if expression:  # math stays whole ("\\sqrt{64}", "2^3") for math_verify; a list is not one value
     return (s, RULE_AMBIGUOUS) if _LIST_RE.search(cl) else (s, None)

@@ -16,6 +16,7 @@ from maxtext_rl_plugin import rewards
 from maxtext_rl_plugin.data import rows as data_rows
 from maxtext_rl_plugin.rewards import cli
 from maxtext_rl_plugin.rewards import gsm8k
+from maxtext_rl_plugin.rewards import verify
 
 AMB, UNR, TAG, BOX, HASH, IS, LAST = "ambiguous", "unreadable", "answer_tag", "boxed", "hash", "answer_is", "last_number"
 
@@ -98,7 +99,9 @@ PROBE = [
 
 
 def test_the_probe_forms_score_what_they_mean():
+  before = verify.pool_stats()["verified"]
   res = rewards.score_batch([c for c, _, _ in PROBE], [g for _, g, _ in PROBE])
+  assert verify.pool_stats()["verified"] == before  # the grammar decides every row; none needs math_verify
   assert len(PROBE) == 194
   assert [(c, g) for (c, g, ok), r in zip(PROBE, res) if r.correct and not ok] == []  # wrong answers rewarded
   assert [(c, g) for (c, g, ok), r in zip(PROBE, res) if ok and not r.correct] == []  # right answers missed
