@@ -55,65 +55,66 @@ def _timed_generate(engine, prompts, new_tokens: int, repeats: int):
 
 
 def hf_state_dict(model, cfg) -> dict:
-  """The MaxText Qwen3 model's weights under Hugging Face `Qwen3ForCausalLM` names and layouts, as float32 NumPy
-  (MaxText scans layers on axis 1 of every kernel; HF's Linear weights are [out, in])."""
+  """The MaxText model's weights under Hugging Face names and layouts (`Qwen3ForCausalLM`, `LlamaForCausalLM`), as
+  float32 NumPy: the vLLM sync's own mapping (rollout/vllm_mapping.py: MaxText's export tables; Llama's query
+  un-scaled and its RoPE halves de-interleaved; an untied head as `lm_head.weight`), so the peer runs exactly what the
+  engine would. tests/tpu_contract/test_hf_peer.py runs HF's model on it against MaxText's logits."""
   import numpy as np
   from flax import nnx
 
-  src = nnx.to_pure_dict(nnx.state(model, nnx.Param))["base"]
-  dec, lay = src["decoder"], src["decoder"]["layers"]
-  sa, mlp = lay["self_attention"], lay["mlp"]
+  from maxtext_rl_plugin.rollout import vllm_mapping
 
-  def a(x):
-    return np.asarray(x, np.float32)
-
-  sd = {
-      "model.embed_tokens.weight": a(src["token_embedder"]["embedding"]),
-      "model.norm.weight": a(dec["decoder_norm"]["scale"]),
-  }
-  for i in range(int(cfg.num_decoder_layers)):
-    p = f"model.layers.{i}."
-    for hf, mt in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
-      k = a(sa[mt]["kernel"][:, i])  # [emb, heads, head_dim]
-      sd[p + f"self_attn.{hf}.weight"] = k.reshape(k.shape[0], -1).T
-    o = a(sa["out"]["kernel"][:, i])  # [heads, head_dim, emb]
-    sd[p + "self_attn.o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
-    sd[p + "self_attn.q_norm.weight"] = a(sa["query_norm"]["scale"][:, i])
-    sd[p + "self_attn.k_norm.weight"] = a(sa["key_norm"]["scale"][:, i])
-    sd[p + "input_layernorm.weight"] = a(lay["pre_self_attention_layer_norm"]["scale"][:, i])
-    sd[p + "post_attention_layernorm.weight"] = a(lay["post_self_attention_layer_norm"]["scale"][:, i])
-    for hf, mt in (("gate_proj", "wi_0"), ("up_proj", "wi_1"), ("down_proj", "wo")):
-      sd[p + f"mlp.{hf}.weight"] = a(mlp[mt]["kernel"][:, i]).T
-  return sd
+  hf = vllm_mapping.map_maxtext_to_vllm(
+      nnx.state(model, nnx.Param), cfg.model_name, param_scan_axis=int(cfg.param_scan_axis)
+  )
+  return {k: np.array(v, np.float32) for k, v in hf.items()}
 
 
-def _hf_model(model, cfg, copy_weights: bool):
-  """A Hugging Face causal LM of the MaxText model's shape on torch's default device, bf16."""
+# MaxText 0.2.5's Llama 3.1 RoPE scaling (LLaMARotaryEmbedding._apply_scaling_factor hard-codes these), as HF spells it.
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+_LLAMA31_ROPE_CONTEXT = 8192
+
+
+def hf_config(cfg):
+  """The transformers config of the MaxText model's shape: Qwen3 or Llama 3.1, tied or untied head, the RoPE MaxText
+  applies (llama3.1-* models get LLaMARotaryEmbedding: llama3 scaling unless `rope_use_scale=false`)."""
+  import transformers
+
+  rope = {"rope_type": "default", "rope_theta": float(cfg.rope_max_timescale)}
+  llama = cfg.decoder_block.value != "qwen3"
+  if cfg.model_name.startswith("llama3.1") and cfg.rope_use_scale:
+    rope = {**rope, **_LLAMA31_ROPE, "original_max_position_embeddings": _LLAMA31_ROPE_CONTEXT}
+  cls = transformers.LlamaConfig if llama else transformers.Qwen3Config
+  return cls(  # pylint: disable=unexpected-keyword-arg  # transformers 5 configs take **kwargs
+      vocab_size=int(cfg.vocab_size),
+      hidden_size=int(cfg.emb_dim),
+      intermediate_size=int(cfg.mlp_dim),
+      num_hidden_layers=int(cfg.num_decoder_layers),
+      num_attention_heads=int(cfg.num_query_heads),
+      num_key_value_heads=int(cfg.num_kv_heads),
+      head_dim=int(cfg.head_dim),
+      rms_norm_eps=float(cfg.normalization_layer_epsilon),
+      max_position_embeddings=int(cfg.max_target_length) + 8,
+      tie_word_embeddings=bool(cfg.logits_via_embedding),
+      rope_parameters=rope,
+  )
+
+
+def hf_model(cfg, state_dict: dict | None = None, dtype: str = "bfloat16"):
+  """(model, device): a Hugging Face causal LM of the MaxText model's shape on torch's default device, holding
+  `state_dict` (`hf_state_dict`'s; every tensor of the model must be in it, nothing else) or its own random init."""
   import torch
   import transformers
 
-  common_kw = {
-      "vocab_size": int(cfg.vocab_size),
-      "hidden_size": int(cfg.emb_dim),
-      "intermediate_size": int(cfg.mlp_dim),
-      "num_hidden_layers": int(cfg.num_decoder_layers),
-      "num_attention_heads": int(cfg.num_query_heads),
-      "num_key_value_heads": int(cfg.num_kv_heads),
-      "head_dim": int(cfg.head_dim),
-      "rms_norm_eps": float(cfg.normalization_layer_epsilon),
-      "max_position_embeddings": int(cfg.max_target_length) + 8,
-      "tie_word_embeddings": bool(cfg.logits_via_embedding),
-      "rope_parameters": {"rope_type": "default", "rope_theta": float(cfg.rope_max_timescale)},
-  }
-  cls = transformers.Qwen3Config if cfg.decoder_block.value == "qwen3" else transformers.LlamaConfig
-  hf_cfg = cls(**common_kw)  # pylint: disable=unexpected-keyword-arg  # transformers 5 configs take **kwargs
   dev = "cuda" if torch.cuda.is_available() else "cpu"
+  dt = getattr(torch, dtype)
   with torch.device(dev):
-    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.bfloat16, attn_implementation="sdpa")
-  if copy_weights:
-    sd = {k: torch.from_numpy(v).to(dev, torch.bfloat16) for k, v in hf_state_dict(model, cfg).items()}
+    hf = transformers.AutoModelForCausalLM.from_config(hf_config(cfg), dtype=dt, attn_implementation="sdpa")
+  if state_dict is not None:
+    sd = {k: torch.from_numpy(v).to(dev, dt) for k, v in state_dict.items()}
     missing, unexpected = hf.load_state_dict(sd, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+    tied = {"lm_head.weight"} if cfg.logits_via_embedding else set()
+    if unexpected or set(missing) - tied:
       raise RuntimeError(f"HF weight map: missing {missing}, unexpected {unexpected}")
     hf.tie_weights()
   return hf.eval(), dev
@@ -191,7 +192,8 @@ def _rollout_model(args, name: str, ref: dict, peers: bool, done: dict) -> dict:
   hf, dev, peer_note = None, None, None
   if peers:
     try:
-      hf, dev = _hf_model(model, cfg, copy_weights=name != "llama3.1-8b" and cfg.decoder_block.value == "qwen3")
+      # The 8B peer runs its own random weights: a float32 host copy of them would be 32 GB (speed is the same).
+      hf, dev = hf_model(cfg, hf_state_dict(model, cfg) if name != "llama3.1-8b" else None)
     except Exception as e:  # pylint: disable=broad-exception-caught  # recorded in the JSON; the engine still runs
       peer_note = f"HF peer not built: {type(e).__name__}: {e}"
   for B in args.batch_sizes:

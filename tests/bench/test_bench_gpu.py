@@ -73,7 +73,8 @@ def test_decode_bytes_are_weights_plus_kv_of_the_real_context():
 
 
 def test_hf_state_dict_computes_what_the_maxtext_kernels_compute():
-  """HF Linear layout ([out, in], heads flattened) applied to x gives MaxText's einsums over its scanned kernels."""
+  """HF Linear layout ([out, in], heads flattened) applied to x gives MaxText's einsums over its scanned kernels (the
+  whole HF model on these weights against MaxText's logits: tests/tpu_contract/test_hf_peer.py, extended, .venv-tpu)."""
   # pylint: disable=import-outside-toplevel  # jax: after conftest's platform
   from maxtext_rl_plugin.config import load as config_lib
   from maxtext_rl_plugin import models
