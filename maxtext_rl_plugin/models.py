@@ -22,6 +22,7 @@ from maxtext.utils import model_creation_utils
 from transformers import AutoTokenizer
 
 from maxtext_rl_plugin.config import early_checks
+from maxtext_rl_plugin.config import files as config_files
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin.errors import ConfigError
@@ -111,6 +112,7 @@ def load_tokenizer(config):
     raise ConfigError(
         f"invalid value for 'tokenizer_path'='{path}': cannot load a Hugging Face tokenizer ({type(e).__name__})"
     ) from None
+  config_files.check_tokenizer_fits(path, len(tok), int(config.vocab_size))  # a hub id: its first look at the size
   if config.use_chat_template and not getattr(tok, "chat_template", None):
     raise ConfigError(
         f"tokenizer at '{path}' has no chat template; set use_chat_template=false to use data_template_path instead"

@@ -205,10 +205,28 @@ def position_keys(config) -> dict[str, Any]:
   }
 
 
+def tokenizer_identity(path: Any) -> str:
+  """What makes a tokenizer another one: a local tokenizer directory's content (each file's name and digest, so the
+  same tokenizer found at another path is the same), else the hub id as written."""
+  resolved = config_files.resolved_tokenizer_path(path)
+  if not isinstance(resolved, str) or "://" in resolved or not os.path.isdir(os.path.expanduser(resolved)):
+    return str(path)
+  root = os.path.expanduser(resolved)
+  h = hashlib.sha256()
+  for name in sorted(os.listdir(root)):
+    full = os.path.join(root, name)
+    if os.path.isfile(full):
+      st = os.stat(full)
+      h.update(f"{name}:{_file_digest(full, st.st_size, st.st_mtime_ns)};".encode())
+  return f"files {h.hexdigest()[:16]}"
+
+
 def resume_invariants(config) -> dict[str, Any]:
   """What a resume may not change, under the names resume._meta stores them: the data position (`position_keys`), the
-  loss, the rollout seed and the optimizer updates per step (resume._RESUME_INVARIANTS). Light: the first pass
-  (`train_rl._precheck`) compares them on the config as written, before any model is built."""
+  loss, the rollout seed, the optimizer updates per step, the tokenizer (its ids are what the weights were trained on)
+  and the dtype the weights are kept and saved in. Light: the first pass (`train_rl._precheck`) compares them on the
+  config as written, before any model is built; the restore (run/resume.py) compares them again with the checkpoint it
+  restores."""
   b, rl = int(config.batch_size), config.rl
   mini = value_or(rl, "mini_batch_size", None)  # unset as written: the schema's default, None (= batch_size)
   mini = b if mini is None or int(mini) <= 0 else int(mini)
@@ -217,13 +235,33 @@ def resume_invariants(config) -> dict[str, Any]:
       "loss_algo": rl.loss_algo,
       "rollout_seed": int(config.rollout_seed),
       "updates_per_step": int(rl.num_iterations) * (b // mini),
+      "tokenizer": tokenizer_identity(config.tokenizer_path),
+      "weight_dtype": str(getattr(config.weight_dtype, "name", config.weight_dtype)),  # the typed config's np.dtype
   }
 
 
+# An invariant's key as the user writes it, and why a resume may not change it (default: the data position's reason).
 _SHOWN_INVARIANT = {
     "num_generations": "rl.num_generations",
     "loss_algo": "rl.loss_algo",
     "updates_per_step": "rl.num_iterations * batch_size / rl.mini_batch_size",
+    "tokenizer": "tokenizer_path",
+}
+_DATA_POSITION = (
+    "the checkpoint's data position (batch k = the prompts after k batches of this size and order) would mean other "
+    "prompts"
+)
+_WHY_INVARIANT = {
+    "loss_algo": "the checkpoint's steps were trained with it, and its learning-rate schedule and sampling seeds are "
+    "counted in them",
+    "rollout_seed": "the checkpoint's steps were trained with it, and its learning-rate schedule and sampling seeds are "
+    "counted in them",
+    "updates_per_step": "the checkpoint's steps were trained with it, and its learning-rate schedule and sampling seeds "
+    "are counted in them",
+    "tokenizer": "the checkpoint's weights were trained on that tokenizer's ids, and another tokenizer would feed them "
+    "other tokens",
+    "weight_dtype": "the checkpoint's weights and optimizer state were kept in that precision; resuming would round "
+    "them and save every later step in the new one",
 }
 
 
@@ -236,15 +274,11 @@ def check_resume_invariants(config, run_dir: str, meta: dict[str, Any] | None = 
     if meta is None:
       return
   for key, value in resume_invariants(config).items():
-    if key in meta and meta[key] != value:
+    if key in meta and meta[key] != value:  # a checkpoint written before a key was recorded is not compared on it
       shown = _SHOWN_INVARIANT.get(key, key)
-      why = (
-          "the checkpoint's data position (batch k = the prompts after k batches of this size and order) would mean "
-          "other prompts"
-          if key in ("batch_size", "num_generations", "data_shuffle_seed", "dataset")
-          else "the checkpoint's steps were trained with it, and its learning-rate schedule and sampling seeds are "
-          "counted in them"
-      )
+      if key == "tokenizer":  # the identity is a digest: name the path the user gave
+        value = f"{config.tokenizer_path} ({value})"
+      why = _WHY_INVARIANT.get(key, _DATA_POSITION)
       raise CheckpointError(
           f"cannot resume {run_dir}: its checkpoints were written with {shown}={meta[key]!r} but this run has "
           f"{shown}={value!r}; {why}: restore the setting or use a new run_name"
@@ -400,6 +434,9 @@ def check_inputs(config) -> None:
   if _local(tokenizer) and tokenizer.startswith(("/", "./", "../", "~")):
     if not os.path.exists(os.path.expanduser(tokenizer)):
       raise ConfigError(f"invalid value for 'tokenizer_path'='{tokenizer}': no such directory")
+  # More token ids than embedding rows: read from a local tokenizer.json here, from the loaded tokenizer otherwise
+  # (models.load_tokenizer), before any model is built either way.
+  config_files.check_tokenizer_fits(tokenizer, config_files.tokenizer_size(tokenizer), value_or(config, "vocab_size"))
 
 
 _INPUT_KEYS = ("train_data_path", "eval_data_path", "data_template_path", "reward_functions_path", "tokenizer_path")

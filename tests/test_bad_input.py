@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import types
@@ -28,12 +29,14 @@ from maxtext.utils import max_utils
 import jax
 import numpy as np
 import pytest
+import transformers
 
 from maxtext_rl_plugin import compile_rl
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin.config import schema as config_types
 from maxtext_rl_plugin.config import early_checks
+from maxtext_rl_plugin.config import files as config_files
 from maxtext_rl_plugin.config import keys as config_keys
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin.config import key_status
@@ -204,6 +207,9 @@ def checkpointed_run_fixture(tmp_path_factory):
         ("loss_algo=gspo-token", "written with rl.loss_algo='grpo' but this run has rl.loss_algo='gspo-token'"),
         ("rl.num_iterations=2", "written with rl.num_iterations * batch_size / rl.mini_batch_size=1 but this run has"),
         ("batch_size=4", "written with batch_size=2 but this run has batch_size=4"),
+        # Issue 61: accepted silently (other token ids on the same weights; step 2's params saved in bfloat16).
+        ("tokenizer_path=tokenizers/arith-bpe-512", "written with tokenizer_path='files "),
+        ("weight_dtype=bfloat16", "written with weight_dtype='float32' but this run has weight_dtype='bfloat16'"),
     ],
 )
 def test_a_resume_that_changes_the_update_is_refused_before_the_schema(
@@ -220,6 +226,43 @@ def test_the_same_resume_is_refused_by_the_second_pass_too(checkpointed_run):
   with pytest.raises(errors.CheckpointError, match="rl.loss_algo='grpo'"):
     run_identity.preflight(config)
   run_identity.preflight(config_lib.load_config([*argv, "learning_rate=1e-5"]))  # an update key: a note, not a refusal
+
+
+def test_a_resume_is_refused_at_the_restore_by_the_same_rule(checkpointed_run, tmp_path):
+  # The restore compares the checkpoint it restores (not only the newest on disk) with run_identity.resume_invariants;
+  # the same tokenizer found at another path is the same tokenizer.
+  argv, config = checkpointed_run
+  meta = resume._meta(config, 2)  # pylint: disable=protected-access
+  bf16 = config_lib.load_config([*argv, "weight_dtype=bfloat16"])
+  with pytest.raises(errors.CheckpointError, match="weight_dtype='float32' but this run has weight_dtype='bfloat16'"):
+    resume._check_resume_compatible(bf16, meta, "ckpt/2")  # pylint: disable=protected-access
+  copy = tmp_path / "tok"
+  shutil.copytree(config.tokenizer_path, copy)
+  moved = config_lib.load_config([*argv, f"tokenizer_path={copy}"])
+  resume._check_resume_compatible(moved, meta, "ckpt/2")  # pylint: disable=protected-access
+  (copy / "tokenizer_config.json").write_text("{}")
+  with pytest.raises(errors.CheckpointError, match="written with tokenizer_path="):
+    run_identity.preflight(config_lib.load_config([*argv, f"tokenizer_path={copy}"]))
+
+
+@pytest.mark.parametrize(
+    "config, overrides",
+    [
+        (TINY, ["vocab_size=528"]),  # Qwen3's 151,669 ids on 528 embedding rows (the issue's probe)
+        ("configs/cpu_demo.yml", ["tokenizer_path=tokenizers/qwen3-tokenizer"]),
+    ],
+)
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused(monkeypatch, capsys, tmp_path, config, overrides):
+  # Issue 61: it trained, with ids past the embedding. The first pass reads the size from tokenizer.json; the loaded
+  # tokenizer (a hub id's first look) is checked the same way, before the model build. Reference: transformers' len.
+  err = _refused_before_the_schema(monkeypatch, capsys, [config, f"base_output_directory={tmp_path}", *overrides])
+  assert "invalid value for 'vocab_size'=528: the tokenizer at 'tokenizers/qwen3-tokenizer' has 151669 token" in err
+  tok = transformers.AutoTokenizer.from_pretrained(config_files.resolved_tokenizer_path("tokenizers/qwen3-tokenizer"))
+  assert len(tok) == config_files.tokenizer_size("tokenizers/qwen3-tokenizer") == 151669
+  loaded = types.SimpleNamespace(tokenizer_path="org/hub-id", vocab_size=528, use_chat_template=False)
+  monkeypatch.setattr(models, "_tokenizer", lambda *_: tok)
+  with pytest.raises(errors.ConfigError, match="'vocab_size'=528: the tokenizer at 'org/hub-id' has 151669"):
+    models.load_tokenizer(types.SimpleNamespace(**vars(loaded), hf_access_token=""))
 
 
 def test_a_resume_says_every_update_key_it_changes(checkpointed_run):

@@ -8,6 +8,8 @@ file, which may hold an `hf_access_token`). Light imports only: `config_precheck
 from __future__ import annotations
 
 import difflib
+import functools
+import json
 import os
 from typing import Any
 
@@ -223,6 +225,49 @@ def resolved_tokenizer_path(value: Any) -> Any:
     if os.path.exists(candidate):
       return candidate
   return value
+
+
+@functools.lru_cache(maxsize=16)
+def _tokenizer_json_size(path: str, size: int, mtime_ns: int) -> int | None:
+  """`tokenizer_size` of one tokenizer.json, read once per version of the file (Qwen3's is 11 MB)."""
+  del size, mtime_ns  # cache key only
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, ValueError):
+    return None  # unreadable: the tokenizer's loader says so in its own words
+  vocab = (data.get("model") or {}).get("vocab") if isinstance(data, dict) else None
+  ids = list(vocab.values()) if isinstance(vocab, dict) else []
+  ids += [t.get("id") for t in data.get("added_tokens") or () if isinstance(t, dict)]
+  ids = [i for i in ids if isinstance(i, int)]
+  count = len(vocab) if isinstance(vocab, (dict, list)) else 0
+  return max([count - 1, *ids]) + 1 if count or ids else None
+
+
+def tokenizer_size(tokenizer_path: Any) -> int | None:
+  """How many token ids a local Hugging Face tokenizer has (its tokenizer.json: the model's vocabulary and the added
+  tokens, as `len(tokenizer)` counts them), without importing transformers; None for a hub id or another format."""
+  root = resolved_tokenizer_path(tokenizer_path)
+  if not isinstance(root, str) or "://" in root:
+    return None
+  path = os.path.join(os.path.expanduser(root), "tokenizer.json")
+  try:
+    st = os.stat(path)
+  except OSError:
+    return None
+  return _tokenizer_json_size(path, st.st_size, st.st_mtime_ns)
+
+
+def check_tokenizer_fits(tokenizer_path: Any, tokens: int | None, vocab_size: Any) -> None:
+  """A tokenizer with more ids than the model's embedding has rows (vocab_size) feeds it ids past the table (JAX clips
+  or fills them silently) and its end token may never be sampled: refused in one line."""
+  if tokens is None or not isinstance(vocab_size, int) or isinstance(vocab_size, bool) or tokens <= vocab_size:
+    return
+  raise ConfigError(
+      f"invalid value for 'vocab_size'={vocab_size}: the tokenizer at '{tokenizer_path}' has {tokens} token ids, more "
+      "than the model's embedding rows, so ids past them would be used and its end token could never be sampled; "
+      f"set vocab_size >= {tokens} or use the model's own tokenizer"
+  )
 
 
 def check_model_name(model_name: str) -> None:

@@ -2,8 +2,9 @@
 
 A checkpoint holds params + optimizer state (Orbax, MaxText's layout) and metadata naming the data position: batch k
 is a pure function of (data_shuffle_seed, k) and sampling randomness of (rollout_seed, step), so restoring step s and
-training from batch s replays nothing and skips nothing. Keys that would change what batch s means
-(`_RESUME_INVARIANTS`) refuse to resume instead.
+training from batch s replays nothing and skips nothing. What a resume may not change (`run_identity.resume_invariants`:
+the data position, the loss, the tokenizer, the weights' dtype, ...) refuses to resume instead, by the same rule the
+first pass applies before any model is built.
 """
 
 from __future__ import annotations
@@ -29,17 +30,6 @@ from maxtext_rl_plugin.errors import CheckpointError
 from maxtext_rl_plugin.run.build import num_rl_steps, schedule_updates
 from maxtext_rl_plugin.run.state import RLRun
 
-# Keys whose change makes a checkpoint's data position meaningless: resuming must refuse them.
-_RESUME_INVARIANTS = (
-    "batch_size",
-    "num_generations",
-    "data_shuffle_seed",
-    "dataset",
-    "loss_algo",
-    "rollout_seed",
-    "updates_per_step",
-)
-
 
 def _data_key(config) -> str:
   return config.train_data_path or config.dataset_name
@@ -59,6 +49,7 @@ def _meta(config, step: int, extra: dict | None = None) -> dict:
       "loss_algo": config.rl.loss_algo,
       "model_name": config.model_name,
       "rollout_seed": int(config.rollout_seed),
+      **run_identity.resume_invariants(config),  # what a resume may not change (the tokenizer, the weights' dtype, ...)
       "lr_schedule_updates": schedule_updates(config),
       "update_keys": run_identity.update_values(config),  # resume notes: run_identity.update_changes
       "metrics_file": _metrics_path(config),  # the file this run's records go to (run_dir.check_resumed_metrics_file)
@@ -74,14 +65,9 @@ def _metrics_path(config) -> str | None:
 
 
 def _check_resume_compatible(config, meta: dict, path: str) -> None:
-  now = _meta(config, 0)
-  for key in _RESUME_INVARIANTS:
-    if key in meta and meta[key] != now[key]:
-      shown = "rl.num_iterations * batch_size / rl.mini_batch_size" if key == "updates_per_step" else key
-      raise CheckpointError(
-          f"cannot resume from {path}: it was written with {shown}={meta[key]!r} but this run has "
-          f"{shown}={now[key]!r}; use a new run_name to start over"
-      )
+  """The checkpoint restored against `run_identity.resume_invariants` (the first pass's rule, on the checkpoint that
+  restores rather than the newest on disk)."""
+  run_identity.check_resume_invariants(config, path, meta)
 
 
 def _actor_state(rl_run: RLRun):
