@@ -115,8 +115,8 @@ class _NoRopeScaling:
     return getattr(self._cfg, name)
 
 
-# ~26 CPU-s for the three shapes (32-64 s wall on a loaded 2-core host). The default tier checks test_forward.py (the same mapping into tpu-inference's classes)
-# and tests/bench/test_bench_gpu.py (the converted projections in NumPy).
+# ~26 CPU-s for the three shapes (32-64 s wall on a loaded 2-core host). The default tier checks instead: test_forward.py
+# (the same mapping into tpu-inference's classes) and tests/bench/test_bench_gpu.py (the converted projections in NumPy).
 @pytest.mark.extended
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_hf_peer_computes_maxtexts_function(shape):
