@@ -122,7 +122,7 @@ class RunLogger:
     if self._metrics_file:
       try:
         storage.append_text(self._metrics_file, json.dumps(record) + "\n")  # a failure leaves at most a torn line
-      except Exception as e:  # pylint: disable=broad-exception-caught  # OSError locally, the client's in a bucket
+      except OSError as e:  # storage.StorageError in a bucket
         raise run_dir.OutputError(f"metrics_file: {run_dir.describe_os_error(e, self._metrics_file)}") from None
     self.history.append(record)
     return record

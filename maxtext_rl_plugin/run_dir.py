@@ -21,6 +21,7 @@ per run, each output owned by one run, resume-safe records. Every read and write
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -59,12 +60,10 @@ def probe_dir(path: str, key: str) -> None:
   try:
     storage.check_credentials(path, key)
     storage.makedirs(path)
+  except storage.StorageError as e:
+    raise OutputError(f"invalid value for '{key}': {e.strerror}" if key not in str(e.strerror) else e.strerror) from None
   except OSError as e:
-    if isinstance(e, storage.StorageError):
-      raise OutputError(str(e.strerror)) from None
     raise OutputError(f"invalid value for '{key}': cannot create directory {path} ({e.strerror or e})") from None
-  except Exception as e:  # pylint: disable=broad-exception-caught  # gcsfs/google-auth errors of a bucket
-    raise OutputError(f"invalid value for '{key}': {storage.describe_error(e, path)}") from None
   if not storage.isdir(path) and not storage.is_remote(path):
     raise OutputError(f"invalid value for '{key}': {path} exists and is not a directory")
   probe = os.path.join(path, f".write_probe.{os.getpid()}")
@@ -73,13 +72,11 @@ def probe_dir(path: str, key: str) -> None:
       storage.write_atomic(probe, "ok\n")
     else:
       storage.append_text(probe, "ok\n", sync=True)
-  except Exception as e:  # pylint: disable=broad-exception-caught  # OSError locally; gcsfs/google errors remotely
+  except OSError as e:
     raise OutputError(f"invalid value for '{key}': {describe_os_error(e, path)}") from None
   finally:
-    try:
+    with contextlib.suppress(OSError):  # a probe that was never written
       storage.remove(probe)
-    except Exception:  # pylint: disable=broad-exception-caught  # a probe that was never written
-      pass
 
 
 def check_writable(run_dir: str, metrics_file: str | None) -> None:
@@ -135,6 +132,11 @@ def check_owners(metrics_file: str | None, run_dir: str, run_dirs: dict[str, str
   train_data_path), and not claimed by another run (its owner mark); the run directory itself lies in no other run's
   directory (`base_output_directory=<a run>/checkpoints` would put a run inside another's checkpoints). Checked for
   fresh runs and resumes alike."""
+  for path, key in ((run_dir, "base_output_directory"), (metrics_file, "metrics_file")):
+    try:  # before the first request to a bucket: no credentials is one line, and nothing is asked of the service
+      storage.check_credentials(path or "", key)
+    except storage.StorageError as e:
+      raise OutputError(str(e.strerror)) from None
   check_not_in_other_run(run_dir, "base_output_directory", run_dir)
   if not metrics_file:
     return
@@ -232,7 +234,7 @@ def _owner_of(mark: str) -> str | None:
   """The run directory an owner mark names, or None (no mark, or unreadable)."""
   try:
     found = storage.read_versioned(mark)
-  except Exception:  # pylint: disable=broad-exception-caught  # unreadable: no owner to name
+  except OSError:  # unreadable: no owner to name
     return None
   if found is None:
     return None
@@ -430,7 +432,7 @@ class RunLock:
       found = self._read()
       self._version = found[1] if found else None
       self._last_beat = time.time()
-    except Exception as e:  # pylint: disable=broad-exception-caught  # a failed refresh is retried at the next beat
+    except OSError as e:  # a failed refresh is retried at the next beat
       logging.warning("could not refresh the run lock %s: %s", self.path, e)
     return True
 
@@ -459,7 +461,7 @@ class RunLock:
         found = self._read()
         if found is not None and self._is_mine(found[0]):
           storage.remove(self.path)
-      except Exception:  # pylint: disable=broad-exception-caught  # a lock left behind is stale after stale_after_s
+      except OSError:  # a lock left behind is stale after stale_after_s
         pass
       self.held = False
 

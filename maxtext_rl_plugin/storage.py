@@ -21,16 +21,21 @@ What object storage lacks, and how each promise is kept there:
 Tests run all of it against fake-gcs-server (tests/_gcs.py), which enforces those preconditions.
 """
 
+# google-cloud-storage, api-core and google-auth are imported on the first gs:// path: a local run never loads them.
+# pylint: disable=import-outside-toplevel
+
 from __future__ import annotations
 
 import contextlib
 import errno
 import functools
 import glob as glob_lib
+import hashlib
 import io
 import logging as std_logging
 import os
 import shutil
+import tempfile
 from typing import Iterator
 
 from etils import epath
@@ -85,13 +90,34 @@ def _p(path: str) -> epath.Path:
   return epath.Path(expand(path))
 
 
+def _os_errors(fn):
+  """Every failure of a remote call as a `StorageError` (an OSError) with one line naming the bucket: callers catch
+  OSError for local disk and buckets alike, and the clients' many exception types (gcsfs, google-auth, api-core,
+  aiohttp) stay in this module."""
+
+  @functools.wraps(fn)
+  def wrapper(path, *args, **kwargs):
+    try:
+      return fn(path, *args, **kwargs)
+    except OSError:
+      raise
+    except Exception as e:  # pylint: disable=broad-exception-caught  # the clients' errors, translated here once
+      if not is_remote(path):
+        raise
+      raise StorageError(errno.EIO, describe_error(e, path)) from e
+
+  return wrapper
+
+
 # --- reading -----------------------------------------------------------------------------------------------------------
 
 
+@_os_errors
 def exists(path: str) -> bool:
   return _p(path).exists() if is_remote(path) else os.path.exists(expand(path))
 
 
+@_os_errors
 def isfile(path: str) -> bool:
   if not is_remote(path):
     return os.path.isfile(expand(path))
@@ -99,10 +125,12 @@ def isfile(path: str) -> bool:
   return p.exists() and not p.is_dir()
 
 
+@_os_errors
 def isdir(path: str) -> bool:
   return _p(path).is_dir() if is_remote(path) else os.path.isdir(expand(path))
 
 
+@_os_errors
 def listdir(path: str) -> list[str]:
   """Names in a directory (OSError when it is not one: a remote prefix with no object is empty, not an error)."""
   if not is_remote(path):
@@ -111,6 +139,7 @@ def listdir(path: str) -> list[str]:
   return [c.name for c in p.iterdir()] if p.is_dir() else []
 
 
+@_os_errors
 def glob(pattern: str) -> list[str]:
   """Sorted matches of a glob pattern, local or remote."""
   if not is_remote(pattern):
@@ -120,6 +149,7 @@ def glob(pattern: str) -> list[str]:
   return sorted(os.fspath(p) for p in epath.Path(f"{scheme}://{bucket}").glob(inner))
 
 
+@_os_errors
 def read_bytes(path: str) -> bytes:
   return _p(path).read_bytes() if is_remote(path) else _read_local(expand(path))
 
@@ -133,10 +163,12 @@ def read_text(path: str) -> str:
   return read_bytes(path).decode("utf-8")
 
 
+@_os_errors
 def size(path: str) -> int:
   return _p(path).stat().length if is_remote(path) else os.path.getsize(expand(path))
 
 
+@_os_errors
 def version(path: str) -> str:
   """What changes when the file's content is replaced (a cache key): size and mtime locally, the object's stat
   remotely."""
@@ -150,6 +182,7 @@ def version(path: str) -> str:
 # --- writing -----------------------------------------------------------------------------------------------------------
 
 
+@_os_errors
 def makedirs(path: str) -> None:
   """Create a directory and its parents (remote: a no-op beyond gcsfs's own bookkeeping; prefixes need no object)."""
   if is_remote(path):
@@ -158,6 +191,7 @@ def makedirs(path: str) -> None:
     os.makedirs(expand(path), exist_ok=True)
 
 
+@_os_errors
 def write_atomic(path: str, data: bytes | str) -> None:
   """Replace `path` with `data` so a reader (or a crash) never sees half of it: a temporary file renamed into place
   and fsynced locally, one object upload remotely (GCS replaces an object atomically)."""
@@ -178,6 +212,7 @@ def write_atomic(path: str, data: bytes | str) -> None:
       os.remove(tmp)
 
 
+@_os_errors
 def append_text(path: str, text: str, *, sync: bool = False) -> None:
   """Append `text` (one or more whole lines): one `write` locally, so a failure leaves at most a torn last line;
   remotely the object is rewritten with the text added (objects are immutable; see the module docstring)."""
@@ -193,6 +228,7 @@ def append_text(path: str, text: str, *, sync: bool = False) -> None:
       os.fsync(f.fileno())
 
 
+@_os_errors
 def remove(path: str) -> None:
   """Remove a file (missing is not an error)."""
   with contextlib.suppress(FileNotFoundError):
@@ -204,6 +240,7 @@ def remove(path: str) -> None:
       os.remove(expand(path))
 
 
+@_os_errors
 def rmtree(path: str) -> None:
   if is_remote(path):
     p = _p(path)
@@ -213,6 +250,7 @@ def rmtree(path: str) -> None:
     shutil.rmtree(expand(path), ignore_errors=True)
 
 
+@_os_errors
 def rename(src: str, dst: str) -> None:
   """Move a file or directory (remote: gcsfs copies each object and deletes the source: not atomic, which is why the
   plugin renames only what it sets aside, never a live checkpoint)."""
@@ -220,6 +258,21 @@ def rename(src: str, dst: str) -> None:
     _p(src).rename(_p(dst))
   else:
     os.rename(expand(src), expand(dst))
+
+
+def local_copy(path: str) -> str:
+  """A local file holding `path`'s content, for what only opens local files (Python's import of
+  reward_functions_path): the path itself locally; for an object, a copy under the temporary directory named by its
+  content digest (each process of a run, and each rerun, finds the same file)."""
+  if not is_remote(path):
+    return expand(path)
+  data = read_bytes(path)
+  directory = os.path.join(tempfile.gettempdir(), "maxtext_rl_plugin", hashlib.sha256(data).hexdigest()[:16])
+  target = os.path.join(directory, os.path.basename(path))
+  if not os.path.isfile(target):
+    os.makedirs(directory, exist_ok=True)
+    write_atomic(target, data)
+  return target
 
 
 @contextlib.contextmanager
@@ -238,7 +291,7 @@ def open_write_bytes(path: str) -> Iterator[io.BytesIO]:
 def _gcs_client():
   """google-cloud-storage's client: anonymous against an emulator (`STORAGE_EMULATOR_HOST`, which the client reads
   itself), the environment's credentials otherwise."""
-  from google.cloud import storage as gcs  # pylint: disable=import-outside-toplevel  # only for gs:// outputs
+  from google.cloud import storage as gcs
 
   if os.environ.get(EMULATOR_ENV):
     return gcs.Client.create_anonymous_client()
@@ -252,10 +305,14 @@ def _blob(path: str):
   return _gcs_client().bucket(bucket).blob(name)
 
 
-def _precondition_failed(e: Exception) -> bool:
-  return type(e).__name__ == "PreconditionFailed"  # google.api_core.exceptions, imported lazily with the client
+def _precondition_failed() -> type[Exception]:
+  """GCS's 412 (a generation precondition not met), imported with the client."""
+  from google.api_core import exceptions
+
+  return exceptions.PreconditionFailed
 
 
+@_os_errors
 def create_exclusive(path: str, text: str) -> bool:
   """Create `path` holding `text` only if it does not exist (True), else leave it (False): O_EXCL locally,
   `ifGenerationMatch=0` on GCS. Other schemes have no such primitive here: an existence check, then a write."""
@@ -263,10 +320,8 @@ def create_exclusive(path: str, text: str) -> bool:
   if blob is not None:
     try:
       blob.upload_from_string(text, if_generation_match=0)
-    except Exception as e:  # pylint: disable=broad-exception-caught  # google.api_core's, imported with the client
-      if _precondition_failed(e):
-        return False
-      raise
+    except _precondition_failed():
+      return False
     return True
   if is_remote(path):
     if exists(path):
@@ -284,6 +339,7 @@ def create_exclusive(path: str, text: str) -> bool:
   return True
 
 
+@_os_errors
 def read_versioned(path: str) -> tuple[str, object] | None:
   """(text, version) of `path`, or None when it is missing: the version `replace_if` compares (the object's
   generation on GCS, size and mtime locally)."""
@@ -300,6 +356,7 @@ def read_versioned(path: str) -> tuple[str, object] | None:
     return None
 
 
+@_os_errors
 def replace_if(path: str, text: str, expected: object) -> bool:
   """Replace `path` with `text` only if it is still at version `expected` (from `read_versioned`): True when replaced.
   On GCS this is one conditional upload, so of two processes replacing the same version exactly one succeeds. Locally
@@ -309,10 +366,8 @@ def replace_if(path: str, text: str, expected: object) -> bool:
   if blob is not None:
     try:
       blob.upload_from_string(text, if_generation_match=expected)
-    except Exception as e:  # pylint: disable=broad-exception-caught  # google.api_core's, imported with the client
-      if _precondition_failed(e):
-        return False
-      raise
+    except _precondition_failed():
+      return False
     return True
   try:
     if version(path) != expected:
@@ -323,6 +378,7 @@ def replace_if(path: str, text: str, expected: object) -> bool:
   return create_exclusive(path, text)
 
 
+@_os_errors
 def overwrite_if(path: str, text: str, expected: object) -> bool:
   """`replace_if` for the holder's own refresh (a heartbeat): on local disk an atomic rename (the file never goes
   missing for a reader), after comparing the version; on GCS the conditional upload."""
@@ -345,6 +401,8 @@ def describe_error(e: BaseException, path: str) -> str:
   problem of object storage, or the error itself."""
   if isinstance(e, OSError) and e.errno == errno.ENOSPC:
     return f"no space left on the device writing {path} ({_free_space(path)})"
+  if isinstance(e, StorageError):
+    return str(e.strerror)
   if is_remote(path):
     first = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
     return f"cannot write {path} ({bucket_of(path)}): {type(e).__name__}: {first}"
@@ -369,8 +427,8 @@ def check_credentials(path: str, key: str) -> None:
   `StorageError`."""
   if not path.startswith("gs://") or os.environ.get(EMULATOR_ENV):
     return
-  import google.auth  # pylint: disable=import-outside-toplevel  # only for gs:// paths
-  from google.auth import exceptions as auth_exceptions  # pylint: disable=import-outside-toplevel
+  import google.auth
+  from google.auth import exceptions as auth_exceptions
 
   try:
     google.auth.default()

@@ -27,6 +27,7 @@ from typing import Any, Callable, Sequence
 from absl import logging
 
 from maxtext_rl_plugin import registry
+from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rewards import gsm8k
 
@@ -207,12 +208,16 @@ _LOADED: dict[tuple[str, int, int], Any] = {}  # (absolute path, mtime, size) ->
 def _load_user_module(path: str):
   """Import reward_functions_path as a uniquely named module; a missing or broken file is a ConfigError. The first
   pass (check_config) and the trainer's start-up share one import: the module's top level runs once."""
-  if not os.path.isfile(path):
-    raise ConfigError(f"reward_functions_path='{path}': file not found")
-  st = os.stat(path)
-  key = (os.path.abspath(path), st.st_mtime_ns, st.st_size)
+  try:
+    if not storage.isfile(path):
+      raise ConfigError(f"reward_functions_path='{path}': file not found")
+    local = storage.local_copy(path)  # Python imports local files: an object in a bucket is copied once
+  except OSError as e:
+    raise ConfigError(f"reward_functions_path='{path}': {e.strerror or e}") from None
+  st = os.stat(local)
+  key = (os.path.abspath(local), st.st_mtime_ns, st.st_size)
   if key not in _LOADED:
-    _LOADED[key] = _import_user_module(path)
+    _LOADED[key] = _import_user_module(local)
   return _LOADED[key]
 
 

@@ -13,9 +13,11 @@ The server listens on 127.0.0.1 only; nothing in these tests leaves the machine.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import tempfile
@@ -55,20 +57,29 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+  """In the server's process before exec: SIGTERM when the test process exits (Linux's PR_SET_PDEATHSIG)."""
+  ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+
+
 @contextlib.contextmanager
-def emulator(bucket: str = BUCKET) -> Iterator[Emulator]:
-  """fake-gcs-server on a free loopback port, in memory, with `bucket` created; stopped when the block ends."""
+def emulator(bucket: str = BUCKET, *, until_exit: bool = False) -> Iterator[Emulator]:
+  """fake-gcs-server on a free loopback port, in memory, with `bucket` created; stopped when the block ends, or with
+  `until_exit` when the test process exits: tensorboardX's GCS writer uploads its file again when it is collected,
+  which for a writer a run left referenced is at interpreter exit (against a stopped server: 120 s of retries)."""
   with tempfile.TemporaryDirectory() as data:
     os.makedirs(os.path.join(data, bucket))  # -data seeds one bucket per top-level folder
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     binary = _binary()
     binary.chmod(binary.stat().st_mode | 0o111)
-    proc = subprocess.Popen(  # pylint: disable=consider-using-with  # stopped in the finally below
+    # pylint: disable-next=consider-using-with,subprocess-popen-preexec-fn  # stopped below; prctl is exec-safe
+    proc = subprocess.Popen(
         [str(binary), "-scheme", "http", "-host", "127.0.0.1", "-port", str(port), "-backend", "memory"]
         + ["-data", data, "-external-url", url, "-log-level", "error"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        preexec_fn=_die_with_parent,
     )
     try:
       deadline = time.monotonic() + 20
@@ -80,9 +91,10 @@ def emulator(bucket: str = BUCKET) -> Iterator[Emulator]:
         time.sleep(0.1)
       yield Emulator(url, bucket)
     finally:
-      proc.terminate()
-      try:
-        proc.wait(timeout=5)
-      except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+      if not until_exit:
+        proc.terminate()
+        try:
+          proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+          proc.kill()
+          proc.wait()

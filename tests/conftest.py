@@ -151,3 +151,23 @@ def launch_cli(capsys):
     return rc, out, err
 
   return run
+
+
+@pytest.fixture(scope="session")
+def gcs():
+  """A GCS endpoint on loopback (fake-gcs-server, tests/_gcs.py) with its variables set for every client of the stack,
+  one per test process: gcsfs and google-cloud-storage keep the endpoint they were first built with, so every module
+  of a worker shares this one."""
+  import _gcs  # pylint: disable=import-outside-toplevel  # only tests on gs:// start the server
+
+  with _gcs.emulator(until_exit=True) as emu:  # until the process exits: see _gcs.emulator
+    saved = {k: os.environ.get(k) for k in emu.env()}
+    os.environ.update(emu.env())
+    try:
+      yield emu
+    finally:
+      for k, v in saved.items():
+        if v is None:
+          os.environ.pop(k, None)
+        else:
+          os.environ[k] = v

@@ -40,6 +40,7 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "signals": 0,
     "run_dir": 0,
+    "storage": 0,
     "distributed": 0,
     "pathways": 0,
     "registry": 0,

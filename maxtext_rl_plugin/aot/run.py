@@ -258,7 +258,7 @@ def run(config, parsed: config_lib.Parsed) -> int:
   resident_gib = facts["train_state_gib_per_device"] + facts["reference_copy_gib_per_device"]
   try:
     storage.write_atomic(path, report.to_json(rows, spec, topo, slices, facts))
-  except Exception as e:  # pylint: disable=broad-exception-caught  # OSError locally, the client's in a bucket
+  except OSError as e:  # storage.StorageError in a bucket
     raise run_dir.OutputError(f"the AOT report was not written: {run_dir.describe_os_error(e, path)}") from None
   _say(f"report: {path} ({facts['compile_wall_seconds']:.0f} s)")
   line = report.verdict(rows, topo, resident_gib)

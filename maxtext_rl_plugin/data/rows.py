@@ -146,14 +146,8 @@ def expand_paths(spec: str, key: str) -> list[str]:
           why = "file not found (no such object)" if storage.is_remote(m) else describe_not_a_file(m)
           raise DataError(f"{key}='{m}': {why}")
         paths.append(m)
-    except storage.StorageError as e:
-      raise DataError(str(e.strerror)) from None
-    except DataError:
-      raise
-    except Exception as e:  # pylint: disable=broad-exception-caught  # a bucket's errors (gcsfs, google-auth)
-      if not storage.is_remote(part):
-        raise
-      raise DataError(f"{key}='{part}': cannot read {storage.bucket_of(part)} ({type(e).__name__}: {e})") from None
+    except storage.StorageError as e:  # no credentials, an unreachable bucket: one line naming it
+      raise DataError(f"{key}='{part}': {e.strerror}" if key not in str(e.strerror) else e.strerror) from None
   if not paths:
     raise DataError(f"{key}='{spec}': no files given")
   return paths

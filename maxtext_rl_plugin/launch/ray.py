@@ -35,6 +35,7 @@ from absl import logging
 
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_dir
+from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.config import validation
 from maxtext_rl_plugin.launch import xpk as xpk_lib
 
@@ -294,10 +295,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
       metrics = smoke.grpo_step()
       rank = ray.train.get_context().get_world_rank()
-      if loop_config.get("result_dir"):
-        os.makedirs(loop_config["result_dir"], exist_ok=True)
-        with open(os.path.join(loop_config["result_dir"], f"rank{rank}.json"), "w", encoding="utf-8") as f:
-          json.dump(metrics, f)
+      if loop_config.get("result_dir"):  # a bucket too (storage), as every output a user names
+        storage.makedirs(loop_config["result_dir"])
+        storage.write_atomic(os.path.join(loop_config["result_dir"], f"rank{rank}.json"), json.dumps(metrics))
       print(f"[smoke] rank {rank}: {json.dumps(metrics, sort_keys=True)}", flush=True)
       ray.train.report(metrics)
       return

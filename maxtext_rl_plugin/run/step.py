@@ -81,7 +81,7 @@ def _audit_batch(run_dir: str, step: int, batch) -> None:
   path = os.path.join(run_dir, "batches.jsonl")
   try:
     storage.append_text(path, json.dumps({"step": step, "ids": [e.id for e in batch]}) + "\n")
-  except Exception as e:  # pylint: disable=broad-exception-caught  # OSError locally, the client's in a bucket
+  except OSError as e:  # storage.StorageError in a bucket
     raise run_dir_lib.OutputError(run_dir_lib.describe_os_error(e, path)) from None
 
 
