@@ -217,8 +217,9 @@ class PluginParity(BaseModel):
       gt=0.0,
       description=(
           "Largest mean |log p_sampler - log p_trainer| over completion tokens at a checked step; null = the "
-          "precision pairing's default (sampler/trainer: float32/float32 1e-3, bfloat16/float32 and "
-          "bfloat16/bfloat16 0.05)."
+          "precision pairing's default, set from its measured floor (run/parity.py): float32/float32 2e-5 on the CPU "
+          "or at matmul_precision=highest, 0.05 with a bfloat16 side or float32 at an accelerator's default "
+          "(reduced-precision) matmuls."
       ),
   )
   parity_logp_tolerance_max: Optional[float] = Field(
@@ -226,7 +227,7 @@ class PluginParity(BaseModel):
       gt=0.0,
       description=(
           "Largest max |log p_sampler - log p_trainer| at a checked step; null = the pairing's default "
-          "(float32/float32 0.1, with a bfloat16 side 2.0)."
+          "(float32/float32 1e-2 on the CPU or at matmul_precision=highest, else 1.5)."
       ),
   )
   parity_routing_tolerance: Optional[float] = Field(
@@ -236,7 +237,7 @@ class PluginParity(BaseModel):
       description=(
           "MoE: largest fraction of (token, MoE layer) pairs the sampler routed to other experts than the trainer "
           "at a checked step (not checked under rl.router_replay); null = the pairing's default (float32/float32 "
-          "0.01, with a bfloat16 side 0.10)."
+          "0.01 on the CPU or at matmul_precision=highest, else 0.10)."
       ),
   )
 

@@ -1,0 +1,209 @@
+"""The parity gate's floor and its near misses on the CPU demo model (run/parity.py, docs/moe.md "Tolerances").
+
+  python scripts/parity_floor.py --out /tmp/parity_floor --warm 300 --seeds 0 1 2 3 4
+  python scripts/parity_floor.py --out /tmp/parity_floor --export tests/data/parity_demo_logps.npz
+
+Trains the demo's SFT warm start once (`--warm` steps, in `<out>/runs/warm`), then for each seed, dtype and mutation runs
+`train_rl configs/cpu_demo.yml` in this process up to the parity gate of step 1 (one step of 8 x 8 samples at the
+demo's temperature 1), with the mutation installed in the sampler's copy of the weights only (where the embedded
+engine installs them, as tests/test_parity.py does) and the SFT checkpoint copied into the run. The gate's inputs
+(the sampler's and the trainer's log-probs of the sampled tokens, the completion mask) go to `<out>/logps/*.npz`
+and the gate itself is skipped, so every case reaches the same point; a finished case is not run again. Then it
+prints |d| mean and max (lowest-highest over the seeds) per case as Markdown. `--export` writes, per case of
+tests/test_parity.py's replay test, the seed that is hardest for the gate (honest: the largest figures; a mutation:
+the smallest) as the masked log-probs that test reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import re
+import shutil
+import sys
+
+from flax import nnx
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+import _in_process as in_process  # pylint: disable=wrong-import-position  # the tests' in-process train_rl
+from maxtext_rl_plugin.rollout import embedded  # pylint: disable=wrong-import-position
+from maxtext_rl_plugin.run import parity  # pylint: disable=wrong-import-position
+
+ONE = 20  # the demo tokenizer's id of "1" (configs/tokenizers/arith-bpe-512)
+
+
+def _layers(state):
+  return state["base"]["decoder"]["layers"]
+
+
+def _heads_swapped(layer):
+  def f(state):  # query kernel [emb, layers, heads, head_dim]
+    q = _layers(state)["self_attention"]["query"]["kernel"]
+    q.value = q.value.at[:, layer, jnp.array([0, 1])].set(q.value[:, layer, jnp.array([1, 0])])
+
+  return f
+
+
+def _norm_scaled(state):
+  norm = state["base"]["decoder"]["decoder_norm"]["scale"]
+  norm.value = norm.value * 1.05
+
+
+def _out_scaled(state):  # attention output kernel [heads, layers, head_dim, emb]
+  out = _layers(state)["self_attention"]["out"]["kernel"]
+  out.value = out.value.at[:, 1].multiply(1.02)
+
+
+def _row_scaled(state):  # tied embedding: the token's input row and its output logit
+  emb = state["base"]["token_embedder"]["embedding"]
+  emb.value = emb.value.at[ONE].multiply(1.1)
+
+
+MUTATIONS = {
+    "honest": None,
+    "heads01_L0": _heads_swapped(0),
+    "heads01_L1": _heads_swapped(1),
+    "heads01_L2": _heads_swapped(2),
+    "heads01_L3": _heads_swapped(3),
+    "norm_x1.05": _norm_scaled,
+    "out_L1_x1.02": _out_scaled,
+    "row_x1.1": _row_scaled,
+}
+EXPORT = {
+    "float32": ["honest", "heads01_L2", "norm_x1.05", "out_L1_x1.02", "row_x1.1"],
+    "bfloat16": ["honest", "heads01_L2"],
+}
+
+
+class _Gate(Exception):
+  """Raised at the gate with its inputs: nothing after it is measured."""
+
+
+def _argv(out, name, warm, *overrides):
+  return [
+      "configs/cpu_demo.yml",
+      f"base_output_directory={out}/runs",
+      f"run_name={name}",
+      f"sft_warmup_steps={warm}",
+      "num_batches=1",
+      "num_test_batches=0",
+      "eval_interval=0",
+      *overrides,
+  ]
+
+
+def _measure(out, name, warm, mutation, overrides) -> dict:
+  """One run to its gate: the gate's inputs (sampler and trainer log-probs, mask)."""
+  real_install, real_figures = embedded._on_rollout_mesh, parity.figures  # pylint: disable=protected-access
+
+  def install(actor, mesh, cfg):
+    model = real_install(actor, mesh, cfg)
+    if mutation is None:
+      return model
+    copy = nnx.clone(model)  # the sampler's own copy; the trainer keeps the true weights
+    state = nnx.state(copy, nnx.Param)
+    mutation(state)
+    nnx.update(copy, state)
+    return copy
+
+  def figures(sampler, trainer, mask, routing_mismatch=None):
+    del routing_mismatch
+    raise _Gate({"sampler": np.asarray(sampler), "trainer": np.asarray(trainer), "mask": np.asarray(mask, bool)})
+
+  embedded._on_rollout_mesh, parity.figures = install, figures  # pylint: disable=protected-access
+  try:
+    p = in_process.train_rl(_argv(out, name, warm, *overrides))
+  except _Gate as gate:
+    return gate.args[0]
+  finally:
+    embedded._on_rollout_mesh, parity.figures = real_install, real_figures  # pylint: disable=protected-access
+  raise SystemExit(f"{name}: the run ended before its parity gate (rc {p.returncode}):\n{p.stderr[-3000:]}")
+
+
+def run(args) -> None:
+  """The warm start (once), then every (seed, dtype, mutation) case not yet on disk."""
+  warm_dir = os.path.join(args.out, "runs", "warm", "checkpoints", "sft")
+  if not os.path.isdir(os.path.join(warm_dir, str(args.warm))):
+    _measure(args.out, "warm", args.warm, None, ["rl.parity_check=first"])
+  os.makedirs(os.path.join(args.out, "logps"), exist_ok=True)
+  for seed in args.seeds:
+    for dtype in args.dtypes:
+      for name in args.mutations:
+        path = os.path.join(args.out, "logps", f"{dtype}_s{seed}_{name}.npz")
+        if os.path.exists(path):
+          continue
+        run_name = f"{dtype}_s{seed}_{name}".replace(".", "_")
+        shutil.rmtree(os.path.join(args.out, "runs", run_name), ignore_errors=True)
+        shutil.copytree(warm_dir, os.path.join(args.out, "runs", run_name, "checkpoints", "sft"))
+        overrides = [f"dtype={dtype}", f"rollout_seed={seed}", f"data_shuffle_seed={seed}"]
+        np.savez(path, **_measure(args.out, run_name, args.warm, MUTATIONS[name], overrides))
+        shutil.rmtree(os.path.join(args.out, "runs", run_name), ignore_errors=True)
+        print(f"{path}: {_figs(np.load(path))}", flush=True)
+
+
+def _d(z) -> np.ndarray:
+  return np.abs(z["sampler"].astype(np.float64) - z["trainer"].astype(np.float64))[z["mask"]]
+
+
+def _figs(z) -> str:
+  d = _d(z)
+  return f"{d.size} tokens, mean {d.mean():.2g}, max {d.max():.3g}"
+
+
+def _cases(out):
+  cases: dict = {}
+  for path in sorted(glob.glob(os.path.join(out, "logps", "*.npz"))):
+    dtype, seed, name = re.match(r"(\w+?)_s(\d+)_(.+)\.npz$", os.path.basename(path)).groups()
+    cases.setdefault((dtype, name), []).append((int(seed), path))
+  return cases
+
+
+def table(args) -> None:
+  """|d| mean and max per case, lowest-highest over the seeds, as Markdown."""
+  print("| dtype | sampler | seeds | \\|d\\| mean | \\|d\\| max |\n| --- | --- | ---: | ---: | ---: |")
+  for (dtype, name), runs in sorted(_cases(args.out).items()):
+    d = [_d(np.load(p)) for _, p in runs]
+    means, maxes = [x.mean() for x in d], [x.max() for x in d]
+    print(f"| {dtype} | {name} | {len(d)} | {min(means):.2g} - {max(means):.2g} | {min(maxes):.3g} - {max(maxes):.3g} |")
+
+
+def export(args) -> None:
+  """The replay test's cases, each at its hardest seed, as masked float32 log-probs."""
+  out = {}
+  cases = _cases(args.out)
+  for dtype, names in EXPORT.items():
+    for name in names:
+      runs = [np.load(p) for _, p in cases[(dtype, name)]]
+      score = [(_d(z).mean() + 1e-3 * _d(z).max()) * (-1 if name == "honest" else 1) for z in runs]
+      z = runs[int(np.argmin(score))]
+      out[f"{dtype}/{name}/sampler"] = z["sampler"][z["mask"]].astype(np.float32)
+      out[f"{dtype}/{name}/trainer"] = z["trainer"][z["mask"]].astype(np.float32)
+      print(f"{dtype}/{name}: {_figs(z)}")
+  np.savez_compressed(args.export, **out)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(prog="python scripts/parity_floor.py")
+  ap.add_argument("--out", required=True)
+  ap.add_argument("--warm", type=int, default=300, help="SFT warm-start steps (the demo's 300)")
+  ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+  ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+  ap.add_argument("--mutations", nargs="+", default=list(MUTATIONS), choices=list(MUTATIONS))
+  ap.add_argument("--export", help="write the replay test's log-probs here instead of running")
+  args = ap.parse_args(argv)
+  os.chdir(ROOT)
+  if args.export:
+    export(args)
+    return 0
+  run(args)
+  table(args)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
