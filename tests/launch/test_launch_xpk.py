@@ -316,6 +316,7 @@ def test_container_command_resumes_when_resubmitted(tmp_path):
             "eval_after_training=false",
         ],
         environ={},
+        allow_local_output=True,  # this host's disk stands for a volume every pod mounts
     )
     script = cmd.argv[cmd.argv.index("--command") + 1]
     # Same command, CPU instead of the Pathways proxy.
@@ -369,3 +370,14 @@ def test_jobset_restart_keeps_the_launch_id_and_takes_over_its_lock_at_once(tmp_
   other = run_dir.RunLock(str(run), launch_id=_launch_env(resubmitted)[run_dir.LAUNCH_ID_ENV], host="other-pod")
   with pytest.raises(run_dir.RunLockedError, match="in use by pid"):
     other.acquire()
+
+
+def test_a_local_or_missing_output_directory_is_refused(launch_cli):
+  """Outputs inside a pod are lost with it (today a warning only): a local or missing base_output_directory is one
+  line, exit 2, unless --allow-local-output says the path is a volume every pod mounts."""
+  local = [o for o in OVERRIDES if not o.startswith("base_output_directory=")]
+  for overrides in (local, [*local, "base_output_directory=/tmp/runs"]):
+    rc, out, err = launch_cli([*BASE, "--dry-run", "--", *overrides])
+    assert rc == 2 and not out and "error: base_output_directory is" in err and "--allow-local-output" in err, err
+  rc, out, _ = launch_cli([*BASE, "--dry-run", "--allow-local-output", "--", *local, "base_output_directory=/mnt/runs"])
+  assert rc == 0 and "create-pathways" in out

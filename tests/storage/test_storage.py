@@ -7,10 +7,13 @@ from __future__ import annotations
 import json
 import os
 import time
+import types
 
 import pytest
 
+from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_dir
+from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import storage
 
 
@@ -157,3 +160,17 @@ def test_home_is_expanded(monkeypatch, tmp_path):
   assert storage.absolute("~/runs") == str(tmp_path / "runs")
   assert run_dir.resolve_metrics_file("~/m.jsonl", "/elsewhere/r") == str(tmp_path / "m.jsonl")
   assert storage.expand("gs://b/x/") == "gs://b/x"
+
+
+def test_a_finished_run_without_checkpoints_is_not_replaced_unless_asked(tmp_path):
+  """enable_checkpointing=false rerun of a finished run (its summary.json): refused (today it started over and replaced
+  its records, summary, plot and batches); overwrite_run=true asks for it; a directory without a summary starts."""
+  run = tmp_path / "r"
+  run.mkdir()
+  config = types.SimpleNamespace(enable_checkpointing=False, overwrite_run=False)
+  run_identity.check_overwrite(config, str(run))  # nothing finished there yet
+  (run / "summary.json").write_text("{}")
+  with pytest.raises(errors.CheckpointError, match=r"holds a finished run .* overwrite_run=true") as e:
+    run_identity.check_overwrite(config, str(run))
+  assert "\n" not in str(e.value)
+  run_identity.check_overwrite(types.SimpleNamespace(enable_checkpointing=False, overwrite_run=True), str(run))
