@@ -17,7 +17,6 @@ Keys a checkpoint written before a key existed does not hold are not compared.
 from __future__ import annotations
 
 import functools
-import glob
 import hashlib
 import json
 import os
@@ -45,26 +44,26 @@ _SYNTHETIC_KEYS = (
 
 
 @functools.lru_cache(maxsize=64)
-def _file_digest(path: str, size: int, mtime_ns: int) -> str:
-  del mtime_ns  # cache key only
-  h = hashlib.sha256(str(size).encode())
-  with open(path, "rb") as f:
-    h.update(f.read(_DIGEST_BYTES))
+def _file_digest(path: str, version: str) -> str:
+  """Size and first MiB of a file (storage.version, size and modification, is the cache key: a changed file is read
+  again)."""
+  h = hashlib.sha256(version.split(":", 1)[0].encode())
+  h.update(storage.read_head(path, _DIGEST_BYTES))
   return h.hexdigest()[:16]
 
 
 def data_digest(spec: str) -> str | None:
-  """Digest of the local file(s) a comma-separated path/glob spec names (None: no spec, or remote files)."""
-  if not spec or "://" in spec:
+  """Digest of the file(s) a comma-separated path/glob spec names, local or in a bucket (None: no spec, or a file
+  that cannot be read: the data loader reports it in its own words)."""
+  if not spec:
     return None
   h = hashlib.sha256()
-  for part in (p.strip() for p in spec.split(",")):
-    for path in sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]:
-      try:
-        st = os.stat(path)
-        h.update(f"{os.path.basename(path)}:{_file_digest(path, st.st_size, st.st_mtime_ns)};".encode())
-      except OSError:
-        return None  # unreadable: the data loader reports it in its own words
+  try:
+    for part in (p.strip() for p in spec.split(",")):
+      for path in storage.glob(part) if any(c in part for c in "*?[") else [part]:
+        h.update(f"{os.path.basename(path)}:{_file_digest(path, storage.version(path))};".encode())
+  except OSError:
+    return None
   return h.hexdigest()[:16]
 
 
@@ -216,8 +215,7 @@ def tokenizer_identity(path: Any) -> str:
   for name in sorted(os.listdir(root)):
     full = os.path.join(root, name)
     if os.path.isfile(full):
-      st = os.stat(full)
-      h.update(f"{name}:{_file_digest(full, st.st_size, st.st_mtime_ns)};".encode())
+      h.update(f"{name}:{_file_digest(full, storage.version(full))};".encode())
   return f"files {h.hexdigest()[:16]}"
 
 

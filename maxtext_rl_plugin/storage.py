@@ -159,6 +159,13 @@ def _read_local(path: str) -> bytes:
     return f.read()
 
 
+@_os_errors
+def read_head(path: str, n: int) -> bytes:
+  """The first `n` bytes (a ranged read of an object: a digest of a large data file never downloads all of it)."""
+  with _p(path).open("rb") if is_remote(path) else open(expand(path), "rb") as f:
+    return f.read(n)
+
+
 def read_text(path: str) -> str:
   return read_bytes(path).decode("utf-8")
 
@@ -172,6 +179,12 @@ def size(path: str) -> int:
 def version(path: str) -> str:
   """What changes when the file's content is replaced (a cache key): size and mtime locally, the object's stat
   remotely."""
+  blob = _blob(expand(path))
+  if blob is not None:  # GCS: each write of an object makes a new generation (mtime has one-second steps)
+    blob = blob.bucket.get_blob(blob.name)
+    if blob is None:
+      raise FileNotFoundError(errno.ENOENT, "no such object", path)
+    return f"{blob.size}:{blob.generation}"
   if is_remote(path):
     st = _p(path).stat()
     return f"{st.length}:{st.mtime}"

@@ -40,7 +40,10 @@ def test_reads_and_writes_local_and_gs(root):
   assert [os.path.basename(p) for p in storage.glob(os.path.join(d, "*.jsonl"))] == ["x.jsonl", "y.jsonl"]
   with storage.open_write_bytes(os.path.join(d, "z.bin")) as buf:
     buf.write(b"\x00\x01")
-  assert storage.read_bytes(os.path.join(d, "z.bin")) == b"\x00\x01"
+  assert storage.read_bytes(os.path.join(d, "z.bin")) == b"\x00\x01" and storage.read_head(f, 3) == b"one"
+  v = storage.version(f)
+  storage.append_text(f, "three\n")
+  assert storage.version(f) != v  # what a data file's digest is cached by
   storage.remove(f)
   storage.remove(f)  # missing: not an error
   assert not storage.exists(f)
@@ -174,3 +177,13 @@ def test_a_finished_run_without_checkpoints_is_not_replaced_unless_asked(tmp_pat
     run_identity.check_overwrite(config, str(run))
   assert "\n" not in str(e.value)
   run_identity.check_overwrite(types.SimpleNamespace(enable_checkpointing=False, overwrite_run=True), str(run))
+
+
+def test_data_in_a_bucket_has_a_digest_a_resume_compares(gcs):
+  """A resume on other data is refused by the checkpoint's data digest: now for files in a bucket too (it was None)."""
+  path = _root(gcs, "digest") + "/train.jsonl"
+  storage.write_atomic(path, '{"question": "q", "answer": "#### 1"}\n')
+  first = run_identity.data_digest(path)
+  assert first and run_identity.data_digest(path) == first
+  storage.write_atomic(path, '{"question": "q", "answer": "#### 2"}\n')
+  assert run_identity.data_digest(path) not in (None, first)

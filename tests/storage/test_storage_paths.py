@@ -18,9 +18,8 @@ CALLS = re.compile(
 ALLOWED = {
     "maxtext_rl_plugin/storage.py": (None, "the storage layer itself"),
     "maxtext_rl_plugin/run_identity.py": (
-        3,
-        "digests of local data files and of a local tokenizer directory (a spec in a bucket has no digest here; "
-        "tokenizers load from local directories or hub ids)",
+        1,
+        "the listing of a local tokenizer directory for its digest (tokenizers load from local directories or hub ids)",
     ),
     "maxtext_rl_plugin/config/files.py": (
         2,
