@@ -9,7 +9,7 @@ trainer's weights), so the trainer keeps the true ones. The references are indep
 arithmetic against NumPy, and the tolerances against the table in parity.py's docstring, whose measured log-probs
 (tests/data/parity_demo_logps.npz) replay through the gate in the default tier. The honest run (the gate passes and
 logs its figures at each launch's first step) is tests/test_train_e2e.py's GRPO run and its resume, which run the gate
-by default; the demo-model runs (extended, ~2 min) sample and score the near misses end to end.
+by default; the demo-model runs (extended, ~3.5 min) sample and score the near misses end to end.
 """
 
 from __future__ import annotations
