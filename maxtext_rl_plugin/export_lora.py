@@ -24,6 +24,8 @@ import sys
 
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.config import precheck as config_precheck
+from maxtext_rl_plugin.config.unresolved import Unresolved
+from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin import run_dir as run_dir_lib
@@ -34,14 +36,37 @@ from maxtext_rl_plugin.errors import ConfigError
 
 
 def _parse(argv):
+  """The flags wherever they are (before the yml, after it, between overrides: `... run_name=x --step 3` read --step as
+  an override before) and the training run's `<config.yml> [key=value ...]` in their order."""
   p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.export_lora", description=__doc__.splitlines()[0])
   p.add_argument("--output", required=True, help="directory to write (the checkpoint lands in OUTPUT/0)")
   p.add_argument("--step", type=int, default=None, help="RL checkpoint step (default: the newest)")
-  p.add_argument("config", nargs=argparse.REMAINDER, help="<config.yml> [key=value ...] of the training run")
-  args = p.parse_args(argv)
-  if not args.config:
+  p.add_argument("config", nargs="*", help="<config.yml> [key=value ...] of the training run")
+  args, rest = p.parse_known_args(argv)
+  config = [*args.config, *rest]
+  if not config:
     p.error("the training run's <config.yml> [key=value ...] is required")
+  if config[0].startswith("-"):
+    p.error(f"unrecognized argument: {config[0]}")
+  args.config = config  # argparse keeps the first run of positionals; the later ones follow in `rest`, in order
   return args
+
+
+def _check_step(view, step: int | None) -> None:
+  """The checkpoint `--step` names exists, read from the config as written before the schema's imports: the same
+  refusal as `restore_adapters`, in a second instead of twenty."""
+  try:
+    run_dir = os.path.join(view.base_output_directory, view.run_name)
+    ckpt_dir = value_or(view, "checkpoint_dir", None) or os.path.join(run_dir, "checkpoints")
+  except Unresolved:
+    return  # a key the schema types: restore_adapters decides
+  if step is None:
+    return  # the newest: a run without checkpoints is refused with the reason that comes first (e.g. no LoRA)
+  steps = run_identity.checkpoint_steps(storage.absolute(ckpt_dir))
+  if not steps:
+    raise CheckpointError(f"no checkpoints in {storage.absolute(ckpt_dir)}: run training with this config first")
+  if step not in steps:
+    raise CheckpointError(f"no checkpoint step {step} in {storage.absolute(ckpt_dir)} (steps: {sorted(steps)})")
 
 
 def restore_adapters(model, ckpt_dir: str, step: int | None) -> int:
@@ -104,6 +129,7 @@ def _lora_from_run(argv: list[str], config, ckpt_dir: str, step: int | None) -> 
 def export(argv, output: str, step: int | None = None) -> str:
   """Build the run's base, apply and restore its adapters, merge, save; returns the `load_parameters_path`."""
   view = config_precheck.precheck(argv)  # key names and values as written, before the schema's imports
+  _check_step(view, step)
   out = os.path.join(storage.absolute(output), "0")
   if storage.exists(out):
     raise ConfigError(f"invalid value for '--output'='{output}': {out} already exists")

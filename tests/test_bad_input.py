@@ -32,6 +32,7 @@ import pytest
 import transformers
 
 from maxtext_rl_plugin import compile_rl
+from maxtext_rl_plugin import export_lora
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin.config import schema as config_types
@@ -526,3 +527,61 @@ def test_a_mesh_this_host_cannot_make_is_one_line_before_the_model(monkeypatch, 
   assert e.value.code == 2 and needle in err and err.count("\n") == 1, err
   with pytest.raises(errors.ConfigError, match=re.escape(needle)):
     models.setup_devices(config_lib.parse(argv), devices=jax.devices()[:1])
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        # Issue 61 class 6: the flat key exists; say so.
+        (
+            [TINY, "rl.train_micro_batch_size=2"],
+            "unknown config key 'rl.train_micro_batch_size' (command line): 'train_micro_batch_size' is a top-level "
+            "key, not one of the rl: block; did you mean 'train_micro_batch_size'?",
+        ),
+        # A dependent key the user set is still theirs to drop.
+        (
+            ["configs/cpu_demo.yml", "sft_warmup_steps=0", "sft_learning_rate=0.1"],
+            "config key 'sft_learning_rate'=0.1 has no effect with sft_warmup_steps=0",
+        ),
+    ],
+)
+def test_messages_name_what_the_user_can_change(argv, needle):
+  with pytest.raises(errors.ConfigError) as e:
+    config_precheck.precheck(argv)
+  assert needle in str(e.value), str(e.value)
+
+
+def test_a_key_only_a_shipped_yml_sets_is_not_the_users_to_drop(tmp_path):
+  # Issue 61: `sft_warmup_steps=0` on the demo config said "drop sft_learning_rate", which only cpu_demo.yml sets.
+  argv = ["configs/cpu_demo.yml", "sft_warmup_steps=0"]
+  config_precheck.precheck(argv)
+  assert config_lib.load_pydantic(argv).sft_warmup_steps == 0
+  # The user's own yml that sets it (over the shipped demo) is refused, in both passes.
+  own = tmp_path / "mine.yml"
+  own.write_text(f"base_config: {os.path.abspath('configs/cpu_demo.yml')}\nsft_warmup_steps: 0\nsft_batch_size: 8\n")
+  for load in (config_precheck.precheck, config_lib.load_pydantic):
+    with pytest.raises(errors.ConfigError, match="config key 'sft_batch_size'=8 has no effect with sft_warmup_steps=0"):
+      load([str(own)])
+
+
+def test_a_number_given_to_a_string_key_is_its_text():
+  # Issue 61: run_name=7 was pydantic's "Input should be a valid string"; MaxText's own run names are any text.
+  assert config_precheck.precheck([TINY, "run_name=7"]).run_name == "7"
+  assert config_lib.load_pydantic([TINY, "run_name=7", "dataset_name=1e3"]).run_name == "7"
+
+
+def test_export_lora_reads_its_flags_anywhere_and_refuses_a_missing_step_before_the_schema(monkeypatch, capsys, tmp_path):
+  # Issue 61: `export_lora <yml> ... --step 99` read --step as a key=value; a missing step took 20 s (two schema
+  # passes and the imports) to be refused.
+  def must_not_load(_written):
+    raise AssertionError("reached the schema")
+
+  monkeypatch.setattr(config_lib, "typed", must_not_load)
+  (tmp_path / "r" / "checkpoints" / "2").mkdir(parents=True)
+  argv = [TINY, f"base_output_directory={tmp_path}", "run_name=r", "--step", "99", "--output", str(tmp_path / "o")]
+  with pytest.raises(SystemExit) as e:
+    export_lora.main(argv)
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and err.count("\n") == 1, err
+  assert f"error: no checkpoint step 99 in {tmp_path}/r/checkpoints (steps: [2])" in err
+  assert not (tmp_path / "o").exists()

@@ -76,9 +76,11 @@ def _same(value: Any, default: Any) -> bool:
   return value == default
 
 
-def check(config: Any) -> None:
+def check(config: Any, user_keys: frozenset[str] | None = None) -> None:
   """Refuse a dependent key set (to a non-default value) while its switch is off (module docstring). A key or switch
-  the first pass cannot type is skipped there (the typed pass decides)."""
+  the first pass cannot type is skipped there (the typed pass decides). `user_keys`: the keys the user set (None:
+  unknown, every key counts); a key only a shipped yml sets is not the user's to drop (configs/cpu_demo.yml's
+  sft_learning_rate with sft_warmup_steps=0 on the command line), and it changes nothing with its switch off."""
   for family in FAMILIES:
     try:
       switch = _get(config, family.switch)
@@ -87,6 +89,8 @@ def check(config: Any) -> None:
     if switch is None or family.is_on(switch):
       continue
     for key, default in family.keys.items():
+      if user_keys is not None and key not in user_keys:
+        continue
       try:
         value = _get(config, key)
       except (Unresolved, AttributeError):

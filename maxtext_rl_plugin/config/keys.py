@@ -17,6 +17,7 @@ import dataclasses
 import difflib
 import functools
 import os
+import re
 from typing import Any, Sequence
 
 import omegaconf
@@ -114,6 +115,11 @@ def _check_key(key: str, where: str, keys: KeyNames) -> None:
     inner = tail.partition(".")[0]
     known = keys.blocks[head]
     if known is not None and inner not in known:
+      if inner in keys.top and "." not in tail:  # `rl.train_micro_batch_size`: a top-level key, not the block's
+        raise ConfigError(
+            f"unknown config key '{key}' ({where}): '{inner}' is a top-level key, not one of the {head}: block; "
+            f"did you mean '{inner}'?"
+        )
       raise _unknown_key_error(key, where, set(known))
     return
   if head in keys.top:
@@ -147,9 +153,15 @@ def parse_overrides(overrides: Sequence[str], keys: KeyNames) -> list[str]:
       key = tail
     if not value.strip() and isinstance(shipped_defaults().get(key), str):
       value = "''"  # `key=` clears a string key (OmegaConf would read None, which a str field refuses)
+    elif isinstance(shipped_defaults().get(key), str) and _NUMBER.fullmatch(value.strip()):
+      value = f"'{value.strip()}'"  # `run_name=7`: a string key's value is the text typed, as the user meant it
     _check_yaml_value(key, value)
     out.append(f"{key}={value}")
   return out
+
+
+# A YAML number (int or float, as OmegaConf's dotlist would type it), which a string key would refuse.
+_NUMBER = re.compile(r"[-+]?(\d[\d_]*(\.\d*)?|\.\d+)([eE][-+]?\d+)?")
 
 
 def check_override_names(overrides: Sequence[str], keys: KeyNames) -> None:

@@ -132,7 +132,7 @@ def typed(written: config_precheck.Written) -> Parsed:
   overrides = config_files.resolve_tokenizer_path(config_files.expand_home_paths(overrides, raw), raw)
   kwargs = config_files.model_file_overrides(written.chain, raw, overrides)
   pc = _initialize(written.chain[0][0], merged, overrides, kwargs)
-  validation.validate(pc)
+  validation.validate(pc, written)
   return Parsed(pc, written.chain[0][0], merged, overrides, kwargs)
 
 

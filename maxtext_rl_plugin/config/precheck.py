@@ -33,6 +33,25 @@ class Written:
   args: list[str]
   overrides: list[str]
 
+  def user_keys(self) -> frozenset[str]:
+    """The keys the user set, dotted (`rl.agentic_max_turns`; a flat twin under its block's name): the command line,
+    MaxText's `M_<KEY>` environment overrides and the yml files that are neither the plugin's shipped configs nor
+    MaxText's. A shipped demo's keys are defaults the user took, not settings they can be told to drop."""
+    rl_inner = config_keys.light_keys().blocks["rl"] or frozenset()
+    shipped = os.path.realpath(config_files.configs_dir()) + os.sep
+    keys: set[str] = set()
+    for path, cfg in self.chain:
+      if config_files.is_maxtext_file(path) or os.path.realpath(path).startswith(shipped):
+        continue
+      for key, value in omegaconf.OmegaConf.to_container(cfg, resolve=False).items():
+        if key in config_keys.light_keys().blocks and isinstance(value, dict):
+          keys.update(f"{key}.{inner}" for inner in value)
+        else:
+          keys.add(key)
+    keys.update(arg.split("=", 1)[0] for arg in self.overrides)
+    keys.update(k[2:].lower() for k in os.environ if k.startswith("M_"))
+    return frozenset(f"rl.{k}" if k in rl_inner else k for k in keys)
+
 
 def read(argv: Sequence[str]) -> Written:
   """`[yml, key=value, ...]` read: the yml chain and the overrides, key names checked without the schema."""

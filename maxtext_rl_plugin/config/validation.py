@@ -22,6 +22,7 @@ knows (a derived key, a value pydantic would coerce) is skipped in the first pas
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Any, Callable, Iterator
@@ -443,9 +444,11 @@ _CROSS_CHECKS = (
 )
 
 
-def _light_checks() -> tuple[Callable[[Any], None], ...]:
-  """The checks that import nothing heavy, in order: both passes run them."""
-  return (check_numbers, check_ranges, *_CROSS_CHECKS, lora.validate, dependent_keys.check, *early_checks.CHECKS)
+def _light_checks(user_keys: frozenset[str] | None = None) -> tuple[Callable[[Any], None], ...]:
+  """The checks that import nothing heavy, in order: both passes run them. `user_keys`: the keys the user set
+  (`config/precheck.Written.user_keys`; None: unknown), which alone a dependent key's refusal may name."""
+  dependent = functools.partial(dependent_keys.check, user_keys=user_keys)
+  return (check_numbers, check_ranges, *_CROSS_CHECKS, lora.validate, dependent, *early_checks.CHECKS)
 
 
 # Features one JAX process runs today (the trainer refuses them at start-up when jax.process_count() > 1), with why;
@@ -472,15 +475,16 @@ def check_processes(pc, processes: int) -> None:
       raise _bad(key, value, f"not supported with more than one JAX process yet ({processes} asked): {why}")
 
 
-def validate(pc) -> None:
-  """Device-free checks of a parsed config, the same for print_config, launchers and training (one line each)."""
+def validate(pc, source: Any = None) -> None:
+  """Device-free checks of a parsed config, the same for print_config, launchers and training (one line each);
+  `source`: the `config/precheck.Written` it was read from, when known (which keys the user set)."""
   # algorithms/ and rollout/vllm_config import Tunix and JAX: only this second pass, after the schema's imports,
   # needs them (validate_raw runs before those imports). The MoE checks (capacity_factor, rl.router_replay) are
   # early_checks': importing moe.py (MaxText's MoE layers, and through them transformers) cost a launcher 4.3 s.
   # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.algorithms import shaping
 
-  for check in _light_checks():
+  for check in _light_checks(source.user_keys() if source is not None else None):
     check(pc)
   shaping.check_config(pc)  # DAPO and kin: estimator x scaling x aggregation, overlong buffer
   if pc.rollout_engine == "vllm":
@@ -493,7 +497,8 @@ def validate(pc) -> None:
 def validate_raw(view: RawConfig) -> None:
   """`validate`'s checks on the config as written, before the schema's imports; a check that reads a value only the
   schema can type (an `Unresolved` key, a comparison with an untyped value) is left to `validate`."""
-  for check in _light_checks():
+  source = view.source()
+  for check in _light_checks(source.user_keys() if source is not None else None):
     try:
       check(view)
     except (Unresolved, AttributeError, TypeError, ValueError):  # AttributeError: an untyped value's missing method
