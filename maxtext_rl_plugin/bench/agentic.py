@@ -11,26 +11,27 @@ per shape); times are the median of `--repeats`.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import time
 
 import jax
 import numpy as np
 
+from maxtext_rl_plugin.bench import common
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin.rollout import embedded
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench agentic")
+  ap = common.ArgumentParser(prog="python -m maxtext_rl_plugin.bench agentic")
   ap.add_argument("--config", default="configs/cpu_demo_tools.yml")
-  ap.add_argument("--contexts", default="48,128,512", help="comma-separated transcript lengths L")
-  ap.add_argument("--batch", type=int, default=16)
-  ap.add_argument("--new-tokens", type=int, default=24)
-  ap.add_argument("--repeats", type=int, default=3)
+  ap.add_argument(
+      "--contexts", type=common.positive_ints, default="48,128,512", help="comma-separated transcript lengths L"
+  )
+  ap.add_argument("--batch", type=common.positive_int, default=16)
+  ap.add_argument("--new-tokens", type=common.positive_int, default=24)
+  ap.add_argument("--repeats", type=common.positive_int, default=3)
   args, overrides = ap.parse_known_args(argv)
   rs = models.setup_devices(config_lib.parse([args.config, *overrides]))
   tok = models.load_tokenizer(rs.trainer_config)
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
   rng = np.random.default_rng(0)
   rows = []
   print(f"{'L':>6}{'B':>5}{'T':>5}{'turn s':>10}{'prefill+1 s':>13}{'prefill_share':>15}")
-  for length in (int(x) for x in args.contexts.split(",")):
+  for length in args.contexts:
     ctx = [list(rng.integers(10, 500, length)) for _ in range(args.batch)]
 
     def turn(n, ctx=ctx):
@@ -60,5 +61,5 @@ def main(argv=None) -> int:
     )
     rows[-1]["prefill_share"] = share
     print(f"{length:>6}{args.batch:>5}{args.new_tokens:>5}{times[args.new_tokens]:>10.3f}{times[1]:>13.3f}{share:>15.2f}")
-  print(json.dumps({"bench": "agentic", "config": args.config, "rows": rows}))
+  print(common.finite_json({"bench": "agentic", "config": args.config, "rows": rows}))
   return 0

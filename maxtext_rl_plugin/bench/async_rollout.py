@@ -15,8 +15,6 @@ separate chips and the model's prediction is the number to expect.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -41,12 +39,14 @@ _PHASES = ("rollout", "reward", "logps", "train", "weight_sync")
 
 def _parse(argv):
   """The command line (see --help)."""
-  p = argparse.ArgumentParser(
+  p = common.ArgumentParser(
       prog="python -m maxtext_rl_plugin.bench async", description=__doc__.split("\n", maxsplit=1)[0]
   )
-  p.add_argument("--steps", type=int, default=6, help="measured RL steps per mode (after --warmup)")
-  p.add_argument("--warmup", type=int, default=2, help="steps dropped from the medians (compilation)")
-  p.add_argument("--devices", type=int, default=8, help="forced host devices on CPU (half trainer, half sampler)")
+  p.add_argument("--steps", type=common.positive_int, default=6, help="measured RL steps per mode (after --warmup)")
+  p.add_argument("--warmup", type=common.non_negative_int, default=2, help="steps dropped from the medians (compilation)")
+  p.add_argument(
+      "--devices", type=common.positive_int, default=8, help="forced host devices on CPU (half trainer, half sampler)"
+  )
   p.add_argument("--colocated", action="store_true", help="trainer and sampler share all devices instead")
   p.add_argument("--config", default="configs/cpu_tiny.yml")
   p.add_argument("overrides", nargs="*", help="extra key=value overrides (model size, batch, ...)")
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
       f"speed-up {model['predicted_speedup']:.2f}x"
   )
   print(
-      json.dumps(
+      common.finite_json(
           {
               "bench": "async",
               "split": "colocated" if args.colocated else f"disaggregated {args.devices // 2}+{args.devices // 2}",

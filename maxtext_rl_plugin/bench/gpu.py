@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 
+from maxtext_rl_plugin.bench import common
 from maxtext_rl_plugin.bench import gpu_common
 from maxtext_rl_plugin.bench import gpu_parts
 from maxtext_rl_plugin.bench import gpu_report
@@ -47,7 +48,7 @@ from maxtext_rl_plugin.bench import gpu_rollout
 
 def _parse(argv):
   """The command line (see --help)."""
-  p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench gpu", description=__doc__.splitlines()[0])
+  p = common.ArgumentParser(prog="python -m maxtext_rl_plugin.bench gpu", description=__doc__.splitlines()[0])
   p.add_argument("--out", required=True, help="directory for gpu_bench.json and gpu_bench.md (created)")
   p.add_argument("--dry", action="store_true", help="every code path at tiny shapes (CPU, about a minute)")
   p.add_argument(
@@ -56,18 +57,26 @@ def _parse(argv):
   p.add_argument(
       "--models", default="qwen3-0.6b,llama3.1-8b", help=f"rollout/sync shapes, of {','.join(gpu_common.SHAPES)}"
   )
-  p.add_argument("--batch-sizes", default="1,8,32,128", help="rollout batch sizes")
-  p.add_argument("--peer-batches", default="1,32", help="batch sizes at which the HF peer also runs")
-  p.add_argument("--prompt-len", type=int, default=128)
-  p.add_argument("--new-tokens", type=int, default=256)
-  p.add_argument("--repeats", type=int, default=3, help="timed runs per measurement (median)")
+  p.add_argument("--batch-sizes", type=common.positive_ints, default="1,8,32,128", help="rollout batch sizes")
+  p.add_argument(
+      "--peer-batches", type=common.positive_ints, default="1,32", help="batch sizes at which the HF peer also runs"
+  )
+  p.add_argument("--prompt-len", type=common.positive_int, default=128)
+  p.add_argument("--new-tokens", type=common.positive_int, default=256)
+  p.add_argument("--repeats", type=common.positive_int, default=3, help="timed runs per measurement (median)")
   p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None, help="HF peer (default: if CUDA)")
   p.add_argument("--hf-compile", action=argparse.BooleanOptionalAction, default=True, help="also torch.compile'd HF")
-  p.add_argument("--step-steps", type=int, default=2, help="bench step: measured steps per side (after 1 warm-up)")
+  p.add_argument(
+      "--step-steps", type=common.positive_int, default=2, help="bench step: measured steps per side (after 1 warm-up)"
+  )
   p.add_argument("--set", nargs="*", default=[], metavar="K=V", help="extra MaxText overrides for every part")
-  p.add_argument("--budget", type=int, default=3600, help="seconds for all parts; a part still running is stopped")
-  p.add_argument("--peak-n", type=int, default=8192, help="bf16 matmul size of the peak measurement")
-  p.add_argument("--copy-mib", type=int, default=2048, help="MiB of the device-to-device copy measurement")
+  p.add_argument(
+      "--budget", type=common.positive_int, default=3600, help="seconds for all parts; a part still running is stopped"
+  )
+  p.add_argument("--peak-n", type=common.positive_int, default=8192, help="bf16 matmul size of the peak measurement")
+  p.add_argument(
+      "--copy-mib", type=common.positive_int, default=2048, help="MiB of the device-to-device copy measurement"
+  )
   p.add_argument("--part", choices=gpu_common.PARTS, help=argparse.SUPPRESS)  # internal: run one part in this process
   args = p.parse_args(argv)
   args.step_set, args.demo_set = [], []
@@ -76,8 +85,6 @@ def _parse(argv):
       setattr(args, k, v)
   args.parts = [x for x in args.parts.split(",") if x]
   args.models = [x for x in args.models.split(",") if x]
-  args.batch_sizes = [int(x) for x in args.batch_sizes.split(",") if x]
-  args.peer_batches = [int(x) for x in args.peer_batches.split(",") if x]
   bad = [x for x in args.parts if x not in gpu_common.PARTS] + [x for x in args.models if x not in gpu_common.SHAPES]
   if bad:
     p.error(f"unknown part or model: {', '.join(bad)}")
@@ -128,7 +135,7 @@ def _part_main(args) -> int:
     traceback.print_exc()
     rec = {"error": f"{type(e).__name__}: {e}"[:2000]}
   with open(os.environ["BENCH_GPU_PART_JSON"], "w", encoding="utf-8") as f:
-    json.dump(rec, f)
+    f.write(common.finite_json(rec))
   return 0
 
 
@@ -151,7 +158,7 @@ def main(argv=None) -> int:
     res["device"] = res.get("device") or res[part].get("device")
     gpu_report.write(args.out, res)
   print(gpu_report.markdown(res))
-  print(json.dumps({"benchmark": "gpu", **{k: v for k, v in res.items() if k != "argv"}}))
+  print(common.finite_json({"benchmark": "gpu", **{k: v for k, v in res.items() if k != "argv"}}))
   return 0 if all("error" not in res[p] for p in args.parts) else 1
 
 

@@ -58,8 +58,8 @@ BF16 = ["weight_dtype=bfloat16", "dtype=bfloat16"]
 
 DRY = {
     "models": "tiny",
-    "batch_sizes": "1,2",
-    "peer_batches": "2",
+    "batch_sizes": [1, 2],
+    "peer_batches": [2],
     "prompt_len": 8,
     "new_tokens": 4,
     "repeats": 1,
@@ -154,7 +154,7 @@ def save_partial(rec: dict) -> None:
   path = os.environ.get("BENCH_GPU_PART_JSON")
   if path:
     with open(path, "w", encoding="utf-8") as f:
-      json.dump(rec, f)
+      f.write(common.finite_json(rec))
 
 
 def config_argv(args, model: str, extra: list[str]) -> list[str]:

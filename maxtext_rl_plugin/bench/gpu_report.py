@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import os
 
+from maxtext_rl_plugin.bench import common
 from maxtext_rl_plugin.bench import gpu_common
 
 
@@ -84,6 +84,6 @@ def markdown(res: dict) -> str:
 
 def write(out_dir: str, res: dict) -> None:
   with open(os.path.join(out_dir, "gpu_bench.json"), "w", encoding="utf-8") as f:
-    json.dump(res, f, indent=1)
+    f.write(common.finite_json(res, indent=1))
   with open(os.path.join(out_dir, "gpu_bench.md"), "w", encoding="utf-8") as f:
     f.write(markdown(res))

@@ -15,8 +15,6 @@ The final JSON line has the per-size numbers and the full / adapter ratios (byte
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 from maxtext_rl_plugin.bench import common
@@ -50,14 +48,16 @@ SIZES = {
 
 def _parse(argv):
   """The command line (see --help)."""
-  p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench lora", description=__doc__.splitlines()[0])
+  p = common.ArgumentParser(prog="python -m maxtext_rl_plugin.bench lora", description=__doc__.splitlines()[0])
   p.add_argument("--config", default="configs/cpu_tiny.yml", help="base yml (the model is sized by SIZES / --set)")
   p.add_argument("--set", nargs="*", default=[], metavar="K=V", help="extra config overrides (both sizes)")
-  p.add_argument("--rank", type=int, default=16, help="lora.lora_rank")
-  p.add_argument("--alpha", type=float, default=32.0, help="lora.lora_alpha")
+  p.add_argument("--rank", type=common.positive_int, default=16, help="lora.lora_rank")
+  p.add_argument("--alpha", type=common.positive_float, default=32.0, help="lora.lora_alpha")
   p.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES), help="model sizes to measure")
-  p.add_argument("--devices", type=int, default=8, help="forced host devices on CPU (half trainer, half sampler)")
-  p.add_argument("--repeats", type=int, default=5, help="timed repetitions per method (median reported)")
+  p.add_argument(
+      "--devices", type=common.positive_int, default=8, help="forced host devices on CPU (half trainer, half sampler)"
+  )
+  p.add_argument("--repeats", type=common.positive_int, default=5, help="timed repetitions per method (median reported)")
   return p.parse_args(argv)
 
 
@@ -168,7 +168,7 @@ def main(argv=None) -> int:
         f"{r['sync_time_ratio']:7.1f} {r['sync_plus_merge_ratio']:12.2f}"
     )
   print(
-      json.dumps(
+      common.finite_json(
           {
               "rank": args.rank,
               "alpha": args.alpha,

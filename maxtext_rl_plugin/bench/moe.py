@@ -24,20 +24,17 @@ difference of the expert and attention math itself.
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
 
 from flax import nnx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxtext_rl_plugin.bench import common
 from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
-from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.run import parity
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import sampling
@@ -64,30 +61,6 @@ def _scaled(state, scale: float):
   return jax.tree_util.tree_map_with_path(f, state)
 
 
-def router_scales(text: str) -> list[float]:
-  """`--router-scales` as floats, each finite and > 0 (a scale multiplies the router's logits: 0 ties every expert,
-  a negative one inverts the routing; neither is a model the sampler would serve)."""
-  try:
-    scales = [float(x) for x in text.split(",")]
-  except ValueError:
-    scales = []
-  if not scales or not all(math.isfinite(x) and x > 0 for x in scales):
-    raise ConfigError(f"invalid value for '--router-scales'={text!r}: expected comma-separated numbers > 0, e.g. 1,0.1")
-  return scales
-
-
-def check_args(args: argparse.Namespace) -> list[float]:
-  """One `error:` line for a flag without a meaning, before any model is built; returns the router scales."""
-  for flag in ("prompts", "generations", "new_tokens"):
-    if getattr(args, flag) < 1:
-      raise ConfigError(f"invalid value for '--{flag.replace('_', '-')}'={getattr(args, flag)}: must be >= 1")
-  if not (math.isfinite(args.temperature) and args.temperature > 0):
-    raise ConfigError(
-        f"invalid value for '--temperature'={args.temperature}: must be > 0 (log-probs are taken at this temperature)"
-    )
-  return router_scales(args.router_scales)
-
-
 def _compare(sampler_lp, trainer_lp, mask, routing_mismatch, tol) -> dict:
   """One side's figures: the agreement metrics, the policy ratio's spread and the parity gate's figures and verdict."""
   m = np.asarray(mask, bool)
@@ -107,18 +80,25 @@ def _compare(sampler_lp, trainer_lp, mask, routing_mismatch, tol) -> dict:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench moe")
+  ap = common.ArgumentParser(prog="python -m maxtext_rl_plugin.bench moe")
   ap.add_argument("--config", default="configs/cpu_tiny_moe.yml")
   ap.add_argument("--sampler-dtype", default="bfloat16")
   ap.add_argument("--trainer-dtype", default="float32")
-  ap.add_argument("--router-scales", default="1,0.1,0.01")
-  ap.add_argument("--prompts", type=int, default=8)
-  ap.add_argument("--generations", type=int, default=4)
-  ap.add_argument("--new-tokens", type=int, default=24)
-  ap.add_argument("--temperature", type=float, default=1.0)
-  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument(
+      "--router-scales",
+      type=common.positive_floats,
+      default="1,0.1,0.01",
+      help="router logit scales (0 would tie every expert, a negative one invert the routing)",
+  )
+  ap.add_argument("--prompts", type=common.positive_int, default=8)
+  ap.add_argument("--generations", type=common.positive_int, default=4)
+  ap.add_argument("--new-tokens", type=common.positive_int, default=24)
+  ap.add_argument(
+      "--temperature", type=common.positive_float, default=1.0, help="log-probs are taken at this temperature"
+  )
+  ap.add_argument("--seed", type=common.non_negative_int, default=0)
   args, overrides = ap.parse_known_args(argv)
-  scales = check_args(args)
+  scales = args.router_scales
 
   rs = models.setup_devices(config_lib.parse([args.config, *overrides, f"dtype={args.trainer_dtype}"]))
   cfg = rs.trainer_config
@@ -195,7 +175,7 @@ def main(argv=None) -> int:
   if not replay_ok:
     print(f"replay: the trainer cannot replay {cfg.model_name}'s routing")
   print(
-      json.dumps(
+      common.finite_json(
           {
               "bench": "moe",
               "model": cfg.model_name,

@@ -19,7 +19,6 @@ Two measurements, side by side in one run:
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -27,17 +26,24 @@ import time
 
 import numpy as np
 
+from maxtext_rl_plugin.bench import common
+
 # MaxText's post_train/rl.yml widths (256 prompt + 768 completion tokens) with the Qwen3 tokenizer and chat template.
 DEFAULT_ARGV = ["configs/cpu_tiny.yml", "max_prefill_predict_length=256", "max_target_length=1024"]
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench packing", description=__doc__.splitlines()[0])
+  """The command line (see --help)."""
+  p = common.ArgumentParser(prog="python -m maxtext_rl_plugin.bench packing", description=__doc__.splitlines()[0])
   p.add_argument("--data", default="../shared/data/gsm8k/train.jsonl", help="GSM8K-style JSONL (question, answer)")
-  p.add_argument("--rows", type=int, default=64, help="sequences per update batch (8 prompts x 8 samples)")
-  p.add_argument("--row-tokens", type=int, default=0, help="max_seq_token_per_tpu (0: max_target_length)")
-  p.add_argument("--update-rows", type=int, default=16, help="sequences in the timed update's batch")
-  p.add_argument("--repeats", type=int, default=5, help="timed update calls per layout")
+  p.add_argument(
+      "--rows", type=common.positive_int, default=64, help="sequences per update batch (8 prompts x 8 samples)"
+  )
+  p.add_argument(
+      "--row-tokens", type=common.non_negative_int, default=0, help="max_seq_token_per_tpu (0: max_target_length)"
+  )
+  p.add_argument("--update-rows", type=common.positive_int, default=16, help="sequences in the timed update's batch")
+  p.add_argument("--repeats", type=common.positive_int, default=5, help="timed update calls per layout")
   p.add_argument("argv", nargs="*", help="yml and key=value overrides (default: cpu_tiny at MaxText's RL lengths)")
   return p.parse_args(argv)
 
@@ -169,7 +175,7 @@ def main(argv=None) -> int:
       f"max_target_length={int(config.max_target_length)}",
   ]
   result["update"] = time_update(tiny, p_len, c_len, args.update_rows, args.repeats)
-  print(json.dumps(result), flush=True)
+  print(common.finite_json(result), flush=True)
   return 0
 
 

@@ -6,9 +6,9 @@ peak" is against what XLA achieves on these devices right now (shared cores incl
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
+
+from maxtext_rl_plugin.bench import common
 
 # JAX (and every plugin module that imports it) is imported inside functions, after `common.force_host_devices`
 # has set XLA_FLAGS: XLA reads the host device count once, when the backend starts.
@@ -90,10 +90,10 @@ def train_flops(cfg, tokens: int, seq_len: int, passes: float = 3.0) -> float:
 
 
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench peak", description=__doc__.splitlines()[0])
-  ap.add_argument("--n", type=int, default=1024)
-  ap.add_argument("--repeats", type=int, default=5)
+  ap = common.ArgumentParser(prog="python -m maxtext_rl_plugin.bench peak", description=__doc__.splitlines()[0])
+  ap.add_argument("--n", type=common.positive_int, default=1024, help="matmul size")
+  ap.add_argument("--repeats", type=common.positive_int, default=5, help="timed runs (the best is reported)")
   args = ap.parse_args(argv)
   r = measure_peak_flops(args.n, args.repeats)
-  print(json.dumps({"benchmark": "peak", **r}))
+  print(common.finite_json({"benchmark": "peak", **r}))
   return 0

@@ -31,9 +31,7 @@ On CPU the 8 devices are forced host devices (`--devices`); the same code runs o
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import os
 import shutil
 import sys
@@ -56,13 +54,19 @@ DEFAULT_MODEL = [
 
 def _parse(argv):
   """The command line (see --help)."""
-  p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench reshard", description=__doc__.splitlines()[0])
+  p = common.ArgumentParser(prog="python -m maxtext_rl_plugin.bench reshard", description=__doc__.splitlines()[0])
   p.add_argument("--config", default="configs/cpu_tiny.yml", help="base yml (the model is scaled by --set)")
   p.add_argument("--set", nargs="*", default=[], metavar="K=V", help="extra config overrides (model size etc.)")
-  p.add_argument("--devices", type=int, default=8, help="forced host devices on CPU (half trainer, half sampler)")
-  p.add_argument("--repeats", type=int, default=5, help="timed repetitions per method (median reported)")
-  p.add_argument("--ckpt-repeats", type=int, default=2, help="repetitions of the Orbax baseline (0: skip it)")
-  p.add_argument("--chunk-size", type=int, default=4, help="parameter arrays per chunk for the array-count variant")
+  p.add_argument(
+      "--devices", type=common.positive_int, default=8, help="forced host devices on CPU (half trainer, half sampler)"
+  )
+  p.add_argument("--repeats", type=common.positive_int, default=5, help="timed repetitions per method (median reported)")
+  p.add_argument(
+      "--ckpt-repeats", type=common.non_negative_int, default=2, help="repetitions of the Orbax baseline (0: skip it)"
+  )
+  p.add_argument(
+      "--chunk-size", type=common.positive_int, default=4, help="parameter arrays per chunk for the array-count variant"
+  )
   p.add_argument("--no-two-phase", action="store_true", help="skip the two-phase (GPU/TPU default) variant")
   p.add_argument("--tmpdir", default=None, help="where the checkpoint baseline writes (default: system temp)")
   return p.parse_args(argv)
@@ -336,7 +340,7 @@ def main(argv=None) -> int:
 
   with exit_on_user_error():
     setup = build(args)
-  print(json.dumps(report(setup, measure(setup, args), args)), flush=True)
+  print(common.finite_json(report(setup, measure(setup, args), args)), flush=True)
   return 0
 
 

@@ -31,6 +31,7 @@ from typing import Any, Optional
 # Reward stacks need no accelerator: JAX (imported below through tunix_compat, and by MaxText) stays off any TPU.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from maxtext_rl_plugin.bench import common
 from maxtext_rl_plugin.config import schema as config_types
 from maxtext_rl_plugin import rewards
 from maxtext_rl_plugin import tunix_compat
@@ -244,17 +245,21 @@ def adversarial_latency() -> list[tuple[str, float, bool]]:
 
 def _parse_args(argv) -> argparse.Namespace:
   """The command line (`argv`, or sys.argv[1:] when None)."""
-  ap = argparse.ArgumentParser(
+  ap = common.ArgumentParser(
       prog="python -m maxtext_rl_plugin.bench rewards", description=__doc__.split("\n\n", maxsplit=1)[0]
   )
   ap.add_argument(
       "--data-dir", default=None, help="directory with GSM8K test.jsonl/train.jsonl (default ../shared/data/gsm8k)"
   )
   ap.add_argument("--split", default="test", choices=("test", "train"))
-  ap.add_argument("--limit", type=int, default=0, help="first N problems (0 = all)")
-  ap.add_argument("--batch-size", type=int, default=64, help="completions per reward call (one RL step's batch)")
-  ap.add_argument("--maxtext-procs", type=int, default=1, help="math_verify_num_procs for MaxText's pool")
-  ap.add_argument("--repeat", type=int, default=5, help="timed passes of the plugin stack; the fastest is reported")
+  ap.add_argument("--limit", type=common.non_negative_int, default=0, help="first N problems (0 = all)")
+  ap.add_argument(
+      "--batch-size", type=common.positive_int, default=64, help="completions per reward call (one RL step's batch)"
+  )
+  ap.add_argument("--maxtext-procs", type=common.positive_int, default=1, help="math_verify_num_procs for MaxText's pool")
+  ap.add_argument(
+      "--repeat", type=common.positive_int, default=5, help="timed passes of the plugin stack; the fastest is reported"
+  )
   ap.add_argument("--skip-maxtext", action="store_true", help="plugin only")
   ap.add_argument("--skip-adversarial", action="store_true")
   return ap.parse_args(sys.argv[1:] if argv is None else argv)
@@ -412,7 +417,7 @@ def main(argv=None) -> int:
   res.update(answer_rule_table(not args.skip_maxtext, args.maxtext_procs))
   if not args.skip_adversarial:
     res.update(report_adversarial())
-  print(json.dumps(res))
+  print(common.finite_json(res))
   return 0
 
 

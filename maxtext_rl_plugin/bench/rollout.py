@@ -27,7 +27,6 @@ scale a random model repeats one token. Speed does not depend on the weights.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -41,6 +40,7 @@ from tunix.models.qwen3 import model as q3
 
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import models
+from maxtext_rl_plugin.bench import common
 from maxtext_rl_plugin.bench import peak as bench_peak
 from maxtext_rl_plugin.errors import UserError
 from maxtext_rl_plugin.rollout import embedded
@@ -278,16 +278,22 @@ def _time_tunix(tmodel, tok, cfg, prompts_text, T, repeats):
 
 def _parse_args(argv):
   """The command line (flags documented in --help)."""
-  ap = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench rollout", description=__doc__.splitlines()[0])
+  ap = common.ArgumentParser(prog="python -m maxtext_rl_plugin.bench rollout", description=__doc__.splitlines()[0])
   ap.add_argument("--config", default="configs/cpu_tiny.yml", help="plugin/MaxText yml (default: the tiny CPU model)")
   ap.add_argument("overrides", nargs="*", help="extra key=value config overrides")
-  ap.add_argument("--batch-sizes", default="1,8,32", help="comma-separated rollout batch sizes")
-  ap.add_argument("--new-tokens", type=int, default=128)
-  ap.add_argument("--repeats", type=int, default=3, help="timed engine runs per batch size (best is reported)")
-  ap.add_argument("--recompute-repeats", type=int, default=1, help="timed runs of each recompute baseline")
+  ap.add_argument(
+      "--batch-sizes", type=common.positive_ints, default="1,8,32", help="comma-separated rollout batch sizes"
+  )
+  ap.add_argument("--new-tokens", type=common.positive_int, default=128)
+  ap.add_argument(
+      "--repeats", type=common.positive_int, default=3, help="timed engine runs per batch size (best is reported)"
+  )
+  ap.add_argument(
+      "--recompute-repeats", type=common.positive_int, default=1, help="timed runs of each recompute baseline"
+  )
   ap.add_argument(
       "--recompute-max-batch",
-      type=int,
+      type=common.non_negative_int,
       default=8,
       help="skip the full-logits recompute baseline above this batch size (it is quadratic: B x (prompt + "
       "new) x vocab per step; ~10 min at 32 x 128 on 2 cores)",
@@ -298,13 +304,13 @@ def _parse_args(argv):
       default=True,
       help="also time Tunix's own KV-cache Sampler (on a Tunix Qwen3 with the same weights)",
   )
-  ap.add_argument("--peak-n", type=int, default=1024, help="matmul size of the in-run peak FLOP/s measurement")
-  ap.add_argument("--decoder-scale", type=float, default=3.0, help="random-init decoder weight scale (see docstring)")
-  args = ap.parse_args(argv)
-  if args.new_tokens < 1:
-    ap.error("--new-tokens must be >= 1")
-  args.batch_sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
-  return args
+  ap.add_argument(
+      "--peak-n", type=common.positive_int, default=1024, help="matmul size of the in-run peak FLOP/s measurement"
+  )
+  ap.add_argument(
+      "--decoder-scale", type=common.positive_float, default=3.0, help="random-init decoder weight scale (see docstring)"
+  )
+  return ap.parse_args(argv)
 
 
 def _build(args):
@@ -488,7 +494,7 @@ def main(argv=None) -> int:
     rows.append(_measure_batch(args, batch, ctx, peak, tmodels))
     print(" ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
   _print_table(rows)
-  print(json.dumps(_summary(args, cfg, engine, rows, peak, tunix_error)))
+  print(common.finite_json(_summary(args, cfg, engine, rows, peak, tunix_error)))
   return 0
 
 

@@ -23,10 +23,8 @@ reported ("warm step").
 
 from __future__ import annotations
 
-import argparse
 import collections
 import functools
-import json
 import os
 import sys
 import tempfile
@@ -41,12 +39,22 @@ LOGPS_ARGS = ("prompt_tokens", "completion_tokens")  # the first two parameters 
 
 
 def _parse(argv):
-  p = argparse.ArgumentParser(prog="python -m maxtext_rl_plugin.bench step", description=__doc__.splitlines()[0])
+  """The command line (see --help)."""
+  p = common.ArgumentParser(prog="python -m maxtext_rl_plugin.bench step", description=__doc__.splitlines()[0])
   p.add_argument("--config", default="configs/cpu_tiny.yml", help="base yml")
-  p.add_argument("--steps", type=int, default=4, help="measured (warm) steps per side")
-  p.add_argument("--warmup", type=int, default=2, help="steps per run dropped from the medians (compilation)")
-  p.add_argument("--rounds", type=int, default=1, help="runs per side, in ABBA order (Tunix, plugin, plugin, Tunix..)")
-  p.add_argument("--devices", type=int, default=8, help="forced host devices on CPU (half trainer, half sampler)")
+  p.add_argument("--steps", type=common.positive_int, default=4, help="measured (warm) steps per side")
+  p.add_argument(
+      "--warmup", type=common.non_negative_int, default=2, help="steps per run dropped from the medians (compilation)"
+  )
+  p.add_argument(
+      "--rounds",
+      type=common.positive_int,
+      default=1,
+      help="runs per side, in ABBA order (Tunix, plugin, plugin, Tunix..)",
+  )
+  p.add_argument(
+      "--devices", type=common.positive_int, default=8, help="forced host devices on CPU (half trainer, half sampler)"
+  )
   p.add_argument("--colocated", action="store_true", help="trainer and sampler share the devices (no weight sync)")
   p.add_argument("overrides", nargs="*", help="extra key=value config overrides (model size, batch, ...)")
   return p.parse_args(argv)
@@ -311,7 +319,7 @@ def main(argv=None) -> int:
   logging.set_verbosity(logging.WARNING)
   with tempfile.TemporaryDirectory(prefix="bench_step_") as out:
     measured = measure(args, out)
-  print(json.dumps(report(measured, args)), flush=True)
+  print(common.finite_json(report(measured, args)), flush=True)
   return 0
 
 

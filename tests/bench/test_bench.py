@@ -1,11 +1,17 @@
 """The benchmark entry points run at tiny sizes and end with the JSON keys the docs quote."""
 
+import argparse
+import ast
+import importlib
 import json
+import pathlib
+import re
 
 import numpy as np
 import pytest
 
 from maxtext_rl_plugin.bench import __main__ as bench_main
+from maxtext_rl_plugin.bench import common as bench_common
 from maxtext_rl_plugin.bench import peak
 from maxtext_rl_plugin.bench import rollout as rollout_bench
 from maxtext_rl_plugin.bench import step as bench_step
@@ -185,3 +191,115 @@ def test_a_benchmarks_config_mistake_is_one_line(argv, needle, capsys):
     rc = e.code
   err = capsys.readouterr().err
   assert rc == 2 and err.startswith(needle) and err.count("\n") == 1, err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Every benchmark's flags have a bound; every result line is finite JSON (issue 61)
+# ----------------------------------------------------------------------------------------------------------------------
+
+_NUMERIC_TEXT = re.compile(r"^[\d.,\s-]+$")  # a default such as "1,8,32": a list of numbers given as text
+
+
+class _Parsed(Exception):
+  """Raised instead of parsing: the benchmark's parser is captured before anything runs."""
+
+
+def _parser_of(name, monkeypatch):
+  """Benchmark `name`'s argparse parser, as its main() builds it (nothing after the parse runs)."""
+  captured = []
+
+  def capture(self, *_args, **_kwargs):
+    captured.append(self)
+    raise _Parsed
+
+  monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", capture)  # parse_args calls it too
+  module = importlib.import_module(bench_main.BENCHMARKS[name])
+  with pytest.raises(_Parsed):
+    module.main([])
+  return captured[0]
+
+
+@pytest.mark.parametrize("name", sorted(bench_main.BENCHMARKS))
+def test_every_numeric_flag_of_every_benchmark_has_a_bound(name, monkeypatch):
+  """`bench peak --n -5`, `bench rewards --repeat 0` ... were tracebacks (or `Infinity` in the JSON): each flag that
+  takes a number (or a list of numbers) is parsed by one of bench/common.py's bounded types, and a mistake is one
+  line (common.ArgumentParser). A new numeric flag with `type=int` fails here."""
+  parser = _parser_of(name, monkeypatch)
+  assert isinstance(parser, bench_common.ArgumentParser), type(parser)
+  unbounded = []
+  for action in parser._actions:  # pylint: disable=protected-access  # argparse has no public list of its actions
+    numeric = action.type in (int, float) or (
+        action.type is None
+        and (
+            (isinstance(action.default, (int, float)) and not isinstance(action.default, bool))
+            or (isinstance(action.default, str) and _NUMERIC_TEXT.match(action.default))
+        )
+    )
+    if numeric or (action.type is not None and not hasattr(action.type, "bound") and action.type is not str):
+      unbounded.append("/".join(action.option_strings) or action.dest)
+  assert not unbounded, f"bench {name}: numeric flags without a bound: {unbounded}"
+
+
+@pytest.mark.parametrize(
+    "argv, heavy, needle",
+    [
+        (["peak", "--repeats", "0"], "peak.measure_peak_flops", "'--repeats'=0: must be >= 1"),  # wrote Infinity
+        (["peak", "--n", "-5"], "peak.measure_peak_flops", "'--n'=-5: must be >= 1"),
+        (["peak", "--n", "1e3"], "peak.measure_peak_flops", "'--n'='1e3': expected an integer"),
+        (["rewards", "--repeat", "0"], "rewards.build_rows", "'--repeat'=0: must be >= 1"),
+        (["rewards", "--limit", "-1"], "rewards.build_rows", "'--limit'=-1: must be >= 0"),
+        (["rewards", "--batch-size", "0"], "rewards.build_rows", "'--batch-size'=0: must be >= 1"),
+        (["rollout", "--repeats", "0"], "rollout._build", "'--repeats'=0: must be >= 1"),
+        (["rollout", "--batch-sizes", "8,0"], "rollout._build", "'--batch-sizes'='8,0': expected comma-separated"),
+        (["lora", "--alpha", "inf"], "common.start_split_bench", "'--alpha'=inf: must be > 0"),
+        (["step", "--warmup", "-1"], "common.force_host_devices", "'--warmup'=-1: must be >= 0"),
+        (["moe", "--router-scales", "1,-0.1"], "moe.models.setup_devices", "'--router-scales'='1,-0.1'"),
+    ],
+)
+def test_an_out_of_bound_flag_is_one_line_before_any_work(argv, heavy, needle, monkeypatch, capsys):
+  """The issue's cases and one per kind of bound: one `error:` line naming the flag and its value, exit 2, and the
+  benchmark's first piece of work (`heavy`) never reached."""
+  module_name, attr = heavy.rsplit(".", 1)
+  target = importlib.import_module(f"maxtext_rl_plugin.bench.{module_name.split('.')[0]}")
+  for part in module_name.split(".")[1:]:
+    target = getattr(target, part)
+  monkeypatch.setattr(target, attr, lambda *a, **k: pytest.fail(f"reached {heavy}"))
+  try:
+    rc = bench_main.main(argv)
+  except SystemExit as e:
+    rc = e.code
+  err = capsys.readouterr().err
+  assert rc == 2 and err.startswith(f"error: invalid value for {needle}") and err.count("\n") == 1, err
+
+
+def test_a_result_line_never_holds_nan_or_infinity(capsys):
+  """Python's json writes NaN/Infinity, which JSON does not have (strict parsers refuse the line): non-finite
+  numbers are written as null and named in one warning line."""
+  text = bench_common.finite_json({"a": 1.5, "b": {"c": float("inf")}, "d": [float("nan"), 2], "e": np.float64("-inf")})
+
+  def refuse(constant):
+    raise AssertionError(f"{constant} in the JSON")
+
+  assert json.loads(text, parse_constant=refuse) == {"a": 1.5, "b": {"c": None}, "d": [None, 2], "e": None}
+  assert capsys.readouterr().err == "warning: not a finite number, written as null: b.c, d[0], e\n"
+
+
+def test_every_result_line_and_record_goes_through_finite_json():
+  """No benchmark writes its results with json.dump / print(json.dumps(...)) directly (a NaN would pass)."""
+  direct = []
+  for path in sorted(pathlib.Path(bench_common.__file__).parent.glob("*.py")):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+      if not isinstance(node, ast.Call):
+        continue
+      func = node.func
+      if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "json":
+        if func.attr == "dump":
+          direct.append(f"{path.name}:{node.lineno}")
+      is_output = (isinstance(func, ast.Name) and func.id == "print") or (
+          isinstance(func, ast.Attribute) and func.attr == "write"
+      )
+      if is_output and any(
+          isinstance(a, ast.Call) and isinstance(a.func, ast.Attribute) and a.func.attr == "dumps" for a in node.args
+      ):
+        direct.append(f"{path.name}:{node.lineno}")
+  assert not direct, direct
