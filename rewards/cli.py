@@ -16,6 +16,7 @@ import argparse
 import collections
 import contextlib
 import json
+import math
 import os
 import sys
 import tempfile
@@ -48,6 +49,10 @@ def _parse_row(raw: bytes, lineno: int) -> tuple[Optional[dict], Optional[str]]:
     return None, f"line {lineno}: invalid JSON ({e.msg})"
   if not isinstance(row, dict):
     return None, f"line {lineno}: expected a JSON object, got {type(row).__name__}"
+  if "id" in row and not _finite_id(row["id"]):
+    return None, (
+        f"line {lineno}: 'id' holds NaN or Infinity, which are not JSON; give the id as a string or a finite number"
+    )
   if not isinstance(row.get("completion"), str):
     return None, f"line {lineno}: 'completion' must be a string"
   ans = row.get("answer")
@@ -56,6 +61,20 @@ def _parse_row(raw: bytes, lineno: int) -> tuple[Optional[dict], Optional[str]]:
   if not gsm8k.gold_alternatives(ans if isinstance(ans, str) else str(ans)):
     return None, f"line {lineno}: 'answer' has no parsable gold value (a value, or a solution ending in '#### N')"
   return row, None
+
+
+def _finite_id(value: Any) -> bool:
+  """Whether an input row's `id` holds no NaN/Infinity (Python's json reads them; JSON has neither). Such a row is an
+  error row without its id, rather than one whose id is echoed: an id is what an output row is joined back to its
+  input on, and NaN never equals itself (so it joins nothing), a string 'NaN' is another id than the input's, and
+  echoing it writes NaN into the output, which strict JSON readers refuse."""
+  if isinstance(value, float):
+    return math.isfinite(value)
+  if isinstance(value, list):
+    return all(_finite_id(v) for v in value)
+  if isinstance(value, dict):
+    return all(_finite_id(v) for v in value.values())
+  return True
 
 
 def _error_row(row: Any, err: str) -> dict:

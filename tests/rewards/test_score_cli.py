@@ -216,3 +216,35 @@ def test_a_row_the_grader_fails_on_is_an_error_row_and_the_file_goes_on(tmp_path
   out = _read(tmp_path / "out.jsonl")
   assert out[0]["correct"] is True
   assert out[1]["error"] == "the grader could not score this row: RecursionError: maximum recursion depth exceeded"
+
+
+def test_an_id_holding_nan_or_infinity_is_an_error_row_never_echoed(tmp_path):
+  """Issue 61: Python's json reads `NaN` / `Infinity` ids and the output echoed them (not JSON: a strict reader refuses
+  the file, and NaN joins no input row). Such a row is an error row naming its line, written without the id; output
+  row N is still input line N, and finite ids (numbers, strings, lists) are echoed as they were."""
+  good = '"completion": "<answer>7</answer>", "answer": "7"'
+  lines = [
+      f'{{"id": NaN, {good}}}',
+      f'{{"id": Infinity, {good}}}',
+      f'{{"id": [1, -Infinity], {good}}}',
+      f'{{"id": {{"k": NaN}}, {good}}}',
+      f'{{"id": 3, {good}}}',
+      f'{{"id": "NaN", {good}}}',
+      f'{{"id": [1, 2.5], {good}}}',
+  ]
+  (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+  assert cli.main(["score", "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "out.jsonl")]) == 0
+  text = (tmp_path / "out.jsonl").read_text(encoding="utf-8")
+
+  def refuse(constant):
+    raise AssertionError(f"{constant} in the output")
+
+  out = [json.loads(line, parse_constant=refuse) for line in text.splitlines()]
+  assert len(out) == len(lines)
+  for i in range(4):
+    assert "id" not in out[i] and out[i]["correct"] is False, out[i]
+    assert (
+        out[i]["error"]
+        == f"line {i + 1}: 'id' holds NaN or Infinity, which are not JSON; give the id as a string or a finite number"
+    )
+  assert [r.get("id") for r in out[4:]] == [3, "NaN", [1, 2.5]] and all("error" not in r for r in out[4:])
