@@ -5,12 +5,18 @@ the answer format gets zero reward everywhere and zero advantage. A short SFT ph
 solutions (`data/prompts.format_target`) puts it where GRPO has signal. It is a small optax loop
 on the same MaxText model (next-token cross-entropy on completion tokens only, stop token included),
 checkpointed with Orbax under `<run>/checkpoints/sft/` so a rerun of the same command skips it.
+
+A SIGTERM/SIGINT during the warm start finishes the current step, saves the steps so far (params, optimizer state) as
+`checkpoints/sft/<k>` and stops with one line; a rerun of the same command continues from step k (batch k is a pure
+function of the seed and k, and the optimizer state carries the schedule's position), ending where an uninterrupted
+warm start ends.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 from absl import logging
@@ -20,15 +26,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import orbax.checkpoint as ocp
 
 from maxtext_rl_plugin import checkpointing
 from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin import signals
 from maxtext_rl_plugin import storage as storage_lib
 from maxtext_rl_plugin.data import prompts
 from maxtext_rl_plugin.metrics import format_duration
 from maxtext_rl_plugin.metrics import is_writer
 
 _DATA_AXES = ("data", "fsdp")
+# What a partial warm start's steps depend on besides the model: continuing one written with other values would mix two
+# schedules or two data orders, so it starts over instead (with a line).
+_PLAN_KEYS = ("sft_warmup_steps", "sft_learning_rate", "sft_batch_size", "data_shuffle_seed", "max_target_length")
 
 
 def _tokenize_batch(examples, tokenizer, config, length: int):
@@ -58,13 +69,15 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
   steps = config.sft_warmup_steps
   ckpt_dir = os.path.join(storage_lib.absolute(run_dir), "checkpoints", "sft")  # a bucket path as given
   storage = checkpointing.Storage.from_config(config)
-  manager = checkpointing.open_manager(ckpt_dir, ("params", "meta"), storage=storage, max_to_keep=1)
+  manager = checkpointing.open_manager(ckpt_dir, ("params", "opt_state", "meta"), storage=storage, max_to_keep=1)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  if manager.latest_step() == steps:
+  latest = manager.latest_step()
+  if latest == steps:
     restored, meta = checkpointing.restore_items(manager, steps, {"params": params}, mesh)
     nnx.update(model, restored["params"])
     manager.close()
     _say(f"SFT warm start: restored {steps} steps from {ckpt_dir} (skipping)")
+    signals.note_kept(f"the SFT warm start is saved in {ckpt_dir}")
     return meta
 
   length = config.max_target_length
@@ -73,6 +86,10 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
   )
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
   opt_state = tx.init(params)
+  plan = {key: getattr(config, key) for key in _PLAN_KEYS}
+  done, losses = 0, []
+  if latest is not None and latest < steps:
+    done, params, opt_state, losses = _continue(manager, latest, plan, params, opt_state, mesh, ckpt_dir)
 
   def loss_fn(p, tokens, mask):
     m = nnx.merge(graphdef, p, rest)
@@ -89,10 +106,10 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
     return optax.apply_updates(p, updates), o, loss
 
   t0 = time.time()
-  losses = []
-  batches = train_split.batches(config.sft_batch_size, start_batch=0, seed=config.data_shuffle_seed + 7919)
-  with mesh, nn_partitioning.axis_rules(config.logical_axis_rules):
-    for step in range(1, steps + 1):
+  # Batch k is trained at step k + 1: a continued warm start takes up at batch `done`.
+  batches = train_split.batches(config.sft_batch_size, start_batch=done, seed=config.data_shuffle_seed + 7919)
+  with mesh, nn_partitioning.axis_rules(config.logical_axis_rules), signals.stop_at_step_boundaries():
+    for step in range(done + 1, steps + 1):
       tokens, mask = _tokenize_batch(next(batches), tokenizer, config, length)
       # The same rows on every process -> global arrays, rows over the mesh's data axes (distributed.py).
       params, opt_state, loss = train_step(
@@ -106,11 +123,45 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
         el = time.time() - t0
         _say(
             f"SFT warm start step {step}/{steps} | loss {np.mean(losses[-10:]):.3f} | "
-            f"ETA {format_duration(el / step * (steps - step))}"
+            f"ETA {format_duration(el / (step - done) * (steps - step))}"
         )
+      if signals.stop_requested() and step < steps:
+        meta = {**plan, "steps": step, "recent_losses": losses[-10:]}
+        _stop(manager, storage, ckpt_dir, step, params, opt_state, meta)
   nnx.update(model, params)
   meta = {"steps": steps, "final_loss": float(np.mean(losses[-10:])), "seconds": time.time() - t0}
   checkpointing.save_items(manager, steps, {"params": params}, meta, storage=storage)
   manager.close()
+  signals.note_kept(f"the SFT warm start is saved in {ckpt_dir}")
   logging.info("SFT warm start done: %s", json.dumps(meta))
   return meta
+
+
+def _continue(manager, latest: int, plan: dict, params, opt_state, mesh, ckpt_dir: str):
+  """(steps done, params, optimizer state, recent losses) of the partial warm start `latest` that a stop saved, or
+  (0, the fresh ones, []) with a line when it was written for another plan or does not restore."""
+  try:
+    meta = dict(manager.restore(latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta)
+    changed = [f"{k}={meta.get(k)!r}" for k in _PLAN_KEYS if meta.get(k) != plan[k]]
+    if changed:
+      _say(f"SFT warm start: step {latest} in {ckpt_dir} was written with {', '.join(changed)}; starting over")
+      return 0, params, opt_state, []
+    restored, _ = checkpointing.restore_items(manager, latest, {"params": params, "opt_state": opt_state}, mesh)
+  except Exception as e:  # pylint: disable=broad-exception-caught  # any restore failure: train from the start
+    _say(f"SFT warm start: step {latest} in {ckpt_dir} does not restore ({type(e).__name__}); starting over")
+    return 0, params, opt_state, []
+  _say(f"SFT warm start: continuing from step {latest}/{plan['sft_warmup_steps']} ({ckpt_dir})")
+  return latest, restored["params"], restored["opt_state"], list(meta.get("recent_losses", []))
+
+
+def _stop(manager, storage, ckpt_dir: str, step: int, params, opt_state, meta: dict) -> None:
+  """A stop was requested during step `step`: save the steps so far and stop with one line (exit 128 + N)."""
+  checkpointing.save_items(manager, step, {"params": params, "opt_state": opt_state}, meta, storage=storage)
+  manager.close()
+  signum = signals.requested_signal() or signal.SIGTERM
+  raise signals.Stopped(
+      f"stopped by {signal.Signals(signum).name} during the SFT warm start after step {step}/"
+      f"{meta['sft_warmup_steps']}; its steps are saved in {ckpt_dir}: rerunning the same command continues "
+      f"the warm start from step {step}",
+      signum,
+  )
