@@ -16,7 +16,9 @@ import dataclasses
 import errno
 import logging as std_logging
 import os
+import sys
 import time
+import traceback
 from typing import Any
 
 from absl import logging
@@ -118,6 +120,7 @@ def abstract_tree(tree: Any, mesh: jax.sharding.Mesh | None) -> Any:
 
 def restore_items(manager: ocp.CheckpointManager, step: int, targets: dict[str, Any], mesh) -> tuple[dict, dict]:
   """Restore `step`'s standard items into the layout of `targets` (abstract or concrete trees) and its JSON meta."""
+  drop_abandoned_read_errors()
   items = {name: restore_args(tree, mesh) for name, tree in targets.items()}
   restored = manager.restore(step, args=ocp.args.Composite(**items, meta=ocp.args.JsonRestore()))
   return {name: restored[name] for name in targets}, dict(restored.meta)
@@ -200,6 +203,7 @@ class RunCheckpointer:
     """Restore `step` into the shardings/dtypes of the targets (abstract or concrete trees); a checkpoint written with
     Tunix's `optax.MultiSteps` optimizer state (before the update accumulated inside its step) restores too."""
     targets = {"params": params_target, "opt_state": opt_state_target}
+    drop_abandoned_read_errors()
     try:
       legacy = multisteps_layout(self._manager, step)
       if legacy is not None:
@@ -330,3 +334,34 @@ def _os_error_in(e: BaseException) -> OSError | None:
       return OSError(errno.ENOSPC, "No space left on device")
     e = e.__cause__ or e.__context__
   return None
+
+
+def _abandoned_read(unraisable: Any) -> bool:
+  """Whether an unraisable exception is asyncio's `RuntimeError('Event loop is closed')` from `call_soon_threadsafe`:
+  TensorStore completing a read of a restore that already failed (a missing array folder, a truncated file), after
+  Orbax's event loop closed. Nobody waits for that read any more."""
+  exc = unraisable.exc_value
+  return (
+      isinstance(exc, RuntimeError)
+      and str(exc) == "Event loop is closed"
+      and any(frame.name == "call_soon_threadsafe" for frame in traceback.extract_tb(unraisable.exc_traceback))
+  )
+
+
+def drop_abandoned_read_errors() -> None:
+  """Keep the abandoned reads of a failed restore off the console: when one array of a step does not read, Orbax's
+  restore raises at once and closes its event loop while TensorStore still reads the others; each of those reads then
+  fails to call back into the closed loop, and Python printed the 9-13 `RuntimeError: Event loop is closed` tracebacks
+  around the run's one "skipped checkpoint step" line. Installed (once per process, before the first restore: the
+  reads may finish before the failure reaches the caller) as a `sys.unraisablehook` that drops exactly those and hands
+  every other unraisable exception to the hook it replaced."""
+  if getattr(sys.unraisablehook, "drops_abandoned_reads", False):
+    return
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    if not _abandoned_read(unraisable):
+      previous(unraisable)
+
+  hook.drops_abandoned_reads = True
+  sys.unraisablehook = hook
