@@ -416,14 +416,14 @@ def check_load_parameters_path(path: Any) -> None:
 
 
 def check_inputs(config) -> None:
-  """The local files a run reads exist: data files (the data loader's own check, `rows.expand_paths`), the prompt
-  template (`prompts.load_template`), the base checkpoint, and a tokenizer_path written as a local path (absolute,
-  `./`, `../`, `~`; `org/name` may be a hub id). `config` may be a `validation.RawConfig` (a key it cannot type is
-  skipped)."""
+  """The local files a run reads exist: data files (the data loader's own checks, `rows.check_file_rows`: they exist
+  and hold a usable row), the prompt template (`prompts.load_template`), the base checkpoint, and a tokenizer_path
+  written as a local path (absolute, `./`, `../`, `~`; `org/name` may be a hub id), which has no more token ids than
+  vocab_size. `config` may be a `validation.RawConfig` (a key it cannot type is skipped)."""
   for key in ("train_data_path", "eval_data_path"):
     spec = value_or(config, key)
     if isinstance(spec, str) and spec:  # local files and objects in a bucket alike (storage)
-      rows.expand_paths(spec, key)
+      rows.check_file_rows(spec, key)  # they exist and a local file holds a usable row (the loader's refusals)
   check_load_parameters_path(value_or(config, "load_parameters_path"))
   template = value_or(config, "data_template_path")
   if isinstance(template, str) and template:

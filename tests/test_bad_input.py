@@ -47,6 +47,7 @@ from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import train_rl
 from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin.bench import moe as bench_moe
+from maxtext_rl_plugin.data import rows as data_rows
 from maxtext_rl_plugin.run import resume
 
 TINY = "configs/cpu_tiny.yml"
@@ -585,3 +586,17 @@ def test_export_lora_reads_its_flags_anywhere_and_refuses_a_missing_step_before_
   assert e.value.code == 2 and err.count("\n") == 1, err
   assert f"error: no checkpoint step 99 in {tmp_path}/r/checkpoints (steps: [2])" in err
   assert not (tmp_path / "o").exists()
+
+
+def test_a_data_file_without_a_usable_row_is_refused_before_the_schema(monkeypatch, capsys, tmp_path):
+  # Issue 61: refused by the data loader after the schema's imports and the device split (8 s). Now the first pass
+  # reads a JSONL file up to its first usable row, and one without any whole, for the loader's own line.
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"q": 1}\nnot json\n{"question": "x", "answer": "no number"}\n')
+  argv = [TINY, f"base_output_directory={tmp_path}", f"train_data_path={bad}"]
+  err = _refused_before_the_schema(monkeypatch, capsys, argv)
+  assert f"train_data_path='{bad}': no usable rows of 3 (1 invalid JSON, 1 with no question string, 1 with no " in err
+  good = tmp_path / "good.jsonl"
+  good.write_text('not json\n\n{"question": "2+2?", "answer": "#### 4"}\n')
+  data_rows.check_file_rows(str(good), "train_data_path")
+  assert [r[1] for r in data_rows.load_file_rows(str(good), "train_data_path")] == ["4"]  # the loader agrees

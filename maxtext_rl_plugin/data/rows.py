@@ -84,7 +84,25 @@ class NotUtf8:
   """Stands for a data-file line whose bytes are not UTF-8 (counted and skipped, never trained on as U+FFFD)."""
 
 
-def rows_to_examples(rows: Iterable[Any], source: str, unit: str = "") -> tuple[list[tuple[str, str, str, str]], _Skips]:
+def _row_example(row: Any) -> tuple[str, str, str] | str:
+  """(question, gold, answer) of a usable row, else why it is skipped (a `_Skips` counter's name)."""
+  if isinstance(row, NotUtf8):
+    return "not_utf8"
+  if not isinstance(row, dict):
+    return "bad_json" if row is None else "not_object"
+  q = _first(row, _QUESTION_KEYS)
+  if not isinstance(q, str) or not q.strip():
+    return "no_question"
+  a = _first(row, _ANSWER_KEYS)
+  gold = number_grammar.parse_gold(a) if a is not None else None
+  if gold is None:
+    return "no_answer"
+  return q.strip(), gold, str(a)
+
+
+def rows_to_examples(
+    rows: Iterable[Any], source: str, unit: str = "", log: bool = True
+) -> tuple[list[tuple[str, str, str, str]], _Skips]:
   """(question, gold, solution, id) per usable row; malformed rows are counted, not raised.
 
   A row is a dict with `question` (or `problem`/`prompt`) and `answer` (or `solution`/`expected_answer`)
@@ -96,23 +114,12 @@ def rows_to_examples(rows: Iterable[Any], source: str, unit: str = "") -> tuple[
   sk = _Skips()
   for n, row in rows if unit else enumerate(rows, 1):
     sk.rows += 1
-    if isinstance(row, NotUtf8):
-      sk.bad(n, "not_utf8")
+    example = _row_example(row)
+    if isinstance(example, str):
+      sk.bad(n, example)
       continue
-    if not isinstance(row, dict):
-      sk.bad(n, "bad_json" if row is None else "not_object")
-      continue
-    q = _first(row, _QUESTION_KEYS)
-    if not isinstance(q, str) or not q.strip():
-      sk.bad(n, "no_question")
-      continue
-    a = _first(row, _ANSWER_KEYS)
-    gold = number_grammar.parse_gold(a) if a is not None else None
-    if gold is None:
-      sk.bad(n, "no_answer")
-      continue
-    out.append((q.strip(), gold, str(a), f"{source}:{n}"))
-  if sk.skipped:
+    out.append((*example, f"{source}:{n}"))
+  if sk.skipped and log:
     logging.warning(
         "%s: skipped %d of %d rows (invalid JSON: %d, JSON but not an object: %d, not UTF-8: %d, no question: %d, "
         "no parsable gold answer ('#### N'): %d); first at %s %d",
@@ -205,6 +212,13 @@ def _read_rows(path: str, key: str) -> tuple[list[tuple[int, Any]], str]:
   return rows, "line"
 
 
+def _no_usable_rows(key: str, path: str, sk: _Skips, unit: str) -> DataError:
+  return DataError(
+      f"{key}='{path}': no usable rows of {sk.rows} ({sk.reasons(unit)}; expected JSON objects with 'question' "
+      "and 'answer' ending in '#### N')"
+  )
+
+
 def load_file_rows(spec: str, key: str) -> list[tuple[str, str, str, str]]:
   """Usable rows of local JSONL/JSON/Parquet file(s) named by config key `key`."""
   out = []
@@ -212,12 +226,45 @@ def load_file_rows(spec: str, key: str) -> list[tuple[str, str, str, str]]:
     numbered, unit = _read_rows(path, key)
     rows, sk = rows_to_examples(numbered, os.path.basename(path), unit=unit)
     if not rows:
-      raise DataError(
-          f"{key}='{path}': no usable rows of {sk.rows} ({sk.reasons(unit)}; expected JSON objects with 'question' "
-          "and 'answer' ending in '#### N')"
-      )
+      raise _no_usable_rows(key, path, sk, unit)
     out.extend(rows)
   return out
+
+
+def _has_usable_jsonl_row(path: str) -> bool:
+  """Whether a local JSONL file holds a usable row, read line by line up to the first one (a good file costs a line)."""
+  with open(path, "rb") as f:
+    for line in f:
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line.decode("utf-8").removeprefix("\ufeff"))
+      except (UnicodeDecodeError, ValueError):
+        continue
+      if not isinstance(_row_example(row), str):
+        return True
+  return False
+
+
+def check_file_rows(spec: str, key: str) -> None:
+  """The data loader's refusals of `load_file_rows` for files that exist, before the schema's imports (the first pass):
+  every file holds a usable row. A local JSONL file is read up to its first usable row; a file without one (or another
+  format: JSON arrays, Parquet) is read whole, as the loader would, for its one-line reason. Objects in a bucket are
+  left to the loader (one read of each)."""
+  for path in expand_paths(spec, key):
+    if storage.is_remote(path):
+      continue
+    ext = os.path.splitext(path)[1].lower()
+    if ext not in (".json", ".parquet"):
+      try:
+        if _has_usable_jsonl_row(path):
+          continue
+      except OSError:
+        pass  # unreadable: _read_rows says so in its words
+    numbered, unit = _read_rows(path, key)
+    rows, sk = rows_to_examples(numbered, os.path.basename(path), unit=unit, log=False)
+    if not rows:
+      raise _no_usable_rows(key, path, sk, unit)
 
 
 def load_hub_rows(
