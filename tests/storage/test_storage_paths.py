@@ -21,6 +21,11 @@ ALLOWED = {
         1,
         "the listing of a local tokenizer directory for its digest (tokenizers load from local directories or hub ids)",
     ),
+    "maxtext_rl_plugin/data/rows.py": (
+        1,
+        "the first pass's scan of a local JSONL file up to its first usable row (a file in a bucket is left to the "
+        "loader, which reads it through storage)",
+    ),
     "maxtext_rl_plugin/config/files.py": (
         2,
         "the yml chain and the shipped model files: pyconfig reads ymls with open()",
