@@ -124,6 +124,9 @@ def _main(argv: list[str]) -> int:
         # on the CPU, libtpu only compiles (MaxText's train_compile runs the same way); without this a host with libtpu
         # installed would look for a TPU. JAX is not imported yet.
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        from maxtext_rl_plugin.aot import topology
+
+        topology.check_name(str(view.compile_topology))  # a name MaxText knows, before the schema's imports
       done = _precheck(view)
       # Then, before anything creates a JAX backend (config loading may): on Pathways the proxy backend factory
       # must be registered now, as MaxText's train_rl.main does; later JAX refuses it.

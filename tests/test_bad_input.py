@@ -25,6 +25,7 @@ import typing
 
 from maxtext.configs import types as max_types
 from maxtext.layers import nnx_decoders
+from maxtext.utils import accelerator_to_spec_map
 from maxtext.utils import max_utils
 import jax
 import numpy as np
@@ -600,3 +601,24 @@ def test_a_data_file_without_a_usable_row_is_refused_before_the_schema(monkeypat
   good.write_text('not json\n\n{"question": "2+2?", "answer": "#### 4"}\n')
   data_rows.check_file_rows(str(good), "train_data_path")
   assert [r[1] for r in data_rows.load_file_rows(str(good), "train_data_path")] == ["4"]  # the loader agrees
+
+
+@pytest.mark.parametrize(
+    "topology, needle",
+    [
+        ("v99-8", "'compile_topology'='v99-8': no published figures for TPU generation 'v99'"),
+        ("v5p-7", "'compile_topology'='v5p-7': MaxText 0.2.5 does not know this topology; close: v5p-768, v5p-8"),
+    ],
+)
+def test_an_unknown_topology_is_refused_before_the_schema(monkeypatch, capsys, topology, needle):
+  # Issue 61: 12 s (the schema pass) before the line. The reference: MaxText's own table of topology names.
+  def must_not_load(_written):
+    raise AssertionError("reached the schema")
+
+  monkeypatch.setattr(config_lib, "typed", must_not_load)
+  monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+  with pytest.raises(SystemExit) as e:
+    train_rl.main([TINY, f"compile_topology={topology}"])
+  err = capsys.readouterr().err
+  assert e.value.code == 2 and needle in err and err.count("\n") == 1, err
+  assert topology not in accelerator_to_spec_map.UserFacingNameToSystemCharacteristics

@@ -12,6 +12,7 @@ published ones (docs/aot.md cites each page): HBM capacity, peak dense bf16 FLOP
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 
 from maxtext.utils import accelerator_to_spec_map
@@ -56,6 +57,19 @@ def device_spec(topology: str) -> DeviceSpec:
   return dataclasses.replace(
       chip, hbm_bytes=chip.hbm_bytes // n, peak_flops=chip.peak_flops / n, hbm_bandwidth=chip.hbm_bandwidth / n
   )
+
+
+def check_name(topology: str) -> None:
+  """A topology MaxText knows (accelerator_to_spec_map) of a generation with published figures, or one line naming
+  the closest names: light (no JAX, no libtpu), so train_rl's first pass refuses it before the schema's seconds."""
+  device_spec(topology)
+  names = list(accelerator_to_spec_map.UserFacingNameToSystemCharacteristics)
+  if topology not in names:
+    close = difflib.get_close_matches(topology, names, n=3, cutoff=0.6)
+    raise ConfigError(
+        f"invalid value for 'compile_topology'='{topology}': MaxText 0.2.5 does not know this topology"
+        + (f"; close: {', '.join(close)}" if close else " (e.g. v5p-128, v6e-256)")
+    )
 
 
 def quiet_libtpu_env() -> None:
