@@ -143,11 +143,13 @@ def test_compile_rl_writes_its_report_to_the_bucket(gcs):
 
 
 @pytest.mark.solo
+@pytest.mark.extended  # ~120 s of the serial solo pass; the default tier's bucket runs above are one process
 @pytest.mark.timeout(600)
 def test_two_processes_write_one_bucket_run(gcs, tmp_path):
   """One JAX program of two processes (scripts/mp_run.py: gloo collectives, as a Ray CPU worker runs it) on a gs://
   run: process 0 writes the lock, records and summary, every process joins the checkpoints (Orbax writes each
   process's shards); a second launch resumes it from the bucket."""
+  del tmp_path
   root = f"gs://{gcs.bucket}/mp-{time.time_ns()}"
   argv = ["configs/cpu_tiny.yml", f"base_output_directory={root}", "run_name=mp", "metrics_file=metrics.jsonl"]
   argv += [*SMALL_VOCAB, *FAST]
