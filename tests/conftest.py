@@ -77,6 +77,8 @@ _LONGEST_FIRST = (
     "test_lora",
     "test_moe",
     "test_aot",
+    "test_gcs_run",
+    "test_sft",
     "test_accumulation",
     "test_dynamic_sampling_e2e",
     "test_bench_gpu",
