@@ -9,7 +9,7 @@ trainer's weights), so the trainer keeps the true ones. The references are indep
 arithmetic against NumPy, and the tolerances against the table in parity.py's docstring, whose measured log-probs
 (tests/data/parity_demo_logps.npz) replay through the gate in the default tier. The honest run (the gate passes and
 logs its figures at each launch's first step) is tests/test_train_e2e.py's GRPO run and its resume, which run the gate
-by default; the demo-model runs (extended, ~3.5 min) sample and score the near misses end to end.
+by default; the demo-model runs (extended, ~100 s) sample and score the near misses end to end.
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ def _final_norm_scaled(model):
   return state
 
 
-@pytest.mark.extended  # ~3.5 min: a 100-step warm start and five runs to the gate; the default tier replays the
+@pytest.mark.extended  # ~100 s: a 100-step warm start and five runs to the gate; the default tier replays the
 # measured log-probs of the same cases (test_the_demos_measured_near_misses_...)
 @pytest.mark.parametrize(
     "dtype,mutation",
