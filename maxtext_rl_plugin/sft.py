@@ -64,6 +64,13 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
+def lr_schedule(steps: int, learning_rate: float) -> optax.Schedule:
+  """Linear warmup over a tenth of the steps, then cosine to a tenth of the rate; the cosine keeps at least one step
+  (sft_warmup_steps=1 left it none: optax's ValueError, a traceback)."""
+  warmup = min(max(1, steps // 10), steps - 1)
+  return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, steps, learning_rate * 0.1)
+
+
 def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dict:
   """Train `model` in place for `config.sft_warmup_steps` steps, or restore the finished warm start."""
   steps = config.sft_warmup_steps
@@ -81,9 +88,7 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
     return meta
 
   length = config.max_target_length
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, config.sft_learning_rate, max(1, steps // 10), steps, config.sft_learning_rate * 0.1
-  )
+  schedule = lr_schedule(steps, config.sft_learning_rate)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
   opt_state = tx.init(params)
   plan = {key: getattr(config, key) for key in _PLAN_KEYS}

@@ -119,3 +119,10 @@ def test_a_saved_warm_start_of_another_plan_starts_over(tiny, tmp_path, monkeypa
     _warm_start(tiny, tmp_path / "r")
   out = capsys.readouterr().out
   assert f"SFT warm start: step 1 in {ckpt} was written with sft_learning_rate=0.5; starting over" in out
+
+
+def test_the_schedule_of_one_warm_start_step_is_defined():
+  """sft_warmup_steps=1 was optax's ValueError (cosine with 0 decay steps); longer warm starts keep their schedule."""
+  assert float(sft.lr_schedule(1, 1e-3)(0)) == pytest.approx(1e-3)
+  ten = sft.lr_schedule(10, 1e-3)
+  assert float(ten(0)) == 0.0 and float(ten(1)) == pytest.approx(1e-3) and float(ten(10)) == pytest.approx(1e-4)
