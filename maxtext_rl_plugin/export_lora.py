@@ -153,7 +153,7 @@ def export(argv, output: str, step: int | None = None) -> str:
 
   rs = models.setup_devices(parsed)
   config = rs.trainer_config
-  tokenizer = models.load_tokenizer(config)
+  tokenizer = models.load_run_tokenizer(config)
   actor, mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
   if config.sft_warmup_steps > 0:
     sft_dir = os.path.join(storage.absolute(run_dir), "checkpoints", "sft", str(config.sft_warmup_steps))

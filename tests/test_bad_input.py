@@ -265,7 +265,7 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(monkeypatch, capsys, 
   loaded = types.SimpleNamespace(tokenizer_path="org/hub-id", vocab_size=528, use_chat_template=False)
   monkeypatch.setattr(models, "_tokenizer", lambda *_: tok)
   with pytest.raises(errors.ConfigError, match="'vocab_size'=528: the tokenizer at 'org/hub-id' has 151669"):
-    models.load_tokenizer(types.SimpleNamespace(**vars(loaded), hf_access_token=""))
+    models.load_run_tokenizer(types.SimpleNamespace(**vars(loaded), hf_access_token=""))
 
 
 def test_a_resume_says_every_update_key_it_changes(checkpointed_run):

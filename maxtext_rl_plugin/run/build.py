@@ -229,7 +229,7 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   check_runtime(config, rs)
   plan = updates.UpdatePlan.from_config(config)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
-  tokenizer = models.load_tokenizer(config)
+  tokenizer = models.load_run_tokenizer(config)
   train_split, eval_split = load.load_splits(config, tokenizer)
   engine_name = _resolve_engine_name(config)
   rollout_factory = rollout_engine_factory(engine_name, rs.sampler_config)
