@@ -89,8 +89,9 @@ def _precheck(view) -> Prechecked:
 
 
 def _check_mesh_here(config) -> None:
-  """The ici_*/dcn_* sizes against this host's devices, for print_config=true (training checks them at its device split,
-  models.setup_devices); a Pathways or multislice run splits the devices first, so only that split can tell."""
+  """The ici_*/dcn_* sizes against this host's devices (the typed pass already made JAX's backend: MaxText's schema
+  counts them), for print_config=true and before the trainer's imports; a Pathways or multislice run splits the devices
+  first, so only its split (models.setup_devices, which checks each side) can tell."""
   if config.use_pathways or config.num_trainer_slices != -1:
     return
   import jax
@@ -137,8 +138,9 @@ def _main(argv: list[str]) -> int:
       config = parsed.hyperparameters()
       if done.run is None or done.run != _run_values(config):
         validation.check_run(config)  # print_config=true refuses what training refuses
+      if not config.compile_topology:  # compiling lays the mesh on the target's devices (aot/run.py)
+        _check_mesh_here(config)  # what the run's device split (models.setup_devices) refuses, before the imports
       if config.print_config:
-        _check_mesh_here(config)  # what the run's device split (models.setup_devices) would refuse on this host
         sys.stdout.write(config_lib.dump_yaml(config))
         return 0
       if config.compile_topology:
