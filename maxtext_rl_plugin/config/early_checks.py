@@ -1,14 +1,16 @@
 """Refusals the config as written decides, light enough for the first pass (no JAX, no schema, no model build).
 
-Each was a traceback or a refusal after the model build (issue 51): a value outside an enumerated key's choices, an MoE
+Each was a traceback or a refusal after the model build (issues 51, 61): a value outside an enumerated key's choices
+(config/choices.py), a model dimension below 1 or heads MaxText cannot group or shard, a parallelism size of 0, an MoE
 routing more experts per token than it has, trainer and sampler devices that overlap, a checkpoint I/O budget of 0
 GB (found at the first save), a model family the embedded engine cannot decode, router replay where no layer can carry
 the forced experts (no MoE, pipeline stages, an engine that does not report routing), a head_dim the vLLM route
 refuses. `validation._light_checks` runs them in both passes (on the `RawConfig` of `config_precheck` and on the typed
 config), so each is one `error:` line within a second or two.
 
-The schema's enumerated choices (config/schema.py imports JAX and MaxText) are restated here; tests/test_bad_input.py
-compares them with the schema's.
+The schema's enumerated choices (config/schema.py imports JAX and MaxText) are restated in config/choices.py;
+tests/test_bad_input.py compares them with the schema's. `mesh_refusal` needs the device count, so it runs where that is
+known (train_rl after the typed pass, models.setup_devices), not in `CHECKS`.
 """
 
 from __future__ import annotations
