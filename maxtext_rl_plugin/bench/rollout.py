@@ -281,16 +281,10 @@ def _parse_args(argv):
   ap = common.ArgumentParser(prog="python -m maxtext_rl_plugin.bench rollout", description=__doc__.splitlines()[0])
   ap.add_argument("--config", default="configs/cpu_tiny.yml", help="plugin/MaxText yml (default: the tiny CPU model)")
   ap.add_argument("overrides", nargs="*", help="extra key=value config overrides")
-  ap.add_argument(
-      "--batch-sizes", type=common.positive_ints, default="1,8,32", help="comma-separated rollout batch sizes"
-  )
+  ap.add_argument("--batch-sizes", type=common.positive_ints, default="1,8,32", help="comma-separated batch sizes")
   ap.add_argument("--new-tokens", type=common.positive_int, default=128)
-  ap.add_argument(
-      "--repeats", type=common.positive_int, default=3, help="timed engine runs per batch size (best is reported)"
-  )
-  ap.add_argument(
-      "--recompute-repeats", type=common.positive_int, default=1, help="timed runs of each recompute baseline"
-  )
+  ap.add_argument("--repeats", type=common.positive_int, default=3, help="timed engine runs per batch size (best)")
+  ap.add_argument("--recompute-repeats", type=common.positive_int, default=1, help="timed runs of each baseline")
   ap.add_argument(
       "--recompute-max-batch",
       type=common.non_negative_int,
