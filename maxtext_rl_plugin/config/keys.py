@@ -153,11 +153,17 @@ def parse_overrides(overrides: Sequence[str], keys: KeyNames) -> list[str]:
       key = tail
     if not value.strip() and isinstance(shipped_defaults().get(key), str):
       value = "''"  # `key=` clears a string key (OmegaConf would read None, which a str field refuses)
-    elif isinstance(shipped_defaults().get(key), str) and _NUMBER.fullmatch(value.strip()):
+    elif _is_text_key(key) and _NUMBER.fullmatch(value.strip()):
       value = f"'{value.strip()}'"  # `run_name=7`: a string key's value is the text typed, as the user meant it
     _check_yaml_value(key, value)
     out.append(f"{key}={value}")
   return out
+
+
+def _is_text_key(key: str) -> bool:
+  """A key whose shipped default is text (base.yml's `None` placeholders stand for numbers: not those)."""
+  default = shipped_defaults().get(key)
+  return isinstance(default, str) and default.strip().lower() != "none"
 
 
 # A YAML number (int or float, as OmegaConf's dotlist would type it), which a string key would refuse.

@@ -6,8 +6,8 @@ Three layers, all before any model is built (and before JAX has a backend), each
   must be finite (NaN passes every `x < 0` check, so ranges alone never catch it) unless the key is in
   `INFINITY_MEANS`, which says what infinity means there; an integer must fit int64 (what JAX and NumPy index with);
 * `RANGES`: a table of the keys whose meaningful values are narrower than their type (a negative temperature, a
-  nucleus of mass 0, a beta outside [0, 1)); only documented conventions pass (temperature 0 = greedy, top_k 0 =
-  off, top_p 1 = off);
+  nucleus of mass 0, a beta outside [0, 1)); only documented conventions pass (top_k 0 = off, top_p 1 =
+  off, an evaluation temperature 0 = greedy; a rollout's greedy decode is refused by `_check_sampling`);
 * `_CROSS_CHECKS`: rules between keys (the completion budget, micro-batch divisibility, the run directory).
 
 Checks that need the device set (the trainer/sampler split, one controller for agentic runs) stay in the trainer
