@@ -191,6 +191,23 @@ def mesh_refusal(config, devices: int, where: str = "") -> str | None:
   return None
 
 
+def check_greedy_rollout(pc) -> None:
+  """A rollout samples: with decode_sampling_temperature=0 (or top-k 1) every response of a group is the same greedy
+  decode, every advantage is 0, and nothing is ever learned. Greedy decoding is for evaluation (generation_configs)."""
+  groups = value_or(pc.rl, "num_generations", None)
+  if groups is None or int(groups) < 2:
+    return
+  for key, greedy in (("decode_sampling_temperature", 0), ("decode_sampling_top_k", 1)):
+    if value_or(pc, key, None) == greedy:
+      raise _bad(
+          key,
+          greedy,
+          f"the rollout would be greedy, so the rl.num_generations={groups} responses to a prompt are identical, every "
+          "advantage is 0 and nothing is learned; sample (e.g. decode_sampling_temperature=1.0, "
+          "decode_sampling_top_k=0) and keep greedy decoding for evaluation (generation_configs)",
+      )
+
+
 def check_dropless(pc) -> None:
   """An MoE model routes without token dropping (capacity_factor <= 0), so the sampler and the trainer route alike."""
   capacity = value_or(pc, "capacity_factor", -1.0)
@@ -362,6 +379,7 @@ def check_mesh(config, devices: int, where: str = "") -> None:
 
 CHECKS = (
     check_choices,
+    check_greedy_rollout,
     check_model_shape,
     check_parallelism_values,
     check_moe,

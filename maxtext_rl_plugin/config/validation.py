@@ -7,7 +7,7 @@ Three layers, all before any model is built (and before JAX has a backend), each
   `INFINITY_MEANS`, which says what infinity means there; an integer must fit int64 (what JAX and NumPy index with);
 * `RANGES`: a table of the keys whose meaningful values are narrower than their type (a negative temperature, a
   nucleus of mass 0, a beta outside [0, 1)); only documented conventions pass (top_k 0 = off, top_p 1 =
-  off, an evaluation temperature 0 = greedy; a rollout's greedy decode is refused by `_check_sampling`);
+  off, an evaluation temperature 0 = greedy; a rollout's greedy decode is refused by `early_checks.check_greedy_rollout`);
 * `_CROSS_CHECKS`: rules between keys (the completion budget, micro-batch divisibility, the run directory).
 
 Checks that need the device set (the trainer/sampler split, one controller for agentic runs) stay in the trainer
@@ -341,23 +341,6 @@ def _check_lengths(pc) -> None:
     )
 
 
-def _check_sampling(pc) -> None:
-  """A rollout samples: with decode_sampling_temperature=0 (or top-k 1) every response of a group is the same greedy
-  decode, every advantage is 0, and nothing is ever learned. Greedy decoding is for evaluation (generation_configs)."""
-  groups = value_or(pc.rl, "num_generations", None)
-  if groups is None or int(groups) < 2:
-    return
-  for key, greedy in (("decode_sampling_temperature", 0), ("decode_sampling_top_k", 1)):
-    if value_or(pc, key, None) == greedy:
-      raise _bad(
-          key,
-          greedy,
-          f"the rollout would be greedy, so the rl.num_generations={groups} responses to a prompt are identical, every "
-          "advantage is 0 and nothing is learned; sample (e.g. decode_sampling_temperature=1.0, "
-          "decode_sampling_top_k=0) and keep greedy decoding for evaluation (generation_configs)",
-      )
-
-
 def _check_algorithm(pc) -> None:
   """rl.force_on_policy_ratio sets the ratio to 1, which is only true on the first of rl.num_iterations updates."""
   rl = pc.rl
@@ -435,7 +418,6 @@ _CROSS_CHECKS = (
     check_run_dir,
     _check_lengths,
     _check_batches,
-    _check_sampling,
     _check_algorithm,
     _check_synthetic,
     _check_lora_rank,
