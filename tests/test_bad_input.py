@@ -400,6 +400,7 @@ def _xpk_dry_run(env_extra: dict[str, str]) -> subprocess.CompletedProcess:
   env.update(JAX_PLATFORMS="cpu", **env_extra)
   cmd = [sys.executable, "-m", "maxtext_rl_plugin.launch", "xpk", "--workload", "w", "--cluster", "c"]
   cmd += ["--tpu-type", "v5p-8", "--project", "p", "--docker-image", "i", "--dry-run", "--", "run_name=x"]
+  cmd += ["base_output_directory=gs://bucket/runs"]  # launch xpk refuses outputs that die with the pod
   return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, check=False)
 
 
