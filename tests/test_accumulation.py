@@ -159,7 +159,10 @@ def test_accumulated_lora_update_equals_multisteps():
       [*SMALL, *LORA, "train_micro_batch_size=1", "rl.num_iterations=2"], lora=True
   )
   assert moved > 1e-3
-  assert max(diffs) < 1e-4, diffs
+  # Relative to the move: 2.4e-4 on this project's Nov 29 host (AMD EPYC; under 1e-4 on earlier hosts): the adapters'
+  # round-off differs with the CPU's XLA kernels and AdamW scales it up. A dropped or mis-scaled micro-batch moves
+  # them by 0.1-1 of the step, so 1e-3 still tells the two apart by 100x; the losses below stay at 1e-5.
+  assert max(diffs) < 1e-3, diffs
   np.testing.assert_allclose(new_losses, old_losses, rtol=1e-5, atol=1e-6)
 
 
@@ -235,9 +238,10 @@ def test_checkpoint_with_multisteps_state_resumes(tmp_path):
   moved = max(np.abs(want[k] - step1[k]).max() for k in want)
   assert moved > 1e-3  # step 2 moved the weights (learning_rate=0.01): the comparison is not vacuous
   # Equal to round-off: the accumulated gradient is summed in another program than MultiSteps' (the scan), and AdamW
-  # (eps 1e-8) scales round-off-sized gradient entries up to a visible step (measured: 5e-6 against a 2.7e-3 step); a
-  # lost or wrongly mapped AdamW state moves step 2 by an amount of the order of the step itself.
-  assert max(np.abs(want[k] - got[k]).max() for k in want) <= 0.02 * moved
+  # (eps 1e-8) scales round-off-sized gradient entries up to a visible step (measured: 5e-6 against a 2.7e-3 step on
+  # the host that wrote the fixture, 1.3e-4 on this project's Nov 29 host, an AMD EPYC whose XLA CPU kernels round
+  # otherwise); a lost or wrongly mapped AdamW state moves step 2 by an amount of the order of the step itself.
+  assert max(np.abs(want[k] - got[k]).max() for k in want) <= 0.1 * moved
   # The new checkpoint has no accumulator: its optimizer state is the old one's without a params-sized tree.
   new_opt = _tree(run / "checkpoints" / "2" / "opt_state")
   assert not any("acc_grads" in k or "inner_opt_state" in k for k in new_opt)
