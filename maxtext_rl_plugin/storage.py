@@ -197,9 +197,12 @@ def version(path: str) -> str:
 
 @_os_errors
 def makedirs(path: str) -> None:
-  """Create a directory and its parents (remote: a no-op beyond gcsfs's own bookkeeping; prefixes need no object)."""
+  """Create a directory and its parents. In a bucket a "directory" is a name prefix and needs no object, so only the
+  bucket is checked: gcsfs's mkdir would create a missing bucket in the default project, which no user asked for."""
   if is_remote(path):
-    _p(path).mkdir(parents=True, exist_ok=True)
+    bucket = bucket_of(expand(path))
+    if not _p(bucket).exists():
+      raise StorageError(errno.ENOENT, f"cannot write {path}: the bucket {bucket} does not exist (or is not visible)")
   else:
     os.makedirs(expand(path), exist_ok=True)
 

@@ -187,3 +187,12 @@ def test_data_in_a_bucket_has_a_digest_a_resume_compares(gcs):
   assert first and run_identity.data_digest(path) == first
   storage.write_atomic(path, '{"question": "q", "answer": "#### 2"}\n')
   assert run_identity.data_digest(path) not in (None, first)
+
+
+def test_a_missing_bucket_is_one_line_and_never_created(gcs):
+  """gcsfs's mkdir would create a missing bucket in the default project: the layer checks it exists instead."""
+  with pytest.raises(run_dir.OutputError, match=r"the bucket gs://no-such-bucket does not exist") as e:
+    run_dir.probe_dir("gs://no-such-bucket/rl", "base_output_directory")
+  assert "\n" not in str(e.value) and "'base_output_directory'" in str(e.value)
+  assert not storage.exists("gs://no-such-bucket")
+  assert gcs.bucket
