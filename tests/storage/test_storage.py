@@ -15,6 +15,7 @@ from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_dir
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import storage
+from maxtext_rl_plugin.config import load as config_lib
 
 
 def _root(gcs, name: str) -> str:
@@ -196,3 +197,12 @@ def test_a_missing_bucket_is_one_line_and_never_created(gcs):
   assert "\n" not in str(e.value) and "'base_output_directory'" in str(e.value)
   assert not storage.exists("gs://no-such-bucket")
   assert gcs.bucket
+
+
+def test_home_in_a_path_key_is_expanded_before_maxtext_derives_the_run_directories(monkeypatch, tmp_path):
+  """`base_output_directory=~/runs` made a literal `./~/runs`: the typed config holds the expanded path, and MaxText's
+  checkpoint_dir and tensorboard_dir derive from it."""
+  monkeypatch.setenv("HOME", str(tmp_path))
+  config = config_lib.load_config(["configs/cpu_tiny.yml", "base_output_directory=~/runs", "run_name=r"])
+  assert config.base_output_directory == str(tmp_path / "runs")
+  assert str(config.checkpoint_dir).startswith(str(tmp_path / "runs" / "r")) and "~" not in str(config.tensorboard_dir)
