@@ -441,7 +441,10 @@ def check_credentials(path: str, key: str) -> None:
   """Before the first request to a bucket: an emulator endpoint, or Google's application default credentials, must be
   there; else one line naming the bucket and what to set (no traceback, no request to the service). Raises
   `StorageError`."""
-  if not path.startswith("gs://") or os.environ.get(EMULATOR_ENV):
+  if not path.startswith("gs://"):
+    return
+  if os.environ.get(EMULATOR_ENV):
+    point_tensorstore_at_emulator()
     return
   import google.auth
   from google.auth import exceptions as auth_exceptions

@@ -206,3 +206,14 @@ def test_home_in_a_path_key_is_expanded_before_maxtext_derives_the_run_directori
   config = config_lib.load_config(["configs/cpu_tiny.yml", "base_output_directory=~/runs", "run_name=r"])
   assert config.base_output_directory == str(tmp_path / "runs")
   assert str(config.checkpoint_dir).startswith(str(tmp_path / "runs" / "r")) and "~" not in str(config.tensorboard_dir)
+
+
+def test_one_variable_points_every_client_at_an_emulator(monkeypatch):
+  """STORAGE_EMULATOR_HOST alone: the first bucket path also points TensorStore (Orbax's arrays) at the emulator."""
+  monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:4443")
+  monkeypatch.delenv("TENSORSTORE_GCS_HTTP_URL", raising=False)
+  storage.check_credentials("gs://b/rl", "base_output_directory")
+  assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:4443"
+  monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", "http://127.0.0.1:9")  # a user's own value is kept
+  storage.check_credentials("gs://b/rl", "base_output_directory")
+  assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:9"
