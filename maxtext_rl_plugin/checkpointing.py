@@ -26,7 +26,6 @@ import jax
 import orbax.checkpoint as ocp
 
 from maxtext_rl_plugin import distributed
-from maxtext_rl_plugin import run_dir
 from maxtext_rl_plugin import storage as storage_lib
 from maxtext_rl_plugin.errors import CheckpointError
 
@@ -191,7 +190,7 @@ class RunCheckpointer:
         orbax_logs.discard()  # the one line below says it all; Orbax's threads logged it with tracebacks first
         raise CheckpointError(
             f"checkpoint step {step} was not written: "
-            f"{run_dir.describe_os_error(cause, self.directory)}; the run can resume from "
+            f"{storage_lib.describe_error(cause, self.directory)}; the run can resume from "
             f"step {self.latest_step()}"
         ) from None
 

@@ -174,7 +174,7 @@ def export(argv, output: str, step: int | None = None) -> str:
         use_zarr3=config.checkpoint_storage_use_zarr3,
     )
   except OSError as e:
-    raise CheckpointError(f"the merged weights were not written: {run_dir_lib.describe_os_error(e, out)}") from None
+    raise CheckpointError(f"the merged weights were not written: {storage.describe_error(e, out)}") from None
   path = os.path.join(out, "items")
   print(
       f"exported {run_dir} step {step} (LoRA rank {config.lora.lora_rank}, alpha {config.lora.lora_alpha} merged) "

@@ -123,7 +123,7 @@ class RunLogger:
       try:
         storage.append_text(self._metrics_file, json.dumps(record) + "\n")  # a failure leaves at most a torn line
       except OSError as e:  # storage.StorageError in a bucket
-        raise run_dir.OutputError(f"metrics_file: {run_dir.describe_os_error(e, self._metrics_file)}") from None
+        raise run_dir.OutputError(f"metrics_file: {storage.describe_error(e, self._metrics_file)}") from None
     self.history.append(record)
     return record
 

@@ -43,11 +43,6 @@ class RunLockedError(UserError):
   """Another live process holds the run directory."""
 
 
-def describe_os_error(e: BaseException, path: str) -> str:
-  """One line for a failed write of `path` (storage.describe_error: no space left, a bucket problem, the error)."""
-  return storage.describe_error(e, path)
-
-
 # A file or directory name longer than this is refused by every local file system the plugin runs on (and by GCS's
 # 1,024-byte object names only later, deep inside a write): said up front, naming the key that made it.
 _NAME_MAX = 255
@@ -58,10 +53,10 @@ def probe_dir(path: str, key: str) -> None:
   bucket is first checked for credentials (storage.check_credentials), so a missing login is one line, not a
   traceback from the first upload."""
   try:
-    storage.check_credentials(path, key)
+    storage.check_credentials(path)
     storage.makedirs(path)
-  except storage.StorageError as e:
-    raise OutputError(f"invalid value for '{key}': {e.strerror}" if key not in str(e.strerror) else e.strerror) from None
+  except storage.StorageError as e:  # no credentials, no such bucket: one line naming it
+    raise OutputError(f"invalid value for '{key}'='{path}': {e.strerror}") from None
   except OSError as e:
     raise OutputError(f"invalid value for '{key}': cannot create directory {path} ({e.strerror or e})") from None
   if not storage.isdir(path) and not storage.is_remote(path):
@@ -73,7 +68,7 @@ def probe_dir(path: str, key: str) -> None:
     else:
       storage.append_text(probe, "ok\n", sync=True)
   except OSError as e:
-    raise OutputError(f"invalid value for '{key}': {describe_os_error(e, path)}") from None
+    raise OutputError(f"invalid value for '{key}': {storage.describe_error(e, path)}") from None
   finally:
     with contextlib.suppress(OSError):  # a probe that was never written
       storage.remove(probe)
@@ -103,7 +98,7 @@ def check_writable(run_dir: str, metrics_file: str | None) -> None:
       try:
         storage.append_text(metrics_file, "", sync=True)  # appending nothing: opens and syncs, records untouched
       except OSError as e:
-        raise OutputError(f"invalid value for 'metrics_file': {describe_os_error(e, metrics_file)}") from None
+        raise OutputError(f"invalid value for 'metrics_file': {storage.describe_error(e, metrics_file)}") from None
 
 
 def resolve_metrics_file(metrics_file: str | None, run_dir: str) -> str | None:
@@ -121,9 +116,6 @@ def resolve_metrics_file(metrics_file: str | None, run_dir: str) -> str | None:
 # one of them, in this run's directory or another's.
 RUN_FILES = ("summary.json", "summary.png", "batches.jsonl", ".lock", ".owner")
 
-_real = storage.real
-_within = storage.within
-
 
 def check_owners(metrics_file: str | None, run_dir: str, run_dirs: dict[str, str], inputs: dict[str, str]) -> None:
   """Every output path of a run has one owner: `metrics_file` is none of the files a run writes itself (`RUN_FILES`,
@@ -134,9 +126,9 @@ def check_owners(metrics_file: str | None, run_dir: str, run_dirs: dict[str, str
   fresh runs and resumes alike."""
   for path, key in ((run_dir, "base_output_directory"), (metrics_file, "metrics_file")):
     try:  # before the first request to a bucket: no credentials is one line, and nothing is asked of the service
-      storage.check_credentials(path or "", key)
+      storage.check_credentials(path or "")
     except storage.StorageError as e:
-      raise OutputError(str(e.strerror)) from None
+      raise OutputError(f"invalid value for '{key}'='{path}': {e.strerror}") from None
   check_not_in_other_run(run_dir, "base_output_directory", run_dir)
   if not metrics_file:
     return
@@ -147,7 +139,7 @@ def check_owners(metrics_file: str | None, run_dir: str, run_dirs: dict[str, str
         "name another file (the default lives in the run directory as metrics.jsonl)"
     )
   for key, directory in run_dirs.items():
-    if directory and _within(metrics_file, directory):
+    if directory and storage.within(metrics_file, directory):
       raise OutputError(
           f"invalid value for 'metrics_file': {metrics_file} lies inside {key}={directory}, which another "
           "writer of the run manages; name a file outside it"
@@ -160,7 +152,11 @@ def check_owners(metrics_file: str | None, run_dir: str, run_dirs: dict[str, str
         f"directory ({run_dir}) or outside any run's"
     )
   for key, path in inputs.items():
-    if path and storage.is_remote(path) == storage.is_remote(metrics_file) and _real(path) == _real(metrics_file):
+    if (
+        path
+        and storage.is_remote(path) == storage.is_remote(metrics_file)
+        and storage.real(path) == storage.real(metrics_file)
+    ):
       if storage.exists(path):
         raise OutputError(
             f"invalid value for 'metrics_file': {metrics_file} is the run's input {key}; a run appends its "
@@ -180,7 +176,7 @@ def _is_run_dir(directory: str) -> bool:
 
 def _ancestors(path: str) -> list[str]:
   """The directories above `path`, nearest first, up to the root or the bucket."""
-  out, directory = [], os.path.dirname(_real(path).rstrip("/"))
+  out, directory = [], os.path.dirname(storage.real(path).rstrip("/"))
   while True:
     if storage.is_remote(directory) and directory.count("/") < 3:  # gs://bucket itself
       return out
@@ -196,9 +192,9 @@ def check_not_in_other_run(path: str, key: str, run_dir: str | None) -> None:
   run would list it as a step, set it aside as corrupt, or prune it. `run_dir`: the writing run's own directory
   (None: a tool such as export_lora, which belongs to no run)."""
   for directory in _ancestors(path):
-    if run_dir is not None and _within(directory, run_dir) and _real(directory) != _real(path):
+    if run_dir is not None and storage.within(directory, run_dir) and storage.real(directory) != storage.real(path):
       continue
-    if run_dir is not None and _real(directory) == _real(run_dir):
+    if run_dir is not None and storage.real(directory) == storage.real(run_dir):
       continue
     if _is_run_dir(directory):
       raise OutputError(
@@ -211,13 +207,13 @@ def _other_run_dir(metrics_file: str, run_dir: str) -> str | None:
   """The directory of another run that `metrics_file` lies in, or None: a sibling of this run under the same
   base_output_directory (`<base>/<other run>/...`, whether that run exists yet or not), or any directory above the
   file that holds a run's files."""
-  if _within(metrics_file, run_dir):
+  if storage.within(metrics_file, run_dir):
     return None
-  base = os.path.dirname(_real(run_dir).rstrip("/"))
-  if _within(metrics_file, base):
-    rel = _real(metrics_file)[len(base.rstrip("/")) + 1 :]
+  base = os.path.dirname(storage.real(run_dir).rstrip("/"))
+  if storage.within(metrics_file, base):
+    rel = storage.real(metrics_file)[len(base.rstrip("/")) + 1 :]
     first = rel.split("/")[0]
-    if first != os.path.basename(_real(metrics_file)):
+    if first != os.path.basename(storage.real(metrics_file)):
       return os.path.join(base, first)
   return next((d for d in _ancestors(metrics_file) if _is_run_dir(d)), None)
 
@@ -249,7 +245,7 @@ def check_owner(target: str | None, run_dir: str, key: str, is_dir: bool = False
   if not target:
     return
   owner = _owner_of(owner_mark(target, is_dir))
-  if owner is not None and _real(owner) != _real(run_dir):
+  if owner is not None and storage.real(owner) != storage.real(run_dir):
     raise OutputError(
         f"invalid value for '{key}': {target} belongs to the run {owner} (its owner mark "
         f"{owner_mark(target, is_dir)}); another run never writes, prunes or resumes it: name another path"
@@ -275,7 +271,7 @@ def owned_by(target: str | None, run_dir: str, is_dir: bool = False) -> bool:
   if not target:
     return False
   owner = _owner_of(owner_mark(target, is_dir))
-  return owner is not None and _real(owner) == _real(run_dir)
+  return owner is not None and storage.real(owner) == storage.real(run_dir)
 
 
 def _record_count(path: str) -> int:
@@ -289,7 +285,7 @@ def check_resumed_metrics_file(metrics_file: str | None, run_dir: str, recorded:
   written before it was recorded: not compared) is refused, as a fresh run refuses one."""
   if not metrics_file or recorded is None or not storage.isfile(metrics_file):
     return
-  if _real(metrics_file) == _real(recorded) or _within(metrics_file, run_dir):
+  if storage.real(metrics_file) == storage.real(recorded) or storage.within(metrics_file, run_dir):
     return
   n = _record_count(metrics_file)
   if n:
@@ -306,7 +302,7 @@ def check_fresh_metrics_file(metrics_file: str | None, run_dir: str) -> None:
   its stale records are dropped."""
   if not metrics_file or not storage.isfile(metrics_file):
     return
-  if _within(metrics_file, run_dir) or owned_by(metrics_file, run_dir):
+  if storage.within(metrics_file, run_dir) or owned_by(metrics_file, run_dir):
     return
   n = _record_count(metrics_file)
   if n:
@@ -387,7 +383,9 @@ class RunLock:
     try:
       storage.makedirs(self.run_dir)
     except OSError as e:
-      raise OutputError(f"cannot create the run directory: {describe_os_error(e, self.run_dir)}") from None
+      raise OutputError(
+          f"cannot create the run directory {self.run_dir}: {storage.describe_error(e, self.run_dir)}"
+      ) from None
     for _ in range(2):
       if storage.create_exclusive(self.path, self._info()):
         self._took()

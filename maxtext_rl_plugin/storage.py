@@ -202,7 +202,7 @@ def makedirs(path: str) -> None:
   if is_remote(path):
     bucket = bucket_of(expand(path))
     if not _p(bucket).exists():
-      raise StorageError(errno.ENOENT, f"cannot write {path}: the bucket {bucket} does not exist (or is not visible)")
+      raise StorageError(errno.ENOENT, f"the bucket {bucket} does not exist (or is not visible)")
   else:
     os.makedirs(expand(path), exist_ok=True)
 
@@ -437,27 +437,36 @@ def _free_space(path: str) -> str:
     return "free space unknown"
 
 
-def check_credentials(path: str, key: str) -> None:
-  """Before the first request to a bucket: an emulator endpoint, or Google's application default credentials, must be
-  there; else one line naming the bucket and what to set (no traceback, no request to the service). Raises
-  `StorageError`."""
-  if not path.startswith("gs://"):
-    return
-  if os.environ.get(EMULATOR_ENV):
-    point_tensorstore_at_emulator()
-    return
+@functools.lru_cache(maxsize=1)
+def _has_default_credentials() -> bool:
+  """Whether google-auth finds application default credentials: asked once per process (on a GCE VM or GKE pod each
+  look-up asks the metadata server, and a run checks every output path)."""
   import google.auth
   from google.auth import exceptions as auth_exceptions
 
   try:
     google.auth.default()
   except auth_exceptions.DefaultCredentialsError:
+    return False
+  return True
+
+
+def check_credentials(path: str) -> None:
+  """Before the first request to a bucket: an emulator endpoint, or Google's application default credentials, must be
+  there; else a `StorageError` whose one line names the bucket and what to set (no traceback, no request to the
+  service). Callers say which key named `path`."""
+  if not path.startswith("gs://"):
+    return
+  if os.environ.get(EMULATOR_ENV):
+    point_tensorstore_at_emulator()
+    return
+  if not _has_default_credentials():
     raise StorageError(
         errno.EACCES,
-        f"invalid value for '{key}'='{path}': no Google Cloud credentials for {bucket_of(path)} (run "
-        "`gcloud auth application-default login`, set GOOGLE_APPLICATION_CREDENTIALS, or run on a GCP VM or GKE pod "
-        f"with a service account; for a dry run against an emulator set {EMULATOR_ENV} and {TENSORSTORE_ENV})",
-    ) from None
+        f"no Google Cloud credentials for {bucket_of(path)} (run `gcloud auth application-default login`, set "
+        "GOOGLE_APPLICATION_CREDENTIALS, or run on a GCP VM or GKE pod with a service account; for a dry run against "
+        f"an emulator set {EMULATOR_ENV} and {TENSORSTORE_ENV})",
+    )
 
 
 def point_tensorstore_at_emulator() -> None:

@@ -23,7 +23,7 @@ import tempfile
 import time
 from typing import Any, Iterable, Iterator, Optional, TextIO
 
-from maxtext_rl_plugin import run_dir
+from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.errors import DataError
 from maxtext_rl_plugin.errors import exit_on_user_error
@@ -255,7 +255,7 @@ def main(argv: Optional[list[str]] = None) -> int:
       with _input(args.input) as fin, _output(args.output, args.input) as fout:
         stats = score_stream(split_lines(fin), fout, config)
     except OSError as e:  # a full or failing output device (--output /dev/full): one line, not a traceback
-      raise DataError(f"--output '{args.output}': {run_dir.describe_os_error(e, args.output)}") from None
+      raise DataError(f"--output '{args.output}': {storage.describe_error(e, args.output)}") from None
     dt = time.perf_counter() - t0
     rows = stats["rows"]
     rules = ", ".join(f"{k[5:]}={v}" for k, v in sorted(stats.items()) if k.startswith("rule:"))

@@ -259,7 +259,7 @@ def run(config, parsed: config_lib.Parsed) -> int:
   try:
     storage.write_atomic(path, report.to_json(rows, spec, topo, slices, facts))
   except OSError as e:  # storage.StorageError in a bucket
-    raise run_dir.OutputError(f"the AOT report was not written: {run_dir.describe_os_error(e, path)}") from None
+    raise run_dir.OutputError(f"the AOT report was not written: {storage.describe_error(e, path)}") from None
   _say(f"report: {path} ({facts['compile_wall_seconds']:.0f} s)")
   line = report.verdict(rows, topo, resident_gib)
   if line is not None:

@@ -144,7 +144,7 @@ def expand_paths(spec: str, key: str) -> list[str]:
     if not part:
       continue
     try:
-      storage.check_credentials(part, key)
+      storage.check_credentials(part)
       matches = storage.glob(part) if any(c in part for c in "*?[") else [part]
       if not matches:
         raise DataError(f"{key}='{part}': no files match")
@@ -154,7 +154,7 @@ def expand_paths(spec: str, key: str) -> list[str]:
           raise DataError(f"{key}='{m}': {why}")
         paths.append(m)
     except storage.StorageError as e:  # no credentials, an unreachable bucket: one line naming it
-      raise DataError(f"{key}='{part}': {e.strerror}" if key not in str(e.strerror) else e.strerror) from None
+      raise DataError(f"{key}='{part}': {e.strerror}") from None
   if not paths:
     raise DataError(f"{key}='{spec}': no files given")
   return paths

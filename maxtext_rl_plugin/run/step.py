@@ -82,7 +82,7 @@ def _audit_batch(run_dir: str, step: int, batch) -> None:
   try:
     storage.append_text(path, json.dumps({"step": step, "ids": [e.id for e in batch]}) + "\n")
   except OSError as e:  # storage.StorageError in a bucket
-    raise run_dir_lib.OutputError(run_dir_lib.describe_os_error(e, path)) from None
+    raise run_dir_lib.OutputError(storage.describe_error(e, path)) from None
 
 
 # Tunix trainer scalars (mean over the step's optimizer updates) -> the plugin's metric names.

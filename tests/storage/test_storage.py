@@ -212,8 +212,8 @@ def test_one_variable_points_every_client_at_an_emulator(monkeypatch):
   """STORAGE_EMULATOR_HOST alone: the first bucket path also points TensorStore (Orbax's arrays) at the emulator."""
   monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:4443")
   monkeypatch.delenv("TENSORSTORE_GCS_HTTP_URL", raising=False)
-  storage.check_credentials("gs://b/rl", "base_output_directory")
+  storage.check_credentials("gs://b/rl")
   assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:4443"
   monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", "http://127.0.0.1:9")  # a user's own value is kept
-  storage.check_credentials("gs://b/rl", "base_output_directory")
+  storage.check_credentials("gs://b/rl")
   assert os.environ["TENSORSTORE_GCS_HTTP_URL"] == "http://127.0.0.1:9"
