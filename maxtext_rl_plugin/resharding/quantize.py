@@ -6,7 +6,7 @@ sampler receives are quantized on the trainer's devices, chunk by chunk, and mov
 vLLM-TPU computes with them in its quantized layers). The format, per kernel W with contracting (input) axes K:
 
     s = max_K |W| / B        (float32, one scale per output channel: W's shape with the axes K kept as 1)
-    int8:  q = clip(round(W / s), -127, 127)               B = 127
+    int8:  q = clip(round(W / s), -128, 127)               B = 127.5
     fp8:   q = float8_e4m3fn(clip(W / s, -448, 448))        B = 448 = float8_e4m3fn's largest finite value
     W ~ q * s                (dequantize-on-read; a zero channel gets s = 1 and q = 0)
 
@@ -18,8 +18,11 @@ otherwise); Qwix's PTQ, which tpu-inference applies to its native JAX classes (`
 weight over its contracting axes (channelwise on every other axis), the same layout. A sampler that must be re-fed
 every RL step has no calibration data, so the scale is the absmax (Qwix's default `calibration_method`). Per-channel
 scales cost one float per output channel: nothing beside the kernel.
-The bounds: int8 uses 127 (symmetric: -128 is never produced, so q -> -q is exact; Qwix's 127.5 bound rounds its
-largest value to 128 and clips it); fp8 uses e4m3fn's 448, and the cast rounds to nearest even.
+The bounds and rounding are Qwix's (`qarray.compute_scale_zero_point`, `numerics.get_symmetric_bound`): int8's
+127.5 lets the outermost buckets hold [126.5, 127.5) and [-128.5, -127.5) (the channel's absmax lands at 128 and
+saturates to 127: still within half a step); fp8's 448 is e4m3fn's largest finite value, and the cast rounds to nearest
+even. So a sync's quantized bytes equal what tpu-inference's own Qwix PTQ makes of the same float weights, bit for bit
+(tests/resharding/test_quantize.py compares with Qwix).
 
 What is quantized (`plan`): MaxText's `DenseGeneral` kernels (attention q/k/v/out, MLA's projections, the dense MLP)
 and the MoE experts' `wi_0`/`wi_1`/`wo`. Not quantized, as in vLLM's FP8 online mode and Qwix's MoE defaults: the
@@ -57,7 +60,7 @@ class Format:
 
 
 FORMATS = {
-    "int8": Format("int8", jnp.int8, 127.0),
+    "int8": Format("int8", jnp.int8, 127.5),
     "fp8": Format("fp8", jnp.float8_e4m3fn, float(jnp.finfo(jnp.float8_e4m3fn).max)),
 }
 CHOICES = (NONE, *FORMATS)
@@ -91,8 +94,12 @@ def quantize(w: jax.Array, form: Format, axes: Sequence[int]) -> Quantized:
   absmax = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True)
   scale = absmax / form.bound
   scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
-  y = jnp.clip(x / scale, -form.bound, form.bound)
-  q = y.astype(form.dtype) if form.is_float else jnp.round(y).astype(form.dtype)
+  y = x / scale
+  if form.is_float:
+    q = jnp.clip(y, -form.bound, form.bound).astype(form.dtype)
+  else:
+    info = jnp.iinfo(form.dtype)
+    q = jnp.clip(jnp.round(y), info.min, info.max).astype(form.dtype)
   return Quantized(q, scale)
 
 

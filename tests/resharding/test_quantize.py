@@ -15,13 +15,13 @@ RNG = np.random.default_rng(0)
 def _np_quantize(w, name, axes):
   """The module docstring's formulas in NumPy (ml_dtypes' float8_e4m3fn rounds to nearest even, as XLA's cast)."""
   w = np.asarray(w, np.float64)
-  bound = 127.0 if name == "int8" else 448.0
-  absmax = np.max(np.abs(w), axis=tuple(axes), keepdims=True)
-  scale = np.where(absmax > 0, absmax / bound, 1.0).astype(np.float32)
-  y = np.clip(w / scale, -bound, bound)
+  bound = 127.5 if name == "int8" else 448.0
+  absmax = np.max(np.abs(w), axis=tuple(axes), keepdims=True).astype(np.float32)
+  scale = np.where(absmax > 0, absmax / np.float32(bound), 1.0).astype(np.float32)
+  y = w.astype(np.float32) / scale
   if name == "int8":
-    return np.round(y).astype(np.int8), scale
-  return y.astype(np.float32).astype(ml_dtypes.float8_e4m3fn), scale
+    return np.clip(np.round(y), -128, 127).astype(np.int8), scale
+  return np.clip(y, -bound, bound).astype(ml_dtypes.float8_e4m3fn), scale
 
 
 @pytest.mark.parametrize("name", ["int8", "fp8"])
@@ -34,18 +34,36 @@ def test_quantize_matches_numpy_and_scale_layout(name, shape, axes):
   assert got.scale.shape == tuple(1 if d in axes else n for d, n in enumerate(shape)) and got.scale.dtype == np.float32
   np.testing.assert_allclose(np.asarray(got.scale), want_s, rtol=1e-6)
   assert got.q.dtype == (jnp.int8 if name == "int8" else jnp.float8_e4m3fn)
-  np.testing.assert_array_equal(np.asarray(got.q).astype(np.float32), want_q.astype(np.float32))
+  # Equal codes, but where w/s sits within float32 rounding of an int8 rounding tie (a channel's absmax lands on
+  # 127.5): XLA's and NumPy's division may put it on either side (both within half a step).
+  diff = np.abs(np.asarray(got.q).astype(np.float32) - want_q.astype(np.float32))
+  y = w.astype(np.float64) / want_s
+  tie = np.abs(np.abs(y - np.floor(y)) - 0.5) < 1e-4
+  assert np.all(diff[~tie] == 0) and np.all(diff <= (1 if name == "int8" else 0))
   # Round trip: int8 is off by at most half a step (s/2); e4m3 by 2^-4 relative (3 mantissa bits, round to nearest)
   # above its smallest normal (2^-6 * s), by half a subnormal step (2^-10 * s) below it.
   back = np.asarray(qz.dequantize(got, jnp.float32), np.float64)
   err = np.abs(back - w)
   s = np.broadcast_to(want_s, w.shape).astype(np.float64)
   if name == "int8":
-    assert np.all(err <= s / 2 * (1 + 1e-5))
+    assert np.all(err <= s / 2 * (1 + 1e-4))
   else:
-    assert np.all(err <= np.maximum(np.abs(w) * 2.0**-4, s * 2.0**-10) * (1 + 1e-5))
-  # The largest weight maps to the bound and is represented exactly: the scale is not off by a step.
-  assert np.abs(back).max() == pytest.approx(np.abs(w).max(), rel=1e-6)
+    assert np.all(err <= np.maximum(np.abs(w) * 2.0**-4, s * 2.0**-10) * (1 + 1e-4))
+  if name == "fp8":  # the largest weight maps to the bound and is represented exactly: the scale is not off by a step
+    assert np.abs(back).max() == pytest.approx(np.abs(w).max(), rel=1e-6)
+
+
+@pytest.mark.parametrize("name,qtype", [("int8", jnp.int8), ("fp8", jnp.float8_e4m3fn)])
+def test_bit_equal_to_qwix_ptq(name, qtype):
+  """The bytes and scales equal Qwix's own quantization of the same weight (what tpu-inference's Qwix PTQ makes of a
+  float checkpoint), channelwise on the non-contracting axes."""
+  qarray = pytest.importorskip("qwix._src.core.qarray")
+  w = jnp.asarray(RNG.normal(size=(64, 3, 48)).astype(np.float32))
+  ours = qz.quantize(w, qz.fmt(name), (0,))
+  theirs = qarray.quantize_api(w, qtype, channelwise_axes=(1, 2))
+  np.testing.assert_array_equal(np.asarray(ours.q).view(np.uint8), np.asarray(theirs.qvalue).view(np.uint8))
+  np.testing.assert_array_equal(np.asarray(ours.scale), np.asarray(theirs.scale))
+  np.testing.assert_array_equal(np.asarray(qz.dequantize(ours)), np.asarray(qarray.dequantize(theirs)))
 
 
 def test_wrong_scale_layout_is_visible():
@@ -113,7 +131,7 @@ def test_quantize_tree_in_chunks_on_device_keeps_shardings(name):
   assert qz.is_quantized(wi) and wi.q.sharding.is_equivalent_to(sh, 3) and wi.scale.shape == (1, 2, 128)
   assert qz.nbytes(small) < qz.nbytes(tree) / 3.5
   back = qz.dequantize_tree(small, jnp.float32)
-  want_q, want_s = _np_quantize(np.asarray(tree["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]), name, (0,))
-  np.testing.assert_allclose(
-      np.asarray(back["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]), want_q.astype(np.float32) * want_s, rtol=1e-6
+  w = tree["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
+  np.testing.assert_array_equal(
+      np.asarray(back["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]), np.asarray(qz.fake_quantize(w, qz.fmt(name), (0,)))
   )
