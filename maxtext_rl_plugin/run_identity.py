@@ -164,6 +164,8 @@ UPDATE_KEYS = (
     "penalty_incorrect_answer",
     "reward_item_timeout_seconds",
     "reward_call_timeout_seconds",
+    "rl.reward_weights",
+    "rl.reward_aggregation",
 )
 # Keys of the update's concerns (the rl: block, the loss, the optimizer, the rewards, the rollout) that a resume may
 # change without a note, with why; tests/test_bad_input.py fails when such a key is in none of UPDATE_KEYS,

@@ -26,6 +26,8 @@ from typing import Any, Callable, Sequence
 
 from absl import logging
 
+from maxtext_rl_plugin.algorithms import reward_aggregation
+from maxtext_rl_plugin.config.unresolved import Unresolved
 from maxtext_rl_plugin import registry
 from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.errors import ConfigError
@@ -318,11 +320,17 @@ def check_config(config: Any) -> None:
   names, path = _names_and_path(config)
   for name, fn, source in resolve(names, path):
     check_signature(fn, name, source)
+  try:
+    reward_aggregation.configured_weights(config.rl, names)
+  except (AttributeError, Unresolved):  # a key the first pass cannot type yet: the typed pass checks it
+    pass
 
 
 def reward_fns_from_config(config: Any) -> list[Callable]:
   """Tunix-compatible reward functions `fn(prompts, completions, answer, **kwargs) -> list[float]`."""
   names, path = _names_and_path(config)
+  if hasattr(config, "rl"):  # one weight per function, refused in one line (a bare rewards config has no rl: block)
+    reward_aggregation.configured_weights(config.rl, names)
   rc = gsm8k.RewardConfig.of(config)
   fns = []
   for name, fn, source in resolve(names, path):

@@ -133,6 +133,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "rl.loss_agg_mode": ("token-mean", "sequence-mean", "sequence-mean-token-mean"),
     "rl.loss_algo": ("grpo", "gspo-token"),
     "rl.parity_check": ("off", "first", "every_n"),
+    "rl.reward_aggregation": ("sum", "gdpo"),
     "rl.rollout_is": ("off", "truncate", "mask"),
     "rl.verify_weight_sync": ("off", "first", "every_n"),
     "rollout_backend": ("maxtext", "vllm_torchax"),

@@ -150,6 +150,7 @@ CLASS_STATUS: dict[str, str] = {
     "PluginRL": ALGO,
     "PluginGroup": ALGO,
     "PluginDapo": ALGO,
+    "PluginRewardMix": "honoured (algorithms/reward_aggregation.py: the rewards' weights and their combination)",
     "PluginAgentic": "honoured (agentic/: the episodes of rl.use_agentic_rollout)",
     "PluginRolloutCorrection": "honoured (algorithms: rollout importance sampling)",
     "PluginRouterReplay": ALGO,

@@ -109,6 +109,30 @@ class PluginDapo(BaseModel):
   )
 
 
+class PluginRewardMix(BaseModel):
+  """`rl:` several rewards combined into one advantage (algorithms/reward_aggregation.py, docs/rewards.md "Several
+  rewards"); checks: reward_aggregation.configured_weights (rewards/loader.check_config, both passes: one weight per
+  reward_functions entry)."""
+
+  reward_weights: list[float] = Field(
+      [],
+      description=(
+          "One weight per reward_functions entry (the default stack's three included), in its order; [] = 1 each. "
+          "sum: the reward is sum_k w_k r_k; gdpo: sum_k w_k z_k. A weight of 0 keeps a reward's metrics, not its "
+          "signal."
+      ),
+  )
+  reward_aggregation: Literal["sum", "gdpo"] = Field(
+      "sum",
+      description=(
+          "'sum': the weighted sum of the rewards, then the advantage estimator (the plain sum with unit weights). "
+          "'gdpo': each reward standardised within its group of num_generations first, (r - mean_g) / (std_g(ddof=1) "
+          "+ 1e-6), 0 where it does not vary, then weighted, summed, and the advantage estimator on the result, so a "
+          "reward with a narrow spread is not drowned by a wide one (NeMo-RL's GDPO; docs/rewards.md)."
+      ),
+  )
+
+
 class PluginAgentic(BaseModel):
   """`rl:` multi-turn episodes with tools (agentic/; `rl.use_agentic_rollout` is MaxText's key, the plugin's meaning);
   checks: validation._check_agentic, dependent_keys (rl.agentic_*)."""
@@ -250,6 +274,7 @@ class PluginRL(
     PluginRouterReplay,
     PluginRolloutCorrection,
     PluginAgentic,
+    PluginRewardMix,
     PluginDapo,
     PluginGroup,
     types.RL,

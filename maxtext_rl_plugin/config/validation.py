@@ -262,6 +262,7 @@ RANGES: dict[str, tuple[_Check, str]] = {
 UNBOUNDED: dict[str, str] = {
     "synthetic_seed": "any integer seeds the synthetic generator",
     "rollout_seed": "any integer seeds the rollout's sampling keys",
+    "rl.reward_weights": "any finite weight: 0 keeps a reward's metrics and drops its signal, a negative one penalises",
 }
 # Each sampling strategy of generation_configs (run/evaluation.py): the same conventions as the rollout's keys.
 _GENERATION_RANGES: dict[str, tuple[_Check, str]] = {

@@ -20,7 +20,8 @@ full. Per RL step (B = batch_size):
 
 The filter is the total reward the advantage is computed from (the overlong penalty included: a group of equally
 correct completions of different lengths has a nonzero advantage and is kept), i.e. verl's
-`filter_groups.metric=seq_final_reward`.
+`filter_groups.metric=seq_final_reward`; with `rl.reward_aggregation=gdpo`, a group is kept when some reward of nonzero
+weight varies (algorithms/reward_aggregation.kept_groups says why).
 
 Data position: the training prompts are one stream (data.DatasetSplit.position_index) read by a cursor that counts
 every prompt a round consumed, trained or not. Without dynamic sampling batch k is positions [kB, (k+1)B) (data.py);
@@ -46,6 +47,7 @@ import numpy as np
 from tunix.rl import rl_cluster as rl_cluster_lib
 
 from maxtext_rl_plugin.algorithms import advantages as advantages_lib
+from maxtext_rl_plugin.algorithms import reward_aggregation
 from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.run import experience
@@ -164,7 +166,8 @@ def assemble(rounds: Sequence[_Round], picks: Sequence[tuple[int, int, bool]], g
     t = completion_ids.shape[1]
     routing = np.concatenate([moe.widen_prompt(rnd.sampled.routing[rows], t, width) for rnd, rows in by_round])
   estimator, norm, _ = advantages_lib.advantage_config(cfg.rl)
-  advantages = advantages_lib.group_advantages(rewards, g, norm, estimator)
+  signal = reward_aggregation.signal_of(cfg.rl, rewards, reward_values, g)  # rl.reward_aggregation
+  advantages = advantages_lib.group_advantages(signal, g, norm, estimator)
   sampled = experience.Sampled(
       [p for rnd, rows in by_round for p in np.asarray(rnd.sampled.prompts, object)[rows].tolist()],
       [t for rnd, rows in by_round for t in np.asarray(rnd.sampled.texts, object)[rows].tolist()],
@@ -219,7 +222,8 @@ class DynamicSampler:
     examples = self._take(int(cfg.batch_size))
     inputs = inputs_of(examples, g)
     sampled = experience.sample(self.run, inputs, self.run.plan, timer)
-    return _Round(examples, inputs, sampled, informative_groups(sampled.rewards, g))
+    kept = reward_aggregation.kept_groups_of(cfg.rl, sampled.rewards, sampled.reward_values, g)  # rl.reward_aggregation
+    return _Round(examples, inputs, sampled, kept)
 
   def __call__(self, index: int, phases: dict[str, float]) -> tuple[list, dict, experience.Sampled]:
     cfg = self.run.config

@@ -37,6 +37,7 @@ from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin.algorithms import advantages as advantages_lib
 from maxtext_rl_plugin.algorithms import divergence
+from maxtext_rl_plugin.algorithms import reward_aggregation
 from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import moe
@@ -72,15 +73,22 @@ def pad_rows(rows: Sequence[Any], length: int, fill: Any, dtype: Any) -> np.ndar
   return out
 
 
-def sum_rewards(reward_fns: Sequence[Callable], prompts: list, completions: list[str], **kwargs) -> np.ndarray:
-  """Per-completion total reward (the sum over reward functions, as Tunix's learner sums them).
+def sum_rewards(
+    reward_fns: Sequence[Callable],
+    prompts: list,
+    completions: list[str],
+    weights: Sequence[float] | None = None,
+    **kwargs,
+) -> np.ndarray:
+  """Per-completion total reward: the sum over reward functions (as Tunix's learner sums them), each times its weight
+  (`rl.reward_weights`, algorithms/reward_aggregation.py; None or 1 = the plain sum, bit for bit).
 
   A function returning the wrong number of values, or a non-finite value, is an error here rather than a silent
   NaN advantage later.
   """
   total = np.zeros(len(completions), dtype=np.float64)
   names = []
-  for fn in reward_fns:
+  for i, fn in enumerate(reward_fns):
     name = getattr(fn, "__name__", repr(fn))
     names.append(name)
     try:
@@ -93,7 +101,8 @@ def sum_rewards(reward_fns: Sequence[Callable], prompts: list, completions: list
       )
     if not np.all(np.isfinite(vals)):
       raise RewardFunctionError(f"reward function {name} returned a non-finite reward")
-    total += vals
+    w = 1.0 if weights is None else float(weights[i])
+    total += vals if w == 1.0 else w * vals
   with np.errstate(over="ignore"):
     out = total.astype(np.float32)
   if not np.all(np.isfinite(out)):
@@ -247,8 +256,13 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
 
   with timer.phase("reward"):
     run.rewards.reset()  # the recorder holds this batch's values only
+    weights = reward_aggregation.weights_of(cfg.rl, [getattr(f, "__name__", repr(f)) for f in run.reward_fns])
     rewards = sum_rewards(
-        run.reward_fns, list(inputs["prompts"]), list(out.text), **{k: v for k, v in inputs.items() if k != "prompts"}
+        run.reward_fns,
+        list(inputs["prompts"]),
+        list(out.text),
+        weights,
+        **{k: v for k, v in inputs.items() if k != "prompts"},
     )
     reward_values = run.rewards.reset()
     max_len = completion_ids.shape[1]
@@ -268,7 +282,9 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
       rewards = (rewards + penalty).astype(np.float32)
       reward_values["overlong_penalty"] = [float(x) for x in penalty]
     estimator, norm, _ = advantages_lib.advantage_config(cfg.rl)
-    advantages = advantages_lib.group_advantages(rewards, g, norm, estimator)
+    # rl.reward_aggregation: the weighted total (sum) or each reward standardised in its group first (gdpo)
+    signal = reward_aggregation.signal_of(cfg.rl, rewards, reward_values, g)
+    advantages = advantages_lib.group_advantages(signal, g, norm, estimator)
 
   behaviour = None
   if needs_behaviour_logps(cfg, plan):

@@ -24,6 +24,7 @@ import numpy as np
 from tunix.rl import rl_cluster as rl_cluster_lib
 
 from maxtext_rl_plugin.algorithms import packing
+from maxtext_rl_plugin.algorithms import reward_aggregation
 from maxtext_rl_plugin.run import dynamic_sampling
 from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin.run import logps
@@ -101,15 +102,14 @@ def _step_metrics(
 ) -> dict[str, float]:
   """One step's record: rewards per function, accuracy, completion lengths, Tunix's loss metrics, phase timings."""
   values = item.value[2].reward_values
-  m: dict[str, float] = {}
-  for name, vals in values.items():
-    arr = np.asarray(vals, dtype=np.float64)
-    m[f"reward/{name}/mean"] = float(arr.mean())
-    m[f"reward/{name}/std"] = float(arr.std())
+  g = int(rl_run.config.rl.num_generations)
+  # Each reward's mean, std and the fraction of groups in which it alone does not vary (algorithms/reward_aggregation).
+  m: dict[str, float] = reward_aggregation.per_reward_metrics(values, g)
   m["reward/mean"] = float(exp.rewards.mean())
   m["reward/std"] = float(exp.rewards.std())
-  # Groups of this trained batch with all-equal rewards: zero advantage, no gradient (what rl.dynamic_sampling drops).
-  informative = dynamic_sampling.informative_groups(exp.rewards, int(rl_run.config.rl.num_generations))
+  # Groups of this trained batch that carry no signal (what rl.dynamic_sampling drops): all-equal weighted totals, or
+  # under rl.reward_aggregation=gdpo no weighted reward varying.
+  informative = reward_aggregation.kept_groups_of(rl_run.config.rl, exp.rewards, values, g)
   m["reward/zero_variance_group_fraction"] = float(1.0 - informative.mean())
   # The check_answer reward's own grading (rewards memoise the last batch): no second pass.
   graded = rewards_lib.score_batch(exp.texts, answers, rl_run.config)
