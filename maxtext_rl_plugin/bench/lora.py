@@ -108,7 +108,7 @@ def _one_size(name: str, args) -> dict:
   jax.block_until_ready((full_src, lora_src))
   out = {"params_mib": round(sum(x.nbytes for x in jax.tree.leaves(full_src)) / 2**20, 1)}
   for kind, src, filt in (("full", full_src, base_only), ("adapter", lora_src, nnx.LoRAParam)):
-    ws = sync_lib.WeightSync(cfg, sampler, verify_policy="off")
+    ws = sync_lib.WeightSync(sync_lib.SyncSettings.from_config(cfg), sampler, verify_policy="off")
 
     def sync(ws=ws, src=src, filt=filt):
       held = ws.sync(src, current=nnx.state(sampler, filt), apply=lambda new: (nnx.update(sampler, new), new)[1])

@@ -137,7 +137,6 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "rl.rollout_is": ("off", "truncate", "mask"),
     "rl.verify_weight_sync": ("off", "first", "every_n"),
     "rollout_backend": ("maxtext", "vllm_torchax"),
-    "rollout_engine": ("auto", "embedded", "vllm"),
     "rope_type": ("default", "llama3.1", "yarn"),
     "shard_mode": ("auto", "explicit"),
     "sharding_strategy": ("experimental",),

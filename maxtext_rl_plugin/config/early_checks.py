@@ -3,10 +3,15 @@
 Each was a traceback or a refusal after the model build (issues 51, 61): a value outside an enumerated key's choices
 (config/choices.py), a model dimension below 1 or heads MaxText cannot group or shard, a parallelism size of 0, an MoE
 routing more experts per token than it has, trainer and sampler devices that overlap, a checkpoint I/O budget of 0
-GB (found at the first save), a model family the embedded engine cannot decode, router replay where no layer can carry
-the forced experts (no MoE, pipeline stages, an engine that does not report routing), a head_dim the vLLM route
-refuses. `validation._light_checks` runs them in both passes (on the `RawConfig` of `config_precheck` and on the typed
-config), so each is one `error:` line within a second or two.
+GB (found at the first save), an engine name nothing registered, router replay where no layer can carry the forced
+experts (no MoE, pipeline stages, an engine that does not report routing). `validation._light_checks` runs them in both
+passes (on the `RawConfig` of `config_precheck` and on the typed config), so each is one `error:` line within a second
+or two.
+
+An engine's own refusals (a model the embedded engine cannot decode, a head_dim vLLM's native route refuses, a model
+whose routing vLLM cannot report) are the engine's: its `EngineSpec` (rollout/engines.py), found by name through the
+`maxtext_rl_plugin.rollout_engines` entry points (`engine_spec`), carries them in a module light enough for this pass.
+config/ imports no engine module.
 
 The schema's enumerated choices (config/schema.py imports JAX and MaxText) are restated in config/choices.py;
 tests/test_bad_input.py compares them with the schema's. `mesh_refusal` needs the device count, so it runs where that is
@@ -22,20 +27,12 @@ from maxtext_rl_plugin.config import choices as config_choices
 from maxtext_rl_plugin.config.unresolved import Unresolved
 from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin.errors import ConfigError
-from maxtext_rl_plugin.rollout import vllm_maxtext
+from maxtext_rl_plugin import registry
 
 # Every enumerated key of the schema and remat_policy (config/choices.py), with its choices.
 CHOICES = config_choices.CHOICES
-# What the embedded engine's KV-cached decode cannot run (rollout/decode.MaxTextSampler refuses their caches).
-EMBEDDED_ATTENTION_REFUSED = {
-    "mla": "multi-head latent attention (DeepSeek, Kimi) keeps an MlaKVCache, whose layout the embedded engine does not "
-    "know",
-    "compressed": "DeepSeek-V4's compressed attention keeps its own cache, which the embedded engine does not know",
-}
-EMBEDDED_BLOCKS_REFUSED = {
-    "qwen3_next": "the gated-DeltaNet layers keep a recurrent state cache the embedded engine does not run",
-    "qwen3_5": "the gated-DeltaNet layers keep a recurrent state cache the embedded engine does not run",
-}
+# `rollout_engine`'s one value that names no registered engine: the run picks one (run/build.py).
+AUTO_ENGINE = "auto"
 # Checkpoint I/O budgets (checkpointing.Storage): a positive number, or null for Orbax's default. The OCDBT data file
 # size may also be 0 (TensorStore: no limit), not negative.
 _POSITIVE_OR_NULL = ("checkpoint_storage_concurrent_gb", "checkpoint_storage_device_host_concurrent_gb")
@@ -56,11 +53,6 @@ def _get(pc, key: str) -> Any:
 def _experts(pc) -> int:
   """num_experts; 1 (MaxText's base.yml default) where the config as written leaves it to that default."""
   return int(value_or(pc, "num_experts", 1))
-
-
-def _name(value: Any) -> str:
-  """An enum's value (the typed config) or the string itself (the config as written)."""
-  return str(getattr(value, "value", value))
 
 
 def check_choices(pc) -> None:
@@ -246,17 +238,44 @@ def check_checkpoint_storage(pc) -> None:
     raise _bad("checkpoint_storage_target_data_file_size_bytes", size, "must be >= 0 (0: no limit)")
 
 
-def check_embedded_model(pc) -> None:
-  """rollout_engine=embedded needs a model whose decode cache the engine knows (docs/models.md: "refused")."""
-  if pc.rollout_engine != "embedded":
-    return
-  attention, block = _name(pc.attention_type), _name(pc.decoder_block)
-  why = EMBEDDED_ATTENTION_REFUSED.get(attention) or EMBEDDED_BLOCKS_REFUSED.get(block)
-  if why:
-    raise ConfigError(
-        f"rollout_engine=embedded cannot sample {pc.model_name} (decoder_block={block}, attention_type={attention}): "
-        f"{why}; use rollout_engine=vllm on a TPU (docs/models.md)"
+def engine_spec(pc) -> Any:
+  """The `rollout/engines.EngineSpec` the config's `rollout_engine` names, found through the entry points (config/
+  imports no engine module: each engine's checks live with the engine, in the light module its entry point names);
+  None for 'auto', which names no engine until the run picks one (run/build.py)."""
+  name = str(pc.rollout_engine)
+  if name == AUTO_ENGINE:
+    return None
+  if name not in registry.entry_points("rollout_engines"):
+    shown = ", ".join([AUTO_ENGINE, *sorted(registry.entry_points("rollout_engines"))])
+    raise _bad(
+        "rollout_engine",
+        name,
+        f"expected one of {shown} (the registered rollout engines: entry-point group "
+        f"{registry.GROUPS['rollout_engines']})",
     )
+  return registry.load("rollout_engines", name)
+
+
+def check_engine_name(pc) -> None:
+  """`rollout_engine` is 'auto' or a registered engine (one line listing them, as a bad choice's)."""
+  engine_spec(pc)
+
+
+def check_engine(pc) -> None:
+  """The chosen engine's own refusals (its spec's `checks`: models it cannot sample, head_dim on vLLM's native
+  route, ...)."""
+  spec = engine_spec(pc)
+  if spec is not None:
+    spec.check(pc)
+
+
+def _capture_engines() -> list[str]:
+  """The registered engines that report MoE routing (their `capabilities.routing_capture`)."""
+  return [
+      n
+      for n in sorted(registry.entry_points("rollout_engines"))
+      if registry.load("rollout_engines", n).capabilities.routing_capture
+  ]
 
 
 def router_replay_refusal(pc) -> str | None:
@@ -272,15 +291,17 @@ def router_replay_refusal(pc) -> str | None:
         "rl.router_replay=true with pipeline parallelism: the pipeline's stages run the layers with their own "
         "slicing, which cannot carry each layer's forced experts (MaxText refuses it too)"
     )
-  if pc.rollout_engine == "vllm":
-    why = vllm_capture_refusal(pc, "rl.router_replay=true")
-    if why:
-      return why
-  elif pc.rollout_engine != "embedded":
+  spec = engine_spec(pc)
+  if spec is None or not spec.capabilities.routing_capture:
+    engines = " or ".join(_capture_engines())
     return (
-        f"rl.router_replay=true needs rollout_engine=embedded or vllm: the {pc.rollout_engine} engine is chosen at "
-        "launch, and replay needs an engine that reports the experts it routed each token to"
+        f"rl.router_replay=true needs rollout_engine={engines}: the {pc.rollout_engine} engine "
+        + ("is chosen at launch" if spec is None else "does not report routing")
+        + ", and replay needs an engine that reports the experts it routed each token to"
     )
+  why = spec.routing_refusal(pc, "rl.router_replay=true") if spec.routing_refusal else None
+  if why:
+    return why
   if pc.rl.use_agentic_rollout:
     return (
         "rl.router_replay=true with rl.use_agentic_rollout=true: multi-turn episodes re-prefill their transcripts, "
@@ -288,25 +309,6 @@ def router_replay_refusal(pc) -> str | None:
     )
   if int(value_or(pc, "mtp_num_layers", 0) or 0) > 0:
     return "rl.router_replay=true with mtp_num_layers > 0: MaxText cannot replay routing with MTP"
-  return None
-
-
-def vllm_capture_refusal(pc, what: str) -> str | None:
-  """Why vLLM cannot report this MoE model's routing (one line), or None (rollout/vllm_routing.py captures it).
-
-  Every MoE family takes MaxText's decoder inside vLLM (the native classes map no MoE model at this pin), whose fused-MoE
-  path records the top-k of the router's logits. DeepSeek-V3/V4 and Kimi-K2 select experts otherwise (MaxText's
-  `deepseek_routing`: group-limited, bias-corrected scores), so what vLLM would report is not the routing it used.
-  """
-  name = str(pc.model_name)
-  if name.startswith(("deepseek3", "deepseek4", "kimi-k2")):
-    return (
-        f"{what} with rollout_engine=vllm and {name}: MaxText's vLLM path records the top-k of the router logits, "
-        "but this model selects experts by group-limited, bias-corrected routing, so the recorded experts are not the "
-        "ones it used"
-    )
-  if bool(value_or(pc, "use_random_routing", False)):
-    return f"{what} with use_random_routing=true: the routing is random, there is nothing to record or replay"
   return None
 
 
@@ -323,49 +325,10 @@ def check_return_routed_experts(pc) -> None:
     return
   if _experts(pc) <= 1:
     raise _bad("return_routed_experts", True, f"{pc.model_name} has num_experts=1: a dense model routes nothing")
-  if pc.rollout_engine == "vllm":
-    why = vllm_capture_refusal(pc, "return_routed_experts=true")
-    if why:
-      raise ConfigError(why)
-
-
-def qwen3_head_dim_reason(model_name: str, head_dim: int) -> str | None:
-  """Why vLLM-TPU would sample a different function than the trainer's Qwen3, or None.
-
-  tpu-inference 0.32.0 pads head_dim to a multiple of 128 (64 excepted) and Qwen3's q/k RMS norm then averages over
-  the padded width (tests/tpu_contract/test_forward.py shows the divergence). Every released Qwen3 has head_dim 128;
-  only shrunk test models hit this, so it is refused rather than approximated by rescaling the norm weights.
-  """
-  if str(model_name).startswith("qwen3-") and int(head_dim) % 128 and int(head_dim) != 64:
-    return (
-        f"rollout_engine=vllm with {model_name} needs head_dim 64 or a multiple of 128: tpu-inference pads it to "
-        f"{-(-int(head_dim) // 128) * 128} and normalises Qwen3's q/k over the padded width (use rollout_engine=embedded)"
-    )
-  return None
-
-
-# Qwen3 variants the native route does not map (rollout/vllm_mapping._UNSUPPORTED_QWEN3 less the MoE ones): their vLLM
-# route is MaxText's own decoder, which computes with the model's head_dim.
-_ADAPTER_QWEN3 = ("qwen3-next", "qwen3-vl", "qwen3-omni", "qwen3-coder")
-
-
-def check_vllm_head_dim(pc) -> None:
-  """The native vLLM route's head_dim rule, for the dense Qwen3 models it runs (the MoE ones, the variants it does not
-  map and a config naming MaxTextForCausalLM take MaxText's own attention, which computes with the model's head_dim);
-  rollout/vllm_config.check_config decides the route itself in the second pass."""
-  if pc.rollout_engine != "vllm" or _experts(pc) > 1:
-    return
-  try:
-    if vllm_maxtext.selected(pc):
-      return
-  except Unresolved:  # the config as written: unset (no adapter named) or set in a form only the schema types
-    if "vllm_hf_overrides" in pc:
-      return
-  if str(pc.model_name).startswith(_ADAPTER_QWEN3):
-    return
-  reason = qwen3_head_dim_reason(pc.model_name, pc.head_dim)
-  if reason:
-    raise _bad("head_dim", pc.head_dim, reason)
+  spec = engine_spec(pc)
+  why = spec.routing_refusal(pc, "return_routed_experts=true") if spec is not None and spec.routing_refusal else None
+  if why:
+    raise ConfigError(why)
 
 
 def check_mesh(config, devices: int, where: str = "") -> None:
@@ -379,6 +342,7 @@ def check_mesh(config, devices: int, where: str = "") -> None:
 
 CHECKS = (
     check_choices,
+    check_engine_name,
     check_greedy_rollout,
     check_model_shape,
     check_parallelism_values,
@@ -386,8 +350,7 @@ CHECKS = (
     check_dropless,
     check_device_fractions,
     check_checkpoint_storage,
-    check_embedded_model,
+    check_engine,
     check_router_replay,
     check_return_routed_experts,
-    check_vllm_head_dim,
 )

@@ -292,13 +292,16 @@ class PluginCli(BaseModel):
 
 
 class PluginRollout(BaseModel):
-  """The rollout engine (rollout/); checks: early_checks.check_choices, check_embedded_model, check_vllm_head_dim."""
+  """The rollout engine (rollout/); checks: early_checks.check_engine_name, check_engine (the engine's own, from its
+  `EngineSpec`)."""
 
-  rollout_engine: Literal["auto", "embedded", "vllm"] = Field(
+  rollout_engine: str = Field(
       "auto",
       description=(
-          "'embedded': the plugin's JAX KV-cache engine on MaxText's model code (CPU/GPU/TPU); 'vllm': vLLM-TPU "
-          "(needs the [tpu] extra); 'auto': vllm on a TPU/Pathways backend when vllm is importable, else embedded."
+          "A name registered in the maxtext_rl_plugin.rollout_engines entry points (rollout/engines.py; `maxtext-rl "
+          "list` shows them), or 'auto'. Built in: 'embedded': the plugin's JAX KV-cache engine on MaxText's model code "
+          "(CPU/GPU/TPU); 'vllm': vLLM-TPU (needs the [tpu] extra); 'auto': vllm on a TPU/Pathways backend when vllm is "
+          "importable, else embedded."
       ),
   )
   rollout_prefill_buckets: list[int] = Field(

@@ -461,7 +461,7 @@ def check_processes(pc, processes: int) -> None:
 def validate(pc, source: Any = None) -> None:
   """Device-free checks of a parsed config, the same for print_config, launchers and training (one line each);
   `source`: the `config/precheck.Written` it was read from, when known (which keys the user set)."""
-  # algorithms/ and rollout/vllm_config import Tunix and JAX: only this second pass, after the schema's imports,
+  # algorithms/ and an engine's typed checks import Tunix and JAX: only this second pass, after the schema's imports,
   # needs them (validate_raw runs before those imports). The MoE checks (capacity_factor, rl.router_replay) are
   # early_checks': importing moe.py (MaxText's MoE layers, and through them transformers) cost a launcher 4.3 s.
   # pylint: disable=import-outside-toplevel
@@ -470,11 +470,9 @@ def validate(pc, source: Any = None) -> None:
   for check in _light_checks(source.user_keys() if source is not None else None):
     check(pc)
   shaping.check_config(pc)  # DAPO and kin: estimator x scaling x aggregation, overlong buffer
-  if pc.rollout_engine == "vllm":
-    # The vLLM routes' own checks (the MaxTextForCausalLM route's maxtext_config; head_dim on the native route).
-    from maxtext_rl_plugin.rollout import vllm_config
-
-    vllm_config.check_config(pc)
+  engine = early_checks.engine_spec(pc)
+  if engine is not None:  # the engine's checks that import its heavier modules (vLLM: the route's own refusals)
+    engine.check_typed(pc)
 
 
 def validate_raw(view: RawConfig) -> None:

@@ -1,15 +1,19 @@
 """`WeightSync`, the trainer -> sampler weight sync of a run, and its hook into Tunix's `RLCluster`.
 
 A `WeightSync` reshards the trainer's weights onto the sampler's shardings (move.py), installs them, and checks them
-per `rl.verify_weight_sync` (verify.py). `attach_to_rl_cluster` is the run's one call: it hands the sync to the
-plugin's embedded engine, or wraps another nnx engine's `update_params` (`install_into_rl_cluster`, whose docstring
-says why it wraps that method rather than replacing `RLCluster.sync_weights`).
+per `rl.verify_weight_sync` (verify.py); its options are a `SyncSettings`, made from the config in one place
+(`SyncSettings.from_config`). `attach_to_rl_cluster` is the run's one call: per the engine's declared weight-sync route
+(rollout/engines.Capabilities.weight_sync, passed in by run/build.py: this package imports no engine) it hands the sync
+to the engine ('engine'), wraps an nnx engine's `update_params` ('wrapped': `install_into_rl_cluster`, whose docstring
+says why it wraps that method rather than replacing `RLCluster.sync_weights`), or leaves the engine's own sync ('own').
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any, Callable
+import weakref
 
 from absl import logging
 from flax import nnx
@@ -25,18 +29,31 @@ from maxtext_rl_plugin.resharding import verify as verify_lib
 PyTree = Any
 
 
-def _config_value(config, name: str, default):
-  """`config.rl.<name>`, else `config.<name>`, else `default` (WeightSync takes MaxText configs and plain objects)."""
-  rl = getattr(config, "rl", None)
-  for obj in (rl, config):
-    if obj is None:
-      continue
-    try:
-      value = getattr(obj, name)
-    except (AttributeError, KeyError, ValueError):
-      continue
-    return value
-  return default
+@dataclasses.dataclass(frozen=True)
+class SyncSettings:
+  """A run's weight-sync options: `rl.reshard_chunk_size` (tensors per chunk; None: bounded by bytes), MaxText's
+  `reshard_donate` (release the sampler's old buffers chunk by chunk), `rl.verify_weight_sync` and
+  `rl.verify_weight_sync_every` (the guard's policy, verify.py). The defaults are the schema's."""
+
+  chunk_size: int | None = None
+  release_old: bool = True
+  verify_policy: str = "first"
+  verify_every: int = 10
+
+  @classmethod
+  def from_config(cls, config: Any) -> "SyncSettings":
+    """The settings of a typed plugin config (the one place this package reads the config)."""
+    return cls(
+        chunk_size=config.rl.reshard_chunk_size,
+        release_old=bool(config.reshard_donate),
+        verify_policy=str(config.rl.verify_weight_sync),
+        verify_every=int(config.rl.verify_weight_sync_every),
+    )
+
+
+# Engines whose `update_params` `install_into_rl_cluster` wrapped, with the sync the wrapper runs (a re-install
+# replaces the sync, not the wrapper).
+_INSTALLED: "weakref.WeakKeyDictionary[Any, WeightSync]" = weakref.WeakKeyDictionary()
 
 
 def _is_nnx_module(x) -> bool:
@@ -51,14 +68,14 @@ class WeightSync:
   (shardings are then derived per call from `current=` or from `mesh`+`rules` and the source's logical
   axes). The trainer's and the sampler's trees are the same (the embedded engine runs the same MaxText module;
   engines with another layout, vLLM, map and reshard in their own update_params).
-  Options come from `config` (`rl.reshard_chunk_size`, `reshard_donate`, `rl.verify_weight_sync`,
-  `rl.verify_weight_sync_every`); keyword arguments override them. Without a chunk size, `chunk_bytes` bounds each
-  chunk's bytes ('auto': `move.DEFAULT_CHUNK_BYTES` on the device_put path, one chunk on Pathways; None: one chunk).
+  Options come from `settings` (`SyncSettings`; None: its defaults); keyword arguments override them. Without a chunk
+  size, `chunk_bytes` bounds each chunk's bytes ('auto': `move.DEFAULT_CHUNK_BYTES` on the device_put path, one chunk
+  on Pathways; None: one chunk).
   """
 
   def __init__(
       self,
-      config=None,
+      settings: SyncSettings | None = None,
       dst: Any = None,
       *,
       mesh: jax.sharding.Mesh | None = None,
@@ -69,10 +86,11 @@ class WeightSync:
       verify_policy: str | None = None,
       verify_every: int | None = None,
   ):
-    self.chunk_size = _config_value(config, "reshard_chunk_size", None) if chunk_size == "config" else chunk_size
-    self.release_old = bool(_config_value(config, "reshard_donate", True) if release_old is None else release_old)
-    self.verify_policy = str(verify_policy or _config_value(config, "verify_weight_sync", "first"))
-    self.verify_every = int(verify_every or _config_value(config, "verify_weight_sync_every", 10))
+    settings = settings or SyncSettings()
+    self.chunk_size = settings.chunk_size if chunk_size == "config" else chunk_size
+    self.release_old = bool(settings.release_old if release_old is None else release_old)
+    self.verify_policy = str(verify_policy or settings.verify_policy)
+    self.verify_every = int(verify_every or settings.verify_every)
     if self.verify_policy not in verify_lib.VERIFY_POLICIES:
       raise ConfigError(
           f"invalid value for 'rl.verify_weight_sync'='{self.verify_policy}': expected one of "
@@ -206,8 +224,8 @@ def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
         f"{type(rollout).__name__}.model() is not an nnx.Module holding the sampler weights; "
         "that engine must reshard inside its own update_params (e.g. with resharding.move.reshard)"
     )
-  if getattr(rollout, "maxtext_rl_weight_sync", None) is not None:
-    rollout.maxtext_rl_weight_sync = weight_sync
+  if rollout in _INSTALLED:
+    _INSTALLED[rollout] = weight_sync
     return
   original = rollout.update_params
 
@@ -219,10 +237,9 @@ def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
       original(new, None)
       return nnx.state(rollout.model(), *filt)
 
-    rollout.maxtext_rl_weight_sync.sync(params, current=current, apply=apply)
+    _INSTALLED[rollout].sync(params, current=current, apply=apply)
 
-  rollout.maxtext_rl_weight_sync = weight_sync
-  rollout.maxtext_rl_original_update_params = original
+  _INSTALLED[rollout] = weight_sync
   rollout.update_params = update_params
   logging.info(
       "RLCluster weight sync routed through maxtext_rl_plugin.resharding (%s, chunk_size=%s, verify=%s)",
@@ -232,29 +249,31 @@ def install_into_rl_cluster(rl_cluster, weight_sync: WeightSync) -> None:
   )
 
 
-def attach_to_rl_cluster(rl_cluster, config) -> WeightSync | None:
-  """The trainer's one call after building the RLCluster: a `WeightSync` from `config`, installed, or None.
+def attach_to_rl_cluster(rl_cluster, settings: SyncSettings, route: str = "wrapped") -> WeightSync | None:
+  """The trainer's one call after building the RLCluster: a `WeightSync` with `settings`, installed, or None.
 
-  The plugin's embedded engine runs the sync inside its own `update_params` (its `weight_sync` attribute); any
-  other engine holding its weights in an nnx module gets its `update_params` wrapped (`install_into_rl_cluster`).
+  `route` is the engine's declared weight-sync route (rollout/engines.Capabilities.weight_sync): 'engine' hands the
+  sync to the engine (its `weight_sync` attribute, run inside its own `update_params`: the embedded engine); 'wrapped'
+  wraps the engine's `update_params` (`install_into_rl_cluster`: any other engine holding its weights in an nnx
+  module, Tunix's own included); 'own' installs nothing (vLLM maps, reshards and checks in its own update_params).
 
   None (and a log line saying why) when there is nothing to sync -- colocated runs where the rollout
-  shares the actor's arrays (Tunix then never calls sync_weights) -- or when the engine keeps its weights
-  outside an nnx module (vLLM, which reshards in its own update_params).
+  shares the actor's arrays (Tunix then never calls sync_weights) -- or when the engine syncs itself.
   """
-
-  sampler = rl_cluster.rollout.model()
-  if not isinstance(sampler, nnx.Module):
+  if route not in ("engine", "wrapped", "own"):
+    raise ValueError(f"unknown weight-sync route {route!r}: expected engine, wrapped or own")
+  if route == "own":
     logging.info(
         "weight sync: %s manages its own weights; not installing the plugin's sync", type(rl_cluster.rollout).__name__
     )
     return None
-  if rl_utils.is_sharing_weights(rl_cluster.actor_trainer.model, sampler):
+  sampler = rl_cluster.rollout.model()
+  if isinstance(sampler, nnx.Module) and rl_utils.is_sharing_weights(rl_cluster.actor_trainer.model, sampler):
     logging.info("weight sync: colocated (the sampler shares the trainer's arrays); nothing to sync")
     return None
-  ws = WeightSync(config)
-  if hasattr(type(rl_cluster.rollout), "weight_sync"):
-    rl_cluster.rollout.weight_sync = ws  # the plugin's own engine runs the guarded sync in its update_params
+  ws = WeightSync(settings)
+  if route == "engine":
+    rl_cluster.rollout.weight_sync = ws  # the engine runs the guarded sync in its update_params
   else:
-    install_into_rl_cluster(rl_cluster, ws)  # another engine: wrap its update_params (see that docstring)
+    install_into_rl_cluster(rl_cluster, ws)  # wrap its update_params (see that docstring)
   return ws

@@ -32,7 +32,9 @@ from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.resharding import move
 from maxtext_rl_plugin.rollout import bucketing
+from maxtext_rl_plugin.rollout import contract
 from maxtext_rl_plugin.rollout import decode
+from maxtext_rl_plugin.rollout import embedded_spec
 from maxtext_rl_plugin.rollout import sampling
 from maxtext_rl_plugin.rollout import stops
 
@@ -57,7 +59,7 @@ class GenerationResult:
     return np.arange(self.tokens.shape[1])[None, :] < self.lengths[:, None]
 
 
-class EmbeddedRollout(base_rollout.BaseRollout):
+class EmbeddedRollout(contract.RolloutEngine):
   """JAX KV-cache rollout engine over a `TunixMaxTextAdapter` (see the module docstring).
 
   Tunix constructs it as `cls(rollout_actor=, tokenizer=, mesh=, rollout_config=)`; bind the plugin
@@ -136,19 +138,16 @@ class EmbeddedRollout(base_rollout.BaseRollout):
   def model(self) -> Any:
     return self._actor
 
-  # Set by `resharding/sync.attach_to_rl_cluster` on disaggregated runs: the chunked, guarded trainer -> sampler copy.
-  weight_sync: Any = None
-  # When set (the plugin's trainer with a per-host sampler mesh), sampling keys are per row: generation j of prompt i
-  # draws its step-t token with fold_in(fold_in(fold_in(rng, prompt_offset + i), j), t), so a row samples the same
-  # tokens however the batch is split across calls, chunks, buckets and processes (each process samples its own
-  # prompts and passes their global index). None: one key per call for the whole batch (the default).
-  prompt_offset: Optional[int] = None
+  spec = embedded_spec.ENGINE
+  # `prompt_offset` (contract.py), when set: generation j of prompt i draws its step-t token with
+  # fold_in(fold_in(fold_in(rng, prompt_offset + i), j), t), so a row samples the same tokens however the batch is split
+  # across calls, chunks, buckets and processes. `weight_sync` (contract.py): the chunked, guarded trainer -> sampler
+  # copy its `update_params` runs on disaggregated runs.
   # Set by `snapshot_weights`: the weights generate() samples with instead of the actor's current ones.
   _pinned: Any = None
 
   def snapshot_weights(self) -> None:
-    """From now on sample with the actor's weights as they are now, even while the actor is updated, until the next
-    snapshot (`release_snapshot` returns to the live weights).
+    """The contract's snapshot (until the next one, or `release_snapshot`).
 
     For rollouts that run ahead of the trainer on a colocated engine (run/async_rollout.py): the actor's arrays are the
     trainer's and change under the producer. `nnx.state` returns the model's live Variables (an update shows through
@@ -234,9 +233,8 @@ class EmbeddedRollout(base_rollout.BaseRollout):
     )
 
   def take_routing(self) -> np.ndarray | None:
-    """The routing of the rows of every `generate` call since the last take (Tunix's rollout micro-batches are
-    consecutive calls, so their rows concatenate in order), [rows, max_prompt_length + T, layers, k]; None on a dense
-    model. Clears it (this thread's calls only)."""
+    """The contract's routing (Tunix's rollout micro-batches are consecutive calls, so their rows concatenate in
+    order); None on a dense model."""
     routing, self._routing.calls = getattr(self._routing, "calls", []), []
     return np.concatenate(routing, axis=0) if routing else None
 
@@ -249,17 +247,15 @@ class EmbeddedRollout(base_rollout.BaseRollout):
       rollout_config: base_rollout.RolloutConfig,
       rng: jax.Array,
       stop_strings: Sequence[str] = (),
-  ) -> list[tuple[np.ndarray, np.ndarray, str]]:
-    """One assistant turn of multi-turn episodes (agentic/episode.py): (tokens, log-probs, finish reason) per row.
+  ) -> list[contract.TurnRow]:
+    """The contract's turn (contract.RolloutEngine.generate_turn), through `generate_tokens`: a first turn's G rows
+    share one prefill.
 
-    `contexts` are token ids: the prompts on the first turn (G rows each, one shared prefill), then each episode's
-    whole transcript (prompt + its turns + the tool's answers) with G = 1. The transcript is prefilled again each
-    turn rather than appended to the previous turn's KV cache: the decode program returns tokens, not its cache
-    (keeping [N, L+T] caches alive on device across a host round trip per turn, and compiling a second "append to an
-    existing cache" program per bucket, is not built yet). Measured (`python -m maxtext_rl_plugin.bench agentic`,
-    docs/agentic.md): re-prefill is a quarter of a turn at the CPU demo's 48-token transcripts and most of a turn at
-    512 tokens, so cache reuse is the next step for long transcripts. `stop_strings`
-    are added to the config's.
+    The transcript is prefilled again each turn rather than appended to the previous turn's KV cache: the decode
+    program returns tokens, not its cache (keeping [N, L+T] caches alive on device across a host round trip per turn,
+    and compiling a second "append to an existing cache" program per bucket, is not built yet). Measured
+    (`python -m maxtext_rl_plugin.bench agentic`, docs/agentic.md): re-prefill is a quarter of a turn at the CPU demo's
+    48-token transcripts and most of a turn at 512 tokens, so cache reuse is the next step for long transcripts.
     """
     params = sampling.SamplingParams.create(rollout_config.temperature, rollout_config.top_k, rollout_config.top_p)
     res = self.generate_tokens(

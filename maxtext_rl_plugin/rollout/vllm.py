@@ -51,11 +51,13 @@ from maxtext_rl_plugin.resharding import maxtext_layout
 from maxtext_rl_plugin.resharding import per_host
 from maxtext_rl_plugin.resharding import verify
 from maxtext_rl_plugin.errors import DataError, MissingExtraError
+from maxtext_rl_plugin.rollout import contract
 from maxtext_rl_plugin.rollout import stops as stops_lib
 from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.rollout import vllm_mapping
 from maxtext_rl_plugin.rollout import vllm_maxtext
 from maxtext_rl_plugin.rollout import vllm_routing
+from maxtext_rl_plugin.rollout import vllm_spec
 from maxtext_rl_plugin.rollout import vllm_sync
 
 TARGET_API = "vllm-tpu==0.32.0, tpu-inference==0.32.0"
@@ -75,8 +77,19 @@ def _driver_worker(llm: Any) -> Any:
   return llm.llm_engine.model_executor.driver_worker
 
 
-class VllmRollout(base_rollout.BaseRollout):
-  """Rollouts from vLLM-TPU with trainer->vLLM weight sync; build with `functools.partial(VllmRollout, config=cfg)`."""
+class VllmRollout(contract.RolloutEngine):
+  """Rollouts from vLLM-TPU with trainer->vLLM weight sync; build with `functools.partial(VllmRollout, config=cfg)`.
+
+  `config` is the whole (sampler) MaxText config: vLLM's arguments are made from MaxText's keys (vllm_config.py), and
+  on the MaxTextForCausalLM route MaxText builds its own model inside vLLM from the config it derives
+  (vllm_maxtext.py), which MaxText's API takes whole.
+  """
+
+  spec = vllm_spec.ENGINE
+
+  @classmethod
+  def ensure_available(cls) -> None:
+    import_vllm()
 
   def __init__(
       self,
@@ -209,15 +222,13 @@ class VllmRollout(base_rollout.BaseRollout):
       rollout_config: base_rollout.RolloutConfig,
       rng: jax.Array,
       stop_strings: Sequence[str] = (),
-  ) -> list[tuple[np.ndarray, np.ndarray, str]]:
-    """One assistant turn of multi-turn episodes (agentic/episode.py) through the same `LLM.generate` call.
+  ) -> list[contract.TurnRow]:
+    """The contract's turn (contract.RolloutEngine.generate_turn) through the same `LLM.generate` call.
 
-    `contexts` are token ids (the prompt, then the episode's whole transcript), each sent `num_generations` times as
-    `prompt_token_ids`; with `enable_prefix_caching` vLLM reuses the transcript's KV blocks from the previous turn.
-    `stop_strings` (the tool call's closing tag) are added to the config's and kept in the output. The finish reason
-    follows vLLM's `CompletionOutput`: `finish_reason == "length"` -> "length"; a string `stop_reason` (a stop
-    string) -> "stop_string"; otherwise a stop token ("eos" when it is EOS). `rng` is unused (vLLM seeds its own
-    sampler, as for `generate`); taken so both engines answer the one call episode.py makes, signature for signature.
+    Each context is sent `num_generations` times as `prompt_token_ids`; with `enable_prefix_caching` vLLM reuses the
+    transcript's KV blocks from the previous turn. The finish reason follows vLLM's `CompletionOutput`:
+    `finish_reason == "length"` -> "length"; a string `stop_reason` (a stop string) -> "stop_string"; otherwise a stop
+    token ("eos" when it is EOS). `rng` is unused (vLLM seeds its own sampler, as for `generate`).
     """
     del rng
     if not self._weights_valid:
@@ -253,8 +264,8 @@ class VllmRollout(base_rollout.BaseRollout):
     return rows
 
   def take_routing(self) -> np.ndarray | None:
-    """The routing [rows, P + T, layers, k] of every `generate` call this thread made since the last take, in call
-    order (rollout/vllm_routing.py); None when the engine captures none (a dense model, or no capture asked)."""
+    """The contract's routing (laid out by rollout/vllm_routing.py); None when the engine captures none (a dense model,
+    no capture asked, or the native route)."""
     calls, self._routing.calls = getattr(self._routing, "calls", []), []
     return np.concatenate(calls, axis=0) if calls else None
 

@@ -16,10 +16,10 @@ from typing import Any, Sequence
 
 import jax.numpy as jnp
 
-from maxtext_rl_plugin.config import early_checks
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import vllm_mapping
 from maxtext_rl_plugin.rollout import vllm_maxtext
+from maxtext_rl_plugin.rollout import vllm_spec
 
 # ------------------------------------------------------------------------------- config -> vLLM
 
@@ -162,8 +162,8 @@ def unproven_reason(config: Any) -> str | None:
 
 
 def vllm_head_dim_reason(model_name: str, head_dim: int) -> str | None:
-  """Why vLLM-TPU would sample a different function than the trainer's Qwen3, or None (early_checks says why)."""
-  return early_checks.qwen3_head_dim_reason(model_name, head_dim)
+  """Why vLLM-TPU would sample a different function than the trainer's Qwen3, or None (vllm_spec says why)."""
+  return vllm_spec.qwen3_head_dim_reason(model_name, head_dim)
 
 
 def check_config(config: Any) -> None:

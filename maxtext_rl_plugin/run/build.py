@@ -41,8 +41,7 @@ from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.data import load
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import sync
-from maxtext_rl_plugin.rollout import embedded
-from maxtext_rl_plugin.rollout import vllm as vllm_rollout
+from maxtext_rl_plugin.rollout import engines
 from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.run.state import PhaseTimer, RewardRecorder, RLRun
 
@@ -132,14 +131,12 @@ def _resolve_engine_name(config) -> str:
 
 
 def rollout_engine_factory(name: str, sampler_config) -> Any:
-  """A Tunix-constructible rollout engine (`functools.partial` of a `BaseRollout` subclass)."""
-  if name == "embedded":
-    return functools.partial(embedded.EmbeddedRollout, config=sampler_config)
-  if name == "vllm":
-    vllm_rollout.import_vllm()  # fail before any model is built when the [tpu] extra is missing
-    return functools.partial(vllm_rollout.VllmRollout, config=sampler_config)
-  # `rollout_engine` is a Literal in config/schema.py: the config never reaches here with another name.
-  raise ValueError(f"unknown rollout engine {name!r}")
+  """A Tunix-constructible rollout engine: `functools.partial` of the `rollout/contract.RolloutEngine` subclass
+  registered as `name` (rollout/engines.py), bound to the sampler's config; its optional dependencies are checked here,
+  before any model is built (`ensure_available`: vLLM's [tpu] extra)."""
+  engine = engines.spec(name).load_engine()
+  engine.ensure_available()
+  return functools.partial(engine, config=sampler_config)
 
 
 def rollout_configs(config, tokenizer) -> dict:
@@ -232,6 +229,7 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   tokenizer = models.load_run_tokenizer(config)
   train_split, eval_split = load.load_splits(config, tokenizer)
   engine_name = _resolve_engine_name(config)
+  engine = engines.spec(engine_name).capabilities
   rollout_factory = rollout_engine_factory(engine_name, rs.sampler_config)
   rollout_cfgs = rollout_configs(config, tokenizer)
 
@@ -294,7 +292,9 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   lora_lib.keep_base_shared(rl_cluster, frozen_base)
   # Disaggregated runs: trainer -> sampler weights go through the plugin's resharding (chunked, guarded).
 
-  weight_sync = sync.attach_to_rl_cluster(rl_cluster, rs.sampler_config)
+  weight_sync = sync.attach_to_rl_cluster(
+      rl_cluster, sync.SyncSettings.from_config(rs.sampler_config), engine.weight_sync
+  )
   timer = PhaseTimer()
   recorder = RewardRecorder()
   reward_fns = [recorder.wrap(fn) for fn in rewards_lib.reward_fns_from_config(config)]
@@ -307,11 +307,7 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   trainer_logps = logps.TrainerLogps(
       rl_cluster, actor_mesh, config.logical_axis_rules, row_tokens=int(config.max_seq_token_per_tpu or 0)
   )
-  if (
-      config.rl.off_policy_steps > 0
-      and not learner.should_sync_weights
-      and not hasattr(rl_cluster.rollout, "snapshot_weights")
-  ):
+  if config.rl.off_policy_steps > 0 and not learner.should_sync_weights and not engine.snapshots:
     raise ConfigError(
         f"invalid value for 'rl.off_policy_steps'={config.rl.off_policy_steps}: rollout engine "
         f"'{engine_name}' samples with the trainer's own weights here (colocated) and cannot pin a weight "

@@ -170,10 +170,10 @@ class Sampled:
 
 
 def rollout_routing(run: Any) -> np.ndarray | None:
-  """The routing of the rollout calls this thread made since the last take (the embedded engine's `take_routing`),
-  gathered across processes like the rows themselves (`generate`); None when the engine reports none."""
-  take = getattr(run.rl_cluster.rollout, "take_routing", None)
-  routing = take() if take is not None else None
+  """The routing of the rollout calls this thread made since the last take (the engine's `take_routing`,
+  rollout/contract.py), gathered across processes like the rows themselves (`generate`); None when the engine reports
+  none."""
+  routing = run.rl_cluster.rollout.take_routing()
   if routing is not None and samples_per_host(run):
     routing = distributed.gather_rows(routing)
   return routing
@@ -201,14 +201,14 @@ def samples_per_host(run: Any) -> bool:
   """Whether each JAX process samples only its own share of a batch: a multi-process run whose sampler is per host
   (a disaggregated split, distributed.split_local_devices, or an engine that is one per host itself: vLLM)."""
   rollout = run.rl_cluster.rollout
-  return distributed.is_multiprocess() and (run.setup.disaggregated or bool(getattr(rollout, "per_host", False)))
+  return distributed.is_multiprocess() and (run.setup.disaggregated or rollout.per_host)
 
 
 def generate(run: Any, prompts: list[str], num_generations: int, micro_batch_size: int | None):
   """The rollout of `prompts` (each repeated `num_generations` times, consecutively).
 
-  Disaggregated runs sample with per-row keys (the embedded engine's `prompt_offset`: a row's tokens depend on its
-  prompt's global index, not on the batch it is sampled in). With more than one JAX process the sampler mesh is
+  Disaggregated runs sample with per-row keys where the engine has them (`prompt_offset`, capabilities.row_keys,
+  rollout/contract.py: a row's tokens depend on its prompt's global index, not on the batch it is sampled in). With more than one JAX process the sampler mesh is
   per host (distributed.split_local_devices, or vLLM's one engine per host): each process samples its own prompt
   groups (`process_slice`), and the rows are then gathered so every process holds the whole batch, as 1 process
   sampling all of them would.
@@ -220,7 +220,7 @@ def generate(run: Any, prompts: list[str], num_generations: int, micro_batch_siz
     return cluster.generate(prompts=prompts, mode=rl_cluster_lib.Mode.TRAIN, micro_batch_size=micro_batch_size)
   g = num_generations
   own = distributed.process_slice(len(prompts) // g) if per_host else slice(0, len(prompts) // g)
-  keyed = hasattr(rollout, "prompt_offset")
+  keyed = rollout.capabilities.row_keys
   if keyed:
     rollout.prompt_offset = own.start
   try:
@@ -365,7 +365,7 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any, parity_step:
     if cfg.rl.router_replay and sampled.routing is None and moe.is_moe(cfg):  # never a silent free-routing update
       raise RuntimeError(
           "rl.router_replay=true: the rollout engine returned no routing for this batch "
-          f"({type(cluster.rollout).__name__} has no take_routing, or captured none)"
+          f"({type(cluster.rollout).__name__} captured none)"
       )
     forced = put(sampled.routing) if cfg.rl.router_replay and sampled.routing is not None else None
     if parity_step is not None and behaviour is None:  # an engine that returned no log-probs: its weights' forward

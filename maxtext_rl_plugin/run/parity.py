@@ -77,6 +77,7 @@ import numpy as np
 
 from maxtext_rl_plugin.errors import UserError
 from maxtext_rl_plugin.resharding import verify
+from maxtext_rl_plugin.rollout import engines
 
 POLICIES = ("off", "first", "every_n")
 
@@ -118,12 +119,14 @@ def float32_matmuls(config: Any, backend: str | None = None) -> bool:
 
 
 def pairing(config: Any, engine: str = "embedded", backend: str | None = None) -> str:
-  """'<sampler>/<trainer>' precision of a run: the embedded engine computes in MaxText's `dtype` like the trainer;
+  """'<sampler>/<trainer>' precision of a run: the sampler computes in the dtype of the config key its engine declares
+  (`Capabilities.sample_dtype_key`, rollout/engines.py): the embedded engine in MaxText's `dtype` like the trainer,
   vLLM in the weights' dtype (rollout/vllm_config.py passes `weight_dtype` as vLLM's `dtype`). A float32 sampler
   against a bfloat16 trainer gets the bfloat16/bfloat16 tolerances; float32 on both sides off the CPU below
   `matmul_precision=highest` is `REDUCED` (`float32_matmuls`)."""
   trainer = precision(config.dtype)
-  sampler = precision(config.weight_dtype if engine == "vllm" else config.dtype)
+  sample_key = engines.spec(engine).capabilities.sample_dtype_key
+  sampler = precision(config.weight_dtype if sample_key == "weight_dtype" else config.dtype)
   if sampler == "float32" and trainer == "bfloat16":
     sampler = "bfloat16"
   pair = f"{sampler}/{trainer}"

@@ -122,7 +122,7 @@ def test_layouts_really_differ(env):
 
 def test_sync_after_training_step_is_bitwise_on_sampler_mesh(env):
   before = [np.asarray(x).copy() for x in jax.tree.leaves(_state(env["model"]))]
-  ws = sync.WeightSync(env["config"], env["dst"], verify_policy="every_n", verify_every=1)
+  ws = sync.WeightSync(_settings(env), env["dst"], verify_policy="every_n", verify_every=1)
   first = ws.sync(_state(env["model"]))
   _train_step(env, seed=0)
   after = _state(env["model"])
@@ -221,7 +221,7 @@ def test_guard_catches_a_corrupted_array(env, corruption):
 
 def test_guard_catches_a_dropped_chunk(env, monkeypatch):
   ws = sync.WeightSync(
-      env["config"], env["dst"], chunk_size=4, release_old=False, verify_policy="every_n", verify_every=1
+      _settings(env), env["dst"], chunk_size=4, release_old=False, verify_policy="every_n", verify_every=1
   )
   src = _state(env["model"])
   stale = move.reshard(jax.tree.map(lambda x: x * 0.5 + 1, src), env["dst"])  # the sampler's previous weights
@@ -266,14 +266,14 @@ def test_verify_policy_cadence(env, monkeypatch):
   monkeypatch.setattr(verify, "verify", lambda *a, **k: (seen.append(1), real_verify(*a, **k)))
   counts = {}
   for policy in ("off", "first", "every_n"):
-    ws = sync.WeightSync(env["config"], env["dst"], verify_policy=policy, verify_every=2, release_old=False)
+    ws = sync.WeightSync(_settings(env), env["dst"], verify_policy=policy, verify_every=2, release_old=False)
     for _ in range(5):
       ws.sync(src)
     counts[policy] = ws.num_verified
   assert counts == {"off": 0, "first": 1, "every_n": 3}  # every_n: syncs 1, 2, 4
   assert len(seen) == 4
   with pytest.raises(ConfigError, match="verify_weight_sync"):
-    sync.WeightSync(env["config"], env["dst"], verify_policy="sometimes")
+    sync.WeightSync(_settings(env), env["dst"], verify_policy="sometimes")
 
 
 def test_config_keys_are_read(env, repo_root):
@@ -286,7 +286,7 @@ def test_config_keys_are_read(env, repo_root):
           "rl.verify_weight_sync_every=3",
       ]
   )
-  ws = sync.WeightSync(cfg, env["dst"])
+  ws = sync.WeightSync(sync.SyncSettings.from_config(cfg), env["dst"])
   assert (ws.chunk_size, ws.release_old, ws.verify_policy, ws.verify_every) == (5, False, "every_n", 3)
 
 
@@ -328,7 +328,7 @@ def test_pathways_experimental_path_with_faked_plugin_program(env, monkeypatch):
 
   src = _state(env["model"])
   n = len(jax.tree.leaves(src))
-  ws = sync.WeightSync(env["config"], env["dst"], chunk_size=4, release_old=False, verify_policy="first")
+  ws = sync.WeightSync(_settings(env), env["dst"], chunk_size=4, release_old=False, verify_policy="first")
   assert ws.path == backend.PATH_PATHWAYS_EXPERIMENTAL
   out = ws.sync(src)
   _assert_bitwise_on(src, out, env["dst"], env["rs"].sampler_devices)
@@ -456,6 +456,11 @@ class _TinyRollout:
     return Engine
 
 
+def _settings(env) -> sync.SyncSettings:
+  """The sync settings of the env's config (cpu_tiny.yml: verify_weight_sync=first, reshard_donate=true)."""
+  return sync.SyncSettings.from_config(env["config"])
+
+
 def _rl_cluster(env, engine, colocated: bool = False):
   """A Tunix RLCluster over the env's trainer model and `engine` (disaggregated unless `colocated`)."""
   Role = rl_cluster_lib.Role
@@ -502,10 +507,10 @@ def test_rl_cluster_sync_weights_goes_through_the_plugin(env, buggy_engine, rele
   held = _state(cluster.rollout.model())  # model_on_mesh: the engine's own copy, in the sampler layout
   _assert_bitwise_on(_state(cluster.actor_trainer.model), held, env["dst"], env["rs"].sampler_devices)
   if buggy_engine:
-    ws = sync.WeightSync(env["config"], release_old=release, verify_policy="every_n", verify_every=1)
+    ws = sync.WeightSync(_settings(env), release_old=release, verify_policy="every_n", verify_every=1)
     sync.install_into_rl_cluster(cluster, ws)
   else:  # the trainer's one call; cpu_tiny.yml: verify_weight_sync=first, reshard_donate=true
-    ws = sync.attach_to_rl_cluster(cluster, env["config"])
+    ws = sync.attach_to_rl_cluster(cluster, _settings(env))
     assert ws is not None and ws.verify_policy == "first" and ws.release_old
   _perturb(cluster.actor_trainer.model, scale=1.5 + buggy_engine + release)  # new trainer weights, cheaply
   trainer = _state(cluster.actor_trainer.model)
@@ -524,21 +529,21 @@ def test_rl_cluster_sync_weights_goes_through_the_plugin(env, buggy_engine, rele
 def test_attach_is_a_no_op_when_colocated(env):
   _TinyRollout.dst, _TinyRollout.drop = None, None
   cluster = _rl_cluster(env, _TinyRollout.make(), colocated=True)
-  assert sync.attach_to_rl_cluster(cluster, env["config"]) is None
-  assert not hasattr(cluster.rollout, "maxtext_rl_weight_sync")
+  assert sync.attach_to_rl_cluster(cluster, _settings(env)) is None
+  assert cluster.rollout not in sync._INSTALLED  # pylint: disable=protected-access  # nothing wrapped
 
 
 def test_weight_sync_destinations_mesh_rules_and_sampler_model(env):
   """The other two ways to name the destination: a sampler mesh + rules, or the sampler's nnx model."""
   src = _state(env["model"])
-  by_mesh = sync.WeightSync(env["config"], mesh=env["smesh"], rules=env["config"].logical_axis_rules)
+  by_mesh = sync.WeightSync(_settings(env), mesh=env["smesh"], rules=env["config"].logical_axis_rules)
   _assert_bitwise_on(src, by_mesh.sync(src), env["dst"], env["rs"].sampler_devices)
 
   sampler = move.model_on_mesh(env["model"], env["smesh"], env["config"].logical_axis_rules)
   old = jax.tree.leaves(_state(sampler))
   _perturb(env["model"], scale=0.5)
   src = _state(env["model"])
-  ws = sync.WeightSync(env["config"], sampler)  # updates the sampler model in place
+  ws = sync.WeightSync(_settings(env), sampler)  # updates the sampler model in place
   held = ws.sync(src)
   _assert_bitwise_on(src, _state(sampler), env["dst"], env["rs"].sampler_devices)
   _assert_bitwise_on(src, held, env["dst"], env["rs"].sampler_devices)

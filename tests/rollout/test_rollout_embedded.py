@@ -355,8 +355,9 @@ def test_data_parallel_mesh_greedy_matches_recompute(setup):
 
 def test_registry_bucketing_and_grouping_helpers():
 
-  assert registry.load("rollout_engines", "embedded") is embedded.EmbeddedRollout
+  assert registry.load("rollout_engines", "embedded").load_engine() is embedded.EmbeddedRollout
   assert issubclass(embedded.EmbeddedRollout, base_rollout.BaseRollout)
+  assert embedded.EmbeddedRollout.spec is registry.load("rollout_engines", "embedded")
   assert [bucketing.next_bucket(n, [32, 64, 128]) for n in (1, 32, 33, 128, 129, 300)] == [32, 32, 64, 128, 256, 384]
   a, b = [1, 2], [3]
   assert bucketing.consecutive_groups([a, a, b, b]) == ([a, b], 2)

@@ -338,7 +338,7 @@ def _build(monkeypatch, cfg, tree, tokenizer, engine_state=None):
 @pytest.mark.skipif(_has_vllm(), reason="vllm is installed here; the missing-extra path needs a machine without it")
 def test_missing_vllm_fails_at_construction_with_one_line(qwen, tokenizer, capsys):
 
-  cls = registry.load("rollout_engines", "vllm")
+  cls = registry.load("rollout_engines", "vllm").load_engine()
   assert cls is vllm_mod.VllmRollout
   with pytest.raises(errors.MissingExtraError) as ei:
     cls(rollout_actor=qwen[1], tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(qwen[0]), config=qwen[0])

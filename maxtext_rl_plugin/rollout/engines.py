@@ -1,0 +1,120 @@
+"""Rollout engines by name: what each declares before it is imported (light: no JAX, no Tunix, no engine module).
+
+`rollout_engine=NAME` resolves through the `maxtext_rl_plugin.rollout_engines` entry-point group (setup.cfg; the
+built-ins register there like any third-party package). Each entry names an `EngineSpec`, not the engine class: the
+first pass (config/precheck.py, before JAX is imported) must know an engine's capabilities and refusals within a second,
+and importing an engine module pulls in JAX, Tunix and MaxText (~2 s and up). The spec says:
+
+* `capabilities`: what the RL loop may ask of the engine beyond Tunix's `BaseRollout` (rollout/contract.py states the
+  methods; the flags say which of them the engine honours, so no caller probes an engine with `hasattr`);
+* `checks`: the engine's own refusals of a config, light functions of the config as written or typed (one
+  `ConfigError` line each), run in both passes by config/validation.py; `typed_checks`: `module:function` paths of the
+  ones that need the engine's heavier modules, imported and run in the second pass only;
+* `routing_refusal`: why this engine cannot report a given MoE model's routing (rl.router_replay, return_routed_experts);
+* `engine`: `module:Class` of the `contract.RolloutEngine` subclass, imported when a run builds it (`load_engine`).
+
+The name 'auto' is not an engine: it is the run's choice between the built-ins (run/build.py), so it is accepted beside
+the registered names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Callable, Literal
+
+from maxtext_rl_plugin import registry
+from maxtext_rl_plugin.errors import ConfigError
+
+AUTO = "auto"
+GROUP = registry.GROUPS["rollout_engines"]
+
+# How the trainer's weights reach the engine (resharding/sync.attach_to_rl_cluster):
+# 'engine'  -- the engine takes the plugin's `resharding.sync.WeightSync` as its `weight_sync` attribute and runs it
+#              inside its own `update_params` (chunked reshard onto its shardings, then the guard);
+# 'wrapped' -- an nnx engine whose `update_params` the plugin wraps with the same sync (install_into_rl_cluster);
+# 'own'     -- the engine maps, reshards and checks the weights itself (vLLM: another layout, its own session).
+WeightSyncRoute = Literal["engine", "wrapped", "own"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+  """What an engine can do for the RL loop; each flag gates one part of the contract (rollout/contract.py)."""
+
+  # `take_routing()` returns the experts each token was routed to on MoE models (rl.router_replay,
+  # return_routed_experts); False: it always returns None and the config checks refuse replay.
+  routing_capture: bool = False
+  # Samples a LoRA actor (the adapters merged into the weights it samples with).
+  lora: bool = False
+  # May run as one engine per host in a multi-controller run; the instance's `per_host` says whether it does.
+  per_host: bool = False
+  # `generate_turn` (multi-turn episodes with tools, rl.use_agentic_rollout).
+  multi_turn: bool = False
+  # Per-row sampling keys from a global prompt index (`prompt_offset`): a row samples the same tokens however the batch
+  # is split across calls and processes (disaggregated and per-host runs set it).
+  row_keys: bool = False
+  # `snapshot_weights()` / `release_snapshot()`: pins a weight version while a colocated trainer updates the arrays
+  # it shares (rl.off_policy_steps > 0 on a colocated split).
+  snapshots: bool = False
+  # The config key whose dtype the engine samples in ('dtype': MaxText's compute dtype, as the trainer;
+  # 'weight_dtype': the weights' dtype), for the parity gate's precision pairing (run/parity.py).
+  sample_dtype_key: Literal["dtype", "weight_dtype"] = "dtype"
+  weight_sync: WeightSyncRoute = "wrapped"
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineSpec:
+  """One engine's declaration (see the module docstring); registered by an entry point in `GROUP`."""
+
+  name: str
+  engine: str  # 'module:Class' of the contract.RolloutEngine subclass
+  capabilities: Capabilities
+  checks: tuple[Callable[[Any], None], ...] = ()
+  typed_checks: tuple[str, ...] = ()  # 'module:function', imported in the second pass only
+  routing_refusal: Callable[[Any, str], str | None] | None = None
+  summary: str = ""
+
+  def check(self, config: Any) -> None:
+    """The engine's light refusals of `config` (one ConfigError line each), in both passes."""
+    for check in self.checks:
+      check(config)
+
+  def check_typed(self, config: Any) -> None:
+    """The refusals that need the engine's heavier modules, on the typed config (the second pass only)."""
+    for path in self.typed_checks:
+      _attr(path)(config)
+
+  def load_engine(self) -> Any:
+    """The engine class (imports the engine's module: JAX, Tunix, its own dependencies)."""
+    return _attr(self.engine)
+
+
+def _attr(path: str) -> Any:
+  module, _, attr = path.partition(":")
+  return getattr(importlib.import_module(module), attr)
+
+
+def names() -> list[str]:
+  """The registered engine names, sorted (reads the installed packages' metadata; imports nothing)."""
+  return sorted(registry.entry_points("rollout_engines"))
+
+
+def spec(name: str) -> EngineSpec:
+  """The `EngineSpec` registered as `name`; one ConfigError line listing the registered names when there is none."""
+  registered = registry.entry_points("rollout_engines")
+  if name not in registered:
+    raise ConfigError(
+        f"invalid value for 'rollout_engine'={name!r}: expected one of {', '.join([AUTO, *sorted(registered)])} (the "
+        f"registered rollout engines: entry-point group {GROUP})"
+    )
+  found = registered[name].load()
+  if not isinstance(found, EngineSpec):
+    raise ConfigError(
+        f"rollout_engine={name}: the entry point {registered[name].value} in {GROUP} names a "
+        f"{type(found).__name__}, not a maxtext_rl_plugin.rollout.engines.EngineSpec"
+    )
+  return found
+
+
+def specs() -> dict[str, EngineSpec]:
+  return {n: spec(n) for n in names()}
