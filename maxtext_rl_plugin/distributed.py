@@ -64,15 +64,20 @@ def check_device_split(trainer_devices: list, sampler_devices: list) -> None:
     )
 
 
-def check_synchronous(off_policy_steps: int) -> None:
-  """Refuse rollouts that run ahead in a thread (`rl.off_policy_steps` > 0) in a multi-process program: the producer
-  thread's rollout programs and the main thread's updates would reach the cross-process collectives in an order that
-  can differ between processes (a hang or a wrong reduction); no test here shows them ordered."""
-  if is_multiprocess() and off_policy_steps > 0:
+def check_asynchronous(off_policy_steps: int, sampler_per_host: bool) -> None:
+  """Refuse rollouts that run ahead in a thread (`rl.off_policy_steps` > 0) in a multi-process program whose sampler
+  spans processes (colocated on the global trainer mesh): its rollout programs are themselves cross-process
+  collectives, which the producer thread would issue in an order unrelated to the trainer's. A per-host sampler (a
+  disaggregated split per process, or vLLM's one engine per host) samples on this process's devices only; the
+  producer then hands every cross-process step (the gather of the rows) to the trainer's thread
+  (run/async_rollout.py), so every process issues the same collectives in the same order."""
+  if is_multiprocess() and off_policy_steps > 0 and not sampler_per_host:
     raise ConfigError(
-        f"invalid value for 'rl.off_policy_steps'={off_policy_steps}: rollouts running ahead in a thread "
-        f"are not supported across {jax.process_count()} JAX processes (the two threads' collectives "
-        "could be ordered differently on each process); use rl.off_policy_steps=0"
+        f"invalid value for 'rl.off_policy_steps'={off_policy_steps}: rollouts running ahead across "
+        f"{jax.process_count()} JAX processes need a sampler on each process's own devices (a disaggregated split: "
+        "trainer_devices_fraction/sampler_devices_fraction, or rollout_engine=vllm's engine per host); a colocated "
+        "sampler's rollout is a program over every process's devices, which a thread cannot order with the "
+        "trainer's; use rl.off_policy_steps=0 or split the devices"
     )
 
 
@@ -338,6 +343,16 @@ def agree_from_writer(value: int) -> int:
   if not is_multiprocess():
     return value
   return int(np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(int(value), np.int64))))
+
+
+def from_writer_rows(rows: np.ndarray) -> np.ndarray:
+  """Process 0's `rows` on every process (the same shape on each): a decision made once and shared, e.g. the rewards
+  dynamic sampling selects groups by, so a reward function that is not deterministic across hosts (a timeout, a
+  remote judge) cannot make processes keep different groups or run different refill rounds. A broadcast rather than
+  an all-gather: nothing is compared, the writer's value is the value."""
+  if not is_multiprocess():
+    return np.asarray(rows)
+  return np.asarray(multihost_utils.broadcast_one_to_all(np.asarray(rows)))
 
 
 def agree(value: int, what: str) -> int:

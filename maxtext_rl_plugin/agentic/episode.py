@@ -28,6 +28,16 @@ Engines implement one call, `generate_turn(contexts, num_generations, max_new_to
 stop_strings)` -> [(tokens, logps, finish_reason)] per row: the embedded engine (rollout/embedded.py) and the vLLM
 adapter (rollout/vllm.py). `max_new_tokens` is always `agentic_turn_tokens` (rows are cut to their remaining budget
 on host), so a run compiles one program per (batch, context) bucket, not one per remaining budget.
+
+Across JAX processes (multi-controller) there are two layouts. With a per-host sampler (a disaggregated split per
+process, or vLLM's engine per host) each process runs the episodes of its own prompt groups (`generate(groups=)`),
+tools included, and the run gathers the rows with their loss masks and counters (`counters` / `from_counters`,
+run/experience.py), so every process holds every episode and the metrics are the global batch's; the rollout
+micro-batches keep their global index and key, so an episode samples what one process would have sampled. With a
+sampler spanning the processes (colocated) every process runs every turn program together; each process then runs the
+tool calls of its own rows (row r: process r mod P) and the observations are gathered every turn (`shared_observe`),
+so every process continues from the same transcripts (a tool that timed out on one host alone would otherwise
+split them, and the next turn's programs with them).
 """
 
 from __future__ import annotations
@@ -41,6 +51,7 @@ import numpy as np
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.rollout import base_rollout
 
+from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.agentic import parse
 from maxtext_rl_plugin.agentic import tools as tools_lib
 from maxtext_rl_plugin.rollout import bucketing
@@ -48,6 +59,9 @@ from maxtext_rl_plugin.rollout import bucketing
 # An assistant turn's end: "call" (a closed tool call), "answer" (EOS / stop token / another stop string), "length".
 Turn = tuple[np.ndarray, np.ndarray, str]
 TurnFn = Callable[[list[list[int]], int, int, int], list[Turn]]  # (contexts, generations, max_new, turn) -> rows
+# The observations of one turn's tool calls, given as (row, parsed call) in row order.
+ObserveFn = Callable[[list[tuple[int, Any]]], list[tools_lib.Observation]]
+_FINISH = ("", "answer", "max_turns", "length")  # Episode.finish as a number (counters)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +104,16 @@ def run_episodes(
     toolbox: tools_lib.Toolbox,
     parser: parse.CallParser,
     forbidden_ids: Any = (),
+    observe: ObserveFn | None = None,
 ) -> list[Episode]:
   """`num_generations` episodes per prompt (rows of prompt i: i*G .. i*G+G-1), all turns of all rows batched.
 
   Turn 1 samples G continuations of each prompt (one shared prefill); later turns continue each row still in a
   tool call from its own transcript. `forbidden_ids` (pad, EOS, stop ids) are removed from environment tokens: in a
-  completion they would end it or read as padding to the trainer's masks.
+  completion they would end it or read as padding to the trainer's masks. `observe` runs a turn's tool calls (default:
+  here, one by one; `shared_observe` across processes).
   """
+  observe = observe or functools.partial(local_observe, toolbox)
   g = int(num_generations)
   eps = [Episode(prompt=list(prompts[i // g])) for i in range(len(prompts) * g)]
   forbidden = set(int(t) for t in forbidden_ids)
@@ -106,7 +123,7 @@ def run_episodes(
   while rows:
     outs = turn_fn(contexts, gens, limits.turn_tokens, turn)
     turn += 1
-    follow: list[int] = []
+    calls: list[tuple[int, Any]] = []
     for r, (tokens, logps, finish) in zip(rows, outs):
       ep = eps[r]
       room = limits.total_tokens - len(ep.tokens)
@@ -123,8 +140,10 @@ def run_episodes(
         ep.finish = "answer"
         continue
       ep.tool_calls += 1
-      call = parser.call(text)
-      obs = tools_lib.Observation(f"Error: {call.error}", True) if call.error else toolbox.run(call.name, call.arguments)
+      calls.append((r, parser.call(text)))
+    follow: list[int] = []
+    for (r, _), obs in zip(calls, observe(calls)):
+      ep = eps[r]
       ep.tool_errors += int(obs.error)
       if ep.turns >= limits.max_turns:
         ep.finish = "max_turns"
@@ -139,6 +158,43 @@ def run_episodes(
     rows = follow
     contexts, gens = [eps[r].prompt + eps[r].tokens for r in rows], 1
   return eps
+
+
+def local_observe(toolbox: tools_lib.Toolbox, calls: list[tuple[int, Any]]) -> list[tools_lib.Observation]:
+  """Each call's observation, run here: a parse error's text, or the tool's answer."""
+  return [
+      tools_lib.Observation(f"Error: {c.error}", True) if c.error else toolbox.run(c.name, c.arguments) for _, c in calls
+  ]
+
+
+def shared_observe(toolbox: tools_lib.Toolbox, calls: list[tuple[int, Any]]) -> list[tools_lib.Observation]:
+  """The observations of calls every process holds alike (a sampler spanning the processes): process p runs the
+  calls of rows r with r mod P == p, and every process gets all of them (module docstring)."""
+  if not calls:  # the same on every process: no gather
+    return []
+  n, me = distributed.process_count(), jax.process_index()
+  mine = local_observe(toolbox, [(r, c) for r, c in calls if r % n == me])
+  texts, errors, it = [""] * len(calls), np.zeros(len(calls), np.int32), iter(mine)
+  for i, (r, _) in enumerate(calls):
+    if r % n == me:
+      obs = next(it)
+      texts[i], errors[i] = obs.text, int(obs.error)
+  all_texts, all_errors = distributed.gather_texts(texts), distributed.gather_rows(errors)
+  at = [(r % n) * len(calls) + i for i, (r, _) in enumerate(calls)]
+  return [tools_lib.Observation(all_texts[j], bool(all_errors[j])) for j in at]
+
+
+def counters(ep: Episode) -> list[int]:
+  """An episode's figures besides its tokens, as numbers (gathered across processes with the rows)."""
+  return [ep.turns, ep.tool_calls, ep.tool_errors, _FINISH.index(ep.finish)]
+
+
+def from_counters(tokens: Sequence[int], loss_mask: Sequence[int], numbers: Sequence[int]) -> Episode:
+  """An episode rebuilt from its gathered rows (what metrics and the loss mask read; no transcript)."""
+  ep = Episode(prompt=[], tokens=[int(t) for t in tokens], loss_mask=[int(m) for m in loss_mask])
+  ep.turns, ep.tool_calls, ep.tool_errors = (int(x) for x in numbers[:3])
+  ep.finish = _FINISH[int(numbers[3])]
+  return ep
 
 
 def metrics(eps: Sequence[Episode], prefix: str = "agentic/") -> dict[str, float]:
@@ -173,12 +229,13 @@ def limits_of(config: Any, completion_budget: int) -> Limits:
 
 
 def generate(
-    run: Any, prompts: list[str], mode: Any = rl_cluster_lib.Mode.TRAIN
+    run: Any, prompts: list[str], mode: Any = rl_cluster_lib.Mode.TRAIN, groups: slice | None = None
 ) -> tuple[base_rollout.RolloutOutput, list[Episode]]:
   """The plugin's rollout of `prompts` (each repeated G times consecutively, as Tunix passes them) as episodes.
 
   Returns the `RolloutOutput` the single-turn path would (text = the assistant's text, tokens = the whole
   completion, logprobs = the sampler's, 0 on environment tokens) and the episodes (their `loss_mask`, metrics).
+  `groups`: the prompts this process runs (a per-host sampler, module docstring); None = all of them.
   """
   cfg = run.config
   cluster = run.rl_cluster
@@ -191,6 +248,9 @@ def generate(
   rng = seed if isinstance(seed, jax.Array) else jax.random.PRNGKey(0 if seed is None else int(seed))
   parser = parse.CallParser(cfg.rl.agentic_tool_parser)
   toolbox = toolbox_for(tuple(cfg.rl.agentic_tools), float(cfg.rl.agentic_tool_timeout_s))
+  # A sampler spanning every process (colocated, several processes): agree on each turn's tool results.
+  spans = distributed.is_multiprocess() and not (run.setup.disaggregated or getattr(rollout, "per_host", False))
+  observe = functools.partial(shared_observe if spans else local_observe, toolbox)
 
   def turn_fn(chunk_rng):
     def call(contexts, gens, max_new, turn):
@@ -210,16 +270,22 @@ def generate(
   # rollout_micro_batch_size prompts per call (MaxText's key, as on the single-turn path), each with its own key.
   micro = int(cfg.rollout_micro_batch_size)
   size = len(unique) if micro <= 0 or mode != rl_cluster_lib.Mode.TRAIN else micro
+  # Chunk c keeps its key however the prompts are split over processes (`groups`).
+  lo, hi = (0, len(unique)) if groups is None else (groups.start, groups.stop)
   eps: list[Episode] = []
   for c, s in enumerate(range(0, len(unique), size)):
-    eps += run_episodes(
-        turn_fn(jax.random.fold_in(rng, c)), tokenizer, unique[s : s + size], group, limits, toolbox, parser, forbidden
-    )
+    a, b = max(s, lo), min(s + size, hi)
+    if a < b:
+      eps += run_episodes(
+          turn_fn(jax.random.fold_in(rng, c)), tokenizer, unique[a:b], group, limits, toolbox, parser, forbidden, observe
+      )
   out = base_rollout.RolloutOutput(
       text=[e.text for e in eps],
       logits=None,
       tokens=[np.asarray(e.tokens, np.int32) for e in eps],
-      left_padded_prompt_tokens=bucketing.left_padded(unique, group, int(rc.max_prompt_length), int(rollout.pad_id())),
+      left_padded_prompt_tokens=bucketing.left_padded(
+          unique[lo:hi], group, int(rc.max_prompt_length), int(rollout.pad_id())
+      ),
       logprobs=[np.asarray(e.logps, np.float32) for e in eps],
   )
   return out, eps

@@ -434,18 +434,12 @@ def _light_checks(user_keys: frozenset[str] | None = None) -> tuple[Callable[[An
   return (check_numbers, check_ranges, *_CROSS_CHECKS, lora.validate, dependent, *early_checks.CHECKS)
 
 
-# Features one JAX process runs today (the trainer refuses them at start-up when jax.process_count() > 1), with why;
-# a launcher that starts several processes (`launch ray --num-workers N`) refuses them before anything starts.
-SINGLE_PROCESS: dict[str, str] = {
-    "rl.use_agentic_rollout": (
-        "each process would run its own episodes' tool turns; the per-host gather carries no loss mask"
-    ),
-    "rl.dynamic_sampling": "the refill rounds are not tested across processes",
-    "rl.off_policy_steps": (
-        "rollouts running ahead in a thread could reach the cross-process collectives in a different order on each "
-        "process; use rl.off_policy_steps=0"
-    ),
-}
+# Features one JAX process runs and several cannot (the trainer refuses them at start-up when jax.process_count() > 1),
+# with why; a launcher that starts several processes (`launch ray --num-workers N`) refuses them before anything
+# starts. Empty: multi-turn episodes, dynamic sampling and rollouts ahead of the trainer run across processes (issue
+# 62; docs/architecture.md). What remains device-dependent is the trainer's (rollouts ahead need a per-host sampler:
+# distributed.check_asynchronous).
+SINGLE_PROCESS: dict[str, str] = {}
 
 
 def check_processes(pc, processes: int) -> None:

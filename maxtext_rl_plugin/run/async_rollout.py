@@ -29,10 +29,31 @@ pi_old / pi_behaviour, algorithms/divergence.py) or the PPO ratio against the be
 updates the shared arrays while the producer samples.
 
 The rollout engine is used by one thread at a time (`engine()`): sampling, weight syncs and evaluation.
+
+Across JAX processes (multi-controller: Ray workers, multi-host slices without Pathways) a cross-process collective
+completes only when every process issues it, and XLA runs each device's programs in the order they were issued: two
+threads issuing collectives in a timing-dependent order would hang or mix up reductions. So, with `hand_over` (a
+multi-process run), the producer thread issues none. It samples on this process's own devices only (a per-host sampler:
+`distributed.check_asynchronous` refuses anything else) and hands every cross-process step it needs (the gather of
+the hosts' rows, the broadcast of dynamic sampling's rewards: `cross_process`) to the trainer's thread, which runs them
+at fixed points of its step and nowhere else:
+
+    take(b)        before returning batch b: the hand-overs of batch b
+    publish(v)     before installing version v (the weight sync, itself a collective of the trainer's thread): the
+                   hand-overs of every batch version v - 1 samples (b < v + k)
+    engine()       before evaluation: the hand-overs of every batch the installed version samples
+
+in the order the producer made them. Each point waits for a condition on batches (not on time): batches are sampled in
+order, each batch's hand-overs are the same sequence on every process (a function of the data, the seeds and values
+already shared), and the producer cannot start a batch beyond the condition before the trainer installs the next
+version. The trainer's collectives of a step (log-probs, update, weight sync) and the producer's (as run by the
+trainer) therefore interleave identically on every process whatever the threads' speeds:
+`tests/run/test_async_rollout.py` delays the producer on one side and checks the order.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import threading
@@ -42,6 +63,34 @@ from typing import Any, Callable, Iterator
 from absl import logging
 
 from maxtext_rl_plugin import signals
+
+_PRODUCER = threading.local()  # .producer: the RolloutProducer whose thread this is, when it hands over collectives
+
+
+def cross_process(fn: Callable[..., Any], *args: Any) -> Any:
+  """`fn(*args)`, a step every process must issue in the same order (a cross-process gather or broadcast): run here,
+  or, from the producer thread of a multi-process run, handed to the trainer's thread, which runs it at its next
+  hand-over point (module docstring) while this thread waits for the result."""
+  producer = getattr(_PRODUCER, "producer", None)
+  if producer is None:
+    return fn(*args)
+  return producer.hand_over(fn, args)
+
+
+@dataclasses.dataclass
+class _HandOver:
+  """A cross-process step of the producer, run by the trainer's thread."""
+
+  fn: Callable[..., Any]
+  args: tuple
+  batch: int
+  done: bool = False
+  result: Any = None
+  error: BaseException | None = None
+
+
+class ProducerClosed(Exception):
+  """The producer was closed while it waited for a hand-over (the run is stopping)."""
 
 
 def behaviour_version(batch: int, off_policy_steps: int, start: int) -> int:
@@ -69,11 +118,23 @@ class RolloutProducer:
   what puts version v into the sampler (a weight sync, or pinning a snapshot).
   """
 
-  def __init__(self, sample_fn: Callable[[int, dict], Any], *, off_policy_steps: int, start: int, end: int):
+  def __init__(
+      self,
+      sample_fn: Callable[[int, dict], Any],
+      *,
+      off_policy_steps: int,
+      start: int,
+      end: int,
+      hand_over: bool = False,
+  ):
     if off_policy_steps < 0:
       raise ValueError(f"off_policy_steps must be >= 0, got {off_policy_steps}")
     self.k = int(off_policy_steps)
     self.start, self.end = int(start), int(end)
+    # A multi-process run: the producer's cross-process steps run in the trainer's thread (module docstring).
+    self.hand_overs = bool(hand_over)
+    self._requests: collections.deque[_HandOver] = collections.deque()
+    self._batch = self.start  # the batch the producer is sampling (its hand-overs carry it)
     self._sample_fn = sample_fn
     self._version = self.start  # the weights the sampler holds
     self._next = self.start  # the next batch the producer samples
@@ -101,6 +162,8 @@ class RolloutProducer:
   # ---------------------------------------------------------------------------------------------- producer thread
   def _run(self) -> None:
     """The producer thread: sample each batch once the sampler holds its weight version; errors reach take()."""
+    if self.hand_overs:
+      _PRODUCER.producer = self
     try:
       for b in range(self.start, self.end):
         v = behaviour_version(b, self.k, self.start)
@@ -112,6 +175,7 @@ class RolloutProducer:
           if self._version != v:  # cannot happen: publish(v + 1) waits for every batch of version v
             raise RuntimeError(f"batch {b} must be sampled by weight version {v}, the sampler holds {self._version}")
         idle = time.perf_counter() - t
+        self._batch = b
         item = self._produce(b, v)
         item.idle_s = idle
         with self._cv:
@@ -134,6 +198,37 @@ class RolloutProducer:
     if self._error is not None:
       raise self._error
 
+  def hand_over(self, fn: Callable[..., Any], args: tuple) -> Any:
+    """Producer thread: have the trainer's thread run `fn(*args)` at its next hand-over point; its result."""
+    req = _HandOver(fn, args, self._batch)
+    with self._cv:
+      self._requests.append(req)
+      self._cv.notify_all()
+      self._cv.wait_for(lambda: req.done or self._stop)
+      if not req.done:
+        raise ProducerClosed(f"closed while batch {req.batch} waited for a cross-process step")
+    if req.error is not None:
+      raise req.error
+    return req.result
+
+  def _serve_until(self, done: Callable[[], bool]) -> None:
+    """Trainer thread: run the producer's hand-overs in the order it made them until `done()` (a condition on
+    produced batches) or the producer failed. `done` is checked before each one: a hand-over of a later batch is
+    made only after the batches `done` waits for are produced, so it is never run here (module docstring)."""
+    while True:
+      with self._cv:
+        self._cv.wait_for(lambda: done() or self._error is not None or bool(self._requests))
+        if done() or not self._requests:
+          return
+        req = self._requests.popleft()
+      try:
+        req.result = req.fn(*req.args)
+      except BaseException as e:  # pylint: disable=broad-exception-caught  # re-raised in the producer's thread
+        req.error = e
+      with self._cv:
+        req.done = True
+        self._cv.notify_all()
+
   # ---------------------------------------------------------------------------------------------- trainer thread
   def take(self, b: int) -> Produced:
     """Batch `b`, sampled by `behaviour_version(b)`; blocks until it is produced (k = 0: samples it now)."""
@@ -142,6 +237,8 @@ class RolloutProducer:
         raise RuntimeError(f"synchronous batch {b} needs weight version {b}, the sampler holds {self._version}")
       return self._produce(b, self._version)
     t = time.perf_counter()
+    if self.hand_overs:
+      self._serve_until(lambda: b in self._ready)
     with self._cv:
       self._cv.wait_for(lambda: b in self._ready or self._error is not None)
       if b not in self._ready:
@@ -157,6 +254,8 @@ class RolloutProducer:
     if self.asynchronous:
       need = min(self.end, version + self.k)  # batches < need are sampled by versions < version
       t = time.perf_counter()
+      if self.hand_overs:
+        self._serve_until(lambda: self._next >= need)
       with self._cv:
         self._cv.wait_for(lambda: self._next >= need or self._error is not None)
         if self._next < need and not isinstance(self._error, signals.StopSampling):
@@ -171,7 +270,11 @@ class RolloutProducer:
 
   @contextlib.contextmanager
   def engine(self) -> Iterator[None]:
-    """Exclusive use of the rollout engine (evaluation), between the producer's batches."""
+    """Exclusive use of the rollout engine (evaluation), between the producer's batches. With hand-overs, after
+    every batch the installed version samples (its hand-overs run here first): the producer then waits for the next
+    version and holds no engine, and evaluation's own collectives come at the same point on every process."""
+    if self.hand_overs and self.producing:
+      self._serve_until(lambda: self._next >= min(self.end, self._version + self.k + 1))
     with self._engine:
       yield
 

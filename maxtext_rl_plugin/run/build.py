@@ -64,12 +64,6 @@ def per_host_split(rs: models.RunSetup) -> models.RunSetup:
 def check_runtime(config, rs: models.RunSetup) -> None:
   """Checks that need the device set, before any model is built (device-free ones: `config.validate`)."""
   distributed.check_device_split(rs.trainer_devices, rs.sampler_devices)
-  distributed.check_synchronous(int(config.rl.off_policy_steps))
-  if config.rl.use_agentic_rollout and distributed.is_multiprocess():
-    raise ConfigError(
-        "invalid value for 'rl.use_agentic_rollout'=True: not supported with more than one JAX process yet (each "
-        "process would run its own episodes' tool turns; the per-host gather carries no loss mask); use one controller"
-    )
   k = int(config.rl.off_policy_steps)
   if k < 0:
     raise ConfigError(f"invalid value for 'rl.off_policy_steps'={k}: expected >= 0 (0 = synchronous rollouts)")
@@ -229,6 +223,10 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   tokenizer = models.load_run_tokenizer(config)
   train_split, eval_split = load.load_splits(config, tokenizer)
   engine_name = _resolve_engine_name(config)
+  # Rollouts ahead of the trainer across processes need a per-host sampler (experience.samples_per_host).
+  distributed.check_asynchronous(
+      int(config.rl.off_policy_steps), rs.disaggregated or (engine_name == "vllm" and not pathways.requested())
+  )
   engine = engines.spec(engine_name).capabilities
   rollout_factory = rollout_engine_factory(engine_name, rs.sampler_config)
   rollout_cfgs = rollout_configs(config, tokenizer)

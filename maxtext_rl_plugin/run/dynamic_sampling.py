@@ -34,8 +34,15 @@ With `rl.off_policy_steps > 0` the refills run in the producer thread, ahead of 
 and lost at a stop are re-consumed from the checkpoint's position on resume, as in run/async_rollout.py.
 
 Engines and processes: the refill rounds are ordinary `experience.sample` calls, so any rollout engine works (the
-embedded one tested; vLLM by the same contract). More than one JAX process is refused in one line (not yet tested
-across processes, although every process would compute the same rewards and therefore the same selection).
+embedded one tested; vLLM by the same contract). Across JAX processes every process holds the whole sampled batch
+(experience.generate gathers the hosts' rows) and the cursor counts global prompts, so the data position is the
+global batch's on every process. The selection is decided once: each round's kept-group flags are process 0's,
+broadcast to all (`distributed.from_writer_rows`; a broadcast, not an all-gather, since nothing is compared), so a
+reward that differs between hosts (a timeout, a remote judge) cannot make processes keep different groups or run a
+different number of rounds (which would leave one process's rollout collectives unmatched: a hang). With rollouts
+ahead (`rl.off_policy_steps` > 0) the broadcast, like the gather, is handed to the trainer's thread
+(async_rollout.cross_process). A stop signal is not checked between rounds across processes (it reaches each process
+at its own moment; the step finishes and the loop stops after it).
 """
 
 from __future__ import annotations
@@ -50,13 +57,14 @@ from maxtext_rl_plugin.algorithms import advantages as advantages_lib
 from maxtext_rl_plugin.algorithms import reward_aggregation
 from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
+from maxtext_rl_plugin.run import async_rollout
 from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin.run import logps
 from maxtext_rl_plugin.run.state import PhaseTimer
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import signals
-from maxtext_rl_plugin.errors import CheckpointError, ConfigError
+from maxtext_rl_plugin.errors import CheckpointError
 
 
 def informative_groups(rewards: Any, num_generations: int) -> np.ndarray:
@@ -138,7 +146,10 @@ def assemble(rounds: Sequence[_Round], picks: Sequence[tuple[int, int, bool]], g
     groups = [k for rr, k, _ in picks if rr == r]
     if groups:
       by_round.append((rnd, _rows(groups, g)))
-  prompts_host = [distributed.to_host(rnd.sampled.prompt_ids) for rnd, _ in by_round]
+  prompts_host = [  # the host copy when the round kept one: no gather from the trainer mesh (the producer's thread)
+      distributed.to_host(rnd.sampled.prompt_ids) if rnd.sampled.prompt_host is None else rnd.sampled.prompt_host
+      for rnd, _ in by_round
+  ]
   width = max(p.shape[1] for p in prompts_host)
   prompt_ids = np.concatenate([_left_pad(p[rows], width, first.pad_id) for p, (_, rows) in zip(prompts_host, by_round)])
   completion_ids = np.concatenate([rnd.sampled.completion_ids[rows] for rnd, rows in by_round])
@@ -195,11 +206,6 @@ class DynamicSampler:
   with its zero-variance groups replaced by informative ones from further rounds (module docstring)."""
 
   def __init__(self, rl_run: Any, position: int, seed_step: Callable[[Any, int], None]):
-    if distributed.is_multiprocess():
-      raise ConfigError(
-          "invalid value for 'rl.dynamic_sampling'=True: not supported with more than one JAX process yet (the "
-          "refill rounds are not tested across processes); run it on one controller"
-      )
     self.run = rl_run
     self.position = int(position)
     self._seed_step = seed_step
@@ -230,11 +236,14 @@ class DynamicSampler:
     g, b = int(cfg.rl.num_generations), int(cfg.batch_size)
     step = index + 1
     timer = PhaseTimer(phases)
-    rounds = [self._sample_round(step, 0, timer)]
+    rounds = [_agreed(self._sample_round(step, 0, timer))]
     while sum(int(r.informative.sum()) for r in rounds) < b and len(rounds) <= int(cfg.rl.max_refill_rounds):
-      if signals.stop_requested():  # between rounds: the batch is abandoned, the last complete step checkpointed
+      # Between rounds: the batch is abandoned, the last complete step checkpointed (one process: a signal reaches
+      # each process of several at its own moment, and a round fewer on one would leave the others' collectives
+      # unmatched).
+      if signals.stop_requested() and not distributed.is_multiprocess():
         raise signals.StopSampling(f"a stop was requested during step {step}'s refill round {len(rounds)}")
-      rounds.append(self._sample_round(step, len(rounds), timer))
+      rounds.append(_agreed(self._sample_round(step, len(rounds), timer)))
     with timer.phase("reward"):
       picks, dropped, short = pick_groups([r.informative for r in rounds], b)
       examples, inputs, sampled = assemble(rounds, picks, g, logps.put_rows(self.run.rl_cluster), cfg)
@@ -281,6 +290,15 @@ class DynamicSampler:
         "dynamic_sampling/short_groups": float(short),
         "data/next_position": float(self.position),
     }
+
+
+def _agreed(rnd: _Round) -> _Round:
+  """`rnd` with process 0's kept-group flags (the decision made once and shared; module docstring). Every process
+  broadcasts once per round, so the rounds stay matched; on one process the flags are unchanged."""
+  if distributed.is_multiprocess():
+    flags = async_rollout.cross_process(distributed.from_writer_rows, np.asarray(rnd.informative, np.int32))
+    rnd.informative = np.asarray(flags, bool)
+  return rnd
 
 
 def sample_fn(rl_run: Any, position: int, plain: Callable, seed_step: Callable[[Any, int], None]) -> Callable:

@@ -41,6 +41,7 @@ from maxtext_rl_plugin.algorithms import reward_aggregation
 from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import moe
+from maxtext_rl_plugin.run import async_rollout
 from maxtext_rl_plugin.run import logps as logps_lib
 from maxtext_rl_plugin.run import parity
 from maxtext_rl_plugin.agentic import episode as episode_lib
@@ -167,6 +168,7 @@ class Sampled:
   # [rows, P + T, layers, k] on MoE models whose engine reports routing (moe.py): the experts the sampler routed each
   # prompt and completion token to; replayed in the trainer's forwards under rl.router_replay.
   routing: np.ndarray | None = None
+  prompt_host: np.ndarray | None = None  # [rows, P] `prompt_ids` on the host (no gather from the trainer mesh)
 
 
 def rollout_routing(run: Any) -> np.ndarray | None:
@@ -175,7 +177,7 @@ def rollout_routing(run: Any) -> np.ndarray | None:
   none."""
   routing = run.rl_cluster.rollout.take_routing()
   if routing is not None and samples_per_host(run):
-    routing = distributed.gather_rows(routing)
+    routing = async_rollout.cross_process(distributed.gather_rows, routing)
   return routing
 
 
@@ -230,7 +232,28 @@ def generate(run: Any, prompts: list[str], num_generations: int, micro_batch_siz
   finally:
     if keyed:
       rollout.prompt_offset = None
-  return _gather_output(out, int(rollout.pad_id())) if per_host else out
+  # The gather is a cross-process collective: the trainer's thread issues it (run/async_rollout.py, hand-overs).
+  return async_rollout.cross_process(_gather_output, out, int(rollout.pad_id())) if per_host else out
+
+
+def agentic_rollout(run: Any, prompts: list[str], num_generations: int):
+  """Episodes of `prompts` (agentic/episode.py). With a per-host sampler each process runs its own prompt groups'
+  episodes, tools included, and every process then holds all of them: rows, loss masks and counters gathered in
+  process order (the gather handed to the trainer's thread when rollouts run ahead)."""
+  if not samples_per_host(run):
+    return episode_lib.generate(run, prompts, rl_cluster_lib.Mode.TRAIN)
+  own = distributed.process_slice(len(prompts) // num_generations)
+  out, eps = episode_lib.generate(run, prompts, rl_cluster_lib.Mode.TRAIN, groups=own)
+  return async_rollout.cross_process(_gather_episodes, out, eps, int(run.rl_cluster.rollout.pad_id()))
+
+
+def _gather_episodes(out: base_rollout.RolloutOutput, eps: list, pad_id: int):
+  """This process's episodes -> every process's (the rollout rows, each loss mask, the counters metrics read)."""
+  full = _gather_output(out, pad_id)
+  width = max(1, max((len(t) for t in full.tokens), default=0))
+  mask = distributed.gather_rows(pad_rows([e.loss_mask for e in eps], width, 0, np.int8))
+  numbers = distributed.gather_rows(np.asarray([episode_lib.counters(e) for e in eps], np.int64).reshape(len(eps), 4))
+  return full, [episode_lib.from_counters(t, m[: len(t)], c) for t, m, c in zip(full.tokens, mask, numbers)]
 
 
 def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> Sampled:
@@ -244,7 +267,7 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
   episodes = None
   with timer.phase("rollout"):
     if cfg.rl.use_agentic_rollout:  # multi-turn episodes with tools (agentic/episode.py)
-      out, episodes = episode_lib.generate(run, list(inputs["prompts"]), rl_cluster_lib.Mode.TRAIN)
+      out, episodes = agentic_rollout(run, list(inputs["prompts"]), g)
     else:
       rollout_routing(run)  # drop routing another caller of this thread left (evaluation)
       out = generate(run, list(inputs["prompts"]), g, _micro(cfg.rollout_micro_batch_size, g))
@@ -252,7 +275,8 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
 
   completion_ids = pad_rows(out.tokens, train_rollout.max_tokens_to_generate, pad_id, np.int32)
   put = logps_lib.put_rows(cluster)
-  prompt_ids = put(np.asarray(out.left_padded_prompt_tokens, np.int32))
+  prompt_host = np.asarray(out.left_padded_prompt_tokens, np.int32)
+  prompt_ids = put(prompt_host)
 
   with timer.phase("reward"):
     run.rewards.reset()  # the recorder holds this batch's values only
@@ -314,6 +338,7 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
       metrics=metrics,
       token_mask=token_mask,
       routing=routing,
+      prompt_host=prompt_host,
   )
 
 

@@ -97,6 +97,8 @@ def train(rl_run: state.RLRun, stop: signals.GracefulStop | None = None) -> dict
       off_policy_steps=int(config.rl.off_policy_steps),
       start=start,
       end=total,
+      # Several processes: the producer's cross-process steps are run by this thread (run/async_rollout.py).
+      hand_over=distributed.is_multiprocess(),
   )
   snapshot = producer.asynchronous and not rl_run.learner.should_sync_weights
   if snapshot:  # colocated: the producer samples a pinned version while the trainer updates the shared arrays
