@@ -80,7 +80,7 @@ def _llama_mlp_ptq(qtype, x):
   from tpu_inference.models.jax.llama3 import LlamaMLP
   from transformers import LlamaConfig
 
-  config = LlamaConfig(**{"hidden_size": HIDDEN, "intermediate_size": MLP, "hidden_act": "silu"})
+  config = LlamaConfig.from_dict({"hidden_size": HIDDEN, "intermediate_size": MLP, "hidden_act": "silu"})
   with jax.set_mesh(_mesh()):
     mlp = LlamaMLP(config, jnp.float32, nnx.Rngs(0))
     rules = [qwix.QuantizationRule(module_path=".*", weight_qtype=qtype)]
