@@ -17,6 +17,7 @@ from maxtext_rl_plugin.algorithms import advantages as advantages_lib
 from maxtext_rl_plugin.algorithms import loss as loss_lib
 from maxtext_rl_plugin.algorithms import shaping
 from maxtext_rl_plugin.algorithms import tunix_wiring
+from maxtext_rl_plugin.algorithms.settings import AlgorithmSettings
 from maxtext_rl_plugin.run import dynamic_sampling
 from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.errors import ConfigError
@@ -109,7 +110,7 @@ def test_policy_gradient_of_each_estimator_matches_numpy(estimator, norm, agg):
   lengths[2] = 0  # an empty row leaves the row count
   mask = (np.arange(t)[None, :] < lengths[:, None]).astype(np.float32)
   lp = rng.normal(size=(b * g, t)).astype(np.float32)
-  mode = agg  # drgrpo's only aggregation is the constant length (advantage_config refuses the others)
+  mode = agg  # drgrpo's only aggregation is the constant length (AdvantageSettings.resolve refuses the others)
 
   def loss(x):
     return loss_lib.policy_loss(x, None, None, jnp.asarray(adv), jnp.asarray(mask), loss_agg_mode=mode)[0]
@@ -262,14 +263,16 @@ def test_start_position_refuses_dropping_dynamic_sampling_on_resume():
 
 def test_config_resolves_estimator_defaults_and_refuses_nonsense():
   base = ["configs/cpu_tiny.yml"]
-  algo = tunix_wiring.tunix_algo_config(load_config(base))
+  algo = tunix_wiring.tunix_algo_config(AlgorithmSettings.from_config(load_config(base)))
   assert algo.advantage_estimator == tunix_wiring.ADVANTAGE_ESTIMATOR_NAMES[("grpo", "group_std")]
   assert algo.loss_agg_mode == "sequence-mean-token-mean"
-  algo = tunix_wiring.tunix_algo_config(load_config(base + ["rl.advantage_estimator=drgrpo"]))
+  algo = tunix_wiring.tunix_algo_config(
+      AlgorithmSettings.from_config(load_config(base + ["rl.advantage_estimator=drgrpo"]))
+  )
   assert algo.advantage_estimator == tunix_wiring.ADVANTAGE_ESTIMATOR_NAMES[("drgrpo", "none")]
   assert algo.loss_agg_mode == loss_lib.TOKEN_SCALE
   algo = tunix_wiring.tunix_algo_config(
-      load_config(base + ["rl.advantage_estimator=rloo", "rl.advantage_norm=batch_std"])
+      AlgorithmSettings.from_config(load_config(base + ["rl.advantage_estimator=rloo", "rl.advantage_norm=batch_std"]))
   )
   assert algo.advantage_estimator == tunix_wiring.ADVANTAGE_ESTIMATOR_NAMES[("rloo", "batch_std")]
   for bad, needle in (

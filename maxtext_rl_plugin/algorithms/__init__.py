@@ -1,8 +1,11 @@
 r"""The RL math: policy loss, advantage estimators, length shaping, KL and importance sampling; Tunix wiring.
 
 Each concern is a room of its own; import the room that owns the piece (no names are re-exported here):
-    loss.py           the clipped GRPO / GSPO-token policy loss and its aggregation modes
-    advantages.py     group advantages (GRPO, RLOO, Dr. GRPO) and their scalings
+    loss.py           the policy-loss contract and the objective around a loss: aggregation modes, KL, IS weights
+    policy_losses.py  the built-in losses, GRPO and GSPO-token (entry points, as a third party's: docs/extending.md)
+    forward.py        the trainer's forward: the log-probs a loss reads (padded, packed, replayed MoE routing)
+    advantages.py     the estimator contract, group advantages (GRPO, RLOO, Dr. GRPO) and their scalings
+    settings.py       what the math reads of the config, built from it in one place
     shaping.py        completion lengths, truncation, DAPO's overlong penalty
     divergence.py     KL estimators and rollout importance weights (shared by the loss and the experience)
     tunix_wiring.py   the Tunix algo config, registry entries and the learner's loss entry point

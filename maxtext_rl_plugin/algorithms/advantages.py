@@ -1,4 +1,9 @@
-r"""Group advantages: GRPO, RLOO and Dr. GRPO baselines, and their scalings.
+r"""Group advantages: the advantage-estimator contract, the GRPO, RLOO and Dr. GRPO baselines, and their scalings.
+
+An estimator is found by name (`rl.advantage_estimator`) in the `maxtext_rl_plugin.advantage_estimators` entry-point
+group, the built-ins below like any third party's (docs/extending.md). Each is an `AdvantageEstimator`: a baseline
+function `baseline(rewards [B], num_generations) -> c [B]` (NumPy in, NumPy out; jnp in, jnp out), the scalings it
+allows (the first is its own) and, optionally, the loss aggregation it replaces the default one with.
 
 Advantages (`group_advantages`; `rl.advantage_estimator`, `rl.advantage_norm`), contiguous groups g of
 G = num_generations completions per prompt, R_i the completion's reward. First a baseline is subtracted:
@@ -23,37 +28,72 @@ G = num_generations completions per prompt, R_i the completion's reward. First a
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from tunix.rl import algo_core
 
+from maxtext_rl_plugin import registry
 from maxtext_rl_plugin.algorithms.common import check_choice
 from maxtext_rl_plugin.algorithms.loss import TOKEN_SCALE
 from maxtext_rl_plugin.errors import ConfigError
 
-ADVANTAGE_ESTIMATORS = ("grpo", "rloo", "drgrpo")
 ADVANTAGE_NORMS = ("group_std", "batch_std", "none")
-# The scalings each estimator allows; the first is its own (`rl.advantage_norm: null`).
-ESTIMATOR_NORMS = {
-    "grpo": ("group_std", "batch_std", "none"),
-    "rloo": ("none", "batch_std"),
-    "drgrpo": ("none", "batch_std"),
-}
+# The entry-point group of the estimators (registry.GROUPS) and the key that names one.
+GROUP = "advantage_estimators"
+KEY = "rl.advantage_estimator"
 _ADV_STD_EPS = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
+class AdvantageEstimator:
+  """An advantage estimator as the `maxtext_rl_plugin.advantage_estimators` entry-point group registers it.
+
+  baseline(rewards, num_generations) -> c: the baseline-subtracted rewards [B] of contiguous groups of
+  `num_generations` completions of one prompt, in the array kind it was given (NumPy or jnp, jit-able for jnp).
+  norms: the scalings of `rl.advantage_norm` it allows, its own first (`rl.advantage_norm: null`).
+  loss_agg_mode: the aggregation it replaces the default `sequence-mean-token-mean` with (refusing the other modes),
+  or "" to keep the user's.
+  """
+
+  baseline: Callable[[Any, int], Any]
+  norms: tuple[str, ...] = ("group_std", "batch_std", "none")
+  loss_agg_mode: str = ""
+
+
+GRPO = AdvantageEstimator(baseline=algo_core.compute_drgrpo_advantages, norms=("group_std", "batch_std", "none"))
+RLOO = AdvantageEstimator(baseline=algo_core.compute_rloo_advantages, norms=("none", "batch_std"))
+DRGRPO = AdvantageEstimator(
+    baseline=algo_core.compute_drgrpo_advantages, norms=("none", "batch_std"), loss_agg_mode=TOKEN_SCALE
+)
+
+# The built-ins' scalings by name (their setup.cfg entries); `names()` lists every registered estimator.
+ESTIMATOR_NORMS = {"grpo": GRPO.norms, "rloo": RLOO.norms, "drgrpo": DRGRPO.norms}
+
+
+def names() -> tuple[str, ...]:
+  """The registered estimators (the choices of `rl.advantage_estimator`), without loading any."""
+  return registry.names(GROUP)
+
+
+def get(name: str) -> AdvantageEstimator:
+  """The estimator registered as `name`; a name nobody registered is one `ConfigError` line listing those that are."""
+  return registry.load_typed(GROUP, name, AdvantageEstimator, KEY)
 
 
 def group_advantages(rewards: Any, num_generations: int, norm: str = "group_std", estimator: str = "grpo") -> Any:
   """Advantages over contiguous groups of `num_generations` completions of the same prompt (module docstring).
 
   Works on NumPy (host rewards, as Tunix's learner passes them) and on JAX arrays (jit-able); returns the same kind.
-  The baselines and GRPO's group scaling are Tunix's own `algo_core` estimators (public, registered in its function
-  registry); a group with identical rewards gets all-zero advantages (it carries no learning signal).
+  The built-in baselines are Tunix's own `algo_core` estimators (public, registered in its function registry), and
+  group_std of `grpo` is Tunix's `compute_advantages` operation for operation; a group with identical rewards gets
+  all-zero advantages under the built-ins (it carries no learning signal).
   """
-  check_choice("advantage_estimator", estimator, ADVANTAGE_ESTIMATORS)
-  check_choice(f"advantage norm of {estimator}", norm, ESTIMATOR_NORMS[estimator])
+  spec = get(estimator)
+  check_choice(f"advantage norm of {estimator}", norm, spec.norms)
   xp = jnp if isinstance(rewards, jax.Array) else np
   r = xp.asarray(rewards)
   if not xp.issubdtype(r.dtype, xp.floating):
@@ -63,36 +103,45 @@ def group_advantages(rewards: Any, num_generations: int, norm: str = "group_std"
         f"rewards must be 1-D with a length divisible by num_generations >= 2; got shape {r.shape}, "
         f"num_generations={num_generations}"
     )
-  if norm == "group_std":  # grpo only
-    return algo_core.compute_advantages(r, num_generations)
-  if estimator == "rloo":
-    centered = algo_core.compute_rloo_advantages(r, num_generations)
-  else:
-    centered = algo_core.compute_drgrpo_advantages(r, num_generations)
+  centered = spec.baseline(r, num_generations)
+  if norm == "group_std":  # (r - mean_g) / (std_g + eps) for grpo: Tunix's compute_advantages
+    std = r.reshape(-1, num_generations).std(axis=-1, ddof=1).repeat(num_generations)
+    return centered / (std + _ADV_STD_EPS)
   if norm == "batch_std":
     centered = centered / (centered.std(ddof=1) + _ADV_STD_EPS)
   return centered
 
 
-def advantage_config(rl: Any) -> tuple[str, str, str]:
-  """(estimator, scaling, loss aggregation) of the `rl:` block: `rl.advantage_norm: null` resolved to the estimator's
-  own scaling and Dr. GRPO's aggregation; a combination that makes no sense is a one-line `ConfigError`."""
-  estimator = rl.advantage_estimator
-  if estimator not in ADVANTAGE_ESTIMATORS:
-    raise ConfigError(f"rl.advantage_estimator={estimator!r}: expected one of {', '.join(ADVANTAGE_ESTIMATORS)}")
-  allowed = ESTIMATOR_NORMS[estimator]
-  norm = allowed[0] if rl.advantage_norm is None else rl.advantage_norm
-  if norm not in allowed:
-    raise ConfigError(
-        f"invalid value for 'rl.advantage_norm'='{norm}' with rl.advantage_estimator={estimator}: expected one of "
-        f"{', '.join(allowed)} (a per-group std scale reweights questions by difficulty, which {estimator} avoids)"
-    )
-  agg = rl.loss_agg_mode
-  if estimator == "drgrpo":
-    if agg != "sequence-mean-token-mean":
+@dataclasses.dataclass(frozen=True)
+class AdvantageSettings:
+  """The estimator, its resolved scaling and the loss aggregation the run's loss uses (`settings.AlgorithmSettings`)."""
+
+  estimator: str = "grpo"
+  norm: str = "group_std"
+  loss_agg_mode: str = "sequence-mean-token-mean"
+
+  @classmethod
+  def resolve(cls, estimator: str, norm: str | None, loss_agg_mode: str) -> "AdvantageSettings":
+    """`rl.advantage_norm: null` resolved to the estimator's own scaling and an estimator's aggregation (Dr. GRPO's
+    constant length); a name nobody registered or a combination that makes no sense is a one-line `ConfigError`."""
+    spec = get(estimator)
+    norm = spec.norms[0] if norm is None else norm
+    if norm not in spec.norms:
       raise ConfigError(
-          f"invalid value for 'rl.loss_agg_mode'='{agg}' with rl.advantage_estimator=drgrpo: Dr. GRPO aggregates with "
-          f"its constant length ({TOKEN_SCALE}); leave rl.loss_agg_mode at sequence-mean-token-mean, which it replaces"
+          f"invalid value for 'rl.advantage_norm'='{norm}' with rl.advantage_estimator={estimator}: expected one of "
+          f"{', '.join(spec.norms)} (a per-group std scale reweights questions by difficulty, which {estimator} "
+          "avoids)"
       )
-    agg = TOKEN_SCALE
-  return estimator, norm, agg
+    if spec.loss_agg_mode:
+      if loss_agg_mode != "sequence-mean-token-mean":
+        raise ConfigError(
+            f"invalid value for 'rl.loss_agg_mode'='{loss_agg_mode}' with rl.advantage_estimator={estimator}: "
+            f"{estimator} aggregates with its own {spec.loss_agg_mode}; leave rl.loss_agg_mode at "
+            "sequence-mean-token-mean, which it replaces"
+        )
+      loss_agg_mode = spec.loss_agg_mode
+    return cls(estimator, norm, loss_agg_mode)
+
+  def __call__(self, rewards: Any, num_generations: int) -> Any:
+    """The advantages of `rewards` under these settings (`group_advantages`)."""
+    return group_advantages(rewards, num_generations, self.norm, self.estimator)

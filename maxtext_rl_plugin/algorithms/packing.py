@@ -163,18 +163,18 @@ def packed_forward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     forced: jax.Array | None = None,
-    lb_config: Any = None,
+    with_lb: bool = False,
 ) -> tuple[jax.Array, jax.Array | None, jax.Array | None]:
   """([B, T] log-probs of the completion tokens (0 where not `valid`), their entropy, the load-balancing term) from one
   forward of the packed rows. The entropy of each token's next-token distribution (no gradient) with `with_entropy`,
   else None; `forced`: the packed routing to replay (`Packed.routing`, rl.router_replay); MaxText's load-balancing
-  term (moe.lb_loss) when `lb_config` (MaxText's config) is given and the model sows one, else None.
+  term (moe.lb_loss, on the model's own MaxText config) with `with_lb` when the model sows one, else None.
 
   Replay and the load-balancing term run on a model merged for this one forward, as moe.forward_logps does: forcing
   changes the MoE modules' classes and both leave intermediates, which must not land on the trainer's model."""
   maxtext_config = getattr(getattr(model, "base", None), "config", None)
   kwargs = {}
-  if forced is not None or lb_config is not None:
+  if forced is not None or with_lb:
     graphdef, state = nnx.split(model)
     model = nnx.merge(graphdef, state)
     if forced is not None and moe.replay_native(maxtext_config):
@@ -182,7 +182,7 @@ def packed_forward(
     elif forced is not None:
       moe.set_replay(model, forced)
   logits, _ = model(tokens, positions, None, None, segment_ids=segments, **kwargs)
-  lb = None if lb_config is None else moe.lb_loss(model, lb_config)
+  lb = moe.lb_loss(model, maxtext_config) if with_lb else None
   logits = logits[:, :-1, :]
   if temperature not in (0.0, 1.0):
     logits = logits / temperature

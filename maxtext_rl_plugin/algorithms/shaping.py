@@ -23,9 +23,6 @@ import numpy as np
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import dapo_learner
 
-from maxtext_rl_plugin.algorithms import advantages
-from maxtext_rl_plugin.errors import ConfigError
-
 
 def completion_lengths(completion_ids: Any, pad_id: int) -> np.ndarray:
   """[B] tokens of each right-padded completion (its stop token included)."""
@@ -59,14 +56,3 @@ def overlong_penalty(token_rows: Sequence[Sequence[int]], max_len: int, buffer_l
       },
   )
   return np.maximum(np.asarray(shaped, np.float64), -float(factor)).astype(np.float32)
-
-
-def check_config(pc: Any) -> None:
-  """Device-free checks of the advantage and overlong keys (validation.validate), one line each."""
-  advantages.advantage_config(pc.rl)
-  budget = int(pc.max_target_length) - int(pc.max_prefill_predict_length)
-  if int(pc.rl.overlong_buffer_len) > budget:
-    raise ConfigError(
-        f"invalid value for 'rl.overlong_buffer_len'={pc.rl.overlong_buffer_len}: must be at most the completion "
-        f"budget max_target_length - max_prefill_predict_length = {budget} tokens"
-    )

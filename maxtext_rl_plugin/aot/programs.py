@@ -44,6 +44,7 @@ from tunix.rl import common as tunix_common
 from tunix.rl import function_registry
 
 from maxtext_rl_plugin.algorithms import tunix_wiring
+from maxtext_rl_plugin.algorithms.settings import AlgorithmSettings
 from maxtext_rl_plugin.run import accumulation
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import lora as lora_lib
@@ -181,7 +182,7 @@ def _example(config, mesh, rows: int, beta: float, use_is: bool, routed=None):
 
 def loss_fn_of(config, pad_id: int = PAD_ID, eos_id: int = EOS_ID):
   """The loss the GrpoLearner hands the actor trainer: the registry's policy loss with the run's algo config."""
-  algo = tunix_wiring.tunix_algo_config(config)
+  algo = tunix_wiring.tunix_algo_config(AlgorithmSettings.from_config(config))
   algo.temperature = float(config.decode_sampling_temperature)  # GrpoLearner sets it from the rollout config
   policy_loss_fn = function_registry.get_policy_loss_fn(algo.policy_loss_fn)
 

@@ -261,6 +261,26 @@ def check_engine_name(pc) -> None:
   engine_spec(pc)
 
 
+# Keys that name an entry of a registry group (registry.GROUPS): their choices are the registered names.
+REGISTERED_NAMES = {
+    "rl.loss_algo": "policy_losses",
+    "loss_algo": "policy_losses",
+    "rl.advantage_estimator": "advantage_estimators",
+}
+
+
+def check_algorithm_names(pc) -> None:
+  """The policy loss and the advantage estimator are registered names (entry points; none is loaded here): one line
+  listing the registered ones, as a bad choice's."""
+  for key, group in REGISTERED_NAMES.items():
+    try:
+      value = _get(pc, key)
+    except (Unresolved, AttributeError):
+      continue
+    if value is not None and str(value) not in registry.names(group):
+      raise registry.unknown(group, key, value)
+
+
 def check_engine(pc) -> None:
   """The chosen engine's own refusals (its spec's `checks`: models it cannot sample, head_dim on vLLM's native
   route, ...)."""
@@ -343,6 +363,7 @@ def check_mesh(config, devices: int, where: str = "") -> None:
 CHECKS = (
     check_choices,
     check_engine_name,
+    check_algorithm_names,
     check_greedy_rollout,
     check_model_shape,
     check_parallelism_values,

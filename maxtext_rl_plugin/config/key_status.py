@@ -145,6 +145,7 @@ CLASS_STATUS: dict[str, str] = {
     "Tensorboard": "refused: Vertex TensorBoard upload is not implemented; logs go to tensorboard_dir",
     "DerivedValues": DERIVED,
     "RL": ALGO,
+    "PluginLossName": "honoured (algorithms: the registered policy loss of that name, policy_losses entry points)",
     # The plugin's concerns (config/schema.py): a class whose keys one line covers has it here; the others' keys each
     # have their own entry below.
     "PluginRL": ALGO,

@@ -64,12 +64,14 @@ class PluginDapo(BaseModel):
   """`rl:` DAPO and kin: baselines, truncation and overlong shaping, dynamic sampling (algorithms/, run/experience.py,
   run/dynamic_sampling.py); checks: validation._check_algorithm, dependent_keys (rl.max_refill_rounds)."""
 
-  advantage_estimator: Literal["grpo", "rloo", "drgrpo"] = Field(
+  advantage_estimator: str = Field(
       "grpo",
       description=(
-          "Baseline of the advantage: 'grpo' r - mean_g; 'rloo' r - mean of the group's other G-1 rewards; "
-          "'drgrpo' (Dr. GRPO) r - mean_g, unscaled, with the loss normalised by the constant completion budget "
-          "instead of each completion's length (needs rl.loss_agg_mode=sequence-mean-token-mean, which it replaces)."
+          "Baseline of the advantage, by its registered name: 'grpo' r - mean_g; 'rloo' r - mean of the group's other "
+          "G-1 rewards; 'drgrpo' (Dr. GRPO) r - mean_g, unscaled, with the loss normalised by the constant completion "
+          "budget instead of each completion's length (needs rl.loss_agg_mode=sequence-mean-token-mean, which it "
+          "replaces); or an estimator another package registers in the maxtext_rl_plugin.advantage_estimators "
+          "entry-point group (docs/extending.md)."
       ),
   )
   mask_truncated_completions: bool = Field(
@@ -268,6 +270,21 @@ class PluginParity(BaseModel):
   _parity_off = field_validator("parity_check", mode="before")(_yaml_off)
 
 
+class PluginLossName(BaseModel):
+  """MaxText's `loss_algo` (flat and in `rl:`), typed `Literal["grpo", "gspo-token"]` there: here any registered policy
+  loss (the `maxtext_rl_plugin.policy_losses` entry points; MaxText's two names keep their meaning). The first pass
+  refuses a name nobody registered in one line listing those that are (early_checks.check_algorithm_names)."""
+
+  loss_algo: str = Field(
+      "grpo",
+      description=(
+          "Policy loss, by its registered name: 'grpo' (per-token clipped ratio), 'gspo-token' (GSPO's sequence ratio, "
+          "per token), or a loss another package registers in the maxtext_rl_plugin.policy_losses entry-point group "
+          "(docs/extending.md)."
+      ),
+  )
+
+
 class PluginRL(
     PluginParity,
     PluginSyncCheck,
@@ -277,6 +294,7 @@ class PluginRL(
     PluginRewardMix,
     PluginDapo,
     PluginGroup,
+    PluginLossName,
     types.RL,
 ):
   """`rl:` block: MaxText's RL keys, with GRPO-group validation and the plugin's concerns above.
@@ -430,7 +448,7 @@ class PluginKeys(PluginRunLoop, PluginResharding, PluginRewards, PluginData, Plu
   """Top-level keys the plugin adds (flat, like MaxText's), one class per concern (bases in reverse: see PluginRL)."""
 
 
-class PluginRLConfig(PluginKeys, types.RLConfig):
+class PluginRLConfig(PluginKeys, PluginLossName, types.RLConfig):
   """MaxText's RLConfig + the plugin's keys; passed to pyconfig as `config_class`."""
 
   rl: PluginRL = Field(default_factory=PluginRL, description="RL algorithm configuration (GRPO/GSPO).")

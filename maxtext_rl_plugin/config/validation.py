@@ -459,11 +459,11 @@ def validate(pc, source: Any = None) -> None:
   # needs them (validate_raw runs before those imports). The MoE checks (capacity_factor, rl.router_replay) are
   # early_checks': importing moe.py (MaxText's MoE layers, and through them transformers) cost a launcher 4.3 s.
   # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin.algorithms import shaping
+  from maxtext_rl_plugin.algorithms.settings import AlgorithmSettings
 
   for check in _light_checks(source.user_keys() if source is not None else None):
     check(pc)
-  shaping.check_config(pc)  # DAPO and kin: estimator x scaling x aggregation, overlong buffer
+  AlgorithmSettings.from_config(pc)  # the registered loss and estimator, its scaling and aggregation, overlong buffer
   engine = early_checks.engine_spec(pc)
   if engine is not None:  # the engine's checks that import its heavier modules (vLLM: the route's own refusals)
     engine.check_typed(pc)

@@ -24,6 +24,7 @@ from tunix.rl.rollout import base_rollout
 from tunix.sft import metrics_logger
 
 from maxtext_rl_plugin.algorithms import tunix_wiring
+from maxtext_rl_plugin.algorithms.settings import AlgorithmSettings
 from maxtext_rl_plugin.run import accumulation
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.config import load as config_lib
@@ -297,7 +298,7 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   recorder = RewardRecorder()
   reward_fns = [recorder.wrap(fn) for fn in rewards_lib.reward_fns_from_config(config)]
   tunix_wiring.register_with_tunix()
-  algo_config = tunix_wiring.tunix_algo_config(config)
+  algo_config = tunix_wiring.tunix_algo_config(AlgorithmSettings.from_config(config))
   # The learner wires the plugin's policy loss into the actor trainer; its own step (`train()`) is not used.
   learner = grpo_learner.GrpoLearner(rl_cluster=rl_cluster, algo_config=algo_config, reward_fns=reward_fns)
   rl_cluster.actor_trainer.with_rl_metrics_to_log(tunix_wiring.rl_metrics_to_log(algo_config))

@@ -53,9 +53,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 from tunix.rl import rl_cluster as rl_cluster_lib
 
-from maxtext_rl_plugin.algorithms import advantages as advantages_lib
 from maxtext_rl_plugin.algorithms import reward_aggregation
 from maxtext_rl_plugin.algorithms import shaping
+from maxtext_rl_plugin.algorithms.settings import AlgorithmSettings
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.run import async_rollout
 from maxtext_rl_plugin.run import experience
@@ -176,9 +176,8 @@ def assemble(rounds: Sequence[_Round], picks: Sequence[tuple[int, int, bool]], g
   if first.routing is not None:
     t = completion_ids.shape[1]
     routing = np.concatenate([moe.widen_prompt(rnd.sampled.routing[rows], t, width) for rnd, rows in by_round])
-  estimator, norm, _ = advantages_lib.advantage_config(cfg.rl)
   signal = reward_aggregation.signal_of(cfg.rl, rewards, reward_values, g)  # rl.reward_aggregation
-  advantages = advantages_lib.group_advantages(signal, g, norm, estimator)
+  advantages = AlgorithmSettings.from_config(cfg).advantage(signal, g)
   sampled = experience.Sampled(
       [p for rnd, rows in by_round for p in np.asarray(rnd.sampled.prompts, object)[rows].tolist()],
       [t for rnd, rows in by_round for t in np.asarray(rnd.sampled.texts, object)[rows].tolist()],

@@ -35,10 +35,10 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.grpo import grpo_learner
 from tunix.rl.rollout import base_rollout
 
-from maxtext_rl_plugin.algorithms import advantages as advantages_lib
 from maxtext_rl_plugin.algorithms import divergence
 from maxtext_rl_plugin.algorithms import reward_aggregation
 from maxtext_rl_plugin.algorithms import shaping
+from maxtext_rl_plugin.algorithms.settings import AlgorithmSettings
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.run import async_rollout
@@ -305,10 +305,9 @@ def sample(run: Any, inputs: dict[str, list], plan: UpdatePlan, timer: Any) -> S
       )
       rewards = (rewards + penalty).astype(np.float32)
       reward_values["overlong_penalty"] = [float(x) for x in penalty]
-    estimator, norm, _ = advantages_lib.advantage_config(cfg.rl)
     # rl.reward_aggregation: the weighted total (sum) or each reward standardised in its group first (gdpo)
     signal = reward_aggregation.signal_of(cfg.rl, rewards, reward_values, g)
-    advantages = advantages_lib.group_advantages(signal, g, norm, estimator)
+    advantages = AlgorithmSettings.from_config(cfg).advantage(signal, g)
 
   behaviour = None
   if needs_behaviour_logps(cfg, plan):

@@ -27,6 +27,7 @@ from maxtext_rl_plugin.algorithms import advantages as advantages_lib
 from maxtext_rl_plugin.algorithms import divergence
 from maxtext_rl_plugin.algorithms import loss as loss_lib
 from maxtext_rl_plugin.algorithms import tunix_wiring
+from maxtext_rl_plugin.algorithms.settings import AlgorithmSettings
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin.run import build
@@ -487,7 +488,7 @@ def test_tunix_algo_config_maps_rl_keys():
           "rl.grpo_epsilon=0.1",
       ]
   )
-  algo = tunix_wiring.tunix_algo_config(cfg)
+  algo = tunix_wiring.tunix_algo_config(AlgorithmSettings.from_config(cfg))
   assert isinstance(algo, grpo_learner.GRPOConfig)
   assert (algo.loss_algo, algo.epsilon, algo.epsilon_high, algo.beta) == ("gspo-token", 0.1, 0.28, 0.0)
   assert (algo.kl_estimator, algo.kl_loss_mode, algo.loss_agg_mode) == ("k1", "kl", "token-mean")
@@ -496,7 +497,7 @@ def test_tunix_algo_config_maps_rl_keys():
   assert algo.advantage_estimator == tunix_wiring.ADVANTAGE_ESTIMATOR_NAMES[("grpo", "none")]
 
   default_cfg = load_config(["configs/cpu_tiny.yml"])
-  default = tunix_wiring.tunix_algo_config(default_cfg)
+  default = tunix_wiring.tunix_algo_config(AlgorithmSettings.from_config(default_cfg))
   assert default.epsilon_high == default.epsilon and default.kl_estimator == "k3"
   assert default.kl_loss_mode == "low_var_kl"
   # Values the loss cannot use never reach it: validation's RANGES table refuses them when the config loads, in the
