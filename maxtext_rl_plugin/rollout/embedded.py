@@ -63,7 +63,9 @@ class EmbeddedRollout(contract.RolloutEngine):
   """JAX KV-cache rollout engine over a `TunixMaxTextAdapter` (see the module docstring).
 
   Tunix constructs it as `cls(rollout_actor=, tokenizer=, mesh=, rollout_config=)`; bind the plugin
-  config with `functools.partial(EmbeddedRollout, config=cfg)` (else the actor's MaxText config is used).
+  config with `functools.partial(EmbeddedRollout, config=cfg)` (else the actor's MaxText config is used). The config
+  is the whole (sampler) MaxText config: the sampler builds MaxText's decode model from it (decode.MaxTextSampler,
+  MaxText's model creation takes the config whole), and LoRA's merge reads MaxText's `lora.*` keys from it.
   """
 
   def __init__(
@@ -79,7 +81,7 @@ class EmbeddedRollout(contract.RolloutEngine):
     # getattr defaults below, which are the plugin's documented defaults (config/schema.py).
     self.config = config if config is not None else rollout_actor.base.config
     cfg = self.config
-    self._actor = _on_rollout_mesh(rollout_actor, mesh, cfg)
+    self._actor = _on_rollout_mesh(rollout_actor, mesh, cfg.logical_axis_rules)
     self._tokenizer = tokenizer
     self._mesh = mesh
     self._rollout_config = rollout_config
@@ -414,7 +416,7 @@ class EmbeddedRollout(contract.RolloutEngine):
     return GenerationResult(tokens, lengths, logps, prompt_lens, left, list(texts), reasons)
 
 
-def _on_rollout_mesh(actor: Any, mesh: jax.sharding.Mesh, cfg: Any) -> Any:
+def _on_rollout_mesh(actor: Any, mesh: jax.sharding.Mesh, rules: Any) -> Any:
   """The actor itself when it already lives on the rollout mesh (colocated), else the sampler's own copy.
 
   Tunix hands class-based engines the trainer's module; in a disaggregated run sampling on it would
@@ -432,5 +434,5 @@ def _on_rollout_mesh(actor: Any, mesh: jax.sharding.Mesh, cfg: Any) -> Any:
       len(actor_devices),
       dict(mesh.shape),
   )
-  with logical_axis_rules(cfg.logical_axis_rules):
-    return move.model_on_mesh(actor, mesh, cfg.logical_axis_rules)
+  with logical_axis_rules(rules):
+    return move.model_on_mesh(actor, mesh, rules)

@@ -59,6 +59,8 @@ class Capabilities:
   # The config key whose dtype the engine samples in ('dtype': MaxText's compute dtype, as the trainer;
   # 'weight_dtype': the weights' dtype), for the parity gate's precision pairing (run/parity.py).
   sample_dtype_key: Literal["dtype", "weight_dtype"] = "dtype"
+  # The quantized weight formats (`rollout_quantization` values besides 'none') it samples in; () = float weights only.
+  quantized_weights: tuple[str, ...] = ()
   weight_sync: WeightSyncRoute = "wrapped"
 
 
