@@ -10,7 +10,10 @@ itself is test_train_e2e's, whose loss and estimator come through the same regis
 
 import importlib
 import json
+import os
 import pathlib
+import subprocess
+import sys
 import time
 import tomllib
 
@@ -30,6 +33,8 @@ import _in_process as in_process
 from _tiny import SMALL_VOCAB
 
 PACKAGE = pathlib.Path(__file__).parent / "example_pkg"
+REPO = pathlib.Path(__file__).resolve().parents[2]
+LIBTPU = REPO / ".venv-aot-libtpu"
 
 
 def write_dist_info(site: pathlib.Path, package: pathlib.Path = PACKAGE) -> pathlib.Path:
@@ -136,6 +141,7 @@ def test_train_rl_trains_two_steps_with_the_packages_loss_estimator_and_reward(i
       "rl.advantage_estimator=group_median",
       "reward_functions=short_answer",
       "decode_sampling_temperature=30",  # distinct completions from the random-init model, so rewards vary
+      "rl.parity_check=first",  # the parity gate, unchanged, on a run whose loss is the package's
   ]
   p = in_process.train_rl(argv)
   assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-5000:]
@@ -148,3 +154,30 @@ def test_train_rl_trains_two_steps_with_the_packages_loss_estimator_and_reward(i
     assert "train/seq_ratio_mean" not in r and "clip_fraction" not in r  # no built-in loss's metrics
   assert installed.CALLS["group_median"] > calls  # the advantages came from the package's estimator
   assert "RL steps of cispo" in p.stdout
+  assert "parity/logp_abs_diff_mean" in steps[0]
+
+
+@pytest.mark.extended  # the default tier: tests/aot's compile of the built-in loss, the same registry path
+@pytest.mark.skipif(not (LIBTPU / "libtpu").is_dir(), reason="libtpu not installed in .venv-aot-libtpu (scripts/venv.sh)")
+def test_compile_rl_compiles_the_packages_loss_for_a_tpu_topology(tmp_path):
+  """compile_topology with loss_algo=cispo: the AOT path builds the learner's loss through the registry, no aot/ change."""
+  site = tmp_path / "site"
+  write_dist_info(site)
+  path = os.pathsep.join([str(LIBTPU), str(site), str(PACKAGE), os.environ.get("PYTHONPATH", "")])
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=path)
+  env.pop("XLA_FLAGS", None)
+  argv = ["configs/cpu_tiny.yml", *SMALL_VOCAB, f"base_output_directory={tmp_path}", "run_name=t"]
+  argv += ["compile_topology=v5p-8", "compile_topology_num_slices=1", "loss_algo=cispo"]
+  res = subprocess.run(
+      [sys.executable, "-m", "maxtext_rl_plugin.compile_rl", *argv],
+      cwd=REPO,
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=600,
+      check=False,
+  )
+  assert res.returncode == 0, res.stderr[-3000:]
+  rep = json.loads((tmp_path / "t.aot-v5p-8.json").read_text())
+  assert rep["programs"][0]["name"] == "actor_update" and rep["programs"][0]["fits"]
+  assert "loss cispo" in res.stdout
