@@ -249,7 +249,7 @@ def generate(
   parser = parse.CallParser(cfg.rl.agentic_tool_parser)
   toolbox = toolbox_for(tuple(cfg.rl.agentic_tools), float(cfg.rl.agentic_tool_timeout_s))
   # A sampler spanning every process (colocated, several processes): agree on each turn's tool results.
-  spans = distributed.is_multiprocess() and not (run.setup.disaggregated or getattr(rollout, "per_host", False))
+  spans = distributed.is_multiprocess() and not (run.setup.disaggregated or rollout.per_host)
   observe = functools.partial(shared_observe if spans else local_observe, toolbox)
 
   def turn_fn(chunk_rng):
