@@ -38,6 +38,8 @@ from maxtext_rl_plugin.errors import ConfigError
 TUNIX_ROW = "tunix_grpo_update"
 PLUGIN_ROW = "actor_update"
 _KL_MODES = {"k3": "low_var_kl", "k1": "kl"}
+# The losses Tunix 0.1.7's `grpo_loss_fn` computes (`GRPOConfig.loss_algo`).
+_TUNIX_LOSSES = ("grpo", "gspo-token")
 RATIO_FIELDS = ("argument_gib", "output_gib", "temp_gib", "peak_gib", "host_temp_gib", "gflops", "gbytes")
 
 
@@ -46,6 +48,11 @@ def tunix_algo_config(config):
   from tunix.rl.grpo import grpo_learner
 
   rl = config.rl
+  if rl.loss_algo not in _TUNIX_LOSSES:  # a registered loss of another package (docs/extending.md): no Tunix twin
+    raise ConfigError(
+        f"rl.loss_algo={rl.loss_algo!r}: the anchor compiles Tunix's own loss, which has only "
+        f"{' and '.join(_TUNIX_LOSSES)}; compile_rl compiles any registered loss"
+    )
   if rl.kl_estimator not in _KL_MODES:
     raise ConfigError(f"rl.kl_estimator={rl.kl_estimator!r}: Tunix's GRPO loss has only k3 and k1")
   algo = grpo_learner.GRPOConfig(

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import tomllib
+import types
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +26,7 @@ import pytest
 from maxtext_rl_plugin.algorithms import advantages
 from maxtext_rl_plugin.algorithms import loss as loss_lib
 from maxtext_rl_plugin.algorithms import tunix_wiring
+from maxtext_rl_plugin.aot import anchor_tunix
 from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rewards import loader as reward_loader
@@ -121,6 +123,15 @@ def test_an_unknown_name_is_one_line_listing_the_registered_ones(installed):
     assert "\n" not in line and took < 5.0, (line, took)
   # The names the first pass accepts reach the typed config (the schema's loss_algo is a plain string there).
   config_precheck.precheck(["configs/cpu_tiny.yml", "loss_algo=cispo", "rl.advantage_estimator=group_median"])
+
+
+def test_the_tunix_anchor_refuses_a_loss_tunix_does_not_have_in_one_line():
+  """aot/anchor_tunix compiles Tunix's own loss beside the plugin's: a registered loss of another package has no Tunix
+  twin, which is one line (Tunix's GRPOConfig raised a ValueError traceback)."""
+  cfg = types.SimpleNamespace(rl=types.SimpleNamespace(loss_algo="cispo", kl_estimator="k3"))
+  with pytest.raises(ConfigError, match="rl.loss_algo='cispo': the anchor compiles Tunix's own loss") as e:
+    anchor_tunix.tunix_algo_config(cfg)
+  assert "\n" not in str(e.value)
 
 
 @pytest.mark.extended  # the default tier: the two tests above (registry, objective, refusal); test_train_e2e's runs
