@@ -33,6 +33,8 @@ from maxtext_rl_plugin import registry
 CHOICES = config_choices.CHOICES
 # `rollout_engine`'s one value that names no registered engine: the run picks one (run/build.py).
 AUTO_ENGINE = "auto"
+# What a rollout_engines entry point names (rollout/engines.py).
+ENGINE_SPEC = "maxtext_rl_plugin.rollout.engines.EngineSpec"
 # Checkpoint I/O budgets (checkpointing.Storage): a positive number, or null for Orbax's default. The OCDBT data file
 # size may also be 0 (TensorStore: no limit), not negative.
 _POSITIVE_OR_NULL = ("checkpoint_storage_concurrent_gb", "checkpoint_storage_device_host_concurrent_gb")
@@ -253,7 +255,18 @@ def engine_spec(pc) -> Any:
         f"expected one of {shown} (the registered rollout engines: entry-point group "
         f"{registry.GROUPS['rollout_engines']})",
     )
-  return registry.load("rollout_engines", name)
+  spec = registry.load("rollout_engines", name)
+  if not _is_spec(spec):
+    raise ConfigError(
+        f"rollout_engine={name}: its entry point ({registry.entry_points('rollout_engines')[name].value}) names "
+        f"{spec!r}, not an {ENGINE_SPEC} (metadata older than the plugin? reinstall it: pip install -e .)"
+    )
+  return spec
+
+
+def _is_spec(entry: Any) -> bool:
+  """Whether a rollout_engines entry is an EngineSpec (by its type's name: config/ imports no rollout module)."""
+  return f"{type(entry).__module__}.{type(entry).__qualname__}" == ENGINE_SPEC
 
 
 def check_engine_name(pc) -> None:
@@ -290,12 +303,10 @@ def check_engine(pc) -> None:
 
 
 def _capture_engines() -> list[str]:
-  """The registered engines that report MoE routing (their `capabilities.routing_capture`)."""
-  return [
-      n
-      for n in sorted(registry.entry_points("rollout_engines"))
-      if registry.load("rollout_engines", n).capabilities.routing_capture
-  ]
+  """The registered engines that report MoE routing (their `capabilities.routing_capture`; an entry that is no spec is
+  refused where it is chosen, `engine_spec`)."""
+  specs = {n: registry.load("rollout_engines", n) for n in sorted(registry.entry_points("rollout_engines"))}
+  return [n for n, spec in specs.items() if _is_spec(spec) and spec.capabilities.routing_capture]
 
 
 def router_replay_refusal(pc) -> str | None:

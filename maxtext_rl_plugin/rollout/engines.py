@@ -113,7 +113,8 @@ def spec(name: str) -> EngineSpec:
   if not isinstance(found, EngineSpec):
     raise ConfigError(
         f"rollout_engine={name}: the entry point {registered[name].value} in {GROUP} names a "
-        f"{type(found).__name__}, not a maxtext_rl_plugin.rollout.engines.EngineSpec"
+        f"{type(found).__name__}, not a maxtext_rl_plugin.rollout.engines.EngineSpec (metadata older than the plugin? "
+        "reinstall it: pip install -e .)"
     )
   return found
 

@@ -91,7 +91,10 @@ def _install_toy(root: pathlib.Path) -> pathlib.Path:
   info = root / "toy_engine-0.1.dist-info"
   info.mkdir()
   (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-engine\nVersion: 0.1\n")
-  (info / "entry_points.txt").write_text(f"[{engines.GROUP}]\ntoy = toy_engine_spec:ENGINE\n")
+  # `classy` names the engine class instead of its spec (as the metadata of an install older than the contract does).
+  (info / "entry_points.txt").write_text(
+      f"[{engines.GROUP}]\ntoy = toy_engine_spec:ENGINE\nclassy = toy_engine_impl:ToyRollout\n"
+  )
   return root
 
 
@@ -105,7 +108,7 @@ def toy_fixture(tmp_path, monkeypatch):
 
 def test_a_third_party_engine_is_found_by_name_and_built(toy):
   del toy
-  assert engines.names() == ["embedded", "toy", "vllm"]
+  assert engines.names() == ["classy", "embedded", "toy", "vllm"]
   spec = engines.spec("toy")
   assert spec.capabilities.multi_turn and not spec.capabilities.routing_capture and not spec.capabilities.snapshots
   # The first pass accepts the name, and runs the engine's own refusal (one line), before the schema's imports.
@@ -113,6 +116,9 @@ def test_a_third_party_engine_is_found_by_name_and_built(toy):
   with pytest.raises(errors.ConfigError, match=r"^rollout_engine=toy samples at most 4096 positions") as e:
     precheck.precheck([TINY, "rollout_engine=toy", "max_target_length=8192"])
   assert "\n" not in str(e.value)
+  # An entry that names the class, not its spec: one line, in the first pass too.
+  with pytest.raises(errors.ConfigError, match=r"^rollout_engine=classy: its entry point \(toy_engine_impl:ToyRollout\)"):
+    precheck.precheck([TINY, "rollout_engine=classy"])
   # Router replay needs an engine that declares routing capture: the toy one does not.
   with pytest.raises(errors.ConfigError, match="needs rollout_engine=embedded or vllm: the toy engine does not report"):
     config_lib.load_config([MOE, "rollout_engine=toy", "rl.router_replay=true"])
@@ -148,7 +154,9 @@ def test_an_unknown_engine_is_one_line_listing_the_registered_ones_before_jax(to
       text=True,
       check=True,
   ).stdout.splitlines()
-  assert out[0].startswith("invalid value for 'rollout_engine'='nope': expected one of auto, embedded, toy, vllm ("), out
+  assert out[0].startswith(
+      "invalid value for 'rollout_engine'='nope': expected one of auto, classy, embedded, toy, vllm ("
+  ), out
   assert engines.GROUP in out[0] and out[1] == "jax imported: False", out
 
 
