@@ -164,8 +164,7 @@ UPDATE_KEYS = (
     "penalty_incorrect_answer",
     "reward_item_timeout_seconds",
     "reward_call_timeout_seconds",
-    "rl.reward_weights",
-    "rl.reward_aggregation",
+    *("rl.reward_weights", "rl.reward_aggregation", "rl.reward_model_path", "rl.reward_model_weight"),
 )
 # Keys of the update's concerns (the rl: block, the loss, the optimizer, the rewards, the rollout) that a resume may
 # change without a note, with why; tests/test_bad_input.py fails when such a key is in none of UPDATE_KEYS,
@@ -184,6 +183,7 @@ RESUME_EXEMPT = {
     "rl.verify_weight_sync_every": "a check of the weight sync, not the update",
     "rollout_prefill_buckets": "compiled prompt shapes: the same sampling, padded differently",
     "rollout_batch_buckets": "compiled batch shapes: the same sampling, padded differently",
+    "rl.reward_model_batch_size": "texts per reward-model forward: the same scores, batched differently",
 }
 
 

@@ -70,6 +70,8 @@ LAYERS: dict[str, int] = {
     "train_rl": 3,
     "compile_rl": 3,
     "export_lora": 3,
+    "train_rm": 3,
+    "reward_model": 1,
     "cli": 3,
     "config.doc": 3,  # `python -m maxtext_rl_plugin.config.doc`: a command, reads the whole configuration
     "__init__": 0,

@@ -151,7 +151,10 @@ CLASS_STATUS: dict[str, str] = {
     "PluginRL": ALGO,
     "PluginGroup": ALGO,
     "PluginDapo": ALGO,
-    "PluginRewardMix": "honoured (algorithms/reward_aggregation.py: the rewards' weights and their combination)",
+    "PluginRewardMix": (
+        "honoured (algorithms/reward_aggregation.py: the rewards' weights and their combination; reward_model.py: the "
+        "reward model)"
+    ),
     "PluginAgentic": "honoured (agentic/: the episodes of rl.use_agentic_rollout)",
     "PluginRolloutCorrection": "honoured (algorithms: rollout importance sampling)",
     "PluginRouterReplay": ALGO,

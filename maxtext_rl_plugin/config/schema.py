@@ -133,6 +133,20 @@ class PluginRewardMix(BaseModel):
           "reward with a narrow spread is not drowned by a wide one (NeMo-RL's GDPO; docs/rewards.md)."
       ),
   )
+  reward_model_path: str = Field(
+      "",
+      description=(
+          "A reward model trained by train_rm (its run directory or checkpoints directory): one more reward, named "
+          "reward_model, the score of prompt + completion, on the trainer's devices; '' = none. It is built like the "
+          "run's model; a checkpoint of another size, vocabulary or tokenizer is refused in one line."
+      ),
+  )
+  reward_model_weight: float = Field(
+      1.0, description="The reward model's weight (rl.reward_weights holds the reward functions' weights)."
+  )
+  reward_model_batch_size: int = Field(
+      8, ge=1, description="Texts the reward model scores per forward (the last batch is padded to it)."
+  )
 
 
 class PluginAgentic(BaseModel):

@@ -263,6 +263,7 @@ UNBOUNDED: dict[str, str] = {
     "synthetic_seed": "any integer seeds the synthetic generator",
     "rollout_seed": "any integer seeds the rollout's sampling keys",
     "rl.reward_weights": "any finite weight: 0 keeps a reward's metrics and drops its signal, a negative one penalises",
+    "rl.reward_model_weight": "any finite weight: 0 logs the reward model's scores only, a negative one penalises",
 }
 # Each sampling strategy of generation_configs (run/evaluation.py): the same conventions as the rollout's keys.
 _GENERATION_RANGES: dict[str, tuple[_Check, str]] = {

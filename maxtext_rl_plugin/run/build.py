@@ -35,6 +35,7 @@ from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import rewards as rewards_lib
+from maxtext_rl_plugin import reward_model
 from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import sft
 from maxtext_rl_plugin import tunix_compat
@@ -296,7 +297,9 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   )
   timer = PhaseTimer()
   recorder = RewardRecorder()
-  reward_fns = [recorder.wrap(fn) for fn in rewards_lib.reward_fns_from_config(config)]
+  # rl.reward_model_path: the reward model last, one more reward, on the trainer's devices (reward_model.py)
+  fns = rewards_lib.reward_fns_from_config(config) + reward_model.reward_fns(config, rs.trainer_devices)
+  reward_fns = [recorder.wrap(fn) for fn in fns]
   tunix_wiring.register_with_tunix()
   algo_config = tunix_wiring.tunix_algo_config(AlgorithmSettings.from_config(config))
   # The learner wires the plugin's policy loss into the actor trainer; its own step (`train()`) is not used.
