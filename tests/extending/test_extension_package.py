@@ -171,7 +171,8 @@ def test_train_rl_trains_two_steps_with_the_packages_loss_estimator_and_reward(i
 @pytest.mark.extended  # the default tier: tests/aot's compile of the built-in loss, the same registry path
 @pytest.mark.skipif(not (LIBTPU / "libtpu").is_dir(), reason="libtpu not installed in .venv-aot-libtpu (scripts/venv.sh)")
 def test_compile_rl_compiles_the_packages_loss_for_a_tpu_topology(tmp_path):
-  """compile_topology with loss_algo=cispo: the AOT path builds the learner's loss through the registry, no aot/ change."""
+  """compile_topology with loss_algo=cispo: the AOT path builds the learner's loss through the registry (no aot/
+  change)."""
   site = tmp_path / "site"
   write_dist_info(site)
   path = os.pathsep.join([str(LIBTPU), str(site), str(PACKAGE), os.environ.get("PYTHONPATH", "")])
