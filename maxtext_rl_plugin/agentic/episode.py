@@ -270,8 +270,10 @@ def generate(
   # rollout_micro_batch_size prompts per call (MaxText's key, as on the single-turn path), each with its own key.
   micro = int(cfg.rollout_micro_batch_size)
   size = len(unique) if micro <= 0 or mode != rl_cluster_lib.Mode.TRAIN else micro
-  # Chunk c keeps its key however the prompts are split over processes (`groups`).
-  lo, hi = (0, len(unique)) if groups is None else (groups.start, groups.stop)
+  # Chunk c keeps its key however the prompts are split over processes (`groups`, in groups of rl.num_generations
+  # rows; `unique` is in groups of `group` rows, the same unless adjacent groups repeat a prompt).
+  g_rows = int(cfg.rl.num_generations)
+  lo, hi = (0, len(unique)) if groups is None else (groups.start * g_rows // group, groups.stop * g_rows // group)
   eps: list[Episode] = []
   for c, s in enumerate(range(0, len(unique), size)):
     a, b = max(s, lo), min(s + size, hi)

@@ -11,12 +11,21 @@ predicted speed-up is (R + T + S + O) / (max(R, T) + S + O); it is at most 2x, r
 On a CPU host every forced device shares the same cores, so the measured speed-up shows what is left over (host work,
 Python, idle cores) rather than two accelerators working side by side; on disaggregated TPU meshes the two halves are
 separate chips and the model's prediction is the number to expect.
+
+`--processes N` runs the job as one JAX program of N local processes (gloo collectives, as a Ray CPU worker runs it),
+each with `--devices` forced devices split into its own trainer half (one trainer mesh over every process) and its own
+sampler half (a per-host sampler), so rollouts ahead cross processes through the hand-overs of run/async_rollout.py.
+Process 0 prints the report.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 
@@ -45,8 +54,15 @@ def _parse(argv):
   p.add_argument("--steps", type=common.positive_int, default=6, help="measured RL steps per mode (after --warmup)")
   p.add_argument("--warmup", type=common.non_negative_int, default=2, help="steps dropped from the medians (compilation)")
   p.add_argument(
-      "--devices", type=common.positive_int, default=8, help="forced host devices on CPU (half trainer, half sampler)"
+      "--devices",
+      type=common.positive_int,
+      default=8,
+      help="forced host devices on CPU (half trainer, half sampler), per process",
   )
+  p.add_argument("--processes", type=common.positive_int, default=1, help="JAX processes of the job (gloo, local)")
+  p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+  p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
   p.add_argument("--colocated", action="store_true", help="trainer and sampler share all devices instead")
   p.add_argument("--config", default="configs/cpu_tiny.yml")
   p.add_argument("overrides", nargs="*", help="extra key=value overrides (model size, batch, ...)")
@@ -59,7 +75,8 @@ def _run(args, k: int, out_dir: str) -> list[dict]:
   from maxtext_rl_plugin.run import loop as trainer
   from maxtext_rl_plugin.run import build
 
-  split = [] if args.colocated else ["use_pathways=true", f"chips_per_vm={args.devices // 2}"]
+  per_vm = args.devices if args.processes > 1 else args.devices // 2  # several: each process splits its own devices
+  split = [] if args.colocated else ["use_pathways=true", f"chips_per_vm={per_vm}"]
   argv = [
       args.config,
       *DEFAULT_MODEL,
@@ -109,11 +126,40 @@ def overlap_model(m: dict[str, float]) -> dict[str, float]:
   }
 
 
+def _spawn(args, argv: list[str]) -> int:
+  """`--processes N`: this command N times as one JAX program (process 0 reports); the worst exit code."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{s.getsockname()[1]}"
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={args.devices}")
+  cmd = [sys.executable, "-m", "maxtext_rl_plugin.bench", "async", *argv]
+  with tempfile.TemporaryDirectory(prefix="bench_async_") as out, contextlib.ExitStack() as stack:
+    flags = ["--coordinator", addr, "--out-dir", out]  # one run directory for every process
+    procs = [
+        stack.enter_context(subprocess.Popen([*cmd, "--child", str(i), *flags], env=env)) for i in range(args.processes)
+    ]
+    return max((p.wait() for p in procs), key=abs)
+
+
 def main(argv=None) -> int:
-  args = _parse(sys.argv[1:] if argv is None else argv)
+  argv = sys.argv[1:] if argv is None else list(argv)
+  args = _parse(argv)
+  if args.processes > 1 and args.child is None:
+    return _spawn(args, argv)
   common.force_host_devices(args.devices)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  with tempfile.TemporaryDirectory(prefix="bench_async_") as out:
+  if args.child is not None:
+    import jax
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=args.coordinator, num_processes=args.processes, process_id=args.child)
+  if args.child:  # process 0 reports (the others' records are empty: process 0 alone writes metrics)
+    _run(args, 0, args.out_dir)
+    _run(args, 1, args.out_dir)
+    return 0
+  with tempfile.TemporaryDirectory(prefix="bench_async_") as tmp:
+    out = args.out_dir or tmp
     sync = _medians(_run(args, 0, out), args.warmup)
     ahead = _medians(_run(args, 1, out), args.warmup)
   model = overlap_model(sync)
@@ -130,6 +176,7 @@ def main(argv=None) -> int:
           {
               "bench": "async",
               "split": "colocated" if args.colocated else f"disaggregated {args.devices // 2}+{args.devices // 2}",
+              "processes": args.processes,
               "sync_steps_per_s": 1.0 / sync["step"],
               "async_steps_per_s": 1.0 / ahead["step"],
               "measured_speedup": sync["step"] / ahead["step"],

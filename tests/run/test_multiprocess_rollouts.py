@@ -235,10 +235,44 @@ def test_rollouts_ahead_on_two_processes_with_a_late_rollout_thread_equal_one_pr
   two_process_run(tmp_path, "two", *AHEAD, "chips_per_vm=2", "num_batches=3", devices=2)
   one = steps_of(tmp_path, "one")
   assert [r["async/policy_lag"] for r in one] == [0.0, 1.0, 1.0]
-  assert all(r["reward/std"] > 0 and "rollout_is/weight_mean" in r for r in one), one  # not vacuous
+  assert all(r["reward/std"] > 0 and "rollout_is/is_weight_mean" in r for r in one), one  # not vacuous
   assert_same_steps(steps_of(tmp_path, "two"), one)
   two_process_run(tmp_path, "resumed", *AHEAD, "chips_per_vm=2", "num_batches=2", "checkpoint_period=1", devices=2)
   two_process_run(tmp_path, "resumed", *AHEAD, "chips_per_vm=2", "num_batches=3", "checkpoint_period=1", devices=2)
   resumed = steps_of(tmp_path, "resumed")
   assert [r["async/policy_lag"] for r in resumed] == [0.0, 1.0, 0.0]  # the batch in flight is sampled again, fresh
   assert_same_steps(resumed[:2], one[:2])
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+@pytest.mark.solo
+@pytest.mark.timeout(3600)
+def test_all_three_together_on_two_processes_per_host_equal_one_process(tmp_path):
+  """Multi-turn episodes with dynamic sampling, one step ahead, each process sampling on its own device: each host
+  runs its own groups' episodes and tools (the per-host gather carries the loss masks), the refill decision is
+  process 0's, and the gathers and broadcasts of the rollout thread run in the trainer's thread. One rollout
+  micro-batch per prompt (`rollout_micro_batch_size=1`), so an episode's key is the same on one process as on two."""
+  together = [
+      *AGENTIC,
+      "reward_functions=prompt_bucket_reward",
+      f"reward_functions_path={DATA / 'dynamic_sampling_rewards.py'}",
+      "rl.dynamic_sampling=true",
+      "rl.max_refill_rounds=2",
+      "rl.num_generations=4",
+      "rollout_micro_batch_size=1",
+      "use_pathways=true",
+      "rl.off_policy_steps=1",
+      "rl.rollout_is=truncate",
+      "rl.use_rollout_logps=false",
+  ]
+  one_process_run(tmp_path, "sft", *together, "chips_per_vm=1", "rl.off_policy_steps=0", "num_batches=1", devices=2)
+  for name in ("one", "two"):
+    (tmp_path / name / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "sft" / "checkpoints" / "sft", tmp_path / name / "checkpoints" / "sft")
+  one_process_run(tmp_path, "one", *together, "chips_per_vm=1", "num_batches=3", devices=2)
+  two_process_run(tmp_path, "two", *together, "chips_per_vm=2", "num_batches=3", devices=2)
+  one = steps_of(tmp_path, "one")
+  assert any(r["agentic/masked_tokens"] > 0 for r in one) and any(r["dynamic_sampling/refill_rounds"] for r in one)
+  assert [r["async/policy_lag"] for r in one] == [0.0, 1.0, 1.0]
+  assert_same_steps(steps_of(tmp_path, "two"), one)
