@@ -25,6 +25,8 @@ from typing import Any
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.config import files as config_files
+from maxtext_rl_plugin.config import key_rule
+from maxtext_rl_plugin.config import rules
 from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin.data import prompts
 from maxtext_rl_plugin.data import rows
@@ -107,8 +109,8 @@ def identity(config) -> dict[str, Any]:
 # step trains on. A resume may change them (a lower learning rate for the rest of a run is a common, legitimate
 # choice), and each change is said in one `note:` line naming the key, the checkpoint's value and the new one
 # (`update_changes`), so a resumed run is never silently another run. Keys that change which examples batch k holds are
-# refused instead (`identity`, resume._RESUME_INVARIANTS).
-UPDATE_KEYS = (
+# refused instead (`identity`, `resume_invariants`). MaxText's keys here; a plugin key's rule is in its field.
+_MAXTEXT_UPDATE_KEYS = (
     "learning_rate",
     "learning_rate_final_fraction",
     "warmup_steps_fraction",
@@ -120,37 +122,18 @@ UPDATE_KEYS = (
     "rl.grpo_beta",
     "rl.grpo_epsilon",
     "rl.epsilon_high",
-    "rl.kl_estimator",
     "rl.loss_agg_mode",
-    "rl.advantage_estimator",
-    "rl.advantage_norm",
-    "rl.mask_truncated_completions",
-    "rl.overlong_buffer_len",
-    "rl.overlong_penalty_factor",
-    "rl.rollout_is",
-    "rl.rollout_is_cap",
     "rl.use_rollout_logps",
     "rl.off_policy_steps",
-    "rl.dynamic_sampling",
-    "rl.max_refill_rounds",
     "rl.force_on_policy_ratio",
-    "rl.router_replay",
     "load_balance_loss_weight",
     "moe_use_megatron_seq_aux_loss",
     "adam_eps_root",
     "rl.use_agentic_rollout",
-    "rl.agentic_tools",
-    "rl.agentic_tool_parser",
-    "rl.agentic_max_turns",
-    "rl.agentic_turn_tokens",
-    "rl.agentic_max_tokens",
-    "rl.agentic_tool_timeout_s",
-    "rollout_engine",
     "decode_sampling_temperature",
     "decode_sampling_top_k",
     "decode_sampling_nucleus_p",
     "stop_strings",
-    "stop_token_ids",
     "max_target_length",
     "reward_functions",
     "reward_functions_path",
@@ -162,28 +145,18 @@ UPDATE_KEYS = (
     "reward_ratio_guess_to_answer_low",
     "penalty_incorrect_format",
     "penalty_incorrect_answer",
-    "reward_item_timeout_seconds",
-    "reward_call_timeout_seconds",
-    *("rl.reward_weights", "rl.reward_aggregation", "rl.reward_model_path", "rl.reward_model_weight"),
 )
+# ... and the plugin's keys whose field says `noted` (config/rules.py).
+UPDATE_KEYS = (*_MAXTEXT_UPDATE_KEYS, *rules.resume_keys(key_rule.NOTED))
 # Keys of the update's concerns (the rl: block, the loss, the optimizer, the rewards, the rollout) that a resume may
-# change without a note, with why; tests/test_bad_input.py fails when such a key is in none of UPDATE_KEYS,
-# `resume_invariants` (refused on resume) and this table.
+# change without a note, with why (MaxText's here, the plugin's in their fields); tests/test_bad_input.py fails when
+# such a key is in none of UPDATE_KEYS, `resume_invariants` (refused on resume) and this table.
 RESUME_EXEMPT = {
     "learning_rate_schedule_steps": "resume.schedule_change notes a schedule that changes length",
     "math_verify_num_procs": "how many processes verify answers, not what they reward",
     "rl.log_sampler_trainer_agreement": "a metric, not the update",
-    "rl.parity_check": "a check of sampler-trainer agreement (run/parity.py), not the update",
-    "rl.parity_check_every": "a check of sampler-trainer agreement, not the update",
-    "rl.parity_logp_tolerance_max": "a check of sampler-trainer agreement, not the update",
-    "rl.parity_logp_tolerance_mean": "a check of sampler-trainer agreement, not the update",
-    "rl.parity_routing_tolerance": "a check of sampler-trainer agreement, not the update",
     "rl.reshard_chunk_size": "how the weights move to the sampler, not which",
-    "rl.verify_weight_sync": "a check of the weight sync, not the update",
-    "rl.verify_weight_sync_every": "a check of the weight sync, not the update",
-    "rollout_prefill_buckets": "compiled prompt shapes: the same sampling, padded differently",
-    "rollout_batch_buckets": "compiled batch shapes: the same sampling, padded differently",
-    "rl.reward_model_batch_size": "texts per reward-model forward: the same scores, batched differently",
+    **rules.resume_exempt(),  # the plugin's keys: their fields say why (`exempt: ...`)
 }
 
 

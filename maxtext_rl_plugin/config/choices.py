@@ -2,15 +2,18 @@
 
 pydantic refuses such a value too, but only in the schema pass (its imports: JAX, MaxText, ~10 s on a loaded machine),
 so `loss_algo=no_such_name` cost ten seconds for one line. The table holds every `Literal[...]` and `Enum` field of
-`schema.PluginRLConfig` (MaxText's and the plugin's; list-valued fields and model_name, which
-`config_files.check_model_name` refuses with a suggestion, excepted), plus `remat_policy`, a plain string in MaxText's
-schema whose values the decoder's `get_remat_policy` alone decides (an unknown one is an AssertionError at the first
-forward). tests/test_bad_input.py derives both from MaxText 0.2.5 and the schema and compares them with this table.
+`schema.PluginRLConfig` (list-valued fields and model_name, which `config_files.check_model_name` refuses with a
+suggestion, excepted): MaxText's, restated here, and the plugin's, read from their own fields (`rules.choices`; the
+plugin's fields are light). Plus `remat_policy`, a plain string in MaxText's schema whose values the decoder's
+`get_remat_policy` alone decides (an unknown one is an AssertionError at the first forward). tests/test_bad_input.py
+derives both from MaxText 0.2.5 and the schema and compares them with this table.
 """
 
 from __future__ import annotations
 
 from typing import Any
+
+from maxtext_rl_plugin.config import rules
 
 # Choice sets MaxText declares for several keys: each remat-policy tensor's placement, and the mesh rules of training and
 # of evaluation.
@@ -125,20 +128,12 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     ),
     "query_proj": _OFFLOAD,
     "query_wa_proj": _OFFLOAD,
-    "rl.advantage_norm": ("group_std", "batch_std", "none"),
-    "rl.agentic_tool_parser": ("qwen",),
-    "rl.kl_estimator": ("k1", "k3"),
     "rl.loss_agg_mode": ("token-mean", "sequence-mean", "sequence-mean-token-mean"),
-    "rl.parity_check": ("off", "first", "every_n"),
-    "rl.reward_aggregation": ("sum", "gdpo"),
-    "rl.rollout_is": ("off", "truncate", "mask"),
-    "rl.verify_weight_sync": ("off", "first", "every_n"),
     "rollout_backend": ("maxtext", "vllm_torchax"),
     "rope_type": ("default", "llama3.1", "yarn"),
     "shard_mode": ("auto", "explicit"),
     "sharding_strategy": ("experimental",),
     "source_checkpoint_layout": ("orbax", "safetensors", "safetensors_dynamic"),
-    "synthetic_task": ("word_problems", "products"),
     "te_gmm_quantization": ("", "te_no_quant", "te_mxfp8"),
     "tokenizer_type": ("sentencepiece", "huggingface", "tiktoken"),
     "training_objective": ("causal_lm", "block_diffusion"),
@@ -170,3 +165,5 @@ REMAT_POLICIES: tuple[str, ...] = (
     "none",
 )
 CHOICES["remat_policy"] = REMAT_POLICIES
+# The plugin's own enumerated keys: their fields' `Literal[...]` types (config/rules.py).
+CHOICES.update(rules.choices())

@@ -6,8 +6,8 @@ believe the run uses it. The rule is the one `lora.validate` applies to the `lor
 its switch is off is one line naming the key, the switch and how to turn it on. Both passes run it
 (`validation._light_checks`): the config as written, before the schema's imports, and the typed config.
 
-`DEFAULTS` holds each dependent key's shipped default (configs/rl.yml, or the schema's for a schema-only key);
-tests/config/test_validation.py keeps them equal to the schema's.
+A key's family is its field's rule (`KeyRule.needs` in config/fields.py, config/rl_fields.py: `rl.dynamic_sampling=true`,
+`rl.overlong_buffer_len > 0`), and its default is the field's: `FAMILIES` is derived from them (config/rules.py).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from maxtext_rl_plugin.config import key_rule
+from maxtext_rl_plugin.config import rules
 from maxtext_rl_plugin.config.unresolved import Unresolved
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -29,35 +31,19 @@ class Family:
   keys: dict[str, Any]
 
 
-FAMILIES: tuple[Family, ...] = (
-    Family(
-        "rl.use_agentic_rollout",
-        bool,
-        "rl.use_agentic_rollout=true",
-        {
-            "rl.agentic_tools": ["calculator"],
-            "rl.agentic_tool_parser": "qwen",
-            "rl.agentic_max_turns": 4,
-            "rl.agentic_turn_tokens": 0,
-            "rl.agentic_max_tokens": 0,
-            "rl.agentic_tool_timeout_s": 2.0,
-        },
-    ),
-    Family("rl.dynamic_sampling", bool, "rl.dynamic_sampling=true", {"rl.max_refill_rounds": 3}),
-    Family("rl.overlong_buffer_len", lambda v: v > 0, "rl.overlong_buffer_len > 0", {"rl.overlong_penalty_factor": 1.0}),
-    Family("rl.rollout_is", lambda v: v != "off", "rl.rollout_is=truncate or mask", {"rl.rollout_is_cap": 2.0}),
-    Family(
-        "rl.verify_weight_sync",
-        lambda v: v == "every_n",
-        "rl.verify_weight_sync=every_n",
-        {"rl.verify_weight_sync_every": 10},
-    ),
-    Family("rl.parity_check", lambda v: v == "every_n", "rl.parity_check=every_n", {"rl.parity_check_every": 10}),
-    Family(
-        "sft_warmup_steps", lambda v: v > 0, "sft_warmup_steps > 0", {"sft_learning_rate": 1.0e-3, "sft_batch_size": 16}
-    ),
-    Family("synthetic_task", lambda v: v == "products", "synthetic_task=products", {"synthetic_tool_rate": 0.0}),
-)
+def _families() -> tuple[Family, ...]:
+  """One family per switch, from the fields whose rule names it (`KeyRule.needs`), with the fields' defaults."""
+  grouped: dict[str, dict[str, Any]] = {}
+  for key, (needs, default) in rules.dependents().items():
+    grouped.setdefault(needs, {})[key] = default
+  out = []
+  for needs, keys in grouped.items():
+    switch, is_on = key_rule.condition(needs)
+    out.append(Family(switch, is_on, needs, keys))
+  return tuple(out)
+
+
+FAMILIES: tuple[Family, ...] = _families()
 
 
 def _get(config: Any, key: str) -> Any:

@@ -8,9 +8,10 @@ A MaxText user who switches from MaxText's `train_rl` to this plugin must lose n
 * `refused: <why>`: nothing in the RL path reads it, so a user value different from MaxText's own RL default
   (`post_train/rl.yml` over `base.yml`, else the schema default) is an error, not a silent no-op.
 
-Statuses are given per mixin class of `RLConfig` (e.g. every `ModelArchitecture` key is read by MaxText's model
-code, which the plugin builds through `from_pretrained`; every `Goodput` key is pre-training telemetry) with
-per-key overrides. A class missing from `CLASS_STATUS` fails tests/config/test_config.py, so a MaxText upgrade that adds
+MaxText's keys' statuses are given here per mixin class of `RLConfig` (e.g. every `ModelArchitecture` key is read by
+MaxText's model code, which the plugin builds through `from_pretrained`; every `Goodput` key is pre-training
+telemetry) with per-key overrides. A plugin key's status is its field's rule (config/fields.py, config/rl_fields.py;
+`rules.statuses`). A class missing from `CLASS_STATUS` fails tests/config/test_config.py, so a MaxText upgrade that adds
 a mixin or a key cannot add a silently ignored key. Keys of the `rl:` block are named `rl.<key>`; keys of MaxText's
 other nested blocks (`dataset`, `reward`, `vllm`, ...) are also top-level fields and are named flat, as in
 `post_train/rl.yml`.
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import functools
 from typing import Any
+
+from maxtext_rl_plugin.config import rules
 
 MODEL = "honoured (MaxText model code, built by from_pretrained)"
 MESH = "honoured (MaxText mesh and sharding of the trainer and rollout models)"
@@ -145,29 +148,6 @@ CLASS_STATUS: dict[str, str] = {
     "Tensorboard": "refused: Vertex TensorBoard upload is not implemented; logs go to tensorboard_dir",
     "DerivedValues": DERIVED,
     "RL": ALGO,
-    "PluginLossName": "honoured (algorithms: the registered policy loss of that name, policy_losses entry points)",
-    # The plugin's concerns (config/schema.py): a class whose keys one line covers has it here; the others' keys each
-    # have their own entry below.
-    "PluginRL": ALGO,
-    "PluginGroup": ALGO,
-    "PluginDapo": ALGO,
-    "PluginRewardMix": (
-        "honoured (algorithms/reward_aggregation.py: the rewards' weights and their combination; reward_model.py: the "
-        "reward model)"
-    ),
-    "PluginAgentic": "honoured (agentic/: the episodes of rl.use_agentic_rollout)",
-    "PluginRolloutCorrection": "honoured (algorithms: rollout importance sampling)",
-    "PluginRouterReplay": ALGO,
-    "PluginSyncCheck": "honoured (resharding: post-sync check)",
-    "PluginParity": (
-        "honoured (run/parity.py: sampler vs trainer log-probs of the sampled tokens, stop before the update)"
-    ),
-    "PluginCli": "honoured (train_rl)",
-    "PluginRollout": ROLLOUT,
-    "PluginData": DATA,
-    "PluginRewards": REWARDS,
-    "PluginResharding": "honoured (resharding: trainer->sampler sync)",
-    "PluginRunLoop": TRAINER,
     "RLCluster": DEVICES,
     "RLDataset": DATA,
     "RLEvaluation": "honoured (trainer: eval)",
@@ -175,8 +155,6 @@ CLASS_STATUS: dict[str, str] = {
     "RLSpecialTokens": "honoured (data prompt template and rewards)",
     "VLLM": _CONVERTER,
     "RLConfig": TRAINER,
-    "PluginKeys": "honoured (plugin key)",  # each has a per-key entry below
-    "PluginRLConfig": "honoured (plugin key)",
     "LoRA": "honoured (lora.py: MaxText's lora_utils.apply_lora_to_model on the actor)",
 }
 
@@ -305,7 +283,6 @@ _KEY_STATUS: dict[str, str] = {
     # --- tokenizer / data ---
     "tokenizer_path": "honoured (models.load_tokenizer; vLLM model id)",
     "tokenizer_type": MODEL,
-    "use_chat_template": DATA,
     "data_template_path": DATA,
     "chat_template": "refused: prompts use the tokenizer's own chat template (use_chat_template) or data_template_path",
     "chat_template_path": (
@@ -348,7 +325,6 @@ _KEY_STATUS: dict[str, str] = {
     "debug": "refused: MaxText train_rl's debug printing; the plugin logs with absl (--verbosity)",
     # --- rl: block ---
     "rl.num_iterations": TRAINER,
-    "rl.mini_batch_size": TRAINER,
     "rl.use_rollout_logps": TRAINER,
     "rl.force_on_policy_ratio": TRAINER,
     "rl.log_sampler_trainer_agreement": TRAINER,
@@ -484,37 +460,6 @@ _KEY_STATUS.update(
         "rollout_backend": (
             "refused: MaxText's vLLM weight converter is not used; the plugin's vLLM engine maps weights itself "
             "(rollout/vllm_mapping.py)"
-        ),
-    }
-)
-
-# The plugin's own keys that their concern's class status (CLASS_STATUS, config/schema.py's classes) does not cover.
-_KEY_STATUS.update(
-    {
-        "print_config": "honoured (train_rl: print the resolved configuration and exit)",
-        "reward_item_timeout_seconds": REWARDS,
-        "reward_call_timeout_seconds": "honoured (rewards/loader.py: RewardFn, per call)",
-        **dict.fromkeys(("sft_warmup_steps", "sft_learning_rate", "sft_batch_size"), "honoured (sft: warm start)"),
-        **dict.fromkeys(("eval_before_training", "eval_after_training"), "honoured (trainer: eval)"),
-        "write_plot": "honoured (summary: summary.png)",
-        "overwrite_run": "honoured (run_identity.check_overwrite: a finished run without checkpoints is replaced)",
-        "rl.kl_estimator": ALGO,
-        "rl.advantage_norm": ALGO,
-        # DAPO and kin
-        "rl.advantage_estimator": "honoured (algorithms: advantage baseline; drgrpo also the loss aggregation)",
-        "rl.mask_truncated_completions": "honoured (experience: completion mask of truncated completions zeroed)",
-        **dict.fromkeys(
-            ("rl.overlong_buffer_len", "rl.overlong_penalty_factor"),
-            "honoured (experience: DAPO's soft overlong penalty added to the reward, in tokens)",
-        ),
-        **dict.fromkeys(
-            ("rl.dynamic_sampling", "rl.max_refill_rounds"),
-            "honoured (dynamic_sampling: zero-variance groups dropped, batch refilled)",
-        ),
-        "rl.router_replay": (
-            "honoured (moe.py: the embedded rollout's routing replayed in the trainer's old-policy and policy "
-            "forwards, forced by MaxText or at the MoE modules by the plugin; refused for engines that do not report "
-            "routing)"
         ),
     }
 )
@@ -711,8 +656,11 @@ def canonical(key: str) -> str:
 
 
 def status(key: str) -> str | None:
-  """`honoured (...)` or `refused: ...` for a key (any spelling `canonical` accepts); None when unknown."""
+  """`honoured (...)` or `refused: ...` for a key (any spelling `canonical` accepts); None when unknown. A plugin key's
+  is its field's (config/rules.statuses); MaxText's come from the tables above."""
   key = canonical(key)
+  if key in rules.statuses():
+    return rules.statuses()[key]
   if key in _KEY_STATUS:
     return _KEY_STATUS[key]
   owner = _declaring_class().get(key)

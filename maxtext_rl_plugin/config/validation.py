@@ -5,9 +5,10 @@ Three layers, all before any model is built (and before JAX has a backend), each
 * a scan of every value of the schema (top-level keys, each nested block, lists and dicts inside them): a float
   must be finite (NaN passes every `x < 0` check, so ranges alone never catch it) unless the key is in
   `INFINITY_MEANS`, which says what infinity means there; an integer must fit int64 (what JAX and NumPy index with);
-* `RANGES`: a table of the keys whose meaningful values are narrower than their type (a negative temperature, a
-  nucleus of mass 0, a beta outside [0, 1)); only documented conventions pass (top_k 0 = off, top_p 1 =
-  off, an evaluation temperature 0 = greedy; a rollout's greedy decode is refused by `early_checks.check_greedy_rollout`);
+* `RANGES`: the keys whose meaningful values are narrower than their type (a negative temperature, a nucleus of mass 0,
+  a beta outside [0, 1)): MaxText's restated here, the plugin's from their fields' bounds (config/rules.py), so the
+  first pass checks them too; only documented conventions pass (top_k 0 = off, top_p 1 = off, an evaluation
+  temperature 0 = greedy; a rollout's greedy decode is refused by `early_checks.check_greedy_rollout`);
 * `_CROSS_CHECKS`: rules between keys (the completion budget, micro-batch divisibility, the run directory).
 
 Checks that need the device set (the trainer/sampler split, one controller for agentic runs) stay in the trainer
@@ -30,6 +31,7 @@ from typing import Any, Callable, Iterator
 from maxtext_rl_plugin.config import dependent_keys
 from maxtext_rl_plugin.config import early_checks
 from maxtext_rl_plugin.config import key_status
+from maxtext_rl_plugin.config import rules
 from maxtext_rl_plugin.config.unresolved import Unresolved
 from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin import lora
@@ -186,9 +188,6 @@ def _get(pc, key: str) -> Any:
 _Check = Callable[[Any], bool]
 # The smallest sampling temperature of a rollout (RANGES' decode_sampling_temperature row says why).
 MIN_SAMPLING_TEMPERATURE = 1e-2
-# rl.dynamic_sampling's bound on refill rounds per step: each samples batch_size prompts; 10**6 rounds is a step that
-# never ends, not a setting (DAPO's recipe uses a handful).
-MAX_REFILL_ROUNDS = 100
 
 
 def _ge(lo: float) -> _Check:
@@ -211,7 +210,8 @@ def _prob_mass(v) -> bool:
   return 0.0 < v <= 1.0
 
 
-# key -> (accepts the value, what is expected). None values (a key left unset) are not checked.
+# key -> (accepts the value, what is expected). None values (a key left unset) are not checked. MaxText's keys here; the
+# plugin's bounds are their fields' (`ge`/`gt`/`le`/`lt`, config/rules.ranges), added below.
 RANGES: dict[str, tuple[_Check, str]] = {
     "batch_size": (_ge(1), "must be >= 1"),
     "num_batches": (_ge(1), "must be >= 1"),
@@ -237,34 +237,21 @@ RANGES: dict[str, tuple[_Check, str]] = {
     "max_prefill_predict_length": (_ge(1), "must be >= 1 (the prompt budget in tokens)"),
     "num_eval_passes": (_ge(1), "must be >= 1 (generations per eval prompt)"),
     "num_test_batches": (_ge(0), "must be >= 0 (0 = no eval)"),
-    "rollout_prefill_buckets": (lambda v: bool(v) and min(v) >= 1, "must be a non-empty list of lengths >= 1"),
-    "rollout_batch_buckets": (lambda v: bool(v) and min(v) >= 1, "must be a non-empty list of batch sizes >= 1"),
     "rl.grpo_epsilon": (_unit, "must be >= 0 and <= 1 (the clip range [1 - eps, 1 + eps])"),
     "rl.epsilon_high": (_ge(0.0), "must be >= 0 (or null for rl.grpo_epsilon)"),
     "rl.grpo_beta": (_ge(0.0), "must be >= 0 (0 disables the KL term and the reference model)"),
     "rl.num_iterations": (_ge(1), "must be >= 1"),
     "rl.off_policy_steps": (_ge(0), "must be >= 0 (0 = synchronous rollouts)"),
     "rl.reshard_chunk_size": (_ge(1), "must be >= 1 (or null: one chunk)"),
-    "rl.max_refill_rounds": (
-        lambda v: 0 <= v <= MAX_REFILL_ROUNDS,
-        f"must be in [0, {MAX_REFILL_ROUNDS}] (each round samples a whole batch; when they are spent the step trains on "
-        "the informative groups it found)",
-    ),
     "rope_max_timescale": (_gt(0), "must be > 0 (RoPE's longest wavelength; 0 divides by zero: NaN loss)"),
     "rope_min_timescale": (_gt(0), "must be > 0 (RoPE's shortest wavelength; 0 divides by zero: NaN loss)"),
     "log_period": (_ge(1), "must be >= 1 (steps between progress lines and TensorBoard flushes)"),
-    "stop_token_ids": (lambda v: all(t >= 0 for t in v), "must be token ids >= 0"),
-    "reward_item_timeout_seconds": (_gt(0.0), "must be > 0"),
 }
 
-# Numeric plugin keys every value of whose type means something: no schema bound and no RANGES row. A new numeric key
-# gets a bound in config/schema.py, a row above, or a line here (tests/config/test_validation.py fails otherwise).
-UNBOUNDED: dict[str, str] = {
-    "synthetic_seed": "any integer seeds the synthetic generator",
-    "rollout_seed": "any integer seeds the rollout's sampling keys",
-    "rl.reward_weights": "any finite weight: 0 keeps a reward's metrics and drops its signal, a negative one penalises",
-    "rl.reward_model_weight": "any finite weight: 0 logs the reward model's scores only, a negative one penalises",
-}
+RANGES.update(rules.ranges())
+# Numeric plugin keys every value of whose type means something: no bound, and their field's rule says why
+# (`KeyRule.any_value`; tests/config/test_rules.py fails for a numeric plugin key with neither).
+UNBOUNDED: dict[str, str] = rules.unbounded()
 # Each sampling strategy of generation_configs (run/evaluation.py): the same conventions as the rollout's keys.
 _GENERATION_RANGES: dict[str, tuple[_Check, str]] = {
     "eval_temperature": (_ge(0.0), "must be >= 0 (0 = greedy)"),  # evaluation trains nothing: any temperature works

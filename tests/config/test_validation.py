@@ -12,14 +12,12 @@ import os
 import random
 import subprocess
 import sys
-import typing
 
 import pytest
 
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.config import keys as config_keys
 from maxtext_rl_plugin.config import precheck as config_precheck
-from maxtext_rl_plugin.config import schema as config_schema
 from maxtext_rl_plugin.config import dependent_keys
 from maxtext_rl_plugin.config import validation
 from maxtext_rl_plugin.config.unresolved import Unresolved
@@ -207,24 +205,6 @@ def test_every_range_key_exists_in_the_schema(tiny_pc):
     assert (inner or head) in cls.model_fields, key
 
 
-def test_every_numeric_plugin_key_is_bounded_or_exempt():
-  # A new int/float plugin key needs a bound (the schema's ge/gt/le/lt), a RANGES row, or an UNBOUNDED line with why.
-  loose = []
-  for prefix, cls in (("", config_schema.PluginKeys), ("rl.", config_schema.PluginRL)):
-    own = {n for k in cls.__mro__ if k.__module__ == config_schema.__name__ for n in vars(k).get("__annotations__", {})}
-    for name in sorted(own):
-      field = cls.model_fields.get(name)
-      numeric = {int, float} & {field.annotation, *typing.get_args(field.annotation)}
-      key = prefix + name
-      if numeric and not field.metadata and key not in validation.RANGES and key not in validation.UNBOUNDED:
-        loose.append(key)
-  assert not loose, f"numeric plugin keys with no bound, RANGES row or UNBOUNDED reason: {loose}"
-  known = set(config_schema.PluginKeys.model_fields.keys()) | {
-      f"rl.{k}" for k in config_schema.PluginRL.model_fields.keys()
-  }
-  assert set(validation.UNBOUNDED) <= known
-
-
 def test_a_run_needs_a_run_name():
   c = config_lib.load_config([TINY, "run_name="])  # a config that does not train (the score CLI) may omit it
   with pytest.raises(ConfigError, match="'run_name'='': must be set for a run"):
@@ -295,6 +275,8 @@ def test_config_and_path_mistakes_are_refused_before_jax_is_imported(tmp_path):
       ([tiny, "print_config=true", "run_name="], "error: invalid value for 'run_name'='': must be set for a run"),
       ([tiny, "print_config=true", "synthetic_min_steps=3"], "error: invalid value for 'synthetic_max_steps'=2"),
       ([tiny, "print_config=true", "rl.grpo_epsilon=1.5"], "error: invalid value for 'rl.grpo_epsilon'=1.5"),
+      # A plugin key's bound is its field's (ge=2): the first pass checks it too (config/rules.ranges).
+      ([tiny, "rl.num_generations=1"], "error: invalid value for 'rl.num_generations'=1: must be >= 2"),
       ([tiny, "run_name="], "error: invalid value for 'run_name'='': must be set for a run"),
       ([tiny, "run_name=a/b"], "error: invalid value for 'run_name'='a/b'"),
       ([tiny, "base_output_directory=/proc/x"], "error: invalid value for 'base_output_directory'"),
