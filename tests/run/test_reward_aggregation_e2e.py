@@ -1,5 +1,6 @@
 """rl.reward_aggregation=gdpo with rl.reward_weights end to end: a real 2-step `train_rl` of the tiny model on two
-rewards with a 10x spread difference (tests/data/multi_rewards.py), its per-reward metrics every step, and a resume
+rewards with a 10x spread difference (tests/data/multi_rewards.py), under DAPO's dynamic sampling (the gdpo kept-group
+rule in the refill loop), its per-reward metrics every step, and a resume
 that changes a weight (noted in one line, not refused), and a wrong weight count refused in one line. The advantages'
 formula is tests/algorithms/test_reward_aggregation.py's (NumPy re-derivation); here the step metrics agree with each
 other (the weighted total, the kept-group rule)."""
@@ -23,6 +24,8 @@ _RUN = [
     "reward_functions=wide_reward,narrow_reward",
     f"reward_functions_path={REPO / 'tests' / 'data' / 'multi_rewards.py'}",
     "rl.reward_aggregation=gdpo",
+    "rl.dynamic_sampling=true",  # the kept-group rule of gdpo (reward_aggregation.kept_groups) in the refill loop
+    "rl.max_refill_rounds=1",
     "metrics_file=metrics.jsonl",
     "eval_before_training=false",
     "eval_after_training=false",
@@ -60,6 +63,8 @@ def test_gdpo_with_weights_trains_logs_each_reward_and_resumes_with_a_noted_weig
     # gdpo keeps a group when either weighted reward varies: no more flat groups than either reward alone has.
     flat = r["reward/zero_variance_group_fraction"]
     assert flat <= min(r["reward/wide_reward/zero_spread_fraction"], r["reward/narrow_reward/zero_spread_fraction"])
+    # dynamic sampling's trained batch: its flat groups are exactly the slots it could not fill
+    assert flat == r["dynamic_sampling/short_groups"] / 2 and r["dynamic_sampling/kept_groups"] >= 1
   p = _run(tmp_path, "num_batches=3", "rl.reward_weights=[1,0.25]")
   assert "from checkpoint step 2" in p.stdout
   assert "note: resuming with rl.reward_weights=[1.0, 0.25], not the [1.0, 0.5]" in p.stdout, p.stdout[-2000:]
