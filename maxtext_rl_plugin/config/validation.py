@@ -11,7 +11,7 @@ Three layers, all before any model is built (and before JAX has a backend), each
   temperature 0 = greedy; a rollout's greedy decode is refused by `early_checks.check_greedy_rollout`);
 * `_CROSS_CHECKS`: rules between keys (the completion budget, micro-batch divisibility, the run directory).
 
-Checks that need the device set (the trainer/sampler split, one controller for agentic runs) stay in the trainer
+Checks that need the device set (the trainer/sampler split, a per-host sampler for rollouts ahead) stay in the trainer
 (`run/build.check_runtime`). Rows that do not divide over the trainer are valid (Tunix replicates them:
 `distributed.rows_sharding`); the run says what they cost in one `note:` line.
 
