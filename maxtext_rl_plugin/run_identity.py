@@ -2,16 +2,11 @@
 
 A checkpoint's metadata holds `identity(config)`: the model (its name and shape), the LoRA adapters it holds, and
 whatever decides which examples batch k holds (the dataset, the synthetic task's seed and ranges, a digest of each
-local data file, the prompt budget that filters long prompts). `check_rerun`, called before any model is built,
-reads the newest checkpoint's metadata straight from disk (`<step>/meta/metadata`, Orbax's JSON item) and refuses
-in one line:
-
-* a run asked to stop before where it already is (a rerun of a finished 2-step run with `num_batches=1`): nothing
-  is rewritten, no summary, no plot, no record;
-* a resume whose model or data would differ from the checkpoint's: it would continue silently on other examples,
-  or fail deep inside Orbax's restore.
-
-Keys a checkpoint written before a key existed does not hold are not compared.
+local data file, the prompt budget that filters long prompts). `run/meta.check_rerun`, called before any model is
+built, reads the newest checkpoint's metadata straight from disk (`read_meta`: `<step>/meta/metadata`, Orbax's JSON
+item) and refuses a resume whose model or data would differ from the checkpoint's (it would continue silently on other
+examples, or fail deep inside Orbax's restore). Keys a checkpoint written before a key existed does not hold are not
+compared. Also here: the run's input and output path checks (`check_inputs`, `check_outputs`, `path_values`).
 """
 
 from __future__ import annotations
@@ -25,8 +20,6 @@ from typing import Any
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.config import files as config_files
-from maxtext_rl_plugin.config import key_rule
-from maxtext_rl_plugin.config import rules
 from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin.data import prompts
 from maxtext_rl_plugin.data import rows
@@ -105,80 +98,6 @@ def identity(config) -> dict[str, Any]:
   return out
 
 
-# Keys that change the update (the loss, the optimizer, the rewards, the sampling of rollouts) but not which examples a
-# step trains on. A resume may change them (a lower learning rate for the rest of a run is a common, legitimate
-# choice), and each change is said in one `note:` line naming the key, the checkpoint's value and the new one
-# (`update_changes`), so a resumed run is never silently another run. Keys that change which examples batch k holds are
-# refused instead (`identity`, `resume_invariants`). MaxText's keys here; a plugin key's rule is in its field.
-_MAXTEXT_UPDATE_KEYS = (
-    "learning_rate",
-    "learning_rate_final_fraction",
-    "warmup_steps_fraction",
-    "adam_b1",
-    "adam_b2",
-    "adam_eps",
-    "adam_weight_decay",
-    "gradient_clipping_threshold",
-    "rl.grpo_beta",
-    "rl.grpo_epsilon",
-    "rl.epsilon_high",
-    "rl.loss_agg_mode",
-    "rl.use_rollout_logps",
-    "rl.off_policy_steps",
-    "rl.force_on_policy_ratio",
-    "load_balance_loss_weight",
-    "moe_use_megatron_seq_aux_loss",
-    "adam_eps_root",
-    "rl.use_agentic_rollout",
-    "decode_sampling_temperature",
-    "decode_sampling_top_k",
-    "decode_sampling_nucleus_p",
-    "stop_strings",
-    "max_target_length",
-    "reward_functions",
-    "reward_functions_path",
-    "reward_exact_answer",
-    "reward_white_space_format_match",
-    "reward_exact_format_match",
-    "reward_partial_format_match",
-    "reward_ratio_guess_to_answer_high",
-    "reward_ratio_guess_to_answer_low",
-    "penalty_incorrect_format",
-    "penalty_incorrect_answer",
-)
-# ... and the plugin's keys whose field says `noted` (config/rules.py).
-UPDATE_KEYS = (*_MAXTEXT_UPDATE_KEYS, *rules.resume_keys(key_rule.NOTED))
-# Keys of the update's concerns (the rl: block, the loss, the optimizer, the rewards, the rollout) that a resume may
-# change without a note, with why (MaxText's here, the plugin's in their fields); tests/test_bad_input.py fails when
-# such a key is in none of UPDATE_KEYS, `resume_invariants` (refused on resume) and this table.
-RESUME_EXEMPT = {
-    "learning_rate_schedule_steps": "resume.schedule_change notes a schedule that changes length",
-    "math_verify_num_procs": "how many processes verify answers, not what they reward",
-    "rl.log_sampler_trainer_agreement": "a metric, not the update",
-    "rl.reshard_chunk_size": "how the weights move to the sampler, not which",
-    **rules.resume_exempt(),  # the plugin's keys: their fields say why (`exempt: ...`)
-}
-
-
-def _dotted(config, key: str) -> Any:
-  """The value of a dotted key (`rl.grpo_beta`)."""
-  value = config
-  for part in key.split("."):
-    value = getattr(value, part)
-  return value
-
-
-def position_keys(config) -> dict[str, Any]:
-  """The keys the data position of a checkpoint is counted in (resume._meta stores them under these names): a resume
-  that changes one is refused before any model is built (resume._RESUME_INVARIANTS checks them again at restore)."""
-  return {
-      "batch_size": int(config.batch_size),
-      "num_generations": int(config.rl.num_generations),
-      "data_shuffle_seed": int(config.data_shuffle_seed),
-      "dataset": config.train_data_path or config.dataset_name,
-  }
-
-
 def tokenizer_identity(path: Any) -> str:
   """What makes a tokenizer another one: a local tokenizer directory's content (each file's name and digest, so the
   same tokenizer found at another path is the same), else the hub id as written."""
@@ -192,92 +111,6 @@ def tokenizer_identity(path: Any) -> str:
     if os.path.isfile(full):
       h.update(f"{name}:{_file_digest(full, storage.version(full))};".encode())
   return f"files {h.hexdigest()[:16]}"
-
-
-def resume_invariants(config) -> dict[str, Any]:
-  """What a resume may not change, under the names resume._meta stores them: the data position (`position_keys`), the
-  loss, the rollout seed, the optimizer updates per step, the tokenizer (its ids are what the weights were trained on)
-  and the dtype the weights are kept and saved in. Light: the first pass (`train_rl._precheck`) compares them on the
-  config as written, before any model is built; the restore (run/resume.py) compares them again with the checkpoint it
-  restores."""
-  b, rl = int(config.batch_size), config.rl
-  mini = value_or(rl, "mini_batch_size", None)  # unset as written: the schema's default, None (= batch_size)
-  mini = b if mini is None or int(mini) <= 0 else int(mini)
-  return {
-      **position_keys(config),
-      "loss_algo": rl.loss_algo,
-      "rollout_seed": int(config.rollout_seed),
-      "updates_per_step": int(rl.num_iterations) * (b // mini),
-      "tokenizer": tokenizer_identity(config.tokenizer_path),
-      "weight_dtype": str(getattr(config.weight_dtype, "name", config.weight_dtype)),  # the typed config's np.dtype
-  }
-
-
-# An invariant's key as the user writes it, and why a resume may not change it (default: the data position's reason).
-_SHOWN_INVARIANT = {
-    "num_generations": "rl.num_generations",
-    "loss_algo": "rl.loss_algo",
-    "updates_per_step": "rl.num_iterations * batch_size / rl.mini_batch_size",
-    "tokenizer": "tokenizer_path",
-}
-_DATA_POSITION = (
-    "the checkpoint's data position (batch k = the prompts after k batches of this size and order) would mean other "
-    "prompts"
-)
-_WHY_INVARIANT = {
-    "loss_algo": "the checkpoint's steps were trained with it, and its learning-rate schedule and sampling seeds are "
-    "counted in them",
-    "rollout_seed": "the checkpoint's steps were trained with it, and its learning-rate schedule and sampling seeds are "
-    "counted in them",
-    "updates_per_step": "the checkpoint's steps were trained with it, and its learning-rate schedule and sampling seeds "
-    "are counted in them",
-    "tokenizer": "the checkpoint's weights were trained on that tokenizer's ids, and another tokenizer would feed them "
-    "other tokens",
-    "weight_dtype": "the checkpoint's weights and optimizer state were kept in that precision; resuming would round "
-    "them and save every later step in the new one",
-}
-
-
-def check_resume_invariants(config, run_dir: str, meta: dict[str, Any] | None = None) -> None:
-  """Refuse (one line) a resume that changes a `resume_invariants` key; `meta`: the newest readable checkpoint's
-  metadata (read here when None; nothing to compare without a checkpoint)."""
-  if meta is None:
-    directory = value_or(config, "checkpoint_dir", None) or os.path.join(run_dir, "checkpoints")
-    meta = next((m for m in (read_meta(directory, s) for s in checkpoint_steps(directory)) if m is not None), None)
-    if meta is None:
-      return
-  for key, value in resume_invariants(config).items():
-    if key in meta and meta[key] != value:  # a checkpoint written before a key was recorded is not compared on it
-      shown = _SHOWN_INVARIANT.get(key, key)
-      if key == "tokenizer":  # the identity is a digest: name the path the user gave
-        value = f"{config.tokenizer_path} ({value})"
-      why = _WHY_INVARIANT.get(key, _DATA_POSITION)
-      raise CheckpointError(
-          f"cannot resume {run_dir}: its checkpoints were written with {shown}={meta[key]!r} but this run has "
-          f"{shown}={value!r}; {why}: restore the setting or use a new run_name"
-      )
-
-
-def update_values(config) -> dict[str, Any]:
-  """`UPDATE_KEYS` and their values as JSON holds them (stored in every checkpoint's metadata)."""
-  return json.loads(json.dumps({k: _dotted(config, k) for k in UPDATE_KEYS}, default=str))
-
-
-def update_changes(config, meta: dict[str, Any]) -> list[str]:
-  """One `note:` line per `UPDATE_KEYS` key whose value differs from the checkpoint's (none for checkpoints written
-  before the values were recorded)."""
-  was = meta.get("update_keys")
-  if not isinstance(was, dict):
-    return []
-  step = meta.get("step", "?")
-  notes = []
-  for key, value in update_values(config).items():
-    if key in was and was[key] != value:
-      notes.append(
-          f"note: resuming with {key}={value!r}, not the {was[key]!r} of the checkpoint's steps (1-{step}): the "
-          "steps from here use the new value"
-      )
-  return notes
 
 
 def lora_keys(config) -> dict[str, Any]:
@@ -316,52 +149,6 @@ def read_meta(directory: str, step: int) -> dict[str, Any] | None:
   return meta if isinstance(meta, dict) else None
 
 
-def _shown(key: str, value: Any) -> str:
-  """An identity entry as the refusal names it (`key=value`, a block's keys one by one)."""
-  if key == "synthetic" and isinstance(value, dict):
-    return ", ".join(f"{k}={v}" for k, v in value.items())
-  if key == "model_shape" and isinstance(value, dict):
-    return ", ".join(f"{k}={v}" for k, v in value.items())
-  if key == "lora" and isinstance(value, dict):
-    return ", ".join(f"lora.{k}={v!r}" for k, v in value.items())
-  if key in ("train_data_digest", "eval_data_digest"):
-    return f"{key.split('_digest')[0]}_path content digest {value}"
-  if key in ("hub_data", "prompt") and isinstance(value, dict):
-    return ", ".join(f"{k}={v!r}" for k, v in value.items())
-  return f"{key}={value!r}"
-
-
-def check_rerun(config, run_dir: str, asked_steps: int) -> None:
-  """Refuse (one line, nothing written) a rerun that asks to stop before the newest checkpoint, or whose model or
-  data differ from the newest checkpoint's (see the module docstring)."""
-  directory = checkpoint_dir(config, run_dir)
-  # A step directory whose metadata does not read (an empty `5/`, a torn or tampered checkpoint) is not a step the run
-  # trained to: the restore sets it aside, so it neither refuses a rerun nor decides what is compared.
-  readable = [(s, m) for s, m in ((s, read_meta(directory, s)) for s in checkpoint_steps(directory)) if m is not None]
-  if not readable:
-    check_overwrite(config, run_dir)
-    return
-  newest, meta = readable[0]
-  if newest > asked_steps:
-    raise CheckpointError(
-        f"{run_dir} already trained {newest} RL steps (checkpoint step {newest} in {directory}) and this run asks for "
-        f"{asked_steps} (num_batches); nothing was changed: ask for at least {newest} steps to continue it, or use a "
-        "new run_name"
-    )
-  run_dir_lib.check_resumed_metrics_file(
-      run_dir_lib.resolve_metrics_file(config.metrics_file, run_dir), run_dir, meta.get("metrics_file"), newest
-  )
-  check_resume_invariants(config, run_dir, meta)
-  now = identity(config)
-  for key, value in now.items():
-    if key in meta and meta[key] != json.loads(json.dumps(value)):
-      raise CheckpointError(
-          f"cannot resume {run_dir}: its checkpoints were written with {_shown(key, meta[key])} but this run has "
-          f"{_shown(key, value)}; the run would continue on another model or other examples: restore the setting "
-          "or use a new run_name"
-      )
-
-
 def check_overwrite(config, run_dir: str) -> None:
   """A run without checkpoints to resume from (enable_checkpointing=false) would start over in `run_dir`, replacing a
   finished run's records, summary, plot and batches: refused in one line unless `overwrite_run=true` asks for it."""
@@ -373,11 +160,6 @@ def check_overwrite(config, run_dir: str) -> None:
       f"{value_or(config, 'enable_checkpointing')}); this run would start over and replace its records, summary and "
       "plot: use a new run_name, or overwrite_run=true to replace them"
   )
-
-
-def total_steps(config) -> int:
-  """RL steps the run asks for (run.build.num_rl_steps): MaxText's train_steps counts one update per iteration."""
-  return int(config.train_steps) // max(1, int(config.rl.num_iterations))
 
 
 def _local(path: Any) -> bool:
@@ -457,15 +239,3 @@ def path_values(config) -> tuple:
     return value or None
 
   return tuple(read(k) for k in PATH_KEYS)
-
-
-def preflight(config, checked_paths: tuple | None = None) -> None:
-  """The run's path checks, before the trainer's imports (JAX backends, MaxText models, Tunix: seconds on a loaded
-  machine): inputs exist, outputs writable, and no rerun that would rewrite a finished run or resume another model
-  or data. `checked_paths`: the `path_values` the first pass (train_rl._precheck) already checked the inputs and
-  outputs with; when the typed config reads the same, those checks are not run again."""
-  if checked_paths is None or path_values(config) != checked_paths:
-    check_inputs(config)
-    check_outputs(config)
-  run_dir = os.path.join(config.base_output_directory, config.run_name)
-  check_rerun(config, run_dir, total_steps(config))

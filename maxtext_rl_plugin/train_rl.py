@@ -18,6 +18,7 @@ from typing import Sequence
 
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin.config import validation
 from maxtext_rl_plugin.config.unresolved import Unresolved
@@ -82,7 +83,7 @@ def _precheck(view) -> Prechecked:
       run_identity.check_outputs(view)
       done.paths = run_identity.path_values(view)
       # A resume that changes the loss or the update plan: the checkpoint's metadata says so before any model build.
-      run_identity.check_resume_invariants(view, os.path.join(view.base_output_directory, view.run_name))
+      run_meta.check_resume_invariants(view, os.path.join(view.base_output_directory, view.run_name))
     except Unresolved:
       return done
   return done
@@ -147,7 +148,7 @@ def _main(argv: list[str]) -> int:
         from maxtext_rl_plugin.aot import run as aot_run
 
         return aot_run.run(config, parsed)
-      run_identity.preflight(config, done.paths)  # path and rerun refusals before the trainer's seconds of imports
+      run_meta.preflight(config, done.paths)  # path and rerun refusals before the trainer's seconds of imports
       from maxtext_rl_plugin.run import loop as trainer
 
     trainer.run(config, parsed)

@@ -4,7 +4,7 @@ Each refusal is asserted in the first pass (`config_precheck.precheck` and `trai
 written, before JAX, the schema and any model) and, where the typed config used to end in a traceback, in the second
 pass too (`config.load_config`). `train_rl.main` is run with the schema's loader replaced by one that fails the test,
 so "refused before the model build" is checked, not timed. References: the values each key's meaning rules out
-(MaxText's own rules: top-k <= experts, an I/O budget > 0), and what a real run writes (resume._meta's metadata).
+(MaxText's own rules: top-k <= experts, an I/O budget > 0), and what a real run writes (run/meta.checkpoint_meta).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from maxtext_rl_plugin import errors
 from maxtext_rl_plugin.config import key_status
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
-from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin import train_rl
 from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin.bench import moe as bench_moe
@@ -194,13 +194,14 @@ def test_refused_before_the_schema_and_the_model(monkeypatch, capsys, tmp_path, 
 
 @pytest.fixture(name="checkpointed_run", scope="module")
 def checkpointed_run_fixture(tmp_path_factory):
-  """A cpu_tiny run directory whose step 2 holds the metadata a real run writes (resume._meta of its typed config)."""
+  """A cpu_tiny run directory whose step 2 holds the metadata a real run writes (run/meta.checkpoint_meta of its typed
+  config)."""
   base = tmp_path_factory.mktemp("resume")
   argv = [TINY, f"base_output_directory={base}", "run_name=r", "num_batches=4"]
   config = config_lib.load_config(argv)
   meta_dir = base / "r" / "checkpoints" / "2" / "meta"
   meta_dir.mkdir(parents=True)
-  (meta_dir / "metadata").write_text(json.dumps(resume._meta(config, 2)))  # pylint: disable=protected-access
+  (meta_dir / "metadata").write_text(json.dumps(run_meta.checkpoint_meta(config, 2)))
   return argv, config
 
 
@@ -227,15 +228,15 @@ def test_the_same_resume_is_refused_by_the_second_pass_too(checkpointed_run):
   argv, _ = checkpointed_run
   config = config_lib.load_config([*argv, "loss_algo=gspo-token"])
   with pytest.raises(errors.CheckpointError, match="rl.loss_algo='grpo'"):
-    run_identity.preflight(config)
-  run_identity.preflight(config_lib.load_config([*argv, "learning_rate=1e-5"]))  # an update key: a note, not a refusal
+    run_meta.preflight(config)
+  run_meta.preflight(config_lib.load_config([*argv, "learning_rate=1e-5"]))  # an update key: a note, not a refusal
 
 
 def test_a_resume_is_refused_at_the_restore_by_the_same_rule(checkpointed_run, tmp_path):
-  # The restore compares the checkpoint it restores (not only the newest on disk) with run_identity.resume_invariants;
+  # The restore compares the checkpoint it restores (not only the newest on disk) with run/meta.resume_invariants;
   # the same tokenizer found at another path is the same tokenizer.
   argv, config = checkpointed_run
-  meta = resume._meta(config, 2)  # pylint: disable=protected-access
+  meta = run_meta.checkpoint_meta(config, 2)
   bf16 = config_lib.load_config([*argv, "weight_dtype=bfloat16"])
   with pytest.raises(errors.CheckpointError, match="weight_dtype='float32' but this run has weight_dtype='bfloat16'"):
     resume._check_resume_compatible(bf16, meta, "ckpt/2")  # pylint: disable=protected-access
@@ -245,7 +246,7 @@ def test_a_resume_is_refused_at_the_restore_by_the_same_rule(checkpointed_run, t
   resume._check_resume_compatible(moved, meta, "ckpt/2")  # pylint: disable=protected-access
   (copy / "tokenizer_config.json").write_text("{}")
   with pytest.raises(errors.CheckpointError, match="written with tokenizer_path="):
-    run_identity.preflight(config_lib.load_config([*argv, f"tokenizer_path={copy}"]))
+    run_meta.preflight(config_lib.load_config([*argv, f"tokenizer_path={copy}"]))
 
 
 @pytest.mark.parametrize(
@@ -271,12 +272,12 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(monkeypatch, capsys, 
 def test_a_resume_says_every_update_key_it_changes(checkpointed_run):
   # rl.router_replay and load_balance_loss_weight got no note (rl.dynamic_sampling did).
   argv, config = checkpointed_run
-  meta = {"step": 2, "update_keys": run_identity.update_values(config)}
+  meta = {"step": 2, "update_keys": run_meta.update_values(config)}
   changed = config_lib.load_config(
       [*argv, "rl.router_replay=true", "load_balance_loss_weight=0.05", "model_name=mixtral-8x7b", "num_experts=4"]
       + ["num_experts_per_tok=2", "capacity_factor=-1", "base_moe_mlp_dim=32", "sparse_matmul=false", "megablox=false"]
   )
-  notes = "\n".join(run_identity.update_changes(changed, meta))
+  notes = "\n".join(run_meta.update_changes(changed, meta))
   assert "note: resuming with rl.router_replay=True, not the False of the checkpoint's steps (1-2)" in notes
   assert "note: resuming with load_balance_loss_weight=0.05, not the" in notes
 
@@ -311,9 +312,9 @@ def test_every_update_key_is_noted_refused_or_exempt():
     status = key_status.status(key) or ""
     if (key.startswith("rl.") or status.startswith(concerns)) and status.startswith("honoured"):
       domain.add(key_status.canonical(key))
-  missing = domain - set(run_identity.UPDATE_KEYS) - refused_on_resume - set(run_identity.RESUME_EXEMPT)
-  assert not missing, f"neither noted on resume, refused nor exempt (run_identity.RESUME_EXEMPT): {sorted(missing)}"
-  assert {"rl.router_replay", "load_balance_loss_weight"} <= set(run_identity.UPDATE_KEYS)
+  missing = domain - set(run_meta.UPDATE_KEYS) - refused_on_resume - set(run_meta.RESUME_EXEMPT)
+  assert not missing, f"neither noted on resume, refused nor exempt (run/meta.RESUME_EXEMPT): {sorted(missing)}"
+  assert {"rl.router_replay", "load_balance_loss_weight"} <= set(run_meta.UPDATE_KEYS)
 
 
 def test_metrics_file_in_another_runs_directory_is_refused(tmp_path):

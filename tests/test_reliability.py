@@ -442,6 +442,7 @@ def test_a_step_directory_without_metadata_neither_refuses_nor_decides_a_rerun(t
   # "already trained 5 steps" (the restore sets 5 aside and resumes from 2); step 2's metadata is what is compared.
   from maxtext_rl_plugin.config import load as config_lib  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin import run_identity  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.run import meta as run_meta  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.errors import CheckpointError  # pylint: disable=import-outside-toplevel
 
   config = config_lib.load_config(["configs/cpu_tiny.yml", f"base_output_directory={tmp_path}"])
@@ -451,12 +452,12 @@ def test_a_step_directory_without_metadata_neither_refuses_nor_decides_a_rerun(t
   (ckpts / "5").mkdir()
   meta = run_identity.identity(config)
   (ckpts / "2" / "meta" / "metadata").write_text(json.dumps(meta))
-  run_identity.check_rerun(config, run_dir, 3)  # resumes from 2
+  run_meta.check_rerun(config, run_dir, 3)  # resumes from 2
   with pytest.raises(CheckpointError, match=r"already trained 2 RL steps \(checkpoint step 2"):
-    run_identity.check_rerun(config, run_dir, 1)
+    run_meta.check_rerun(config, run_dir, 1)
   (ckpts / "2" / "meta" / "metadata").write_text(json.dumps({**meta, "model_name": "qwen3-8b"}))
   with pytest.raises(CheckpointError, match="written with model_name='qwen3-8b'"):
-    run_identity.check_rerun(config, run_dir, 3)
+    run_meta.check_rerun(config, run_dir, 3)
 
 
 _SIGTERM_WHILE_LOADING = """
@@ -507,12 +508,12 @@ def _tiny(tmp_path, *overrides):
 
 
 def _write_checkpoint_meta(config, tmp_path, step, **changes):
-  """Step `step`'s metadata as resume.save writes it (resume._meta: the same function), without a model."""
-  from maxtext_rl_plugin.run import resume  # pylint: disable=import-outside-toplevel
+  """Step `step`'s metadata as resume.save writes it (run/meta.checkpoint_meta: the same function), without a model."""
+  from maxtext_rl_plugin.run import meta as run_meta  # pylint: disable=import-outside-toplevel
 
   meta_dir = pathlib.Path(tmp_path) / "r" / "checkpoints" / str(step) / "meta"
   meta_dir.mkdir(parents=True, exist_ok=True)
-  meta = {**resume._meta(config, step), **changes}  # pylint: disable=protected-access
+  meta = {**run_meta.checkpoint_meta(config, step), **changes}
   (meta_dir / "metadata").write_text(json.dumps(meta))
   return meta
 
@@ -556,7 +557,7 @@ def test_metrics_file_never_names_another_output_or_an_input_of_the_run(tmp_path
 def test_a_resume_refuses_another_runs_metrics_file(tmp_path):
   # Run r's checkpoints wrote to their own metrics file; a resume given run b's file (with records) used to prune and
   # overwrite b's records. The fresh-run refusal now holds on resume too; r's own file and a new empty file pass.
-  from maxtext_rl_plugin import run_identity  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.run import meta as run_meta  # pylint: disable=import-outside-toplevel
 
   own = tmp_path / "r_metrics.jsonl"
   config = _tiny(tmp_path, f"metrics_file={own}", "num_batches=3")
@@ -566,13 +567,11 @@ def test_a_resume_refuses_another_runs_metrics_file(tmp_path):
   other.write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "reward/mean": 0.7}\n')
   before = other.read_bytes()
   with pytest.raises(run_dir_lib.OutputError, match=r"holds 2 record\(s\) of another run; .* resumes from step 1, whose"):
-    run_identity.check_rerun(_tiny(tmp_path, f"metrics_file={other}", "num_batches=3"), str(tmp_path / "r"), 3)
+    run_meta.check_rerun(_tiny(tmp_path, f"metrics_file={other}", "num_batches=3"), str(tmp_path / "r"), 3)
   assert other.read_bytes() == before
   own.write_text('{"step": 1}\n')
-  run_identity.check_rerun(config, str(tmp_path / "r"), 3)
-  run_identity.check_rerun(
-      _tiny(tmp_path, f"metrics_file={tmp_path / 'new.jsonl'}", "num_batches=3"), str(tmp_path / "r"), 3
-  )
+  run_meta.check_rerun(config, str(tmp_path / "r"), 3)
+  run_meta.check_rerun(_tiny(tmp_path, f"metrics_file={tmp_path / 'new.jsonl'}", "num_batches=3"), str(tmp_path / "r"), 3)
 
 
 @pytest.mark.parametrize(
@@ -590,7 +589,7 @@ def test_a_resume_refuses_another_runs_metrics_file(tmp_path):
     ],
 )
 def test_a_resume_that_changes_the_examples_is_refused_before_any_model(tmp_path, override, key):
-  from maxtext_rl_plugin import run_identity  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.run import meta as run_meta  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.errors import CheckpointError  # pylint: disable=import-outside-toplevel
 
   (tmp_path / "template.json").write_text('{"SYSTEM_PROMPT": "s", "TEMPLATE": "{question}"}')
@@ -598,19 +597,17 @@ def test_a_resume_that_changes_the_examples_is_refused_before_any_model(tmp_path
   before, _, after = override.rpartition("|")  # the checkpoint's overrides | the resume's
   _write_checkpoint_meta(_tiny(tmp_path, "num_batches=3", *before.split()), tmp_path, 1)
   with pytest.raises(CheckpointError) as e:
-    run_identity.check_rerun(
-        _tiny(tmp_path, "num_batches=3", *after.format(tmp=tmp_path).split()), str(tmp_path / "r"), 3
-    )
+    run_meta.check_rerun(_tiny(tmp_path, "num_batches=3", *after.format(tmp=tmp_path).split()), str(tmp_path / "r"), 3)
   assert f"cannot resume {tmp_path / 'r'}: its checkpoints were written with" in str(e.value) and key in str(e.value)
 
 
 def test_a_resume_that_changes_the_update_says_so_in_one_note_per_key(tmp_path):
-  from maxtext_rl_plugin import run_identity  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.run import meta as run_meta  # pylint: disable=import-outside-toplevel
 
   meta = _write_checkpoint_meta(_tiny(tmp_path, "num_batches=3"), tmp_path, 2)
   resumed = _tiny(tmp_path, "num_batches=3", "learning_rate=5e-5", "rl.grpo_beta=0.5", "decode_sampling_temperature=0.7")
-  run_identity.check_rerun(resumed, str(tmp_path / "r"), 3)  # accepted
-  assert run_identity.update_changes(resumed, meta) == [
+  run_meta.check_rerun(resumed, str(tmp_path / "r"), 3)  # accepted
+  assert run_meta.update_changes(resumed, meta) == [
       "note: resuming with learning_rate=5e-05, not the 0.0001 of the checkpoint's steps (1-2): the steps from here "
       "use the new value",
       "note: resuming with rl.grpo_beta=0.5, not the 0.08 of the checkpoint's steps (1-2): the steps from here use "
@@ -618,10 +615,10 @@ def test_a_resume_that_changes_the_update_says_so_in_one_note_per_key(tmp_path):
       "note: resuming with decode_sampling_temperature=0.7, not the 1.0 of the checkpoint's steps (1-2): the steps "
       "from here use the new value",
   ]
-  assert not run_identity.update_changes(_tiny(tmp_path, "num_batches=3"), meta)
-  assert not run_identity.update_changes(resumed, {k: v for k, v in meta.items() if k != "update_keys"})  # older ckpt
+  assert not run_meta.update_changes(_tiny(tmp_path, "num_batches=3"), meta)
+  assert not run_meta.update_changes(resumed, {k: v for k, v in meta.items() if k != "update_keys"})  # older ckpt
   # Every key of the table is a key of the schema (a renamed key would silently stop being compared).
-  assert set(run_identity.update_values(resumed)) == set(run_identity.UPDATE_KEYS)
+  assert set(run_meta.update_values(resumed)) == set(run_meta.UPDATE_KEYS)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@
 | status: honoured (where) / refused (why) | `KeyRule.status` | key_status.status |
 | bound | `ge`/`gt`/`le`/`lt` (a list: `KeyRule.items_ge`); else `KeyRule.any_value` | validation.RANGES / UNBOUNDED |
 | choices | a `Literal[...]` type | early_checks.CHOICES (config/choices.py) |
-| resume | `KeyRule.resume`: `noted`, `invariant`, `exempt: <why>` | run_identity.UPDATE_KEYS / RESUME_EXEMPT |
+| resume | `KeyRule.resume`: `noted`, `invariant`, `exempt: <why>` | run/meta.UPDATE_KEYS / RESUME_EXEMPT |
 | switch | `KeyRule.needs`: `<switch>=<value>[ or <value>]`, `<switch> > 0` | dependent_keys.FAMILIES |
 
 Light (pydantic, no JAX or MaxText), so the first pass (config/precheck) checks a plugin key's bound, choices and switch

@@ -36,7 +36,7 @@ from maxtext_rl_plugin import models
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import reward_model
-from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin import sft
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin.run import updates
@@ -84,18 +84,6 @@ def check_runtime(config, rs: models.RunSetup) -> None:
         f"invalid value for 'rl.rollout_is'='{config.rl.rollout_is}': needs rl.use_rollout_logps=false "
         "(the importance weight is pi_old / pi_behaviour, with pi_old the trainer's own forward)"
     )
-
-
-def num_rl_steps(config) -> int:
-  """RL steps (rollout batches) of the run. MaxText's `train_steps` counts num_batches * num_iterations *
-  train_fraction * num_epoch, i.e. updates with one update per iteration; the plugin's step is one rollout batch.
-  Defined once in run_identity (its pre-build checks run before this module's imports)."""
-  return run_identity.total_steps(config)
-
-
-def total_updates(config) -> int:
-  """Optimizer updates of the whole run: the learning-rate schedule's length (unless set explicitly)."""
-  return num_rl_steps(config) * updates.UpdatePlan.from_config(config).updates_per_step
 
 
 def _resolve_engine_name(config) -> str:
@@ -164,20 +152,10 @@ def rollout_configs(config, tokenizer) -> dict:
   return {rl_cluster_lib.Mode.TRAIN: train_config, rl_cluster_lib.Mode.EVAL: evaluation}
 
 
-def schedule_updates(config) -> int:
-  """The learning-rate schedule's length in optimizer updates: the run's update count (`total_updates`: mu *
-  batch_size / mini_batch_size per RL step; MaxText's `train_steps` when each batch gets one update per iteration),
-  unless `learning_rate_schedule_steps` is set deliberately (MaxText's rule: a positive value different from `steps`,
-  which the validator fills in when unset). It depends on num_batches: a resume that asks for more steps stretches it.
-  """
-  sched_steps = config.learning_rate_schedule_steps
-  explicit = sched_steps and sched_steps > 0 and sched_steps not in (config.steps, config.train_steps)
-  return int(sched_steps) if explicit else total_updates(config)
-
-
 def lr_schedule(config):
-  """MaxText's RL schedule (warmup + cosine decay to 0, `utils_rl.get_optimizer`) over `schedule_updates` updates."""
-  sched_steps = schedule_updates(config)
+  """MaxText's RL schedule (warmup + cosine decay to 0, `utils_rl.get_optimizer`) over `schedule_updates` updates
+  (run/meta.py)."""
+  sched_steps = run_meta.schedule_updates(config)
   return optax.schedules.warmup_cosine_decay_schedule(
       init_value=0.0,
       peak_value=config.learning_rate,
@@ -268,7 +246,7 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
       training_config=rl_cluster_lib.RLTrainingConfig(
           actor_optimizer=build_optimizer(config),
           eval_every_n_steps=10**9,  # eval is the plugin's (run/evaluation.py, on eval_interval)
-          max_steps=total_updates(config),
+          max_steps=run_meta.total_updates(config),
           # Public micro-batch fields (prompts). train_micro_batch_size stays unset: Tunix would derive
           # gradient_accumulation_steps from it and wrap the optimizer in optax.MultiSteps (a persistent accumulator);
           # the plugin's train step accumulates the mini-batch's micro-batches itself (accumulation.py).

@@ -29,6 +29,7 @@ from maxtext_rl_plugin.run import dynamic_sampling
 from maxtext_rl_plugin.run import evaluation as evaluation_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
+from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.run import summary as summary_lib
@@ -65,7 +66,7 @@ def train(rl_run: state.RLRun, stop: signals.GracefulStop | None = None) -> dict
   """Run (or resume) the RL loop; returns a summary dict (eval before/after, history)."""
   config = rl_run.config
   stop = stop or signals.GracefulStop()
-  total = build.num_rl_steps(config)
+  total = run_meta.total_steps(config)
   ckpt = resume.checkpointer(config, rl_run.run_dir)
   start, meta = resume.resume(rl_run, ckpt)
   out_logger = metrics_lib.RunLogger(
@@ -234,7 +235,7 @@ def _stop(rl_run, producer, ckpt, summary, step: int, total: int, saved: bool, s
 
 
 def run(config, parsed: config_lib.Parsed) -> dict[str, Any]:
-  """Entry point from `train_rl.main`, after its preflight (`run_identity.preflight`: inputs exist, outputs writable,
+  """Entry point from `train_rl.main`, after its preflight (`run/meta.preflight`: inputs exist, outputs writable,
   no rerun that would rewrite a finished run or resume another model): lock the run directory, build, train (or
   resume), summarise. `parsed` is the config as parsed once (the device split derives MaxText's multislice configs)."""
   out_dir = os.path.join(config.base_output_directory, config.run_name)

@@ -2,7 +2,7 @@
 
 A checkpoint holds params + optimizer state (Orbax, MaxText's layout) and metadata naming the data position: batch k
 is a pure function of (data_shuffle_seed, k) and sampling randomness of (rollout_seed, step), so restoring step s and
-training from batch s replays nothing and skips nothing. What a resume may not change (`run_identity.resume_invariants`:
+training from batch s replays nothing and skips nothing. What a resume may not change (`run/meta.resume_invariants`:
 the data position, the loss, the tokenizer, the weights' dtype, ...) refuses to resume instead, by the same rule the
 first pass applies before any model is built.
 """
@@ -22,52 +22,17 @@ from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import storage
-from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin import tunix_compat
-from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.checkpointing import RunCheckpointer
 from maxtext_rl_plugin.errors import CheckpointError
-from maxtext_rl_plugin.run.build import num_rl_steps, schedule_updates
 from maxtext_rl_plugin.run.state import RLRun
 
 
-def _data_key(config) -> str:
-  return config.train_data_path or config.dataset_name
-
-
-def _meta(config, step: int, extra: dict | None = None) -> dict:
-  plan = updates.UpdatePlan.from_config(config)
-  return {
-      "step": step,
-      "next_batch_index": step,  # batches are indexed by step: batch k is trained at step k + 1
-      "optimizer_updates": step * plan.updates_per_step,
-      "batch_size": config.batch_size,
-      "num_generations": config.rl.num_generations,
-      "updates_per_step": plan.updates_per_step,
-      "data_shuffle_seed": config.data_shuffle_seed,
-      "dataset": _data_key(config),
-      "loss_algo": config.rl.loss_algo,
-      "model_name": config.model_name,
-      "rollout_seed": int(config.rollout_seed),
-      **run_identity.resume_invariants(config),  # what a resume may not change (the tokenizer, the weights' dtype, ...)
-      "lr_schedule_updates": schedule_updates(config),
-      "update_keys": run_identity.update_values(config),  # resume notes: run_identity.update_changes
-      "metrics_file": _metrics_path(config),  # the file this run's records go to (run_dir.check_resumed_metrics_file)
-      **run_identity.identity(config),
-      **(extra or {}),
-  }
-
-
-def _metrics_path(config) -> str | None:
-  run_dir = os.path.join(config.base_output_directory, config.run_name)
-  path = run_dir_lib.resolve_metrics_file(config.metrics_file, run_dir)
-  return storage.absolute(path) if path else path
-
-
 def _check_resume_compatible(config, meta: dict, path: str) -> None:
-  """The checkpoint restored against `run_identity.resume_invariants` (the first pass's rule, on the checkpoint that
+  """The checkpoint restored against `run/meta.resume_invariants` (the first pass's rule, on the checkpoint that
   restores rather than the newest on disk)."""
-  run_identity.check_resume_invariants(config, path, meta)
+  run_meta.check_resume_invariants(config, path, meta)
 
 
 def _actor_state(rl_run: RLRun):
@@ -137,7 +102,9 @@ def resume(rl_run: RLRun, ckpt: RunCheckpointer) -> tuple[int, dict]:
   start, meta = _restore_newest(rl_run, ckpt)  # every process joins the restore
   start = distributed.agree(start, "the checkpoint step to resume from")
   if metrics_lib.is_writer():
-    notes = [schedule_change(rl_run.config, meta), *run_identity.update_changes(rl_run.config, meta)] if start else []
+    notes = (
+        [run_meta.schedule_change(rl_run.config, meta), *run_meta.update_changes(rl_run.config, meta)] if start else []
+    )
     for note in notes:
       if note:
         print(note, flush=True)
@@ -148,38 +115,21 @@ def resume(rl_run: RLRun, ckpt: RunCheckpointer) -> tuple[int, dict]:
   return start, meta
 
 
-def schedule_change(config, meta: dict) -> str | None:
-  """A notice when this run's learning-rate schedule is not the one the checkpoint's steps trained on.
-
-  Asking a resumed run for more steps (num_batches) stretches the warmup + cosine schedule, which is sized by the
-  run's update count: a legitimate way to extend a run, but not the run an uninterrupted job would have been, so it
-  is said, with the key that keeps the old schedule. (Resuming with the same schedule continues bit for bit.)
-  """
-  was, now = meta.get("lr_schedule_updates"), schedule_updates(config)
-  if was is None or was == now:
-    return None
-  return (
-      f"note: the learning-rate schedule now spans {now} optimizer updates, not the {was} the checkpoint's steps "
-      f"trained on (num_batches changed): later steps follow the new schedule; learning_rate_schedule_steps={was} "
-      "keeps the old one"
-  )
-
-
 def save(ckpt, rl_run: RLRun, step: int, summary: dict) -> None:
   """Checkpoint step `step`: the actor's trainable params, its optimizer state and the resume metadata."""
   params, opt_state = _actor_state(rl_run)
   extra = {"eval_before": summary["eval_before"], "next_prompt_position": rl_run.data_position}
-  ckpt.save(step, params, opt_state, _meta(rl_run.config, step, extra))
+  ckpt.save(step, params, opt_state, run_meta.checkpoint_meta(rl_run.config, step, extra))
 
 
 def finished_summary(config, run_dir: str) -> dict[str, Any] | None:
   """The summary of a run that already trained every step (its summary.json and final checkpoint exist), else None."""
   path = os.path.join(run_dir, "summary.json")
-  final = os.path.join(config.checkpoint_dir or os.path.join(run_dir, "checkpoints"), str(num_rl_steps(config)))
+  final = os.path.join(config.checkpoint_dir or os.path.join(run_dir, "checkpoints"), str(run_meta.total_steps(config)))
   if not (storage.isfile(path) and storage.isdir(final)):
     return None
   try:
     summary = json.loads(storage.read_text(path))
   except (OSError, ValueError):
     return None
-  return summary if summary.get("total_steps") == num_rl_steps(config) else None
+  return summary if summary.get("total_steps") == run_meta.total_steps(config) else None

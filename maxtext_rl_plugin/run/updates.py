@@ -1,4 +1,5 @@
-r"""How one rollout batch becomes optimizer updates: iterations, mini-batches, micro-batches.
+r"""How one rollout batch becomes optimizer updates: iterations, mini-batches, micro-batches (the plan's sizes and
+counts: `run/meta.UpdatePlan`, light, which the pre-check and the checkpoint metadata share; the rows of each here).
 
 Sizes are counted in prompts, as MaxText's `batch_size` and Tunix's `RLTrainingConfig` count them; a prompt is
 `G = rl.num_generations` contiguous rows of the rollout batch.
@@ -25,93 +26,14 @@ equal micro-batches is the batch mean. Under `token-mean` each micro-batch is no
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Iterator
+from typing import Any
 
 import jax
 import numpy as np
 
+from maxtext_rl_plugin.run.meta import UpdatePlan
 
-@dataclasses.dataclass(frozen=True)
-class UpdatePlan:
-  """The update schedule of one RL step (all sizes in prompts)."""
-
-  batch_size: int
-  mini_batch_size: int
-  micro_batch_size: int
-  num_iterations: int
-  num_generations: int
-  force_on_policy_ratio: bool = False
-  off_policy_steps: int = 0  # rl.off_policy_steps: batches may be sampled by weights this many RL steps old
-  use_rollout_logps: bool = False
-
-  @classmethod
-  def from_config(cls, config: Any) -> "UpdatePlan":
-    """The plan of `config`'s batch, mini-batch, micro-batch and iteration sizes."""
-    b = int(config.batch_size)
-    mini = config.rl.mini_batch_size
-    mini = b if mini is None or int(mini) <= 0 else int(mini)
-    micro = int(config.train_micro_batch_size)
-    micro = mini if micro <= 0 else micro
-    plan = cls(
-        b,
-        mini,
-        micro,
-        int(config.rl.num_iterations),
-        int(config.rl.num_generations),
-        bool(config.rl.force_on_policy_ratio),
-        int(config.rl.off_policy_steps),
-        bool(config.rl.use_rollout_logps),
-    )
-    plan.check()
-    return plan
-
-  def check(self) -> None:
-    """Divisibility (also validated with one-line errors when the config loads); a programming error here."""
-    if self.batch_size % self.mini_batch_size or self.mini_batch_size % self.micro_batch_size:
-      raise ValueError(f"inconsistent update plan {self}")
-
-  @property
-  def mini_batches_per_iteration(self) -> int:
-    return self.batch_size // self.mini_batch_size
-
-  @property
-  def updates_per_step(self) -> int:
-    return self.num_iterations * self.mini_batches_per_iteration
-
-  @property
-  def accumulation_steps(self) -> int:
-    """Micro-batches per optimizer update (MaxText's gradient_accumulation_steps), accumulated inside the update's one
-    jitted step (accumulation.py)."""
-    return self.mini_batch_size // self.micro_batch_size
-
-  @property
-  def micro_steps_per_step(self) -> int:
-    return self.updates_per_step * self.accumulation_steps
-
-  @property
-  def trainer_calls_per_update(self) -> int:
-    """Calls of Tunix's train step per optimizer update: 1, the micro-batches are accumulated inside it
-    (accumulation.py; Tunix's own `gradient_accumulation_steps` stays unset, so it counts one micro-step per update)."""
-    return 1
-
-  @property
-  def needs_old_logps(self) -> bool:
-    """Whether the loss needs old-policy log-probs: any update after the first sees moved weights; and a stale batch
-    (`off_policy_steps` > 0) whose PPO ratio is taken against the behaviour policy (`use_rollout_logps`)."""
-    stale_ratio = self.off_policy_steps > 0 and self.use_rollout_logps
-    return (self.updates_per_step > 1 or stale_ratio) and not self.force_on_policy_ratio
-
-  def micro_batch_rows(self) -> Iterator[slice]:
-    """Row slices (rows = prompts x G) of the micro-batches of one RL step, in training order.
-
-    Every iteration walks the batch in the same order: rows are contiguous prompt groups, so a mini-batch holds
-    whole groups and group-normalised advantages stay as computed over the full group.
-    """
-    rows = self.micro_batch_size * self.num_generations
-    n = self.batch_size * self.num_generations
-    for _ in range(self.num_iterations):
-      for start in range(0, n, rows):
-        yield slice(start, start + rows)
+__all__ = ["UpdatePlan", "micro_batches", "update_batches", "slice_rows", "strided_order"]
 
 
 def slice_rows(example: Any, rows: slice | np.ndarray) -> Any:

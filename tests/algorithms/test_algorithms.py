@@ -31,6 +31,7 @@ from maxtext_rl_plugin.algorithms.settings import AlgorithmSettings
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin.run import build
+from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -563,7 +564,7 @@ def test_optimizer_is_maxtexts_and_honours_adam_eps(eps):
     np.testing.assert_allclose(np.asarray(a), b, rtol=2e-5, atol=1e-7)
   # With 2 mini-batches per batch the same 4 updates are half a run of 8: warmup 2 updates, then cosine over 8.
   cfg2 = config_lib.load_config([*argv, "rl.mini_batch_size=1"])
-  assert build.total_updates(cfg2) == 8
+  assert run_meta.total_updates(cfg2) == 8
   lrs2 = [0.0, 0.005, 0.01, 0.01 * 0.5 * (1 + np.cos(np.pi * 1 / 6))]
   ref2 = _adamw_reference(grads, params, lrs2, cfg.adam_b1, cfg.adam_b2, eps, 0.1, 1.0)
   for a, b in zip(_run_optimizer(build.build_optimizer(cfg2), params, grads), ref2):

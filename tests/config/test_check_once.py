@@ -3,6 +3,7 @@
 import collections
 
 from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin import train_rl
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.config import precheck as config_precheck
@@ -26,10 +27,10 @@ def test_the_typed_pass_does_not_repeat_the_first_passs_checks(tmp_path, monkeyp
   config = config_lib.typed(view.source()).hyperparameters()
   assert done.run == (config.run_name, config.base_output_directory)
   assert done.paths == run_identity.path_values(config)  # the typed config reads every path key as the view did
-  run_identity.preflight(config, done.paths)
+  run_meta.preflight(config, done.paths)
   assert calls == {"check_run": 1, "check_inputs": 1, "check_outputs": 1}
   # A value the first pass did not check (here: another metrics_file) is checked in the typed pass.
   other = list(done.paths)
   other[run_identity.PATH_KEYS.index("metrics_file")] = "elsewhere.jsonl"
-  run_identity.preflight(config, tuple(other))
+  run_meta.preflight(config, tuple(other))
   assert calls == {"check_run": 1, "check_inputs": 2, "check_outputs": 2}

@@ -12,6 +12,7 @@ import typing
 import pytest
 
 from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin.config import dependent_keys
 from maxtext_rl_plugin.config import key_rule
 from maxtext_rl_plugin.config import load as config_lib
@@ -104,7 +105,7 @@ def _set(pc, key, value):
 
 
 def _resume_record(pc):
-  return {**run_identity.identity(pc), **run_identity.resume_invariants(pc)}
+  return {**run_identity.identity(pc), **run_meta.resume_invariants(pc)}
 
 
 @pytest.mark.parametrize("key", rules.resume_keys(key_rule.INVARIANT))
@@ -122,8 +123,8 @@ def test_a_key_marked_noted_is_one_note_on_resume(tiny_pc, key):
   field = rules.plugin_fields()[key]
   was = _get(pc, key)
   _set(pc, key, _other(was, field) if not isinstance(was, list) else [*was, *was[-1:]] or [1])
-  meta = {"step": 2, "update_keys": run_identity.update_values(tiny_pc)}
-  notes = run_identity.update_changes(pc, meta)
+  meta = {"step": 2, "update_keys": run_meta.update_values(tiny_pc)}
+  notes = run_meta.update_changes(pc, meta)
   assert len(notes) == 1 and f"resuming with {key}=" in notes[0], (key, notes)
 
 
