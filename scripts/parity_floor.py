@@ -24,6 +24,7 @@ import shutil
 import sys
 
 from flax import nnx
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,6 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 import _in_process as in_process  # pylint: disable=wrong-import-position  # the tests' in-process train_rl
+from maxtext_rl_plugin.resharding import quantize as qz  # pylint: disable=wrong-import-position
 from maxtext_rl_plugin.rollout import embedded  # pylint: disable=wrong-import-position
 from maxtext_rl_plugin.run import parity  # pylint: disable=wrong-import-position
 
@@ -64,6 +66,36 @@ def _row_scaled(state):  # tied embedding: the token's input row and its output 
   emb.value = emb.value.at[ONE].multiply(1.1)
 
 
+def _quantized(name, corrupt=None):
+  """The sampler reads quantized weights (rollout_quantization=name): each planned kernel is quantized and read back
+  in the compute dtype, which is what the embedded engine's dequantize-on-read computes with. `corrupt` damages the
+  scales first: 'fnuz' reads e4m3 scales as e4m3fnuz's (bound 240 instead of 448: every weight x1.87 -- a sync that
+  mixes the two float8 variants); 'rev_out_L1' gives layer 1's attention output kernel its scales in reversed channel
+  order (a scale layout mix-up in one tensor)."""
+
+  def f(state):
+    pure = nnx.to_pure_dict(state)
+    form, axes_of = qz.fmt(name), qz.plan(pure, scan_axis=1)
+
+    def one(path, x):
+      key = jax.tree_util.keystr(path)
+      axes = axes_of.get(key)
+      if axes is None:
+        return x
+      qw = qz.quantize(x, form, axes)
+      if corrupt == "fnuz":
+        qw = qz.Quantized(qw.q, qw.scale * (448.0 / 240.0))
+      if corrupt == "rev_out_L1" and "['out']['kernel']" in key:  # scale [1, layers, 1, emb]
+        scale = jnp.asarray(qw.scale)
+        qw = qz.Quantized(qw.q, scale.at[:, 1].set(scale[:, 1, :, ::-1]))
+      return qz.dequantize(qw, x.dtype)
+
+    new = jax.tree_util.tree_map_with_path(one, pure)
+    nnx.replace_by_pure_dict(state, new)
+
+  return f
+
+
 MUTATIONS = {
     "honest": None,
     "heads01_L0": _heads_swapped(0),
@@ -73,10 +105,20 @@ MUTATIONS = {
     "norm_x1.05": _norm_scaled,
     "out_L1_x1.02": _out_scaled,
     "row_x1.1": _row_scaled,
+    "int8": _quantized("int8"),
+    "fp8": _quantized("fp8"),
+    "fp8_fnuz": _quantized("fp8", "fnuz"),
+    "fp8_rev_out_L1": _quantized("fp8", "rev_out_L1"),
+    "int8_rev_out_L1": _quantized("int8", "rev_out_L1"),
 }
 EXPORT = {
     "float32": ["honest", "heads01_L2", "norm_x1.05", "out_L1_x1.02", "row_x1.1"],
     "bfloat16": ["honest", "heads01_L2"],
+}
+# `--export ... --export-set quantized`: tests/test_parity.py's quantized-sampler cases (one file per warm-start stage).
+EXPORT_QUANTIZED = {
+    "float32": ["int8", "fp8", "fp8_fnuz", "fp8_rev_out_L1", "int8_rev_out_L1"],
+    "bfloat16": ["int8", "fp8"],
 }
 
 
@@ -84,9 +126,12 @@ class _Gate(Exception):
   """Raised at the gate with its inputs: nothing after it is measured."""
 
 
+CONFIG = ["configs/cpu_demo.yml"]  # --config: e.g. configs/cpu_demo_moe.yml (the MoE demo: routing mismatch too)
+
+
 def _argv(out, name, warm, *overrides):
   return [
-      "configs/cpu_demo.yml",
+      *CONFIG,
       f"base_output_directory={out}/runs",
       f"run_name={name}",
       f"sft_warmup_steps={warm}",
@@ -112,8 +157,10 @@ def _measure(out, name, warm, mutation, overrides) -> dict:
     return copy
 
   def figures(sampler, trainer, mask, routing_mismatch=None):
-    del routing_mismatch
-    raise _Gate({"sampler": np.asarray(sampler), "trainer": np.asarray(trainer), "mask": np.asarray(mask, bool)})
+    z = {"sampler": np.asarray(sampler), "trainer": np.asarray(trainer), "mask": np.asarray(mask, bool)}
+    if routing_mismatch is not None:
+      z["routing_mismatch"] = np.float64(routing_mismatch)
+    raise _Gate(z)
 
   embedded._on_rollout_mesh, parity.figures = install, figures  # pylint: disable=protected-access
   try:
@@ -152,7 +199,8 @@ def _d(z) -> np.ndarray:
 
 def _figs(z) -> str:
   d = _d(z)
-  return f"{d.size} tokens, mean {d.mean():.2g}, max {d.max():.3g}"
+  routing = f", routing mismatch {float(z['routing_mismatch']):.3g}" if "routing_mismatch" in z else ""
+  return f"{d.size} tokens, mean {d.mean():.2g}, max {d.max():.3g}{routing}"
 
 
 def _cases(out):
@@ -165,21 +213,33 @@ def _cases(out):
 
 def table(args) -> None:
   """|d| mean and max per case, lowest-highest over the seeds, as Markdown."""
-  print("| dtype | sampler | seeds | \\|d\\| mean | \\|d\\| max |\n| --- | --- | ---: | ---: | ---: |")
+  print(
+      "| dtype | sampler | seeds | \\|d\\| mean | \\|d\\| max | routing mismatch |\n"
+      "| --- | --- | ---: | ---: | ---: | ---: |"
+  )
   for (dtype, name), runs in sorted(_cases(args.out).items()):
-    d = [_d(np.load(p)) for _, p in runs]
+    zs = [np.load(p) for _, p in runs]
+    d = [_d(z) for z in zs]
     means, maxes = [x.mean() for x in d], [x.max() for x in d]
-    print(f"| {dtype} | {name} | {len(d)} | {min(means):.2g} - {max(means):.2g} | {min(maxes):.3g} - {max(maxes):.3g} |")
+    routing = [float(z["routing_mismatch"]) for z in zs if "routing_mismatch" in z]
+    shown = f"{min(routing):.3g} - {max(routing):.3g}" if routing else "-"
+    print(
+        f"| {dtype} | {name} | {len(d)} | {min(means):.2g} - {max(means):.2g} | {min(maxes):.3g} - {max(maxes):.3g} "
+        f"| {shown} |"
+    )
 
 
 def export(args) -> None:
   """The replay test's cases, each at its hardest seed, as masked float32 log-probs."""
   out = {}
   cases = _cases(args.out)
-  for dtype, names in EXPORT.items():
+  for dtype, names in (EXPORT_QUANTIZED if args.export_set == "quantized" else EXPORT).items():
     for name in names:
+      if (dtype, name) not in cases:
+        continue
       runs = [np.load(p) for _, p in cases[(dtype, name)]]
-      score = [(_d(z).mean() + 1e-3 * _d(z).max()) * (-1 if name == "honest" else 1) for z in runs]
+      honest = name in ("honest", "int8", "fp8")
+      score = [(_d(z).mean() + 1e-3 * _d(z).max()) * (-1 if honest else 1) for z in runs]
       z = runs[int(np.argmin(score))]
       out[f"{dtype}/{name}/sampler"] = z["sampler"][z["mask"]].astype(np.float32)
       out[f"{dtype}/{name}/trainer"] = z["trainer"][z["mask"]].astype(np.float32)
@@ -195,7 +255,10 @@ def main(argv=None) -> int:
   ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
   ap.add_argument("--mutations", nargs="+", default=list(MUTATIONS), choices=list(MUTATIONS))
   ap.add_argument("--export", help="write the replay test's log-probs here instead of running")
+  ap.add_argument("--export-set", default="demo", choices=["demo", "quantized"], help="which cases --export writes")
+  ap.add_argument("--config", default=CONFIG[0], help="the demo config (configs/cpu_demo_moe.yml: the MoE demo)")
   args = ap.parse_args(argv)
+  CONFIG[0] = args.config
   os.chdir(ROOT)
   if args.export:
     export(args)

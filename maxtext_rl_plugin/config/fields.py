@@ -88,6 +88,22 @@ class PluginRollout(BaseModel):
       description="Extra token ids that end a completion, besides the tokenizer's EOS.",
       json_schema_extra=rule(ROLLOUT, NOTED, items="token ids", items_ge=0),
   )
+  rollout_quantization: Literal["", "int8", "fp8"] = Field(
+      "",
+      description=(
+          "The sampler's own weight precision ('' = weight_dtype, as MaxText's `quantization`); the trainer is "
+          "unchanged. 'int8' or 'fp8' (float8 e4m3fn): at every "
+          "sync the sampler's matmul kernels are quantized symmetrically per output channel (Qwix's layout, which "
+          "tpu-inference consumes), on device and in chunks, and read back in its decode program; the embedding, "
+          "head, norms and MoE router stay in weight_dtype (resharding/quantize.py). The parity gate's pairing and "
+          "tolerances follow it (run/parity.py). Embedded engine only at this pin (rollout/precision.py says why)."
+      ),
+      json_schema_extra=rule(
+          "honoured (rollout/quantized_weights.py: the embedded engine samples with int8/FP8 kernels, quantized at "
+          "every sync, guarded; rollout/precision.py refuses the engines that cannot)",
+          NOTED,
+      ),
+  )
   rollout_seed: int = Field(
       0,
       description=(

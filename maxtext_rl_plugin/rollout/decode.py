@@ -46,6 +46,7 @@ from maxtext.utils import model_creation_utils
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.resharding import quantize
 from maxtext_rl_plugin.rollout import bucketing
 from maxtext_rl_plugin.rollout import head
 from maxtext_rl_plugin.rollout import kv_cache
@@ -102,6 +103,7 @@ class MaxTextSampler:
     check_sliding_window(cfg)
     self.mesh = mesh
     self.pad_id = pad_id  # fills every position after a row's end
+    self.weight_dtype = jnp.dtype(cfg.weight_dtype)  # what quantized kernels are read back as (rollout_quantization)
     self.modes = (common_types.MODEL_MODE_PREFILL, common_types.MODEL_MODE_AUTOREGRESSIVE)
     # Decode-capable abstract models (shapes only); their graphdefs are merged with the caller's weights.
     with warnings_off(), logical_axis_rules(cfg.logical_axis_rules):
@@ -255,6 +257,9 @@ class MaxTextSampler:
       _, _, cache_state, rest_state = nnx.split(self._abstract[mode], nnx.Param, nnx.Cache, ...)
       nnx.replace_by_pure_dict(cache_state, cache)
       nnx.replace_by_pure_dict(rest_state, rest)
+      # A quantized sampler's kernels (rollout_quantization) are read back here, inside the step, so XLA can fuse the
+      # read into the matmul (rollout/quantized_weights.py); a float sampler's tree is unchanged.
+      params = quantize.dequantize_tree(params, self.weight_dtype)
       model = nnx.merge(graphdef, params, cache_state, rest, copy=True)
       # The decoder's hidden states, then the output head on the last position only: Transformer.__call__ would
       # project every prompt position onto the vocabulary (B x L x 150k), which dominates prefill; the decoder's

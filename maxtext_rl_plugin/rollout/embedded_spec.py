@@ -10,6 +10,7 @@ from typing import Any
 
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import engines
+from maxtext_rl_plugin.rollout import precision
 
 # What the embedded engine's KV-cached decode cannot run (rollout/decode.MaxTextSampler refuses their caches).
 ATTENTION_REFUSED = {
@@ -50,8 +51,9 @@ ENGINE = engines.EngineSpec(
         row_keys=True,
         snapshots=True,
         sample_dtype_key="dtype",  # MaxText's own decode: the trainer's compute dtype
+        quantized_weights=("int8", "fp8"),  # read back in its decode program (rollout/quantized_weights.py)
         weight_sync="engine",
     ),
-    checks=(check_model,),
+    checks=(check_model, precision.check),
     summary="the plugin's JAX KV-cache engine on MaxText's model code (CPU/GPU/TPU)",
 )

@@ -14,6 +14,7 @@ from maxtext_rl_plugin.config.unresolved import Unresolved
 from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import engines
+from maxtext_rl_plugin.rollout import precision
 from maxtext_rl_plugin.rollout import vllm_maxtext
 
 # Qwen3 variants the native route does not map (rollout/vllm_mapping._UNSUPPORTED_QWEN3 less the MoE ones): their vLLM
@@ -87,7 +88,7 @@ ENGINE = engines.EngineSpec(
         sample_dtype_key="weight_dtype",  # vllm_config passes weight_dtype as vLLM's dtype
         weight_sync="own",  # maps to vLLM's layout and writes inside tpu-inference's weight-update session
     ),
-    checks=(check_head_dim,),
+    checks=(check_head_dim, precision.check),  # quantized_weights=(): rollout/precision.py says why
     typed_checks=("maxtext_rl_plugin.rollout.vllm_config:check_config",),
     routing_refusal=routing_refusal,
     summary="vLLM-TPU (needs the [tpu] extra)",

@@ -44,6 +44,7 @@ from maxtext_rl_plugin.data import load
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import sync
 from maxtext_rl_plugin.rollout import engines
+from maxtext_rl_plugin.rollout import precision
 from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.run.state import PhaseTimer, RewardRecorder, RLRun
 
@@ -96,7 +97,7 @@ def _resolve_engine_name(config) -> str:
   name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
   adapter_route, _ = vllm_config.choose_route(config)  # MaxText's own decoder inside vLLM has no head_dim limit
   head_dim_reason = None if adapter_route else vllm_config.vllm_head_dim_reason(config.model_name, config.head_dim)
-  unproven = vllm_config.unproven_reason(config) if name == "vllm" else None
+  unproven = (vllm_config.unproven_reason(config) or precision.refusal(config, "vllm")) if name == "vllm" else None
   if name == "vllm" and head_dim_reason:
     name = "embedded"
     logging.info("rollout_engine=auto resolved to 'embedded': %s", head_dim_reason)

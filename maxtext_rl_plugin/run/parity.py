@@ -24,6 +24,23 @@ chosen by `pairing`; a `rl.parity_*_tolerance` key overrides one):
     float32 / float32, float32 matmuls                        2e-5       1e-2        0.01
     float32 / float32, reduced-precision matmuls              0.05       1.5         0.10
     bfloat16 / float32, bfloat16 / bfloat16                   0.05       1.5         0.10
+    int8 weights (rollout_quantization), float32 matmuls      0.01       0.25        0.10
+    fp8 weights, float32 matmuls                              0.07       0.5         0.10
+    int8 weights, bfloat16 (or reduced-precision) matmuls     0.05       1.5         0.10
+    fp8 weights, bfloat16 (or reduced-precision) matmuls      0.1        1.5         0.10
+
+A quantized sampler (`rollout_quantization`, rollout/precision.py) samples from another network than the trainer's by
+design; its rows are set as the bfloat16 row was, from the noisiest honest stage measured (docs/low_precision.md has the
+table; `scripts/parity_floor.py --mutations honest int8 fp8 fp8_fnuz fp8_rev_out_L1 int8_rev_out_L1` reproduces it):
+on the demo model at 30 and 300 warm-start steps, 3 seeds each, the honest int8 sampler is off by 2.9e-4-5.2e-3 mean /
+<= 0.044 max, fp8 by 2.2e-3-0.036 / <= 0.29; the deliberately wrong scales are FP8 scales read as e4m3fnuz's (bound 240
+instead of 448: mean >= 2.3) and one tensor's scales in reversed channel order (layer 1's attention output: int8
+>= 3.1e-3 / 0.39, fp8 >= 5.0e-3 / 0.55 after 300 steps; >= 0.10 mean after 30). The means sit 2x above the noisiest
+honest stage; the max catches the reversed scales where the mean cannot (after 300 steps): int8 0.25 is 5.7x above
+every honest max and 1.6x below the smallest reversed one, fp8 0.5 is 1.7x above and 1.1x below. With bfloat16 matmuls
+the rounding of both adds up (bfloat16 after 30 steps: honest 0.024-0.025 mean, int8 0.026-0.028, fp8 0.044-0.048,
+maxima <= 0.41) and only gross errors (a wrong float8 variant: mean >= 2.9, a head swap) are separable: the bfloat16
+row's max, the means 2x the noisiest (int8 keeps the bfloat16 row).
 
 "float32 matmuls" is the CPU, or an accelerator at `matmul_precision=highest`. An accelerator at MaxText's default
 precision multiplies float32 at reduced precision (JAX's default: one bfloat16 pass on TPU, TF32 on recent NVIDIA GPUs;
@@ -78,6 +95,7 @@ import numpy as np
 from maxtext_rl_plugin.errors import UserError
 from maxtext_rl_plugin.resharding import verify
 from maxtext_rl_plugin.rollout import engines
+from maxtext_rl_plugin.rollout import precision as precision_lib
 
 POLICIES = ("off", "first", "every_n")
 
@@ -98,6 +116,11 @@ PAIRING_TOLERANCES = {  # the module docstring's table and the measurements behi
     REDUCED: Tolerance(mean=0.05, max=1.5, routing=0.10),
     "bfloat16/float32": Tolerance(mean=0.05, max=1.5, routing=0.10),
     "bfloat16/bfloat16": Tolerance(mean=0.05, max=1.5, routing=0.10),
+    # A quantized sampler's weights (rollout_quantization) against the trainer's, by the matmuls' precision.
+    "int8/float32": Tolerance(mean=0.01, max=0.25, routing=0.10),
+    "fp8/float32": Tolerance(mean=0.07, max=0.5, routing=0.10),
+    "int8/bfloat16": Tolerance(mean=0.05, max=1.5, routing=0.10),
+    "fp8/bfloat16": Tolerance(mean=0.1, max=1.5, routing=0.10),
 }
 
 
@@ -123,14 +146,19 @@ def pairing(config: Any, engine: str = "embedded", backend: str | None = None) -
   (`Capabilities.sample_dtype_key`, rollout/engines.py): the embedded engine in MaxText's `dtype` like the trainer,
   vLLM in the weights' dtype (rollout/vllm_config.py passes `weight_dtype` as vLLM's `dtype`). A float32 sampler
   against a bfloat16 trainer gets the bfloat16/bfloat16 tolerances; float32 on both sides off the CPU below
-  `matmul_precision=highest` is `REDUCED` (`float32_matmuls`)."""
+  `matmul_precision=highest` is `REDUCED` (`float32_matmuls`). A quantized sampler (`rollout_quantization`) is
+  '<int8|fp8>/float32' when both sides multiply in float32, else '<int8|fp8>/bfloat16'."""
   trainer = precision(config.dtype)
   sample_key = engines.spec(engine).capabilities.sample_dtype_key
   sampler = precision(config.weight_dtype if sample_key == "weight_dtype" else config.dtype)
   if sampler == "float32" and trainer == "bfloat16":
     sampler = "bfloat16"
   pair = f"{sampler}/{trainer}"
-  if pair == "float32/float32" and not float32_matmuls(config, backend):
+  exact = pair == "float32/float32" and float32_matmuls(config, backend)
+  quantized = precision_lib.requested(config)
+  if quantized:  # the sampler's weights are int8/fp8 (rollout_quantization); the matmuls' precision picks the row
+    return f"{quantized}/{'float32' if exact else 'bfloat16'}"
+  if pair == "float32/float32" and not exact:
     return REDUCED
   return pair
 
