@@ -89,7 +89,7 @@ def identity(config) -> dict[str, Any]:
           "template_digest": _template_digest(config),
           "use_chat_template": bool(config.use_chat_template),
           "reasoning_start_token_in_prompt": bool(config.reasoning_start_token_in_prompt),
-          **prompts.tag_tokens(config),
+          **prompts.tag_tokens(prompts.PromptSettings.from_config(config)),
       },
   }
   if not config.train_data_path and config.dataset_name == "synthetic":

@@ -47,9 +47,10 @@ def _tokenize_batch(examples, tokenizer, config, length: int):
   pad = tokenizer.pad_token_id
   tokens = np.full((len(examples), length), pad, dtype=np.int32)
   mask = np.zeros((len(examples), length), dtype=np.float32)
+  settings = prompts.PromptSettings.from_config(config)
   for i, ex in enumerate(examples):
     p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
-    t = tokenizer(prompts.format_target(ex, config), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    t = tokenizer(prompts.format_target(ex, settings), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     row = (p + t)[:length]
     tokens[i, : len(row)] = row
     # position j predicts token j+1: supervise predictions of target tokens only.

@@ -99,25 +99,27 @@ def split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
     yield raw[:-2] if raw.endswith(b"\r\n") else raw[:-1] if raw.endswith(b"\n") else raw
 
 
-def _score_rows(good: list[tuple[int, dict]], config: Any) -> dict[int, Any]:
+def _score_rows(good: list[tuple[int, dict]], settings: Optional[gsm8k.RewardConfig]) -> dict[int, Any]:
   """Each good row's ScoreResult by position, scored as one batch; should the grader fail on the batch, each row alone,
   and a row it still cannot score gets its error text: one row never stops a file (output row N is input line N)."""
   completions = [r["completion"] for _, r in good]
   answers = [r["answer"] if isinstance(r["answer"], str) else str(r["answer"]) for _, r in good]
   try:
-    return {i: res for (i, _), res in zip(good, gsm8k.score_batch(completions, answers, config))}
+    return {i: res for (i, _), res in zip(good, gsm8k.score_batch(completions, answers, settings))}
   except Exception:  # pylint: disable=broad-exception-caught  # isolate the row below
     pass
   out: dict[int, Any] = {}
   for (i, _), c, a in zip(good, completions, answers):
     try:
-      out[i] = gsm8k.score_batch([c], [a], config)[0]
+      out[i] = gsm8k.score_batch([c], [a], settings)[0]
     except Exception as e:  # pylint: disable=broad-exception-caught  # an error row, never a stopped file
       out[i] = f"the grader could not score this row: {type(e).__name__}: {str(e)[:200]}"
   return out
 
 
-def score_stream(lines: Iterable[bytes], out: TextIO, config: Any = None) -> collections.Counter:
+def score_stream(
+    lines: Iterable[bytes], out: TextIO, settings: Optional[gsm8k.RewardConfig] = None
+) -> collections.Counter:
   """Score JSONL lines (bytes, one per input line) into `out`; returns counts (rows, correct, errors, rule:<name>)."""
   stats: collections.Counter = collections.Counter()
   buf: list[tuple[Optional[dict], Optional[str]]] = []
@@ -125,7 +127,7 @@ def score_stream(lines: Iterable[bytes], out: TextIO, config: Any = None) -> col
   def flush():
     """Score the buffered rows in one batch and write them in input order (bad rows as error rows)."""
     good = [(i, r) for i, (r, e) in enumerate(buf) if e is None]
-    by_pos = _score_rows(good, config)
+    by_pos = _score_rows(good, settings)
     for i, (row, err) in enumerate(buf):
       stats["rows"] += 1
       if err is None and isinstance(by_pos[i], str):
@@ -246,14 +248,14 @@ def main(argv: Optional[list[str]] = None) -> int:
   )
   args = parser.parse_args(sys.argv[1:] if argv is None else argv)
   with exit_on_user_error():
-    config = None
+    settings = None
     if args.config:
       argv_cfg = args.config if not args.config[0].count("=") else ["configs/rl.yml", *args.config]
-      config = gsm8k.RewardConfig.of(load_config(argv_cfg))
+      settings = gsm8k.RewardConfig.of(load_config(argv_cfg))
     t0 = time.perf_counter()
     try:
       with _input(args.input) as fin, _output(args.output, args.input) as fout:
-        stats = score_stream(split_lines(fin), fout, config)
+        stats = score_stream(split_lines(fin), fout, settings)
     except OSError as e:  # a full or failing output device (--output /dev/full): one line, not a traceback
       raise DataError(f"--output '{args.output}': {storage.describe_error(e, args.output)}") from None
     dt = time.perf_counter() - t0

@@ -302,9 +302,14 @@ BUILTIN_REWARD_FNS = {
 DEFAULT_STACK = ("match_format_exactly", "match_format_approximately", "check_answer")
 
 
-def score_batch(completions: Sequence[str], golds: Sequence[Any], config: Any = None) -> list[ScoreResult]:
-  """Grade many completions at once (the slow path runs in parallel); per-completion eval metrics."""
-  rc = RewardConfig.of(config)
+def score_batch(
+    completions: Sequence[str], golds: Sequence[Any], settings: Optional[RewardConfig] = None
+) -> list[ScoreResult]:
+  """Grade many completions at once (the slow path runs in parallel); per-completion eval metrics. `settings`: the
+  reward keys (`RewardConfig.of(config)`, read once per config); None = MaxText's rl.yml defaults."""
+  if settings is not None and not isinstance(settings, RewardConfig):
+    raise TypeError(f"score_batch takes a RewardConfig (RewardConfig.of(config)), not {type(settings).__name__}")
+  rc = settings or _DEFAULT
   graded = _grade(completions, golds, rc)
   approx = match_format_approximately((), completions, rc)
   out = []
@@ -318,6 +323,6 @@ def score_batch(completions: Sequence[str], golds: Sequence[Any], config: Any = 
   return out
 
 
-def score(completion: str, gold: Any, config: Any = None) -> ScoreResult:
+def score(completion: str, gold: Any, settings: Optional[RewardConfig] = None) -> ScoreResult:
   """Grade one completion against a gold (bare value or GSM8K solution ending in `#### N`)."""
-  return score_batch([completion], [gold], config)[0]
+  return score_batch([completion], [gold], settings)[0]

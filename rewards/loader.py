@@ -327,7 +327,11 @@ def check_config(config: Any) -> None:
 
 
 def reward_fns_from_config(config: Any) -> list[Callable]:
-  """Tunix-compatible reward functions `fn(prompts, completions, answer, **kwargs) -> list[float]`."""
+  """Tunix-compatible reward functions `fn(prompts, completions, answer, **kwargs) -> list[float]`.
+
+  The loader (this function, `check_config`, `RewardFn`) is where rewards/ sees the whole config, by contract: a user
+  reward function written for MaxText's `utils_rl` receives it (`tmvp_config`), as in MaxText's train_rl. The grading
+  itself (gsm8k.score_batch, the built-ins, the scoring CLI) takes `gsm8k.RewardConfig`, read once per config."""
   names, path = _names_and_path(config)
   if hasattr(config, "rl"):  # one weight per function, refused in one line (a bare rewards config has no rl: block)
     reward_aggregation.configured_weights(config.rl, names)

@@ -83,7 +83,7 @@ def _jsonl(path, rows):
 def test_gsm8k_jsonl_splits(gsm8k_fixture_dir):
   d = gsm8k_fixture_dir
   c = cfg(f"train_data_path={d / 'train.jsonl'}", f"eval_data_path={d / 'test.jsonl'}", "use_chat_template=false")
-  train, ev = load.load_splits(c, None)
+  train, ev = load.load_splits(load.DataSettings.from_config(c), None)
   with open(d / "test.jsonl", encoding="utf-8") as f:
     test_rows = [json.loads(line) for line in f]
   assert len(ev) == len(test_rows) == 100
@@ -113,8 +113,8 @@ def test_gsm8k_jsonl_splits(gsm8k_fixture_dir):
     )
     assert e.prompt == tpl["TEMPLATE"].format(system_prompt=sp, question=r["question"])
   # The SFT target of every eval example is well formed and scores correct.
-  targets = [prompts.format_target(e, c) for e in ev]
-  res = rewards.score_batch(targets, [e.answer for e in ev], c)
+  targets = [prompts.format_target(e, prompts.PromptSettings.from_config(c)) for e in ev]
+  res = rewards.score_batch(targets, [e.answer for e in ev], rewards.RewardConfig.of(c))
   assert all(r.correct and r.format_ok and r.rule == "answer_tag" for r in res)
   assert not any("####" in t or "<<" in t for t in targets)
 
@@ -127,7 +127,7 @@ def test_train_batches_deterministic_resumable_and_epoch_exact(gsm8k_fixture_dir
       "synthetic_num_eval=4",
       "data_shuffle_seed=7",
   )
-  train, _ = load.load_splits(c, None)
+  train, _ = load.load_splits(load.DataSettings.from_config(c), None)
   n, bs = len(train), 16
   per_epoch = n // bs
   full = [[e.id for e in b] for b in train.batches(bs, num_batches=2 * per_epoch + 3)]
@@ -142,12 +142,14 @@ def test_train_batches_deterministic_resumable_and_epoch_exact(gsm8k_fixture_dir
   assert len(positions) > n + 100
   assert positions[n:] != positions[: len(positions) - n]  # a new order each epoch
   other = load.load_splits(
-      cfg(
-          f"train_data_path={gsm8k_fixture_dir / 'train.jsonl'}",
-          "eval_dataset_name=synthetic",
-          "use_chat_template=false",
-          "synthetic_num_eval=4",
-          "data_shuffle_seed=8",
+      load.DataSettings.from_config(
+          cfg(
+              f"train_data_path={gsm8k_fixture_dir / 'train.jsonl'}",
+              "eval_dataset_name=synthetic",
+              "use_chat_template=false",
+              "synthetic_num_eval=4",
+              "data_shuffle_seed=8",
+          )
       ),
       None,
   )[0]
@@ -168,7 +170,10 @@ def test_malformed_rows_are_skipped_and_counted(tmp_path, caplog):
   ]
   path = _jsonl(tmp_path / "mixed.jsonl", rows)
   caplog.set_level(logging.WARNING)
-  train, ev = load.load_splits(cfg(f"train_data_path={path}", f"eval_data_path={path}", "use_chat_template=false"), None)
+  train, ev = load.load_splits(
+      load.DataSettings.from_config(cfg(f"train_data_path={path}", f"eval_data_path={path}", "use_chat_template=false")),
+      None,
+  )
   assert [(e.question, e.answer) for e in ev] == [("Q1?", "2"), ("Q6?", "1234.5"), ("Q7?", "-4"), ("Q8?", "12")]
   assert [e.question for e in train] == [e.question for e in ev]  # same file for both: kept, with a warning
   msg = " ".join(r.getMessage() for r in caplog.records)
@@ -242,7 +247,9 @@ def test_gold_answers_are_read_whole_or_the_row_is_skipped(tmp_path, answer, gol
 def test_batch_larger_than_the_split_is_reported_once(tmp_path, caplog):
   path = _jsonl(tmp_path / "s.jsonl", [{"question": f"Q{i}?", "answer": f"#### {i}"} for i in range(5)])
   train, _ = load.load_splits(
-      cfg(f"train_data_path={path}", "eval_dataset_name=synthetic", "synthetic_num_eval=4", "use_chat_template=false"),
+      load.DataSettings.from_config(
+          cfg(f"train_data_path={path}", "eval_dataset_name=synthetic", "synthetic_num_eval=4", "use_chat_template=false")
+      ),
       None,
   )
   caplog.set_level(logging.WARNING)
@@ -256,7 +263,9 @@ def test_batch_larger_than_the_split_is_reported_once(tmp_path, caplog):
 def test_train_questions_in_eval_are_dropped(tmp_path):
   a = _jsonl(tmp_path / "a.jsonl", [{"question": f"Q{i}", "answer": f"#### {i}"} for i in range(10)])
   b = _jsonl(tmp_path / "b.jsonl", [{"question": f"Q{i}", "answer": f"#### {i}"} for i in range(8, 12)])
-  train, ev = load.load_splits(cfg(f"train_data_path={a}", f"eval_data_path={b}", "use_chat_template=false"), None)
+  train, ev = load.load_splits(
+      load.DataSettings.from_config(cfg(f"train_data_path={a}", f"eval_data_path={b}", "use_chat_template=false")), None
+  )
   assert sorted(e.question for e in train) == [f"Q{i}" for i in range(8)]
   assert len(ev) == 4
 
@@ -267,7 +276,10 @@ def test_parquet_and_globs_equal_jsonl(tmp_path):
   pq.write_table(pa.Table.from_pylist(rows[3:]), tmp_path / "p2.parquet")
   j = _jsonl(tmp_path / "all.jsonl", rows)
   _, ev_pq = load.load_splits(
-      cfg(f"train_data_path={j}", f"eval_data_path={tmp_path}/p*.parquet", "use_chat_template=false"), None
+      load.DataSettings.from_config(
+          cfg(f"train_data_path={j}", f"eval_data_path={tmp_path}/p*.parquet", "use_chat_template=false")
+      ),
+      None,
   )
   assert [(e.question, e.answer) for e in ev_pq] == [(r["question"], str(i * 1000)) for i, r in enumerate(rows)]
 
@@ -282,7 +294,7 @@ def test_parquet_and_globs_equal_jsonl(tmp_path):
 )
 def test_user_errors_are_one_line(override, err, fragment):
   with pytest.raises(err) as e:
-    load.load_splits(cfg(*override.split(), "use_chat_template=false"), None)
+    load.load_splits(load.DataSettings.from_config(cfg(*override.split(), "use_chat_template=false")), None)
   assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
@@ -291,7 +303,7 @@ def test_a_directory_or_fifo_given_as_a_data_file_is_named_as_such(tmp_path):
   os.mkfifo(fifo)
   for path, fragment in ((tmp_path, "is a directory, not a data file"), (fifo, "is a FIFO (named pipe)")):
     with pytest.raises(DataError) as e:
-      load.load_splits(cfg(f"train_data_path={path}", "use_chat_template=false"), None)
+      load.load_splits(load.DataSettings.from_config(cfg(f"train_data_path={path}", "use_chat_template=false")), None)
     assert f"train_data_path='{path}': {fragment}" in str(e.value), str(e.value)
 
 
@@ -308,7 +320,7 @@ def test_rows_that_are_json_but_not_objects_are_counted_as_such(tmp_path, caplog
 def test_no_usable_rows_is_an_error(tmp_path):
   bad = _jsonl(tmp_path / "bad.jsonl", [{"question": "q", "answer": "none"}] * 3)
   with pytest.raises(DataError, match=r"bad.jsonl': no usable rows of 3"):
-    load.load_splits(cfg(f"eval_data_path={bad}", "use_chat_template=false"), None)
+    load.load_splits(load.DataSettings.from_config(cfg(f"eval_data_path={bad}", "use_chat_template=false")), None)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -328,7 +340,10 @@ def test_hub_loading_calls_load_dataset(monkeypatch):
 
   monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
   train, ev = load.load_splits(
-      real_cfg("dataset_name=openai/gsm8k", "eval_dataset_name=openai/gsm8k", "use_chat_template=false"), None
+      load.DataSettings.from_config(
+          real_cfg("dataset_name=openai/gsm8k", "eval_dataset_name=openai/gsm8k", "use_chat_template=false")
+      ),
+      None,
   )
   assert calls == [("openai/gsm8k", "main", {"split": "test"}), ("openai/gsm8k", "main", {"split": "train"})]
   assert len(train) == 5 and [e.answer for e in ev] == ["10", "11", "12"]
@@ -341,7 +356,9 @@ def test_hub_failure_is_a_data_error(monkeypatch):
 
   monkeypatch.setattr(datasets, "load_dataset", offline)
   with pytest.raises(DataError, match=r"dataset_name='openai/gsm8k'.*ConnectionError.*train_data_path"):
-    load.load_splits(cfg("dataset_name=openai/gsm8k", "eval_dataset_name=openai/gsm8k"), None)
+    load.load_splits(
+        load.DataSettings.from_config(cfg("dataset_name=openai/gsm8k", "eval_dataset_name=openai/gsm8k")), None
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -356,16 +373,18 @@ def test_chat_template_prompt_with_configured_tokens(tokenizer):
       "solution_start_token=<ans>",
       "solution_end_token=</ans>",
   )
-  p = prompts.build_prompt("What is 2+2?", tokenizer, c)
+  p = prompts.build_prompt("What is 2+2?", tokenizer, prompts.PromptSettings.from_config(c))
   assert p.startswith("<|im_start|>system\n") and p.endswith("<|im_start|>assistant\n")
   system = p.split("<|im_end|>")[0]
   assert all(t in system for t in ("<think>", "</think>", "<ans>", "</ans>")) and "<reasoning>" not in system
   assert "<|im_start|>user\nWhat is 2+2?<|im_end|>" in p
   ex = splits.Example("q", "4", "2+2=4\n#### 4", p, "x")
-  assert prompts.format_target(ex, c) == "<think>2+2=4</think>\n<ans>4</ans>"
+  assert prompts.format_target(ex, prompts.PromptSettings.from_config(c)) == "<think>2+2=4</think>\n<ans>4</ans>"
   prefilled = cfg("reasoning_start_token_in_prompt=true")
-  assert prompts.build_prompt("q", tokenizer, prefilled).endswith("assistant\n<reasoning>")
-  assert prompts.format_target(ex, prefilled).startswith("2+2=4</reasoning>")
+  assert prompts.build_prompt("q", tokenizer, prompts.PromptSettings.from_config(prefilled)).endswith(
+      "assistant\n<reasoning>"
+  )
+  assert prompts.format_target(ex, prompts.PromptSettings.from_config(prefilled)).startswith("2+2=4</reasoning>")
 
 
 def test_template_without_system_role_falls_back_to_user_turn():
@@ -378,7 +397,7 @@ def test_template_without_system_role_falls_back_to_user_turn():
         raise ValueError("System role not supported")
       return "".join(f"<{m['role']}>{m['content']}" for m in msgs) + "<model>"
 
-  p = prompts.build_prompt("Q?", NoSystemTokenizer(), cfg())
+  p = prompts.build_prompt("Q?", NoSystemTokenizer(), prompts.PromptSettings.from_config(cfg()))
   assert p.startswith("<user>") and p.endswith("\n\nQ?<model>") and "<answer>" in p
 
 
@@ -387,11 +406,14 @@ def test_long_prompts_filtered_with_count(gsm8k_fixture_dir, tokenizer, tmp_path
     rows = [json.loads(line) for _, line in zip(range(200), f)]
   path = _jsonl(tmp_path / "t.jsonl", rows)
   c = cfg("dataset_name=synthetic", f"eval_data_path={path}", "max_prefill_predict_length=150")
-  lengths = [len(tokenizer(prompts.build_prompt(r["question"], tokenizer, c))["input_ids"]) for r in rows]
+  lengths = [
+      len(tokenizer(prompts.build_prompt(r["question"], tokenizer, prompts.PromptSettings.from_config(c)))["input_ids"])
+      for r in rows
+  ]
   want = [r["question"] for r, n in zip(rows, lengths) if n <= 150]
   assert 0 < len(want) < len(rows)  # the limit really bites
   caplog.set_level(logging.WARNING)
-  _, ev = load.load_splits(c, tokenizer)
+  _, ev = load.load_splits(load.DataSettings.from_config(c), tokenizer)
   assert [e.question for e in ev] == want
   assert (
       f"eval: filtered {len(rows) - len(want)} of 200 prompts longer than max_prefill_predict_length=150" in caplog.text
@@ -437,7 +459,7 @@ def test_synthetic_problems_are_exact_and_reproducible(tokenizer):
       "synthetic_num_eval=64",
       "data_template_path=''",
   )
-  train, ev = load.load_splits(c, tokenizer)
+  train, ev = load.load_splits(load.DataSettings.from_config(c), tokenizer)
   assert train.unlimited and len(ev) == 64
   items = [train[i] for i in range(300)]
   for e in items + list(ev):
@@ -445,14 +467,20 @@ def test_synthetic_problems_are_exact_and_reproducible(tokenizer):
   assert {len(e.solution.splitlines()) - 1 for e in items} == {1, 2, 3}
   eval_q = {e.question for e in ev}
   assert len(eval_q) == 64 and not eval_q & {e.question for e in items}  # deduped, disjoint
-  train2, ev2 = load.load_splits(c, tokenizer)
+  train2, ev2 = load.load_splits(load.DataSettings.from_config(c), tokenizer)
   assert [train2[i] for i in range(50)] == items[:50] and list(ev2) == list(ev)
-  other, _ = load.load_splits(cfg("synthetic_seed=6", "synthetic_max_value=12", "data_template_path=''"), tokenizer)
+  other, _ = load.load_splits(
+      load.DataSettings.from_config(cfg("synthetic_seed=6", "synthetic_max_value=12", "data_template_path=''")), tokenizer
+  )
   assert [other[i].question for i in range(20)] != [e.question for e in items[:20]]
   # Short prompts for the CPU demo's tiny model, and SFT targets that the reward stack accepts.
   lengths = prompts.prompt_lengths(tokenizer, [e.prompt for e in items])
   assert max(lengths) <= 100
-  res = rewards.score_batch([prompts.format_target(e, c) for e in items], [e.answer for e in items], c)
+  res = rewards.score_batch(
+      [prompts.format_target(e, prompts.PromptSettings.from_config(c)) for e in items],
+      [e.answer for e in items],
+      rewards.RewardConfig.of(c),
+  )
   assert all(r.correct and r.format_ok for r in res)
   assert [e.id for e in train.batch(3, 4)] == [f"synthetic-train-{i}" for i in range(12, 16)]
   assert [[e.id for e in b] for b in train.batches(4, start_batch=2, num_batches=4)] == [
@@ -461,7 +489,7 @@ def test_synthetic_problems_are_exact_and_reproducible(tokenizer):
 
 
 def test_synthetic_eval_batches_are_finite(tokenizer):
-  _, ev = load.load_splits(cfg("synthetic_num_eval=10"), tokenizer)
+  _, ev = load.load_splits(load.DataSettings.from_config(cfg("synthetic_num_eval=10")), tokenizer)
   got = list(ev.batches(4))
   assert [len(b) for b in got] == [4, 4, 2]
   assert [e.id for b in got for e in b] == [e.id for e in ev]
@@ -490,8 +518,8 @@ def test_flawed_teacher_changes_sft_demonstrations_only(tokenizer):
       "synthetic_num_eval=32",
       "data_template_path=''",
   )
-  clean_train, clean_eval = load.load_splits(cfg(*knobs), tokenizer)
-  train, ev = load.load_splits(cfg(*knobs, "synthetic_teacher_error_rate=0.75"), tokenizer)
+  clean_train, clean_eval = load.load_splits(load.DataSettings.from_config(cfg(*knobs)), tokenizer)
+  train, ev = load.load_splits(load.DataSettings.from_config(cfg(*knobs, "synthetic_teacher_error_rate=0.75")), tokenizer)
   assert list(ev) == list(clean_eval)
   flawed = non_add = 0
   for i in range(400):
@@ -506,7 +534,7 @@ def test_flawed_teacher_changes_sft_demonstrations_only(tokenizer):
       flawed += 1
       sol, value = synthetic.adding_teacher(c.solution)
       assert e.solution == sol
-      demo = rewards.score(prompts.format_target(e, cfg(*knobs)), e.answer)
+      demo = rewards.score(prompts.format_target(e, prompts.PromptSettings.from_config(cfg(*knobs))), e.answer)
       assert demo.extracted == str(value) and demo.correct == (str(value) == e.answer)  # 2 * 2 = 2 + 2
   assert non_add > 200 and abs(flawed / non_add - 0.75) < 0.08
   assert str(load_config_error("synthetic_teacher_error_rate=1.5")).count("\n") == 0
@@ -525,8 +553,8 @@ def test_prompt_tags_default_to_the_reward_stacks_which_are_maxtext_rl_yml():
     rl_yml = yaml.safe_load(f)
   keys = ("reasoning_start_token", "reasoning_end_token", "solution_start_token", "solution_end_token")
   bare = type("Bare", (), {"data_template_path": ""})()
-  assert prompts.tag_tokens(bare) == {k: rl_yml[k] for k in keys}
-  assert all(rl_yml[k] in prompts.system_prompt(bare) for k in keys)
+  assert prompts.tag_tokens(prompts.PromptSettings.from_config(bare)) == {k: rl_yml[k] for k in keys}
+  assert all(rl_yml[k] in prompts.system_prompt(prompts.PromptSettings.from_config(bare)) for k in keys)
 
 
 @pytest.mark.parametrize(

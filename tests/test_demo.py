@@ -45,9 +45,9 @@ def test_demo_tokenizer_round_trips_the_synthetic_distribution():
   cfg = config_lib.load_config(["configs/cpu_demo.yml"])
   tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
   assert len(tok) <= cfg.vocab_size and tok.pad_token_id != tok.eos_token_id
-  train, evaluation = load.load_splits(cfg, tok)
+  train, evaluation = load.load_splits(load.DataSettings.from_config(cfg), tok)
   for ex in [*train.batch(0, 50), *(evaluation[i] for i in range(50))]:
-    for text in (ex.prompt, prompts.format_target(ex, cfg)):
+    for text in (ex.prompt, prompts.format_target(ex, prompts.PromptSettings.from_config(cfg))):
       assert tok.decode(tok.encode(text)) == text
   ids = tok.encode("<answer>123</answer>")
   assert [tok.decode([i]) for i in ids] == ["<answer>", "1", "2", "3", "</answer>"]

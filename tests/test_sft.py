@@ -42,7 +42,7 @@ def tiny_fixture(tmp_path_factory):
   rs = models.setup_devices(config_lib.parse(argv))
   config = rs.trainer_config
   tokenizer = models.load_tokenizer(config)
-  train_split, _ = data_load.load_splits(config, tokenizer)
+  train_split, _ = data_load.load_splits(data_load.DataSettings.from_config(config), tokenizer)
   model, mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
   initial = jax.tree_util.tree_map(lambda x: x, nnx.state(model, nnx.Param))  # a copy: nnx.state holds live Variables
   return config, model, initial, mesh, tokenizer, train_split

@@ -220,12 +220,41 @@ def toolbox_for(names: tuple[str, ...], timeout_s: float) -> tools_lib.Toolbox:
   return tools_lib.Toolbox(list(names), timeout_s)
 
 
-def limits_of(config: Any, completion_budget: int) -> Limits:
+@dataclasses.dataclass(frozen=True)
+class AgenticSettings:
+  """The keys an episode reads, from the config once (`from_config`): the tools, their markup and timeout, the turn
+  and token limits (0 = the completion budget), the prompts per rollout call and the group size."""
+
+  tools: tuple[str, ...]
+  tool_parser: str
+  tool_timeout_s: float
+  max_turns: int
+  turn_tokens: int
+  max_tokens: int
+  rollout_micro_batch_size: int
+  num_generations: int
+
+  @classmethod
+  def from_config(cls, config: Any) -> "AgenticSettings":
+    """`rl.agentic_*`, `rollout_micro_batch_size` and `rl.num_generations` of a MaxText/plugin config."""
+    rl = config.rl
+    return cls(
+        tuple(rl.agentic_tools),
+        str(rl.agentic_tool_parser),
+        float(rl.agentic_tool_timeout_s),
+        int(rl.agentic_max_turns),
+        int(rl.agentic_turn_tokens),
+        int(rl.agentic_max_tokens),
+        int(config.rollout_micro_batch_size),
+        int(rl.num_generations),
+    )
+
+
+def limits_of(settings: AgenticSettings, completion_budget: int) -> Limits:
   """The episode limits of a run; 0 = the completion budget (max_tokens_to_generate)."""
-  rl = config.rl
-  total = int(rl.agentic_max_tokens) or int(completion_budget)
-  turn = int(rl.agentic_turn_tokens) or total
-  return Limits(max_turns=int(rl.agentic_max_turns), turn_tokens=min(turn, total), total_tokens=total)
+  total = settings.max_tokens or int(completion_budget)
+  turn = settings.turn_tokens or total
+  return Limits(max_turns=settings.max_turns, turn_tokens=min(turn, total), total_tokens=total)
 
 
 def generate(
@@ -237,7 +266,7 @@ def generate(
   completion, logprobs = the sampler's, 0 on environment tokens) and the episodes (their `loss_mask`, metrics).
   `groups`: the prompts this process runs (a per-host sampler, module docstring); None = all of them.
   """
-  cfg = run.config
+  settings = AgenticSettings.from_config(run.config)
   cluster = run.rl_cluster
   rollout = cluster.rollout
   rc = cluster.cluster_config.rollout_config[mode]
@@ -246,8 +275,8 @@ def generate(
   unique, group = bucketing.consecutive_groups(ids)
   seed = rc.seed
   rng = seed if isinstance(seed, jax.Array) else jax.random.PRNGKey(0 if seed is None else int(seed))
-  parser = parse.CallParser(cfg.rl.agentic_tool_parser)
-  toolbox = toolbox_for(tuple(cfg.rl.agentic_tools), float(cfg.rl.agentic_tool_timeout_s))
+  parser = parse.CallParser(settings.tool_parser)
+  toolbox = toolbox_for(settings.tools, settings.tool_timeout_s)
   # A sampler spanning every process (colocated, several processes): agree on each turn's tool results.
   spans = distributed.is_multiprocess() and not (run.setup.disaggregated or rollout.per_host)
   observe = functools.partial(shared_observe if spans else local_observe, toolbox)
@@ -266,13 +295,13 @@ def generate(
     return call
 
   forbidden = {int(rollout.pad_id()), int(rollout.eos_id())} | {int(t) for t in (rc.eos_tokens or [])}
-  limits = limits_of(cfg, rc.max_tokens_to_generate)
+  limits = limits_of(settings, rc.max_tokens_to_generate)
   # rollout_micro_batch_size prompts per call (MaxText's key, as on the single-turn path), each with its own key.
-  micro = int(cfg.rollout_micro_batch_size)
+  micro = settings.rollout_micro_batch_size
   size = len(unique) if micro <= 0 or mode != rl_cluster_lib.Mode.TRAIN else micro
   # Chunk c keeps its key however the prompts are split over processes (`groups`, in groups of rl.num_generations
   # rows; `unique` is in groups of `group` rows, the same unless adjacent groups repeat a prompt).
-  g_rows = int(cfg.rl.num_generations)
+  g_rows = settings.num_generations
   lo, hi = (0, len(unique)) if groups is None else (groups.start * g_rows // group, groups.stop * g_rows // group)
   eps: list[Episode] = []
   for c, s in enumerate(range(0, len(unique), size)):

@@ -56,7 +56,8 @@ def lengths(config, path: str) -> tuple[np.ndarray, np.ndarray]:
   tok = models.load_tokenizer(config)
   with open(path, encoding="utf-8") as f:
     rows = [json.loads(line) for line in f if line.strip()]
-  texts = [prompts.build_prompt(r["question"], tok, config) for r in rows]
+  settings = prompts.PromptSettings.from_config(config)
+  texts = [prompts.build_prompt(r["question"], tok, settings) for r in rows]
   p = np.array(prompts.prompt_lengths(tok, texts))
   c = np.array([len(tok.encode(r["answer"], add_special_tokens=False)) + 1 for r in rows])  # + the stop token
   budget_p = int(config.max_prefill_predict_length)

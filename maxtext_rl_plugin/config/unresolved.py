@@ -2,8 +2,11 @@
 
 `validation.RawConfig` raises `Unresolved` for a key that is absent, set by a model file or an `M_<KEY>` environment
 variable, or not of its default's type; the check reading it waits for the typed pass. It is its own exception, not an
-`AttributeError`, so a real `AttributeError` in a check is a bug that surfaces instead of quietly turning the first
-pass off; `value_or` is `getattr` with a default for the checks that read such a key as unset.
+`AttributeError`: a plain `getattr(view, key, default)` does not swallow it, so a check reads a not-yet-typed key as
+unset only where it says so (`value_or`, `getattr` with a default that also catches `Unresolved`). The first pass
+(`validation.validate_raw`) still skips a check that raises `AttributeError` (an untyped value's missing method), and
+with it a real `AttributeError` bug in that check; the typed pass (`validation.validate`) runs the same check without
+catching anything, so such a bug surfaces there.
 """
 
 from __future__ import annotations

@@ -1,8 +1,13 @@
-"""`load_splits`: the run's (train, eval) splits from the config, each from its first applicable source."""
+"""`load_splits`: the run's (train, eval) splits from `DataSettings`, each from its first applicable source.
+
+`DataSettings.from_config` is the one place data/ reads the config: every function here and in prompts.py and
+synthetic.py takes the settings it needs (`DataSettings`, `prompts.PromptSettings`, `synthetic.SyntheticConfig`).
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
 from absl import logging
 
@@ -13,14 +18,59 @@ from maxtext_rl_plugin.data import synthetic
 from maxtext_rl_plugin.errors import DataError
 
 
-def _max_prompt_tokens(config) -> Optional[int]:
-  """The prompt token limit (max_prefill_predict_length), None when unset."""
-  v = config.max_prefill_predict_length
-  return int(v) if v and v > 0 else None
+@dataclasses.dataclass(frozen=True)
+class DataSettings:
+  """The keys data/ reads, from the config once (`from_config`)."""
+
+  prompt: prompts_lib.PromptSettings
+  generator: synthetic.SyntheticConfig  # the synthetic task's
+  max_prompt_tokens: Optional[int] = None  # max_prefill_predict_length; None when unset
+  train_data_path: str = ""
+  eval_data_path: str = ""
+  dataset_name: str = synthetic.SYNTHETIC
+  eval_dataset_name: str = ""
+  hf_subset: str = ""
+  train_split: str = "train"
+  eval_split: str = "test"
+  hf_access_token: str = dataclasses.field(default="", repr=False)  # a secret: never in a repr or a log line
+  data_shuffle_seed: int = 0
+  synthetic_num_eval: int = 256
+
+  @classmethod
+  def from_config(cls, config: Any) -> "DataSettings":
+    """The data keys of a MaxText/plugin config (validation refuses synthetic_min_steps > synthetic_max_steps)."""
+    limit = config.max_prefill_predict_length
+    return cls(
+        prompt=prompts_lib.PromptSettings.from_config(config),
+        generator=synthetic.SyntheticConfig(
+            int(config.synthetic_seed),
+            int(config.synthetic_min_steps),
+            int(config.synthetic_max_steps),
+            int(config.synthetic_max_value),
+            float(config.synthetic_teacher_error_rate or 0.0),
+            str(config.synthetic_task),
+            float(config.synthetic_tool_rate),
+        ),
+        max_prompt_tokens=int(limit) if limit and limit > 0 else None,
+        train_data_path=getattr(config, "train_data_path", "") or "",
+        eval_data_path=getattr(config, "eval_data_path", "") or "",
+        dataset_name=config.dataset_name,
+        eval_dataset_name=config.eval_dataset_name or "",
+        hf_subset=config.hf_subset or "",
+        train_split=config.train_split,
+        eval_split=config.eval_split,
+        hf_access_token=config.hf_access_token,
+        data_shuffle_seed=int(config.data_shuffle_seed),
+        synthetic_num_eval=int(config.synthetic_num_eval),
+    )
 
 
 def _materialize(
-    rows: list[tuple[str, str, str, str]], tokenizer, config, name: str, drop_questions: frozenset = frozenset()
+    rows: list[tuple[str, str, str, str]],
+    tokenizer,
+    settings: DataSettings,
+    name: str,
+    drop_questions: frozenset = frozenset(),
 ) -> list[splits.Example]:
   """Rows as Examples with built prompts, dropping eval questions and prompts over the token limit."""
   if drop_questions:
@@ -30,9 +80,9 @@ def _materialize(
     elif len(kept) < len(rows):
       logging.warning("%s: dropped %d examples whose question is also in the eval split", name, len(rows) - len(kept))
       rows = kept
-  prompts = [prompts_lib.build_prompt(q, tokenizer, config) for q, _, _, _ in rows]
+  prompts = [prompts_lib.build_prompt(q, tokenizer, settings.prompt) for q, _, _, _ in rows]
   keep = list(range(len(rows)))
-  limit = _max_prompt_tokens(config)
+  limit = settings.max_prompt_tokens
   if limit and tokenizer is not None:
     lengths = prompts_lib.prompt_lengths(tokenizer, prompts)
     keep = [i for i, n in enumerate(lengths) if n <= limit]
@@ -50,59 +100,46 @@ def _materialize(
   return [splits.Example(rows[i][0], rows[i][1], rows[i][2], prompts[i], rows[i][3]) for i in keep]
 
 
-def _synthetic_cfg(config) -> synthetic.SyntheticConfig:
-  """The synthetic generator's settings from `config` (validation refuses min_steps > max_steps)."""
-  return synthetic.SyntheticConfig(
-      int(config.synthetic_seed),
-      int(config.synthetic_min_steps),
-      int(config.synthetic_max_steps),
-      int(config.synthetic_max_value),
-      float(config.synthetic_teacher_error_rate or 0.0),
-      str(config.synthetic_task),
-      float(config.synthetic_tool_rate),
-  )
-
-
-def _rows_for(config, which: str) -> Optional[list[tuple[str, str, str, str]]]:
+def _rows_for(settings: DataSettings, which: str) -> Optional[list[tuple[str, str, str, str]]]:
   """Rows of the train/eval source, or None when that source is synthetic."""
-  path = getattr(config, f"{which}_data_path", "") or ""
+  path = settings.train_data_path if which == "train" else settings.eval_data_path
   if path:
     return rows_lib.load_file_rows(path, f"{which}_data_path")
-  name = config.dataset_name if which == "train" else (config.eval_dataset_name or config.dataset_name)
+  name = settings.dataset_name if which == "train" else (settings.eval_dataset_name or settings.dataset_name)
   if name == synthetic.SYNTHETIC:
     return None
-  split = getattr(config, "train_split" if which == "train" else "eval_split")
-  return rows_lib.load_hub_rows(name, config.hf_subset or "", split, config.hf_access_token)
+  split = settings.train_split if which == "train" else settings.eval_split
+  return rows_lib.load_hub_rows(name, settings.hf_subset, split, settings.hf_access_token)
 
 
-def load_splits(config, tokenizer) -> tuple[splits.DatasetSplit, splits.DatasetSplit]:
+def load_splits(settings: DataSettings, tokenizer) -> tuple[splits.DatasetSplit, splits.DatasetSplit]:
   """(train, eval) for the config. Train is shuffled by `data_shuffle_seed` and repeats over epochs;
   eval keeps its stored order, is finite, and shares no question with train."""
-  max_tokens = _max_prompt_tokens(config)
-  eval_rows = _rows_for(config, "eval")
+  max_tokens = settings.max_prompt_tokens
+  eval_rows = _rows_for(settings, "eval")
   if eval_rows is None:
     eval_split: splits.DatasetSplit = synthetic.synthetic_eval(
-        _synthetic_cfg(config), int(config.synthetic_num_eval), tokenizer, config, max_tokens
+        settings.generator, settings.synthetic_num_eval, tokenizer, settings.prompt, max_tokens
     )
   else:
-    eval_split = splits.ListSplit(_materialize(eval_rows, tokenizer, config, "eval"), "eval")
+    eval_split = splits.ListSplit(_materialize(eval_rows, tokenizer, settings, "eval"), "eval")
   eval_questions = frozenset(e.question for e in eval_split)
-  train_rows = _rows_for(config, "train")
+  train_rows = _rows_for(settings, "train")
   if train_rows is None:
     train_split: splits.DatasetSplit = synthetic.SyntheticSplit(
-        _synthetic_cfg(config),
+        settings.generator,
         "train",
         tokenizer,
-        config,
+        settings.prompt,
         exclude=eval_questions,
         max_prompt_tokens=max_tokens,
         name="synthetic/train",
     )
   else:
     train_split = splits.ListSplit(
-        _materialize(train_rows, tokenizer, config, "train", eval_questions),
+        _materialize(train_rows, tokenizer, settings, "train", eval_questions),
         "train",
-        seed=int(config.data_shuffle_seed),
+        seed=settings.data_shuffle_seed,
         repeat=True,
     )
   logging.info(

@@ -1,16 +1,18 @@
 """The model's input: the prompt template (MaxText's JSON template files), reasoning/answer tags, the chat template.
 
 `build_prompt` is the one place a question becomes a prompt (train, eval and SFT warm-up alike); `format_target` the
-one place a reference solution becomes a completion in the reward's format.
+one place a reference solution becomes a completion in the reward's format. Both take `PromptSettings`, read from the
+config once (`PromptSettings.from_config`), not the config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import os
 import re
-from typing import Sequence
+from typing import Any, Sequence
 
 import maxtext
 
@@ -75,18 +77,42 @@ def load_template(path: str) -> dict[str, str]:
   return tpl
 
 
-def tag_tokens(config) -> dict[str, str]:
-  """The four tag tokens of `config`; missing keys default to the reward stack's (MaxText rl.yml) values."""
-  default = gsm8k.RewardConfig()
-  keys = ("reasoning_start_token", "reasoning_end_token", "solution_start_token", "solution_end_token")
-  return {k: getattr(config, k, getattr(default, k)) for k in keys}
+_TAG_KEYS = ("reasoning_start_token", "reasoning_end_token", "solution_start_token", "solution_end_token")
 
 
-def system_prompt(config) -> str:
+@dataclasses.dataclass(frozen=True)
+class PromptSettings:
+  """What a prompt and an SFT target are made of, read from the config once (`from_config`): the template file, the
+  chat template switch, the four tag tokens (defaults: the reward stack's, MaxText's rl.yml) and whether the prompt
+  already opens the reasoning."""
+
+  template_path: str = ""
+  use_chat_template: bool = True
+  reasoning_start_token_in_prompt: bool = False
+  tags: tuple[tuple[str, str], ...] = tuple((k, getattr(gsm8k.RewardConfig(), k)) for k in _TAG_KEYS)
+
+  @classmethod
+  def from_config(cls, config: Any) -> "PromptSettings":
+    """The prompt keys of a MaxText/plugin config (a key it lacks keeps its default)."""
+    default = cls()
+    return cls(
+        str(getattr(config, "data_template_path", "") or ""),
+        bool(getattr(config, "use_chat_template", default.use_chat_template)),
+        bool(getattr(config, "reasoning_start_token_in_prompt", default.reasoning_start_token_in_prompt)),
+        tuple((k, str(getattr(config, k, v))) for k, v in default.tags),
+    )
+
+
+def tag_tokens(settings: PromptSettings) -> dict[str, str]:
+  """The four tag tokens, by key name."""
+  return dict(settings.tags)
+
+
+def system_prompt(settings: PromptSettings) -> str:
   """The instruction to answer as `<reasoning>...</reasoning><answer>...</answer>` (configured tokens)."""
-  tpl = load_template(config.data_template_path or "")
+  tpl = load_template(settings.template_path)
   try:
-    return tpl["SYSTEM_PROMPT"].format(**tag_tokens(config))
+    return tpl["SYSTEM_PROMPT"].format(**tag_tokens(settings))
   except (KeyError, IndexError) as e:
     raise ConfigError(f"data_template_path: SYSTEM_PROMPT has an unknown placeholder {e}") from None
 
@@ -99,7 +125,7 @@ def _has_chat_template(tokenizer) -> bool:
   )
 
 
-def build_prompt(question: str, tokenizer, config) -> str:
+def build_prompt(question: str, tokenizer, settings: PromptSettings) -> str:
   """The model input for a question.
 
   With `use_chat_template` and a tokenizer that has one: system prompt + user question through
@@ -107,8 +133,8 @@ def build_prompt(question: str, tokenizer, config) -> str:
   get the system prompt prepended to the user turn). Otherwise the template file's `TEMPLATE`.
   With `reasoning_start_token_in_prompt`, the prompt ends with the reasoning start token.
   """
-  sp = system_prompt(config)
-  if config.use_chat_template and _has_chat_template(tokenizer):
+  sp = system_prompt(settings)
+  if settings.use_chat_template and _has_chat_template(tokenizer):
     msgs = [{"role": "system", "content": sp}, {"role": "user", "content": question}]
     try:
       prompt = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
@@ -117,31 +143,31 @@ def build_prompt(question: str, tokenizer, config) -> str:
           [{"role": "user", "content": f"{sp}\n\n{question}"}], add_generation_prompt=True, tokenize=False
       )
   else:
-    tpl = load_template(config.data_template_path or "")
+    tpl = load_template(settings.template_path)
     try:
       prompt = tpl["TEMPLATE"].format(system_prompt=sp, question=question)
     except (KeyError, IndexError) as e:
       raise ConfigError(f"data_template_path: TEMPLATE has an unknown placeholder {e}") from None
-  if config.reasoning_start_token_in_prompt:
-    rs = tag_tokens(config)["reasoning_start_token"]
+  if settings.reasoning_start_token_in_prompt:
+    rs = tag_tokens(settings)["reasoning_start_token"]
     if not prompt.endswith(rs):
       prompt += rs
   return prompt
 
 
-def format_target(example: Example, config) -> str:
+def format_target(example: Example, settings: PromptSettings) -> str:
   """The completion an SFT warm start should learn: `<reasoning>steps</reasoning>\\n<answer>N</answer>`.
 
   Steps are the reference solution without its `#### N` line and GSM8K's `<<calculator>>` notes.
   """
-  t = tag_tokens(config)
+  t = tag_tokens(settings)
   sol = example.solution or ""
   if t["solution_start_token"] in sol and t["solution_end_token"] in sol:
     return sol
   reasoning, _, final = sol.rpartition("####") if "####" in sol else (sol, "", "")
   reasoning = _CALC_ANNOTATION_RE.sub("", reasoning).strip()
   shown = final.strip() or example.answer  # the demonstration's own answer (a flawed teacher's may be wrong)
-  rs = "" if config.reasoning_start_token_in_prompt else t["reasoning_start_token"]
+  rs = "" if settings.reasoning_start_token_in_prompt else t["reasoning_start_token"]
   return f"{rs}{reasoning}{t['reasoning_end_token']}\n{t['solution_start_token']}{shown}{t['solution_end_token']}"
 
 

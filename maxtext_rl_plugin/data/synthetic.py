@@ -241,12 +241,12 @@ class SyntheticSplit(splits.DatasetSplit):
       cfg: SyntheticConfig,
       stream: str,
       tokenizer,
-      config,
+      prompt_settings: prompts.PromptSettings,
       exclude: frozenset = frozenset(),
       max_prompt_tokens: Optional[int] = None,
       name: str = "",
   ):
-    self.cfg, self.stream, self.tokenizer, self.config = cfg, stream, tokenizer, config
+    self.cfg, self.stream, self.tokenizer, self.prompt_settings = cfg, stream, tokenizer, prompt_settings
     self.exclude = exclude
     self.max_prompt_tokens = max_prompt_tokens
     self.name = name or f"synthetic/{stream}"
@@ -273,7 +273,7 @@ class SyntheticSplit(splits.DatasetSplit):
       if q in self.exclude:
         self.redrawn_eval_overlap += 1
         continue
-      prompt = prompts.build_prompt(q, self.tokenizer, self.config)
+      prompt = prompts.build_prompt(q, self.tokenizer, self.prompt_settings)
       if (
           self.max_prompt_tokens
           and self.tokenizer is not None
@@ -299,7 +299,7 @@ class SyntheticSplit(splits.DatasetSplit):
           and self.stream == "train"
           and random.Random(f"{self.cfg.seed}:tool:{i}").random() < self.cfg.tool_rate
       ):
-        sol = tool_demonstration(q, a, prompts.tag_tokens(self.config))
+        sol = tool_demonstration(q, a, prompts.tag_tokens(self.prompt_settings))
       return splits.Example(q, str(a), sol, prompt, f"synthetic-{self.stream}-{i}")
     raise DataError(
         f"no synthetic problem for item {i} after 100 draws: each was longer than max_prefill_predict_length="
@@ -314,9 +314,11 @@ def _redraw_log():
   return logging.warning if errors.verbose() else logging.info
 
 
-def synthetic_eval(cfg: SyntheticConfig, n: int, tokenizer, config, max_tokens: Optional[int]) -> splits.ListSplit:
+def synthetic_eval(
+    cfg: SyntheticConfig, n: int, tokenizer, prompt_settings: prompts.PromptSettings, max_tokens: Optional[int]
+) -> splits.ListSplit:
   """`n` distinct synthetic problems from the eval stream (deduplicated on question text)."""
-  gen = SyntheticSplit(cfg, "eval", tokenizer, config, max_prompt_tokens=max_tokens)
+  gen = SyntheticSplit(cfg, "eval", tokenizer, prompt_settings, max_prompt_tokens=max_tokens)
   seen: set[str] = set()
   out: list[splits.Example] = []
   i = 0

@@ -202,7 +202,7 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   plan = updates.UpdatePlan.from_config(config)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
   tokenizer = models.load_run_tokenizer(config)
-  train_split, eval_split = load.load_splits(config, tokenizer)
+  train_split, eval_split = load.load_splits(load.DataSettings.from_config(config), tokenizer)
   engine_name = _resolve_engine_name(config)
   # Rollouts ahead of the trainer across processes need a per-host sampler (experience.samples_per_host).
   distributed.check_asynchronous(

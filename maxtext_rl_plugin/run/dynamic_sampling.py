@@ -264,7 +264,7 @@ class DynamicSampler:
     correct = {}
     for r in {r for r, _ in dropped}:
       rnd = rounds[r]
-      graded = rewards_lib.score_batch(rnd.sampled.texts, rnd.inputs["answer"], cfg)
+      graded = rewards_lib.score_batch(rnd.sampled.texts, rnd.inputs["answer"], rewards_lib.RewardConfig.of(cfg))
       correct[r] = np.asarray([x.correct for x in graded], bool).reshape(-1, g)
     all_correct = sum(bool(correct[r][k].all()) for r, k in dropped)
     all_wrong = sum(bool(~correct[r][k].any()) for r, k in dropped)

@@ -116,7 +116,9 @@ def evaluate(run: Any, step: int) -> dict[str, float]:
         episodes.extend(eps)
       else:
         out = run.rl_cluster.generate(prompts=[e.prompt for e in chunk], mode=rl_cluster_lib.Mode.EVAL)
-      for i, r in enumerate(rewards_lib.score_batch(out.text, [e.answer for e in chunk], config)):
+      for i, r in enumerate(
+          rewards_lib.score_batch(out.text, [e.answer for e in chunk], rewards_lib.RewardConfig.of(config))
+      ):
         passes[s + i].append(r)
   metrics = aggregate([problem_scores(p) for p in passes], k, config.eval_mode)
   metrics["num_examples"] = float(n)

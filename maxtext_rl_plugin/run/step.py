@@ -112,7 +112,7 @@ def _step_metrics(
   informative = reward_aggregation.kept_groups_of(rl_run.config.rl, exp.rewards, values, g)
   m["reward/zero_variance_group_fraction"] = float(1.0 - informative.mean())
   # The check_answer reward's own grading (rewards memoise the last batch): no second pass.
-  graded = rewards_lib.score_batch(exp.texts, answers, rl_run.config)
+  graded = rewards_lib.score_batch(exp.texts, answers, rewards_lib.RewardConfig.of(rl_run.config))
   m["accuracy"] = float(np.mean([r.correct for r in graded]))
   m["strict_accuracy"] = float(np.mean([r.correct and r.format_ok for r in graded]))
   mask = item.value[2].completion_ids != item.value[2].pad_id  # every completion (the loss mask may drop some)

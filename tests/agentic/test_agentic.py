@@ -374,14 +374,14 @@ def test_products_task_demonstrations_call_the_calculator_the_configured_fractio
   cfg = config_lib.load_config(["configs/cpu_demo_tools.yml"])
   tok = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
   assert len(tok) <= cfg.vocab_size
-  train, evaluation = load.load_splits(cfg, tok)
+  train, evaluation = load.load_splits(load.DataSettings.from_config(cfg), tok)
   parser, box = parse.CallParser(cfg.rl.agentic_tool_parser), tools.Toolbox(list(cfg.rl.agentic_tools), 1.0)
   examples = train.batch(0, 400)
   calls = 0
   for ex in examples:
     a, b = (int(x) for x in ex.question.removeprefix("What is ").removesuffix("?").split(" * "))
     assert 10 <= a <= 99 and 10 <= b <= 99 and ex.answer == str(a * b)
-    target = prompts.format_target(ex, cfg)
+    target = prompts.format_target(ex, prompts.PromptSettings.from_config(cfg))
     assert tok.decode(tok.encode(target)) == target and target.endswith(f"<answer>{a * b}</answer>")
     if "<tool_call>" in target:
       calls += 1
@@ -391,7 +391,9 @@ def test_products_task_demonstrations_call_the_calculator_the_configured_fractio
       assert len(tok.encode(turn)) <= 12  # the markup is whole tokens (demo_tokenizer.TOOL_TOKENS)
       assert parser.observation(str(a * b)) in target  # the SFT text after the call is what the environment appends
   assert 0.05 < calls / len(examples) < 0.15  # synthetic_tool_rate = 0.1
-  assert not any("<tool_call>" in prompts.format_target(evaluation[i], cfg) for i in range(50))  # eval: gold only
+  assert not any(
+      "<tool_call>" in prompts.format_target(evaluation[i], prompts.PromptSettings.from_config(cfg)) for i in range(50)
+  )  # eval: gold only
 
 
 def test_both_engines_answer_episodes_one_call_signature_for_signature():

@@ -268,14 +268,17 @@ def test_real_gsm8k_golds_in_the_formats_templates_ask_for_score_1_and_their_hed
 def test_the_synthetic_task_answers_keep_scoring_and_their_hedges_do_not():
   """The CPU demo's data: SFT targets (format_target) of both synthetic tasks score 1; the same answer hedged scores 0."""
   cfg = synthetic.SyntheticConfig(seed=7, max_steps=3)
-  config = types.SimpleNamespace(**prompts.tag_tokens(rewards.RewardConfig()), reasoning_start_token_in_prompt=False)
+  config = types.SimpleNamespace(
+      **prompts.tag_tokens(prompts.PromptSettings.from_config(rewards.RewardConfig())),
+      reasoning_start_token_in_prompt=False,
+  )
   rng = random.Random(0)
   examples = []
   for i in range(200):
     make = synthetic.product_problem if i % 2 else synthetic.synthetic_problem
     q, a, sol = make(rng, cfg)
     examples.append(splits.Example(question=q, answer=str(a), solution=sol, prompt=q, id=str(i)))
-  targets = [prompts.format_target(e, config) for e in examples]
+  targets = [prompts.format_target(e, prompts.PromptSettings.from_config(config)) for e in examples]
   res = rewards.score_batch(targets, [e.answer for e in examples])
   assert all(r.correct and r.rule == TAG for r in res)
   hedged = [t.replace(f">{e.answer}<", f">{int(e.answer) + 1} or {e.answer}<") for t, e in zip(targets, examples)]

@@ -577,7 +577,7 @@ def test_reward_keys_from_a_real_config():
   )
   (fn,) = rewards.reward_fns_from_config(cfg)
   assert fn(prompts=["p"], completions=["<sol>4</sol> then 9"], answer=["4"]) == [2.5]
-  assert rewards.score("<sol>4</sol> then 9", "4", cfg).rule == "answer_tag"
+  assert rewards.score("<sol>4</sol> then 9", "4", rewards.RewardConfig.of(cfg)).rule == "answer_tag"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
