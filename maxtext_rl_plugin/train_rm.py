@@ -88,7 +88,8 @@ def split_pairs(config: Any) -> tuple[list[dict], list[dict]]:
 
 def pair_texts(rows: Sequence[dict], tokenizer: Any, config: Any) -> tuple[list[str], list[str]]:
   """(chosen texts, rejected texts): the formatted prompt followed by each response."""
-  prompts = [prompts_lib.build_prompt(r["prompt"], tokenizer, config) for r in rows]
+  settings = prompts_lib.PromptSettings.from_config(config)
+  prompts = [prompts_lib.build_prompt(r["prompt"], tokenizer, settings) for r in rows]
   return [p + r["chosen"] for p, r in zip(prompts, rows)], [p + r["rejected"] for p, r in zip(prompts, rows)]
 
 

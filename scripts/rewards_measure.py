@@ -34,7 +34,8 @@ def _pairs(out: str, n: int, overrides: list[str]) -> None:
   """Write `n` (true, flawed-teacher) pairs of the demo's train split to `out` (module docstring)."""
   config = config_lib.load_config(["configs/cpu_demo.yml", "synthetic_teacher_error_rate=0", *overrides])
   tok = models.load_run_tokenizer(config)
-  train, _ = data_load.load_splits(config, tok)
+  train, _ = data_load.load_splits(data_load.DataSettings.from_config(config), tok)
+  settings = prompts_lib.PromptSettings.from_config(config)
   rows = []
   for ex in (train[i] for i in range(len(train))):  # a DatasetSplit is indexed, not iterated
     if len(rows) >= n:
@@ -46,8 +47,8 @@ def _pairs(out: str, n: int, overrides: list[str]) -> None:
     rows.append(
         {
             "prompt": ex.question,
-            "chosen": prompts_lib.format_target(ex, config),
-            "rejected": prompts_lib.format_target(bad, config),
+            "chosen": prompts_lib.format_target(ex, settings),
+            "rejected": prompts_lib.format_target(bad, settings),
         }
     )
   pathlib.Path(out).write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")

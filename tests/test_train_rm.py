@@ -81,7 +81,8 @@ def test_the_restored_reward_model_scores_as_it_trained(rm_run):
   assert [f.__name__ for f in fns] == ["check_answer", "reward_model"]
   held = [r for i, r in enumerate(_pairs(50, 0)) if i % 5 == 4]
   tok = models.load_run_tokenizer(config)
-  prompts = [prompts_lib.build_prompt(r["prompt"], tok, config) for r in held]
+  settings = prompts_lib.PromptSettings.from_config(config)
+  prompts = [prompts_lib.build_prompt(r["prompt"], tok, settings) for r in held]
   chosen = np.asarray(fns[1](prompts, [r["chosen"] for r in held]))
   rejected = np.asarray(fns[1](prompts, [r["rejected"] for r in held]))
   assert np.mean(chosen > rejected) == summary["heldout_accuracy"]
