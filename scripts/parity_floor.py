@@ -6,11 +6,11 @@
 Trains the demo's SFT warm start once (`--warm` steps, in `<out>/runs/warm`), then for each seed, dtype and mutation runs
 `train_rl configs/cpu_demo.yml` in this process up to the parity gate of step 1 (one step of 8 x 8 samples at the
 demo's temperature 1), with the mutation installed in the sampler's copy of the weights only (where the embedded
-engine installs them, as tests/test_parity.py does) and the SFT checkpoint copied into the run. The gate's inputs
+engine installs them, as tests/run/test_parity.py does) and the SFT checkpoint copied into the run. The gate's inputs
 (the sampler's and the trainer's log-probs of the sampled tokens, the completion mask) go to `<out>/logps/*.npz`
 and the gate itself is skipped, so every case reaches the same point; a finished case is not run again. Then it
 prints |d| mean and max (lowest-highest over the seeds) per case as Markdown. `--export` writes, per case of
-tests/test_parity.py's replay test, the seed that is hardest for the gate (honest: the largest figures; a mutation:
+tests/run/test_parity.py's replay test, the seed that is hardest for the gate (honest: the largest figures; a mutation:
 the smallest) as the masked log-probs that test reads.
 """
 
@@ -115,7 +115,7 @@ EXPORT = {
     "float32": ["honest", "heads01_L2", "norm_x1.05", "out_L1_x1.02", "row_x1.1"],
     "bfloat16": ["honest", "heads01_L2"],
 }
-# `--export ... --export-set quantized`: tests/test_parity.py's quantized-sampler cases (one file per warm-start stage).
+# `--export ... --export-set quantized`: tests/run/test_parity.py's quantized-sampler cases (one file per warm-start stage).
 EXPORT_QUANTIZED = {
     "float32": ["int8", "fp8", "fp8_fnuz", "fp8_rev_out_L1", "int8_rev_out_L1"],
     "bfloat16": ["int8", "fp8"],

@@ -1,5 +1,5 @@
 """One process of a 2-process JAX program (gloo CPU collectives, 4 CPU devices each), run by
-tests/test_per_host_sync.py: `python tests/_per_host_worker.py <process_id> <coordinator> <out.json>`.
+tests/resharding/test_per_host_sync.py: `python tests/_per_host_worker.py <process_id> <coordinator> <out.json>`.
 
 The per-host weight sync (maxtext_rl_plugin/resharding/per_host.py): trainer arrays over all 8 devices onto each
 process's own engine mesh (colocated: the same chips), and onto each process's last 2 chips from a trainer on every

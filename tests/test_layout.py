@@ -337,6 +337,42 @@ def argv_walk(mods: dict[str, Module], start: tuple[str, str] = (f"{PACKAGE}.tra
   return {"stops": len(stops), "files": len(set(files)), "climbs": climbs, "reentries": reentries, "path": stops}
 
 
+# Issue 60: who may take the whole config. The commands, `config/` (which makes it), `run/` (which builds the run from
+# it), `aot/`, `bench/` and `launch/`; every other room takes a settings object built from it in one place
+# (`X.from_config`). What still takes it is counted (`config_takers`) and may only shrink (`MAX_CONFIG_TAKERS`).
+WHOLE_CONFIG_ROOMS = {
+    "config",
+    "run",
+    "aot",
+    "bench",
+    "launch",
+    "train_rl",
+    "compile_rl",
+    "export_lora",
+    "train_rm",
+    "cli",
+}
+CONFIG_PARAMETERS = {"config", "cfg"}
+MAX_CONFIG_TAKERS = (
+    65  # at issue 60's landing (81 at 74f036c): rollout/'s vLLM translation, lora, moe, models, run_identity
+)
+
+
+def config_takers(mods: dict[str, Module]) -> dict[str, list[str]]:
+  """Functions and methods outside `WHOLE_CONFIG_ROOMS` with a parameter named `config`/`cfg` (the config by its
+  name), a settings builder (`from_config`, `of`) excepted: that is the one place a room reads the config."""
+  out: dict[str, list[str]] = {}
+  for name, mod in mods.items():
+    rel = name.split(".")[1:] if name.startswith(f"{PACKAGE}.") else []
+    if not rel or rel[0] in WHOLE_CONFIG_ROOMS:
+      continue
+    for node in ast.walk(mod.tree):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in ("from_config", "of"):
+        if CONFIG_PARAMETERS & {a.arg for a in node.args.args + node.args.kwonlyargs}:
+          out.setdefault(name, []).append(node.name)
+  return out
+
+
 def numbers() -> dict:
   mods = modules()
   graph = import_graph(mods)
@@ -350,6 +386,8 @@ def numbers() -> dict:
       "long_modules": {n: c for n, c in line_counts(mods).items() if c > MAX_LINES},
       "pylint_disables": disable_comments(mods),
       "argv_walk": {k: v for k, v in walk.items() if k != "path"},
+      "config_takers": {n: len(f) for n, f in sorted(config_takers(mods).items())},
+      "config_takers_total": sum(len(f) for f in config_takers(mods).values()),
   }
 
 
@@ -405,6 +443,19 @@ def test_argv_walk_climbs_back_at_most_22_times():
   walk = argv_walk(modules())
   assert walk["path"][0] == f"{PACKAGE}.train_rl.main" and len(walk["path"]) > 1
   assert walk["climbs"] <= MAX_CLIMBS, walk["path"]
+
+
+def test_the_whole_config_reaches_no_more_functions_outside_its_rooms():
+  """A ratchet, not a goal met: MaxText's own APIs (model creation, the vLLM adapter, LoRA's module paths) take the
+  whole HyperParameters, so the functions that hand it to them still take it; the count may only shrink."""
+  assert sum(len(f) for f in config_takers(modules()).values()) <= MAX_CONFIG_TAKERS
+  src = {
+      f"{PACKAGE}.data.x": "def f(config):\n  pass\ndef from_config(config):\n  pass\n",
+      f"{PACKAGE}.run.y": "def g(cfg):\n  pass\n",
+  }
+  assert config_takers({n: Module(n, pathlib.Path(n), ast.parse(t), t) for n, t in src.items()}) == {
+      f"{PACKAGE}.data.x": ["f"]
+  }
 
 
 def test_argv_walk_on_a_known_program():

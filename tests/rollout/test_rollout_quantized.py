@@ -8,7 +8,7 @@ as test_rollout_embedded.py); the same tokens scored by the float weights are of
 that skipped its quantization fails.
 
 Extended tier (~80 s on 2 loaded cores: an engine build and its compiles); the default tier checks the format against
-NumPy and Qwix (tests/resharding/test_quantize.py), the gate's quantized defaults (tests/test_parity_quantized.py) and
+NumPy and Qwix (tests/resharding/test_quantize.py), the gate's quantized defaults (tests/run/test_parity_quantized.py) and
 the refusals (tests/rollout/test_precision.py).
 """
 

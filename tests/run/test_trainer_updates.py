@@ -184,7 +184,7 @@ def _init_params() -> dict[str, np.ndarray]:
   return {jax.tree_util.keystr(k) + "['value']": np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(state)}
 
 
-@pytest.mark.extended  # the same equality per update is tests/test_accumulation.py's (1, 2, 4 micro-batches, LoRA)
+@pytest.mark.extended  # the same equality per update is tests/run/test_accumulation.py's (1, 2, 4 micro-batches, LoRA)
 @pytest.mark.slow
 def test_gradient_accumulation_equals_the_unsplit_update(tmp_path):
   """train_micro_batch_size=1 (two micro-batches of one prompt) vs the unsplit batch of two prompts, one step."""

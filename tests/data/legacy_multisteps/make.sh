@@ -4,7 +4,7 @@
 # inner_opt_state, acc_grads}). Provenance: run at commit 2fbc39a (branch main, Nov 28 2026) with that checkout's
 # .venv: `git worktree add --detach /tmp/old 2fbc39a && cd /tmp/old && bash scripts/venv.sh && bash <this file>`.
 # It keeps step 1's checkpoint (params + MultiSteps optimizer state + meta) and step 2's params (the uninterrupted
-# run's result, the reference tests/test_accumulation.py resumes towards).
+# run's result, the reference tests/run/test_accumulation.py resumes towards).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 out="$(mktemp -d)"

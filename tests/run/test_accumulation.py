@@ -203,7 +203,7 @@ def test_update_batches_give_back_the_micro_batches():
   np.testing.assert_array_equal(micro[0], ids[:6])  # the reference itself: contiguous prompt groups
 
 
-FIXTURE = pathlib.Path(__file__).resolve().parent / "data" / "legacy_multisteps"
+FIXTURE = pathlib.Path(__file__).resolve().parents[1] / "data" / "legacy_multisteps"
 
 
 def _tree(step_dir: pathlib.Path) -> dict[str, np.ndarray]:

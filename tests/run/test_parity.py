@@ -173,7 +173,7 @@ def test_figures_tolerances_and_the_one_line():
 # The demo's recorded log-probs: parity.py's measurement (the README's demo model after its 300-step SFT warm start,
 # one step of 8 x 8 samples at temperature 1, the sampler's copy mutated), for each case the seed of five that is
 # hardest for the gate (honest: the largest figures; a mutation: the smallest). Masked completion tokens only.
-DEMO_LOGPS = pathlib.Path(__file__).parent / "data" / "parity_demo_logps.npz"
+DEMO_LOGPS = pathlib.Path(__file__).resolve().parents[1] / "data" / "parity_demo_logps.npz"
 NEAR_MISSES = {  # case -> what the default gate must say (parity.py's table)
     "float32/honest": False,
     "float32/heads01_L2": True,  # query heads 0 and 1 exchanged in layer 2 (of 0-3)

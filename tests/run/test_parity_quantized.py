@@ -18,7 +18,7 @@ import pytest
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import parity
 
-DATA = os.path.join(os.path.dirname(__file__), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 STAGES = (30, 300)
 # case -> stops at the defaults (None: not asserted at that compute precision)
 CASES = {

@@ -10,7 +10,9 @@ import pytest
 
 from maxtext_rl_plugin.config.load import load_config
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts", "dapo_compare.py")
+_PATH = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "scripts", "dapo_compare.py"
+)
 _spec = importlib.util.spec_from_file_location("dapo_compare", _PATH)
 dapo_compare = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(dapo_compare)
