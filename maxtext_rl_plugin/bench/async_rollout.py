@@ -60,7 +60,7 @@ def _parse(argv):
       help="forced host devices on CPU (half trainer, half sampler), per process",
   )
   p.add_argument("--processes", type=common.positive_int, default=1, help="JAX processes of the job (gloo, local)")
-  p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+  p.add_argument("--child", type=common.non_negative_int, default=None, help=argparse.SUPPRESS)
   p.add_argument("--coordinator", default=None, help=argparse.SUPPRESS)
   p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
   p.add_argument("--colocated", action="store_true", help="trainer and sampler share all devices instead")
