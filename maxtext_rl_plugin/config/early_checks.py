@@ -275,9 +275,9 @@ def check_engine_name(pc) -> None:
 
 
 # Keys that name an entry of a registry group (registry.GROUPS): their choices are the registered names.
-REGISTERED_NAMES = {  # the flat twin first: a user's `rl.loss_algo=` is rewritten to it, so the line names what was typed
-    "loss_algo": "policy_losses",
+REGISTERED_NAMES = {
     "rl.loss_algo": "policy_losses",
+    "loss_algo": "policy_losses",
     "rl.advantage_estimator": "advantage_estimators",
 }
 
