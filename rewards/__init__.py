@@ -4,8 +4,8 @@ Installed as `maxtext_rl_plugin.rewards` (setup.cfg maps the top-level rewards/ 
 package). Public API:
 
 * `reward_fns_from_config(config)` -> Tunix reward functions (`fn(prompts, completions, answer, **kw)`);
-* `score(completion, gold, settings=None)` / `score_batch(...)` (`settings`: `RewardConfig.of(config)`) -> `ScoreResult` (correct, reward,
-  extracted, rule, format_ok, partial);
+* `score(completion, gold, settings=None)` / `score_batch(...)` (`settings`: `RewardConfig.of(config)`) ->
+  `ScoreResult` (correct, reward, extracted, rule, format_ok, partial);
 * `extract_answer(text)` -> (value | None, rule); `is_correct(pred, gold)` -> bool;
 * `python -m maxtext_rl_plugin.rewards score --input IN.jsonl --output OUT.jsonl`.
 """

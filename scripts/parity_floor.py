@@ -115,7 +115,8 @@ EXPORT = {
     "float32": ["honest", "heads01_L2", "norm_x1.05", "out_L1_x1.02", "row_x1.1"],
     "bfloat16": ["honest", "heads01_L2"],
 }
-# `--export ... --export-set quantized`: tests/run/test_parity.py's quantized-sampler cases (one file per warm-start stage).
+# `--export ... --export-set quantized`: tests/run/test_parity.py's quantized-sampler cases (one file per warm-start
+# stage).
 EXPORT_QUANTIZED = {
     "float32": ["int8", "fp8", "fp8_fnuz", "fp8_rev_out_L1", "int8_rev_out_L1"],
     "bfloat16": ["int8", "fp8"],

@@ -1,6 +1,6 @@
-"""The `launch ray --num-workers 2` job driven from a test: shared by tests/launch/test_ray_train.py and
-tests/launch/test_ray_disaggregated.py (two files, so pytest-xdist's loadfile scheduling can run the two Ray jobs on different
-workers), and the one-process reference run their first step is compared with.
+"""The `launch ray --num-workers 2` job driven from a test: shared by tests/launch/test_ray_train.py
+and tests/launch/test_ray_disaggregated.py (two files, so pytest-xdist's loadfile scheduling can run the two Ray jobs on
+different workers), and the one-process reference run their first step is compared with.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """A worker script as a 2-process JAX program on this host (gloo CPU collectives, a free loopback port).
 
-The harness tests/test_multiprocess.py, tests/resharding/test_per_host_sync.py and tests/tpu_contract/test_per_host.py share:
+The harness tests/test_multiprocess.py, tests/resharding/test_per_host_sync.py and tests/tpu_contract/test_per_host.py
+share:
 each process runs `python <script> <process id> <coordinator address> <its output JSON> *args` and writes what it saw
 to that JSON.
 """

@@ -3,7 +3,8 @@
 * `maxtext_rl_plugin.distributed` on two plain processes (gloo CPU collectives): global arrays built from the same host
   data on every process hold exactly that data, reductions across processes are right, typed PRNG keys move memory
   kinds, and processes that disagree on a value fail loudly.
-* The `launch ray --num-workers 2` job end to end is in tests/launch/test_ray_train.py and tests/launch/test_ray_disaggregated.py
+* The `launch ray --num-workers 2` job end to end is in tests/launch/test_ray_train.py and
+  tests/launch/test_ray_disaggregated.py
   (their own files, so pytest-xdist runs the two Ray jobs beside the rest).
 """
 

@@ -210,7 +210,8 @@ def generate(run: Any, prompts: list[str], num_generations: int, micro_batch_siz
   """The rollout of `prompts` (each repeated `num_generations` times, consecutively).
 
   Disaggregated runs sample with per-row keys where the engine has them (`prompt_offset`, capabilities.row_keys,
-  rollout/contract.py: a row's tokens depend on its prompt's global index, not on the batch it is sampled in). With more than one JAX process the sampler mesh is
+  rollout/contract.py: a row's tokens depend on its prompt's global index, not on the batch it is sampled in). With
+  more than one JAX process the sampler mesh is
   per host (distributed.split_local_devices, or vLLM's one engine per host): each process samples its own prompt
   groups (`process_slice`), and the rows are then gathered so every process holds the whole batch, as 1 process
   sampling all of them would.
