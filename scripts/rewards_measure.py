@@ -1,8 +1,9 @@
 """Issue 63's CPU measurements (docs/rewards.md, "Several rewards" and "Reward models"): helpers for
 scripts/rewards_measure.sh.
 
-* `brevity` (a reward function, loaded with reward_functions_path=scripts/rewards_measure.py): 0.1 * (1 - n / 32) for a
-  completion of n characters up to 32, 0 beyond: the second objective of the two-objective demo, whose spread (<= 0.1)
+* `brevity` (a reward function, loaded with reward_functions_path=scripts/rewards_measure.py): 0.1 * (64 - n) / 32
+  for a completion of n characters, clipped to [0, 0.1] (the first version, 0.1 * (1 - n / 32), was 0 on nearly every
+  completion of the demo, ~15 tokens, and measured nothing): the second objective of the two-objective demo, whose spread (<= 0.1)
   is 10x narrower than check_answer's (0 or 1).
 * `python scripts/rewards_measure.py pairs OUT.jsonl N [k=v ...]`: N preference pairs from the CPU demo's train split
   (configs/cpu_demo.yml + overrides): chosen = the true worked solution, rejected = the flawed teacher's
@@ -25,9 +26,9 @@ from maxtext_rl_plugin.data import synthetic
 
 
 def brevity(prompts, completions, **kwargs):
-  """0.1 * (1 - characters / 32), floored at 0 (module docstring)."""
+  """0.1 * (64 - characters) / 32, clipped to [0, 0.1] (module docstring)."""
   del prompts, kwargs
-  return [0.1 * max(0.0, 1.0 - len(c) / 32.0) for c in completions]
+  return [0.1 * min(1.0, max(0.0, (64.0 - len(c)) / 32.0)) for c in completions]
 
 
 def _pairs(out: str, n: int, overrides: list[str]) -> None:
