@@ -3,8 +3,8 @@ scripts/rewards_measure.sh.
 
 * `brevity` (a reward function, loaded with reward_functions_path=scripts/rewards_measure.py): 0.1 * (64 - n) / 32
   for a completion of n characters, clipped to [0, 0.1] (the first version, 0.1 * (1 - n / 32), was 0 on nearly every
-  completion of the demo, ~15 tokens, and measured nothing): the second objective of the two-objective demo, whose spread (<= 0.1)
-  is 10x narrower than check_answer's (0 or 1).
+  completion of the demo, ~15 tokens, and measured nothing): the second objective of the two-objective demo, whose
+  spread (<= 0.1) is 10x narrower than check_answer's (0 or 1).
 * `python scripts/rewards_measure.py pairs OUT.jsonl N [k=v ...]`: N preference pairs from the CPU demo's train split
   (configs/cpu_demo.yml + overrides): chosen = the true worked solution, rejected = the flawed teacher's
   (data/synthetic.adding_teacher, the demo's own flaw), both as the SFT warm start formats targets; rows where the
