@@ -18,11 +18,8 @@ from test_train_e2e import read_jsonl
 from test_train_e2e import read_tb_scalars
 from test_train_e2e import train
 
-AGENTIC = (
-    "tokenizer_path=tokenizers/arith-bpe-512",
-    "vocab_size=528",
-    "use_chat_template=false",
-    "data_template_path=cpu_demo_template.json",
+# The episode task and its warm start (tests/run/test_multiprocess_rollouts.py runs the same episodes across processes).
+EPISODES = (
     "synthetic_task=products",
     "synthetic_max_value=99",
     "synthetic_tool_rate=1.0",
@@ -35,6 +32,13 @@ AGENTIC = (
     "rl.agentic_max_turns=2",
     "rl.agentic_turn_tokens=24",
     "rl.log_sampler_trainer_agreement=true",
+)
+AGENTIC = (
+    "tokenizer_path=tokenizers/arith-bpe-512",
+    "vocab_size=528",
+    "use_chat_template=false",
+    "data_template_path=cpu_demo_template.json",
+    *EPISODES,
     # The 3-step run's schedule for all three runs (the 2-step first run included), so the resumed run can continue
     # the uninterrupted one bit for bit: by default the schedule is sized by num_batches.
     "learning_rate_schedule_steps=3",

@@ -31,6 +31,7 @@ import pytest
 
 import _in_process as in_process
 import _two_processes as two_processes
+from test_agentic_e2e import EPISODES
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"
@@ -89,20 +90,7 @@ DYNAMIC = [
     "rl.dynamic_sampling=true",
     "rl.max_refill_rounds=2",
 ]
-AGENTIC = [
-    "synthetic_task=products",
-    "synthetic_max_value=99",
-    "synthetic_tool_rate=1.0",
-    "sft_warmup_steps=40",
-    "sft_batch_size=8",
-    "sft_learning_rate=3e-3",
-    "max_prefill_predict_length=32",
-    "max_target_length=80",
-    "rl.use_agentic_rollout=true",
-    "rl.agentic_max_turns=2",
-    "rl.agentic_turn_tokens=24",
-    "rl.log_sampler_trainer_agreement=true",
-]
+AGENTIC = list(EPISODES)
 # Rollouts one step ahead need a per-host sampler: each process trains on one device and samples on its other one.
 AHEAD = [
     "max_prefill_predict_length=48",
