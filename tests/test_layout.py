@@ -353,6 +353,11 @@ WHOLE_CONFIG_ROOMS = {
     "cli",
 }
 CONFIG_PARAMETERS = {"config", "cfg"}
+# The config under another name is still the config: a parameter annotated with MaxText's config types counts too.
+CONFIG_ANNOTATIONS = re.compile(r"\b(HyperParameters|MaxTextConfig|RLConfig|PluginConfig)\b")
+# An engine's spec module carries the engine's own config checks (rollout/engines.py `EngineSpec`): a third-party
+# engine reads its own keys there, which no settings object of the plugin's can anticipate. Only those modules.
+ENGINE_SPEC_MODULE = re.compile(rf"^{PACKAGE}\.rollout\.[a-z0-9_]+_spec$")
 MAX_CONFIG_TAKERS = (
     65  # at issue 60's landing (81 at 74f036c): rollout/'s vLLM translation, lora, moe, models, run_identity
 )
@@ -364,11 +369,14 @@ def config_takers(mods: dict[str, Module]) -> dict[str, list[str]]:
   out: dict[str, list[str]] = {}
   for name, mod in mods.items():
     rel = name.split(".")[1:] if name.startswith(f"{PACKAGE}.") else []
-    if not rel or rel[0] in WHOLE_CONFIG_ROOMS:
+    if not rel or rel[0] in WHOLE_CONFIG_ROOMS or ENGINE_SPEC_MODULE.match(name):
       continue
     for node in ast.walk(mod.tree):
       if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name not in ("from_config", "of"):
-        if CONFIG_PARAMETERS & {a.arg for a in node.args.args + node.args.kwonlyargs}:
+        args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+        if CONFIG_PARAMETERS & {a.arg for a in args} or any(
+            a.annotation is not None and CONFIG_ANNOTATIONS.search(ast.unparse(a.annotation)) for a in args
+        ):
           out.setdefault(name, []).append(node.name)
   return out
 
@@ -452,9 +460,14 @@ def test_the_whole_config_reaches_no_more_functions_outside_its_rooms():
   src = {
       f"{PACKAGE}.data.x": "def f(config):\n  pass\ndef from_config(config):\n  pass\n",
       f"{PACKAGE}.run.y": "def g(cfg):\n  pass\n",
+      f"{PACKAGE}.lora": "def h(hp: 'pyconfig.HyperParameters'):\n  pass\ndef k(rank: int):\n  pass\n",
+      f"{PACKAGE}.rollout.mine_spec": "def check(config):\n  pass\n",
+      f"{PACKAGE}.rollout.mine": "def check(config):\n  pass\n",
   }
   assert config_takers({n: Module(n, pathlib.Path(n), ast.parse(t), t) for n, t in src.items()}) == {
-      f"{PACKAGE}.data.x": ["f"]
+      f"{PACKAGE}.data.x": ["f"],
+      f"{PACKAGE}.lora": ["h"],
+      f"{PACKAGE}.rollout.mine": ["check"],
   }
 
 
