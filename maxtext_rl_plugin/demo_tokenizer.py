@@ -45,7 +45,7 @@ def corpus(n: int = 20000, seed: int = 0):
   """Prompts and solutions from the synthetic generator over every difficulty the knobs allow."""
   rng = random.Random(seed)
   for i in range(n):
-    cfg = synthetic.SyntheticConfig(seed=seed, min_steps=1, max_steps=1 + i % 4, max_value=(10, 20, 50, 100)[i % 4])
+    cfg = synthetic.SyntheticSettings(seed=seed, min_steps=1, max_steps=1 + i % 4, max_value=(10, 20, 50, 100)[i % 4])
     question, answer, solution = synthetic.synthetic_problem(rng, cfg)
     body = "\n".join(solution.splitlines()[:-1])
     yield f"Question: {question}\nAnswer with <reasoning>...</reasoning><answer>N</answer>.\n"

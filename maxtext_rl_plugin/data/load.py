@@ -1,7 +1,7 @@
 """`load_splits`: the run's (train, eval) splits from `DataSettings`, each from its first applicable source.
 
 `DataSettings.from_config` is the one place data/ reads the config: every function here and in prompts.py and
-synthetic.py takes the settings it needs (`DataSettings`, `prompts.PromptSettings`, `synthetic.SyntheticConfig`).
+synthetic.py takes the settings it needs (`DataSettings`, `prompts.PromptSettings`, `synthetic.SyntheticSettings`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class DataSettings:
   """The keys data/ reads, from the config once (`from_config`)."""
 
   prompt: prompts_lib.PromptSettings
-  generator: synthetic.SyntheticConfig  # the synthetic task's
+  generator: synthetic.SyntheticSettings  # the synthetic task's
   max_prompt_tokens: Optional[int] = None  # max_prefill_predict_length; None when unset
   train_data_path: str = ""
   eval_data_path: str = ""
@@ -42,7 +42,7 @@ class DataSettings:
     limit = config.max_prefill_predict_length
     return cls(
         prompt=prompts_lib.PromptSettings.from_config(config),
-        generator=synthetic.SyntheticConfig(
+        generator=synthetic.SyntheticSettings(
             int(config.synthetic_seed),
             int(config.synthetic_min_steps),
             int(config.synthetic_max_steps),

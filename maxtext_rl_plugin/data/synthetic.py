@@ -84,7 +84,9 @@ def _count(n: int, unit: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class SyntheticConfig:
+class SyntheticSettings:
+  """The synthetic task's keys (`synthetic_*`), built once by `load.DataSettings.from_config`."""
+
   seed: int = 1234
   min_steps: int = 1
   max_steps: int = 2
@@ -94,10 +96,10 @@ class SyntheticConfig:
   tool_rate: float = 0.0  # products: fraction of SFT demonstrations that call the calculator
 
 
-def product_problem(rng: random.Random, cfg: SyntheticConfig) -> tuple[str, int, str]:
+def product_problem(rng: random.Random, settings: SyntheticSettings) -> tuple[str, int, str]:
   """(question, answer, solution) of "What is a * b?" with a, b in [10, max_value] (multi-digit when max_value >= 10)."""
-  lo = min(10, cfg.max_value)
-  a, b = rng.randint(lo, cfg.max_value), rng.randint(lo, cfg.max_value)
+  lo = min(10, settings.max_value)
+  a, b = rng.randint(lo, settings.max_value), rng.randint(lo, settings.max_value)
   return f"What is {a} * {b}?", a * b, f"{a} * {b} = {a * b}\n#### {a * b}"
 
 
@@ -115,14 +117,14 @@ def tool_demonstration(question: str, answer: int, tags: dict[str, str]) -> str:
   )
 
 
-def synthetic_problem(rng: random.Random, cfg: SyntheticConfig) -> tuple[str, int, str]:
+def synthetic_problem(rng: random.Random, settings: SyntheticSettings) -> tuple[str, int, str]:
   """(question, answer, GSM8K-style solution ending in '#### N') with 1..N exact integer steps.
 
   Operands are in [1, max_value]; running values stay in [0, 5 * max_value] so the answer space stays
   small enough for a tiny model to learn. Division only when exact.
   """
-  steps = rng.randint(cfg.min_steps, max(cfg.min_steps, cfg.max_steps))
-  mv = cfg.max_value
+  steps = rng.randint(settings.min_steps, max(settings.min_steps, settings.max_steps))
+  mv = settings.max_value
   cap = 5 * mv
   name = rng.choice(_NAMES)
   money = rng.random() < 0.25
@@ -238,7 +240,7 @@ class SyntheticSplit(splits.DatasetSplit):
 
   def __init__(
       self,
-      cfg: SyntheticConfig,
+      settings: SyntheticSettings,
       stream: str,
       tokenizer,
       prompt_settings: prompts.PromptSettings,
@@ -246,7 +248,7 @@ class SyntheticSplit(splits.DatasetSplit):
       max_prompt_tokens: Optional[int] = None,
       name: str = "",
   ):
-    self.cfg, self.stream, self.tokenizer, self.prompt_settings = cfg, stream, tokenizer, prompt_settings
+    self.settings, self.stream, self.tokenizer, self.prompt_settings = settings, stream, tokenizer, prompt_settings
     self.exclude = exclude
     self.max_prompt_tokens = max_prompt_tokens
     self.name = name or f"synthetic/{stream}"
@@ -259,10 +261,10 @@ class SyntheticSplit(splits.DatasetSplit):
     return sys.maxsize
 
   def _draw(self, i: int, attempt: int) -> tuple[str, int, str]:
-    rng = random.Random(f"{self.cfg.seed}:{self.stream}:{i}:{attempt}")
-    if self.cfg.task == "products":
-      return product_problem(rng, self.cfg)
-    return synthetic_problem(rng, self.cfg)
+    rng = random.Random(f"{self.settings.seed}:{self.stream}:{i}:{attempt}")
+    if self.settings.task == "products":
+      return product_problem(rng, self.settings)
+    return synthetic_problem(rng, self.settings)
 
   @functools.lru_cache(maxsize=4096)  # noqa: B019
   def __getitem__(self, i: int) -> splits.Example:
@@ -290,14 +292,14 @@ class SyntheticSplit(splits.DatasetSplit):
         continue
       if (
           self.stream == "train"
-          and self.cfg.teacher_error_rate > 0
-          and random.Random(f"{self.cfg.seed}:teacher:{i}").random() < self.cfg.teacher_error_rate
+          and self.settings.teacher_error_rate > 0
+          and random.Random(f"{self.settings.seed}:teacher:{i}").random() < self.settings.teacher_error_rate
       ):
         sol = adding_teacher(sol)[0]  # wrong unless all steps add; the gold answer stays the true one
       if (
-          self.cfg.task == "products"
+          self.settings.task == "products"
           and self.stream == "train"
-          and random.Random(f"{self.cfg.seed}:tool:{i}").random() < self.cfg.tool_rate
+          and random.Random(f"{self.settings.seed}:tool:{i}").random() < self.settings.tool_rate
       ):
         sol = tool_demonstration(q, a, prompts.tag_tokens(self.prompt_settings))
       return splits.Example(q, str(a), sol, prompt, f"synthetic-{self.stream}-{i}")
@@ -315,10 +317,10 @@ def _redraw_log():
 
 
 def synthetic_eval(
-    cfg: SyntheticConfig, n: int, tokenizer, prompt_settings: prompts.PromptSettings, max_tokens: Optional[int]
+    settings: SyntheticSettings, n: int, tokenizer, prompt_settings: prompts.PromptSettings, max_tokens: Optional[int]
 ) -> splits.ListSplit:
   """`n` distinct synthetic problems from the eval stream (deduplicated on question text)."""
-  gen = SyntheticSplit(cfg, "eval", tokenizer, prompt_settings, max_prompt_tokens=max_tokens)
+  gen = SyntheticSplit(settings, "eval", tokenizer, prompt_settings, max_prompt_tokens=max_tokens)
   seen: set[str] = set()
   out: list[splits.Example] = []
   i = 0

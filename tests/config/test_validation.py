@@ -444,7 +444,7 @@ def test_products_needs_more_distinct_questions_than_its_eval_set(overrides, ok)
   except ConfigError as e:
     assert not ok and "raise synthetic_max_value or lower synthetic_num_eval" in str(e), str(e)
   mv = int(dict(o.split("=") for o in overrides)["synthetic_max_value"])
-  cfg = synthetic.SyntheticConfig(max_value=mv, task="products")
+  cfg = synthetic.SyntheticSettings(max_value=mv, task="products")
   seen = {synthetic.product_problem(random.Random(i), cfg)[0] for i in range(20000)}
   assert validation.products_questions(mv) == len(seen)
   if pc is not None:

@@ -267,7 +267,7 @@ def test_real_gsm8k_golds_in_the_formats_templates_ask_for_score_1_and_their_hed
 
 def test_the_synthetic_task_answers_keep_scoring_and_their_hedges_do_not():
   """The CPU demo's data: SFT targets (format_target) of both synthetic tasks score 1; the same answer hedged scores 0."""
-  cfg = synthetic.SyntheticConfig(seed=7, max_steps=3)
+  cfg = synthetic.SyntheticSettings(seed=7, max_steps=3)
   config = types.SimpleNamespace(
       **prompts.tag_tokens(prompts.PromptSettings.from_config(rewards.RewardConfig())),
       reasoning_start_token_in_prompt=False,
