@@ -139,7 +139,8 @@ def export(argv, output: str, step: int | None = None) -> str:
   argv = _lora_from_run(list(argv), config, storage.absolute(run_identity.checkpoint_dir(config, run_dir)), step)
   parsed = config_lib.parse(argv)  # with the run's own lora.* keys
   config = parsed.hyperparameters()
-  if not lora.enabled(config):
+  settings = lora.LoraSettings.from_config(config)
+  if not settings.enable:
     raise ConfigError(
         "export_lora needs the training run's lora.enable_lora=true (a full fine-tuning run's "
         "checkpoints already hold every weight)"
@@ -149,7 +150,8 @@ def export(argv, output: str, step: int | None = None) -> str:
   from maxtext.common import checkpointing as mt_checkpointing
 
   from maxtext_rl_plugin import models
-  from maxtext_rl_plugin import sft
+  from maxtext_rl_plugin.run import models as run_models
+  from maxtext_rl_plugin.run import warm_start
 
   rs = models.setup_devices(parsed)
   config = rs.trainer_config
@@ -159,11 +161,12 @@ def export(argv, output: str, step: int | None = None) -> str:
     sft_dir = os.path.join(storage.absolute(run_dir), "checkpoints", "sft", str(config.sft_warmup_steps))
     if not storage.isdir(sft_dir):
       raise CheckpointError(f"the run's base is its SFT warm start, but {sft_dir} does not exist")
-    sft.warm_start(config, actor, mesh, tokenizer, None, run_dir)  # restores (the finished warm start is there)
-  lora_actor, _ = lora.apply(config, actor, mesh, tokenizer.pad_token_id)
+    # restores (the finished warm start is there)
+    warm_start.warm_start(warm_start.SftSettings.from_config(config), actor, mesh, tokenizer, None, run_dir)
+  lora_actor, _ = run_models.apply_lora(config, actor, mesh, tokenizer.pad_token_id)
   ckpt_dir = storage.absolute(config.checkpoint_dir or os.path.join(run_dir, "checkpoints"))
   step = restore_adapters(lora_actor, ckpt_dir, step)
-  merged = lora.merged_params(lora_actor, config)
+  merged = lora.merged_params(lora_actor, settings.scale, int(config.param_scan_axis))
   try:
     # In the format of MaxText's OrbaxStorage keys, as MaxText's own param-only checkpoints (its RL default: plain
     # zarr2 arrays, which Pathways' persistence handler writes).

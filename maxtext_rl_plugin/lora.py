@@ -3,17 +3,18 @@
 `lora.enable_lora=true` wraps the actor's MaxText `Transformer` with MaxText's own
 `lora_utils.apply_lora_to_model` (qwix `LoraProvider`: rank `lora_rank`, scale `lora_alpha / lora_rank`, modules
 matched by `lora_module_path`, else MaxText's `post_train/lora_module_path.yml` entry for the model), and restores
-`lora_restore_path` with MaxText's `restore_lora_from_path`. What follows from Tunix 0.1.7 once the actor carries
+`lora_restore_path` with MaxText's `restore_lora_from_path` (run/models.apply_lora: both take MaxText's whole config).
+Every other room reads the block through `LoraSettings`. What follows from Tunix 0.1.7 once the actor carries
 `nnx.LoRAParam` leaves, and what this module adds:
 
 * training: Tunix's `PeftTrainer` builds the optimizer with `wrt=nnx.LoRAParam` and differentiates only those
   leaves, so the frozen base gets no gradient and no optimizer state;
-* reference: the model *before* the adapters were applied; `apply` points the wrapped model at the same base arrays
+* reference: the model *before* the adapters were applied; `apply_lora` points the wrapped model at the same base arrays
   (qwix copies the kernels it adapts), so the KL anchor is the frozen base with no second copy of the weights;
 * sync: `RLCluster.sync_weights` hands the rollout engine only the `nnx.LoRAParam` state; the embedded engine keeps
   the base and merges `W + alpha/rank * A @ B` into its decode weights on its side (`Merger`), recomputed only when
   the adapters changed;
-* checkpoints: the trainer saves `trainable(model)` (adapters + their optimizer state); `export_merged` writes the
+* checkpoints: the trainer saves `trainable(model)` (adapters + their optimizer state); `export_lora` writes the
   merged weights as a MaxText params checkpoint that `load_parameters_path` loads.
 """
 
@@ -23,12 +24,11 @@ matched by `lora_module_path`, else MaxText's `post_train/lora_module_path.yml` 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import re
 from typing import Any
-
-from absl import logging
 
 from maxtext_rl_plugin.errors import ConfigError
 
@@ -37,97 +37,81 @@ from maxtext_rl_plugin.errors import ConfigError
 _OFF_DEFAULTS = {"lora_rank": 0, "lora_alpha": 0.0, "lora_module_path": "", "lora_restore_path": ""}
 
 
-def enabled(config) -> bool:
-  lora = getattr(config, "lora", None)
-  return bool(lora is not None and lora.enable_lora)
+@dataclasses.dataclass(frozen=True)
+class LoraSettings:
+  """The `lora:` block's values (MaxText's SFT keys, train_sft's meaning) and the model name MaxText's per-model table
+  of adapted modules is keyed by: what every room but the run's builders reads of LoRA. The builders that hand the
+  whole config to MaxText's `apply_lora_to_model` / `restore_lora_from_path` live in run/models.py."""
+
+  enable: bool = False
+  rank: int = 0
+  alpha: float = 0.0
+  module_path: str = ""  # as given; "" = MaxText's post_train/lora_module_path.yml entry for model_name
+  restore_path: str = ""
+  model_name: str = ""
+
+  @classmethod
+  def from_config(cls, config) -> LoraSettings:
+    """The settings of `config` (typed, or config/validation's `RawConfig` view): disabled without a `lora:` block."""
+    lora = getattr(config, "lora", None)
+    if lora is None:
+      return cls()
+    return cls(
+        enable=bool(lora.enable_lora),
+        rank=int(lora.lora_rank),
+        alpha=float(lora.lora_alpha),
+        module_path=lora.lora_module_path,
+        restore_path=lora.lora_restore_path,
+        model_name=str(config.model_name),
+    )
+
+  @property
+  def scale(self) -> float | None:
+    """The adapter update's scale (`W + alpha/rank * A @ B`); None without LoRA."""
+    return float(self.alpha) / float(self.rank) if self.enable else None
+
+  def resolved_module_path(self) -> str:
+    """The regex MaxText applies LoRA to: lora.lora_module_path, else lora_module_path.yml's entry for model_name
+    (MaxText's own resolution, tunix_compat.maxtext_lora_module_path; imports MaxText's LoRA utilities)."""
+    from maxtext_rl_plugin import tunix_compat
+
+    return tunix_compat.maxtext_lora_module_path(self.model_name, self.module_path)
 
 
-def validate(config) -> None:
-  """Device-free checks of the `lora:` block (one line each); called from config.validate."""
-  lora = config.lora
-  if not lora.enable_lora:
+def validate(settings: LoraSettings) -> None:
+  """Device-free checks of the `lora:` block (one line each); config/validation runs them on both passes."""
+  if not settings.enable:
+    given = {
+        "lora_rank": settings.rank,
+        "lora_alpha": settings.alpha,
+        "lora_module_path": settings.module_path,
+        "lora_restore_path": settings.restore_path,
+    }
     for key, default in _OFF_DEFAULTS.items():
-      value = getattr(lora, key)
+      value = given[key]
       if value != default and not (isinstance(default, float) and float(value) == default):
         raise ConfigError(
             f"config key 'lora.{key}'={value!r} has no effect with lora.enable_lora=false; "
             "set lora.enable_lora=true or drop the key"
         )
     return
-  if lora.lora_rank < 1:
-    raise ConfigError(f"invalid value for 'lora.lora_rank'={lora.lora_rank}: must be >= 1 with lora.enable_lora=true")
-  if not lora.lora_alpha > 0:
+  if settings.rank < 1:
+    raise ConfigError(f"invalid value for 'lora.lora_rank'={settings.rank}: must be >= 1 with lora.enable_lora=true")
+  if not settings.alpha > 0:
     raise ConfigError(
-        f"invalid value for 'lora.lora_alpha'={lora.lora_alpha}: must be > 0 with lora.enable_lora=true "
+        f"invalid value for 'lora.lora_alpha'={settings.alpha}: must be > 0 with lora.enable_lora=true "
         "(the adapter update is alpha/rank * A @ B; 0 trains nothing)"
     )
-  if lora.lora_module_path:
+  if settings.module_path:
     try:
-      re.compile(lora.lora_module_path)
+      re.compile(settings.module_path)
     except re.error as e:
       raise ConfigError(
-          f"invalid value for 'lora.lora_module_path'='{lora.lora_module_path}': not a regular " f"expression ({e})"
+          f"invalid value for 'lora.lora_module_path'='{settings.module_path}': not a regular " f"expression ({e})"
       ) from None
-  path = lora.lora_restore_path
+  path = settings.restore_path
   if path and not str(path).startswith("gs://") and not os.path.exists(path):
     raise ConfigError(f"invalid value for 'lora.lora_restore_path'='{path}': no such checkpoint directory")
-
-
-def module_path(config) -> str:
-  """The regex MaxText applies LoRA to: lora.lora_module_path, else lora_module_path.yml's entry for model_name."""
-  from maxtext_rl_plugin import tunix_compat
-
-  return tunix_compat.maxtext_lora_module_path(config)
-
-
-def apply(config, actor, mesh, pad_id: int | None = None) -> tuple[Any, Any]:
-  """(LoRA actor, frozen base actor) when lora.enable_lora, else (actor, None).
-
-  The LoRA actor is a new `TunixMaxTextAdapter` over MaxText's `apply_lora_to_model(actor.base)`; the base actor is
-  the one passed in, whose arrays the LoRA actor shares (every non-adapter leaf is the same jax.Array).
-  """
-  if not enabled(config):
-    return actor, None
-  from flax import nnx
-  from flax.core.spmd import logical_axis_rules
-  import jax
-  from maxtext.integration.tunix.tunix_adapter import TunixMaxTextAdapter
-  from maxtext.utils import lora_utils
-
-  with jax.set_mesh(mesh), logical_axis_rules(config.logical_axis_rules):
-    base = apply_abstract(config, actor.base, mesh)
-    # qwix's wrapped model holds copies of the kernels it adapts and of the RNG state (same values); point it at the
-    # base's arrays so the reference (the frozen base) and the actor share one copy of the weights.
-    nnx.update(base, nnx.state(actor.base))
-    if config.lora.lora_restore_path:
-      lora_utils.restore_lora_from_path(base, config)
-  lora_actor = TunixMaxTextAdapter(base_model=base, pad_id=pad_id)
-  n_lora = sum(x.size for x in jax.tree.leaves(nnx.state(lora_actor, nnx.LoRAParam)))
-  n_base = sum(x.size for x in jax.tree.leaves(nnx.state(actor, nnx.Param)))
-  logging.info(
-      "LoRA rank %d alpha %g on '%s': %d adapter parameters (%.3f%% of %d base parameters)",
-      config.lora.lora_rank,
-      config.lora.lora_alpha,
-      module_path(config),
-      n_lora,
-      100.0 * n_lora / n_base,
-      n_base,
-  )
-  return lora_actor, actor
-
-
-def apply_abstract(config, base, mesh):
-  """MaxText's `apply_lora_to_model` on a MaxText model (concrete, or inside `nnx.eval_shape` for the AOT compile),
-  its module-path mismatch as one line; the adapters' trace intermediates dropped."""
-  from flax import nnx
-  from maxtext.utils import lora_utils
-
-  try:
-    base = lora_utils.apply_lora_to_model(base, mesh, config)
-  except ValueError as e:  # MaxText's "module_path ... did not match any weights"
-    raise ConfigError(f"invalid value for 'lora.lora_module_path'='{module_path(config)}': {e}") from None
-  nnx.pop(base, nnx.Intermediate)
-  return base
 
 
 def keep_base_shared(rl_cluster, frozen_base) -> None:
@@ -231,10 +215,6 @@ def _at(tree: dict, path: tuple) -> dict:
   return tree
 
 
-def scale_of(config) -> float:
-  return float(config.lora.lora_alpha) / float(config.lora.lora_rank)
-
-
 class Merger:
   """The base params of a LoRA-wrapped MaxText `Transformer` with its current adapters merged in.
 
@@ -244,9 +224,9 @@ class Merger:
   since the last call, i.e. once per weight sync / optimizer step, never per decode step.
   """
 
-  def __init__(self, config):
-    self.scale = scale_of(config)
-    self.scan_axis = int(getattr(config, "param_scan_axis", 1))
+  def __init__(self, scale: float, scan_axis: int):
+    self.scale = float(scale)  # LoraSettings.scale
+    self.scan_axis = int(scan_axis)  # MaxText's param_scan_axis: the scanned-layer axis of kernels and adapters
     self._key: list | None = None
     self._merged = None
     self._fn = None
@@ -290,7 +270,8 @@ class Merger:
     return out
 
 
-def merged_params(model, config):
-  """nnx.State of `model`'s (a TunixMaxTextAdapter or Transformer) base params with its adapters merged in."""
+def merged_params(model, scale: float, scan_axis: int):
+  """nnx.State of `model`'s (a TunixMaxTextAdapter or Transformer) base params with its adapters merged in (`Merger`'s
+  scale and scan axis)."""
   base = getattr(model, "base", model)
-  return Merger(config).merged(base)
+  return Merger(scale, scan_axis).merged(base)

@@ -37,6 +37,7 @@ current policy's routes through the reference would measure the distance to a ne
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import re
 from typing import Any
 
@@ -54,20 +55,51 @@ from tunix.rl.grpo import grpo_learner
 UNSET = -1  # no routing recorded for this token (MaxText's forced-routing sentinel, Tunix's UNSET_ROUTED_EXPERT)
 
 
-def is_moe(config: Any) -> bool:
-  return int(config.num_experts) > 1
+@dataclasses.dataclass(frozen=True)
+class MoeSettings:
+  """What the plugin reads of MaxText's mixture-of-experts keys, built once from a config (`from_config`) or, inside a
+  jitted forward that holds only the model, from the config MaxText keeps on it (`of_model`)."""
 
+  num_experts: int = 1
+  num_experts_per_tok: int = 1
+  # Whether MaxText's decoder forces this model's routing itself (`forced_routed_experts`, its own list of decoder
+  # blocks); the plugin forces the others at their MoE modules (`set_replay`).
+  replay_native: bool = False
+  load_balance_loss_weight: float = 0.0
+  # MaxText's `uses_megatron_seq_aux_loss`: the load-balancing term summed over MoE layers instead of averaged.
+  megatron_seq_aux_loss: bool = False
 
-def replay_native(config: Any) -> bool:
-  """Whether MaxText's decoder forces this model's routing itself (`forced_routed_experts`, its own list); the plugin
-  forces the others at their MoE modules (`set_replay`)."""
-  return config.decoder_block in maxtext_types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS
+  @classmethod
+  def from_config(cls, config: Any) -> MoeSettings:
+    return cls(
+        num_experts=int(config.num_experts),
+        num_experts_per_tok=int(config.num_experts_per_tok),
+        replay_native=config.decoder_block in maxtext_types.FORCED_ROUTING_SUPPORTED_DECODER_BLOCKS,
+        load_balance_loss_weight=float(getattr(config, "load_balance_loss_weight", 0.0) or 0.0),
+        megatron_seq_aux_loss=bool(maxtext_moe.uses_megatron_seq_aux_loss(config)),
+    )
 
+  @classmethod
+  def of_model(cls, model: Any) -> MoeSettings | None:
+    """The settings of a MaxText model's own config (a `TunixMaxTextAdapter`'s `base.config`, which MaxText's
+    `Transformer` keeps); None for a model without one."""
+    config = getattr(getattr(model, "base", None), "config", None)
+    return None if config is None else cls.from_config(config)
 
-def replay_supported(config: Any) -> bool:
-  """Whether the trainer can replay this MoE model's routing: every MaxText decoder block whose MoE layers are
-  `RoutedMoE` modules (MaxText's list, and the plugin's forcing for Qwen3-MoE, gpt-oss, DeepSeek and the rest)."""
-  return is_moe(config)
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 1
+
+  @property
+  def replay_supported(self) -> bool:
+    """Whether the trainer can replay this MoE model's routing: every MaxText decoder block whose MoE layers are
+    `RoutedMoE` modules (MaxText's list, and the plugin's forcing for Qwen3-MoE, gpt-oss, DeepSeek and the rest)."""
+    return self.is_moe
+
+  @property
+  def with_lb(self) -> bool:
+    """Whether the model sows MaxText's load-balancing term (an MoE model with load_balance_loss_weight > 0)."""
+    return self.load_balance_loss_weight > 0 and self.is_moe
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -240,16 +272,16 @@ def routing(model: Any, batch: int) -> jax.Array | None:
   return jnp.transpose(stacked.reshape(layers, batch, tokens // batch, k), (1, 2, 0, 3))
 
 
-def lb_loss(model: Any, config: Any) -> jax.Array | None:
+def lb_loss(model: Any, settings: MoeSettings) -> jax.Array | None:
   """MaxText's load-balancing term of its last call, as its pre-training loss adds it (`train.py`): the mean over MoE
   layers of each layer's `moe_lb_loss` (already scaled by load_balance_loss_weight), the sum for Megatron's
-  sequence-wise aux loss. None when the model sowed none (load_balance_loss_weight = 0)."""
+  sequence-wise aux loss (`settings.megatron_seq_aux_loss`). None when the model sowed none (weight 0)."""
   inter = nnx.to_pure_dict(nnx.state(model, nnx.Intermediate))
   values = maxtext_utils.collect_intermediates_by_suffix(inter, "moe_lb_loss")
   if not values:
     return None
   losses = jnp.concatenate(values)
-  return jnp.sum(losses) if maxtext_moe.uses_megatron_seq_aux_loss(config) else jnp.mean(losses)
+  return jnp.sum(losses) if settings.megatron_seq_aux_loss else jnp.mean(losses)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -267,19 +299,20 @@ def forward_logps(
     *,
     temperature: float = 1.0,
     forced: jax.Array | None = None,
-    config: Any = None,
+    with_lb: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array | None]:
   """Tunix's `compute_per_token_logps` (unpacked rows) with MaxText's `forced_routed_experts`, plus what the MoE layers
   recorded: (per-token log-probs [B, T], logits [B, T, V], routing [B, P+T, layers, k] or None, lb loss or None).
 
   The same steps as Tunix's function, from its own helpers (`process_ids`, `selective_log_softmax`): Tunix's calls
   the model with a fixed set of arguments, with no way to pass the forced experts. `graphdef` from
-  `recording_graphdef` to get the routing; `config` (MaxText's) to get the load-balancing loss.
+  `recording_graphdef` to get the routing; `with_lb` to get the load-balancing loss (`MoeSettings.with_lb`).
   """
   model = nnx.merge(graphdef, state)
   tokens, positions, attn_mask, _ = tunix_common.process_ids(prompt_tokens, completion_tokens, pad_id, eos_id)
-  maxtext_config = getattr(getattr(model, "base", None), "config", None)
-  if forced is not None and not replay_native(maxtext_config):  # forced at the MoE modules themselves
+  settings = MoeSettings.of_model(model)
+  native = settings is not None and settings.replay_native
+  if forced is not None and not native:  # forced at the MoE modules themselves
     set_replay(model, forced)
     forced = None
   logits, _ = model(tokens, positions, None, attn_mask, forced_routed_experts=forced)
@@ -288,7 +321,7 @@ def forward_logps(
   if temperature not in (0.0, 1.0):
     logits = logits / temperature
   logps = tunix_common.selective_log_softmax(logits, tokens[:, -t:])
-  aux = None if config is None else lb_loss(model, config)
+  aux = lb_loss(model, settings) if with_lb and settings is not None else None
   return logps, logits, routing(model, tokens.shape[0]), aux
 
 

@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import importlib
+import types
 from typing import Any, Callable, Iterator
 
 from maxtext_rl_plugin import distributed
@@ -127,11 +128,14 @@ def pyconfig_reads(merged: Any) -> Iterator[Callable[..., Any]]:
     pyconfig._load_config = original
 
 
-def maxtext_lora_module_path(config: Any) -> str:
-  """The regex of the modules MaxText applies LoRA to for `config` (see the module docstring)."""
+def maxtext_lora_module_path(model_name: str, module_path: str = "") -> str:
+  """The regex of the modules MaxText applies LoRA to (see the module docstring): `module_path` when given, else
+  lora_module_path.yml's entry for `model_name`. MaxText's resolver reads exactly these two values off its config
+  (`lora.lora_module_path`, `model_name`): a stand-in holding them is all it gets."""
   from maxtext.utils import lora_utils
 
-  return lora_utils._get_lora_module_path(config)
+  stand_in = types.SimpleNamespace(model_name=model_name, lora=types.SimpleNamespace(lora_module_path=module_path))
+  return lora_utils._get_lora_module_path(stand_in)
 
 
 def actor_train_step(

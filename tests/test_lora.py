@@ -29,7 +29,9 @@ from maxtext_rl_plugin import lora
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin.run import loop as trainer
 from maxtext_rl_plugin.run import build
+from maxtext_rl_plugin.run import models as run_models
 from maxtext_rl_plugin.rollout import embedded
+from maxtext_rl_plugin.run import engine as run_engine
 
 import _in_process as in_process
 from _tiny import SMALL_VOCAB
@@ -88,7 +90,7 @@ def test_bad_lora_keys_are_one_line_errors(overrides, needle):
 def test_vllm_engine_takes_lora():
   """LoRA with vLLM passes validation (adapters merged on the trainer side, tests/tpu_contract/test_forward.py)."""
   c = config_lib.load_config([TINY, *LORA, "rollout_engine=vllm", "head_dim=128"])
-  assert lora.enabled(c) and c.rollout_engine == "vllm"
+  assert lora.LoraSettings.from_config(c).enable and c.rollout_engine == "vllm"
 
 
 def test_merge_flat_merges_only_the_adapted_kernels():
@@ -111,9 +113,11 @@ def test_default_module_path_is_maxtexts_per_model_entry():
   with open(os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "lora_module_path.yml"), encoding="utf-8") as f:
     table = yaml.safe_load(f)
   c = config_lib.load_config([TINY, *LORA])  # model_name qwen3-0.6b
-  assert lora.module_path(c) == table["qwen3"].replace("layers/", r"layers(?:_[0-9]+|/[0-9]+)?/")
+  assert lora.LoraSettings.from_config(c).resolved_module_path() == table["qwen3"].replace(
+      "layers/", r"layers(?:_[0-9]+|/[0-9]+)?/"
+  )
   given = config_lib.load_config([TINY, *LORA, "lora.lora_module_path=decoder/layers/.*mlp/wo"])
-  assert lora.module_path(given) == "decoder/layers/.*mlp/wo"
+  assert lora.LoraSettings.from_config(given).resolved_module_path() == "decoder/layers/.*mlp/wo"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -133,7 +137,7 @@ def adapted_fixture():
     return x * 3.0 if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x
 
   nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
-  actor, base = lora.apply(cfg, model, mesh, tok.pad_token_id)
+  actor, base = run_models.apply_lora(cfg, model, mesh, tok.pad_token_id)
   gdef, _ = nnx.split(actor)
 
   @jax.jit
@@ -205,7 +209,7 @@ def test_merged_weights_give_the_adapted_models_logits(adapted):
     pos = jnp.broadcast_to(jnp.arange(24)[None], toks.shape)
     want = np.asarray(actor(toks, pos, None, None)[0])
     plain = nnx.clone(base)
-    nnx.update(plain.base, lora.merged_params(actor, cfg))
+    nnx.update(plain.base, lora.merged_params(actor, lora.LoraSettings.from_config(cfg).scale, cfg.param_scan_axis))
     got = np.asarray(plain(toks, pos, None, None)[0])
     base_logits = np.asarray(base(toks, pos, None, None)[0])
   finally:
@@ -222,7 +226,12 @@ def test_engine_greedy_after_adapter_sync_equals_the_adapted_model(adapted):
   before = jax.tree.map(lambda x: x, nnx.state(actor, nnx.LoRAParam))  # a snapshot (nnx.state is live)
   try:
     nnx.update(actor, _random_adapters(actor, 2))
-    eng = embedded.EmbeddedRollout(rollout_actor=actor, tokenizer=tok, mesh=adapted["mesh"])
+    eng = embedded.EmbeddedRollout(
+        rollout_actor=actor,
+        tokenizer=tok,
+        mesh=adapted["mesh"],
+        **run_engine.embedded_arguments(actor.base.config, adapted["mesh"]),
+    )
     prompts = [tok.encode("What is 12 * 7?"), tok.encode("Tom has 3 apples and buys 4 more. How many now?")]
     outs = []
     for seed in (None, 3):

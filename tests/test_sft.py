@@ -1,5 +1,5 @@
-"""The SFT warm start (sft.py): a stop during it keeps its steps, and a rerun continues them to the weights of an
-uninterrupted warm start.
+"""The SFT warm start (run/warm_start.py): a stop during it keeps its steps, and a rerun continues them to the weights
+of an uninterrupted warm start.
 
 Three short warm starts of cpu_tiny (3 steps, 80-token rows) share one compilation (the tests' compilation cache).
 """
@@ -14,10 +14,10 @@ import pytest
 
 from maxtext_rl_plugin import checkpointing
 from maxtext_rl_plugin import models
-from maxtext_rl_plugin import sft
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.data import load as data_load
+from maxtext_rl_plugin.run import warm_start
 
 from _tiny import SMALL_VOCAB
 
@@ -52,13 +52,15 @@ def _warm_start(tiny, run_dir):
   """A warm start from the model's initial weights into `run_dir`: its params (host copies) and meta."""
   config, model, initial, mesh, tokenizer, train_split = tiny
   nnx.update(model, initial)
-  meta = sft.warm_start(config, model, mesh, tokenizer, train_split, str(run_dir))
+  meta = warm_start.warm_start(
+      warm_start.SftSettings.from_config(config), model, mesh, tokenizer, train_split, str(run_dir)
+  )
   return [np.asarray(x) for x in jax.tree_util.tree_leaves(nnx.state(model, nnx.Param))], meta
 
 
 def _stopped_then_continued(tiny, run, monkeypatch, capsys):
   """SIGTERM delivered inside step STOP_AT (before its update) under the trainer's handlers; then the rerun."""
-  real = sft._tokenize_batch  # pylint: disable=protected-access
+  real = warm_start._tokenize_batch  # pylint: disable=protected-access
   calls = []
 
   def signal_during_step(*args, **kwargs):
@@ -68,7 +70,7 @@ def _stopped_then_continued(tiny, run, monkeypatch, capsys):
     return real(*args, **kwargs)
 
   with monkeypatch.context() as m:
-    m.setattr(sft, "_tokenize_batch", signal_during_step)
+    m.setattr(warm_start, "_tokenize_batch", signal_during_step)
     with pytest.raises(signals.Stopped) as stopped, signals.GracefulStop():
       _warm_start(tiny, run)
   ckpt = run / "checkpoints" / "sft"
@@ -109,7 +111,7 @@ def test_a_saved_warm_start_of_another_plan_starts_over(tiny, tmp_path, monkeypa
   config, _, initial, _, _, train_split = tiny
   ckpt = tmp_path / "r" / "checkpoints" / "sft"
   manager = checkpointing.open_manager(str(ckpt), ("params", "opt_state", "meta"), storage=checkpointing.Storage())
-  plan = {key: getattr(config, key) for key in sft._PLAN_KEYS}  # pylint: disable=protected-access
+  plan = {key: getattr(config, key) for key in warm_start._PLAN_KEYS}  # pylint: disable=protected-access
   checkpointing.save_items(
       manager, 1, {"params": initial}, {**plan, "sft_learning_rate": 0.5, "steps": 1}, storage=checkpointing.Storage()
   )
@@ -123,6 +125,6 @@ def test_a_saved_warm_start_of_another_plan_starts_over(tiny, tmp_path, monkeypa
 
 def test_the_schedule_of_one_warm_start_step_is_defined():
   """sft_warmup_steps=1 was optax's ValueError (cosine with 0 decay steps); longer warm starts keep their schedule."""
-  assert float(sft.lr_schedule(1, 1e-3)(0)) == pytest.approx(1e-3)
-  ten = sft.lr_schedule(10, 1e-3)
+  assert float(warm_start.lr_schedule(1, 1e-3)(0)) == pytest.approx(1e-3)
+  ten = warm_start.lr_schedule(10, 1e-3)
   assert float(ten(0)) == 0.0 and float(ten(1)) == pytest.approx(1e-3) and float(ten(10)) == pytest.approx(1e-4)

@@ -5,7 +5,6 @@ import importlib.metadata
 import inspect
 import multiprocessing.pool  # pylint: disable=unused-import  # MaxText's math_verify_pool needs it loaded first
 import re
-import types
 
 from maxtext.configs import pyconfig
 from maxtext.trainers.post_train.rl import math_verify_pool
@@ -92,8 +91,9 @@ def test_pyconfig_private_contract():
 def test_maxtext_lora_module_path_resolution_exists():
   src = inspect.getsource(lora_utils._get_lora_module_path)  # pylint: disable=protected-access
   assert "lora_module_path" in src and "_load_lora_module_configs" in src
-  explicit = types.SimpleNamespace(lora=types.SimpleNamespace(lora_module_path="decoder/.*/mlp"), model_name="x")
-  assert tunix_compat.maxtext_lora_module_path(explicit) == "decoder/.*/mlp"
+  assert tunix_compat.maxtext_lora_module_path("x", "decoder/.*/mlp") == "decoder/.*/mlp"
+  # The stand-in holds only the two values the resolver reads: a third read would be an AttributeError here.
+  assert tunix_compat.maxtext_lora_module_path("qwen3-0.6b").startswith("decoder/")
 
 
 def test_actor_train_step_body_reads_only_what_the_stand_in_holds():

@@ -39,9 +39,9 @@ def policy_forward(
   """The per-token log-probs of `example`'s completion tokens under `model`, by the route the example and the model
   call for (module docstring)."""
   graphdef, state = nnx.split(model)
-  maxtext_config = getattr(getattr(model, "base", None), "config", None)  # the model's own (MaxText) config
+  settings = moe.MoeSettings.of_model(model)  # from the model's own (MaxText) config
   forced = getattr(example, "routed_experts", None)
-  with_lb = float(getattr(maxtext_config, "load_balance_loss_weight", 0.0) or 0.0) > 0 and moe.is_moe(maxtext_config)
+  with_lb = settings is not None and settings.with_lb
   if getattr(example, "packed_tokens", None) is not None:
     logps, entropy, lb_loss = packing.packed_forward(
         model,
@@ -67,7 +67,7 @@ def policy_forward(
         eos_id,
         temperature=temperature,
         forced=forced,
-        config=maxtext_config,
+        with_lb=with_lb,
     )
   else:
     logps, logits = tunix_common.compute_per_token_logps(

@@ -168,21 +168,21 @@ def packed_forward(
   """([B, T] log-probs of the completion tokens (0 where not `valid`), their entropy, the load-balancing term) from one
   forward of the packed rows. The entropy of each token's next-token distribution (no gradient) with `with_entropy`,
   else None; `forced`: the packed routing to replay (`Packed.routing`, rl.router_replay); MaxText's load-balancing
-  term (moe.lb_loss, on the model's own MaxText config) with `with_lb` when the model sows one, else None.
+  term (moe.lb_loss, with the model's own MoE settings) with `with_lb` when the model sows one, else None.
 
   Replay and the load-balancing term run on a model merged for this one forward, as moe.forward_logps does: forcing
   changes the MoE modules' classes and both leave intermediates, which must not land on the trainer's model."""
-  maxtext_config = getattr(getattr(model, "base", None), "config", None)
+  settings = moe.MoeSettings.of_model(model)
   kwargs = {}
   if forced is not None or with_lb:
     graphdef, state = nnx.split(model)
     model = nnx.merge(graphdef, state)
-    if forced is not None and moe.replay_native(maxtext_config):
+    if forced is not None and settings is not None and settings.replay_native:
       kwargs["forced_routed_experts"] = forced
     elif forced is not None:
       moe.set_replay(model, forced)
   logits, _ = model(tokens, positions, None, None, segment_ids=segments, **kwargs)
-  lb = moe.lb_loss(model, maxtext_config) if with_lb else None
+  lb = moe.lb_loss(model, settings) if with_lb and settings is not None else None
   logits = logits[:, :-1, :]
   if temperature not in (0.0, 1.0):
     logits = logits / temperature

@@ -118,7 +118,7 @@ def run(config, parsed, which: set[str]) -> int:
   rs = models.setup_devices(parsed, devices=devices)
   cfg = rs.trainer_config
   build.check_runtime(cfg, rs)  # the run's own device-split checks
-  lora = lora_lib.enabled(cfg)
+  lora = lora_lib.LoraSettings.from_config(cfg).enable
   mesh = programs.trainer_mesh(cfg, rs.trainer_devices)
   axes = {k: v for k, v in mesh.shape.items() if v > 1}
   print(f"[anchor] {cfg.model_name}: trainer {len(rs.trainer_devices)} devices of {topo}, mesh {axes}", flush=True)

@@ -8,7 +8,7 @@ the target's devices) and how often a step runs it. Nothing here reads a checkpo
   (`tunix_wiring.tunix_policy_loss_fn` via Tunix's function registry, the algo config of
   `tunix_wiring.tunix_algo_config`), the optimizer of `run/build.build_optimizer`, over the model `from_pretrained`
   builds (`model_creation_utils.get_nnx_create_model_fn` on `get_mesh_from_config`'s mesh), LoRA applied by
-  MaxText's `apply_lora_to_model` as `lora.apply` does; at the mini-batch.
+  MaxText's `apply_lora_to_model` as `run/models.apply_lora` does; at the mini-batch.
 * `reference_logps` / `old_logps`: Tunix's `compute_per_token_logps` (stop-gradient) on the trainer mesh, as
   `logps.TrainerLogps` and the reference forward run it, at the micro-batch. On an MoE model the old-policy
   forward is TrainerLogps' own: `moe.forward_logps` over a recording graphdef (routing out, replayed routing in).
@@ -47,15 +47,17 @@ from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin.algorithms.settings import AlgorithmSettings
 from maxtext_rl_plugin.run import accumulation
 from maxtext_rl_plugin import distributed
-from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.rollout import bucketing
 from maxtext_rl_plugin.rollout import decode
+from maxtext_rl_plugin.rollout import embedded_spec
 from maxtext_rl_plugin.rollout import sampling
 from maxtext_rl_plugin.rollout import stops
 from maxtext_rl_plugin.run import build
+from maxtext_rl_plugin.run import engine as run_engine
+from maxtext_rl_plugin.run import models as run_models
 
 PAD_ID, EOS_ID = 0, 1
 DATA_AXIS = ("fsdp",)  # Tunix's TrainingConfig.data_sharding_axis default, which the run keeps
@@ -99,7 +101,7 @@ def _train_state_fn(config, mesh, tx, lora: bool, pad_id: int = PAD_ID) -> Calla
     if lora:
       # mesh=None: inside eval_shape the adapters are tracers, which MaxText's replicate step cannot re-place; their
       # sharding metadata (replicated, set by apply_lora_to_model) is what get_abstract_state reads.
-      base = lora_lib.apply_abstract(config, base, None)
+      base = run_models.apply_lora_abstract(config, base, None)
     actor = TunixMaxTextAdapter(base_model=base, pad_id=pad_id)
     wrt = nnx.LoRAParam if lora else nnx.Param
     return train_state_nnx.TrainStateNNX(actor, nnx.Optimizer(actor, tx, wrt=wrt))
@@ -125,7 +127,7 @@ def abstract_train_state(config, mesh, lora: bool, pad_id: int = PAD_ID):
 
 def replays_routing(config) -> bool:
   """rl.router_replay on an MoE model: the trainer's old-policy and policy forwards get the sampler's routing."""
-  return bool(config.rl.router_replay) and moe.is_moe(config)
+  return bool(config.rl.router_replay) and moe.MoeSettings.from_config(config).is_moe
 
 
 def _moe_logps(graphdef, temperature: float):
@@ -248,7 +250,7 @@ def logps_program(name: str, config, mesh, graphdef, state, calls: int) -> Progr
   rows = plan.micro_batch_size * plan.num_generations
   ex = _example(config, mesh, rows, 0.0, False)
   temperature = float(config.decode_sampling_temperature) or 1.0
-  if name == "old_logps" and moe.is_moe(config):
+  if name == "old_logps" and moe.MoeSettings.from_config(config).is_moe:
     forced = _routing(config, mesh, graphdef, state, rows) if replays_routing(config) else None
     return Program(
         name=name,
@@ -308,7 +310,14 @@ def rollout_program(sampler_config, sampler_devices) -> Program:
   mesh = models.build_sampler_mesh(sampler_config, sampler_devices)
   with decode.warnings_off():
     # MoE: the engine records each token's experts, as rollout/embedded.py builds it (routing is a program output).
-    sampler = decode.MaxTextSampler(sampler_config, mesh, PAD_ID, record_routing=moe.is_moe(sampler_config))
+    settings = embedded_spec.EmbeddedSettings.from_config(sampler_config)
+    sampler = decode.MaxTextSampler(
+        settings.decode,
+        run_engine.decode_models(sampler_config, mesh),
+        mesh,
+        PAD_ID,
+        record_routing=settings.record_routing,
+    )
     g = int(sampler_config.rl.num_generations)
     prompts, length, new_tokens, calls = rollout_shape(sampler_config, g, sampler.dp)
     spec = sampling.SamplingParams.create(

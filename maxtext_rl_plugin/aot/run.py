@@ -109,7 +109,7 @@ def build_programs(config, parsed: config_lib.Parsed, devices: list) -> tuple[li
   cfg = rs.trainer_config
   build.check_runtime(cfg, rs)  # the run's own device-split checks, unchanged
   plan = updates.UpdatePlan.from_config(cfg)
-  lora = lora_lib.enabled(cfg)
+  lora = lora_lib.LoraSettings.from_config(cfg).enable
   _say(
       f"{len(devices)} devices: trainer {len(rs.trainer_devices)}, sampler {len(rs.sampler_devices)} "
       f"({'disaggregated' if rs.disaggregated else 'colocated'}); model {cfg.model_name}, "

@@ -71,6 +71,7 @@ def _one_size(name: str, args) -> dict:
 
   from maxtext_rl_plugin.config import load as config_lib
   from maxtext_rl_plugin import lora, models
+  from maxtext_rl_plugin.run import models as run_models
   from maxtext_rl_plugin.resharding import move
   from maxtext_rl_plugin.resharding import sync as sync_lib
 
@@ -90,7 +91,7 @@ def _one_size(name: str, args) -> dict:
   rs = models.setup_devices(config_lib.parse(argv))
   cfg = rs.trainer_config
   base, tmesh = models.build_model(cfg, rs.trainer_devices)
-  actor, _ = lora.apply(cfg, base, tmesh)
+  actor, _ = run_models.apply_lora(cfg, base, tmesh)
   # Non-zero adapters (B starts at zero), on the adapters' own shardings, as after some training.
   st = nnx.state(actor, nnx.LoRAParam)
   keys = iter(jax.random.split(jax.random.PRNGKey(0), len(jax.tree.leaves(st))))
@@ -121,7 +122,7 @@ def _one_size(name: str, args) -> dict:
     out[f"{kind}_sync_s"] = round(t.seconds, 4)
     out[f"{kind}_bytes"] = int(ws.last_bytes)
     out[f"{kind}_arrays"] = len(jax.tree.leaves(held))
-  merger = lora.Merger(cfg)
+  merger = lora.Merger(lora.LoraSettings.from_config(cfg).scale, int(cfg.param_scan_axis))
 
   def merge():
     merger.forget()  # forces the re-merge that an adapter sync triggers

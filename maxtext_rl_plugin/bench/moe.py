@@ -38,6 +38,7 @@ from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.run import parity
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import sampling
+from maxtext_rl_plugin.run import engine as run_engine
 
 _PROMPTS = [
     "Tom has 3 apples and buys 4 more. How many apples does he have now?",
@@ -102,7 +103,8 @@ def main(argv=None) -> int:
 
   rs = models.setup_devices(config_lib.parse([args.config, *overrides, f"dtype={args.trainer_dtype}"]))
   cfg = rs.trainer_config
-  if not moe.is_moe(cfg):
+  moe_settings = moe.MoeSettings.from_config(cfg)
+  if not moe_settings.is_moe:
     print(f"error: {cfg.model_name} is not a mixture-of-experts model (num_experts={cfg.num_experts})")
     return 2
   tok = models.load_tokenizer(cfg)
@@ -111,9 +113,14 @@ def main(argv=None) -> int:
   srs = models.setup_devices(config_lib.parse([args.config, *overrides, f"dtype={args.sampler_dtype}"]))
   sampler_model, mesh = models.build_model(srs.sampler_config, srs.sampler_devices, pad_id=pad)
   base = nnx.state(trainer, nnx.Param)
-  engine = embedded.EmbeddedRollout(rollout_actor=sampler_model, tokenizer=tok, mesh=mesh, config=srs.sampler_config)
+  engine = embedded.EmbeddedRollout(
+      rollout_actor=sampler_model,
+      tokenizer=tok,
+      mesh=mesh,
+      **run_engine.embedded_arguments(srs.sampler_config, mesh),
+  )
   graphdef = moe.recording_graphdef(trainer)
-  replay_ok = moe.replay_supported(cfg)
+  replay_ok = moe_settings.replay_supported
   fwd = jax.jit(
       lambda state, p, c, forced: moe.forward_logps(
           graphdef, state, p, c, pad, eos, temperature=args.temperature, forced=forced

@@ -368,6 +368,11 @@ def _check_lora_rank(pc) -> None:
     raise _bad("lora.lora_rank", pc.lora.lora_rank, f"must be <= emb_dim={pc.emb_dim} (the width of the adapted layers)")
 
 
+def _check_lora(pc) -> None:
+  """lora.validate's checks of the `lora:` block, on the settings the run builds from it (lora.LoraSettings)."""
+  lora.validate(lora.LoraSettings.from_config(pc))
+
+
 def _check_agentic(pc) -> None:
   """rl.use_agentic_rollout's token limits fit the completion budget (the width of the trainer's completion rows)."""
   rl = pc.rl
@@ -419,7 +424,7 @@ def _light_checks(user_keys: frozenset[str] | None = None) -> tuple[Callable[[An
   """The checks that import nothing heavy, in order: both passes run them. `user_keys`: the keys the user set
   (`config/precheck.Written.user_keys`; None: unknown), which alone a dependent key's refusal may name."""
   dependent = functools.partial(dependent_keys.check, user_keys=user_keys)
-  return (check_numbers, check_ranges, *_CROSS_CHECKS, lora.validate, dependent, *early_checks.CHECKS)
+  return (check_numbers, check_ranges, *_CROSS_CHECKS, _check_lora, dependent, *early_checks.CHECKS)
 
 
 # Features one JAX process runs and several cannot (the trainer refuses them at start-up when jax.process_count() > 1),

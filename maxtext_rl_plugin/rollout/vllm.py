@@ -379,7 +379,8 @@ class VllmRollout(contract.RolloutEngine):
       base = self._lora_base
     else:
       base = {k: v for k, v in flat.items() if k not in adapters}
-    merged = lora_lib.merge_flat(base, adapters, lora_lib.scale_of(cfg), int(cfg.param_scan_axis))
+    scale = lora_lib.LoraSettings.from_config(cfg).scale
+    merged = lora_lib.merge_flat(base, adapters, scale, int(cfg.param_scan_axis))
     if self._lora_only(filter_types):
       return merged
     # The frozen base kernels of the adapted modules (the trainer never updates them), for adapter-only syncs.

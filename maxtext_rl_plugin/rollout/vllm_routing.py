@@ -28,7 +28,7 @@ def wanted(config: Any) -> bool:
   """Whether the engine must capture routing: `rl.router_replay` replays it; MaxText's `return_routed_experts` asks
   for it (the step then logs the sampler-trainer routing mismatch); only MoE models route."""
   asked = bool(config.rl.router_replay) or bool(getattr(config, "return_routed_experts", False))
-  return asked and moe.is_moe(config)
+  return asked and moe.MoeSettings.from_config(config).is_moe
 
 
 def capture_kwargs(engine_kwargs: dict) -> dict:

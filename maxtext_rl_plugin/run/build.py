@@ -37,7 +37,8 @@ from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import rewards as rewards_lib
 from maxtext_rl_plugin import reward_model
 from maxtext_rl_plugin.run import meta as run_meta
-from maxtext_rl_plugin import sft
+from maxtext_rl_plugin.run import models as run_models
+from maxtext_rl_plugin.run import warm_start
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.data import load
@@ -214,8 +215,8 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
 
   actor, actor_mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
   if config.sft_warmup_steps > 0:
-    sft.warm_start(config, actor, actor_mesh, tokenizer, train_split, run_dir)
-  actor, frozen_base = lora_lib.apply(config, actor, actor_mesh, tokenizer.pad_token_id)  # (actor, None) without LoRA
+    warm_start.warm_start(warm_start.SftSettings.from_config(config), actor, actor_mesh, tokenizer, train_split, run_dir)
+  actor, frozen_base = run_models.apply_lora(config, actor, actor_mesh, tokenizer.pad_token_id)  # (actor, None) w/o LoRA
   reference = None
   if config.rl.grpo_beta != 0.0:
     # The KL anchor is the starting policy (after the warm start), on the trainer mesh; with LoRA, the frozen base

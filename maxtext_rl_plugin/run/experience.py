@@ -386,8 +386,9 @@ def score(run: Any, sampled: Sampled, plan: UpdatePlan, timer: Any, parity_step:
     agreement = bool(cfg.rl.log_sampler_trainer_agreement)
     use_sampler = plan.needs_old_logps and cfg.rl.use_rollout_logps
     behaviour = sampled.behaviour
-    # rl.router_replay: the trainer's old-policy and policy forwards route every token as the sampler did (moe.py).
-    if cfg.rl.router_replay and sampled.routing is None and moe.is_moe(cfg):  # never a silent free-routing update
+    # rl.router_replay: the trainer's old-policy and policy forwards route every token as the sampler did (moe.py);
+    # never a silent free-routing update.
+    if cfg.rl.router_replay and sampled.routing is None and moe.MoeSettings.from_config(cfg).is_moe:
       raise RuntimeError(
           "rl.router_replay=true: the rollout engine returned no routing for this batch "
           f"({type(cluster.rollout).__name__} captured none)"

@@ -90,7 +90,7 @@ class TrainerLogps:
     graphdef, state = nnx.split(model)
     outs, routes = [], []
     with self._mesh, nn_partitioning.axis_rules(self._rules):
-      if config is not None and moe.is_moe(config):
+      if config is not None and moe.MoeSettings.from_config(config).is_moe:
         if self._moe_fn is None:  # the actor's graph is fixed; weights and the forced routing are arguments
           rec = moe.recording_graphdef(model)
 

@@ -10,14 +10,19 @@ A SIGTERM/SIGINT during the warm start finishes the current step, saves the step
 `checkpoints/sft/<k>` and stops with one line; a rerun of the same command continues from step k (batch k is a pure
 function of the seed and k, and the optimizer state carries the schedule's position), ending where an uninterrupted
 warm start ends.
+
+The warm start reads its keys through `SftSettings` (built once, `from_config`): it hands nothing to MaxText's API that
+needs the whole config.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import time
+from typing import Any
 
 from absl import logging
 from flax import nnx
@@ -42,12 +47,44 @@ _DATA_AXES = ("data", "fsdp")
 _PLAN_KEYS = ("sft_warmup_steps", "sft_learning_rate", "sft_batch_size", "data_shuffle_seed", "max_target_length")
 
 
-def _tokenize_batch(examples, tokenizer, config, length: int):
+@dataclasses.dataclass(frozen=True)
+class SftSettings:
+  """What the warm start reads of the config: its `sft_*` keys, the data order and row length, the trainer's logical
+  axis rules, the checkpoint storage keys and how an SFT target is written (`PromptSettings`)."""
+
+  steps: int  # sft_warmup_steps
+  learning_rate: float  # sft_learning_rate
+  batch_size: int  # sft_batch_size
+  data_shuffle_seed: int
+  max_target_length: int
+  logical_axis_rules: tuple[tuple[str, Any], ...]
+  storage: checkpointing.Storage
+  prompt_settings: prompts.PromptSettings
+
+  @classmethod
+  def from_config(cls, config) -> SftSettings:
+    return cls(
+        steps=int(config.sft_warmup_steps),
+        learning_rate=float(config.sft_learning_rate),
+        batch_size=int(config.sft_batch_size),
+        data_shuffle_seed=int(config.data_shuffle_seed),
+        max_target_length=int(config.max_target_length),
+        logical_axis_rules=tuple((k, v) for k, v in config.logical_axis_rules),
+        storage=checkpointing.Storage.from_config(config),
+        prompt_settings=prompts.PromptSettings.from_config(config),
+    )
+
+  def plan(self) -> dict[str, Any]:
+    """The values a partial warm start is continued under, by key name (`_PLAN_KEYS`; saved in its meta)."""
+    values = (self.steps, self.learning_rate, self.batch_size, self.data_shuffle_seed, self.max_target_length)
+    return dict(zip(_PLAN_KEYS, values))
+
+
+def _tokenize_batch(examples, tokenizer, settings: prompts.PromptSettings, length: int):
   """Right-padded [prompt + target + eos] rows and a loss mask over the target and eos tokens."""
   pad = tokenizer.pad_token_id
   tokens = np.full((len(examples), length), pad, dtype=np.int32)
   mask = np.zeros((len(examples), length), dtype=np.float32)
-  settings = prompts.PromptSettings.from_config(config)
   for i, ex in enumerate(examples):
     p = tokenizer(ex.prompt, add_special_tokens=False)["input_ids"]
     t = tokenizer(prompts.format_target(ex, settings), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
@@ -72,11 +109,11 @@ def lr_schedule(steps: int, learning_rate: float) -> optax.Schedule:
   return optax.warmup_cosine_decay_schedule(0.0, learning_rate, warmup, steps, learning_rate * 0.1)
 
 
-def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dict:
-  """Train `model` in place for `config.sft_warmup_steps` steps, or restore the finished warm start."""
-  steps = config.sft_warmup_steps
+def warm_start(settings: SftSettings, model, mesh, tokenizer, train_split, run_dir: str) -> dict:
+  """Train `model` in place for `settings.steps` (sft_warmup_steps) steps, or restore the finished warm start."""
+  steps = settings.steps
   ckpt_dir = os.path.join(storage_lib.absolute(run_dir), "checkpoints", "sft")  # a bucket path as given
-  storage = checkpointing.Storage.from_config(config)
+  storage = settings.storage
   manager = checkpointing.open_manager(ckpt_dir, ("params", "opt_state", "meta"), storage=storage, max_to_keep=1)
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   latest = manager.latest_step()
@@ -88,11 +125,11 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
     signals.note_kept(f"the SFT warm start is saved in {ckpt_dir}")
     return meta
 
-  length = config.max_target_length
-  schedule = lr_schedule(steps, config.sft_learning_rate)
+  length = settings.max_target_length
+  schedule = lr_schedule(steps, settings.learning_rate)
   tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(schedule, weight_decay=0.0))
   opt_state = tx.init(params)
-  plan = {key: getattr(config, key) for key in _PLAN_KEYS}
+  plan = settings.plan()
   done, losses = 0, []
   if latest is not None and latest < steps:
     done, params, opt_state, losses = _continue(manager, latest, plan, params, opt_state, mesh, ckpt_dir)
@@ -113,10 +150,10 @@ def warm_start(config, model, mesh, tokenizer, train_split, run_dir: str) -> dic
 
   t0 = time.time()
   # Batch k is trained at step k + 1: a continued warm start takes up at batch `done`.
-  batches = train_split.batches(config.sft_batch_size, start_batch=done, seed=config.data_shuffle_seed + 7919)
-  with mesh, nn_partitioning.axis_rules(config.logical_axis_rules), signals.stop_at_step_boundaries():
+  batches = train_split.batches(settings.batch_size, start_batch=done, seed=settings.data_shuffle_seed + 7919)
+  with mesh, nn_partitioning.axis_rules(settings.logical_axis_rules), signals.stop_at_step_boundaries():
     for step in range(done + 1, steps + 1):
-      tokens, mask = _tokenize_batch(next(batches), tokenizer, config, length)
+      tokens, mask = _tokenize_batch(next(batches), tokenizer, settings.prompt_settings, length)
       # The same rows on every process -> global arrays, rows over the mesh's data axes (distributed.py).
       params, opt_state, loss = train_step(
           params,

@@ -1080,7 +1080,7 @@ def test_adapter_route_lora_syncs_only_the_adapted_kernels(monkeypatch, tokenize
   merged = lora_lib.merge_flat(
       {"base.decoder.layers.self_attention.query.kernel": q},
       vm.flatten_params(adapters),
-      lora_lib.scale_of(cfg),
+      lora_lib.LoraSettings.from_config(cfg).scale,
       int(cfg.param_scan_axis),
   )["base.decoder.layers.self_attention.query.kernel"]
   for i in (0, 1):

@@ -24,7 +24,7 @@ from tunix.rl.grpo import grpo_learner
 
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import accumulation
-from maxtext_rl_plugin import lora as lora_lib
+from maxtext_rl_plugin.run import models as run_models
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin.run import updates
@@ -77,7 +77,7 @@ def _example(config, seed: int) -> grpo_learner.TrainExample:
 def _actor(config, devices, lora: bool):
   model, mesh = models.build_model(config, devices, pad_id=0)
   if lora:
-    model, _ = lora_lib.apply(config, model, mesh, 0)
+    model, _ = run_models.apply_lora(config, model, mesh, 0)
   return model, mesh
 
 

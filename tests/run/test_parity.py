@@ -255,7 +255,7 @@ def _gate_run(root, name, *overrides):
 @pytest.fixture(name="demo", scope="module")
 def demo_fixture(tmp_path_factory):
   """The demo model's warm start, trained once by the honest float32 run (whose gate must pass): its checkpoint
-  directory, which each later run copies (sft.warm_start restores it), and that run's gate."""
+  directory, which each later run copies (run/warm_start.warm_start restores it), and that run's gate."""
   root = tmp_path_factory.mktemp("demo")
   code, gate, err = _gate_run(root, "honest_float32")
   assert code == 0, err[-3000:]

@@ -72,8 +72,8 @@ class Pair:
   def __init__(self, model_dir, name: str, *, extra_argv=(), engine=None, lora: bool = False):
     import vllm  # pylint: disable=import-outside-toplevel  # .venv-tpu only
     from tunix.rl.rollout import base_rollout  # pylint: disable=import-outside-toplevel
-    from maxtext_rl_plugin import lora as lora_lib  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin.run import models as run_models  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin.config.load import load_config  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
 
@@ -82,7 +82,7 @@ class Pair:
     self.cfg = load_config(["configs/cpu_tiny.yml", *TINY_ARGV, *argv, *extra_argv])
     self.actor, mt_mesh = models.build_model(self.cfg, jax.devices()[:1])
     if lora:
-      self.actor, _ = lora_lib.apply(self.cfg, self.actor, mt_mesh)
+      self.actor, _ = run_models.apply_lora(self.cfg, self.actor, mt_mesh)
     self.tied = bool(self.cfg.logits_via_embedding)
     self._bf16_table()
     self.engine, _, self.mesh = build(model_dir, arch, abstract=False, dtype="float32", vocab_size=1024, **hf)
@@ -255,7 +255,8 @@ def test_lora_adapters_merged_on_the_trainer_side(model_dir):
   adapter_bytes = pair.rollout.last_sync_bytes
   adapted = {k[: -len("_lora_a")] for k in vm.flatten_params(nnx.state(pair.actor, nnx.LoRAParam)) if "_lora_a" in k}
   print(f"{name} LoRA sync: {adapter_bytes} bytes vs {full_bytes} for a full sync ({sorted(adapted)})")
-  assert lora_lib.module_path(pair.cfg) and len(adapted) == 7  # MaxText's default: every attention and MLP kernel
+  # MaxText's default module path: every attention and MLP kernel.
+  assert lora_lib.LoraSettings.from_config(pair.cfg).resolved_module_path() and len(adapted) == 7
   engine = vm.engine_weights(nnx.state(pair.engine))
   projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
   assert full_bytes == sum(v.nbytes for v in engine.values())
