@@ -15,6 +15,7 @@ from maxtext_rl_plugin.resharding import maxtext_layout
 from maxtext_rl_plugin.resharding import move
 from maxtext_rl_plugin.resharding import per_host
 from maxtext_rl_plugin.rollout import vllm_mapping
+from maxtext_rl_plugin.rollout import vllm_quantized
 
 
 def _reshard(tree: dict, shardings: dict) -> dict:
@@ -42,9 +43,14 @@ def write_weights(
   `get_weights_state()`: its leaves alias the runner's). `chunk_size` MaxText tensors at a time bound the HF-layout
   copies. `require_all`: every engine weight must be written (a full sync); an adapter-only sync writes a subset.
   `source_checksums` (a per-host sync's guard): filled with the engine-layout arrays' trainer-side checksums.
-  tests/tpu_contract/test_forward.py runs this path into the real tpu-inference classes and checks their logits.
+  An engine Qwix quantized (`rollout_quantization`) holds QArray kernels: each is mapped as a float kernel, then
+  quantized on the trainer's devices into its qvalue and scale leaves (rollout/vllm_quantized.py), before the move.
+  tests/tpu_contract/test_forward.py runs this path into the real tpu-inference classes and checks their logits
+  (test_quantized_sync.py into their Qwix-quantized forms).
   """
   engine_flat = vllm_mapping.engine_weights(state)  # weights only: tpu-inference's Llama also holds RNG state
+  kernels = vllm_quantized.slots(engine_flat)  # {} unless the engine holds Qwix QArray kernels
+  targets = vllm_quantized.float_view(engine_flat, kernels) if kernels else engine_flat
   flax_layout = vllm_mapping.is_flax_layout(state)
   set_leaves = vllm_mapping.engine_state_setter(state)
   trainer_buffers = set().union(*(move.buffer_ids(v) for v in flat.values()))
@@ -59,8 +65,10 @@ def write_weights(
     with jax.transfer_guard("allow"):
       hf = vllm_mapping.map_maxtext_to_vllm(chunk, model_name, hf_config, param_scan_axis=param_scan_axis)
       new, _ = vllm_mapping.to_engine_state(
-          hf, engine_flat, require_all=False, head_dim=hf_config["head_dim"], flax_layout=flax_layout
+          hf, targets, require_all=False, head_dim=hf_config["head_dim"], flax_layout=flax_layout
       )
+    if kernels:
+      new = vllm_quantized.quantize(new, kernels, engine_flat)
     if source_checksums is not None:
       source_checksums.update(per_host.source_checksums(new))
     new = _reshard(new, {k: engine_flat[k].sharding for k in new})

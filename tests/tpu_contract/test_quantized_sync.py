@@ -1,0 +1,198 @@
+"""The vLLM route's quantized sync (`rollout_quantization=int8|fp8`) into tpu-inference 0.32.0's real quantized model.
+
+tpu-inference serves a float checkpoint in low precision through Qwix PTQ on its native class (rollout/vllm_quantized.py
+says why that route, for int8 and FP8 alike). Here the real `LlamaForCausalLM` (tiny, float32, TP 4 on 4 forced CPU
+devices, as test_forward.py builds it) is quantized by tpu-inference's own `qwix_utils.apply_qwix_quantization` with the
+`additional_config` the plugin's `vllm_engine_kwargs` gives vLLM, so its state holds Qwix QArray kernels
+(`kernel.array.qvalue` / `kernel.array.scale`); the plugin's `VllmRollout.update_params` then syncs a MaxText model's
+float weights into it (quantized on the trainer's side, rollout/vllm_quantized.py), and the engine prefills a 100-token
+prompt and decodes through its paged KV cache. Its logits must be within `REL_TOL` of MaxText's own forward at the
+embedded engine's quantized weights (rollout/quantized_weights.py: the same kernels quantized in MaxText's layout and
+read back), and its bytes must equal what Qwix's own PTQ makes of the float weights a float sync writes.
+
+Substitutions, each narrow (forward.py has the attention one): the forward runs the package's reference ragged paged
+attention; the PTQ pass, which tpu-inference jits over random attention metadata ("the inputs don't need to match the
+actual ones, as long as the consumed weights are the same", `qwix_quantize_nnx_model`), runs with an attention that
+returns zeros of the kernel's shapes (the reference validates concrete metadata and cannot run under that trace; the
+attention reads no weight, so the quantized leaves are the same), and its HBM-usage log line (`utils.hbm_usage_gb`,
+which asks for TPU devices) reads 0.
+
+Tolerance, measured (3 init seeds, int8 and fp8; `-s` prints them): the engine and the reference compute with the
+same `q * s` in float32; what differs is the order of summation (as in test_forward.py, 2.5e-7 - 1.4e-6 of the largest
+|logit|) and Llama's query, which MaxText holds pre-scaled by 1/sqrt(head_dim): quantized in MaxText's layout for the
+reference and after the export's un-scaling for the engine, its scales differ by float32 rounding and a value on a
+rounding tie can land one step away. `REL_TOL` is set from the measured gaps in `MEASURED`; a wrong scale layout (every
+scale's channels reversed, per-head scales transposed) moves the logits by far more (> 100 x REL_TOL).
+"""
+
+# tpu_inference and vllm exist only in .venv-tpu; imported where used (see tpu_models.py).
+# pylint: disable=import-outside-toplevel
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+from flax import nnx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import forward
+from test_forward import CASES, PROMPT_LEN, TINY_ARGV, gap
+from tpu_models import build
+
+N_DECODE = 2
+REL_TOL = {"int8": 2e-3, "fp8": 1e-5}
+# The third pass runs seed 0 (its time); QUANTIZED_SYNC_SEEDS=0,1,2 reproduces the docstring's measurement.
+SEEDS = tuple(int(s) for s in os.environ.get("QUANTIZED_SYNC_SEEDS", "0").split(","))
+
+
+@contextlib.contextmanager
+def ptq_on_cpu():
+  """The two substitutions tpu-inference's PTQ pass needs on CPU (module docstring)."""
+  from tpu_inference.layers.common import attention_interface
+  from tpu_inference.models.jax.utils.qwix import qwix_utils
+
+  def shapes_only(mesh, q, k, v, kv_cache, *args, **kwargs):
+    del mesh, k, v, args, kwargs
+    return jnp.zeros_like(q), kv_cache
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(attention_interface, "sharded_ragged_paged_attention", shapes_only)
+    mp.setattr(qwix_utils.utils, "hbm_usage_gb", lambda devices: 0.0)
+    yield
+
+
+def qwix_quantized(model, vllm_config, mesh, quantization: dict):
+  """tpu-inference's real model, quantized as its loader quantizes a float checkpoint's concrete model
+  (`model_loader._get_nnx_model` -> `apply_qwix_quantization(..., apply_to_abstract_model=False)`)."""
+  from tpu_inference.layers.common.sharding import ShardingConfigManager
+  from tpu_inference.models.jax.utils.qwix import qwix_utils
+
+  vllm_config.additional_config = {"quantization": quantization}
+  qwix_utils.update_vllm_config_for_qwix_quantization(vllm_config)  # the loader's own validation of the rules
+  vllm_config.cache_config.block_size = forward.PAGE_SIZE
+  vllm_config.sharding_config = ShardingConfigManager.from_vllm_config(vllm_config)
+  with ptq_on_cpu(), jax.set_mesh(mesh):
+    return qwix_utils.apply_qwix_quantization(vllm_config, model, jax.random.key(0), mesh, apply_to_abstract_model=False)
+
+
+class QuantizedPair:
+  """A float32 MaxText actor with `rollout_quantization=name` and the Qwix-quantized tpu-inference Llama its
+  VllmRollout syncs into."""
+
+  def __init__(self, model_dir, name: str, seed: int = 0):
+    import vllm  # .venv-tpu only
+    from tunix.rl.rollout import base_rollout
+    from maxtext_rl_plugin.run import models
+    from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
+    from maxtext_rl_plugin.config.load import load_config
+    from maxtext_rl_plugin.rollout import vllm as vllm_rollout
+
+    argv, arch, hf = CASES["llama3.1"]
+    extra = [f"rollout_quantization={name}", f"init_weights_seed={seed}", "rl.verify_weight_sync=every_n"]
+    extra += ["rl.verify_weight_sync_every=1"]
+    self.cfg = load_config(["configs/cpu_tiny.yml", *TINY_ARGV, *argv, *extra])
+    self.actor, _ = models.build_model(self.cfg, jax.devices()[:1])
+    from maxtext_rl_plugin.rollout import vllm_quantized
+
+    self.quantization = vllm_quantized.engine_quantization(name)
+    # A separate float engine from test_forward's (tpu_models caches by overrides; the PTQ pass donates its model).
+    float_engine, vllm_config, self.mesh = build(
+        model_dir, arch, abstract=False, dtype="float32", vocab_size=1024, **hf, qwix_test=f"{name}-{seed}"
+    )
+    self.engine = qwix_quantized(float_engine, vllm_config, self.mesh, self.quantization)
+    with pytest.MonkeyPatch.context() as mp:
+      mp.setattr(forward.ShimLLM, "model", self.engine)
+      mp.setattr(vllm, "LLM", forward.ShimLLM)
+      mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+      self.rollout = vllm_rollout.VllmRollout(
+          rollout_actor=self.actor,
+          tokenizer=tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(self.cfg)),
+          mesh=self.mesh,
+          rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=112),
+          config=self.cfg,
+      )
+    self.prompt = [int(t) for t in np.random.default_rng(7 + seed).integers(0, 1024, PROMPT_LEN)]
+
+  def sync(self):
+    self.rollout.update_params(nnx.state(self.actor, nnx.Param), (nnx.Param,))
+
+  def reference_logits(self, tokens: list[int]) -> np.ndarray:
+    """MaxText's forward at the embedded engine's quantized weights (rollout/quantized_weights.py: quantized in
+    MaxText's layout, read back as `q * s`), on a clone of the actor."""
+    from maxtext_rl_plugin.rollout import quantized_weights
+
+    weights = quantized_weights.SamplerWeights.from_config(self.cfg)
+    clone = nnx.clone(self.actor)
+    nnx.update(clone, weights.read(weights.quantize(nnx.state(clone, nnx.Param))))
+    return forward.maxtext_logits(clone, tokens)
+
+  def check(self, what: str) -> float:
+    got, tokens = forward.engine_greedy(self.engine, self.mesh, self.prompt, N_DECODE)
+    want = self.reference_logits(self.prompt + tokens[:-1])
+    g = gap(got, want)
+    print(f"{what}: gap {g:.2e} of max |logit| {np.max(np.abs(want)):.3g}")
+    return g
+
+
+_PAIRS: dict = {}
+
+
+def pair_of(model_dir, name: str, seed: int = 0) -> QuantizedPair:
+  if (name, seed) not in _PAIRS:
+    _PAIRS[name, seed] = QuantizedPair(model_dir, name, seed)
+  return _PAIRS[name, seed]
+
+
+def _engine(pair) -> dict:
+  from maxtext_rl_plugin.rollout import vllm_mapping as vm
+
+  return vm.engine_weights(nnx.state(pair.engine))
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_quantized_engine_computes_maxtexts_function_at_the_same_quantized_weights(model_dir, name, seed):
+  pair = pair_of(model_dir, name, seed)
+  engine = _engine(pair)
+  qvalues = [k for k in engine if k.endswith(".array.qvalue")]
+  assert len(qvalues) == 14 and {str(engine[k].dtype) for k in qvalues} == {
+      pair.quantization["qwix"]["rules"][0]["weight_qtype"]
+  }
+  assert all(engine[k.replace("qvalue", "scale")].dtype == jnp.float32 for k in qvalues)
+  assert pair.check(f"{name} seed {seed}") < REL_TOL[name]
+  # The sync moved the quantized bytes: q (1 byte) + scales for the kernels, float32 for the rest.
+  assert pair.rollout.last_sync_bytes == sum(v.nbytes for v in engine.values())
+
+
+def _reversed_channels(s):
+  return s[..., ::-1]
+
+
+def _heads_transposed(s):
+  """A per-head scale `[1, heads, head_dim]` laid out as `[1, head_dim, heads]` (same shape, wrong order)."""
+  return s.reshape(1, s.shape[2], s.shape[1]).swapaxes(1, 2) if s.ndim == 3 and s.shape[1] > 1 else s
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("layout", [_reversed_channels, _heads_transposed], ids=["channels reversed", "heads transposed"])
+def test_a_wrong_scale_layout_fails_the_check(model_dir, monkeypatch, name, layout):
+  """Every scale the sync writes in a wrong (same-shape) layout: the logits leave the tolerance by far."""
+  from maxtext_rl_plugin.rollout import vllm_quantized
+
+  pair = pair_of(model_dir, name)
+  real = vllm_quantized.quantize
+
+  def wrong(*args, **kwargs):
+    out = real(*args, **kwargs)
+    return {k: (layout(v) if k.endswith(vllm_quantized.SCALE) else v) for k, v in out.items()}
+
+  with monkeypatch.context() as mp:
+    mp.setattr(vllm_quantized, "quantize", wrong)
+    pair.sync()
+    assert pair.check(f"{name} with scales {layout.__name__}") > 100 * REL_TOL[name]
+  pair.sync()
+  assert pair.check(f"{name} after the real sync again") < REL_TOL[name]
