@@ -30,7 +30,7 @@ from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import lora
 from maxtext_rl_plugin import run_dir as run_dir_lib
 from maxtext_rl_plugin import storage
-from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin.run import identity as run_identity
 from maxtext_rl_plugin.errors import CheckpointError
 from maxtext_rl_plugin.errors import ConfigError
 

@@ -24,7 +24,6 @@ from transformers import AutoTokenizer
 from maxtext_rl_plugin.config import early_checks
 from maxtext_rl_plugin.config import files as config_files
 from maxtext_rl_plugin.config import load as config_lib
-from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin.errors import ConfigError
 
 
@@ -151,7 +150,7 @@ def _tokenizer(path: str, token: str | None, version: tuple):
 
 def build_model(config, devices, pad_id: int | None = None, rng_seed: int | None = None):
   """A `TunixMaxTextAdapter` and its mesh on `devices` (weights from load_parameters_path or random init)."""
-  run_identity.check_load_parameters_path(config.load_parameters_path)
+  config_files.check_load_parameters_path(config.load_parameters_path)
   seed = config.init_weights_seed if rng_seed is None else rng_seed
   with warnings.catch_warnings():
     warnings.simplefilter("ignore")

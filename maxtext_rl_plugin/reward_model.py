@@ -6,8 +6,10 @@ reward in RL (`rl.reward_model_path`, docs/rewards.md "Reward models").
 h_L is the decoder's final hidden state after MaxText's final norm (`decoder_norm`, what the LM head reads), at the
 last non-pad token of the prompt x (formatted as the run formats prompts: data/prompts.build_prompt) followed by the
 response y; (w, b) is a linear head emb_dim -> 1 (float32). The backbone is the run's model family, built by MaxText's
-own code (models.build_model: `model_creation_utils.from_pretrained`, any family the trainer runs), initialised from
-`load_parameters_path` or at random.
+own code (run/models.build_model: `model_creation_utils.from_pretrained`, any family the trainer runs), initialised from
+`load_parameters_path` or at random. That build needs MaxText's HyperParameters, so it is a builder in the run
+(run/rewards.py: `build_reward_model`, `reward_model_reward`); this module takes `RewardModelSettings` and
+`ModelIdentity`, read from the config once.
 
 Hidden states: MaxText 0.2.5's `Transformer.__call__` returns the logits only (the hidden state comes back only on
 vLLM's attention path or, sown, under `num_vocab_tiling > 1`); its `decoder` returns `(logits, hidden_state, caches)`,
@@ -16,7 +18,7 @@ final norm to the hidden state. The decoder also computes the logits, which are 
 costs one output-head matmul more than it needs (counted in the FLOPs docs/rewards.md reports).
 
 In RL the reward model is a reward function named `reward_model` (`RewardModelReward`, appended after the reward
-functions by run/build.py through `reward_fns`), wrapped like every reward (rewards/loader.RewardFn:
+functions by run/rewards.py), wrapped like every reward (rewards/loader.RewardFn:
 reward_call_timeout_seconds, one finite number per completion) and weighted by
 `rl.reward_model_weight`; it scores `rl.reward_model_batch_size` texts per forward, on the trainer's devices. A
 checkpoint whose head reads another hidden size, or that was trained with another tokenizer or vocabulary, is refused
@@ -25,11 +27,10 @@ in one line before any step (`check_meta`).
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
 from typing import Any, Sequence
 
-from absl import logging
 from flax import nnx
 import jax
 import jax.numpy as jnp
@@ -38,11 +39,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from maxtext_rl_plugin import checkpointing
-from maxtext_rl_plugin import models
-from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import storage
+from maxtext_rl_plugin.config import files as config_files
 from maxtext_rl_plugin.errors import ConfigError
-from maxtext_rl_plugin.rewards.loader import RewardFn
 
 KIND = "maxtext_rl_plugin reward model"
 ITEMS = ("params", "meta")
@@ -80,25 +79,63 @@ class RewardModel(nnx.Module):
     return self.head(h)[:, 0]
 
 
-def build(config: Any, devices: Sequence[Any], pad_id: int, seed: int = 0) -> tuple[RewardModel, Any]:
-  """A reward model of the run's model family and size on `devices` (backbone from load_parameters_path or random)."""
-  adapter, mesh = models.build_model(config, list(devices), pad_id=pad_id)
-  with mesh:
-    rm = RewardModel(adapter.base, int(config.emb_dim), nnx.Rngs(seed))
-  return rm, mesh
+@dataclasses.dataclass(frozen=True)
+class ModelIdentity:
+  """The run's model keys a reward model checkpoint records and must agree on with the run that scores with it, from
+  the config once (`of`)."""
+
+  model_name: str
+  emb_dim: int  # the head's input size
+  num_decoder_layers: int
+  vocab_size: int
+  tokenizer: str  # config.files.tokenizer_identity: a local tokenizer's content, else the hub id
+  use_chat_template: bool
+
+  @classmethod
+  def of(cls, config: Any) -> "ModelIdentity":
+    return cls(
+        str(config.model_name),
+        int(config.emb_dim),
+        int(config.num_decoder_layers),
+        int(config.vocab_size),
+        config_files.tokenizer_identity(config.tokenizer_path),
+        bool(config.use_chat_template),
+    )
 
 
-def meta_of(config: Any, tokenizer: Any) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class RewardModelSettings:
+  """The reward model as a reward in RL (`rl.reward_model_*`), from the config once (`of`, only when
+  `rl.reward_model_path` is set)."""
+
+  path: str  # rl.reward_model_path
+  batch_size: int  # rl.reward_model_batch_size: texts per forward
+  max_len: int  # max_target_length: a longer text keeps its last tokens (`encode`)
+  timeout_s: float  # reward_call_timeout_seconds, as for every reward function
+  model: ModelIdentity  # what the checkpoint must agree on (`check_meta`)
+
+  @classmethod
+  def of(cls, config: Any) -> "RewardModelSettings":
+    return cls(
+        str(config.rl.reward_model_path),
+        int(config.rl.reward_model_batch_size),
+        int(config.max_target_length),
+        float(config.reward_call_timeout_seconds),
+        ModelIdentity.of(config),
+    )
+
+
+def meta_of(model: ModelIdentity, tokenizer: Any) -> dict[str, Any]:
   """What a checkpoint must agree on with the run that scores with it (saved as the `meta` item)."""
   return {
       "kind": KIND,
-      "model_name": str(config.model_name),
-      "head_input": int(config.emb_dim),
-      "num_decoder_layers": int(config.num_decoder_layers),
-      "vocab_size": int(config.vocab_size),
-      "tokenizer": run_identity.tokenizer_identity(config.tokenizer_path),
+      "model_name": model.model_name,
+      "head_input": model.emb_dim,
+      "num_decoder_layers": model.num_decoder_layers,
+      "vocab_size": model.vocab_size,
+      "tokenizer": model.tokenizer,
       "tokenizer_size": len(tokenizer),
-      "use_chat_template": bool(config.use_chat_template),
+      "use_chat_template": model.use_chat_template,
   }
 
 
@@ -126,9 +163,9 @@ def checkpoint_dir(path: str) -> str:
   return sub if storage.isdir(sub) else path
 
 
-def save(directory: str, step: int, rm: RewardModel, meta: dict[str, Any], config: Any) -> None:
-  """Orbax checkpoint `step` of the reward model's parameters and its meta (checkpointing's format and storage keys)."""
-  store = checkpointing.Storage.from_config(config)
+def save(directory: str, step: int, rm: RewardModel, meta: dict[str, Any], store: checkpointing.Storage) -> None:
+  """Orbax checkpoint `step` of the reward model's parameters and its meta (checkpointing's format; `store`: the run's
+  storage keys, `checkpointing.Storage.from_config`)."""
   manager = checkpointing.open_manager(directory, ITEMS, storage=store)
   checkpointing.save_items(manager, step, {"params": nnx.state(rm, nnx.Param).to_pure_dict()}, meta, storage=store)
   manager.close()
@@ -170,11 +207,11 @@ def encode(tokenizer: Any, texts: Sequence[str], max_len: int, pad_id: int) -> t
 
 class Scorer:
   """Batched scores of texts on the reward model's mesh (`batch_size` rows per forward; the last batch padded to it,
-  so one shape compiles per width)."""
+  so one shape compiles per width; a text keeps its last `max_len` tokens)."""
 
-  def __init__(self, rm: RewardModel, mesh: Any, config: Any, tokenizer: Any, batch_size: int):
-    self.rm, self.mesh, self.config, self.tokenizer = rm, mesh, config, tokenizer
-    self.batch_size = int(batch_size)
+  def __init__(self, rm: RewardModel, mesh: Any, tokenizer: Any, batch_size: int, max_len: int):
+    self.rm, self.mesh, self.tokenizer = rm, mesh, tokenizer
+    self.batch_size, self.max_len = int(batch_size), int(max_len)
     self.pad_id = int(tokenizer.pad_token_id)
     self._fn = nnx.jit(lambda m, t, n: m(t, n))
 
@@ -185,7 +222,7 @@ class Scorer:
         chunk = list(texts[i : i + self.batch_size])
         n = len(chunk)
         chunk += [chunk[-1]] * (self.batch_size - n)
-        tokens, lengths = encode(self.tokenizer, chunk, int(self.config.max_target_length), self.pad_id)
+        tokens, lengths = encode(self.tokenizer, chunk, self.max_len, self.pad_id)
         out.append(np.asarray(self._fn(self.rm, jnp.asarray(tokens), jnp.asarray(lengths)), np.float64)[:n])
     return np.concatenate(out) if out else np.zeros(0)
 
@@ -201,33 +238,3 @@ class RewardModelReward:
   def __call__(self, prompts: Sequence[str], completions: Sequence[str], **kwargs: Any) -> list[float]:
     del kwargs
     return [float(x) for x in self.scorer([p + c for p, c in zip(prompts, completions)])]
-
-
-def reward_from_config(config: Any, devices: Sequence[Any] | None = None) -> RewardModelReward:
-  """The `reward_model` reward of `rl.reward_model_path`: its meta checked against the run's model and tokenizer
-  (before any model is built), then built like the run's model on `devices` (the trainer's; None: every device) and
-  restored."""
-  path = str(config.rl.reward_model_path)
-  tokenizer = models.load_run_tokenizer(config)
-  manager, step, meta = read_meta(path)
-  check_meta(path, meta, meta_of(config, tokenizer))
-  rm, mesh = build(config, jax.devices() if devices is None else devices, int(tokenizer.pad_token_id))
-  restore(manager, step, rm, mesh)
-  manager.close()
-  logging.info("reward model %s (step %d): %s", path, step, json.dumps(meta))
-  return RewardModelReward(Scorer(rm, mesh, config, tokenizer, int(config.rl.reward_model_batch_size)))
-
-
-def reward_fns(config: Any, devices: Sequence[Any] | None = None) -> list[RewardFn]:
-  """[the reward model as a checked reward function] with `rl.reward_model_path`, else []. Why not Tunix's
-  `Role.REWARD` (RLCluster.get_rewards): in Tunix 0.1.7 only the PPO learner calls it, on the policy's token ids with a
-  per-token score head, outside the reward-function contract; here the reward model is scored like every other reward
-  (the same timeout and non-finite rules, weights, aggregation and metrics) on the trainer's devices, where its weights
-  need no mesh of their own."""
-  if not config.rl.reward_model_path:
-    return []
-  fn = reward_from_config(config, devices)
-  path = str(config.rl.reward_model_path)
-  return [
-      RewardFn(fn, config, source=f"rl.reward_model_path='{path}'", timeout_s=float(config.reward_call_timeout_seconds))
-  ]

@@ -17,7 +17,7 @@ import sys
 from typing import Sequence
 
 from maxtext_rl_plugin import errors
-from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin.run import identity as run_identity
 from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin.config import validation
@@ -74,7 +74,7 @@ def _precheck(view) -> Prechecked:
   except Unresolved:
     return done
   try:
-    reward_loader.check_config(view)  # print_config=true too: it refuses what training refuses
+    reward_loader.check(reward_loader.RewardSelection.of(view))  # print_config=true too: it refuses what training refuses
   except Unresolved:
     pass
   if print_config is False and not _compiling(view):  # compile_topology opens no checkpoint, data or run dir

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from maxtext_rl_plugin import checkpointing
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
@@ -46,6 +47,7 @@ from maxtext_rl_plugin.data import prompts as prompts_lib
 from maxtext_rl_plugin.errors import DataError
 from maxtext_rl_plugin.errors import exit_on_user_error
 from maxtext_rl_plugin import reward_model as rm_lib
+from maxtext_rl_plugin.run import rewards as run_rewards
 
 HOLDOUT_EVERY = 5  # without eval_data_path, every 5th pair is held out
 
@@ -139,10 +141,11 @@ def train(argv: Sequence[str]) -> dict[str, Any]:
   train_rows, held_rows = split_pairs(config)
   train_c, train_r = pair_texts(train_rows, tokenizer, config)
   held_c, held_r = pair_texts(held_rows, tokenizer, config)
-  rm, mesh = rm_lib.build(config, devices, pad_id, seed=int(config.init_weights_seed))
-  meta = rm_lib.meta_of(config, tokenizer)
+  rm, mesh = run_rewards.build_reward_model(config, devices, pad_id, seed=int(config.init_weights_seed))
+  meta = rm_lib.meta_of(rm_lib.ModelIdentity.of(config), tokenizer)
   b, steps, max_len = int(config.batch_size), int(config.num_batches), int(config.max_target_length)
-  scorer = rm_lib.Scorer(rm, mesh, config, tokenizer, 2 * b)
+  scorer = rm_lib.Scorer(rm, mesh, tokenizer, 2 * b, max_len)
+  store = checkpointing.Storage.from_config(config)
   run_dir = os.path.join(str(config.base_output_directory), str(config.run_name))
   metrics_file = config.metrics_file or None
   if metrics_file and not os.path.isabs(metrics_file) and not storage.is_remote(metrics_file):
@@ -176,7 +179,7 @@ def train(argv: Sequence[str]) -> dict[str, Any]:
         logger.note(f"  rm step {step}: {shown}")
       history.append({"step": step, **m})
       if step == steps or step % int(config.checkpoint_period) == 0:
-        rm_lib.save(str(config.checkpoint_dir), step, rm, {**meta, "step": step, **m}, config)
+        rm_lib.save(str(config.checkpoint_dir), step, rm, {**meta, "step": step, **m}, store)
   summary = {
       "train_pairs": len(train_rows),
       "heldout_pairs": len(held_rows),

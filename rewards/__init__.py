@@ -3,7 +3,8 @@
 Installed as `maxtext_rl_plugin.rewards` (setup.cfg maps the top-level rewards/ directory into the
 package). Public API:
 
-* `reward_fns_from_config(config)` -> Tunix reward functions (`fn(prompts, completions, answer, **kw)`);
+* `reward_fns(RewardSelection.of(config), RewardConfig.of(config), timeout_s)` -> Tunix reward functions
+  (`fn(prompts, completions, answer, **kw)`; the run's, its config bound for MaxText-style ones: run/rewards.py);
 * `score(completion, gold, settings=None)` / `score_batch(...)` (`settings`: `RewardConfig.of(config)`) ->
   `ScoreResult` (correct, reward, extracted, rule, format_ok, partial);
 * `extract_answer(text)` -> (value | None, rule); `is_correct(pred, gold)` -> bool;
@@ -22,7 +23,7 @@ from maxtext_rl_plugin.rewards.gsm8k import (
     score,
     score_batch,
 )
-from maxtext_rl_plugin.rewards.loader import RewardFn, reward_fns_from_config
+from maxtext_rl_plugin.rewards.loader import RewardFn, RewardSelection, reward_fns
 from maxtext_rl_plugin.rewards.number_grammar import normalize_answer, parse_gold, to_number
 from maxtext_rl_plugin.rewards.verify import fast_verdict, is_correct, verify_batch
 
@@ -31,6 +32,7 @@ __all__ = [
     "RULES",
     "RewardConfig",
     "RewardFn",
+    "RewardSelection",
     "ScoreResult",
     "check_answer",
     "check_numbers",
@@ -42,7 +44,7 @@ __all__ = [
     "match_format_exactly",
     "normalize_answer",
     "parse_gold",
-    "reward_fns_from_config",
+    "reward_fns",
     "score",
     "score_batch",
     "to_number",

@@ -1,4 +1,4 @@
-"""Build the reward-function list the trainer hands to Tunix, from config keys.
+"""Build the reward-function list the trainer hands to Tunix, from a `RewardSelection` (read from the config once).
 
 * default: the GSM8K stack `match_format_exactly`, `match_format_approximately`, `check_answer`;
 * `reward_functions=a,b` (comma-separated): these names instead, looked up in `reward_functions_path`
@@ -8,11 +8,14 @@
 
 Tunix calls `fn(prompts=..., completions=..., **batch_columns)` and uses `fn.__name__` as the metric
 name. Functions written for MaxText take `tmvp_config` as well; that is detected from the signature
-and the config is bound. A signature that cannot work is rejected at start-up, not at step 1.
+and bound: a built-in gets the small `gsm8k.RewardConfig`, a user's function what the caller hands `reward_fns` as
+`tmvp_config` (MaxText's contract for `utils_rl` reward functions: the run's config; run/rewards.py, the builder,
+passes it, and nothing here reads it). A signature that cannot work is rejected at start-up, not at step 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import inspect
@@ -45,7 +48,8 @@ class RewardFunctionError(ConfigError):
 
 
 class RewardFn:
-  """A reward function bound to its config: picklable (no closure), keeps the wrapped `__name__`.
+  """A reward function with what it receives as `tmvp_config` bound: picklable (no closure), keeps the wrapped
+  `__name__`.
 
   Each call runs in a daemon thread and is checked, so a user's function can neither hang the run (after
   `timeout_s` the run stops with one line; the stuck thread is abandoned), fake success (`sys.exit(0)` inside it is
@@ -56,14 +60,14 @@ class RewardFn:
   def __init__(
       self,
       fn: Callable,
-      config: Any = None,
+      tmvp_config: Any = None,
       pass_config: bool = False,
       source: str = "built-in",
       timeout_s: float | None = None,
   ):
     functools.update_wrapper(self, fn)
     self.fn = fn
-    self.config = config
+    self.tmvp_config = tmvp_config  # passed on when `pass_config` (the module docstring says what it is), never read
     self.pass_config = pass_config
     self.source = source
     self.timeout_s = timeout_s
@@ -115,7 +119,7 @@ class RewardFn:
     prompts, completions = _own_copy(prompts), _own_copy(completions)
     kwargs = {k: _own_copy(v) for k, v in kwargs.items()}
     if self.pass_config:
-      kwargs["tmvp_config"] = self.config
+      kwargs["tmvp_config"] = self.tmvp_config
     out = self._call(prompts, completions, kwargs)
     expected = f"expected one finite number per completion ({n})"
     if isinstance(out, (str, bytes, dict)) or not hasattr(out, "__len__") or not hasattr(out, "__iter__"):
@@ -209,7 +213,7 @@ _LOADED: dict[tuple[str, int, int], Any] = {}  # (absolute path, mtime, size) ->
 
 def _load_user_module(path: str):
   """Import reward_functions_path as a uniquely named module; a missing or broken file is a ConfigError. The first
-  pass (check_config) and the trainer's start-up share one import: the module's top level runs once."""
+  pass (`check`) and the trainer's start-up share one import: the module's top level runs once."""
   try:
     if not storage.isfile(path):
       raise ConfigError(f"reward_functions_path='{path}': file not found")
@@ -298,10 +302,9 @@ def resolve(names: Sequence[str], path: str = "") -> list[tuple[str, Callable, s
   return out
 
 
-def _names_and_path(config: Any) -> tuple[list[str], str]:
-  """The function names (the default stack when unset) and reward_functions_path of a config, checked."""
-  names_raw = (getattr(config, "reward_functions", "") or "").strip()
-  path = (getattr(config, "reward_functions_path", "") or "").strip()
+def _names_and_path(names_raw: str, path: str) -> tuple[list[str], str]:
+  """The function names (the default stack when unset) and reward_functions_path, checked."""
+  names_raw, path = (names_raw or "").strip(), (path or "").strip()
   if path and not names_raw:
     raise ConfigError(
         f"reward_functions_path='{path}' is set but reward_functions is empty; name the functions to use "
@@ -313,35 +316,57 @@ def _names_and_path(config: Any) -> tuple[list[str], str]:
   return names, path
 
 
-def check_config(config: Any) -> None:
-  """What `reward_fns_from_config` would refuse, before the schema's and the trainer's imports (train_rl's first pass,
+@dataclasses.dataclass(frozen=True)
+class RewardSelection:
+  """Which reward functions a run scores with, read from the config once (`of`): the names (the default stack when
+  `reward_functions` is unset), the file looked in first (`reward_functions_path`) and `rl.reward_weights` (None: a
+  config without an `rl:` block, such as the scoring CLI's, or a first-pass view that cannot type it yet)."""
+
+  names: tuple[str, ...]
+  path: str = ""
+  reward_weights: tuple[float, ...] | None = None
+
+  @classmethod
+  def of(cls, config: Any) -> "RewardSelection":
+    """The selection of a MaxText/plugin config, or of a first-pass `validation.RawConfig` (an `Unresolved`
+    reward_functions or reward_functions_path propagates: the caller leaves the check to the typed pass)."""
+    names, path = _names_and_path(getattr(config, "reward_functions", ""), getattr(config, "reward_functions_path", ""))
+    try:
+      weights = config.rl.reward_weights
+    except (AttributeError, Unresolved):  # no rl: block, or a key the first pass cannot type yet
+      weights = None
+    return cls(tuple(names), path, None if weights is None else tuple(weights))
+
+  def check_weights(self) -> None:
+    """One weight per function, refused in one line (`reward_aggregation.configured_weights` reads `reward_weights`,
+    as on the rl: block); nothing to check when the weights are not known."""
+    if self.reward_weights is not None:
+      reward_aggregation.configured_weights(self, self.names)
+
+
+def check(selection: RewardSelection) -> None:
+  """What `reward_fns` would refuse, before the schema's and the trainer's imports (train_rl's first pass,
   print_config=true too): the file exists and imports (sys.exit in it included), each name resolves, each signature
-  works. `config` may be a `validation.RawConfig`: keys it cannot type (AttributeError) leave the check to start-up."""
-  names, path = _names_and_path(config)
-  for name, fn, source in resolve(names, path):
+  works, one weight per function."""
+  for name, fn, source in resolve(selection.names, selection.path):
     check_signature(fn, name, source)
-  try:
-    reward_aggregation.configured_weights(config.rl, names)
-  except (AttributeError, Unresolved):  # a key the first pass cannot type yet: the typed pass checks it
-    pass
+  selection.check_weights()
 
 
-def reward_fns_from_config(config: Any) -> list[Callable]:
-  """Tunix-compatible reward functions `fn(prompts, completions, answer, **kwargs) -> list[float]`.
+def reward_fns(
+    selection: RewardSelection, grading: gsm8k.RewardConfig, timeout_s: float, tmvp_config: Any = None
+) -> list[Callable]:
+  """Tunix-compatible reward functions `fn(prompts, completions, answer, **kwargs) -> list[float]`, each call bounded by
+  `timeout_s` (reward_call_timeout_seconds).
 
-  The loader (this function, `check_config`, `RewardFn`) is where rewards/ sees the whole config, by contract: a user
-  reward function written for MaxText's `utils_rl` receives it (`tmvp_config`), as in MaxText's train_rl. The grading
-  itself (gsm8k.score_batch, the built-ins, the scoring CLI) takes `gsm8k.RewardConfig`, read once per config."""
-  names, path = _names_and_path(config)
-  if hasattr(config, "rl"):  # one weight per function, refused in one line (a bare rewards config has no rl: block)
-    reward_aggregation.configured_weights(config.rl, names)
-  rc = gsm8k.RewardConfig.of(config)
+  A built-in receives `grading` (`gsm8k.RewardConfig.of(config)`: cheap to pickle) as its `tmvp_config`; a user's
+  function that takes `tmvp_config` receives the `tmvp_config` given here (module docstring)."""
+  selection.check_weights()  # before any file is imported: a bare rewards config (no rl: block) has no weights
   fns = []
-  for name, fn, source in resolve(names, path):
+  for name, fn, source in resolve(selection.names, selection.path):
     wants_config = check_signature(fn, name, source)
     builtin = fn in gsm8k.BUILTIN_REWARD_FNS.values()
-    # Built-ins get the small RewardConfig (cheap to pickle); user functions get the whole config.
-    timeout = float(config.reward_call_timeout_seconds)
-    fns.append(RewardFn(fn, rc if builtin else config, pass_config=wants_config, source=source, timeout_s=timeout))
+    bound = grading if builtin else tmvp_config
+    fns.append(RewardFn(fn, bound, pass_config=wants_config, source=source, timeout_s=float(timeout_s)))
   logging.info("reward functions: %s", ", ".join(f"{f.__name__} ({f.source})" for f in fns))
   return fns

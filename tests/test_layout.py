@@ -58,7 +58,6 @@ LAYERS: dict[str, int] = {
     "moe": 1,
     "metrics": 1,
     "checkpointing": 1,
-    "run_identity": 1,
     "sft": 1,
     "demo_tokenizer": 1,
     # 2: the run

@@ -441,7 +441,7 @@ def test_a_step_directory_without_metadata_neither_refuses_nor_decides_a_rerun(t
   # An empty `5/` (a tampered or torn checkpoint) beside a real step 2: a rerun asking for 3 steps is not told the run
   # "already trained 5 steps" (the restore sets 5 aside and resumes from 2); step 2's metadata is what is compared.
   from maxtext_rl_plugin.config import load as config_lib  # pylint: disable=import-outside-toplevel
-  from maxtext_rl_plugin import run_identity  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.run import identity as run_identity  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.run import meta as run_meta  # pylint: disable=import-outside-toplevel
   from maxtext_rl_plugin.errors import CheckpointError  # pylint: disable=import-outside-toplevel
 
@@ -532,7 +532,7 @@ def _write_checkpoint_meta(config, tmp_path, step, **changes):
     ],
 )
 def test_metrics_file_never_names_another_output_or_an_input_of_the_run(tmp_path, metrics_file, needle):
-  from maxtext_rl_plugin import run_identity  # pylint: disable=import-outside-toplevel
+  from maxtext_rl_plugin.run import identity as run_identity  # pylint: disable=import-outside-toplevel
 
   (tmp_path / "train.jsonl").write_text('{"question": "1+1?", "answer": "2"}\n')
   (tmp_path / "template.json").write_text('{"SYSTEM_PROMPT": "s", "TEMPLATE": "{question}"}')

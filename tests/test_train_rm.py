@@ -22,7 +22,7 @@ from maxtext_rl_plugin import train_rm
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.data import prompts as prompts_lib
 from maxtext_rl_plugin.errors import ConfigError
-from maxtext_rl_plugin.rewards import loader
+from maxtext_rl_plugin.run import rewards as run_rewards
 from maxtext_rl_plugin import reward_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -73,11 +73,11 @@ def test_a_tiny_reward_model_learns_held_out_pairs(rm_run):
 
 
 def test_the_restored_reward_model_scores_as_it_trained(rm_run):
-  """The reward functions train_rl builds (run/build.py: the loader's, then reward_model.reward_fns), in process: on the
-  held-out pairs its scores prefer the chosen answer as often as the trained model did, with the same mean margin."""
+  """The reward functions train_rl builds (run/rewards.reward_fns: the loader's, then the reward model), in process: on
+  the held-out pairs its scores prefer the chosen answer as often as the trained model did, with the same mean margin."""
   out, summary = rm_run
   config = config_lib.load_config([*_MODEL, f"rl.reward_model_path={out / 'rm'}", "reward_functions=check_answer"])
-  fns = loader.reward_fns_from_config(config) + reward_model.reward_fns(config, jax.devices())
+  fns = run_rewards.reward_fns(config, jax.devices())
   assert [f.__name__ for f in fns] == ["check_answer", "reward_model"]
   held = [r for i, r in enumerate(_pairs(50, 0)) if i % 5 == 4]
   tok = models.load_run_tokenizer(config)
@@ -94,14 +94,25 @@ def test_a_mismatched_reward_model_is_refused_in_one_line(rm_run):
   out, _ = rm_run
   config = config_lib.load_config([*_MODEL, f"rl.reward_model_path={out / 'rm'}", "base_emb_dim=32"])
   with pytest.raises(ConfigError) as e:
-    reward_model.reward_from_config(config, jax.devices())
+    run_rewards.reward_model_reward(config, jax.devices())
   msg = str(e.value)
   assert "'rl.reward_model_path'" in msg and "head reads hidden states of size 64, the run's model 32" in msg
   assert "\n" not in msg
-  saved = reward_model.meta_of(config_lib.load_config(_MODEL), models.load_run_tokenizer(config_lib.load_config(_MODEL)))
+  base = config_lib.load_config(_MODEL)
+  saved = reward_model.meta_of(
+      reward_model.ModelIdentity.of(base),
+      models.load_run_tokenizer(base),
+  )
   for key, value in (("tokenizer", "files 0123456789abcdef"), ("vocab_size", 151936), ("kind", "other")):
     with pytest.raises(ConfigError, match="rl.reward_model_path"):
-      reward_model.check_meta("p", {**saved, key: value}, reward_model.meta_of(config, models.load_run_tokenizer(config)))
+      reward_model.check_meta(
+          "p",
+          {**saved, key: value},
+          reward_model.meta_of(
+              reward_model.ModelIdentity.of(config),
+              models.load_run_tokenizer(config),
+          ),
+      )
   with pytest.raises(ConfigError, match="no reward model checkpoint|no such directory"):
     reward_model.read_meta(str(out / "nothing"))
 

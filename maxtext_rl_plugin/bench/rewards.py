@@ -148,7 +148,10 @@ def run_plugin(rows, bs: int) -> tuple[float, float, list[float]]:
   The stack runs in this process only (the math_verify pool is not touched by these rows), so CPU
   seconds of this process are its single-core cost even when other jobs share the cores.
   """
-  fns = rewards.reward_fns_from_config(_plugin_config())
+  config = _plugin_config()
+  fns = rewards.reward_fns(
+      rewards.RewardSelection.of(config), rewards.RewardConfig.of(config), config.reward_call_timeout_seconds
+  )
   # Cold caches: every timed pass pays for number parsing and gold parsing as a fresh batch would.
   number_grammar.clear_number_cache()
   gsm8k.gold_alternatives.cache_clear()

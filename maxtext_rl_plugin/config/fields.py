@@ -258,7 +258,7 @@ class PluginRunLoop(BaseModel):
       description="Let a run with nothing to resume from (enable_checkpointing=false) start over in the directory of "
       "a finished run, replacing its records, summary and plot (refused otherwise).",
       json_schema_extra=rule(
-          "honoured (run_identity.check_overwrite: a finished run without checkpoints is replaced)",
+          "honoured (run/identity.check_overwrite: a finished run without checkpoints is replaced)",
           EXEMPT + "applies to a run without checkpoints, which nothing resumes",
       ),
   )

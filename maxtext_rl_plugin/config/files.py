@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import hashlib
 import json
 import os
 from typing import Any
@@ -16,7 +17,9 @@ from typing import Any
 from maxtext.utils import globals as mt_globals
 import omegaconf
 
+from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.config import key_status
+from maxtext_rl_plugin.errors import CheckpointError
 from maxtext_rl_plugin.errors import ConfigError
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # maxtext_rl_plugin/, above config/
@@ -268,6 +271,41 @@ def check_tokenizer_fits(tokenizer_path: Any, tokens: int | None, vocab_size: An
       "than the model's embedding rows, so ids past them would be used and its end token could never be sampled; "
       f"set vocab_size >= {tokens} or use the model's own tokenizer"
   )
+
+
+_DIGEST_BYTES = 1 << 20  # a file's digest reads its size and first MiB: cheap for a GB Parquet, still exact enough
+
+
+@functools.lru_cache(maxsize=64)
+def file_digest(path: str, version: str) -> str:
+  """Size and first MiB of a file (storage.version, size and modification, is the cache key: a changed file is read
+  again)."""
+  h = hashlib.sha256(version.split(":", 1)[0].encode())
+  h.update(storage.read_head(path, _DIGEST_BYTES))
+  return h.hexdigest()[:16]
+
+
+def tokenizer_identity(path: Any) -> str:
+  """What makes a tokenizer another one: a local tokenizer directory's content (each file's name and digest, so the
+  same tokenizer found at another path is the same), else the hub id as written. A resume compares it (run/meta.py),
+  and so does a reward model checkpoint (reward_model.py)."""
+  resolved = resolved_tokenizer_path(path)
+  if not isinstance(resolved, str) or "://" in resolved or not os.path.isdir(os.path.expanduser(resolved)):
+    return str(path)
+  root = os.path.expanduser(resolved)
+  h = hashlib.sha256()
+  for name in sorted(os.listdir(root)):
+    full = os.path.join(root, name)
+    if os.path.isfile(full):
+      h.update(f"{name}:{file_digest(full, storage.version(full))};".encode())
+  return f"files {h.hexdigest()[:16]}"
+
+
+def check_load_parameters_path(path: Any) -> None:
+  """One line instead of MaxText's traceback for a missing local base checkpoint (the first pass, and the model
+  build)."""
+  if isinstance(path, str) and path and "://" not in path and not storage.exists(path):
+    raise CheckpointError(f"invalid value for 'load_parameters_path'='{path}': no such checkpoint directory")
 
 
 def check_model_name(model_name: str) -> None:

@@ -13,7 +13,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 NOTED = "noted"  # a resume may change it; the change is one `note:` line (run/meta.update_changes)
-INVARIANT = "invariant"  # a resume that changes it is refused (run/meta.resume_invariants or run_identity.identity)
+INVARIANT = "invariant"  # a resume that changes it is refused (run/meta.resume_invariants or run/identity.identity)
 EXEMPT = "exempt: "  # + why a change needs no note (a check, a shape, the console)
 
 

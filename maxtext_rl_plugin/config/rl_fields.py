@@ -146,7 +146,7 @@ class PluginDapo(BaseModel):
 
 class PluginRewardMix(BaseModel):
   """`rl:` several rewards combined into one advantage (algorithms/reward_aggregation.py, docs/rewards.md "Several
-  rewards"); checks: reward_aggregation.configured_weights (rewards/loader.check_config, both passes: one weight per
+  rewards"); checks: reward_aggregation.configured_weights (rewards/loader.check, both passes: one weight per
   reward_functions entry)."""
 
   reward_weights: list[float] = Field(

@@ -34,9 +34,8 @@ from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin import models
 from maxtext_rl_plugin import pathways
-from maxtext_rl_plugin import rewards as rewards_lib
-from maxtext_rl_plugin import reward_model
 from maxtext_rl_plugin.run import meta as run_meta
+from maxtext_rl_plugin.run import rewards as run_rewards
 from maxtext_rl_plugin.run import models as run_models
 from maxtext_rl_plugin.run import warm_start
 from maxtext_rl_plugin import tunix_compat
@@ -277,8 +276,8 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   )
   timer = PhaseTimer()
   recorder = RewardRecorder()
-  # rl.reward_model_path: the reward model last, one more reward, on the trainer's devices (reward_model.py)
-  fns = rewards_lib.reward_fns_from_config(config) + reward_model.reward_fns(config, rs.trainer_devices)
+  # rl.reward_model_path: the reward model last, one more reward, on the trainer's devices (run/rewards.py)
+  fns = run_rewards.reward_fns(config, rs.trainer_devices)
   reward_fns = [recorder.wrap(fn) for fn in fns]
   tunix_wiring.register_with_tunix()
   algo_config = tunix_wiring.tunix_algo_config(AlgorithmSettings.from_config(config))

@@ -7,11 +7,17 @@ built, reads the newest checkpoint's metadata straight from disk (`read_meta`: `
 item) and refuses a resume whose model or data would differ from the checkpoint's (it would continue silently on other
 examples, or fail deep inside Orbax's restore). Keys a checkpoint written before a key existed does not hold are not
 compared. Also here: the run's input and output path checks (`check_inputs`, `check_outputs`, `path_values`).
+
+In `run/` (a room the whole config may reach) because each function here guards or records the run as a whole: the
+identity reads some twenty keys of every concern (the model, LoRA, the data source, the prompt), and the path checks
+read every path key, on the typed config or on the first pass's `validation.RawConfig` (a key it cannot type is
+skipped), so no one room's settings object holds what they read. run/meta.py owns the rest of the run's metadata
+(counts, resume rules) and calls these; the file digests and the tokenizer's identity, which lower rooms need too,
+are config/files.py's.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import os
@@ -26,7 +32,6 @@ from maxtext_rl_plugin.data import rows
 from maxtext_rl_plugin.errors import CheckpointError
 from maxtext_rl_plugin.errors import ConfigError
 
-_DIGEST_BYTES = 1 << 20  # a data file's digest reads its size and first MiB: cheap for a GB Parquet, still exact enough
 _MODEL_KEYS = ("emb_dim", "mlp_dim", "num_decoder_layers", "num_query_heads", "num_kv_heads", "head_dim", "vocab_size")
 _HUB_KEYS = ("dataset_name", "hf_subset", "train_split", "eval_dataset_name", "eval_split")
 _SYNTHETIC_KEYS = (
@@ -38,15 +43,6 @@ _SYNTHETIC_KEYS = (
 )
 
 
-@functools.lru_cache(maxsize=64)
-def _file_digest(path: str, version: str) -> str:
-  """Size and first MiB of a file (storage.version, size and modification, is the cache key: a changed file is read
-  again)."""
-  h = hashlib.sha256(version.split(":", 1)[0].encode())
-  h.update(storage.read_head(path, _DIGEST_BYTES))
-  return h.hexdigest()[:16]
-
-
 def data_digest(spec: str) -> str | None:
   """Digest of the file(s) a comma-separated path/glob spec names, local or in a bucket (None: no spec, or a file
   that cannot be read: the data loader reports it in its own words)."""
@@ -56,7 +52,7 @@ def data_digest(spec: str) -> str | None:
   try:
     for part in (p.strip() for p in spec.split(",")):
       for path in storage.glob(part) if any(c in part for c in "*?[") else [part]:
-        h.update(f"{os.path.basename(path)}:{_file_digest(path, storage.version(path))};".encode())
+        h.update(f"{os.path.basename(path)}:{config_files.file_digest(path, storage.version(path))};".encode())
   except OSError:
     return None
   return h.hexdigest()[:16]
@@ -96,21 +92,6 @@ def identity(config) -> dict[str, Any]:
     out["synthetic"] = {k: int(getattr(config, k)) for k in _SYNTHETIC_KEYS}
     out["synthetic_task"] = str(config.synthetic_task)
   return out
-
-
-def tokenizer_identity(path: Any) -> str:
-  """What makes a tokenizer another one: a local tokenizer directory's content (each file's name and digest, so the
-  same tokenizer found at another path is the same), else the hub id as written."""
-  resolved = config_files.resolved_tokenizer_path(path)
-  if not isinstance(resolved, str) or "://" in resolved or not os.path.isdir(os.path.expanduser(resolved)):
-    return str(path)
-  root = os.path.expanduser(resolved)
-  h = hashlib.sha256()
-  for name in sorted(os.listdir(root)):
-    full = os.path.join(root, name)
-    if os.path.isfile(full):
-      h.update(f"{name}:{_file_digest(full, storage.version(full))};".encode())
-  return f"files {h.hexdigest()[:16]}"
 
 
 def lora_keys(config) -> dict[str, Any]:
@@ -166,12 +147,6 @@ def _local(path: Any) -> bool:
   return isinstance(path, str) and bool(path) and "://" not in path
 
 
-def check_load_parameters_path(path: Any) -> None:
-  """One line instead of MaxText's traceback for a missing local base checkpoint."""
-  if _local(path) and not storage.exists(path):
-    raise CheckpointError(f"invalid value for 'load_parameters_path'='{path}': no such checkpoint directory")
-
-
 def check_inputs(config) -> None:
   """The local files a run reads exist: data files (the data loader's own checks, `rows.check_file_rows`: they exist
   and hold a usable row), the prompt template (`prompts.load_template`), the base checkpoint, and a tokenizer_path
@@ -181,7 +156,7 @@ def check_inputs(config) -> None:
     spec = value_or(config, key)
     if isinstance(spec, str) and spec:  # local files and objects in a bucket alike (storage)
       rows.check_file_rows(spec, key)  # they exist and a local file holds a usable row (the loader's refusals)
-  check_load_parameters_path(value_or(config, "load_parameters_path"))
+  config_files.check_load_parameters_path(value_or(config, "load_parameters_path"))
   template = value_or(config, "data_template_path")
   if isinstance(template, str) and template:
     prompts.load_template(template)  # every prompt is built from it (the system prompt, with or without chat)
@@ -190,7 +165,7 @@ def check_inputs(config) -> None:
     if not os.path.exists(os.path.expanduser(tokenizer)):
       raise ConfigError(f"invalid value for 'tokenizer_path'='{tokenizer}': no such directory")
   # More token ids than embedding rows: read from a local tokenizer.json here, from the loaded tokenizer otherwise
-  # (models.load_tokenizer), before any model is built either way.
+  # (data/tokenizer.load_tokenizer), before any model is built either way.
   config_files.check_tokenizer_fits(tokenizer, config_files.tokenizer_size(tokenizer), value_or(config, "vocab_size"))
 
 

@@ -8,7 +8,7 @@ One owner for the run's metadata, used by the first pass and by the restore alik
 * the resume rules: `resume_invariants` (the data position, the loss, the rollout seed, the updates per step, the
   tokenizer, the weights' dtype: a change is refused), `UPDATE_KEYS` (a change is one `note:` line) and
   `RESUME_EXEMPT`; a plugin key's rule is its field's (config/rules.py), MaxText's keys' are listed here;
-* `checkpoint_meta`, the metadata every checkpoint holds (with run_identity.identity, the model and data it trains);
+* `checkpoint_meta`, the metadata every checkpoint holds (with run/identity.identity, the model and data it trains);
 * `check_rerun` / `preflight`, before any model is built (train_rl), and `check_resume_invariants`, which the restore
   (run/resume.py) applies again to the checkpoint it restores.
 
@@ -24,12 +24,13 @@ import os
 from typing import Any, Iterator
 
 from maxtext_rl_plugin import run_dir as run_dir_lib
-from maxtext_rl_plugin import run_identity
 from maxtext_rl_plugin import storage
+from maxtext_rl_plugin.config import files as config_files
 from maxtext_rl_plugin.config import key_rule
 from maxtext_rl_plugin.config import rules
 from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin.errors import CheckpointError
+from maxtext_rl_plugin.run import identity as run_identity
 
 
 @dataclasses.dataclass(frozen=True)
@@ -250,7 +251,7 @@ def resume_invariants(config) -> dict[str, Any]:
       "loss_algo": config.rl.loss_algo,
       "rollout_seed": int(config.rollout_seed),
       "updates_per_step": updates_per_step(config),
-      "tokenizer": run_identity.tokenizer_identity(config.tokenizer_path),
+      "tokenizer": config_files.tokenizer_identity(config.tokenizer_path),
       "weight_dtype": str(getattr(config.weight_dtype, "name", config.weight_dtype)),  # the typed config's np.dtype
   }
 

@@ -2,7 +2,7 @@
 
 import collections
 
-from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin.run import identity as run_identity
 from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin import train_rl
 from maxtext_rl_plugin.config import load as config_lib

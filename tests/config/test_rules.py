@@ -11,7 +11,7 @@ import typing
 
 import pytest
 
-from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin.run import identity as run_identity
 from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin.config import dependent_keys
 from maxtext_rl_plugin.config import key_rule

@@ -20,6 +20,7 @@ from maxtext_rl_plugin.rewards import extraction
 from maxtext_rl_plugin.rewards import gsm8k
 from maxtext_rl_plugin.rewards import number_grammar
 from maxtext_rl_plugin.rewards import verify
+from maxtext_rl_plugin.run import rewards as run_rewards
 
 TUNIX_DEMO_WEIGHTS = {  # Tunix's GSM8K GRPO demo values: every term distinguishable
     "reward_exact_answer": 3.0,
@@ -463,7 +464,7 @@ def test_adversarial_inputs_never_reach_math_verify():
 
 
 # ----------------------------------------------------------------------------------------------------
-# reward_fns_from_config: built-ins, user functions, errors
+# run/rewards.configured_reward_fns (rewards/loader.reward_fns with the config bound): built-ins, user functions, errors
 # ----------------------------------------------------------------------------------------------------
 
 
@@ -479,7 +480,7 @@ def _cfg(**kw):
 
 
 def test_default_stack_names_and_tunix_call():
-  fns = rewards.reward_fns_from_config(_cfg(**TUNIX_DEMO_WEIGHTS))
+  fns = run_rewards.configured_reward_fns(_cfg(**TUNIX_DEMO_WEIGHTS))
   assert [f.__name__ for f in fns] == ["match_format_exactly", "match_format_approximately", "check_answer"]
   comps = ["<reasoning>r</reasoning><answer>72</answer>", "#### 7"]
   # Exactly how Tunix's reward manager calls them: keywords, the batch's columns as extra kwargs.
@@ -490,7 +491,7 @@ def test_default_stack_names_and_tunix_call():
 
 
 def test_tunix_sequence_reward_manager_sums_our_functions():
-  fns = rewards.reward_fns_from_config(_cfg(**TUNIX_DEMO_WEIGHTS))
+  fns = run_rewards.configured_reward_fns(_cfg(**TUNIX_DEMO_WEIGHTS))
   mgr = reward_manager.SequenceRewardManager(fns, GRPOConfig())
   info = mgr(
       prompts=["p", "p"], completions=["<reasoning>r</reasoning><answer>72</answer>", "nothing"], answer=["72", "72"]
@@ -527,7 +528,7 @@ def user_file_fixture(tmp_path):
 
 def test_user_reward_functions_both_signatures(user_file):
   cfg = _cfg(reward_functions="tunix_style, maxtext_style,check_numbers", reward_functions_path=user_file, bonus=0.25)
-  fns = rewards.reward_fns_from_config(cfg)
+  fns = run_rewards.configured_reward_fns(cfg)
   assert [f.__name__ for f in fns] == ["tunix_style", "maxtext_style", "check_answer"]
   out = [f(prompts=["p", "p"], completions=["abc", "#### 5"], answer=["5", "5"]) for f in fns]
   assert out == [[3.0, 6.0], [0.25, 0.25], [0.0, 1.0]]
@@ -546,21 +547,23 @@ def test_user_reward_functions_both_signatures(user_file):
 )
 def test_user_reward_function_errors(user_file, names, path_needed, fragment):
   with pytest.raises(ConfigError) as e:
-    rewards.reward_fns_from_config(_cfg(reward_functions=names, reward_functions_path=user_file if path_needed else ""))
+    run_rewards.configured_reward_fns(
+        _cfg(reward_functions=names, reward_functions_path=user_file if path_needed else "")
+    )
   assert fragment in str(e.value)
   assert "\n" not in str(e.value)
 
 
 def test_user_reward_function_file_errors(tmp_path, user_file):
   with pytest.raises(ConfigError, match="file not found"):
-    rewards.reward_fns_from_config(_cfg(reward_functions="x", reward_functions_path=str(tmp_path / "missing.py")))
+    run_rewards.configured_reward_fns(_cfg(reward_functions="x", reward_functions_path=str(tmp_path / "missing.py")))
   broken = tmp_path / "broken.py"
   broken.write_text("def f(:\n")
   with pytest.raises(ConfigError, match="importing it failed: SyntaxError"):
-    rewards.reward_fns_from_config(_cfg(reward_functions="f", reward_functions_path=str(broken)))
+    run_rewards.configured_reward_fns(_cfg(reward_functions="f", reward_functions_path=str(broken)))
   with pytest.raises(ConfigError, match="reward_functions is empty"):
-    rewards.reward_fns_from_config(_cfg(reward_functions_path=user_file))
-  (fn,) = rewards.reward_fns_from_config(_cfg(reward_functions="bad_length", reward_functions_path=user_file))
+    run_rewards.configured_reward_fns(_cfg(reward_functions_path=user_file))
+  (fn,) = run_rewards.configured_reward_fns(_cfg(reward_functions="bad_length", reward_functions_path=user_file))
   with pytest.raises(ConfigError, match="returned 1 values for 2 completions"):
     fn(prompts=["p", "p"], completions=["a", "b"], answer=["1", "1"])
 
@@ -575,7 +578,7 @@ def test_reward_keys_from_a_real_config():
           "reward_functions=check_answer",
       ]
   )
-  (fn,) = rewards.reward_fns_from_config(cfg)
+  (fn,) = run_rewards.configured_reward_fns(cfg)
   assert fn(prompts=["p"], completions=["<sol>4</sol> then 9"], answer=["4"]) == [2.5]
   assert rewards.score("<sol>4</sol> then 9", "4", rewards.RewardConfig.of(cfg)).rule == "answer_tag"
 
@@ -630,7 +633,7 @@ def test_hostile_reward_functions_end_in_one_line_naming_function_and_file(tmp_p
   path = tmp_path / "hostile.py"
   path.write_text(HOSTILE_FILE)
   cfg = _cfg(reward_functions=name, reward_functions_path=str(path), reward_call_timeout_seconds=0.5)
-  (fn,) = rewards.reward_fns_from_config(cfg)
+  (fn,) = run_rewards.configured_reward_fns(cfg)
   with pytest.raises(ConfigError) as e:
     fn(prompts=["p", "p"], completions=["a", "b"], answer=["1", "1"])
   msg = str(e.value)
@@ -640,7 +643,7 @@ def test_hostile_reward_functions_end_in_one_line_naming_function_and_file(tmp_p
 def test_a_numpy_array_of_rewards_is_accepted(tmp_path):
   path = tmp_path / "hostile.py"
   path.write_text(HOSTILE_FILE)
-  (fn,) = rewards.reward_fns_from_config(_cfg(reward_functions="gives_numpy", reward_functions_path=str(path)))
+  (fn,) = run_rewards.configured_reward_fns(_cfg(reward_functions="gives_numpy", reward_functions_path=str(path)))
   assert fn(prompts=["p", "p"], completions=["a", "b"], answer=["1", "1"]) == [1.0, 1.0]
 
 
@@ -795,7 +798,7 @@ def huge_int(prompts, completions, **kwargs):
 def test_each_reward_function_gets_its_own_copies_of_the_batch(tmp_path):
   path = tmp_path / "inplace.py"
   path.write_text(INPLACE_FILE)
-  fns = rewards.reward_fns_from_config(
+  fns = run_rewards.configured_reward_fns(
       _cfg(reward_functions="rewrites,clears_kwargs,check_answer", reward_functions_path=str(path))
   )
   completions, answers, prompts = ["<answer>1</answer>", "<answer>2</answer>"], ["5", "6"], ["p", "q"]
@@ -808,7 +811,7 @@ def test_each_reward_function_gets_its_own_copies_of_the_batch(tmp_path):
 def test_a_function_that_changes_its_inputs_length_is_one_line(tmp_path):
   path = tmp_path / "inplace.py"
   path.write_text(INPLACE_FILE)
-  (fn,) = rewards.reward_fns_from_config(_cfg(reward_functions="pops", reward_functions_path=str(path)))
+  (fn,) = run_rewards.configured_reward_fns(_cfg(reward_functions="pops", reward_functions_path=str(path)))
   with pytest.raises(ConfigError) as e:
     fn(prompts=["p", "q"], completions=["a", "b"], answer=["1", "2"])
   assert "returned 1 values for 2 completions" in str(e.value) and "\n" not in str(e.value)
@@ -821,7 +824,7 @@ def test_a_function_that_changes_its_inputs_length_is_one_line(tmp_path):
 def test_rewards_beyond_float32_are_one_line(tmp_path, name, fragment):
   path = tmp_path / "inplace.py"
   path.write_text(INPLACE_FILE)
-  (fn,) = rewards.reward_fns_from_config(_cfg(reward_functions=name, reward_functions_path=str(path)))
+  (fn,) = run_rewards.configured_reward_fns(_cfg(reward_functions=name, reward_functions_path=str(path)))
   with pytest.raises(ConfigError) as e:
     fn(prompts=["p", "q"], completions=["a", "b"], answer=["1", "2"])
   assert fragment in str(e.value) and f"'{name}' ({path}:" in str(e.value) and "\n" not in str(e.value)
@@ -839,7 +842,7 @@ def test_a_reward_module_that_exits_at_import_is_one_line(tmp_path, body, fragme
   path = tmp_path / "exits_at_import.py"
   path.write_text(body + "def f(prompts, completions, **kwargs):\n  return [0.0] * len(completions)\n")
   with pytest.raises(ConfigError) as e:
-    rewards.reward_fns_from_config(_cfg(reward_functions="f", reward_functions_path=str(path)))
+    run_rewards.configured_reward_fns(_cfg(reward_functions="f", reward_functions_path=str(path)))
   assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 

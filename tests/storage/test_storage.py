@@ -13,7 +13,7 @@ import pytest
 
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import run_dir
-from maxtext_rl_plugin import run_identity
+from maxtext_rl_plugin.run import identity as run_identity
 from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.config import load as config_lib
 

@@ -17,18 +17,15 @@ CALLS = re.compile(
 # module (relative to the repo) -> (number of such calls, why none of them takes a user-given output or data path)
 ALLOWED = {
     "maxtext_rl_plugin/storage.py": (None, "the storage layer itself"),
-    "maxtext_rl_plugin/run_identity.py": (
-        1,
-        "the listing of a local tokenizer directory for its digest (tokenizers load from local directories or hub ids)",
-    ),
     "maxtext_rl_plugin/data/rows.py": (
         1,
         "the first pass's scan of a local JSONL file up to its first usable row (a file in a bucket is left to the "
         "loader, which reads it through storage)",
     ),
     "maxtext_rl_plugin/config/files.py": (
-        2,
-        "the yml chain and the shipped model files: pyconfig reads ymls with open()",
+        3,
+        "the yml chain and the shipped model files: pyconfig reads ymls with open(); the listing of a local tokenizer "
+        "directory for its digest (tokenizers load from local directories or hub ids)",
     ),
     "maxtext_rl_plugin/aot/vllm_programs.py": (2, "config.json of a temporary model directory the compile makes"),
     "maxtext_rl_plugin/demo_tokenizer.py": (3, "regenerates the demo tokenizer shipped inside the package"),
