@@ -90,6 +90,7 @@ class QuantizedPair:
     from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
     from maxtext_rl_plugin.config.load import load_config
     from maxtext_rl_plugin.rollout import vllm as vllm_rollout
+    from maxtext_rl_plugin.rollout import vllm_config as vllm_config_lib
 
     argv, arch, hf = CASES["llama3.1"]
     extra = [f"rollout_quantization={name}", f"init_weights_seed={seed}", "rl.verify_weight_sync=every_n"]
@@ -113,7 +114,7 @@ class QuantizedPair:
           tokenizer=tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(self.cfg)),
           mesh=self.mesh,
           rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=112),
-          config=self.cfg,
+          settings=vllm_config_lib.VllmSettings.from_config(self.cfg),
       )
     self.prompt = [int(t) for t in np.random.default_rng(7 + seed).integers(0, 1024, PROMPT_LEN)]
 
@@ -177,10 +178,15 @@ def _heads_transposed(s):
   return s.reshape(1, s.shape[2], s.shape[1]).swapaxes(1, 2) if s.ndim == 3 and s.shape[1] > 1 else s
 
 
-@pytest.mark.parametrize("name", ["int8", "fp8"])
-@pytest.mark.parametrize("layout", [_reversed_channels, _heads_transposed], ids=["channels reversed", "heads transposed"])
+@pytest.mark.parametrize(
+    "name, layout",
+    [("int8", _reversed_channels), ("fp8", _heads_transposed)],
+    ids=["channels reversed", "heads transposed"],
+)
 def test_a_wrong_scale_layout_fails_the_check(model_dir, monkeypatch, name, layout):
-  """Every scale the sync writes in a wrong (same-shape) layout: the logits leave the tolerance by far."""
+  """Every scale the sync writes in a wrong (same-shape) layout: the logits leave the tolerance by far (measured with
+  both formats: channels reversed 1.64 / 1.51, per-head scales transposed 1.45 / 1.41 of the largest |logit|, int8 /
+  fp8; the third pass runs one layout per format)."""
   from maxtext_rl_plugin.rollout import vllm_quantized
 
   pair = pair_of(model_dir, name)
@@ -196,3 +202,63 @@ def test_a_wrong_scale_layout_fails_the_check(model_dir, monkeypatch, name, layo
     assert pair.check(f"{name} with scales {layout.__name__}") > 100 * REL_TOL[name]
   pair.sync()
   assert pair.check(f"{name} after the real sync again") < REL_TOL[name]
+
+
+def test_the_sync_writes_what_qwix_makes_of_the_float_weights(model_dir):
+  """The quantized sync's bytes and scales equal tpu-inference's own Qwix PTQ of the float weights the float sync
+  writes (the same export tables and layout, then Qwix's quantization of the engine's float model), bit for bit."""
+  from maxtext_rl_plugin.rollout import vllm_mapping as vm
+  from maxtext_rl_plugin.rollout import vllm_sync
+
+  pair = pair_of(model_dir, "int8")
+  argv_hf = CASES["llama3.1"][2]
+  float_engine, vllm_config, mesh = build(
+      model_dir, "llama", abstract=False, dtype="float32", vocab_size=1024, **argv_hf, qwix_test="float-sync"
+  )
+  flat = vm.flatten_params(nnx.state(pair.actor, nnx.Param))
+  vllm_sync.write_weights(
+      nnx.state(float_engine), flat, pair.cfg.model_name, vm.hf_config_from_params(flat, "llama3.1-8b")
+  )
+  own = vm.engine_weights(nnx.state(qwix_quantized(float_engine, vllm_config, mesh, pair.quantization)))
+  synced = _engine(pair)
+  assert sorted(own) == sorted(synced)
+  for k, v in own.items():
+    assert v.dtype == synced[k].dtype and v.shape == synced[k].shape, k
+    np.testing.assert_array_equal(np.asarray(v).view(np.uint8), np.asarray(synced[k]).view(np.uint8), err_msg=k)
+
+
+def test_the_sync_guard_covers_the_quantized_bytes_and_the_scales(model_dir, monkeypatch):
+  """`rl.verify_weight_sync`: a scale corrupted on its way into the engine stops the sync (VllmRollout's guard), and
+  the per-host guard's trainer-side checksums name every qvalue and scale leaf and catch the corrupted one."""
+  from maxtext_rl_plugin.resharding import per_host
+  from maxtext_rl_plugin.resharding import trees
+  from maxtext_rl_plugin.rollout import vllm_mapping as vm
+  from maxtext_rl_plugin.rollout import vllm_sync
+
+  pair = pair_of(model_dir, "fp8")
+  victim = "model.layers.1.self_attn.o_proj.kernel.array.scale"
+  real_setter = vm.engine_state_setter
+
+  def corrupting(state):
+    set_leaves = real_setter(state)
+    return lambda values: set_leaves({k: (v.at[0, 0, 5].multiply(2.0) if k == victim else v) for k, v in values.items()})
+
+  with monkeypatch.context() as mp:
+    mp.setattr(vm, "engine_state_setter", corrupting)
+    with pytest.raises(RuntimeError, match=f"did not take effect: engine parameter {victim} differs"):
+      pair.sync()
+
+  sums: dict = {}
+  flat = vm.flatten_params(nnx.state(pair.actor, nnx.Param))
+  state = nnx.state(pair.engine)
+  vllm_sync.write_weights(
+      state, flat, pair.cfg.model_name, vm.hf_config_from_params(flat, "llama3.1-8b"), source_checksums=sums
+  )
+  engine = vm.engine_weights(state)
+  assert {k for k in engine if k.endswith((".qvalue", ".scale"))} <= set(sums) and len(sums) == len(engine)
+  per_host.check_hosts(sums, engine)  # the honest write passes
+  vm.engine_state_setter(state)({victim: engine[victim].at[0, 0, 5].multiply(2.0)})
+  with pytest.raises(trees.WeightSyncError, match=victim):
+    per_host.check_hosts(sums, vm.engine_weights(state))
+  pair.sync()
+  assert pair.check("fp8 after the guard's checks") < REL_TOL["fp8"]
