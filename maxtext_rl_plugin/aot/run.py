@@ -36,7 +36,7 @@ from maxtext_rl_plugin.aot import topology
 from maxtext_rl_plugin.aot import tpu_inference_compat as compat
 from maxtext_rl_plugin.aot import vllm_programs
 from maxtext_rl_plugin.errors import ConfigError
-from maxtext_rl_plugin.rollout import vllm_config
+from maxtext_rl_plugin.rollout import vllm_spec
 from maxtext_rl_plugin.run import build
 
 # Compile only the programs of these phases (comma-separated: rollout, logps, update, sync); unset: every program.
@@ -201,9 +201,7 @@ def agentic_missing(cfg) -> list[str]:
 def auto_engine_note(sampler_config) -> str:
   """Which engine a `rollout_engine=auto` compile covers: the embedded one (build._resolve_engine_name picks vLLM only
   on a TPU with vLLM installed, and only where the config's vLLM route is proven and its head_dim allowed)."""
-  adapter, _ = vllm_config.choose_route(sampler_config)
-  why_not = None if adapter else vllm_config.vllm_head_dim_reason(sampler_config.model_name, sampler_config.head_dim)
-  why_not = why_not or vllm_config.unproven_reason(sampler_config)
+  why_not = vllm_spec.auto_passes_over(sampler_config)
   if why_not:
     return f"rollout_engine=auto: compiled the embedded engine, which the TPU run takes too ({why_not})"
   return (

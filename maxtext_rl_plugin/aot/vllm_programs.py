@@ -102,7 +102,7 @@ def hf_config(cfg, max_model_len: int) -> dict:
   """The config.json vLLM reads (the run passes the checkpoint's; this one has the MaxText model's dimensions)."""
   arch, model_type, _ = _native(cfg.model_name)
   return {
-      **vllm_mapping.hf_config_from_maxtext(cfg),
+      **vllm_mapping.HfShape.from_config(cfg).as_dict(),
       "architectures": [arch],
       "model_type": model_type,
       "rope_theta": float(cfg.rope_max_timescale),
@@ -257,9 +257,9 @@ def build(rs, spec, trainer_resident: int, dp_devices: list) -> tuple[list, dict
   from tpu_inference import envs as tpu_envs
 
   scfg = rs.sampler_config
-  kwargs = vllm_config_lib.vllm_engine_kwargs(scfg, len(dp_devices))
-  adapter, _ = vllm_config_lib.choose_route(scfg)
-  if adapter:
+  settings = vllm_config_lib.VllmSettings.from_config(scfg)
+  kwargs = vllm_config_lib.vllm_engine_kwargs(settings, len(dp_devices))
+  if settings.adapter_route:
     return [], {"not_compiled": [maxtext_route_reason(scfg, kwargs, dp_devices)]}
   tp, dp = kwargs["tensor_parallel_size"], kwargs["data_parallel_size"]
   _, _, module = _native(scfg.model_name)
@@ -359,7 +359,7 @@ def maxtext_route_reason(scfg, kwargs: dict, devices: list) -> str:
   from tpu_inference.models.common import model_loader
   from vllm.config import DeviceConfig, LoadConfig, ModelConfig, ParallelConfig, VllmConfig
 
-  kwargs, _ = vllm_maxtext.engine_kwargs(kwargs, scfg)
+  kwargs, _ = vllm_maxtext.engine_kwargs(kwargs, vllm_maxtext.AdapterSettings.from_config(scfg))
   head = f"vllm rollout ({vllm_maxtext.ARCHITECTURE}, MaxText's {scfg.model_name} decoder inside vLLM)"
   family = next((k for k in _HF_MODEL_TYPE if scfg.model_name.startswith(k)), None)
   if family is None:

@@ -24,6 +24,7 @@ arrays onto the engine's shardings is the plugin's resharding (`move.reshard`, P
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Mapping
 
@@ -55,24 +56,47 @@ def unroll_gemma_blocks(flat: Mapping[str, Any]) -> dict[str, Any]:
   return _flat(maxtext_vllm_rollout.unroll_gemma_scanned_weights(_nested(flat)))
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainerLayers:
+  """The trainer config's values MaxText's `MaxTextToMaxTextConverter` reads (its `config` argument: the trainer's
+  layer structure, duck-typed through `getattr` with defaults), under MaxText's names, so the converter gets exactly
+  what the whole config would have given it. tests/resharding/test_maxtext_layout.py records what the converter reads at
+  the pinned MaxText and fails when it reads a name not here."""
+
+  num_decoder_layers: int
+  inhomogeneous_layer_cycle_interval: int
+  param_scan_axis: int
+  base_num_kv_heads: int | None
+  num_kv_heads: int | None
+  weight_dtype: Any
+  padded_base_moe_mlp_dim: int | None
+  prefuse_moe_weights: bool
+  rollout_tensor_parallelism: int
+
+  @classmethod
+  def from_config(cls, config: Any) -> "TrainerLayers":
+    """The values of a typed (trainer) config, as they are: the converter applies its own defaults and casts."""
+    return cls(**{f.name: getattr(config, f.name) for f in dataclasses.fields(cls)})
+
+
 class AdapterLayout:
   """Trainer weights -> MaxTextForCausalLM weights (one instance per engine: MaxText's converter caches its plan).
 
-  `trainer_config` gives the trainer's layer structure (`num_decoder_layers`, `param_scan_axis`,
+  `layers` gives the trainer's layer structure (`num_decoder_layers`, `param_scan_axis`,
   `inhomogeneous_layer_cycle_interval`, `base_num_kv_heads`); `tp` the engine's tensor-parallel size (kv heads and
   MoE shards); `prefuse_moe` whether the engine holds a fused `wi` (the engine's own config decides).
   """
 
-  def __init__(self, trainer_config: Any, *, tp: int, prefuse_moe: bool):
+  def __init__(self, layers: TrainerLayers, *, tp: int, prefuse_moe: bool):
     self.tp = int(tp)
     self.prefuse_moe = bool(prefuse_moe)
-    self._config = trainer_config
+    self._layers = layers
     self._converters: dict[frozenset, weight_converter.MaxTextToMaxTextConverter] = {}
 
   def _converter(self, targets: frozenset) -> weight_converter.MaxTextToMaxTextConverter:
     if targets not in self._converters:  # a full sync and an adapter-only sync have different plans
       self._converters[targets] = weight_converter.MaxTextToMaxTextConverter(
-          config=self._config,
+          config=self._layers,
           tp=self.tp,
           kv_tp_size=self.tp,
           moe_mlp_tp_size=self.tp,

@@ -78,11 +78,13 @@ def _driver_worker(llm: Any) -> Any:
 
 
 class VllmRollout(contract.RolloutEngine):
-  """Rollouts from vLLM-TPU with trainer->vLLM weight sync; build with `functools.partial(VllmRollout, config=cfg)`.
+  """Rollouts from vLLM-TPU with trainer->vLLM weight sync; build with
+  `functools.partial(VllmRollout, settings=VllmSettings.from_config(sampler_config))` (the spec's `bind`, which
+  run/build.py calls).
 
-  `config` is the whole (sampler) MaxText config: vLLM's arguments are made from MaxText's keys (vllm_config.py), and
-  on the MaxTextForCausalLM route MaxText builds its own model inside vLLM from the config it derives
-  (vllm_maxtext.py), which MaxText's API takes whole.
+  `settings` holds every key the engine reads (vllm_config.VllmSettings): vLLM's arguments are made from MaxText's keys
+  (vllm_config.py), and on the MaxTextForCausalLM route MaxText builds its own model inside vLLM from the
+  `maxtext_config` the settings carry (vllm_maxtext.py).
   """
 
   spec = vllm_spec.ENGINE
@@ -98,16 +100,18 @@ class VllmRollout(contract.RolloutEngine):
       mesh: jax.sharding.Mesh,
       rollout_config: base_rollout.RolloutConfig,
       *,
-      config: Any = None,
+      settings: vllm_config.VllmSettings | None = None,
   ):
     vllm = import_vllm()
-    if config is None:
-      raise ValueError("VllmRollout needs the plugin config: functools.partial(VllmRollout, config=cfg)")
-    self.adapter_route, why = vllm_config.choose_route(config)
+    if settings is None:
+      raise ValueError(
+          "VllmRollout needs its settings: functools.partial(VllmRollout, settings=VllmSettings.from_config(cfg))"
+      )
+    self.adapter_route, why = settings.adapter_route, settings.route_reason
     if self.adapter_route:
       vllm_maxtext.register_adapter()
     self._vllm = vllm
-    self._config = config
+    self.settings = settings
     self._mesh = mesh
     if not isinstance(tokenizer, tokenizer_adapter.TokenizerAdapter):
       tokenizer = tokenizer_adapter.TokenizerAdapter(tokenizer)
@@ -117,34 +121,34 @@ class VllmRollout(contract.RolloutEngine):
     self.per_host = distributed.is_multiprocess() and not pathways.requested()
     devices = [d for d in mesh.devices.flat if not self.per_host or d.process_index == jax.process_index()]
     self.engine_kwargs = vllm_config.vllm_engine_kwargs(
-        config,
+        settings,
         len(devices),
         device_ids=[int(d.id) for d in devices],
         hosts=jax.process_count() if self.per_host else 1,
     )
     self._layout = None
     if self.adapter_route:
-      self.engine_kwargs, source = vllm_maxtext.engine_kwargs(self.engine_kwargs, config)
-      self.route = vllm_maxtext.route_line(config, source) + (f": {why}" if why else "")
+      self.engine_kwargs, source = vllm_maxtext.engine_kwargs(self.engine_kwargs, settings.adapter)
+      self.route = vllm_maxtext.route_line(settings.model_name, source) + (f": {why}" if why else "")
       self._layout = maxtext_layout.AdapterLayout(
-          config,
+          settings.layers,
           tp=self.engine_kwargs["tensor_parallel_size"],
           prefuse_moe=bool(self.engine_kwargs["additional_config"]["maxtext_config"].get("prefuse_moe_weights")),
       )
     else:
-      self.route = vllm_mapping.route_line(config.model_name)
+      self.route = vllm_mapping.route_line(settings.model_name)
     # MoE routing capture (rl.router_replay, return_routed_experts): only MaxText's decoder inside vLLM reports it.
-    self.capture_routing = vllm_routing.wanted(config)
+    self.capture_routing = settings.capture_routing
     if self.capture_routing:
       if not self.adapter_route:
         raise ValueError(
             "routing capture (rl.router_replay / return_routed_experts) needs vLLM's MaxTextForCausalLM route: "
-            f"tpu-inference's native class for {config.model_name} does not report the experts it routed to"
+            f"tpu-inference's native class for {settings.model_name} does not report the experts it routed to"
         )
       self.engine_kwargs = vllm_routing.capture_kwargs(self.engine_kwargs)
     # Routing of the generate() calls since the last take_routing(), per thread (as the embedded engine's).
     self._routing = threading.local()
-    unproven = vllm_config.unproven_reason(config)
+    unproven = settings.unproven
     vllm_maxtext.log_route(self.route + (f" [{unproven}]" if unproven else ""))
     # In-process engine: the weight sync writes into the worker's arrays directly.
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -301,11 +305,11 @@ class VllmRollout(contract.RolloutEngine):
     `free_kv_cache_during_weight_sync`), `rl.reshard_chunk_size` MaxText tensors at a time so the
     HF-layout copies never exceed one chunk. Until a sync completes, `generate` refuses to sample.
     """
-    cfg = self._config
-    free_kv = bool(cfg.free_kv_cache_during_weight_sync)
+    settings = self.settings
+    free_kv = settings.free_kv_cache
     flat = self._trainer_weights(params, filter_types)
     if self._hf_config is None and not self.adapter_route:  # the first sync is a full one: the shapes say the model
-      self._hf_config = vllm_mapping.hf_config_from_params(flat, cfg.model_name)
+      self._hf_config = vllm_mapping.hf_config_from_params(flat, settings.model_name)
     llm = self.llm
     self._weights_valid = False
     self._logps = {}  # log-probs of the old weights
@@ -321,7 +325,7 @@ class VllmRollout(contract.RolloutEngine):
             worker.get_weights_state(),
             flat,
             self._layout,
-            chunk_size=cfg.rl.reshard_chunk_size,
+            chunk_size=settings.sync.chunk_size,
             require_all=not self._lora_only(filter_types),
             source_checksums=sources,
         )
@@ -329,11 +333,11 @@ class VllmRollout(contract.RolloutEngine):
         written = vllm_sync.write_weights(
             worker.get_weights_state(),
             flat,
-            cfg.model_name,
+            settings.model_name,
             self._hf_config,
-            param_scan_axis=int(cfg.param_scan_axis),
-            chunk_size=cfg.rl.reshard_chunk_size,
-            donate=bool(cfg.reshard_donate),
+            param_scan_axis=settings.param_scan_axis,
+            chunk_size=settings.sync.chunk_size,
+            donate=settings.sync.release_old,
             require_all=not self._lora_only(filter_types),
             source_checksums=sources,
         )
@@ -372,15 +376,15 @@ class VllmRollout(contract.RolloutEngine):
     adapters = {k: v for k, v in flat.items() if lora_lib.is_adapter(k)}
     if not adapters and not self._lora_only(filter_types):
       return flat
-    cfg = self._config
     if self._lora_only(filter_types):
       if self._lora_base is None:
         raise RuntimeError("an adapter-only vLLM sync needs a full sync of the LoRA actor first")
       base = self._lora_base
     else:
       base = {k: v for k, v in flat.items() if k not in adapters}
-    scale = lora_lib.LoraSettings.from_config(cfg).scale
-    merged = lora_lib.merge_flat(base, adapters, scale, int(cfg.param_scan_axis))
+    if self.settings.lora_scale is None:
+      raise RuntimeError("the vLLM engine got LoRA adapters to sync, but its settings have no lora.enable_lora")
+    merged = lora_lib.merge_flat(base, adapters, self.settings.lora_scale, self.settings.param_scan_axis)
     if self._lora_only(filter_types):
       return merged
     # The frozen base kernels of the adapted modules (the trainer never updates them), for adapter-only syncs.
@@ -389,8 +393,8 @@ class VllmRollout(contract.RolloutEngine):
 
   def _should_verify(self) -> bool:
     """The same policy as every other engine's guard (verify.verify_due), for the sync about to complete."""
-    rl = self._config.rl
-    return verify.verify_due(rl.verify_weight_sync, rl.verify_weight_sync_every, self._syncs + 1)
+    sync = self.settings.sync
+    return verify.verify_due(sync.verify_policy, sync.verify_every, self._syncs + 1)
 
   def pad_id(self) -> int:
     return self._tokenizer.pad_id()
@@ -414,7 +418,7 @@ class VllmRollout(contract.RolloutEngine):
   def _sampling_kwargs(self, rollout_config: base_rollout.RolloutConfig) -> dict:
     """Config defaults, with Tunix's per-mode RolloutConfig (train vs. eval) deciding the decode knobs."""
     greedy = rollout_config.temperature is not None and rollout_config.temperature <= 0
-    kw = vllm_config.sampling_params_kwargs(self._config, greedy=greedy)
+    kw = vllm_config.sampling_params_kwargs(self.settings.sampling, greedy=greedy)
     kw["max_tokens"] = int(rollout_config.max_tokens_to_generate)
     if not greedy:
       kw["temperature"] = float(rollout_config.temperature)

@@ -22,6 +22,7 @@ Supported: dense Qwen3 (`qwen3-*`) and Llama 3.1 (`llama3.1-*`), scanned or unsc
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Callable, Mapping
 
@@ -152,18 +153,35 @@ def hf_config_from_params(params: Any, model_name: str) -> dict[str, Any]:
   }
 
 
-def hf_config_from_maxtext(config: Any) -> dict[str, Any]:
-  """The same HF config fields from a MaxText config (used for vLLM's `hf_overrides` on shrunk models)."""
-  return {
-      "vocab_size": int(config.vocab_size),
-      "hidden_size": int(config.emb_dim),
-      "num_hidden_layers": int(config.num_decoder_layers),
-      "num_attention_heads": int(config.num_query_heads),
-      "num_key_value_heads": int(config.num_kv_heads),
-      "head_dim": int(config.head_dim),
-      "intermediate_size": int(config.mlp_dim),
-      "tie_word_embeddings": bool(config.logits_via_embedding),
-  }
+@dataclasses.dataclass(frozen=True)
+class HfShape:
+  """The same HF config fields from a MaxText config (`as_dict`: vLLM's `hf_overrides` on shrunk models, the config.json
+  the AOT compile writes)."""
+
+  vocab_size: int
+  hidden_size: int
+  num_hidden_layers: int
+  num_attention_heads: int
+  num_key_value_heads: int
+  head_dim: int
+  intermediate_size: int
+  tie_word_embeddings: bool
+
+  @classmethod
+  def from_config(cls, config: Any) -> "HfShape":
+    return cls(
+        vocab_size=int(config.vocab_size),
+        hidden_size=int(config.emb_dim),
+        num_hidden_layers=int(config.num_decoder_layers),
+        num_attention_heads=int(config.num_query_heads),
+        num_key_value_heads=int(config.num_kv_heads),
+        head_dim=int(config.head_dim),
+        intermediate_size=int(config.mlp_dim),
+        tie_word_embeddings=bool(config.logits_via_embedding),
+    )
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
 
 
 def vllm_param_shapes(model_name: str, hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:

@@ -22,6 +22,7 @@ No private name of MaxText or tpu-inference is used here.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from typing import Any, Mapping
 
@@ -67,12 +68,11 @@ def as_dict(value: Any, key: str) -> dict:
   raise ConfigError(f"invalid value for '{key}'={value!r}: expected a mapping or a JSON object")
 
 
-def selected(config: Any) -> bool:
+def selected(hf_overrides: Any) -> bool:
   """MaxText's rule (`maxtext_vllm_rollout.uses_maxtext_vllm_adapter`): `vllm_hf_overrides` names the adapter."""
-  overrides = config.vllm_hf_overrides
-  if isinstance(overrides, str):
-    return ARCHITECTURE in overrides
-  architectures = as_dict(overrides, "vllm_hf_overrides").get("architectures", ())
+  if isinstance(hf_overrides, str):
+    return ARCHITECTURE in hf_overrides
+  architectures = as_dict(hf_overrides, "vllm_hf_overrides").get("architectures", ())
   if isinstance(architectures, str):
     architectures = (architectures,)
   return ARCHITECTURE in architectures
@@ -91,73 +91,87 @@ def register_adapter() -> None:
   maxtext_vllm_adapter.register()
 
 
-def adapter_maxtext_config(config: Any, tensor_parallel_size: int) -> tuple[dict, str]:
-  """The adapter's `maxtext_config` overrides and where they came from ('given' or 'derived')."""
-  given = as_dict(config.vllm_additional_config, "vllm_additional_config").get("maxtext_config")
-  if given is not None and not isinstance(given, Mapping):
-    raise ConfigError(
-        f"invalid value for 'vllm_additional_config': maxtext_config must be a mapping, got {type(given).__name__}"
-    )
-  if given:
-    overrides = copy.deepcopy(dict(given))
-    source = "given"
-    name = overrides.setdefault("model_name", config.model_name)
-    if name != config.model_name:
+@dataclasses.dataclass(frozen=True)
+class AdapterSettings:
+  """What the route needs from the trainer's config, read once (`from_config`).
+
+  `maxtext_config`: the adapter's `maxtext_config` overrides before the tensor-parallel-dependent
+  `prefuse_moe_weights` (`adapter_maxtext_config` adds it), never mutated; `source`: 'given' (the user's
+  `vllm_additional_config.maxtext_config`, its model_name checked against the trainer's) or 'derived' (from the trainer's
+  config). `shrunk_moe`: (moe_mlp_dim, num_experts) of an `override_model_config` MoE model, the HF fields the adapter
+  pads the MoE width from; None otherwise.
+  """
+
+  model_name: str
+  maxtext_config: Mapping[str, Any]
+  source: str
+  num_experts: int
+  shrunk_moe: tuple[int, int] | None = None
+
+  @classmethod
+  def from_config(cls, config: Any) -> "AdapterSettings":
+    """The route's settings of a typed config; a malformed `vllm_additional_config.maxtext_config` is one line."""
+    given = as_dict(config.vllm_additional_config, "vllm_additional_config").get("maxtext_config")
+    if given is not None and not isinstance(given, Mapping):
       raise ConfigError(
-          f"invalid value for 'vllm_additional_config': maxtext_config.model_name={name!r} is not the trainer's "
-          f"model_name={config.model_name!r} (the sampler must run the model being trained)"
+          f"invalid value for 'vllm_additional_config': maxtext_config must be a mapping, got {type(given).__name__}"
       )
-  else:
-    source = "derived"
-    overrides = {
-        "model_name": config.model_name,
-        "weight_dtype": _dtype_name(config.weight_dtype),
-        "dtype": _dtype_name(config.dtype),
-    }
-    if config.override_model_config:
-      overrides["override_model_config"] = True
-      overrides.update({k: getattr(config, k) for k in _SHAPE_KEYS if getattr(config, k) is not None})
-  if int(config.num_experts) > 1 and int(tensor_parallel_size) > 1:
+    if given:
+      overrides = copy.deepcopy(dict(given))
+      source = "given"
+      name = overrides.setdefault("model_name", config.model_name)
+      if name != config.model_name:
+        raise ConfigError(
+            f"invalid value for 'vllm_additional_config': maxtext_config.model_name={name!r} is not the trainer's "
+            f"model_name={config.model_name!r} (the sampler must run the model being trained)"
+        )
+    else:
+      source = "derived"
+      overrides = {
+          "model_name": config.model_name,
+          "weight_dtype": _dtype_name(config.weight_dtype),
+          "dtype": _dtype_name(config.dtype),
+      }
+      if config.override_model_config:
+        overrides["override_model_config"] = True
+        overrides.update({k: getattr(config, k) for k in _SHAPE_KEYS if getattr(config, k) is not None})
+    experts = int(config.num_experts)
+    shrunk = (int(config.moe_mlp_dim), experts) if config.override_model_config and experts > 1 else None
+    return cls(str(config.model_name), overrides, source, experts, shrunk)
+
+
+def adapter_maxtext_config(adapter: AdapterSettings, tensor_parallel_size: int) -> tuple[dict, str]:
+  """The adapter's `maxtext_config` overrides for an engine of `tensor_parallel_size`, and where they came from."""
+  overrides = copy.deepcopy(dict(adapter.maxtext_config))
+  if adapter.num_experts > 1 and int(tensor_parallel_size) > 1:
     overrides["prefuse_moe_weights"] = True  # as MaxText's prepare_direct_sync_additional_config
-  return overrides, source
-
-
-def check_config(config: Any) -> None:
-  """The route's config refusals, one line each (the adapter's maxtext_config itself is checked when it is built)."""
-  if config.prefuse_moe_weights and int(config.num_experts) > 1:
-    raise ConfigError(
-        "invalid value for 'prefuse_moe_weights'=True with vLLM's MaxTextForCausalLM route: the trainer's fused wi is "
-        "[all gate | all up] while the engine's is laid out per tensor-parallel shard (and padded), and MaxText's "
-        "converter copies a fused source as is; leave it false (the sync fuses per shard from wi_0/wi_1)"
-    )
-  adapter_maxtext_config(config, 1)
+  return overrides, adapter.source
 
 
 def _dtype_name(dtype: Any) -> str:
   return getattr(dtype, "name", None) or getattr(getattr(dtype, "dtype", None), "name", None) or str(dtype)
 
 
-def engine_kwargs(kwargs: dict, config: Any) -> tuple[dict, str]:
+def engine_kwargs(kwargs: dict, adapter: AdapterSettings) -> tuple[dict, str]:
   """`vllm.LLM` kwargs of the native route turned into the adapter route's (hf_overrides, additional_config), and
   where the adapter's `maxtext_config` came from."""
   out = dict(kwargs)
   hf = dict(out.get("hf_overrides") or {})
   hf["architectures"] = [ARCHITECTURE]
-  if config.override_model_config and int(config.num_experts) > 1:
-    hf["moe_intermediate_size"] = int(config.moe_mlp_dim)  # the adapter pads the MoE width from this HF field
-    hf["num_experts"] = int(config.num_experts)
+  if adapter.shrunk_moe is not None:
+    hf["moe_intermediate_size"], hf["num_experts"] = adapter.shrunk_moe  # the adapter pads the MoE width from these
   out["hf_overrides"] = hf
-  maxtext_config, source = adapter_maxtext_config(config, int(out["tensor_parallel_size"]))
+  maxtext_config, source = adapter_maxtext_config(adapter, int(out["tensor_parallel_size"]))
   additional = copy.deepcopy(dict(out.get("additional_config") or {}))
   additional["maxtext_config"] = maxtext_config
   out["additional_config"] = additional
   return out, source
 
 
-def route_line(config: Any, source: str) -> str:
+def route_line(model_name: str, source: str) -> str:
   """The one line a run prints for this route."""
   return (
-      f"vLLM route: {ARCHITECTURE} (MaxText's {config.model_name} decoder inside vLLM; maxtext_config {source}; "
+      f"vLLM route: {ARCHITECTURE} (MaxText's {model_name} decoder inside vLLM; maxtext_config {source}; "
       "sync: MaxText's MaxTextToMaxTextConverter + plugin resharding)"
   )
 

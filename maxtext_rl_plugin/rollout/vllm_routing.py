@@ -24,13 +24,6 @@ import numpy as np
 from maxtext_rl_plugin import moe
 
 
-def wanted(config: Any) -> bool:
-  """Whether the engine must capture routing: `rl.router_replay` replays it; MaxText's `return_routed_experts` asks
-  for it (the step then logs the sampler-trainer routing mismatch); only MoE models route."""
-  asked = bool(config.rl.router_replay) or bool(getattr(config, "return_routed_experts", False))
-  return asked and moe.MoeSettings.from_config(config).is_moe
-
-
 def capture_kwargs(engine_kwargs: dict) -> dict:
   """The adapter route's `vllm.LLM` kwargs with routing capture on: vLLM's `enable_return_routed_experts` and the
   adapter's `maxtext_config.return_routed_experts` (MaxText's key, with its meaning: record, return `expert_indices`)."""

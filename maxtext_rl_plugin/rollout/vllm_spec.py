@@ -2,9 +2,14 @@
 
 Light (no JAX, no vLLM): the `maxtext_rl_plugin.rollout_engines` entry point `vllm` names `ENGINE`, which the first
 pass reads before JAX is imported (rollout/engines.py says why). The checks that need the route's heavier modules
-(`vllm_config.check_config`: the native mapping tables, MaxText's adapter config) run in the second pass
-(`typed_checks`). The engine itself is rollout/vllm.py.
+(`check_route`: the native mapping tables, MaxText's adapter config) run in the second pass (`typed_checks`). The
+engine itself is rollout/vllm.py; it takes `vllm_config.VllmSettings`, read from the config where the run is built.
 """
+
+# The second pass's checks and the run's binding import rollout/vllm_config inside the function: the first pass imports
+# this module before JAX (rollout/engines.py), and vllm_config needs the native mapping tables (rollout/vllm_mapping.py:
+# MaxText's checkpoint-conversion tables, JAX).
+# pylint: disable=import-outside-toplevel
 
 from __future__ import annotations
 
@@ -40,11 +45,11 @@ def qwen3_head_dim_reason(model_name: str, head_dim: int) -> str | None:
 def check_head_dim(pc: Any) -> None:
   """The native route's head_dim rule, for the dense Qwen3 models it runs (the MoE ones, the variants it does not map
   and a config naming MaxTextForCausalLM take MaxText's own attention, which computes with the model's head_dim);
-  rollout/vllm_config.check_config decides the route itself in the second pass."""
+  `check_route` decides the route itself in the second pass."""
   if int(value_or(pc, "num_experts", 1)) > 1:
     return
   try:
-    if vllm_maxtext.selected(pc):
+    if vllm_maxtext.selected(pc.vllm_hf_overrides):
       return
   except Unresolved:  # the config as written: unset (no adapter named) or set in a form only the schema types
     if "vllm_hf_overrides" in pc:
@@ -54,6 +59,48 @@ def check_head_dim(pc: Any) -> None:
   reason = qwen3_head_dim_reason(pc.model_name, pc.head_dim)
   if reason:
     raise ConfigError(f"invalid value for 'head_dim'={pc.head_dim!r}: {reason}")
+
+
+def check_route(config: Any) -> None:
+  """The second pass's checks of the route a typed config takes (print_config and training run them), one ConfigError
+  line each: on MaxText's decoder inside vLLM, `prefuse_moe_weights` and the adapter's `maxtext_config`; on a native
+  class, the head_dim rule (tpu-inference pads head_dim, Qwen3's q/k norm then differs; MaxText's own attention inside
+  vLLM computes with the model's head_dim)."""
+  from maxtext_rl_plugin.rollout import vllm_config
+
+  adapter, _ = vllm_config.choose_route(config.model_name, config.vllm_hf_overrides)
+  if not adapter:
+    reason = qwen3_head_dim_reason(config.model_name, config.head_dim)
+    if reason:
+      raise ConfigError(f"invalid value for 'head_dim'={config.head_dim}: {reason}")
+    return
+  if config.prefuse_moe_weights and int(config.num_experts) > 1:
+    raise ConfigError(
+        "invalid value for 'prefuse_moe_weights'=True with vLLM's MaxTextForCausalLM route: the trainer's fused wi is "
+        "[all gate | all up] while the engine's is laid out per tensor-parallel shard (and padded), and MaxText's "
+        "converter copies a fused source as is; leave it false (the sync fuses per shard from wi_0/wi_1)"
+    )
+  vllm_maxtext.AdapterSettings.from_config(config)  # a malformed or foreign maxtext_config is one line
+
+
+def bind(config: Any, mesh: Any) -> dict:
+  """The keyword arguments the run builds the engine with besides Tunix's four: its settings, read from the sampler's
+  config once (`vllm_config.VllmSettings.from_config`; a malformed vLLM mapping key is one ConfigError line)."""
+  del mesh  # the engine reads its devices off the mesh Tunix hands it
+  from maxtext_rl_plugin.rollout import vllm_config
+
+  return {"settings": vllm_config.VllmSettings.from_config(config)}
+
+
+def auto_passes_over(config: Any) -> str | None:
+  """Why `rollout_engine=auto` passes vLLM over for a typed config (one clause), or None: the native route's head_dim
+  rule (it would sample another function than the trainer's), or a route tests/tpu_contract does not prove by logits
+  (`rollout_engine=vllm` runs it anyway, saying so)."""
+  from maxtext_rl_plugin.rollout import vllm_config
+
+  adapter, _ = vllm_config.choose_route(config.model_name, config.vllm_hf_overrides)
+  head_dim = None if adapter else qwen3_head_dim_reason(config.model_name, config.head_dim)
+  return head_dim or vllm_config.unproven_reason(config.model_name, adapter)
 
 
 def routing_refusal(pc: Any, what: str) -> str | None:
@@ -89,7 +136,7 @@ ENGINE = engines.EngineSpec(
         weight_sync="own",  # maps to vLLM's layout and writes inside tpu-inference's weight-update session
     ),
     checks=(check_head_dim, precision.check),  # quantized_weights=(): rollout/precision.py says why
-    typed_checks=("maxtext_rl_plugin.rollout.vllm_config:check_config",),
+    typed_checks=("maxtext_rl_plugin.rollout.vllm_spec:check_route",),
     routing_refusal=routing_refusal,
     summary="vLLM-TPU (needs the [tpu] extra)",
 )

@@ -45,7 +45,7 @@ from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import sync
 from maxtext_rl_plugin.rollout import engines
 from maxtext_rl_plugin.rollout import precision
-from maxtext_rl_plugin.rollout import vllm_config
+from maxtext_rl_plugin.rollout import vllm_spec
 from maxtext_rl_plugin.run.state import PhaseTimer, RewardRecorder, RLRun
 
 
@@ -95,15 +95,12 @@ def _resolve_engine_name(config) -> str:
 
   on_tpu = jax.default_backend() in ("tpu",) or pathways.requested()
   name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
-  adapter_route, _ = vllm_config.choose_route(config)  # MaxText's own decoder inside vLLM has no head_dim limit
-  head_dim_reason = None if adapter_route else vllm_config.vllm_head_dim_reason(config.model_name, config.head_dim)
-  unproven = (vllm_config.unproven_reason(config) or precision.refusal(config, "vllm")) if name == "vllm" else None
-  if name == "vllm" and head_dim_reason:
+  # The native route's head_dim rule, then an unproven route: auto takes a proven vLLM route only (rollout_engine=vllm
+  # runs it anyway, saying so).
+  passed_over = vllm_spec.auto_passes_over(config)
+  if name == "vllm" and (passed_over or precision.refusal(config, "vllm")):
     name = "embedded"
-    logging.info("rollout_engine=auto resolved to 'embedded': %s", head_dim_reason)
-  elif unproven:  # auto takes a proven vLLM route only; rollout_engine=vllm runs it anyway, saying so
-    name = "embedded"
-    logging.info("rollout_engine=auto resolved to 'embedded': %s", unproven)
+    logging.info("rollout_engine=auto resolved to 'embedded': %s", passed_over or precision.refusal(config, "vllm"))
   else:
     per_host = name == "vllm" and jax.process_count() > 1 and not pathways.requested()
     logging.info(

@@ -14,6 +14,7 @@ import concurrent.futures
 import gc
 import json
 import sys
+import types
 
 from absl import logging as absl_logging
 import flax.linen as nn
@@ -566,17 +567,8 @@ def test_verify_policy_is_one_schedule_for_every_engine(policy, every, checked):
   assert [n for n in range(1, 22) if verify.verify_due(policy, every, n)] == checked
   ws = sync.WeightSync(None, None, verify_policy=policy, verify_every=every)
   engine = object.__new__(vllm_rollout.VllmRollout)
-  engine._config = type(  # pylint: disable=protected-access  # an engine without its heavy constructor
-      "C",
-      (),
-      {
-          "rl": type(
-              "RL",
-              (),
-              {"verify_weight_sync": policy, "verify_weight_sync_every": every},  # pylint: disable=protected-access
-          )()
-      },
-  )()
+  # An engine without its heavy constructor: only its settings' sync policy is read.
+  engine.settings = types.SimpleNamespace(sync=sync.SyncSettings(verify_policy=policy, verify_every=every))
   got_ws, got_vllm = [], []
   for n in range(1, 22):
     ws.num_syncs = n  # the sync just done

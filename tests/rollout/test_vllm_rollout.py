@@ -10,6 +10,7 @@ with NumPy (repeat heads, zero-pad head_dim), not with the mapping.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -310,6 +311,11 @@ def _rollout_config(cfg, **kw):
   return base_rollout.RolloutConfig(**base)
 
 
+def _settings(cfg) -> vllm_config.VllmSettings:
+  """The engine's settings as the run builds them (run/build.py: the spec's `bind`)."""
+  return vllm_config.VllmSettings.from_config(cfg)
+
+
 def _build(monkeypatch, cfg, tree, tokenizer, engine_state=None):
   """A VllmRollout over the fake vllm module, with the engine state shaped like tpu-inference's real tree."""
   hc = vm.hf_config_from_params(tree, cfg.model_name)
@@ -327,7 +333,7 @@ def _build(monkeypatch, cfg, tree, tokenizer, engine_state=None):
 
   monkeypatch.setattr(vllm_sync, "_reshard", fake_reshard)
   rollout = vllm_mod.VllmRollout(
-      rollout_actor=tree, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), config=cfg
+      rollout_actor=tree, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), settings=_settings(cfg)
   )
   return rollout, module, log, state, reshard_calls
 
@@ -341,7 +347,7 @@ def test_missing_vllm_fails_at_construction_with_one_line(qwen, tokenizer, capsy
   cls = registry.load("rollout_engines", "vllm").load_engine()
   assert cls is vllm_mod.VllmRollout
   with pytest.raises(errors.MissingExtraError) as ei:
-    cls(rollout_actor=qwen[1], tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(qwen[0]), config=qwen[0])
+    cls(rollout_actor=qwen[1], tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(qwen[0]), settings=None)
   msg = str(ei.value)
   assert "\n" not in msg and "rollout_engine=vllm" in msg and "pip install 'maxtext-rl-plugin[tpu]'" in msg
   # The trainer resolves rollout_engine=vllm before any model is built, inside the entry points' handler:
@@ -374,7 +380,7 @@ def test_engine_kwargs_map_every_rollout_key():
           "weight_dtype=bfloat16",
       ]
   )
-  kw = vllm_config.vllm_engine_kwargs(cfg, 8, device_ids=range(8, 16))
+  kw = vllm_config.vllm_engine_kwargs(_settings(cfg), 8, device_ids=range(8, 16))
   assert (kw["tensor_parallel_size"], kw["data_parallel_size"], kw["enable_expert_parallel"]) == (2, 4, False)
   assert kw["gpu_memory_utilization"] == pytest.approx(0.55)
   assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["block_size"]) == (64, 2048, 32)
@@ -396,7 +402,7 @@ def test_engine_kwargs_map_every_rollout_key():
           "rollout_expert_parallelism=-1",
       ]
   )
-  kw = vllm_config.vllm_engine_kwargs(ep, 8)
+  kw = vllm_config.vllm_engine_kwargs(_settings(ep), 8)
   assert (kw["tensor_parallel_size"], kw["data_parallel_size"], kw["enable_expert_parallel"]) == (1, 2, True)
   assert kw["additional_config"]["sharding"]["sharding_strategy"]["expert_parallelism"] == 4
   assert "max_num_seqs" not in kw and "block_size" not in kw
@@ -421,9 +427,9 @@ class _Override:
     ],  # product != device count
 )
 def test_engine_kwargs_bad_parallelism_is_one_line_config_error(qwen, tp, dp, ep):
-  cfg = _Override(qwen[0], rollout_tensor_parallelism=tp, rollout_data_parallelism=dp, rollout_expert_parallelism=ep)
+  settings = dataclasses.replace(_settings(qwen[0]), parallelism=vllm_config.Parallelism(tp, dp, ep))
   with pytest.raises(errors.ConfigError) as ei:
-    vllm_config.vllm_engine_kwargs(cfg, 8)
+    vllm_config.vllm_engine_kwargs(settings, 8)
   assert "\n" not in str(ei.value) and "rollout" in str(ei.value)
 
 
@@ -439,15 +445,30 @@ def test_sampling_kwargs_from_config():
           "stop_token_ids=[11,12]",
       ]
   )
-  kw = vllm_config.sampling_params_kwargs(cfg)
+  sampling = _settings(cfg).sampling
+  kw = vllm_config.sampling_params_kwargs(sampling)
   assert (kw["temperature"], kw["top_k"], kw["top_p"]) == (0.7, 40, 0.9)
   assert kw["max_tokens"] == cfg.max_target_length - cfg.max_prefill_predict_length
   assert kw["stop"] == ["</answer>"] and kw["include_stop_str_in_output"] and kw["detokenize"]
   assert kw["stop_token_ids"] == [11, 12] and kw["logprobs"] == 0 and kw["n"] == 1
-  greedy = vllm_config.sampling_params_kwargs(cfg, greedy=True)
+  greedy = vllm_config.sampling_params_kwargs(sampling, greedy=True)
   assert (greedy["temperature"], greedy["top_k"], greedy["top_p"]) == (0.0, 0, 1.0)
-  plain = vllm_config.sampling_params_kwargs(_Override(cfg, stop_strings=None))
+  plain = vllm_config.sampling_params_kwargs(_settings(_Override(cfg, stop_strings=None)).sampling)
   assert plain["stop"] is None and plain["detokenize"] is False
+
+
+def test_capture_is_wanted_for_replay_or_the_maxtext_key_on_moe_models_only(qwen):
+  """Routing capture (rollout/vllm_routing.py): `rl.router_replay` replays it, MaxText's `return_routed_experts` asks
+  for it; only MoE models route."""
+
+  def wanted(experts, replay, key):
+    cfg = _Override(
+        qwen[0], num_experts=experts, return_routed_experts=key, rl=_Override(qwen[0].rl, router_replay=replay)
+    )
+    return _settings(cfg).capture_routing
+
+  assert wanted(4, True, False) and wanted(4, False, True)
+  assert not wanted(4, False, False) and not wanted(1, True, True)
 
 
 # ------------------------------------------------------------------ tests: weight mapping
@@ -458,7 +479,7 @@ def test_every_trainer_parameter_lands_in_exactly_one_vllm_parameter(which, requ
   cfg, tree = request.getfixturevalue(which)
   hc = vm.hf_config_from_params(tree, cfg.model_name)
   # The shapes read off the tree agree with the config's view of the model.
-  assert {k: hc[k] for k in vm.hf_config_from_maxtext(cfg)} == vm.hf_config_from_maxtext(cfg)
+  assert {k: hc[k] for k in vm.HfShape.from_config(cfg).as_dict()} == vm.HfShape.from_config(cfg).as_dict()
   out = vm.map_maxtext_to_vllm(tree, cfg.model_name)
   spec = vm.vllm_param_shapes(cfg.model_name, hc)
   assert set(out) == set(spec), set(out) ^ set(spec)
@@ -567,7 +588,7 @@ def test_step0_syncs_trainer_weights_into_every_engine_parameter(which, request,
   cfg, tree = request.getfixturevalue(which)
   rollout, module, log, state, reshard_calls = _build(monkeypatch, cfg, tree, tokenizer)
   llm = module.LLM.instances[-1]
-  assert llm.kwargs == vllm_config.vllm_engine_kwargs(cfg, 1, device_ids=[int(jax.devices()[0].id)])
+  assert llm.kwargs == vllm_config.vllm_engine_kwargs(_settings(cfg), 1, device_ids=[int(jax.devices()[0].id)])
   assert llm.env_multiprocessing == "0"
   names = [e[0] if e[0] != "collective_rpc" else e[1] for e in log]
   # ... and the re-read of verify_weight_sync=first (the default) before the session closes.
@@ -806,7 +827,7 @@ def test_unregistrable_adapter_fails_before_starting_vllm(monkeypatch, tokenizer
   monkeypatch.setitem(sys.modules, "vllm", module)
   with pytest.raises(errors.ConfigError, match="rollout_engine=vllm runs this model through MaxTextForCausalLM") as e:
     vllm_mod.VllmRollout(  # no tpu_inference in this venv: MaxText's adapter cannot be registered
-        rollout_actor={}, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), config=cfg
+        rollout_actor={}, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), settings=_settings(cfg)
     )
   assert module.LLM.instances == [] and "\n" not in str(e.value)
 
@@ -870,7 +891,7 @@ def test_multi_controller_run_gets_one_vllm_engine_per_host(monkeypatch, qwen, t
   monkeypatch.setitem(sys.modules, "vllm", module)
   split = _Override(cfg, rollout_tensor_parallelism=2, rollout_data_parallelism=4, rollout_expert_parallelism=1)
   rollout = vllm_mod.VllmRollout(
-      rollout_actor=tree, tokenizer=tokenizer, mesh=mesh, rollout_config=_rollout_config(cfg), config=split
+      rollout_actor=tree, tokenizer=tokenizer, mesh=mesh, rollout_config=_rollout_config(cfg), settings=_settings(split)
   )
   kw = module.LLM.instances[-1].kwargs
   assert kw["additional_config"]["sharding"]["sharding_strategy"]["device_indexes"] == [2048, 2049, 2050, 2051]
@@ -888,7 +909,7 @@ def test_multi_controller_run_gets_one_vllm_engine_per_host(monkeypatch, qwen, t
   ):
     with pytest.raises(errors.ConfigError, match=match) as ei:
       vllm_mod.VllmRollout(
-          rollout_actor=tree, tokenizer=tokenizer, mesh=mesh, rollout_config=_rollout_config(cfg), config=bad
+          rollout_actor=tree, tokenizer=tokenizer, mesh=mesh, rollout_config=_rollout_config(cfg), settings=_settings(bad)
       )
     assert "\n" not in str(ei.value)
   assert len(module.LLM.instances) == 1
@@ -956,7 +977,7 @@ def _build_adapter(monkeypatch, cfg, tree, tokenizer, state):
   monkeypatch.setitem(sys.modules, "vllm", module)
   monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING", raising=False)
   rollout = vllm_mod.VllmRollout(
-      rollout_actor=tree, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), config=cfg
+      rollout_actor=tree, tokenizer=tokenizer, mesh=_mesh(), rollout_config=_rollout_config(cfg), settings=_settings(cfg)
   )
   return rollout, module, log, registered
 
@@ -965,8 +986,12 @@ def test_maxtexts_key_selects_the_adapter_route_with_maxtexts_meaning(moe):
   from maxtext_rl_plugin.rollout import vllm_maxtext  # pylint: disable=import-outside-toplevel
 
   cfg, _ = moe
-  assert vllm_maxtext.selected(cfg) and vllm_config.choose_route(cfg) == (True, None)
-  kw, source = vllm_maxtext.engine_kwargs(vllm_config.vllm_engine_kwargs(cfg, 2, device_ids=[0, 1]), cfg)
+  settings = _settings(cfg)
+  assert vllm_maxtext.selected(cfg.vllm_hf_overrides) and (settings.adapter_route, settings.route_reason) == (True, None)
+  assert vllm_config.choose_route(cfg.model_name, cfg.vllm_hf_overrides) == (True, None)
+  kw, source = vllm_maxtext.engine_kwargs(
+      vllm_config.vllm_engine_kwargs(settings, 2, device_ids=[0, 1]), settings.adapter
+  )
   assert source == "derived" and kw["hf_overrides"]["architectures"] == ["MaxTextForCausalLM"]
   assert kw["hf_overrides"]["moe_intermediate_size"] == 32  # the adapter pads the expert width from this field
   mc = kw["additional_config"]["maxtext_config"]
@@ -976,12 +1001,12 @@ def test_maxtexts_key_selects_the_adapter_route_with_maxtexts_meaning(moe):
   )  # TP 1 here (rollout_data_parallelism derives 2): MaxText's rule sets it at TP > 1
   assert kw["additional_config"]["sharding"]["sharding_strategy"]["device_indexes"] == [0, 1]
   tp2 = load_config(["configs/cpu_tiny.yml", *TINY_MOE, ADAPTER, "rollout_tensor_parallelism=2"])
-  kw2, _ = vllm_maxtext.engine_kwargs(vllm_config.vllm_engine_kwargs(tp2, 2), tp2)
+  kw2, _ = vllm_maxtext.engine_kwargs(vllm_config.vllm_engine_kwargs(_settings(tp2), 2), _settings(tp2).adapter)
   assert kw2["tensor_parallel_size"] == 2 and kw2["additional_config"]["maxtext_config"]["prefuse_moe_weights"]
   # A given maxtext_config is MaxText's: passed on as written, its model must be the trainer's.
   given = 'vllm_additional_config={"maxtext_config":{"model_name":"qwen3-30b-a3b","model_call_mode":"inference"}}'
   gcfg = load_config(["configs/cpu_tiny.yml", *TINY_MOE, ADAPTER, given])
-  kw3, source = vllm_maxtext.engine_kwargs(vllm_config.vllm_engine_kwargs(gcfg, 1), gcfg)
+  kw3, source = vllm_maxtext.engine_kwargs(vllm_config.vllm_engine_kwargs(_settings(gcfg), 1), _settings(gcfg).adapter)
   assert source == "given" and kw3["additional_config"]["maxtext_config"] == {
       "model_name": "qwen3-30b-a3b",
       "model_call_mode": "inference",
@@ -1008,11 +1033,12 @@ def test_adapter_route_refusals_are_one_line(argv, match):
 @pytest.mark.parametrize("model", ["gemma3-4b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek3-671b", "gpt-oss-20b"])
 def test_families_without_a_native_class_take_the_adapter_route_and_say_why(model):
   cfg = load_config(["configs/cpu_tiny.yml", f"model_name={model}", "rollout_engine=auto"])  # embedded refuses MLA
-  adapter, why = vllm_config.choose_route(cfg)
+  adapter, why = vllm_config.choose_route(cfg.model_name, cfg.vllm_hf_overrides)
   assert adapter and why.startswith(f"no native vLLM class for {model}: ") and "(MaxTextForCausalLM)" in why
   assert "\n" not in why
   for native in ("qwen3-0.6b", "llama3.1-8b"):
-    assert vllm_config.choose_route(load_config(["configs/cpu_tiny.yml", f"model_name={native}"])) == (False, None)
+    native_cfg = load_config(["configs/cpu_tiny.yml", f"model_name={native}"])
+    assert vllm_config.choose_route(native_cfg.model_name, native_cfg.vllm_hf_overrides) == (False, None)
 
 
 def _expected_adapter_leaf(tree: dict, name: str) -> np.ndarray:

@@ -69,13 +69,3 @@ def test_capture_kwargs_turns_on_both_sides_without_touching_the_input():
   assert out["enable_return_routed_experts"] is True
   assert out["additional_config"]["maxtext_config"] == {"model_name": "qwen3-30b-a3b", "return_routed_experts": True}
   assert "enable_return_routed_experts" not in kwargs and "return_routed_experts" not in str(kwargs)
-
-
-def test_capture_is_wanted_for_replay_or_the_maxtext_key_on_moe_models_only():
-  def cfg(experts, replay, key):
-    return types.SimpleNamespace(
-        num_experts=experts, rl=types.SimpleNamespace(router_replay=replay), return_routed_experts=key
-    )
-
-  assert vllm_routing.wanted(cfg(4, True, False)) and vllm_routing.wanted(cfg(4, False, True))
-  assert not vllm_routing.wanted(cfg(4, False, False)) and not vllm_routing.wanted(cfg(1, True, True))
