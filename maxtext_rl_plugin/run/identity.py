@@ -58,10 +58,10 @@ def data_digest(spec: str) -> str | None:
   return h.hexdigest()[:16]
 
 
-def _template_digest(config) -> str | None:
+def _template_digest(template_path: str) -> str | None:
   """Digest of the prompt template's content (the file data_template_path resolves to, or the built-in one)."""
   try:
-    tpl = prompts.load_template(config.data_template_path or "")
+    tpl = prompts.load_template(template_path)
   except ConfigError:
     return None  # unreadable: the data loader says so in its own words
   return hashlib.sha256(json.dumps(tpl, sort_keys=True).encode()).hexdigest()[:16]
@@ -82,7 +82,7 @@ def identity(config) -> dict[str, Any]:
       "eval_data_digest": data_digest(config.eval_data_path),
       "hub_data": {k: str(getattr(config, k, "") or "") for k in _HUB_KEYS},
       "prompt": {
-          "template_digest": _template_digest(config),
+          "template_digest": _template_digest(config.data_template_path or ""),
           "use_chat_template": bool(config.use_chat_template),
           "reasoning_start_token_in_prompt": bool(config.reasoning_start_token_in_prompt),
           **prompts.tag_tokens(prompts.PromptSettings.from_config(config)),
