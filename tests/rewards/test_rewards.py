@@ -18,6 +18,7 @@ from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rewards import extraction
 from maxtext_rl_plugin.rewards import gsm8k
+from maxtext_rl_plugin.rewards import loader
 from maxtext_rl_plugin.rewards import number_grammar
 from maxtext_rl_plugin.rewards import verify
 from maxtext_rl_plugin.run import rewards as run_rewards
@@ -488,6 +489,27 @@ def test_default_stack_names_and_tunix_call():
   assert out == [[3.0, 0.0], [2.0, -2.0], [3.0, -1.0]]
   clone = pickle.loads(pickle.dumps(fns[2]))
   assert clone(prompts=["p"], completions=comps[:1], answer=["72"]) == [3.0]
+
+
+def test_a_weight_count_that_differs_is_the_same_line_from_both_passes():
+  """rl.reward_weights with one weight too few: the first pass (`loader.check` on `RewardSelection.of`) and the run's
+  builder refuse it in the same line; a config without an rl: block (the scoring CLI's) has no weights to check."""
+  want = (
+      "invalid value for 'rl.reward_weights'=[1.0, 0.5]: 2 weights for 3 reward functions (reward_functions: "
+      "match_format_exactly, match_format_approximately, check_answer); give one weight per reward_functions entry, in "
+      "its order"
+  )
+  config = _cfg(rl=types.SimpleNamespace(reward_weights=[1.0, 0.5]))
+  for build in (
+      lambda: loader.check(loader.RewardSelection.of(config)),
+      lambda: run_rewards.configured_reward_fns(config),
+  ):
+    with pytest.raises(ConfigError) as e:
+      build()
+    assert str(e.value) == want
+  selection = loader.RewardSelection.of(_cfg())
+  assert selection == loader.RewardSelection(tuple(rewards.DEFAULT_STACK), "", None)
+  loader.check(selection)
 
 
 def test_tunix_sequence_reward_manager_sums_our_functions():
