@@ -26,6 +26,7 @@ from maxtext_rl_plugin.resharding import maxtext_layout
 from maxtext_rl_plugin.resharding.sync import SyncSettings
 from maxtext_rl_plugin.rollout import vllm_mapping
 from maxtext_rl_plugin.rollout import vllm_maxtext
+from maxtext_rl_plugin.rollout import vllm_quantized
 
 # ------------------------------------------------------------------------------- settings
 
@@ -98,6 +99,8 @@ class VllmSettings:
     key (`vllm_additional_config`, `vllm_hf_overrides`) is one ConfigError line."""
     adapter, why = choose_route(config.model_name, config.vllm_hf_overrides)
     additional = vllm_maxtext.as_dict(config.vllm_additional_config, "vllm_additional_config")
+    if not adapter:  # a quantized sampler: tpu-inference's Qwix rules (rollout/vllm_quantized.py)
+      additional = vllm_quantized.with_quantization(additional, config.rollout_quantization)
     # A shrunk model must get vLLM's model built with the trainer's shapes, not the hub config's.
     overrides = vllm_mapping.HfShape.from_config(config).as_dict() if config.override_model_config else {}
     overrides.update(vllm_maxtext.as_dict(config.vllm_hf_overrides, "vllm_hf_overrides"))

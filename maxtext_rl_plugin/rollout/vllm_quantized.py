@@ -42,6 +42,7 @@ from typing import Any, Mapping
 import jax
 import jax.numpy as jnp
 
+from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import quantize as qz
 
 QTYPES = {"int8": "int8", "fp8": "float8_e4m3fn"}  # rollout_quantization -> Qwix's weight_qtype
@@ -53,6 +54,21 @@ def engine_quantization(name: str) -> dict:
   forward (`module_path` '.*', the spelling tpu-inference's own rule lookups expect), weight-only, per output channel
   (Qwix's default for a weight: channelwise over every non-contracting axis)."""
   return {"qwix": {"rules": [{"module_path": ".*", "weight_qtype": QTYPES[name]}]}}
+
+
+def with_quantization(additional: Mapping[str, Any], value: Any) -> dict:
+  """vLLM's `additional_config` for a sampler precision (`rollout_quantization` = `value`): with `engine_quantization`'s
+  Qwix rules for int8 / fp8, unchanged for a float sampler. The precision has one spelling: a `quantization` entry of
+  the user's own in `vllm_additional_config` beside it is one ConfigError line."""
+  name = "" if value in (None, False, "none", "None") else str(value)
+  if not name:
+    return dict(additional)
+  if "quantization" in additional:
+    raise ConfigError(
+        f"invalid value for 'vllm_additional_config': it sets 'quantization' and rollout_quantization={name} sets the "
+        "engine's Qwix rules (rollout/vllm_quantized.py); give one of the two"
+    )
+  return {**additional, "quantization": engine_quantization(name)}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,11 +47,13 @@ def build_reward_model(config: Any, devices: Sequence[Any], pad_id: int, seed: i
   return rm, mesh
 
 
-def reward_model_reward(config: Any, devices: Sequence[Any] | None = None) -> rm_lib.RewardModelReward:
+def reward_model_reward(
+    config: Any, devices: Sequence[Any] | None = None, settings: rm_lib.RewardModelSettings | None = None
+) -> rm_lib.RewardModelReward:
   """The `reward_model` reward of `rl.reward_model_path`: its meta checked against the run's model and tokenizer
   (before any model is built), then built like the run's model on `devices` (the trainer's; None: every device) and
-  restored."""
-  settings = rm_lib.RewardModelSettings.of(config)
+  restored. `settings`: `RewardModelSettings.of(config)` when the caller has it."""
+  settings = settings or rm_lib.RewardModelSettings.of(config)
   tokenizer = models.load_run_tokenizer(config)
   manager, step, meta = rm_lib.read_meta(settings.path)
   rm_lib.check_meta(settings.path, meta, rm_lib.meta_of(settings.model, tokenizer))
@@ -70,11 +72,9 @@ def reward_model_fns(config: Any, devices: Sequence[Any] | None = None) -> list[
   need no mesh of their own."""
   if not config.rl.reward_model_path:
     return []
-  fn = reward_model_reward(config, devices)
-  path = str(config.rl.reward_model_path)
-  return [
-      loader.RewardFn(fn, source=f"rl.reward_model_path='{path}'", timeout_s=float(config.reward_call_timeout_seconds))
-  ]
+  settings = rm_lib.RewardModelSettings.of(config)
+  fn = reward_model_reward(config, devices, settings)
+  return [loader.RewardFn(fn, source=f"rl.reward_model_path='{settings.path}'", timeout_s=settings.timeout_s)]
 
 
 def reward_fns(config: Any, devices: Sequence[Any] | None = None) -> list[loader.RewardFn]:

@@ -41,7 +41,7 @@ import pytest
 
 import forward
 from test_forward import CASES, PROMPT_LEN, TINY_ARGV, gap
-from tpu_models import build
+from tpu_models import TP, build
 
 N_DECODE = 2
 REL_TOL = {"int8": 2e-3, "fp8": 1e-5}
@@ -83,7 +83,7 @@ class QuantizedPair:
   """A float32 MaxText actor with `rollout_quantization=name` and the Qwix-quantized tpu-inference Llama its
   VllmRollout syncs into."""
 
-  def __init__(self, model_dir, name: str, seed: int = 0):
+  def __init__(self, model_dir, name: str, seed: int = 0, family: str = "llama3.1"):
     import vllm  # .venv-tpu only
     from tunix.rl.rollout import base_rollout
     from maxtext_rl_plugin.run import models
@@ -92,17 +92,20 @@ class QuantizedPair:
     from maxtext_rl_plugin.rollout import vllm as vllm_rollout
     from maxtext_rl_plugin.rollout import vllm_config as vllm_config_lib
 
-    argv, arch, hf = CASES["llama3.1"]
+    argv, arch, hf = CASES[family]
     extra = [f"rollout_quantization={name}", f"init_weights_seed={seed}", "rl.verify_weight_sync=every_n"]
     extra += ["rl.verify_weight_sync_every=1"]
     self.cfg = load_config(["configs/cpu_tiny.yml", *TINY_ARGV, *argv, *extra])
     self.actor, _ = models.build_model(self.cfg, jax.devices()[:1])
-    from maxtext_rl_plugin.rollout import vllm_quantized
-
-    self.quantization = vllm_quantized.engine_quantization(name)
+    if self.cfg.logits_via_embedding:  # a tied head: the table bf16-exact, as test_forward.Pair._bf16_table says why
+      emb = self.actor.base.token_embedder.embedding
+      emb.value = emb.value.astype(jnp.bfloat16).astype(jnp.float32)
+    settings = vllm_config_lib.VllmSettings.from_config(self.cfg)
+    # The Qwix rules the plugin gives vLLM (`vllm.LLM(additional_config=...)`), as tpu-inference's loader reads them.
+    self.quantization = vllm_config_lib.vllm_engine_kwargs(settings, TP)["additional_config"]["quantization"]
     # A separate float engine from test_forward's (tpu_models caches by overrides; the PTQ pass donates its model).
     float_engine, vllm_config, self.mesh = build(
-        model_dir, arch, abstract=False, dtype="float32", vocab_size=1024, **hf, qwix_test=f"{name}-{seed}"
+        model_dir, arch, abstract=False, dtype="float32", vocab_size=1024, **hf, qwix_test=f"{name}-{seed}-{family}"
     )
     self.engine = qwix_quantized(float_engine, vllm_config, self.mesh, self.quantization)
     with pytest.MonkeyPatch.context() as mp:
@@ -114,8 +117,9 @@ class QuantizedPair:
           tokenizer=tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(self.cfg)),
           mesh=self.mesh,
           rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=112),
-          settings=vllm_config_lib.VllmSettings.from_config(self.cfg),
+          settings=settings,
       )
+    assert self.rollout.llm.kwargs["additional_config"]["quantization"] == self.quantization  # what vLLM was given
     self.prompt = [int(t) for t in np.random.default_rng(7 + seed).integers(0, 1024, PROMPT_LEN)]
 
   def sync(self):
@@ -142,10 +146,10 @@ class QuantizedPair:
 _PAIRS: dict = {}
 
 
-def pair_of(model_dir, name: str, seed: int = 0) -> QuantizedPair:
-  if (name, seed) not in _PAIRS:
-    _PAIRS[name, seed] = QuantizedPair(model_dir, name, seed)
-  return _PAIRS[name, seed]
+def pair_of(model_dir, name: str, seed: int = 0, family: str = "llama3.1") -> QuantizedPair:
+  if (family, name, seed) not in _PAIRS:
+    _PAIRS[family, name, seed] = QuantizedPair(model_dir, name, seed, family)
+  return _PAIRS[family, name, seed]
 
 
 def _engine(pair) -> dict:
@@ -155,16 +159,18 @@ def _engine(pair) -> dict:
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("name", ["int8", "fp8"])
-def test_quantized_engine_computes_maxtexts_function_at_the_same_quantized_weights(model_dir, name, seed):
-  pair = pair_of(model_dir, name, seed)
+@pytest.mark.parametrize(
+    "family, name", [("llama3.1", "int8"), ("llama3.1", "fp8"), ("qwen3", "int8")]
+)  # qwen3 fp8: MEASURED
+def test_quantized_engine_computes_maxtexts_function_at_the_same_quantized_weights(model_dir, family, name, seed):
+  pair = pair_of(model_dir, name, seed, family)
   engine = _engine(pair)
   qvalues = [k for k in engine if k.endswith(".array.qvalue")]
   assert len(qvalues) == 14 and {str(engine[k].dtype) for k in qvalues} == {
       pair.quantization["qwix"]["rules"][0]["weight_qtype"]
   }
   assert all(engine[k.replace("qvalue", "scale")].dtype == jnp.float32 for k in qvalues)
-  assert pair.check(f"{name} seed {seed}") < REL_TOL[name]
+  assert pair.check(f"{family} {name} seed {seed}") < REL_TOL[name]
   # The sync moved the quantized bytes: q (1 byte) + scales for the kernels, float32 for the rest.
   assert pair.rollout.last_sync_bytes == sum(v.nbytes for v in engine.values())
 
@@ -217,7 +223,7 @@ def test_the_sync_writes_what_qwix_makes_of_the_float_weights(model_dir):
   )
   flat = vm.flatten_params(nnx.state(pair.actor, nnx.Param))
   vllm_sync.write_weights(
-      nnx.state(float_engine), flat, pair.cfg.model_name, vm.hf_config_from_params(flat, "llama3.1-8b")
+      nnx.state(float_engine), flat, pair.cfg.model_name, vm.hf_config_from_params(flat, pair.cfg.model_name)
   )
   own = vm.engine_weights(nnx.state(qwix_quantized(float_engine, vllm_config, mesh, pair.quantization)))
   synced = _engine(pair)
@@ -252,7 +258,7 @@ def test_the_sync_guard_covers_the_quantized_bytes_and_the_scales(model_dir, mon
   flat = vm.flatten_params(nnx.state(pair.actor, nnx.Param))
   state = nnx.state(pair.engine)
   vllm_sync.write_weights(
-      state, flat, pair.cfg.model_name, vm.hf_config_from_params(flat, "llama3.1-8b"), source_checksums=sums
+      state, flat, pair.cfg.model_name, vm.hf_config_from_params(flat, pair.cfg.model_name), source_checksums=sums
   )
   engine = vm.engine_weights(state)
   assert {k for k in engine if k.endswith((".qvalue", ".scale"))} <= set(sums) and len(sums) == len(engine)
