@@ -1,7 +1,7 @@
 """The quantized sampler's weights (`rollout_quantization`) in tpu-inference 0.32.0's own quantized layers, on CPU.
 
-rollout/precision.py refuses a quantized vLLM sampler at this pin (the sync does not write QArray leaves yet); this is
-what is proven of the route it would take, with the real library objects:
+The layer-level pieces of the vLLM route's quantized sync (test_quantized_sync.py proves the whole route: the real
+Qwix-quantized model's logits after the plugin's sync), with the real library objects:
 
 * Qwix PTQ, which tpu-inference applies to its native JAX classes (`models/jax/utils/qwix/qwix_utils.py`:
   `qwix.quantize_model(model, qwix.PtqProvider(rules), ...)` with `additional_config.quantization.qwix.rules`), run
@@ -17,9 +17,9 @@ what is proven of the route it would take, with the real library objects:
   per token (`xla_quantized_matmul(quantize_activation=True)`), which the embedded engine does not: the tolerance is
   the measured W8A8 gap with headroom (module constants), and the wrong scale order is asserted to exceed it by 10x.
 
-What this is not: the full model's logits through a Qwix-quantized `LlamaForCausalLM`, whose PTQ pass traces the model
-with random attention metadata through the Pallas kernel (refused on CPU, see forward.py); the MLP is the block the
-quantized kernels live in, and the attention projections are the same `nnx.Linear`/`nnx.Einsum` calls Qwix intercepts.
+The full model's logits through a Qwix-quantized `LlamaForCausalLM` / `Qwen3ForCausalLM` are test_quantized_sync.py's
+(its PTQ pass runs with a shapes-only attention: the pass traces random attention metadata, which the reference kernel
+cannot validate under the trace, and reads no weight in the attention).
 """
 
 # tpu_inference, vllm and qwix's PTQ on tpu-inference's modules exist only in .venv-tpu; imported where used.
