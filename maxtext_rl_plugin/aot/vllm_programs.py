@@ -18,6 +18,11 @@ Runs in the TPU image's stack (tpu-inference importable; `.venv-tpu` + libtpu 0.
   get_attention_page_size_bytes`); vLLM's `get_kv_cache_configs` turns both into `num_blocks` (and refuses a pool that
   cannot hold one request of `max_model_len`); each layer's cache is `get_kv_cache_shape_with_mesh(num_blocks, ...)`.
 
+* a quantized sampler (`rollout_quantization=int8|fp8`): the engine gets the Qwix rules the quantized sync writes for
+  (`engine_quantization`) and tpu-inference's own PTQ pass runs on the abstract model (`abstract_model`), so the state
+  and the programs' arguments hold the QArray kernels (int8 / float8_e4m3fn values, per-channel scales) and the pool is
+  sized from those smaller weights (aot/low_precision.py compiles the 70B recipe so, docs/aot.md).
+
 Two programs: `vllm_prefill_step` (a full chunked-prefill step of `max_num_batched_tokens`) and `vllm_decode_step`
 (one token for every running request); the rollout's step time is their roofline times the calls a step makes.
 With vLLM data parallelism (`rollout_data_parallelism`) each replica of `tp` chips serves its share of the requests
@@ -32,6 +37,7 @@ MaxText's own decoder inside vLLM (`MaxTextForCausalLM`) is tried the same way; 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -52,6 +58,7 @@ from maxtext_rl_plugin.aot.topology import GIB
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import vllm_config as vllm_config_lib
 from maxtext_rl_plugin.rollout import vllm_mapping
+from maxtext_rl_plugin.rollout import vllm_quantized
 from maxtext_rl_plugin.rollout import vllm_maxtext
 
 NEEDS_STACK = "vllm rollout needs tpu-inference (the TPU image's stack, .venv-tpu)"
@@ -112,8 +119,9 @@ def hf_config(cfg, max_model_len: int) -> dict:
   }
 
 
-def engine_config(cfg, kwargs: dict, model_dir: str):
-  """The VllmConfig `vllm.LLM(**kwargs)` builds, as far as the model and the cache read it."""
+def engine_config(cfg, kwargs: dict, model_dir: str, quantization: str = ""):
+  """The VllmConfig `vllm.LLM(**kwargs)` builds, as far as the model and the cache read it; a quantized sampler's
+  Qwix rules in `additional_config` as tpu-inference reads them (`engine_quantization`)."""
   from tpu_inference.layers.common.sharding import ShardingConfigManager
   from tpu_inference.layers.vllm.backends.flash_attn import PallasAttentionBackend
   from tpu_inference.models.common.model_loader import to_jax_dtype
@@ -137,6 +145,7 @@ def engine_config(cfg, kwargs: dict, model_dir: str):
           max_model_len=kwargs["max_model_len"],
           is_encoder_decoder=False,
       ),
+      additional_config=engine_quantization(kwargs, quantization),
   )
   # TpuPlatform.check_and_update_config's block size when the run sets none (vllm_block_size: null).
   block = kwargs.get("block_size") or max(
@@ -155,13 +164,43 @@ def replica_mesh(devices: list, tp: int) -> Mesh:
   return Mesh(np.array(devices[:tp], dtype=object).reshape(1, tp), MESH_AXIS_NAMES_2D)
 
 
+def weight_format(scfg) -> str:
+  """The sampler's `rollout_quantization` ('' for the checkpoint's dtype; unset and 'none' too, as
+  rollout/precision.py reads it)."""
+  value = scfg.rollout_quantization
+  return "" if value in (None, False, "", "none", "None") else str(value)
+
+
+def engine_quantization(kwargs: dict, name: str) -> dict:
+  """The `additional_config` entry that shapes a quantized sampler's state: the `quantization` the run's engine
+  arguments carry (`vllm_engine_kwargs`), else the Qwix rules the quantized sync is written for
+  (rollout/vllm_quantized.engine_quantization: every matmul weight of the forward, weight-only, one scale per output
+  channel). The embedding (a lookup) and the output head (`compute_logits`, outside the traced forward) stay in the
+  checkpoint's dtype."""
+  quantization = dict(kwargs.get("additional_config") or {}).get("quantization")
+  if quantization is None and name:
+    quantization = vllm_quantized.engine_quantization(name)
+  return {"quantization": quantization} if quantization else {}
+
+
 def abstract_model(cls, vc, mesh: Mesh):
-  """tpu-inference's class built abstractly on `mesh`: (graphdef, state with the mesh's NamedShardings)."""
+  """tpu-inference's class built abstractly on `mesh`: (graphdef, state with the mesh's NamedShardings).
+
+  With Qwix rules in `additional_config` (a quantized sampler), tpu-inference's own PTQ pass runs inside the same
+  `nnx.eval_shape` (`qwix_utils.apply_qwix_quantization(..., apply_to_abstract_model=True)`): `qwix.quantize_model`
+  traces one forward step (through the target's attention kernel: `compat.for_target`) and replaces every weight a
+  matmul reads by a QArray (qvalue in int8 / float8_e4m3fn, a per-channel scale). The running engine applies the same
+  `qwix_quantize_nnx_model` to its loaded model under `jax.jit` (the concrete path): the same trace, so the same
+  leaves, which the quantized sync (rollout/vllm_sync.py) writes."""
   from tpu_inference.distributed import jax_parallel_state
+  from tpu_inference.models.jax.utils.qwix import qwix_utils
 
   jax_parallel_state.init_pp_distributed_environment(ip="", rank=0, world_size=1, device=None, need_pp=False)
-  with jax.set_mesh(mesh):
-    model = nnx.eval_shape(lambda: cls(vc, jax.random.key(0), mesh))
+  rng = jax.random.key(0)
+  make = qwix_utils.apply_qwix_quantization(vc, lambda: cls(vc, rng, mesh), rng, mesh, apply_to_abstract_model=True)
+  quantized = bool(vc.additional_config.get("quantization"))
+  with jax.set_mesh(mesh), compat.for_target(mesh) if quantized else contextlib.nullcontext():
+    model = nnx.eval_shape(make)
   graphdef, state = nnx.split(model)
 
   def concrete(x):
@@ -169,6 +208,16 @@ def abstract_model(cls, vc, mesh: Mesh):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
 
   return graphdef, jax.tree.map(concrete, state)
+
+
+def weights_by_dtype(state) -> dict[str, int]:
+  """Bytes a device holds of the engine's state, per dtype: a quantized sampler's kernels are in the quantized dtype
+  (Qwix's QArray qvalue), its scales and the embedding and head in theirs (what says the weights were quantized)."""
+  out: dict[str, int] = {}
+  for x in jax.tree.leaves(state):
+    name = str(x.dtype)  # a PRNG key leaf's dtype (key<fry>) is no NumPy dtype
+    out[name] = out.get(name, 0) + report.per_device_bytes([x])
+  return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def kv_pool(vc, mesh: Mesh, weights_bytes: int, other_bytes: int, hbm_bytes: int) -> KvPool:
@@ -267,10 +316,11 @@ def build(rs, spec, trainer_resident: int, dp_devices: list) -> tuple[list, dict
 
   cls = getattr(importlib.import_module(f"tpu_inference.models.jax.{module}"), _native(scfg.model_name)[0])
   with tempfile.TemporaryDirectory() as model_dir:
-    vc = engine_config(scfg, kwargs, model_dir)
+    vc = engine_config(scfg, kwargs, model_dir, weight_format(scfg))
     mesh = replica_mesh(dp_devices, tp)
     graphdef, state = abstract_model(cls, vc, mesh)
   weights = report.per_device_bytes(state)
+  by_dtype = weights_by_dtype(state)
   colocated = not rs.disaggregated
   pool = kv_pool(vc, mesh, weights, trainer_resident if colocated else 0, spec.hbm_bytes)
   kv_sh = NamedSharding(mesh, P("data", None, "model"))  # kv_cache.create_kv_caches: (BATCH, KV_CONTEXT, KV_HEAD)
@@ -322,6 +372,8 @@ def build(rs, spec, trainer_resident: int, dp_devices: list) -> tuple[list, dict
   facts = {
       "vllm_rollout": {
           "route": f"native {cls.__name__}",
+          "weight_format": weight_format(scfg) or jnp.dtype(vc.model_config.dtype).name,
+          "weights_gib_per_device_by_dtype": {k: v / GIB for k, v in by_dtype.items()},
           "tensor_parallelism": tp,
           "data_parallelism": dp,
           "max_model_len": vc.model_config.max_model_len,
