@@ -149,14 +149,14 @@ def export(argv, output: str, step: int | None = None) -> str:
   from flax import nnx
   from maxtext.common import checkpointing as mt_checkpointing
 
-  from maxtext_rl_plugin import models
+  from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
   from maxtext_rl_plugin.run import models as run_models
   from maxtext_rl_plugin.run import warm_start
 
-  rs = models.setup_devices(parsed)
+  rs = run_models.setup_devices(parsed)
   config = rs.trainer_config
-  tokenizer = models.load_run_tokenizer(config)
-  actor, mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
+  tokenizer = tokenizer_lib.load_run_tokenizer(tokenizer_lib.TokenizerSettings.from_config(config))
+  actor, mesh = run_models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
   if config.sft_warmup_steps > 0:
     sft_dir = os.path.join(storage.absolute(run_dir), "checkpoints", "sft", str(config.sft_warmup_steps))
     if not storage.isdir(sft_dir):

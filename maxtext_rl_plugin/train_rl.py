@@ -92,7 +92,7 @@ def _precheck(view) -> Prechecked:
 def _check_mesh_here(config) -> None:
   """The ici_*/dcn_* sizes against this host's devices (the typed pass already made JAX's backend: MaxText's schema
   counts them), for print_config=true and before the trainer's imports; a Pathways or multislice run splits the devices
-  first, so only its split (models.setup_devices, which checks each side) can tell."""
+  first, so only its split (run/models.setup_devices, which checks each side) can tell."""
   if config.use_pathways or config.num_trainer_slices != -1:
     return
   import jax
@@ -140,7 +140,7 @@ def _main(argv: list[str]) -> int:
       if done.run is None or done.run != _run_values(config):
         validation.check_run(config)  # print_config=true refuses what training refuses
       if not config.compile_topology:  # compiling lays the mesh on the target's devices (aot/run.py)
-        _check_mesh_here(config)  # what the run's device split (models.setup_devices) refuses, before the imports
+        _check_mesh_here(config)  # what the run's device split (run/models.setup_devices) refuses, before the imports
       if config.print_config:
         sys.stdout.write(config_lib.dump_yaml(config))
         return 0

@@ -40,7 +40,8 @@ import optax
 from maxtext_rl_plugin import checkpointing
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import metrics as metrics_lib
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.data import prompts as prompts_lib
@@ -136,7 +137,7 @@ def train(argv: Sequence[str]) -> dict[str, Any]:
   parsed = config_lib.parse(argv)
   setup = models.setup_devices(parsed)
   config, devices = setup.trainer_config, setup.trainer_devices
-  tokenizer = models.load_run_tokenizer(config)
+  tokenizer = tokenizer_lib.load_run_tokenizer(tokenizer_lib.TokenizerSettings.from_config(config))
   pad_id = int(tokenizer.pad_token_id)
   train_rows, held_rows = split_pairs(config)
   train_c, train_r = pair_texts(train_rows, tokenizer, config)

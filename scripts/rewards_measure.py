@@ -17,7 +17,7 @@ import json
 import pathlib
 import sys
 
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.data import load as data_load
 from maxtext_rl_plugin.data import prompts as prompts_lib
@@ -34,7 +34,7 @@ def brevity(prompts, completions, **kwargs):
 def _pairs(out: str, n: int, overrides: list[str]) -> None:
   """Write `n` (true, flawed-teacher) pairs of the demo's train split to `out` (module docstring)."""
   config = config_lib.load_config(["configs/cpu_demo.yml", "synthetic_teacher_error_rate=0", *overrides])
-  tok = models.load_run_tokenizer(config)
+  tok = tokenizer_lib.load_run_tokenizer(tokenizer_lib.TokenizerSettings.from_config(config))
   train, _ = data_load.load_splits(data_load.DataSettings.from_config(config), tok)
   settings = prompts_lib.PromptSettings.from_config(config)
   rows = []

@@ -78,7 +78,7 @@ _LONGEST_FIRST = (
     "test_moe",
     "test_aot",
     "test_gcs_run",
-    "test_sft",
+    "test_warm_start",
     "test_accumulation",
     "test_dynamic_sampling_e2e",
     "test_reward_aggregation_e2e",

@@ -43,7 +43,8 @@ from maxtext_rl_plugin.config import keys as config_keys
 from maxtext_rl_plugin import errors
 from maxtext_rl_plugin.config import key_status
 from maxtext_rl_plugin import metrics as metrics_lib
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin import train_rl
 from maxtext_rl_plugin.algorithms import tunix_wiring
@@ -263,10 +264,10 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_refused(monkeypatch, capsys, 
   assert "invalid value for 'vocab_size'=528: the tokenizer at 'tokenizers/qwen3-tokenizer' has 151669 token" in err
   tok = transformers.AutoTokenizer.from_pretrained(config_files.resolved_tokenizer_path("tokenizers/qwen3-tokenizer"))
   assert len(tok) == config_files.tokenizer_size("tokenizers/qwen3-tokenizer") == 151669
-  loaded = types.SimpleNamespace(tokenizer_path="org/hub-id", vocab_size=528, use_chat_template=False)
-  monkeypatch.setattr(models, "_tokenizer", lambda *_: tok)
+  loaded = types.SimpleNamespace(tokenizer_path="org/hub-id", vocab_size=528, use_chat_template=False, hf_access_token="")
+  monkeypatch.setattr(tokenizer_lib, "_tokenizer", lambda *_: tok)
   with pytest.raises(errors.ConfigError, match="'vocab_size'=528: the tokenizer at 'org/hub-id' has 151669"):
-    models.load_run_tokenizer(types.SimpleNamespace(**vars(loaded), hf_access_token=""))
+    tokenizer_lib.load_run_tokenizer(tokenizer_lib.TokenizerSettings.from_config(loaded))
 
 
 def test_a_resume_says_every_update_key_it_changes(checkpointed_run):

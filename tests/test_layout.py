@@ -53,12 +53,10 @@ LAYERS: dict[str, int] = {
     "agentic": 1,
     "rollout": 1,
     "resharding": 1,
-    "models": 1,
     "lora": 1,
     "moe": 1,
     "metrics": 1,
     "checkpointing": 1,
-    "sft": 1,
     "demo_tokenizer": 1,
     # 2: the run
     "run": 2,

@@ -26,7 +26,7 @@ from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import export_lora
 from maxtext_rl_plugin.config import key_status
 from maxtext_rl_plugin import lora
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin.run import loop as trainer
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.run import models as run_models
@@ -127,10 +127,10 @@ def test_default_module_path_is_maxtexts_per_model_entry():
 @pytest.fixture(name="adapted", scope="module")
 def adapted_fixture():
   """A tiny LoRA model whose adapters change greedy continuations, with its config, tokenizer and mesh."""
-  rs = models.setup_devices(config_lib.parse([TINY, *LORA]))
+  rs = run_models.setup_devices(config_lib.parse([TINY, *LORA]))
   cfg = rs.trainer_config
-  tok = models.load_tokenizer(cfg)
-  model, mesh = models.build_model(cfg, rs.trainer_devices, pad_id=tok.pad_token_id)
+  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(cfg))
+  model, mesh = run_models.build_model(cfg, rs.trainer_devices, pad_id=tok.pad_token_id)
 
   def scale(path, x):  # context-dependent greedy continuations (see tests/rollout/test_rollout_embedded.py)
     return x * 3.0 if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x
@@ -417,8 +417,8 @@ def test_export_writes_merged_maxtext_checkpoint_with_the_adapted_logits(lora_ru
   path = tmp_path / "merged" / "0" / "items"
   assert f"load_parameters_path={path}" in p.stdout
   # MaxText's own loader reads it (from_pretrained with load_parameters_path), with no LoRA keys at all.
-  rs = models.setup_devices(config_lib.parse([TINY, *SMALL_VOCAB, f"load_parameters_path={path}"]))
-  merged, _ = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=0)
+  rs = run_models.setup_devices(config_lib.parse([TINY, *SMALL_VOCAB, f"load_parameters_path={path}"]))
+  merged, _ = run_models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=0)
   actor = lora_run["run"].rl_cluster.actor_trainer.model  # the adapted model at step 2
   toks = jnp.asarray(np.random.RandomState(1).randint(0, 528, (2, 20)), jnp.int32)
   pos = jnp.broadcast_to(jnp.arange(20)[None], toks.shape)

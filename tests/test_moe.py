@@ -25,7 +25,8 @@ from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import dynamic_sampling
 from maxtext_rl_plugin.run import experience
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import decode
@@ -84,7 +85,7 @@ EXTENDED_FAMILIES = ("mixtral", "gpt-oss")
 def family_fixture(request):
   """A family's tiny model (decoder x3), its engine, and a no-cache reference forward on the same weights."""
   rs = models.setup_devices(config_lib.parse([CONFIG, *SMALL_VOCAB, *FAMILIES[request.param]]))
-  tok = models.load_tokenizer(rs.trainer_config)
+  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
 
   def scale(path, x):
@@ -446,7 +447,7 @@ def test_expert_parallel_mesh_decode_records_the_trainers_routing():
   """ici_expert_parallelism=2 on the host devices: the engine's decode over the expert-sharded mesh routes and scores
   the tokens as the trainer's full forward does."""
   rs = models.setup_devices(config_lib.parse([CONFIG, *SMALL_VOCAB, "ici_expert_parallelism=2"]))
-  tok = models.load_tokenizer(rs.trainer_config)
+  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
   assert mesh.shape["expert"] == 2
   engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
@@ -475,7 +476,7 @@ def test_expert_parallel_replay_forces_the_recorded_experts():
   rs = models.setup_devices(
       config_lib.parse([CONFIG, *SMALL_VOCAB, "model_name=qwen3-30b-a3b", "ici_expert_parallelism=2"])
   )
-  tok = models.load_tokenizer(rs.trainer_config)
+  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
   cfg = rs.trainer_config
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
   assert mesh.shape["expert"] == 2 and not moe.MoeSettings.from_config(cfg).replay_native

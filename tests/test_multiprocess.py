@@ -21,7 +21,8 @@ from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.config import load as config_lib
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin.rollout import embedded
 
 import _two_processes as two_processes
@@ -114,7 +115,7 @@ def test_per_row_sampling_keys_do_not_depend_on_how_the_batch_is_split():
   tokens depend only on the call's key, its prompt's global index and its generation index, so sampling prompts 2-3
   on their own (offset 2, a smaller bucket) gives exactly the rows of one call over prompts 0-3."""
   rs = models.setup_devices(config_lib.parse(["configs/cpu_tiny.yml"]))
-  tok = models.load_tokenizer(rs.trainer_config)
+  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
   engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
   texts = ["Tom has 3 apples.", "What is 12 * 7?", "Hi", "Name a prime number larger than ten."]

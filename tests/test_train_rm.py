@@ -17,7 +17,7 @@ import pytest
 
 import _in_process as in_process
 from _tiny import SMALL_VOCAB
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin import train_rm
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.data import prompts as prompts_lib
@@ -80,7 +80,7 @@ def test_the_restored_reward_model_scores_as_it_trained(rm_run):
   fns = run_rewards.reward_fns(config, jax.devices())
   assert [f.__name__ for f in fns] == ["check_answer", "reward_model"]
   held = [r for i, r in enumerate(_pairs(50, 0)) if i % 5 == 4]
-  tok = models.load_run_tokenizer(config)
+  tok = tokenizer_lib.load_run_tokenizer(tokenizer_lib.TokenizerSettings.from_config(config))
   settings = prompts_lib.PromptSettings.from_config(config)
   prompts = [prompts_lib.build_prompt(r["prompt"], tok, settings) for r in held]
   chosen = np.asarray(fns[1](prompts, [r["chosen"] for r in held]))
@@ -101,7 +101,7 @@ def test_a_mismatched_reward_model_is_refused_in_one_line(rm_run):
   base = config_lib.load_config(_MODEL)
   saved = reward_model.meta_of(
       reward_model.ModelIdentity.of(base),
-      models.load_run_tokenizer(base),
+      tokenizer_lib.load_run_tokenizer(tokenizer_lib.TokenizerSettings.from_config(base)),
   )
   for key, value in (("tokenizer", "files 0123456789abcdef"), ("vocab_size", 151936), ("kind", "other")):
     with pytest.raises(ConfigError, match="rl.reward_model_path"):
@@ -110,7 +110,7 @@ def test_a_mismatched_reward_model_is_refused_in_one_line(rm_run):
           {**saved, key: value},
           reward_model.meta_of(
               reward_model.ModelIdentity.of(config),
-              models.load_run_tokenizer(config),
+              tokenizer_lib.load_run_tokenizer(tokenizer_lib.TokenizerSettings.from_config(config)),
           ),
       )
   with pytest.raises(ConfigError, match="no reward model checkpoint|no such directory"):

@@ -9,7 +9,7 @@ gives it, as `GRPOLearner.__init__` does, and wrapped in the learner's own lambd
 (`accumulation.train_step`, which with one micro-batch per update is `PeftTrainer._train_step`'s body), over the same
 abstract actor + optimizer state (`programs.abstract_train_state`) and example (`programs._example`) on the same
 trainer devices and mesh
-(`models.setup_devices` on the topology's devices). Only the loss function differs between the two rows.
+(`run/models.setup_devices` on the topology's devices). Only the loss function differs between the two rows.
 
 Tunix's loss gets Tunix's own `GRPOConfig` with the run's G, mu, beta, epsilon, loss_algo and aggregation; the KL
 estimator maps `rl.kl_estimator` k3 -> `low_var_kl`, k1 -> `kl` (Tunix's names for the same formulas).
@@ -103,7 +103,7 @@ def ratios(rows) -> dict:
 def run(config, parsed, which: set[str]) -> int:
   """Compile the requested rows on the run's trainer devices; print them and the ratios; write the JSON."""
   from maxtext_rl_plugin import lora as lora_lib
-  from maxtext_rl_plugin import models
+  from maxtext_rl_plugin.run import models
   from maxtext_rl_plugin.aot import compile as compile_lib
   from maxtext_rl_plugin.aot import programs
   from maxtext_rl_plugin.aot import report

@@ -47,7 +47,6 @@ from maxtext_rl_plugin.algorithms import tunix_wiring
 from maxtext_rl_plugin.algorithms.settings import AlgorithmSettings
 from maxtext_rl_plugin.run import accumulation
 from maxtext_rl_plugin import distributed
-from maxtext_rl_plugin import models
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.rollout import bucketing
@@ -86,7 +85,7 @@ def _abstract(x, sharding):
 
 
 def trainer_mesh(config, devices) -> Mesh:
-  """The mesh `from_pretrained(config, devices=...)` builds for the actor (models.build_model)."""
+  """The mesh `from_pretrained(config, devices=...)` builds for the actor (run_models.build_model)."""
   return maxtext_utils.get_mesh_from_config(config, devices)
 
 
@@ -305,7 +304,7 @@ def rollout_shape(config, generations: int, dp: int) -> tuple[int, int, int, int
 
 def rollout_program(sampler_config, sampler_devices) -> Program:
   """The embedded engine's prefill + decode program on the sampler mesh (rollout/decode.py)."""
-  mesh = models.build_sampler_mesh(sampler_config, sampler_devices)
+  mesh = run_models.build_sampler_mesh(sampler_config, sampler_devices)
   with decode.warnings_off():
     # MoE: the engine records each token's experts, as rollout/embedded.py builds it (routing is a program output).
     sampler = decode.MaxTextSampler(
@@ -363,7 +362,7 @@ def sync_program(trainer_params, t_mesh: Mesh, sampler_config, sampler_devices) 
   trainer_devices = list(t_mesh.devices.flat)
   if len(trainer_devices) != len(sampler_devices) or set(trainer_devices) == set(sampler_devices):
     return None
-  s_mesh = models.build_sampler_mesh(sampler_config, sampler_devices)
+  s_mesh = run_models.build_sampler_mesh(sampler_config, sampler_devices)
   staging_mesh = Mesh(np.array(trainer_devices, dtype=object).reshape(s_mesh.devices.shape), s_mesh.axis_names)
   with decode.warnings_off():
     _, s_model = model_creation_utils.create_nnx_abstract_model(sampler_config, s_mesh)

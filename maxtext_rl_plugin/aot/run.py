@@ -1,7 +1,7 @@
 """`compile_topology=<MaxText name>`: compile the RL step's programs for that TPU instead of training.
 
 MaxText's `train_compile` answers "does pre-training fit on v5p-128?" from a workstation; this answers it for the RL
-run: the target's devices (aot/topology.py) split into trainer and sampler exactly as `models.setup_devices` splits a
+run: the target's devices (aot/topology.py) split into trainer and sampler exactly as `run/models.setup_devices` splits a
 real slice, every program of one RL step built abstractly from the run's own functions (aot/programs.py), each
 compiled (aot/compile.py), and one table with a fit verdict and a roofline step time (aot/report.py). No TPU, no
 checkpoint, no tokenizer, no data: `load_parameters_path` and `tokenizer_path` are not opened, weights are abstract.
@@ -25,7 +25,7 @@ import jax
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin import lora as lora_lib
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
 from maxtext_rl_plugin import run_dir
 from maxtext_rl_plugin import storage
 from maxtext_rl_plugin.run import updates

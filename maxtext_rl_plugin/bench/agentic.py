@@ -19,7 +19,8 @@ import numpy as np
 
 from maxtext_rl_plugin.bench import common
 from maxtext_rl_plugin.config import load as config_lib
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin.rollout import embedded
 
 
@@ -34,7 +35,7 @@ def main(argv=None) -> int:
   ap.add_argument("--repeats", type=common.positive_int, default=3)
   args, overrides = ap.parse_known_args(argv)
   rs = models.setup_devices(config_lib.parse([args.config, *overrides]))
-  tok = models.load_tokenizer(rs.trainer_config)
+  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
   engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh, config=rs.sampler_config)
   rng = np.random.default_rng(0)

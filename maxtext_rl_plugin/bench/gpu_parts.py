@@ -59,7 +59,7 @@ def _one_device_sync(args, name: str) -> dict:
   from jax.sharding import Mesh
 
   from maxtext_rl_plugin.config import load as config_lib
-  from maxtext_rl_plugin import models
+  from maxtext_rl_plugin.run import models
   from maxtext_rl_plugin.resharding import move, trees
 
   rs = models.setup_devices(config_lib.parse(gpu_common.config_argv(args, name, [*gpu_common.BF16])))

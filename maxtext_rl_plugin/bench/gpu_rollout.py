@@ -166,7 +166,8 @@ def _rollout_model(args, name: str, ref: dict, peers: bool, done: dict) -> dict:
   from flax import nnx
 
   from maxtext_rl_plugin.config import load as config_lib
-  from maxtext_rl_plugin import models
+  from maxtext_rl_plugin.run import models
+  from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
   from maxtext_rl_plugin.bench import peak as bench_peak
   from maxtext_rl_plugin.rollout import embedded
 
@@ -175,7 +176,7 @@ def _rollout_model(args, name: str, ref: dict, peers: bool, done: dict) -> dict:
       args, name, [*gpu_common.BF16, f"max_prefill_predict_length={P}", f"max_target_length={P + T}"]
   )
   rs = models.setup_devices(config_lib.parse(argv))
-  tok = models.load_tokenizer(rs.sampler_config)
+  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.sampler_config))
   cfg = rs.sampler_config
   model, mesh = models.build_model(cfg, rs.sampler_devices, pad_id=tok.pad_token_id)
 

@@ -70,7 +70,7 @@ def _one_size(name: str, args) -> dict:
   from jax.sharding import Mesh
 
   from maxtext_rl_plugin.config import load as config_lib
-  from maxtext_rl_plugin import lora, models
+  from maxtext_rl_plugin import lora
   from maxtext_rl_plugin.run import models as run_models
   from maxtext_rl_plugin.resharding import move
   from maxtext_rl_plugin.resharding import sync as sync_lib
@@ -88,9 +88,9 @@ def _one_size(name: str, args) -> dict:
       f"lora.lora_alpha={args.alpha}",
       *args.set,
   ]
-  rs = models.setup_devices(config_lib.parse(argv))
+  rs = run_models.setup_devices(config_lib.parse(argv))
   cfg = rs.trainer_config
-  base, tmesh = models.build_model(cfg, rs.trainer_devices)
+  base, tmesh = run_models.build_model(cfg, rs.trainer_devices)
   actor, _ = run_models.apply_lora(cfg, base, tmesh)
   # Non-zero adapters (B starts at zero), on the adapters' own shardings, as after some training.
   st = nnx.state(actor, nnx.LoRAParam)

@@ -33,7 +33,8 @@ import numpy as np
 from maxtext_rl_plugin.bench import common
 from maxtext_rl_plugin.run import experience
 from maxtext_rl_plugin.config import load as config_lib
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.run import parity
 from maxtext_rl_plugin.rollout import embedded
@@ -106,7 +107,7 @@ def main(argv=None) -> int:
   if not moe_settings.is_moe:
     print(f"error: {cfg.model_name} is not a mixture-of-experts model (num_experts={cfg.num_experts})")
     return 2
-  tok = models.load_tokenizer(cfg)
+  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(cfg))
   pad, eos = int(tok.pad_token_id), int(tok.eos_token_id)
   trainer, _ = models.build_model(cfg, rs.trainer_devices, pad_id=pad)
   srs = models.setup_devices(config_lib.parse([args.config, *overrides, f"dtype={args.sampler_dtype}"]))

@@ -50,10 +50,10 @@ def _parse(argv):
 
 def lengths(config, path: str) -> tuple[np.ndarray, np.ndarray]:
   """(prompt tokens, completion tokens) of every row of `path` as a run of `config` would lay them out."""
-  from maxtext_rl_plugin import models
+  from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
   from maxtext_rl_plugin.data import prompts
 
-  tok = models.load_tokenizer(config)
+  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(config))
   with open(path, encoding="utf-8") as f:
     rows = [json.loads(line) for line in f if line.strip()]
   settings = prompts.PromptSettings.from_config(config)
@@ -101,7 +101,7 @@ def time_update(config, p_len: np.ndarray, c_len: np.ndarray, rows: int, repeats
 
   from maxtext_rl_plugin.algorithms import packing
   from maxtext_rl_plugin.aot import programs
-  from maxtext_rl_plugin import models
+  from maxtext_rl_plugin.run import models
 
   rs = models.setup_devices(_parsed(config))
   cfg = rs.trainer_config

@@ -97,7 +97,7 @@ def build(args) -> Setup:
   from jax.sharding import Mesh
 
   from maxtext_rl_plugin.config import load as config_lib
-  from maxtext_rl_plugin import models
+  from maxtext_rl_plugin.run import models
   from maxtext_rl_plugin.resharding import trees
 
   half = jax.device_count() // 2

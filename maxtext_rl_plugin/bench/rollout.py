@@ -39,7 +39,8 @@ from tunix.generate import sampler as tunix_sampler
 from tunix.models.qwen3 import model as q3
 
 from maxtext_rl_plugin.config import load as config_lib
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin.bench import common
 from maxtext_rl_plugin.bench import peak as bench_peak
 from maxtext_rl_plugin.errors import UserError
@@ -311,7 +312,7 @@ def _build(args):
   """(config, tokenizer, model, mesh, engine, sampler device count): the sampler-side model and its engine."""
   t0 = time.perf_counter()
   rs = models.setup_devices(config_lib.parse([args.config, *args.overrides]))
-  tok = models.load_tokenizer(rs.trainer_config)
+  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
   cfg = rs.sampler_config
   if not cfg.load_parameters_path and args.decoder_scale != 1.0:

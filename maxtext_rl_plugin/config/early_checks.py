@@ -15,7 +15,7 @@ config/ imports no engine module.
 
 The schema's enumerated choices (config/schema.py imports JAX and MaxText) are restated in config/choices.py;
 tests/test_bad_input.py compares them with the schema's. `mesh_refusal` needs the device count, so it runs where that is
-known (train_rl after the typed pass, models.setup_devices), not in `CHECKS`.
+known (train_rl after the typed pass, run/models.setup_devices), not in `CHECKS`.
 """
 
 from __future__ import annotations
@@ -217,8 +217,8 @@ def check_dropless(pc) -> None:
 
 def check_device_fractions(pc) -> None:
   """The trainer takes the first `trainer_devices_fraction` of the devices and the sampler the last
-  `sampler_devices_fraction` (models.setup_devices, as MaxText's): fractions that add up to more than 1 give some devices
-  to both, which is neither the colocated run (both 1.0: every device is both) nor a disaggregated one."""
+  `sampler_devices_fraction` (run/models.setup_devices, as MaxText's): fractions that add up to more than 1 give some
+  devices to both, which is neither the colocated run (both 1.0: every device is both) nor a disaggregated one."""
   t, s = float(pc.trainer_devices_fraction), float(pc.sampler_devices_fraction)
   if t + s > 1.0 and not t == s == 1.0:
     raise _bad(
@@ -365,7 +365,7 @@ def check_return_routed_experts(pc) -> None:
 def check_mesh(config, devices: int, where: str = "") -> None:
   """Refuse (one line) a config whose mesh cannot be made on `devices` devices (`mesh_refusal`): MaxText's
   AssertionError at mesh creation otherwise. Called where the devices are known: the run's device split
-  (models.setup_devices) and train_rl's print_config/compile_topology (MaxText's num_target_devices)."""
+  (run/models.setup_devices) and train_rl's print_config/compile_topology (MaxText's num_target_devices)."""
   why = mesh_refusal(config, devices, where)
   if why:
     raise ConfigError(why)

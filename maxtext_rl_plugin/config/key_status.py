@@ -35,7 +35,7 @@ VLLM_ROLLOUT = "honoured (rollout/vllm_config.py, passed to vLLM)"
 DATA = "honoured (data)"
 REWARDS = "honoured (rewards)"
 PYCONFIG = "honoured (MaxText pyconfig, while loading the configuration)"
-DEVICES = "honoured (models.setup_devices: trainer/sampler device split)"
+DEVICES = "honoured (run/models.setup_devices: trainer/sampler device split)"
 ALGO = "honoured (algorithms: the GRPO/GSPO loss)"
 DERIVED = "refused: derived by MaxText from other keys; set those instead"
 
@@ -281,7 +281,7 @@ _KEY_STATUS: dict[str, str] = {
     "checkpoint_dir": DERIVED + " (base_output_directory/run_name; the trainer's checkpoints live there)",
     "tensorboard_dir": DERIVED + " (base_output_directory/run_name; the trainer's TensorBoard logs live there)",
     # --- tokenizer / data ---
-    "tokenizer_path": "honoured (models.load_tokenizer; vLLM model id)",
+    "tokenizer_path": "honoured (data/tokenizer.load_tokenizer; vLLM model id)",
     "tokenizer_type": MODEL,
     "data_template_path": DATA,
     "chat_template": "refused: prompts use the tokenizer's own chat template (use_chat_template) or data_template_path",

@@ -11,10 +11,10 @@ nested blocks such as `rl.kl_estimator=k3`). The concerns around it have rooms o
 
 What this module does: MaxText's pydantic initialization of the chain and overrides the first pass read (`typed`,
 given `config/precheck.Written`; its errors as one line naming the key and value, never a traceback), once: the
-`Parsed` result is handed down (train_rl -> run/loop -> run/build -> models.setup_devices), and nothing below the entry
-points reads argv again; MaxText's `HyperParameters` view, and one source of truth for keys that MaxText keeps both flat
-and nested (`loss_algo` and `rl.loss_algo`): a dotted override is rewritten to its flat twin, which MaxText routes into
-the nested block, and the flat copy is then re-synced from the nested one.
+`Parsed` result is handed down (train_rl -> run/loop -> run/build -> run/models.setup_devices), and nothing below the
+entry points reads argv again; MaxText's `HyperParameters` view, and one source of truth for keys that MaxText keeps
+both flat and nested (`loss_algo` and `rl.loss_algo`): a dotted override is rewritten to its flat twin, which MaxText
+routes into the nested block, and the flat copy is then re-synced from the nested one.
 
 MaxText's `pyconfig` and schema (and `config_types`, `tunix_compat`, built on them) are imported inside functions:
 they import JAX (~5 s), and `--help` or a launcher's dry run should not pay for that.

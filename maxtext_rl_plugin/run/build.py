@@ -32,7 +32,7 @@ from maxtext_rl_plugin.run import evaluation as evaluation_lib
 from maxtext_rl_plugin.run import logps
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import metrics as metrics_lib
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin.run import rewards as run_rewards
@@ -49,7 +49,7 @@ from maxtext_rl_plugin.rollout import vllm_spec
 from maxtext_rl_plugin.run.state import PhaseTimer, RewardRecorder, RLRun
 
 
-def per_host_split(rs: models.RunSetup) -> models.RunSetup:
+def per_host_split(rs: run_models.RunSetup) -> run_models.RunSetup:
   """A disaggregated single-slice split in a multi-process program, redone per process: MaxText splits the global
   device list (the first processes' devices train, the last ones' sample), which leaves a sampler no process can drive
   alone; here every process gives its first local devices to the trainer (one global trainer mesh) and its last ones
@@ -64,7 +64,7 @@ def per_host_split(rs: models.RunSetup) -> models.RunSetup:
   return dataclasses.replace(rs, trainer_devices=trainer, sampler_devices=sampler)
 
 
-def check_runtime(config, rs: models.RunSetup) -> None:
+def check_runtime(config, rs: run_models.RunSetup) -> None:
   """Checks that need the device set, before any model is built (device-free ones: `config.validate`)."""
   distributed.check_device_split(rs.trainer_devices, rs.sampler_devices)
   k = int(config.rl.off_policy_steps)
@@ -193,12 +193,12 @@ def build_optimizer(config):
 def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   """Models, meshes, data, rewards, Tunix cluster and learner for `config` (`parsed`: the same config as parsed, which
   MaxText's multislice trainer/sampler configs are derived from)."""
-  rs = per_host_split(models.setup_devices(parsed))
+  rs = per_host_split(run_models.setup_devices(parsed))
   config = rs.trainer_config
   check_runtime(config, rs)
   plan = updates.UpdatePlan.from_config(config)
   run_dir = os.path.join(config.base_output_directory, config.run_name)
-  tokenizer = models.load_run_tokenizer(config)
+  tokenizer = tokenizer_lib.load_run_tokenizer(tokenizer_lib.TokenizerSettings.from_config(config))
   train_split, eval_split = load.load_splits(load.DataSettings.from_config(config), tokenizer)
   engine_name = _resolve_engine_name(config)
   # Rollouts ahead of the trainer across processes need a per-host sampler (experience.samples_per_host).
@@ -209,7 +209,7 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   rollout_factory = rollout_engine_factory(engine_name, rs.sampler_config)
   rollout_cfgs = rollout_configs(config, tokenizer)
 
-  actor, actor_mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
+  actor, actor_mesh = run_models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
   if config.sft_warmup_steps > 0:
     warm_start.warm_start(warm_start.SftSettings.from_config(config), actor, actor_mesh, tokenizer, train_split, run_dir)
   actor, frozen_base = run_models.apply_lora(config, actor, actor_mesh, tokenizer.pad_token_id)  # (actor, None) w/o LoRA
@@ -219,7 +219,7 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
     # itself (it shares the actor's base arrays: no second copy).
     with actor_mesh:
       reference = frozen_base or TunixMaxTextAdapter(base_model=nnx.clone(actor.base), pad_id=tokenizer.pad_token_id)
-  rollout_mesh = models.build_sampler_mesh(rs.sampler_config, rs.sampler_devices)
+  rollout_mesh = run_models.build_sampler_mesh(rs.sampler_config, rs.sampler_devices)
   logging.info(
       "trainer devices %d, sampler devices %d (%s)",
       len(rs.trainer_devices),

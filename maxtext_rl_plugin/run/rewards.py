@@ -6,7 +6,7 @@ A builder in `run/`, where the whole config may go, because two of its parts han
   MaxText's train_rl does), so `configured_reward_fns` binds it; rewards/ itself reads only `RewardSelection` and
   `gsm8k.RewardConfig`;
 * the reward model's backbone is MaxText's model of the run's family, built by MaxText's own code from its
-  HyperParameters (`models.build_model`), so `build_reward_model` takes the config; reward_model.py reads only
+  HyperParameters (`run/models.build_model`), so `build_reward_model` takes the config; reward_model.py reads only
   `RewardModelSettings`.
 
 In RL the reward model comes last (`reward_fns`), wrapped like every reward (rewards/loader.RewardFn:
@@ -22,7 +22,8 @@ from absl import logging
 from flax import nnx
 import jax
 
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin import reward_model as rm_lib
 from maxtext_rl_plugin.rewards import gsm8k
 from maxtext_rl_plugin.rewards import loader
@@ -54,7 +55,7 @@ def reward_model_reward(
   (before any model is built), then built like the run's model on `devices` (the trainer's; None: every device) and
   restored. `settings`: `RewardModelSettings.of(config)` when the caller has it."""
   settings = settings or rm_lib.RewardModelSettings.of(config)
-  tokenizer = models.load_run_tokenizer(config)
+  tokenizer = tokenizer_lib.load_run_tokenizer(tokenizer_lib.TokenizerSettings.from_config(config))
   manager, step, meta = rm_lib.read_meta(settings.path)
   rm_lib.check_meta(settings.path, meta, rm_lib.meta_of(settings.model, tokenizer))
   rm, mesh = build_reward_model(config, jax.devices() if devices is None else devices, int(tokenizer.pad_token_id))

@@ -13,7 +13,7 @@ import functools
 import time
 from typing import Any, Callable, Iterator
 
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
 from maxtext_rl_plugin.run import updates
 
 

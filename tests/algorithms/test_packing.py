@@ -19,7 +19,7 @@ from tunix.rl.grpo import grpo_learner
 from maxtext_rl_plugin.algorithms import packing
 from maxtext_rl_plugin.aot import programs
 from maxtext_rl_plugin.config import load as config_lib
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.run import accumulation
 

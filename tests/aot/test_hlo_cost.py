@@ -278,7 +278,7 @@ def _v5p_probe() -> dict:
   # pylint: disable=import-outside-toplevel  # the TPU topology and MaxText: only in this subprocess
   import numpy as np
   from maxtext_rl_plugin.config import load as config_lib
-  from maxtext_rl_plugin import models
+  from maxtext_rl_plugin.run import models
   from maxtext_rl_plugin.aot import compile as compile_lib
   from maxtext_rl_plugin.aot import programs
   from maxtext_rl_plugin.aot import topology

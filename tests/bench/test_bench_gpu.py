@@ -77,7 +77,7 @@ def test_hf_state_dict_computes_what_the_maxtext_kernels_compute():
   whole HF model on these weights against MaxText's logits: tests/tpu_contract/test_hf_peer.py, extended, .venv-tpu)."""
   # pylint: disable=import-outside-toplevel  # jax: after conftest's platform
   from maxtext_rl_plugin.config import load as config_lib
-  from maxtext_rl_plugin import models
+  from maxtext_rl_plugin.run import models
 
   rs = models.setup_devices(config_lib.parse(["configs/cpu_tiny.yml", *gpu_common.SHAPES["tiny"]]))
   model, _ = models.build_model(rs.trainer_config, rs.trainer_devices)

@@ -17,7 +17,7 @@ from maxtext_rl_plugin.config import keys as config_keys
 from maxtext_rl_plugin.config import precheck as config_precheck
 from maxtext_rl_plugin.run import evaluation
 from maxtext_rl_plugin.config import key_status
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
 from maxtext_rl_plugin import registry
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin.config import rules

@@ -29,7 +29,8 @@ from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin.config import load as config_lib
-from maxtext_rl_plugin import models, pathways
+from maxtext_rl_plugin import pathways
+from maxtext_rl_plugin.run import models
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import backend
 from maxtext_rl_plugin.resharding import host_buffers

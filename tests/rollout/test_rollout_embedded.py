@@ -20,7 +20,8 @@ from flax import nnx
 from tunix.rl.rollout import base_rollout
 
 from maxtext_rl_plugin.config import load as config_lib
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin import registry
 from maxtext_rl_plugin.rollout import bucketing
 from maxtext_rl_plugin.rollout import embedded
@@ -35,7 +36,7 @@ def scaled_tiny_engine():
   """The tiny CPU model with its decoder weights x3 (so greedy output depends on the context), its tokenizer and
   mesh, its embedded engine, and its graph definition for a no-cache reference forward. Also used by test_agentic."""
   rs = models.setup_devices(config_lib.parse(["configs/cpu_tiny.yml"]))
-  tok = models.load_tokenizer(rs.trainer_config)
+  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
 
   def scale(path, x):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from maxtext_rl_plugin.config import load as config_lib
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
 from maxtext_rl_plugin.rollout import head
 
 

@@ -20,7 +20,8 @@ import pytest
 from flax import nnx
 
 from _tiny import SMALL_VOCAB
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.resharding import quantize as qz
 from maxtext_rl_plugin.resharding import sync as sync_lib
@@ -47,7 +48,7 @@ def _np_fake_quantize(w, name, axes):
 def setup_fixture():
   """The tiny model (decoder x3) with an FP8 embedded sampler, and a jitted no-cache scorer of token rows."""
   rs = models.setup_devices(config_lib.parse(["configs/cpu_tiny.yml", *SMALL_VOCAB, "rollout_quantization=fp8"]))
-  tok = models.load_tokenizer(rs.trainer_config)
+  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
 
   def scale(path, x):

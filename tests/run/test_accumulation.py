@@ -25,7 +25,6 @@ from tunix.rl.grpo import grpo_learner
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import accumulation
 from maxtext_rl_plugin.run import models as run_models
-from maxtext_rl_plugin import models
 from maxtext_rl_plugin import tunix_compat
 from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.aot import programs
@@ -75,7 +74,7 @@ def _example(config, seed: int) -> grpo_learner.TrainExample:
 
 
 def _actor(config, devices, lora: bool):
-  model, mesh = models.build_model(config, devices, pad_id=0)
+  model, mesh = run_models.build_model(config, devices, pad_id=0)
   if lora:
     model, _ = run_models.apply_lora(config, model, mesh, 0)
   return model, mesh
@@ -89,7 +88,7 @@ def _leaves(model, lora: bool) -> dict[str, np.ndarray]:
 def _compare(argv, lora: bool):
   """Two updates over one batch on the MultiSteps path and on accumulation.train_step; returns the max relative
   parameter difference of each update, the parameter change of the first, and both paths' losses."""
-  rs = models.setup_devices(config_lib.parse(argv))
+  rs = run_models.setup_devices(config_lib.parse(argv))
   config = rs.trainer_config
   plan = updates.UpdatePlan.from_config(config)
   loss_fn, algo = programs.loss_fn_of(config)

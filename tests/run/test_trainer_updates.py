@@ -19,7 +19,8 @@ import orbax.checkpoint as ocp
 import pytest
 from tunix.rl.grpo import grpo_learner
 
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import updates
 
@@ -176,9 +177,9 @@ def _params(step_dir: pathlib.Path) -> dict[str, np.ndarray]:
 
 def _init_params() -> dict[str, np.ndarray]:
   """The weights `_train`'s runs start from, keyed as `_params` reads a checkpoint: the actor as run/build builds it
-  (models.build_model on the tiny config, its init_weights_seed); a third run at learning_rate=0 gave the same."""
+  (run/models.build_model on the tiny config, its init_weights_seed); a third run at learning_rate=0 gave the same."""
   rs = models.setup_devices(config_lib.parse(["configs/cpu_tiny.yml", *SMALL_VOCAB]))
-  tok = models.load_tokenizer(rs.trainer_config)
+  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
   model, _ = models.build_model(rs.trainer_config, rs.trainer_devices, pad_id=tok.pad_token_id)
   state = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   return {jax.tree_util.keystr(k) + "['value']": np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(state)}

@@ -22,7 +22,8 @@ from tunix.rl.rollout import base_rollout
 import vllm
 
 from maxtext_rl_plugin import distributed
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.resharding import per_host
 from maxtext_rl_plugin.resharding import trees
@@ -100,7 +101,7 @@ def main() -> None:
   os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
   rollout = vllm_rollout.VllmRollout(
       rollout_actor=actor,
-      tokenizer=models.load_tokenizer(cfg),
+      tokenizer=tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(cfg)),
       mesh=trainer_mesh,  # colocated: the rollout mesh is the trainer's, over both hosts
       rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=112),
       config=cfg,

@@ -72,7 +72,7 @@ class Pair:
   def __init__(self, model_dir, name: str, *, extra_argv=(), engine=None, lora: bool = False):
     import vllm  # pylint: disable=import-outside-toplevel  # .venv-tpu only
     from tunix.rl.rollout import base_rollout  # pylint: disable=import-outside-toplevel
-    from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin.run import models as run_models  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin.config.load import load_config  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
@@ -80,13 +80,13 @@ class Pair:
     argv, arch, hf = CASES[name]
     hf = {**hf, **(engine or {})}
     self.cfg = load_config(["configs/cpu_tiny.yml", *TINY_ARGV, *argv, *extra_argv])
-    self.actor, mt_mesh = models.build_model(self.cfg, jax.devices()[:1])
+    self.actor, mt_mesh = run_models.build_model(self.cfg, jax.devices()[:1])
     if lora:
       self.actor, _ = run_models.apply_lora(self.cfg, self.actor, mt_mesh)
     self.tied = bool(self.cfg.logits_via_embedding)
     self._bf16_table()
     self.engine, _, self.mesh = build(model_dir, arch, abstract=False, dtype="float32", vocab_size=1024, **hf)
-    tokenizer = models.load_tokenizer(self.cfg)
+    tokenizer = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(self.cfg))
     with pytest.MonkeyPatch.context() as mp:
       mp.setattr(forward.ShimLLM, "model", self.engine)
       mp.setattr(vllm, "LLM", forward.ShimLLM)

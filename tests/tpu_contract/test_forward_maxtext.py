@@ -72,7 +72,8 @@ class AdapterPair:
   def __init__(self, model_dir, family: str, *, extra_argv=()):
     import vllm  # pylint: disable=import-outside-toplevel  # .venv-tpu only
     from tunix.rl.rollout import base_rollout  # pylint: disable=import-outside-toplevel
-    from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin.run import models  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin.config.load import load_config  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
 
@@ -89,7 +90,7 @@ class AdapterPair:
       mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
       self.rollout = vllm_rollout.VllmRollout(
           rollout_actor=self.actor,
-          tokenizer=models.load_tokenizer(self.cfg),
+          tokenizer=tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(self.cfg)),
           mesh=self.mesh,
           rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=112),
           config=self.cfg,

@@ -43,7 +43,7 @@ SHAPES = {
 
 def _build(argv):
   """A tiny float32 MaxText model with random norm scales (a bf16-exact table when tied) and its config."""
-  from maxtext_rl_plugin import models  # pylint: disable=import-outside-toplevel  # after tpu_models' platform
+  from maxtext_rl_plugin.run import models  # pylint: disable=import-outside-toplevel  # after tpu_models' platform
   from maxtext_rl_plugin.config.load import load_config  # pylint: disable=import-outside-toplevel
 
   cfg = load_config(["configs/cpu_tiny.yml", *TINY_ARGV, *argv])

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from maxtext_rl_plugin import checkpointing
-from maxtext_rl_plugin import models
+from maxtext_rl_plugin.run import models
+from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin import signals
 from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.data import load as data_load
@@ -41,7 +42,7 @@ def tiny_fixture(tmp_path_factory):
   ]
   rs = models.setup_devices(config_lib.parse(argv))
   config = rs.trainer_config
-  tokenizer = models.load_tokenizer(config)
+  tokenizer = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(config))
   train_split, _ = data_load.load_splits(data_load.DataSettings.from_config(config), tokenizer)
   model, mesh = models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
   initial = jax.tree_util.tree_map(lambda x: x, nnx.state(model, nnx.Param))  # a copy: nnx.state holds live Variables
