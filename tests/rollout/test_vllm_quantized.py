@@ -1,0 +1,72 @@
+"""rollout/vllm_quantized.py: the vLLM sync's QArray leaves, against Qwix's own quantization (no vLLM needed).
+
+tests/tpu_contract/test_quantized_sync.py runs the whole route into tpu-inference's real quantized model; this checks the
+pieces on engine-shaped leaves (Qwix's QArray layout: `kernel.array.qvalue` the kernel's shape, `kernel.array.scale`
+the kernel's shape with the contracting axes kept as 1), in a second.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.rollout import vllm_quantized as vq
+
+QTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+
+
+def _engine(name):
+  """A quantized engine's flat weights: q_proj [hidden, heads, head_dim] (scale [1, heads, head_dim]), o_proj
+  [heads, head_dim, hidden] (scale [1, 1, hidden]), a float norm."""
+  q = QTYPE[name]
+  return {
+      "l.q_proj.kernel.array.qvalue": jnp.zeros((16, 2, 8), q),
+      "l.q_proj.kernel.array.scale": jnp.ones((1, 2, 8), jnp.float32),
+      "l.o_proj.kernel.array.qvalue": jnp.zeros((2, 8, 16), q),
+      "l.o_proj.kernel.array.scale": jnp.ones((1, 1, 16), jnp.float32),
+      "l.norm.scale": jnp.ones((16,), jnp.float32),
+  }
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_the_sync_writes_qwix_s_quantization_of_each_kernel_in_the_engine_s_layout(name):
+  qarray = pytest.importorskip("qwix._src.core.qarray")
+  engine = _engine(name)
+  slots = vq.slots(engine)
+  assert {k: s.axes for k, s in slots.items()} == {"l.q_proj.kernel": (0,), "l.o_proj.kernel": (0, 1)}
+  view = vq.float_view(engine, slots)
+  assert set(view) == {"l.q_proj.kernel", "l.o_proj.kernel", "l.norm.scale"}
+  assert view["l.q_proj.kernel"].shape == (16, 2, 8) and view["l.q_proj.kernel"].dtype == jnp.float32
+
+  rng = np.random.default_rng(0)
+  new = {k: jnp.asarray(rng.normal(size=view[k].shape).astype(np.float32)) for k in view}
+  out = vq.quantize(new, slots, engine)
+  assert set(out) == set(engine) and out["l.norm.scale"] is new["l.norm.scale"]
+  for base, channelwise in (("l.q_proj.kernel", (1, 2)), ("l.o_proj.kernel", (2,))):
+    how = qarray.HowToQuantize(qtype=QTYPE[name], channelwise_axes=channelwise, tiled_axes={})
+    want = qarray.quantize(new[base], how)  # Qwix's own, as its PTQ quantizes an einsum's weight
+    got_q, got_s = out[base + ".array.qvalue"], out[base + ".array.scale"]
+    assert got_q.dtype == engine[base + ".array.qvalue"].dtype and got_s.shape == engine[base + ".array.scale"].shape
+    np.testing.assert_array_equal(np.asarray(got_q).view(np.uint8), np.asarray(want.qvalue).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(got_s), np.asarray(want.scale))
+
+
+def test_a_tiled_or_unknown_qarray_is_refused():
+  engine = _engine("int8")
+  engine["l.q_proj.kernel.array.scale"] = jnp.ones((4, 2, 8), jnp.float32)  # a tiled rule: 4 scales along `in`
+  with pytest.raises(ValueError, match="not per channel"):
+    vq.slots(engine)
+  engine = _engine("int8")
+  engine["l.q_proj.kernel.array.qvalue"] = jnp.zeros((16, 2, 8), jnp.int4)
+  with pytest.raises(ValueError, match="int8 and float8_e4m3fn"):
+    vq.slots(engine)
+
+
+def test_the_engine_gets_qwix_rules_and_one_spelling_of_the_precision():
+  assert vq.with_quantization({"sharding": {}}, "") == {"sharding": {}}
+  assert vq.with_quantization({}, "none") == {}
+  got = vq.with_quantization({"sharding": {}}, "fp8")
+  assert got["quantization"] == {"qwix": {"rules": [{"module_path": ".*", "weight_qtype": "float8_e4m3fn"}]}}
+  assert got["sharding"] == {}
+  with pytest.raises(ConfigError, match="^invalid value for 'vllm_additional_config': it sets 'quantization'"):
+    vq.with_quantization({"quantization": {"qwix": {"rules": []}}}, "int8")
