@@ -64,9 +64,9 @@ def test_a_tiled_or_unknown_qarray_is_refused():
 
 def test_the_engine_gets_qwix_rules_and_one_spelling_of_the_precision():
   assert vq.with_quantization({"sharding": {}}, "") == {"sharding": {}}
-  assert vq.with_quantization({}, "none") == {}
+  assert not vq.with_quantization({}, "none")
   got = vq.with_quantization({"sharding": {}}, "fp8")
   assert got["quantization"] == {"qwix": {"rules": [{"module_path": ".*", "weight_qtype": "float8_e4m3fn"}]}}
-  assert got["sharding"] == {}
+  assert "sharding" in got and not got["sharding"]
   with pytest.raises(ConfigError, match="^invalid value for 'vllm_additional_config': it sets 'quantization'"):
     vq.with_quantization({"quantization": {"qwix": {"rules": []}}}, "int8")
