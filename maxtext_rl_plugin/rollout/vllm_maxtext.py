@@ -11,8 +11,9 @@ native JAX class for (rollout/vllm_mapping.py). What the route needs from the pl
 * the adapter's own MaxText config: `vllm_additional_config`'s `maxtext_config` (MaxText's meaning: pyconfig overrides
   over MaxText's `configs/inference/vllm.yml`). Given, it is passed on with `model_name` checked against the trainer's;
   absent, the plugin derives it from the trainer's config (model name, the shrunk shapes of an
-  `override_model_config` model, dtypes). `prefuse_moe_weights` is set for MoE models at TP > 1, as MaxText's own
-  `prepare_direct_sync_additional_config` does (the fused-MoE kernel splits `wi` per shard);
+  `override_model_config` model, dtypes), once (`AdapterSettings.from_config`). `prefuse_moe_weights` is set for MoE
+  models at TP > 1, as MaxText's own `prepare_direct_sync_additional_config` does (the fused-MoE kernel splits `wi` per
+  shard);
 * the weight sync: the trainer's tree in the adapter's layout (resharding/maxtext_layout.py: MaxText's
   `MaxTextToMaxTextConverter`), moved by the plugin's resharding and written into the engine's state.
 

@@ -28,6 +28,7 @@ from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.resharding import per_host
 from maxtext_rl_plugin.resharding import trees
 from maxtext_rl_plugin.rollout import vllm as vllm_rollout
+from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.rollout import vllm_mapping
 
 import forward
@@ -104,7 +105,7 @@ def main() -> None:
       tokenizer=tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(cfg)),
       mesh=trainer_mesh,  # colocated: the rollout mesh is the trainer's, over both hosts
       rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=112),
-      config=cfg,
+      settings=vllm_config.VllmSettings.from_config(cfg),
   )
   kw = rollout.engine_kwargs
   out: dict = {

@@ -76,6 +76,7 @@ class Pair:
     from maxtext_rl_plugin.run import models as run_models  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin.config.load import load_config  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin.rollout import vllm_config  # pylint: disable=import-outside-toplevel
 
     argv, arch, hf = CASES[name]
     hf = {**hf, **(engine or {})}
@@ -96,7 +97,7 @@ class Pair:
           tokenizer=tokenizer,
           mesh=self.mesh,
           rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=112),
-          config=self.cfg,
+          settings=vllm_config.VllmSettings.from_config(self.cfg),
       )
     self.prompt = [int(t) for t in np.random.default_rng(7).integers(0, 1024, PROMPT_LEN)]
     self.greedy_agrees = False
@@ -267,12 +268,12 @@ def test_lora_adapters_merged_on_the_trainer_side(model_dir):
 def test_qwen3_head_dim_below_128(model_dir, head_dim, diverges):
   """tpu-inference pads head_dim to a multiple of 128 (64 excepted) and normalises Qwen3's q/k over the padded
   width: head_dim 32 computes another function (why config validation refuses it with rollout_engine=vllm,
-  `rollout/vllm_config.py::vllm_head_dim_reason`); head_dim 64 is not padded and matches."""
-  from maxtext_rl_plugin.rollout import vllm_config  # pylint: disable=import-outside-toplevel
+  `rollout/vllm_spec.py::qwen3_head_dim_reason`); head_dim 64 is not padded and matches."""
+  from maxtext_rl_plugin.rollout import vllm_spec  # pylint: disable=import-outside-toplevel
 
   pair = pair_of(
       model_dir, f"qwen3-hd{head_dim}", "qwen3", extra_argv=[f"head_dim={head_dim}"], engine={"head_dim": head_dim}
   )
   g = pair.check(f"qwen3 head_dim {head_dim}")
   assert (g > 100 * REL_TOL) if diverges else (g < REL_TOL and pair.greedy_agrees)
-  assert bool(vllm_config.vllm_head_dim_reason("qwen3-0.6b", head_dim)) == diverges
+  assert bool(vllm_spec.qwen3_head_dim_reason("qwen3-0.6b", head_dim)) == diverges

@@ -76,6 +76,7 @@ class AdapterPair:
     from maxtext_rl_plugin.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin.config.load import load_config  # pylint: disable=import-outside-toplevel
     from maxtext_rl_plugin.rollout import vllm as vllm_rollout  # pylint: disable=import-outside-toplevel
+    from maxtext_rl_plugin.rollout import vllm_config  # pylint: disable=import-outside-toplevel
 
     argv, tp = FAMILIES[family]
     parallel = [f"rollout_tensor_parallelism={tp}", "rollout_data_parallelism=1"]
@@ -93,7 +94,7 @@ class AdapterPair:
           tokenizer=tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(self.cfg)),
           mesh=self.mesh,
           rollout_config=base_rollout.RolloutConfig(max_tokens_to_generate=16, max_prompt_length=112),
-          config=self.cfg,
+          settings=vllm_config.VllmSettings.from_config(self.cfg),
       )
     self.engine = forward.ShimLLM.model
     self.prompt = [int(t) for t in np.random.default_rng(7).integers(0, 1024, PROMPT_LEN)]
