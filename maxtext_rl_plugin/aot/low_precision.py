@@ -278,7 +278,7 @@ def table(out_dir: str, recipes: dict[str, Recipe], formats: tuple[str, ...]) ->
   """The compiled Markdown table, the analytic figures beside (weights, decode ms), one row per (target, format)."""
   rows = [
       "| target | weights | weights GiB (analytic) | of it int8/fp8 | KV pool GiB | KV tokens (M) | requests of 1,024 "
-      "tokens | decode GFLOP/call | decode GB/call | decode ms (analytic) | rollout s/step | RL step s | compile wall s "
+      "tokens | decode GFLOP/call | decode GB/call | decode ms, roofline (analytic) | rollout s/step | RL step s | compile wall s "
       "/ peak RSS GB |",
       "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
   ]
