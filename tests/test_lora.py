@@ -31,6 +31,7 @@ from maxtext_rl_plugin.run import loop as trainer
 from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.run import models as run_models
 from maxtext_rl_plugin.rollout import embedded
+from maxtext_rl_plugin.run import engine as run_engine
 
 import _in_process as in_process
 from _tiny import SMALL_VOCAB
@@ -225,7 +226,12 @@ def test_engine_greedy_after_adapter_sync_equals_the_adapted_model(adapted):
   before = jax.tree.map(lambda x: x, nnx.state(actor, nnx.LoRAParam))  # a snapshot (nnx.state is live)
   try:
     nnx.update(actor, _random_adapters(actor, 2))
-    eng = embedded.EmbeddedRollout(rollout_actor=actor, tokenizer=tok, mesh=adapted["mesh"])
+    eng = embedded.EmbeddedRollout(
+        rollout_actor=actor,
+        tokenizer=tok,
+        mesh=adapted["mesh"],
+        **run_engine.embedded_arguments(actor.base.config, adapted["mesh"]),
+    )
     prompts = [tok.encode("What is 12 * 7?"), tok.encode("Tom has 3 apples and buys 4 more. How many now?")]
     outs = []
     for seed in (None, 3):

@@ -30,8 +30,10 @@ from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import decode
+from maxtext_rl_plugin.rollout import embedded_spec
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import sampling
+from maxtext_rl_plugin.run import engine as run_engine
 from _tiny import SMALL_VOCAB
 from test_algorithms import np_policy_loss
 from test_trainer_updates import _train
@@ -92,7 +94,9 @@ def family_fixture(request):
     return x * 3.0 if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x
 
   nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
-  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
+  engine = embedded.EmbeddedRollout(
+      rollout_actor=model, tokenizer=tok, mesh=mesh, **run_engine.embedded_arguments(model.base.config, mesh)
+  )
   gdef, _ = nnx.split(model)
 
   @jax.jit
@@ -434,10 +438,15 @@ def test_short_sliding_window_is_refused_by_the_embedded_engine():
   """gpt-oss with a window shorter than the sequence decodes differently from MaxText's forward (measured with
   sliding_window_size=8: 11 of 12 greedy tokens differ), so the engine refuses it in one line."""
   rs = models.setup_devices(config_lib.parse([CONFIG, "model_name=gpt-oss-20b", "sliding_window_size=8"]))
+
+  def check(cfg):
+    s = embedded_spec.DecodeSettings.from_config(cfg)
+    decode.check_sliding_window(s.decoder_block, s.sliding_window_size, s.max_target_length)
+
   with pytest.raises(ConfigError, match="sliding_window_size") as e:
-    decode.check_sliding_window(rs.sampler_config)
+    check(rs.sampler_config)
   assert "\n" not in str(e.value)
-  decode.check_sliding_window(
+  check(
       models.setup_devices(config_lib.parse([CONFIG, "model_name=gpt-oss-20b", "sliding_window_size=160"])).sampler_config
   )
 
@@ -450,7 +459,9 @@ def test_expert_parallel_mesh_decode_records_the_trainers_routing():
   tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
   assert mesh.shape["expert"] == 2
-  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
+  engine = embedded.EmbeddedRollout(
+      rollout_actor=model, tokenizer=tok, mesh=mesh, **run_engine.embedded_arguments(model.base.config, mesh)
+  )
   prompts = _prompts(tok) + [tok.encode("x")]
   res = engine.generate_tokens(prompts, greedy=True, max_new_tokens=8, prompt_pad_to=24)
   graphdef, state = moe.recording_graphdef(model), nnx.state(model)
@@ -480,7 +491,9 @@ def test_expert_parallel_replay_forces_the_recorded_experts():
   cfg = rs.trainer_config
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
   assert mesh.shape["expert"] == 2 and not moe.MoeSettings.from_config(cfg).replay_native
-  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
+  engine = embedded.EmbeddedRollout(
+      rollout_actor=model, tokenizer=tok, mesh=mesh, **run_engine.embedded_arguments(model.base.config, mesh)
+  )
   prompts = _prompts(tok) + [tok.encode("x")]
   res = engine.generate_tokens(
       prompts,

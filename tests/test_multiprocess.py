@@ -24,6 +24,7 @@ from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import models
 from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin.rollout import embedded
+from maxtext_rl_plugin.run import engine as run_engine
 
 import _two_processes as two_processes
 
@@ -117,7 +118,9 @@ def test_per_row_sampling_keys_do_not_depend_on_how_the_batch_is_split():
   rs = models.setup_devices(config_lib.parse(["configs/cpu_tiny.yml"]))
   tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
-  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
+  engine = embedded.EmbeddedRollout(
+      rollout_actor=model, tokenizer=tok, mesh=mesh, **run_engine.embedded_arguments(model.base.config, mesh)
+  )
   texts = ["Tom has 3 apples.", "What is 12 * 7?", "Hi", "Name a prime number larger than ten."]
   g = 3
   rc = base_rollout.RolloutConfig(max_tokens_to_generate=8, temperature=30.0, seed=11, max_prompt_length=32)

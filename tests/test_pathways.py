@@ -23,7 +23,7 @@ from maxtext_rl_plugin import errors
 from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin.resharding import backend
 from maxtext_rl_plugin.resharding import move
-from maxtext_rl_plugin.run import build
+from maxtext_rl_plugin.run import engine as run_engine
 
 SIMULATE = textwrap.dedent("""
     import json, sys
@@ -117,4 +117,4 @@ def test_one_decision_point(monkeypatch):
   cfg = type("C", (), {"rollout_engine": "auto", "model_name": "llama3.1-8b", "head_dim": 128, "vllm_hf_overrides": ""})()
 
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
-  assert build._resolve_engine_name(cfg) == "vllm"  # pylint: disable=protected-access  # the one resolution point
+  assert run_engine.resolve_name(cfg) == "vllm"  # the one resolution point

@@ -51,9 +51,11 @@ from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.run import updates
 from maxtext_rl_plugin.rollout import bucketing
 from maxtext_rl_plugin.rollout import decode
+from maxtext_rl_plugin.rollout import embedded_spec
 from maxtext_rl_plugin.rollout import sampling
 from maxtext_rl_plugin.rollout import stops
 from maxtext_rl_plugin.run import build
+from maxtext_rl_plugin.run import engine as run_engine
 from maxtext_rl_plugin.run import models as run_models
 
 PAD_ID, EOS_ID = 0, 1
@@ -307,8 +309,13 @@ def rollout_program(sampler_config, sampler_devices) -> Program:
   mesh = run_models.build_sampler_mesh(sampler_config, sampler_devices)
   with decode.warnings_off():
     # MoE: the engine records each token's experts, as rollout/embedded.py builds it (routing is a program output).
+    settings = embedded_spec.EmbeddedSettings.from_config(sampler_config)
     sampler = decode.MaxTextSampler(
-        sampler_config, mesh, PAD_ID, record_routing=moe.MoeSettings.from_config(sampler_config).is_moe
+        settings.decode,
+        run_engine.decode_models(sampler_config, mesh),
+        mesh,
+        PAD_ID,
+        record_routing=settings.record_routing,
     )
     g = int(sampler_config.rl.num_generations)
     prompts, length, new_tokens, calls = rollout_shape(sampler_config, g, sampler.dp)

@@ -36,8 +36,9 @@ from maxtext_rl_plugin.aot import topology
 from maxtext_rl_plugin.aot import tpu_inference_compat as compat
 from maxtext_rl_plugin.aot import vllm_programs
 from maxtext_rl_plugin.errors import ConfigError
-from maxtext_rl_plugin.rollout import vllm_spec
+from maxtext_rl_plugin.rollout import engines
 from maxtext_rl_plugin.run import build
+from maxtext_rl_plugin.run import engine as run_engine
 
 # Compile only the programs of these phases (comma-separated: rollout, logps, update, sync); unset: every program.
 ONLY_PHASES_ENV = "MAXTEXT_RL_AOT_PHASES"
@@ -152,23 +153,21 @@ def build_programs(config, parsed: config_lib.Parsed, devices: list) -> tuple[li
       "not_compiled": [],  # lines that explain a program that does not exist (LoRA: no staging program)
       "missing": [],  # programs the run executes that were not compiled here: no verdict covers them
   }
-  if engine == "vllm":  # tpu-inference's model step and vLLM's KV pool (aot/vllm_programs.py), in the TPU image's stack
-    compat.quiet_env(config.compile_topology)
-    if compat.importable():  # its `not_compiled` lines are programs the run executes that did not compile
-      vllm_progs, vllm_facts = vllm_programs.build(
-          rs, topology.device_spec(config.compile_topology), trainer_resident, rs.sampler_devices
-      )
-      out += vllm_progs
-      facts["missing"] += vllm_facts.pop("not_compiled")
-      facts.update(vllm_facts)
-    else:
-      facts["missing"].append(vllm_programs.NEEDS_STACK)
+  compiled = engine
+  if engine == engines.AUTO:
+    compiled, facts["engine_note"] = auto_engine_note(rs.sampler_config)
+    _say(facts["engine_note"])
+  builder = engines.spec(compiled).aot_programs
+  if builder:  # the engine's own rollout programs (its spec names them: no engine is special here)
+    rollout_progs, rollout_facts = engines.load(builder)(rs, config.compile_topology, trainer_resident)
+    out += rollout_progs
+    facts["missing"] += rollout_facts.pop("not_compiled", [])  # programs the run executes that did not compile
+    facts.update(rollout_facts)
   else:
-    if engine == "auto":
-      facts["engine_note"] = auto_engine_note(rs.sampler_config)
-      _say(facts["engine_note"])
-    rollout = programs.rollout_program(rs.sampler_config, rs.sampler_devices)
-    out.append((rollout, 0 if rs.disaggregated else trainer_resident, not rs.disaggregated))
+    facts["missing"].append(
+        f"rollout: the {compiled} engine names no ahead-of-time programs (its EngineSpec.aot_programs), so its "
+        "rollout is not compiled"
+    )
   facts["missing"] += agentic_missing(cfg)
   if rs.disaggregated and lora:
     facts["not_compiled"].append(
@@ -198,15 +197,37 @@ def agentic_missing(cfg) -> list[str]:
   ]
 
 
-def auto_engine_note(sampler_config) -> str:
-  """Which engine a `rollout_engine=auto` compile covers: the embedded one (build._resolve_engine_name picks vLLM only
-  on a TPU with vLLM installed, and only where the config's vLLM route is proven and its head_dim allowed)."""
-  why_not = vllm_spec.auto_passes_over(sampler_config)
-  if why_not:
-    return f"rollout_engine=auto: compiled the embedded engine, which the TPU run takes too ({why_not})"
-  return (
-      "rollout_engine=auto: compiled the embedded engine; on a TPU with vLLM installed the run takes vLLM, whose "
-      "rollout this compile does not cover (compile with rollout_engine=vllm in the TPU image's stack for it)"
+def embedded_rollout(rs, topo: str, trainer_resident: int) -> tuple[list, dict]:
+  """The embedded engine's `aot_programs` (rollout/embedded_spec.py): its whole prefill + decode program on the sampler
+  mesh, resident beside the trainer's state when colocated."""
+  del topo  # the sampler devices are the topology's already
+  rollout = programs.rollout_program(rs.sampler_config, rs.sampler_devices)
+  return [(rollout, 0 if rs.disaggregated else trainer_resident, not rs.disaggregated)], {}
+
+
+def vllm_rollout(rs, topo: str, trainer_resident: int) -> tuple[list, dict]:
+  """The vLLM engine's `aot_programs` (rollout/vllm_spec.py): tpu-inference's model step and vLLM's KV pool
+  (aot/vllm_programs.py), in the TPU image's stack; without it, one `not_compiled` line."""
+  compat.quiet_env(topo)
+  if not compat.importable():
+    return [], {"not_compiled": [vllm_programs.NEEDS_STACK]}
+  return vllm_programs.build(rs, topology.device_spec(topo), trainer_resident, rs.sampler_devices)
+
+
+def auto_engine_note(sampler_config) -> tuple[str, str]:
+  """(the engine a `rollout_engine=auto` compile covers, the line that says so). It covers the engine `auto` takes on a
+  TPU without the optional extras (run/engine.auto_choice: the embedded one for the built-ins), and says which engine
+  the TPU run takes with them installed when that is another (the compile's stack may not have them)."""
+  compiled, passed = run_engine.auto_choice(sampler_config, on="tpu", installed=False)
+  taken, passed = run_engine.auto_choice(sampler_config, on="tpu", installed=True)
+  if taken == compiled:
+    why = f" ({passed[-1][1]})" if passed else ""
+    return compiled, f"rollout_engine=auto: compiled the {compiled} engine, which the TPU run takes too{why}"
+  needs = engines.spec(taken).auto.needs
+  return compiled, (
+      f"rollout_engine=auto: compiled the {compiled} engine; on a TPU with {needs or 'its stack'} installed the run "
+      f"takes {taken}, whose rollout this compile does not cover (compile with rollout_engine={taken} in the TPU "
+      "image's stack for it)"
   )
 
 

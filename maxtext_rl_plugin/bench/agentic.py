@@ -22,6 +22,7 @@ from maxtext_rl_plugin.config import load as config_lib
 from maxtext_rl_plugin.run import models
 from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
 from maxtext_rl_plugin.rollout import embedded
+from maxtext_rl_plugin.run import engine as run_engine
 
 
 def main(argv=None) -> int:
@@ -37,7 +38,9 @@ def main(argv=None) -> int:
   rs = models.setup_devices(config_lib.parse([args.config, *overrides]))
   tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
-  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh, config=rs.sampler_config)
+  engine = embedded.EmbeddedRollout(
+      rollout_actor=model, tokenizer=tok, mesh=mesh, **run_engine.embedded_arguments(rs.sampler_config, mesh)
+  )
   rng = np.random.default_rng(0)
   rows = []
   print(f"{'L':>6}{'B':>5}{'T':>5}{'turn s':>10}{'prefill+1 s':>13}{'prefill_share':>15}")

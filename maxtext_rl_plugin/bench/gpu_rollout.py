@@ -170,6 +170,7 @@ def _rollout_model(args, name: str, ref: dict, peers: bool, done: dict) -> dict:
   from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
   from maxtext_rl_plugin.bench import peak as bench_peak
   from maxtext_rl_plugin.rollout import embedded
+  from maxtext_rl_plugin.run import engine as run_engine
 
   P, T = args.prompt_len, args.new_tokens
   argv = gpu_common.config_argv(
@@ -186,7 +187,9 @@ def _rollout_model(args, name: str, ref: dict, peers: bool, done: dict) -> dict:
     return x * 3 if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x
 
   nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
-  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh, config=cfg)
+  engine = embedded.EmbeddedRollout(
+      rollout_actor=model, tokenizer=tok, mesh=mesh, **run_engine.embedded_arguments(cfg, mesh)
+  )
   wbytes = read_weight_bytes(model, cfg)
   out = {"model": name, "params": bench_peak.param_counts(cfg), "read_weight_bytes": wbytes, "by_batch": []}
   done["models"].append(out)

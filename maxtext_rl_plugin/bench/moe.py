@@ -39,6 +39,7 @@ from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.run import parity
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import sampling
+from maxtext_rl_plugin.run import engine as run_engine
 
 _PROMPTS = [
     "Tom has 3 apples and buys 4 more. How many apples does he have now?",
@@ -113,7 +114,12 @@ def main(argv=None) -> int:
   srs = models.setup_devices(config_lib.parse([args.config, *overrides, f"dtype={args.sampler_dtype}"]))
   sampler_model, mesh = models.build_model(srs.sampler_config, srs.sampler_devices, pad_id=pad)
   base = nnx.state(trainer, nnx.Param)
-  engine = embedded.EmbeddedRollout(rollout_actor=sampler_model, tokenizer=tok, mesh=mesh, config=srs.sampler_config)
+  engine = embedded.EmbeddedRollout(
+      rollout_actor=sampler_model,
+      tokenizer=tok,
+      mesh=mesh,
+      **run_engine.embedded_arguments(srs.sampler_config, mesh),
+  )
   graphdef = moe.recording_graphdef(trainer)
   replay_ok = moe_settings.replay_supported
   fwd = jax.jit(

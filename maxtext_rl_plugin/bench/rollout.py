@@ -45,6 +45,7 @@ from maxtext_rl_plugin.bench import common
 from maxtext_rl_plugin.bench import peak as bench_peak
 from maxtext_rl_plugin.errors import UserError
 from maxtext_rl_plugin.rollout import embedded
+from maxtext_rl_plugin.run import engine as run_engine
 
 _QUESTIONS = [
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many "
@@ -322,7 +323,9 @@ def _build(args):
       return x * args.decoder_scale if in_decoder and x.ndim >= 2 else x
 
     nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
-  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh, config=cfg)
+  engine = embedded.EmbeddedRollout(
+      rollout_actor=model, tokenizer=tok, mesh=mesh, **run_engine.embedded_arguments(cfg, mesh)
+  )
   print(
       f"model {cfg.model_name} ({cfg.num_decoder_layers} layers, emb {cfg.emb_dim}, vocab {cfg.vocab_size}) on "
       f"{len(rs.sampler_devices)} {jax.devices()[0].platform} device(s); setup {time.perf_counter() - t0:.1f}s",

@@ -20,6 +20,7 @@ known (train_rl after the typed pass, run/models.setup_devices), not in `CHECKS`
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import Any
 
@@ -296,10 +297,25 @@ def check_algorithm_names(pc) -> None:
 
 def check_engine(pc) -> None:
   """The chosen engine's own refusals (its spec's `checks`: models it cannot sample, head_dim on vLLM's native
-  route, ...)."""
+  route, ...), then a `rollout_quantization` its capabilities do not declare (`EngineSpec.precision_refusal`: what
+  the engine declares decides, whoever registered it)."""
   spec = engine_spec(pc)
-  if spec is not None:
-    spec.check(pc)
+  if spec is None:
+    return
+  for check in spec.checks:
+    check(pc)
+  why = spec.precision_refusal(value_or(pc, "rollout_quantization", ""))
+  if why:
+    raise ConfigError(why)
+
+
+def check_engine_typed(pc) -> None:
+  """The chosen engine's refusals that import its heavier modules (its spec's `typed_checks`, 'module:function'
+  paths; vLLM: the route's own), on the typed config: config/validation.validate's second pass only."""
+  spec = engine_spec(pc)
+  for path in spec.typed_checks if spec is not None else ():
+    module, _, name = path.partition(":")
+    getattr(importlib.import_module(module), name)(pc)
 
 
 def _capture_engines() -> list[str]:

@@ -457,9 +457,7 @@ def validate(pc, source: Any = None) -> None:
   for check in _light_checks(source.user_keys() if source is not None else None):
     check(pc)
   AlgorithmSettings.from_config(pc)  # the registered loss and estimator, its scaling and aggregation, overlong buffer
-  engine = early_checks.engine_spec(pc)
-  if engine is not None:  # the engine's checks that import its heavier modules (vLLM: the route's own refusals)
-    engine.check_typed(pc)
+  early_checks.check_engine_typed(pc)  # the engine's checks that import its heavier modules (vLLM: the route's own)
 
 
 def validate_raw(view: RawConfig) -> None:

@@ -16,8 +16,10 @@ those flags instead of probing the object:
 | `weight_sync` | `weight_sync == "engine"` | resharding/sync.py hands the engine the plugin's guarded sync |
 | `ensure_available` | | run/build.py: a missing optional dependency refused before any model is built |
 
-An engine is built by Tunix as `cls(rollout_actor=, tokenizer=, mesh=, rollout_config=)`; the plugin binds its own
-config with `functools.partial(cls, config=sampler_config)` (run/build.py).
+An engine is built by Tunix as `cls(rollout_actor=, tokenizer=, mesh=, rollout_config=)`; the plugin binds the keyword
+arguments its spec's `bind` makes from the sampler's config (its settings; `config=` the config whole when the spec
+names no `bind`) with `functools.partial` (run/engines.rollout_engine_factory). Its config checks are its spec's
+(rollout/engines.py), run by config/ through the entry point before the engine is imported.
 """
 
 from __future__ import annotations
@@ -59,13 +61,6 @@ class RolloutEngine(base_rollout.BaseRollout, abc.ABC):
   def ensure_available(cls) -> None:
     """Raise `errors.MissingExtraError` (one line) when the engine's optional dependencies are missing; called before
     any model is built. The default needs nothing beyond the plugin's own dependencies."""
-
-  @classmethod
-  def check_config(cls, config: Any) -> None:
-    """The engine's refusals of a config: its spec's light checks and its typed ones (config/validation runs the same
-    through the entry point before the engine is imported)."""
-    cls.spec.check(config)
-    cls.spec.check_typed(config)
 
   @abc.abstractmethod
   def generate_turn(

@@ -21,8 +21,10 @@ One program per compile key does everything on device:
 MaxText bakes the decode batch size and the AR-cache length into static `KVCache` attributes at construction
 (`micro_batch_size_to_train_on`, `max_target_length - max_prefill_predict_length`); they decide the shape of the
 "active" segment-id write and the wrap-around of the AR write index. So the decode-mode models are built
-abstractly once (`nnx.eval_shape`, no weights) and those three attributes are set per compile key before taking
-the graphdef; the weights are always the caller's.
+abstractly once (`nnx.eval_shape`, no weights; run/engine.decode_models, where the run is built: MaxText's model
+creation takes the config whole, which this module never sees) and those three attributes are set per compile key
+before taking the graphdef; the weights are always the caller's. What else the program reads of the config is
+`embedded_spec.DecodeSettings`.
 """
 
 from __future__ import annotations
@@ -42,12 +44,12 @@ import numpy as np
 
 from maxtext.common import common_types
 from maxtext.inference import kvcache
-from maxtext.utils import model_creation_utils
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin import moe
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import quantize
 from maxtext_rl_plugin.rollout import bucketing
+from maxtext_rl_plugin.rollout import embedded_spec
 from maxtext_rl_plugin.rollout import head
 from maxtext_rl_plugin.rollout import kv_cache
 from maxtext_rl_plugin.rollout import sampling
@@ -80,37 +82,42 @@ class warnings_off:  # pylint: disable=invalid-name  # a context manager named l
 
 # Decoder blocks with sliding-window (local) attention layers in MaxText 0.2.5 (`AttentionType.LOCAL_SLIDING`).
 SLIDING_WINDOW_BLOCKS = ("gpt_oss", "gemma2", "gemma3", "gemma4", "olmo3")
+# MaxText's model modes the program runs, each with its own abstract model: the prompts' prefill, then one token a step.
+MODES = (common_types.MODEL_MODE_PREFILL, common_types.MODEL_MODE_AUTOREGRESSIVE)
 
 
-def check_sliding_window(cfg: Any) -> None:
+def check_sliding_window(decoder_block: str, window: int, max_target_length: int) -> None:
   """Refuse a sliding window shorter than the sequence: measured on gpt-oss (tests/test_moe.py), the cached decode then
   differs from MaxText's full forward after the first token (window 8 over 20-token prompts); with the window at least
   max_target_length both agree token for token."""
-  window = int(getattr(cfg, "sliding_window_size", 0) or 0)
-  block = getattr(cfg.decoder_block, "value", str(cfg.decoder_block))
-  if block in SLIDING_WINDOW_BLOCKS and 0 < window < int(cfg.max_target_length):
+  if decoder_block in SLIDING_WINDOW_BLOCKS and 0 < window < max_target_length:
     raise ConfigError(
-        f"invalid value for 'sliding_window_size'={window} with rollout_engine=embedded and decoder_block={block}: "
-        f"the embedded engine's KV-cached decode does not apply a window shorter than the sequence as MaxText's "
-        f"forward does; set sliding_window_size >= max_target_length ({cfg.max_target_length}) or use the vLLM engine"
+        f"invalid value for 'sliding_window_size'={window} with rollout_engine=embedded and decoder_block="
+        f"{decoder_block}: the embedded engine's KV-cached decode does not apply a window shorter than the sequence as "
+        f"MaxText's forward does; set sliding_window_size >= max_target_length ({max_target_length}) or use the vLLM "
+        "engine"
     )
 
 
 class MaxTextSampler:
   """Prefill + decode programs of one MaxText model config on one mesh (see the module docstring)."""
 
-  def __init__(self, cfg: Any, mesh: jax.sharding.Mesh, pad_id: int, record_routing: bool = False):
-    check_sliding_window(cfg)
+  def __init__(
+      self,
+      settings: embedded_spec.DecodeSettings,
+      models: dict[str, Any],
+      mesh: jax.sharding.Mesh,
+      pad_id: int,
+      record_routing: bool = False,
+  ):
+    """`models`: MaxText's abstract (shape-only) model of each mode of `MODES` on `mesh` (run/engine.decode_models);
+    their graphdefs are merged with the caller's weights."""
+    check_sliding_window(settings.decoder_block, settings.sliding_window_size, settings.max_target_length)
     self.mesh = mesh
     self.pad_id = pad_id  # fills every position after a row's end
-    self.weight_dtype = jnp.dtype(cfg.weight_dtype)  # what quantized kernels are read back as (rollout_quantization)
-    self.modes = (common_types.MODEL_MODE_PREFILL, common_types.MODEL_MODE_AUTOREGRESSIVE)
-    # Decode-capable abstract models (shapes only); their graphdefs are merged with the caller's weights.
-    with warnings_off(), logical_axis_rules(cfg.logical_axis_rules):
-      self._abstract = {
-          mode: nnx.eval_shape(model_creation_utils.get_nnx_create_model_fn(cfg, mesh=mesh, model_mode=mode))
-          for mode in self.modes
-      }
+    self.weight_dtype = jnp.dtype(settings.weight_dtype)  # what quantized kernels are read back as (rollout_quantization)
+    self.modes = MODES
+    self._abstract = {mode: models[mode] for mode in self.modes}
     # MoE routing recorded by the decode models' own MoE layers (moe.Recording); the weights are unchanged.
     self.record_routing = bool(record_routing) and all(moe.record_routing(m) > 0 for m in self._abstract.values())
     self._kv_modules = {
@@ -120,19 +127,20 @@ class MaxTextSampler:
     ar_kv = self._kv_modules[self.modes[1]]
     if not ar_kv:
       raise ConfigError(
-          f"rollout_engine=embedded cannot sample {cfg.model_name}: it has no MaxText KVCache in autoregressive mode"
+          f"rollout_engine=embedded cannot sample {settings.model_name}: it has no MaxText KVCache in autoregressive "
+          "mode"
       )
     for m in ar_kv:
       # Exactly MaxText's KVCache: a subclass (another model's cache) has its own layout this engine does not know.
       exact = type(m) is kvcache.KVCache  # pylint: disable=unidiomatic-typecheck  # subclasses are refused on purpose
       if getattr(m, "is_gdn", False) or getattr(m, "is_deepseek_v4", False) or not exact:
         raise ConfigError(
-            f"rollout_engine=embedded cannot sample {cfg.model_name}: the embedded engine decodes with MaxText's "
+            f"rollout_engine=embedded cannot sample {settings.model_name}: the embedded engine decodes with MaxText's "
             f"standard KVCache only, not {type(m).__name__} (docs/models.md)"
         )
 
     # Data parallelism: the batch goes over the mesh axes MaxText maps "activation_batch" to (first rule wins).
-    rules = dict(reversed(list(cfg.logical_axis_rules)))
+    rules = dict(reversed(list(settings.logical_axis_rules)))
     axes = rules.get("activation_batch", ())
     axes = (axes,) if isinstance(axes, str) else tuple(axes)
     self.batch_axes = tuple(a for a in axes if a in mesh.shape)
@@ -146,11 +154,16 @@ class MaxTextSampler:
     self.dp = self.cache.dp
     # The cache is sharded over the batch's axes (kv_cache.CacheLayout.shard): prepending overrides MaxText's rule.
     self.rules = tuple((name, self.batch_axes) for name in ("cache_batch", "cache_batch_prefill")) + tuple(
-        (k, v) for k, v in cfg.logical_axis_rules if k not in ("cache_batch", "cache_batch_prefill")
+        (k, v) for k, v in settings.logical_axis_rules if k not in ("cache_batch", "cache_batch_prefill")
     )
     # On CPU the tied output head runs from a table prepared once per weight version (head.py).
-    self._tied_head = head.TiedHead.from_config(cfg)
-    self._head_tables = head.TableCache() if head.applies(cfg, mesh) else None
+    self._tied_head = head.TiedHead(
+        attend_dtype=jnp.float32 if settings.logits_dot_in_fp32 else settings.dtype,
+        normalize_embedding_logits=settings.normalize_embedding_logits,
+        final_logits_soft_cap=settings.final_logits_soft_cap,
+        cast_logits_to_fp32=settings.cast_logits_to_fp32,
+    )
+    self._head_tables = head.TableCache() if head.applies(settings.logits_via_embedding, mesh) else None
     self.compiled: dict[Any, Any] = {}
     self.compile_count = 0
     self.compile_seconds = 0.0

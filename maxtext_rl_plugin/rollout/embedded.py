@@ -63,10 +63,10 @@ class GenerationResult:
 class EmbeddedRollout(contract.RolloutEngine):
   """JAX KV-cache rollout engine over a `TunixMaxTextAdapter` (see the module docstring).
 
-  Tunix constructs it as `cls(rollout_actor=, tokenizer=, mesh=, rollout_config=)`; bind the plugin
-  config with `functools.partial(EmbeddedRollout, config=cfg)` (else the actor's MaxText config is used). The config
-  is the whole (sampler) MaxText config: the sampler builds MaxText's decode model from it (decode.MaxTextSampler,
-  MaxText's model creation takes the config whole), and LoRA's merge reads MaxText's `lora.*` keys from it.
+  Tunix constructs it as `cls(rollout_actor=, tokenizer=, mesh=, rollout_config=)`; the run binds the rest with
+  `functools.partial(EmbeddedRollout, **run.engine.embedded_arguments(sampler_config, mesh))` (the spec's `bind`):
+  `settings`, what it reads of the sampler's config (embedded_spec.EmbeddedSettings), and `decode_models`, MaxText's
+  abstract decode models on `mesh` (run/engine.decode_models: MaxText's model creation takes the config whole).
   """
 
   def __init__(
@@ -76,36 +76,32 @@ class EmbeddedRollout(contract.RolloutEngine):
       mesh: jax.sharding.Mesh,
       rollout_config: Optional[base_rollout.RolloutConfig] = None,
       *,
-      config: Any = None,
+      settings: embedded_spec.EmbeddedSettings,
+      decode_models: dict[str, Any],
   ):
-    # The actor's own MaxText config (no plugin keys) when Tunix builds the engine without ours: hence the
-    # getattr defaults below, which are the plugin's documented defaults (config/schema.py).
-    self.config = config if config is not None else rollout_actor.base.config
-    cfg = self.config
-    self._actor = _on_rollout_mesh(rollout_actor, mesh, cfg.logical_axis_rules)
+    self.settings = settings
+    self._actor = _on_rollout_mesh(rollout_actor, mesh, settings.decode.logical_axis_rules)
     self._tokenizer = tokenizer
     self._mesh = mesh
     self._rollout_config = rollout_config
 
     self._pad_id = int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     self._eos_id = int(tokenizer.eos_token_id)
-    extra = [int(t) for t in (getattr(cfg, "stop_token_ids", None) or [])]
+    extra = list(settings.stop_token_ids)
     # The pad id ends a completion too (stops.pad_stops says why: the trainer cannot represent a sampled pad token
     # mid-row). Like any pad-valued stop token it is kept as the row's last token and Tunix's 'not pad' completion
     # mask leaves it untrained (GenerationResult.lengths still counts it).
     self._stop_ids = list(dict.fromkeys([self._eos_id, *extra, *stops.pad_stops(self._pad_id, self._eos_id)]))
-    self._stop_strings = [s for s in (getattr(cfg, "stop_strings", None) or []) if s]
-    self._prefill_buckets = list(getattr(cfg, "rollout_prefill_buckets", None) or [32, 64, 128, 256, 512, 1024, 2048])
-    self._batch_buckets = list(getattr(cfg, "rollout_batch_buckets", None) or [1, 2, 4, 8, 16, 32, 64, 128, 256])
-    self._default_sampling = sampling.SamplingParams.create(
-        getattr(cfg, "decode_sampling_temperature", 1.0),
-        getattr(cfg, "decode_sampling_top_k", 0),
-        getattr(cfg, "decode_sampling_nucleus_p", 1.0),
-    )
-    self._default_new_tokens = int(cfg.max_target_length) - int(cfg.max_prefill_predict_length)
-    self._vocab_size = int(cfg.vocab_size)
+    self._stop_strings = list(settings.stop_strings)
+    self._prefill_buckets = list(settings.prefill_buckets)
+    self._batch_buckets = list(settings.batch_buckets)
+    self._default_sampling = sampling.SamplingParams.create(settings.temperature, settings.top_k, settings.top_p)
+    self._default_new_tokens = settings.max_new_tokens
+    self._vocab_size = settings.vocab_size
 
-    self.sampler = decode.MaxTextSampler(cfg, mesh, self._pad_id, record_routing=moe.MoeSettings.from_config(cfg).is_moe)
+    self.sampler = decode.MaxTextSampler(
+        settings.decode, decode_models, mesh, self._pad_id, record_routing=settings.record_routing
+    )
     # Routing of the Tunix generate() calls since the last take_routing(), per thread: the rollout producer's
     # (run/async_rollout.py) and the evaluation's calls may overlap.
     self._routing = threading.local()
@@ -115,9 +111,15 @@ class EmbeddedRollout(contract.RolloutEngine):
     self._logps_fns: dict[Any, Any] = {}
     self._lora_merger = None
     if lora_lib.has_adapters(self._actor):
-      self._lora_merger = lora_lib.Merger(lora_lib.LoraSettings.from_config(cfg).scale, int(cfg.param_scan_axis))
+      self._lora_merger = lora_lib.Merger(settings.lora_scale, settings.param_scan_axis)
     # rollout_quantization: the kernels it samples with are int8/FP8, read back in the decode program
-    self._quantized = quantized_weights.SamplerWeights.from_config(cfg)
+    self._quantized = None
+    if settings.quantization:
+      self._quantized = quantized_weights.SamplerWeights(
+          settings.quantization,
+          scan_axis=settings.param_scan_axis if settings.scan_layers else None,
+          dtype=settings.decode.weight_dtype,
+      )
     if self._quantized is not None:
       logging.info("EmbeddedRollout: sampling with %s weights (rollout_quantization)", self._quantized.form.name)
     logging.info(
@@ -321,7 +323,7 @@ class EmbeddedRollout(contract.RolloutEngine):
         )
 
       fn = self._logps_fns[temperature] = jax.jit(_logps)
-    with self._mesh, logical_axis_rules(self.config.logical_axis_rules):
+    with self._mesh, logical_axis_rules(self.settings.decode.logical_axis_rules):
       return fn(
           state,
           distributed.global_batch(prompt_tokens, self._mesh, self.sampler.batch_axes),

@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 
 
-def applies(cfg: Any, mesh: jax.sharding.Mesh) -> bool:
-  """Tied embeddings on a CPU mesh: where the prepared table is measured to pay (module docstring)."""
-  return bool(cfg.logits_via_embedding) and all(d.platform == "cpu" for d in mesh.devices.flat)
+def applies(logits_via_embedding: bool, mesh: jax.sharding.Mesh) -> bool:
+  """Tied embeddings (MaxText's `logits_via_embedding`) on a CPU mesh: where the prepared table is measured to pay
+  (module docstring)."""
+  return bool(logits_via_embedding) and all(d.platform == "cpu" for d in mesh.devices.flat)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,6 @@ from maxtext_rl_plugin.config.unresolved import Unresolved
 from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import engines
-from maxtext_rl_plugin.rollout import precision
 from maxtext_rl_plugin.rollout import vllm_maxtext
 
 # Qwen3 variants the native route does not map (rollout/vllm_mapping._UNSUPPORTED_QWEN3 less the MoE ones): their vLLM
@@ -128,15 +127,25 @@ ENGINE = engines.EngineSpec(
     capabilities=engines.Capabilities(
         routing_capture=True,  # the MaxTextForCausalLM route (rollout/vllm_routing.py); `routing_refusal` says when not
         lora=True,  # adapters merged into their kernels on the trainer side
-        per_host=True,  # one engine per host in a multi-controller run without Pathways
+        per_host="process",  # one engine per JAX process in a multi-controller run (Pathways: one controller, one engine)
         multi_turn=True,
         row_keys=False,  # vLLM seeds its own sampler
         snapshots=False,  # holds its own copy of the weights; a colocated run cannot pin a version
         sample_dtype_key="weight_dtype",  # vllm_config passes weight_dtype as vLLM's dtype
         weight_sync="own",  # maps to vLLM's layout and writes inside tpu-inference's weight-update session
     ),
-    checks=(check_head_dim, precision.check),  # quantized_weights=(): rollout/precision.py says why
+    checks=(check_head_dim,),
+    # quantized_weights=(): rollout/precision.py says why
+    quantization_refusal="tpu-inference 0.32.0 quantizes a float checkpoint only through Qwix PTQ on its native "
+    "classes, whose QArray kernels the plugin's vLLM sync does not write yet (rollout/precision.py)",
     typed_checks=("maxtext_rl_plugin.rollout.vllm_spec:check_route",),
+    bind="maxtext_rl_plugin.rollout.vllm_spec:bind",  # VllmSettings, read from the sampler's config
     routing_refusal=routing_refusal,
     summary="vLLM-TPU (needs the [tpu] extra)",
+    # `auto` prefers it on a TPU (and Pathways) where vLLM is installed, unless the config's route is unproven or
+    # would sample another function (`auto_passes_over`); the embedded engine otherwise.
+    auto=engines.AutoChoice(
+        rank=1, backends=("tpu",), needs="vllm", passes_over="maxtext_rl_plugin.rollout.vllm_spec:auto_passes_over"
+    ),
+    aot_programs="maxtext_rl_plugin.aot.run:vllm_rollout",
 )

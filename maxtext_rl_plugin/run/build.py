@@ -8,10 +8,7 @@ Everything here happens once, before the first step; the loop (run/loop.py) and 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 import os
-from typing import Any
 
 from absl import logging
 from flax import nnx
@@ -28,12 +25,12 @@ from maxtext_rl_plugin.algorithms.settings import AlgorithmSettings
 from maxtext_rl_plugin.run import accumulation
 from maxtext_rl_plugin import distributed
 from maxtext_rl_plugin.config import load as config_lib
+from maxtext_rl_plugin.run import engine as run_engine
 from maxtext_rl_plugin.run import evaluation as evaluation_lib
 from maxtext_rl_plugin.run import logps
 from maxtext_rl_plugin import lora as lora_lib
 from maxtext_rl_plugin import metrics as metrics_lib
 from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
-from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin.run import meta as run_meta
 from maxtext_rl_plugin.run import rewards as run_rewards
 from maxtext_rl_plugin.run import models as run_models
@@ -44,8 +41,6 @@ from maxtext_rl_plugin.data import load
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.resharding import sync
 from maxtext_rl_plugin.rollout import engines
-from maxtext_rl_plugin.rollout import precision
-from maxtext_rl_plugin.rollout import vllm_spec
 from maxtext_rl_plugin.run.state import PhaseTimer, RewardRecorder, RLRun
 
 
@@ -85,40 +80,6 @@ def check_runtime(config, rs: run_models.RunSetup) -> None:
         f"invalid value for 'rl.rollout_is'='{config.rl.rollout_is}': needs rl.use_rollout_logps=false "
         "(the importance weight is pi_old / pi_behaviour, with pi_old the trainer's own forward)"
     )
-
-
-def _resolve_engine_name(config) -> str:
-  """`rollout_engine` resolved ('auto': vLLM on TPU when installed, on Pathways and in multi-controller runs alike:
-  there, one engine per host, rollout/vllm.py)."""
-  if config.rollout_engine != "auto":
-    return config.rollout_engine
-
-  on_tpu = jax.default_backend() in ("tpu",) or pathways.requested()
-  name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
-  # The native route's head_dim rule, then an unproven route: auto takes a proven vLLM route only (rollout_engine=vllm
-  # runs it anyway, saying so).
-  passed_over = vllm_spec.auto_passes_over(config)
-  if name == "vllm" and (passed_over or precision.refusal(config, "vllm")):
-    name = "embedded"
-    logging.info("rollout_engine=auto resolved to 'embedded': %s", passed_over or precision.refusal(config, "vllm"))
-  else:
-    per_host = name == "vllm" and jax.process_count() > 1 and not pathways.requested()
-    logging.info(
-        "rollout_engine=auto resolved to '%s' (backend %s%s)",
-        name,
-        jax.default_backend(),
-        f"; one engine per host on {jax.process_count()} JAX processes" if per_host else "",
-    )
-  return name
-
-
-def rollout_engine_factory(name: str, sampler_config) -> Any:
-  """A Tunix-constructible rollout engine: `functools.partial` of the `rollout/contract.RolloutEngine` subclass
-  registered as `name` (rollout/engines.py), bound to the sampler's config; its optional dependencies are checked here,
-  before any model is built (`ensure_available`: vLLM's [tpu] extra)."""
-  engine = engines.spec(name).load_engine()
-  engine.ensure_available()
-  return functools.partial(engine, config=sampler_config)
 
 
 def rollout_configs(config, tokenizer) -> dict:
@@ -200,13 +161,13 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
   run_dir = os.path.join(config.base_output_directory, config.run_name)
   tokenizer = tokenizer_lib.load_run_tokenizer(tokenizer_lib.TokenizerSettings.from_config(config))
   train_split, eval_split = load.load_splits(load.DataSettings.from_config(config), tokenizer)
-  engine_name = _resolve_engine_name(config)
+  engine_name = run_engine.resolve_name(config)
+  engine = engines.spec(engine_name).capabilities
   # Rollouts ahead of the trainer across processes need a per-host sampler (experience.samples_per_host).
   distributed.check_asynchronous(
-      int(config.rl.off_policy_steps), rs.disaggregated or (engine_name == "vllm" and not pathways.requested())
+      int(config.rl.off_policy_steps), rs.disaggregated or run_engine.engine_per_process(engine)
   )
-  engine = engines.spec(engine_name).capabilities
-  rollout_factory = rollout_engine_factory(engine_name, rs.sampler_config)
+  engines.spec(engine_name).load_engine().ensure_available()  # a missing optional dependency: before any model build
   rollout_cfgs = rollout_configs(config, tokenizer)
 
   actor, actor_mesh = run_models.build_model(config, rs.trainer_devices, pad_id=tokenizer.pad_token_id)
@@ -220,6 +181,7 @@ def build_run(config, parsed: config_lib.Parsed) -> RLRun:
     with actor_mesh:
       reference = frozen_base or TunixMaxTextAdapter(base_model=nnx.clone(actor.base), pad_id=tokenizer.pad_token_id)
   rollout_mesh = run_models.build_sampler_mesh(rs.sampler_config, rs.sampler_devices)
+  rollout_factory = run_engine.rollout_engine_factory(engine_name, rs.sampler_config, rollout_mesh)
   logging.info(
       "trainer devices %d, sampler devices %d (%s)",
       len(rs.trainer_devices),

@@ -155,7 +155,7 @@ def pairing(config: Any, engine: str = "embedded", backend: str | None = None) -
     sampler = "bfloat16"
   pair = f"{sampler}/{trainer}"
   exact = pair == "float32/float32" and float32_matmuls(config, backend)
-  quantized = precision_lib.requested(config)
+  quantized = precision_lib.requested(getattr(config, precision_lib.KEY, precision_lib.NONE))
   if quantized:  # the sampler's weights are int8/fp8 (rollout_quantization); the matmuls' precision picks the row
     return f"{quantized}/{'float32' if exact else 'bfloat16'}"
   if pair == "float32/float32" and not exact:

@@ -430,9 +430,10 @@ def test_agentic_and_auto_verdicts_say_what_they_cover():
   assert "agentic episodes" in aot_run.agentic_missing(agentic)[0]
   assert not aot_run.agentic_missing(config_lib.load_config([TINY]))
   # cpu_tiny's head_dim 16: auto never takes vLLM for it; head_dim 128: on a TPU with vLLM it would.
-  assert "which the TPU run takes too" in aot_run.auto_engine_note(config_lib.load_config([TINY, "head_dim=16"]))
-  note = aot_run.auto_engine_note(config_lib.load_config([TINY, "head_dim=128"]))
-  assert "the run takes vLLM, whose rollout this compile does not cover" in note
+  compiled, note = aot_run.auto_engine_note(config_lib.load_config([TINY, "head_dim=16"]))
+  assert compiled == "embedded" and "compiled the embedded engine, which the TPU run takes too (" in note
+  compiled, note = aot_run.auto_engine_note(config_lib.load_config([TINY, "head_dim=128"]))
+  assert compiled == "embedded" and "with vllm installed the run takes vllm, whose rollout this compile does not" in note
 
 
 def test_the_oom_line_is_in_gib_and_names_the_knob_that_can_move_it():

@@ -25,7 +25,7 @@ from maxtext_rl_plugin.rollout import contract
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import engines
 from maxtext_rl_plugin.rollout import vllm as vllm_rollout
-from maxtext_rl_plugin.run import build
+from maxtext_rl_plugin.run import engine as run_engine
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs/cpu_tiny.yml")
@@ -124,7 +124,7 @@ def test_a_third_party_engine_is_found_by_name_and_built(toy):
     config_lib.load_config([MOE, "rollout_engine=toy", "rl.router_replay=true"])
   # The run's build constructs the registered class (bound to the sampler config), through the contract.
   cfg = config_lib.load_config([TINY, "rollout_engine=toy"])
-  factory = build.rollout_engine_factory("toy", cfg)
+  factory = run_engine.rollout_engine_factory("toy", cfg)
   assert isinstance(factory, functools.partial) and factory.keywords == {"config": cfg}
   engine = factory(rollout_actor=None, tokenizer=None, mesh=None, rollout_config=None)
   assert isinstance(engine, contract.RolloutEngine) and engine.capabilities is spec.capabilities
@@ -175,6 +175,16 @@ def test_the_built_in_engines_implement_the_contract():
   emb, vll = engines.spec("embedded").capabilities, engines.spec("vllm").capabilities
   assert (emb.row_keys, emb.snapshots, emb.weight_sync, emb.sample_dtype_key) == (True, True, "engine", "dtype")
   assert (vll.row_keys, vll.snapshots, vll.weight_sync, vll.sample_dtype_key) == (False, False, "own", "weight_dtype")
+
+
+def test_every_path_a_built_in_spec_names_resolves():
+  """A spec names its engine, its typed checks, its binding, its AOT programs and its `auto` refusal by 'module:attr'
+  (imported only where used): each must import and name a callable (a typo would surface at a run's build only)."""
+  for name in ("embedded", "vllm"):
+    spec = engines.spec(name)
+    paths = [spec.engine, *spec.typed_checks, spec.bind, spec.aot_programs, spec.auto.passes_over if spec.auto else ""]
+    for path in filter(None, paths):
+      assert callable(engines.load(path)), path
 
 
 # The contract's members (rollout/contract.py) and the names the sync used to mark a wrapped engine with.
@@ -230,3 +240,62 @@ def test_no_caller_probes_an_engine():
       for path in sorted((root / package).rglob("*.py"))
   }
   assert not {k: v for k, v in probes.items() if v}
+
+
+# Where an engine's name may be compared: its own spec module (rollout/<name>_spec.py declares it) and nowhere else.
+_SPEC_MODULE = "_spec.py"
+
+
+def engine_name_branches(source: str, names: set[str]) -> list[str]:
+  """Comparisons (`==`, `!=`, `in`, `not in`) and dict keys that hold a registered engine's name as a string literal:
+  code that decides by which engine runs, where it should read the engine's declaration (`EngineSpec`)."""
+  found = []
+  for node in ast.walk(ast.parse(source)):
+    if isinstance(node, ast.Compare):
+      operands = [node.left, *node.comparators]
+    elif isinstance(node, ast.Dict):
+      operands = [k for k in node.keys if k is not None]
+    else:
+      continue
+    literals = {
+        n.value for op in operands for n in ast.walk(op) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+    }
+    if literals & names:
+      found.append(f"line {node.lineno}: {ast.unparse(node)[:100]}")
+  return found
+
+
+def test_the_name_branch_finder_finds_the_branches_the_specs_replaced():
+  """The scan on lines main had before the engines declared their auto choice, per-host policy, AOT programs and
+  quantization refusal (it can fail), and on what replaced them (it passes)."""
+  names = {"embedded", "vllm"}
+  before = textwrap.dedent("""
+      name = "vllm" if on_tpu and importlib.util.find_spec("vllm") is not None else "embedded"
+      if name == "vllm" and head_dim_reason: pass
+      distributed.check_asynchronous(k, rs.disaggregated or (engine_name == "vllm" and not pathways.requested()))
+      if engine == "vllm": pass
+      _WHY = {"vllm": "tpu-inference 0.32.0 ..."}
+      if engine in ("embedded", "vllm"): pass
+      """)
+  assert len(engine_name_branches(before, names)) == 6  # find_spec("vllm") is not None: the auto policy's dependency
+  after = textwrap.dedent("""
+      name, passed = auto_choice(config)
+      distributed.check_asynchronous(k, rs.disaggregated or run_engine.engine_per_process(engine))
+      if engine == engines.AUTO: pass
+      builder = engines.spec(compiled).aot_programs
+      log("rollout_engine=vllm runs it anyway")
+      """)
+  assert not engine_name_branches(after, names)
+
+
+def test_nothing_outside_an_engines_spec_branches_on_its_name():
+  """Issue 60: a registered engine is chosen (`auto`), checked, built, compiled ahead of time and gated without a change
+  in run/, aot/ or config/: they read its `EngineSpec`, never its name. Only the spec modules may name an engine."""
+  root = REPO / "maxtext_rl_plugin"
+  names = set(engines.names())
+  found = {
+      str(path.relative_to(REPO)): engine_name_branches(path.read_text(encoding="utf-8"), names)
+      for path in sorted(root.rglob("*.py"))
+      if not path.name.endswith(_SPEC_MODULE)
+  }
+  assert not {k: v for k, v in found.items() if v}

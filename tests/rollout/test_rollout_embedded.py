@@ -27,6 +27,7 @@ from maxtext_rl_plugin.rollout import bucketing
 from maxtext_rl_plugin.rollout import embedded
 from maxtext_rl_plugin.rollout import sampling
 from maxtext_rl_plugin.rollout import stops
+from maxtext_rl_plugin.run import engine as run_engine
 
 REF_WIDTH = 96
 NEW = 16
@@ -43,7 +44,9 @@ def scaled_tiny_engine():
     return x * 3.0 if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x
 
   nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
-  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh)
+  engine = embedded.EmbeddedRollout(
+      rollout_actor=model, tokenizer=tok, mesh=mesh, **run_engine.embedded_arguments(model.base.config, mesh)
+  )
   gdef, _ = nnx.split(model)
   return model, tok, mesh, engine, gdef
 

@@ -27,7 +27,7 @@ def _model(overrides):
 )
 def test_tied_head_equals_maxtext_output_head(overrides):
   cfg, base, mesh = _model(overrides)
-  assert head.applies(cfg, mesh)
+  assert head.applies(cfg.logits_via_embedding, mesh)
   hidden = jax.random.normal(jax.random.PRNGKey(0), (3, 2, int(cfg.emb_dim)), jnp.float32) * 2.0
   table = head.TableCache().table(nnx.state(base, nnx.Param))
   with mesh, logical_axis_rules(cfg.logical_axis_rules):
@@ -58,8 +58,5 @@ def test_table_is_prepared_once_per_embedding_array():
 
 
 def test_not_used_off_cpu_or_untied():
-  class _Cfg:
-    logits_via_embedding = False
-
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-  assert not head.applies(_Cfg(), mesh)
+  assert not head.applies(False, mesh)

@@ -27,6 +27,7 @@ from maxtext_rl_plugin.resharding import quantize as qz
 from maxtext_rl_plugin.resharding import sync as sync_lib
 from maxtext_rl_plugin.resharding import trees
 from maxtext_rl_plugin.rollout import embedded
+from maxtext_rl_plugin.run import engine as run_engine
 
 pytestmark = pytest.mark.extended
 
@@ -55,7 +56,9 @@ def setup_fixture():
     return x * 3.0 if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x
 
   nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
-  engine = embedded.EmbeddedRollout(rollout_actor=model, tokenizer=tok, mesh=mesh, config=rs.sampler_config)
+  engine = embedded.EmbeddedRollout(
+      rollout_actor=model, tokenizer=tok, mesh=mesh, **run_engine.embedded_arguments(rs.sampler_config, mesh)
+  )
   gdef, _ = nnx.split(model)
 
   @jax.jit

@@ -35,12 +35,12 @@ from maxtext_rl_plugin import pathways
 from maxtext_rl_plugin import registry
 from maxtext_rl_plugin.resharding import move
 from maxtext_rl_plugin.resharding import per_host
-from maxtext_rl_plugin.run import build
 from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.rollout import vllm as vllm_mod
 from maxtext_rl_plugin.rollout import vllm_config
 from maxtext_rl_plugin.rollout import vllm_mapping as vm
 from maxtext_rl_plugin.rollout import vllm_sync
+from maxtext_rl_plugin.run import engine as run_engine
 
 DUMMY = 7.0  # the fake engine's "dummy init" value
 LLAMA = ["model_name=llama3.1-8b"]
@@ -354,7 +354,7 @@ def test_missing_vllm_fails_at_construction_with_one_line(qwen, tokenizer, capsy
   # exit 2, one line.
 
   with pytest.raises(SystemExit) as exit_info, errors.exit_on_user_error():
-    build.rollout_engine_factory("vllm", qwen[0])
+    run_engine.rollout_engine_factory("vllm", qwen[0])
   assert exit_info.value.code == 2
   err = capsys.readouterr().err
   assert err.startswith("error: rollout_engine=vllm needs the 'vllm' package") and err.count("\n") == 1
@@ -875,9 +875,9 @@ def test_multi_controller_run_gets_one_vllm_engine_per_host(monkeypatch, qwen, t
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(pathways, "requested", lambda: False)
   auto = _Override(cfg, rollout_engine="auto", head_dim=128)
-  assert build._resolve_engine_name(auto) == "vllm"  # pylint: disable=protected-access
+  assert run_engine.resolve_name(auto) == "vllm"
   assert "one engine per host on 2 JAX processes" in logged[-1]
-  assert build._resolve_engine_name(_Override(cfg, rollout_engine="vllm")) == "vllm"  # pylint: disable=protected-access
+  assert run_engine.resolve_name(_Override(cfg, rollout_engine="vllm")) == "vllm"
 
   # Process 1 of 2; the rollout mesh spans both hosts' 4 devices (ids as multi-process CPU JAX numbers them).
   monkeypatch.setattr(jax, "process_index", lambda: 1)
@@ -1127,7 +1127,7 @@ def test_auto_takes_a_proven_vllm_route_only(monkeypatch, model, engine):
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   logged = []
   monkeypatch.setattr(absl_logging, "info", lambda msg, *a: logged.append(msg % a))
-  assert build._resolve_engine_name(_Override(cfg, rollout_engine="auto")) == engine  # pylint: disable=protected-access
+  assert run_engine.resolve_name(_Override(cfg, rollout_engine="auto")) == engine
   if engine == "embedded":
     assert "MaxTextForCausalLM route for deepseek3-671b is not proven by tests/tpu_contract" in logged[-1]
 
