@@ -18,7 +18,7 @@ those flags instead of probing the object:
 
 An engine is built by Tunix as `cls(rollout_actor=, tokenizer=, mesh=, rollout_config=)`; the plugin binds the keyword
 arguments its spec's `bind` makes from the sampler's config (its settings; `config=` the config whole when the spec
-names no `bind`) with `functools.partial` (run/engines.rollout_engine_factory). Its config checks are its spec's
+names no `bind`) with `functools.partial` (run/engine.rollout_engine_factory). Its config checks are its spec's
 (rollout/engines.py), run by config/ through the entry point before the engine is imported.
 """
 

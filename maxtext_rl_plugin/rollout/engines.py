@@ -14,7 +14,7 @@ and importing an engine module pulls in JAX, Tunix and MaxText (~2 s and up). Th
 * `routing_refusal`: why this engine cannot report a given MoE model's routing (rl.router_replay, return_routed_experts);
 * `engine`: `module:Class` of the `contract.RolloutEngine` subclass, imported when a run builds it (`load_engine`);
   `bind`: `module:function` of the keyword arguments the run builds it with (its settings, read from the config);
-* `auto`: when `rollout_engine=auto` may pick it (run/build.resolve_engine_name);
+* `auto`: when `rollout_engine=auto` may pick it (run/engine.resolve_name);
 * `aot_programs`: `module:function` of its rollout programs for `compile_topology` (aot/run.py).
 
 The checks and `bind` take the config: they are the engine's own reading of it, in its spec module (an engine
@@ -23,7 +23,7 @@ rollout/ takes settings. Nothing in run/, aot/ or config/ branches on an engine'
 so a registered engine is compiled, checked and built without a change there (tests/rollout/test_engines.py scans).
 
 The name 'auto' is not an engine: it is the run's choice between the registered engines that declare `auto`
-(run/build.py), so it is accepted beside the registered names.
+(run/engine.py), so it is accepted beside the registered names.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ class Capabilities:
 
 @dataclasses.dataclass(frozen=True)
 class AutoChoice:
-  """When `rollout_engine=auto` may pick an engine (run/build.resolve_engine_name): the registered engines that declare
+  """When `rollout_engine=auto` may pick an engine (run/engine.resolve_name): the registered engines that declare
   one are tried by `rank`, highest first; the first whose backend, dependency and config allow it is the run's."""
 
   rank: int
@@ -112,7 +112,7 @@ class EngineSpec:
   # line); '' gives the generic one.
   quantization_refusal: str = ""
   # 'module:function' of `f(sampler_config, mesh) -> dict`: the keyword arguments the engine is built with besides
-  # Tunix's four (run/build.rollout_engine_factory binds them); '' binds `config=` the sampler config whole.
+  # Tunix's four (run/engine.rollout_engine_factory binds them); '' binds `config=` the sampler config whole.
   bind: str = ""
   auto: AutoChoice | None = None  # None: `auto` never picks it; only `rollout_engine=<name>` does
   # 'module:function' of `f(rs, compile_topology, trainer_resident) -> (programs, facts)`: the engine's rollout for the
