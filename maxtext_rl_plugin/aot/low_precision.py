@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         continue  # compiled before; a format that failed is tried again (a refusal is one line, seconds)
       print(f"[low_precision] compiling {recipe.topology} {fmt} (log: {log}) ...", flush=True)
       run = compile_one(recipe, fmt, args.out)
-      state = f"error: {run['error']}" if run["error"] else "done"
+      state = run["error"] or "done"  # compile_rl's own `error:` line
       print(f"[low_precision]   {state} ({run['wall_s']:.0f} s, peak RSS {run['peak_rss_gb']:.1f} GB)", flush=True)
   print(table(args.out, recipes, formats))
   return 0
