@@ -96,11 +96,14 @@ class PluginRollout(BaseModel):
           "sync the sampler's matmul kernels are quantized symmetrically per output channel (Qwix's layout, which "
           "tpu-inference consumes), on device and in chunks, and read back in its decode program; the embedding, "
           "head, norms and MoE router stay in weight_dtype (resharding/quantize.py). The parity gate's pairing and "
-          "tolerances follow it (run/parity.py). Embedded engine only at this pin (rollout/precision.py says why)."
+          "tolerances follow it (run/parity.py). The embedded engine and vLLM's native route (Llama 3.1, dense Qwen3: "
+          "tpu-inference's Qwix PTQ, whose QArray kernels the sync writes, rollout/vllm_quantized.py); vLLM's "
+          "MaxTextForCausalLM route is refused (rollout/vllm_spec.py says why)."
       ),
       json_schema_extra=rule(
           "honoured (rollout/quantized_weights.py: the embedded engine samples with int8/FP8 kernels, quantized at "
-          "every sync, guarded; rollout/precision.py refuses the engines that cannot)",
+          "every sync, guarded; rollout/vllm_quantized.py: vLLM's native route, its engine Qwix-quantized and synced "
+          "as quantized kernels, guarded; rollout/precision.py refuses the routes that cannot)",
           NOTED,
       ),
   )

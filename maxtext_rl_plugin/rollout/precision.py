@@ -12,14 +12,13 @@ What each route serves, and why (the refusals are one line each):
 * embedded: `int8` and `fp8` on every model it samples (its decode program reads the quantized kernels back; MoE
   experts are quantized per expert, the router stays in float), LoRA included (adapters merged in float, the merged
   kernels quantized once per adapter change).
-* vllm: refused at this pin (rollout/vllm_spec.py's `quantization_refusal` is the reason its refusal line gives).
-  tpu-inference 0.32.0 quantizes a float checkpoint only through Qwix PTQ on its native JAX classes
-  (`additional_config.quantization.qwix.rules`), which replaces each kernel by a Qwix `QArray` in the engine's state;
-  the plugin's vLLM sync (rollout/vllm_sync.py) writes float kernels and its mapping tables name no QArray leaves, and
-  MaxText's decoder inside vLLM (MaxTextForCausalLM) has no quantized weight path (its `quantization` is AQT in the
-  forward). tests/tpu_contract/test_quantized_layers.py holds what is proven at the pin: the bytes and
-  scales a quantized sync would send equal Qwix's own quantization of the same weights, and tpu-inference's FP8 linear
-  computes with them as the embedded engine's dequantize-on-read does.
+* vllm: `int8` and `fp8` on the native route (Llama 3.1, dense Qwen3), LoRA included (adapters merged on the trainer
+  side, then quantized). tpu-inference 0.32.0 quantizes a float checkpoint through Qwix PTQ on its native JAX classes
+  (`additional_config.quantization.qwix.rules`, which the plugin gives the engine), which replaces each kernel by a Qwix
+  `QArray`; the sync writes those leaves (rollout/vllm_quantized.py says why this route, not vLLM's `quantization=fp8`).
+  Refused: MaxText's decoder inside vLLM (MaxTextForCausalLM, every MoE family), which has no quantized weight path
+  (its `quantization` quantizes inside a float model's forward): rollout/vllm_spec.py's `route_precision_refusal`.
+  tests/tpu_contract/test_quantized_sync.py proves the route's logits.
 """
 
 from __future__ import annotations

@@ -19,11 +19,16 @@ from maxtext_rl_plugin.config.unresolved import Unresolved
 from maxtext_rl_plugin.config.unresolved import value_or
 from maxtext_rl_plugin.errors import ConfigError
 from maxtext_rl_plugin.rollout import engines
+from maxtext_rl_plugin.rollout import precision
 from maxtext_rl_plugin.rollout import vllm_maxtext
 
 # Qwen3 variants the native route does not map (rollout/vllm_mapping._UNSUPPORTED_QWEN3 less the MoE ones): their vLLM
 # route is MaxText's own decoder, which computes with the model's head_dim.
 _ADAPTER_QWEN3 = ("qwen3-next", "qwen3-vl", "qwen3-omni", "qwen3-coder")
+# The families the native route maps (rollout/vllm_mapping.SUPPORTED_FAMILIES; that module needs MaxText's tables) and
+# its Qwen3 MoE names (vllm_mapping._UNSUPPORTED_QWEN3): what the first pass can tell of the route without them.
+_NATIVE_FAMILIES = ("qwen3-", "llama3.1-")
+_MOE_QWEN3 = ("qwen3-30b", "qwen3-235b")
 
 
 def qwen3_head_dim_reason(model_name: str, head_dim: int) -> str | None:
@@ -60,6 +65,49 @@ def check_head_dim(pc: Any) -> None:
     raise ConfigError(f"invalid value for 'head_dim'={pc.head_dim!r}: {reason}")
 
 
+def _quantized_adapter(name: str) -> str:
+  return (
+      f"rollout_quantization={name} on vLLM's MaxTextForCausalLM route: MaxText's decoder inside vLLM has no quantized "
+      "weight path (its `quantization` quantizes inside a float model's forward)"
+  )
+
+
+def route_precision_refusal(model_name: str, adapter: bool, value: Any) -> str | None:
+  """Why vLLM cannot sample the precision `value` (`rollout_quantization`) on this route (one line), or None.
+
+  The native route (Llama 3.1, dense Qwen3) serves int8 and fp8: tpu-inference quantizes the engine with Qwix PTQ and
+  the sync writes its QArray kernels (rollout/vllm_quantized.py; tests/tpu_contract/test_quantized_sync.py proves the
+  logits), LoRA included (merged on the trainer side, then quantized). Every other family takes MaxText's decoder
+  inside vLLM, which has no quantized weight path: refused rather than sampled in float."""
+  name = precision.requested(value)
+  if not name or not adapter:
+    return None
+  return (
+      f"{_quantized_adapter(name)}, and {model_name} takes it (tpu-inference's native Llama 3.1 and dense Qwen3 "
+      f"classes serve it); use rollout_engine=embedded or rollout_quantization=''"
+  )
+
+
+def check_quantization(pc: Any) -> None:
+  """The first pass's refusal of a quantized sampler on MaxText's decoder inside vLLM, where the config as written
+  already says the route: an MoE model, a family the native classes do not run, `vllm_hf_overrides` naming
+  MaxTextForCausalLM (an unresolved value is left to `check_route`, which decides the route)."""
+  try:
+    named = vllm_maxtext.selected(pc.vllm_hf_overrides)
+  except Unresolved:
+    named = False
+  model = str(pc.model_name)
+  adapter = (
+      named
+      or int(value_or(pc, "num_experts", 1)) > 1
+      or not model.startswith(_NATIVE_FAMILIES)
+      or model.startswith(_ADAPTER_QWEN3 + _MOE_QWEN3)
+  )
+  reason = route_precision_refusal(model, adapter, value_or(pc, "rollout_quantization", ""))
+  if reason:
+    raise ConfigError(reason)
+
+
 def check_route(config: Any) -> None:
   """The second pass's checks of the route a typed config takes (print_config and training run them), one ConfigError
   line each: on MaxText's decoder inside vLLM, `prefuse_moe_weights` and the adapter's `maxtext_config`; on a native
@@ -68,6 +116,9 @@ def check_route(config: Any) -> None:
   from maxtext_rl_plugin.rollout import vllm_config
 
   adapter, _ = vllm_config.choose_route(config.model_name, config.vllm_hf_overrides)
+  reason = route_precision_refusal(config.model_name, adapter, config.rollout_quantization)
+  if reason:
+    raise ConfigError(reason)
   if not adapter:
     reason = qwen3_head_dim_reason(config.model_name, config.head_dim)
     if reason:
@@ -93,13 +144,16 @@ def bind(config: Any, mesh: Any) -> dict:
 
 def auto_passes_over(config: Any) -> str | None:
   """Why `rollout_engine=auto` passes vLLM over for a typed config (one clause), or None: the native route's head_dim
-  rule (it would sample another function than the trainer's), or a route tests/tpu_contract does not prove by logits
+  rule (it would sample another function than the trainer's), a quantized sampler on MaxText's decoder inside vLLM
+  (`route_precision_refusal`), or a route tests/tpu_contract does not prove by logits
   (`rollout_engine=vllm` runs it anyway, saying so)."""
   from maxtext_rl_plugin.rollout import vllm_config
 
   adapter, _ = vllm_config.choose_route(config.model_name, config.vllm_hf_overrides)
   head_dim = None if adapter else qwen3_head_dim_reason(config.model_name, config.head_dim)
-  return head_dim or vllm_config.unproven_reason(config.model_name, adapter)
+  name = precision.requested(config.rollout_quantization)
+  quantized = _quantized_adapter(name) if name and adapter else None
+  return head_dim or quantized or vllm_config.unproven_reason(config.model_name, adapter)
 
 
 def routing_refusal(pc: Any, what: str) -> str | None:
@@ -133,11 +187,11 @@ ENGINE = engines.EngineSpec(
         snapshots=False,  # holds its own copy of the weights; a colocated run cannot pin a version
         sample_dtype_key="weight_dtype",  # vllm_config passes weight_dtype as vLLM's dtype
         weight_sync="own",  # maps to vLLM's layout and writes inside tpu-inference's weight-update session
+        # the native route: Qwix PTQ in the engine, QArray kernels in the sync (rollout/vllm_quantized.py);
+        # `route_precision_refusal` (first pass: `check_quantization`) refuses MaxText's decoder inside vLLM
+        quantized_weights=("int8", "fp8"),
     ),
-    checks=(check_head_dim,),
-    # quantized_weights=(): rollout/precision.py says why
-    quantization_refusal="tpu-inference 0.32.0 quantizes a float checkpoint only through Qwix PTQ on its native "
-    "classes, whose QArray kernels the plugin's vLLM sync does not write yet (rollout/precision.py)",
+    checks=(check_head_dim, check_quantization),
     typed_checks=("maxtext_rl_plugin.rollout.vllm_spec:check_route",),
     bind="maxtext_rl_plugin.rollout.vllm_spec:bind",  # VllmSettings, read from the sampler's config
     routing_refusal=routing_refusal,
