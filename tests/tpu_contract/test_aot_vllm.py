@@ -6,6 +6,9 @@
   RPA... per layer, from XLA's own dump), and the KV pool equals the arithmetic written out here from the two
   libraries' sources: per layer a page is block x 2 x kv heads (padded to TP) x head_dim x 2 bytes, and vLLM allocates
   floor(devices x (HBM x hbm_utilization_vllm - bytes in use) / (layers x page)) blocks.
+* The same with `rollout_quantization=fp8` (tpu-inference's Qwix PTQ pass on the abstract model): the engine's state
+  holds the layers' kernels in float8_e4m3fn, as many bytes as they have parameters (by hand), only the embedding,
+  head, norms and scales in bf16, and the compiled decode step takes them as FP8 arguments (XLA's dump).
 * A sampler whose weights exceed `hbm_utilization_vllm` of the chip: one `error:` line naming the two knobs, exit 2.
 * The private names tpu_inference_compat touches exist at the pins and answer as on the target.
 
@@ -19,6 +22,7 @@ import inspect
 import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 import types
@@ -98,6 +102,42 @@ def test_tiny_vllm_rollout_compiles_for_v5p_8_with_the_kernel_and_vllms_kv_pool(
     (text,) = [f.read_text(encoding="utf-8") for f in dump.glob(f"*{name}*after_optimizations.txt")]
     assert text.count('custom_call_target="tpu_custom_call"') >= v["layers"]
     assert "RPAd-" in text and "RPAm-" in text, name
+
+
+@needs_libtpu
+def test_tiny_vllm_rollout_with_fp8_weights_holds_and_reads_them_in_fp8(tmp_path):
+  # vocab 512: the embedding and head (left in bf16) no longer dwarf the 2 layers' kernels.
+  dump = tmp_path / "hlo"
+  res = _compile(
+      tmp_path, "run_name=q", "hbm_utilization_vllm=0.5", "rollout_quantization=fp8", "vocab_size=512", dump=dump
+  )
+  assert res.returncode == 0, res.stderr[-3000:]
+  rep = json.loads((tmp_path / "q.aot-v5p-8.json").read_text())
+  v = rep["vllm_rollout"]
+  assert v["weight_format"] == "fp8"
+  held = {k: round(g * GIB) for k, g in v["weights_gib_per_device_by_dtype"].items()}
+  # Per device, by hand: q, k, v, o of 4 heads (kv heads 2 padded to TP 4) x head_dim 128 on a 128 model dim, and the
+  # MLP's gate, up, down (128 x 256), 2 layers, over TP 4: one byte each in FP8.
+  kernels = 2 * (4 * 128 * 4 * 128 + 3 * 128 * 256) // 4
+  assert held["float8_e4m3fn"] == kernels
+  # Left in bf16: embedding + head (512 x 128 each, over TP 4), norms, the per-channel scales; a kernel left in bf16
+  # would add 2 bytes a parameter.
+  embed_head = 2 * 512 * 128 * 2 // 4
+  assert embed_head <= held["bfloat16"] < embed_head + 0.05 * kernels
+  assert v["weights_gib_per_device"] * GIB == pytest.approx(sum(held.values()), abs=16)
+  # The pool is vLLM's sizing with these smaller weights (the default test's arithmetic).
+  page = v["block_size"] * 2 * 4 * 128 * 2
+  assert v["num_blocks"] == int(4 * 95 * GIB * 0.5 - 4 * v["in_use_gib_per_device"] * GIB) // (v["layers"] * page)
+  # The compiled decode step takes the 14 FP8 kernels as FP8 arguments, and each is read by a matmul's own fusion (XLA's
+  # dump): the read-back to bf16 is fused into the dot, no bf16 copy of a kernel is written.
+  (text,) = [f.read_text(encoding="utf-8") for f in dump.glob("*vllm_decode_step*after_optimizations.txt")]
+  body = text[text.index("ENTRY") :].split("\n}\n", 1)[0].splitlines()
+  f8 = re.findall(r"%(param\.\d+) = f8e4m3fn", "\n".join(body))
+  users = [ln for ln in body[1:] if " parameter(" not in ln and any(re.search(rf"%{p}\b[,)]", ln) for p in f8)]
+  assert len(f8) == 2 * 7 and users, body[0][:400]
+  assert all(" fusion(" in u and "dot_general" in u for u in users), [u[:160] for u in users]
+  decode = next(p for p in rep["programs"] if p["name"] == "vllm_decode_step")
+  assert decode["gbytes"] * 1e9 >= v["weights_gib_per_device"] * GIB
 
 
 # ~40 s (a second compile subprocess): the default tier compiles the fitting rollout and checks the KV pool's
