@@ -5,11 +5,16 @@ pieces on engine-shaped leaves (Qwix's QArray layout: `kernel.array.qvalue` the 
 the kernel's shape with the contracting axes kept as 1), in a second.
 """
 
+from flax import nnx
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
+from maxtext_rl_plugin.config.load import load_config
 from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.resharding import quantize as qz
+from maxtext_rl_plugin.rollout import vllm_mapping as vm
 from maxtext_rl_plugin.rollout import vllm_quantized as vq
 
 QTYPE = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
@@ -70,3 +75,55 @@ def test_the_engine_gets_qwix_rules_and_one_spelling_of_the_precision():
   assert "sharding" in got and not got["sharding"]
   with pytest.raises(ConfigError, match="^invalid value for 'vllm_additional_config': it sets 'quantization'"):
     vq.with_quantization({"quantization": {"qwix": {"rules": []}}}, "int8")
+
+
+def test_vllm_rollout_syncs_quantized_kernels_into_a_qwix_quantized_engine(monkeypatch):
+  """The whole wiring on the fake vLLM (tests/rollout/test_vllm_rollout.py): `rollout_quantization=int8` gives vLLM the
+  Qwix rules, and the first sync writes every kernel of an engine state shaped as Qwix leaves tpu-inference's Qwen3
+  (`<proj>.weight.array.qvalue` / `.scale`, bfloat16 scales) as the plugin's quantization of the float sync's value;
+  the guard's re-read (verify_weight_sync=first) passes."""
+  import test_vllm_rollout as tvr  # pylint: disable=import-outside-toplevel  # its fake vLLM and engine trees
+
+  cfg = load_config(["configs/cpu_tiny.yml", "rollout_quantization=int8"])
+  tree = tvr._trainer_tree(cfg, 0)  # pylint: disable=protected-access
+  hc = vm.hf_config_from_params(tree, cfg.model_name)
+  float_state = tvr.fake_engine_state(cfg.model_name, hc)
+  axes = {"q_proj": (0,), "k_proj": (0,), "v_proj": (0,), "o_proj": (0, 1), "gate_proj": (0,), "up_proj": (0,)}
+  axes["down_proj"] = (0,)
+  flat = {}
+  for name, v in vm.engine_weights(float_state).items():
+    proj = next((p for p in axes if f".{p}." in name), None)
+    if proj is None:
+      flat[name] = nnx.Param(v)
+      continue
+    scale_shape = tuple(1 if d in axes[proj] else n for d, n in enumerate(v.shape))
+    flat[name + ".array.qvalue"] = nnx.Param(jnp.zeros(v.shape, jnp.int8))
+    flat[name + ".array.scale"] = nnx.Param(jnp.ones(scale_shape, jnp.bfloat16))
+  nested: dict = {}
+  for name, var in flat.items():
+    node = nested
+    parts = name.split(".")
+    for p in parts[:-1]:
+      node = node.setdefault(int(p) if p.isdigit() else p, {})
+    node[parts[-1]] = var
+  state = nnx.State(nested)
+
+  tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_path)
+  rollout, module, _, state, _ = tvr._build(monkeypatch, cfg, tree, tokenizer, engine_state=state)  # pylint: disable=protected-access
+  assert module.LLM.instances[-1].kwargs["additional_config"]["quantization"] == vq.engine_quantization("int8")
+  engine = vm.engine_weights(state)
+  expected = tvr.expected_hf(tree, llama=False)
+  checked = 0
+  for hf_name, ref in expected.items():
+    name, shape = tvr.tpu_inference_layout(hf_name, cfg.model_name, hc)
+    proj = next((p for p in axes if f".{p}." in name), None)
+    if proj is None:
+      continue
+    value = jnp.asarray(tvr.engine_value(ref, hf_name, shape, hc)).astype(jnp.bfloat16)  # the float sync's write
+    want = qz.quantize(value, qz.fmt("int8"), axes[proj])
+    np.testing.assert_array_equal(np.asarray(engine[name + ".array.qvalue"]), np.asarray(want.q), err_msg=name)
+    got_scale = engine[name + ".array.scale"]
+    assert got_scale.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got_scale), np.asarray(want.scale.astype(jnp.bfloat16)), err_msg=name)
+    checked += 1
+  assert checked == 14 and rollout.last_sync_bytes == sum(v.nbytes for v in engine.values())
