@@ -2,7 +2,8 @@
 # The CPU demo with a quantized sampler beside the float32 one (docs/cpu_demo.md, "A low-precision sampler"):
 #   bash scripts/quantized_demo.sh OUT [SEED]
 # One shared 300-step SFT warm start, then 100 GRPO steps each: float32 sampler, fp8 sampler, fp8 sampler with
-# truncated rollout importance sampling (rl.rollout_is=truncate). The trainer is float32 in all three; only the
+# truncated rollout importance sampling (rl.rollout_is=truncate), and fp8 with only the key IS needs
+# (rl.use_rollout_logps=false), which separates IS from that key. The trainer is float32 in all three; only the
 # sampler's weights differ (rollout_quantization). Prints eval accuracy @0/@100, the train reward of the first and
 # last 10 steps and the parity gate's figures of step 1 per run. Runs niced; a finished run is not run again.
 set -euo pipefail
@@ -29,13 +30,15 @@ run() {  # name, overrides...
 run f32
 run fp8 rollout_quantization=fp8
 run fp8_is rollout_quantization=fp8 rl.rollout_is=truncate rl.use_rollout_logps=false
+run fp8_nolp rollout_quantization=fp8 rl.use_rollout_logps=false  # isolates the key IS needs from IS itself
 
 "$PY" - "$OUT" <<'EOF'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 print("| sampler | eval acc. @0 | @100 | reward steps 1-10 | 91-100 | parity mean / max |d| (step 1) |")
 print("| --- | ---: | ---: | ---: | ---: | --- |")
-for name, label in (("f32", "float32"), ("fp8", "fp8"), ("fp8_is", "fp8 + rl.rollout_is=truncate")):
+for name, label in (("f32", "float32"), ("fp8", "fp8"), ("fp8_is", "fp8 + rl.rollout_is=truncate"),
+                    ("fp8_nolp", "fp8 + rl.use_rollout_logps=false")):
   path = out / "runs" / name / "metrics.jsonl"
   if not path.exists():
     print(f"| {label} | not run yet | | | | |")
