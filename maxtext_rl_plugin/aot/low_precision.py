@@ -21,7 +21,8 @@ Analytic (`figures`, the cross-check): the same quantities from the model's shap
 pages; the step is max(FLOPs / peak, bytes / bandwidth)). Quantized there: every matmul kernel of the 80 layers
 (68.45e9 of 70.55e9 parameters); kept in bf16: the embedding and untied output head (2.10e9) and norms; scales one
 float32 per output channel. The compiled rows agree with it on weights and pool to 0.01 GiB; the decode step differs
-by what XLA counts beyond weights and KV pages (the kernel's page reads and the rest: `calibrated`).
+by what XLA counts beyond weights and KV pages (`calibrated` adds the compiled bf16 step's extra, assumed unchanged by
+the format: the compiled rows show it holds on tpu7x and not on v5p, where the extra halves with the weights).
 """
 
 from __future__ import annotations

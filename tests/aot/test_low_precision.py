@@ -1,5 +1,6 @@
 """aot/low_precision.py: the analytic roofline's bf16 column equals what the compiler reported for the same recipe
-(docs/aot.md, the vLLM rollout of Llama 3.1 70B on v5p-128 at TP 8), and the quantized columns follow by hand."""
+(docs/aot.md, the vLLM rollout of Llama 3.1 70B on v5p-128 at TP 8), and the quantized columns follow by hand; the
+compiled table reads compile_rl's reports (tests/tpu_contract/test_aot_vllm.py compiles a quantized one)."""
 
 import json
 
