@@ -56,6 +56,7 @@ from maxtext_rl_plugin.aot import tpu_inference_compat as compat
 from maxtext_rl_plugin.aot.programs import Program
 from maxtext_rl_plugin.aot.topology import GIB
 from maxtext_rl_plugin.errors import ConfigError
+from maxtext_rl_plugin.rollout import precision
 from maxtext_rl_plugin.rollout import vllm_config as vllm_config_lib
 from maxtext_rl_plugin.rollout import vllm_mapping
 from maxtext_rl_plugin.rollout import vllm_quantized
@@ -165,10 +166,8 @@ def replica_mesh(devices: list, tp: int) -> Mesh:
 
 
 def weight_format(scfg) -> str:
-  """The sampler's `rollout_quantization` ('' for the checkpoint's dtype; unset and 'none' too, as
-  rollout/precision.py reads it)."""
-  value = scfg.rollout_quantization
-  return "" if value in (None, False, "", "none", "None") else str(value)
+  """The sampler's `rollout_quantization` ('' for the checkpoint's dtype), spelled as rollout/precision.py reads it."""
+  return precision.requested(scfg.rollout_quantization)
 
 
 def engine_quantization(kwargs: dict, name: str) -> dict:
