@@ -8,7 +8,7 @@ vLLM-TPU computes with them in its quantized layers). The format, per kernel W w
     s = max_K |W| / B        (float32, one scale per output channel: W's shape with the axes K kept as 1)
     int8:  q = clip(round(W / s), -128, 127)               B = 127.5
     fp8:   q = float8_e4m3fn(clip(W / s, -448, 448))        B = 448 = float8_e4m3fn's largest finite value
-    W ~ q * s                (dequantize-on-read; a zero channel gets s = 1 and q = 0)
+    W ~ q * s                (dequantize-on-read; a channel with s < 2**-63, a zero one, gets s = 1 and q = 0)
 
 Why per output channel and not per block: it is the layout both of the pinned stack's online paths consume.
 tpu-inference 0.32.0's FP8 linear method for a checkpoint that is not FP8-serialized (`Fp8TensorwiseLinearMethod`,
@@ -21,8 +21,9 @@ scales cost one float per output channel: nothing beside the kernel.
 The bounds and rounding are Qwix's (`qarray.compute_scale_zero_point`, `numerics.get_symmetric_bound`): int8's
 127.5 lets the outermost buckets hold [126.5, 127.5) and [-128.5, -127.5) (the channel's absmax lands at 128 and
 saturates to 127: still within half a step); fp8's 448 is e4m3fn's largest finite value, and the cast rounds to nearest
-even. So a sync's quantized bytes equal what tpu-inference's own Qwix PTQ makes of the same float weights, bit for bit
-(tests/resharding/test_quantize.py compares with Qwix).
+even. Qwix floors a scale below 2**-63 to 1. So a sync's quantized bytes equal what tpu-inference's own Qwix PTQ
+makes of the same float weights, bit for bit, when computed in the weights' dtype (`quantize`'s `dtype`: float32 here,
+tests/resharding/test_quantize.py; bfloat16 for a bfloat16 vLLM engine, tests/rollout/test_vllm_quantized.py).
 
 What is quantized (`plan`): MaxText's `DenseGeneral` kernels (attention q/k/v/out, MLA's projections, the dense MLP)
 and the MoE experts' `wi_0`/`wi_1`/`wo`. Not quantized, as in vLLM's FP8 online mode and Qwix's MoE defaults: the
@@ -69,8 +70,9 @@ CHOICES = (NONE, *FORMATS)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Quantized:
-  """A quantized kernel: `q` (the kernel's shape, int8 or float8_e4m3fn) and `scale` (float32, the kernel's shape with
-  its contracting axes kept as 1). A pytree, so it travels through jit, device_put and the sync's checksums."""
+  """A quantized kernel: `q` (the kernel's shape, int8 or float8_e4m3fn) and `scale` (float32, or the dtype it was
+  computed in; the kernel's shape with its contracting axes kept as 1). A pytree, so it travels through jit,
+  device_put and the sync's checksums."""
 
   q: jax.Array
   scale: jax.Array
@@ -78,6 +80,9 @@ class Quantized:
   @property
   def shape(self):
     return self.q.shape
+
+
+_TINY_SQRT = float(np.sqrt(np.finfo(np.float32).tiny))  # 2**-63, Qwix's floor under a scale (same for bfloat16)
 
 
 def is_quantized(x) -> bool:
@@ -88,12 +93,16 @@ def fmt(name: str) -> Format:
   return FORMATS[name]
 
 
-def quantize(w: jax.Array, form: Format, axes: Sequence[int]) -> Quantized:
-  """Symmetric quantization of `w` with one scale per slice over its contracting `axes` (module docstring)."""
-  x = jnp.asarray(w, jnp.float32)
+def quantize(w: jax.Array, form: Format, axes: Sequence[int], dtype: Any = jnp.float32) -> Quantized:
+  """Symmetric quantization of `w` with one scale per slice over its contracting `axes` (module docstring), computed in
+  `dtype` step by step as Qwix's `qarray.quantize` computes it for a weight of that dtype: the absmax, the scale and
+  `w / scale` each rounded to `dtype`, then rounded or cast to the format. In float32 (the embedded engine) that is the
+  formula above; in bfloat16 (a bfloat16 vLLM engine's Qwix PTQ) `w / scale` is rounded to bfloat16 before it is
+  rounded to int8 or cast to e4m3, which moves about one value in ten by one step against the float32 formula."""
+  x = jnp.asarray(w, dtype)
   absmax = jnp.max(jnp.abs(x), axis=tuple(axes), keepdims=True)
   scale = absmax / form.bound
-  scale = jnp.where(scale > 0, scale, jnp.ones_like(scale))
+  scale = jnp.where(scale < _TINY_SQRT, jnp.ones_like(scale), scale)
   y = x / scale
   if form.is_float:
     q = jnp.clip(y, -form.bound, form.bound).astype(form.dtype)
@@ -163,14 +172,14 @@ def scale_sharding(sharding: Any, axes: Sequence[int], ndim: int) -> Any:
 _QUANTIZE_FNS: dict = {}
 
 
-def _chunk_fn(form: Format, axes: tuple, out_shardings: tuple):
+def _chunk_fn(form: Format, axes: tuple, out_shardings: tuple, dtype: Any):
   """One jitted quantization of a chunk's kernels onto their own shardings, cached by layout."""
-  key = (form.name, axes, out_shardings)
+  key = (form.name, axes, out_shardings, jnp.dtype(dtype).name)
   fn = _QUANTIZE_FNS.get(key)
   if fn is None:
     placed = all(s is not None for s in out_shardings)
     fn = jax.jit(
-        lambda xs: [quantize(x, form, a) for x, a in zip(xs, axes)],
+        lambda xs: [quantize(x, form, a, dtype) for x, a in zip(xs, axes)],
         out_shardings=[Quantized(*s) for s in out_shardings] if placed else None,
     )
     _QUANTIZE_FNS[key] = fn
@@ -178,11 +187,15 @@ def _chunk_fn(form: Format, axes: tuple, out_shardings: tuple):
 
 
 def quantize_tree(
-    tree: PyTree, form: Format, axes_of: Mapping[str, tuple[int, ...]], chunk_bytes: int | None = 64 * 2**20
+    tree: PyTree,
+    form: Format,
+    axes_of: Mapping[str, tuple[int, ...]],
+    chunk_bytes: int | None = 64 * 2**20,
+    dtype: Any = jnp.float32,
 ) -> PyTree:
-  """`tree` with each leaf named in `axes_of` replaced by its `Quantized` form, computed on the leaf's own devices
-  (q on the kernel's sharding, the scale on `scale_sharding`), in chunks of at most `chunk_bytes` of source weights
-  (one jitted call each, waited for before the next): the float32 intermediates of one chunk are all the sync adds."""
+  """`tree` with each leaf named in `axes_of` replaced by its `Quantized` form (computed in `dtype`: `quantize`), on the
+  leaf's own devices (q on the kernel's sharding, the scale on `scale_sharding`), in chunks of at most `chunk_bytes` of
+  source weights (one jitted call each, waited for before the next): one chunk's intermediates are all the sync adds."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
   paths = [jax.tree_util.keystr(p) for p, _ in flat]
   leaves = [x for _, x in flat]
@@ -205,7 +218,7 @@ def quantize_tree(
         (x.sharding, scale_sharding(x.sharding, a, x.ndim)) if isinstance(x, jax.Array) else None
         for x, a in zip(xs, axes)
     )
-    res = _chunk_fn(form, axes, shardings)(xs)
+    res = _chunk_fn(form, axes, shardings, dtype)(xs)
     jax.block_until_ready(res)
     for i, r in zip(idx, res):
       out[i] = r

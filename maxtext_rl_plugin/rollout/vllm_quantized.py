@@ -26,12 +26,17 @@ shows (its size-1 axes), and the pair is moved onto the engine leaves' shardings
 (`rl.verify_weight_sync`) compares the written leaves, so it covers the quantized bytes and the scales.
 
 Per-output-channel quantization commutes with what the mapping does to a kernel (transposes, per-head reshapes, kv
-heads repeated, head_dim zero-padded: a padded channel gets scale 1, q 0), so quantizing in the engine's layout gives
-the embedded engine's bytes, except where an export hook rescales a kernel (Llama's query, pre-scaled by
-1/sqrt(head_dim) in MaxText): there the scales differ by float32 rounding and a value on a rounding tie may land one
-step away (tests/tpu_contract/test_quantized_sync.py measures the logits against MaxText's forward at the embedded
-engine's quantized weights). A bfloat16 engine holds bfloat16 scales (Qwix casts the scale to the weight's dtype):
-the float32 scale is rounded to it on the write.
+heads repeated, head_dim zero-padded: a padded channel gets scale 1, q 0), so on a float32 engine quantizing in the
+engine's layout gives the embedded engine's bytes, except where an export hook rescales a kernel (Llama's query,
+pre-scaled by 1/sqrt(head_dim) in MaxText): there the scales differ by float32 rounding and a value on a rounding tie
+may land one step away (tests/tpu_contract/test_quantized_sync.py measures the logits against MaxText's forward at the
+embedded engine's quantized weights). A bfloat16 engine holds bfloat16 scales: Qwix quantizes a weight in the weight's own
+dtype (`qarray.quantize`: the absmax, the scale and `w / scale` each rounded to bfloat16 before `w / scale` is rounded
+to int8 or cast to e4m3), so the sync computes each pair in the engine scale's dtype the same way (`quantize`'s
+`dtype`) and writes Qwix's own bytes and scales, bit for bit (tests/rollout/test_vllm_quantized.py). Rounding a
+float32 computation's scale to bfloat16 afterwards would not: `w / scale` rounded to bfloat16 first moves about 9% of
+int8 values and 3% of e4m3 ones by one step (a normal weight), and those steps are also what separates a bfloat16
+vLLM sampler's bytes from the embedded engine's float32 quantization (rollout/quantized_weights.py).
 """
 
 from __future__ import annotations
@@ -121,13 +126,14 @@ def _key(name: str) -> str:
 def quantize(new: Mapping[str, jax.Array], kernels: Mapping[str, Slot], engine_flat: Mapping[str, Any]) -> dict:
   """The mapped float kernels among `new` replaced by their QArray leaves (`{qvalue name: q, scale name: scale}`),
   quantized where they are (the trainer's devices), one jitted call per format and chunk (`quantize.quantize_tree`);
-  other leaves unchanged. The scale takes the engine scale's dtype."""
+  other leaves unchanged. Each is computed in the engine scale's dtype, the dtype Qwix quantized the engine's float
+  weight in (the scale is that weight's dtype), so the pair is Qwix's own, bit for bit, bfloat16 included."""
   out = {k: v for k, v in new.items() if k not in kernels}
-  for form in {kernels[k].form.name for k in new if k in kernels}:
-    names = [k for k in new if k in kernels and kernels[k].form.name == form]
-    done = qz.quantize_tree({k: new[k] for k in names}, qz.fmt(form), {_key(k): kernels[k].axes for k in names})
+  dtype = {k: jnp.dtype(engine_flat[kernels[k].scale].dtype) for k in new if k in kernels}
+  for form, dt in {(kernels[k].form.name, d) for k, d in dtype.items()}:
+    names = [k for k, d in dtype.items() if kernels[k].form.name == form and d == dt]
+    axes_of = {_key(k): kernels[k].axes for k in names}
+    done = qz.quantize_tree({k: new[k] for k in names}, qz.fmt(form), axes_of, dtype=dt)
     for k in names:
-      slot = kernels[k]
-      out[slot.qvalue] = done[k].q
-      out[slot.scale] = done[k].scale.astype(engine_flat[slot.scale].dtype)
+      out[kernels[k].qvalue], out[kernels[k].scale] = done[k].q, done[k].scale
   return out
