@@ -355,6 +355,8 @@ CONFIG_ANNOTATIONS = re.compile(r"\b(HyperParameters|MaxTextConfig|RLConfig|Plug
 # An engine's spec module carries the engine's own config checks (rollout/engines.py `EngineSpec`): a third-party
 # engine reads its own keys there, which no settings object of the plugin's can anticipate. Only those modules.
 ENGINE_SPEC_MODULE = re.compile(rf"^{PACKAGE}\.rollout\.[a-z0-9_]+_spec$")
+
+
 def config_takers(mods: dict[str, Module]) -> dict[str, list[str]]:
   """Functions and methods outside `WHOLE_CONFIG_ROOMS` with a parameter named `config`/`cfg` (the config by its
   name), a settings builder (`from_config`, `of`) excepted: that is the one place a room reads the config."""

@@ -114,7 +114,17 @@ def test_one_decision_point(monkeypatch):
   assert not pathways.requested() and not pathways.initialize()  # off Pathways: nothing to do
   monkeypatch.setattr(pathways, "requested", lambda: True)
   assert backend.pathways_requested()
-  cfg = type("C", (), {"rollout_engine": "auto", "model_name": "llama3.1-8b", "head_dim": 128, "vllm_hf_overrides": ""})()
+  cfg = type(
+      "C",
+      (),
+      {
+          "rollout_engine": "auto",
+          "model_name": "llama3.1-8b",
+          "head_dim": 128,
+          "vllm_hf_overrides": "",
+          "rollout_quantization": "",
+      },
+  )()
 
   monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
   assert run_engine.resolve_name(cfg) == "vllm"  # the one resolution point

@@ -28,6 +28,11 @@ ALLOWED = {
         "directory for its digest (tokenizers load from local directories or hub ids)",
     ),
     "maxtext_rl_plugin/aot/vllm_programs.py": (2, "config.json of a temporary model directory the compile makes"),
+    "maxtext_rl_plugin/aot/low_precision.py": (
+        5,
+        "its local --out folder: each compile subprocess's log (a child's stdout needs a local file), its run record "
+        "and the report compile_rl wrote there, read back for the table",
+    ),
     "maxtext_rl_plugin/demo_tokenizer.py": (3, "regenerates the demo tokenizer shipped inside the package"),
     "maxtext_rl_plugin/bench/common.py": (2, "/proc/self/status and clear_refs: the process's own memory figures"),
     "maxtext_rl_plugin/bench/reshard.py": (1, "its own temporary directory"),
