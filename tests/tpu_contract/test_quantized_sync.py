@@ -22,7 +22,8 @@ with `QUANTIZED_SYNC_SEEDS=0,1,2` (3 init seeds; `-s` prints them; docs/low_prec
 
   Llama 3.1 int8 4.7e-4 - 5.3e-4 (LoRA, after an adapter sync: 9.0e-4), fp8 5.3e-7 - 6.1e-7;
   Qwen3 int8 2.6e-7 - 5.2e-7, fp8 2.6e-7 - 3.2e-7 (the third pass runs seed 0 and Qwen3 int8 only: its time;
-  the whole file adds ~18 s to it after test_forward.py, measured here).
+  the whole file adds ~18 s to it after test_forward.py, measured here, and the bfloat16 engine's byte comparison,
+  int8 and fp8, ~8 s more).
 
 Both sides compute with `q * s` in float32; what differs is the order of summation (test_forward.py: 2.5e-7 - 1.4e-6)
 and, under int8, Llama's query: MaxText holds it pre-scaled by 1/sqrt(head_dim), the export un-scales it, and a
@@ -254,6 +255,35 @@ def test_the_sync_writes_what_qwix_makes_of_the_float_weights(model_dir):
   )
   own = vm.engine_weights(nnx.state(qwix_quantized(float_engine, vllm_config, mesh, pair.quantization)))
   synced = _engine(pair)
+  assert sorted(own) == sorted(synced)
+  for k, v in own.items():
+    assert v.dtype == synced[k].dtype and v.shape == synced[k].shape, k
+    np.testing.assert_array_equal(np.asarray(v).view(np.uint8), np.asarray(synced[k]).view(np.uint8), err_msg=k)
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_a_bfloat16_engine_gets_what_qwix_makes_of_its_bfloat16_weights(model_dir, name):
+  """On a bfloat16 engine (bfloat16 scales) the sync's bytes and scales equal tpu-inference's own (jitted) Qwix PTQ of
+  the bfloat16 weights a float sync writes, bit for bit: Qwix quantizes in the weight's dtype, rounding `w / s` to
+  bfloat16 before int8 / e4m3, and the sync computes the same way (rollout/vllm_quantized.py)."""
+  from maxtext_rl_plugin.rollout import vllm_mapping as vm
+  from maxtext_rl_plugin.rollout import vllm_sync
+
+  pair = pair_of(model_dir, name)
+  flat = vm.flatten_params(nnx.state(pair.actor, nnx.Param))
+  hf_config = vm.hf_config_from_params(flat, pair.cfg.model_name)
+  engines = {}
+  for what in ("float-sync", "quantized-sync"):
+    model, vllm_config, mesh = build(
+        model_dir, "llama", abstract=False, vocab_size=1024, **CASES["llama3.1"][2], qwix_test=f"bf16-{name}-{what}"
+    )
+    if what == "float-sync":
+      vllm_sync.write_weights(nnx.state(model), flat, pair.cfg.model_name, hf_config)
+    engines[what] = qwix_quantized(model, vllm_config, mesh, pair.quantization)
+  vllm_sync.write_weights(nnx.state(engines["quantized-sync"]), flat, pair.cfg.model_name, hf_config)
+  own, synced = (vm.engine_weights(nnx.state(engines[w])) for w in ("float-sync", "quantized-sync"))
+  scales = [k for k in own if k.endswith(".array.scale")]
+  assert len(scales) == 14 and {str(own[k].dtype) for k in scales} == {"bfloat16"}
   assert sorted(own) == sorted(synced)
   for k, v in own.items():
     assert v.dtype == synced[k].dtype and v.shape == synced[k].shape, k
