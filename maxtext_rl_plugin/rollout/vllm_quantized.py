@@ -33,7 +33,8 @@ may land one step away (tests/tpu_contract/test_quantized_sync.py measures the l
 embedded engine's quantized weights). A bfloat16 engine holds bfloat16 scales: Qwix quantizes a weight in the weight's own
 dtype (`qarray.quantize`: the absmax, the scale and `w / scale` each rounded to bfloat16 before `w / scale` is rounded
 to int8 or cast to e4m3), so the sync computes each pair in the engine scale's dtype the same way (`quantize`'s
-`dtype`) and writes Qwix's own bytes and scales, bit for bit (tests/rollout/test_vllm_quantized.py). Rounding a
+`dtype`) and writes Qwix's own bytes and scales, bit for bit (tests/rollout/test_vllm_quantized.py; against
+tpu-inference's own PTQ of a bfloat16 engine: tests/tpu_contract/test_quantized_sync.py). Rounding a
 float32 computation's scale to bfloat16 afterwards would not: `w / scale` rounded to bfloat16 first moves about 9% of
 int8 values and 3% of e4m3 ones by one step (a normal weight), and those steps are also what separates a bfloat16
 vLLM sampler's bytes from the embedded engine's float32 quantization (rollout/quantized_weights.py).
