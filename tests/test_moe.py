@@ -37,6 +37,7 @@ from maxtext_rl_plugin.run import engine as run_engine
 from _tiny import SMALL_VOCAB
 from test_algorithms import np_policy_loss
 from test_trainer_updates import _train
+from test_rollout_embedded import scaled_engine
 
 REF_WIDTH = 64
 NEW = 12
@@ -86,18 +87,7 @@ EXTENDED_FAMILIES = ("mixtral", "gpt-oss")
 )
 def family_fixture(request):
   """A family's tiny model (decoder x3), its engine, and a no-cache reference forward on the same weights."""
-  rs = models.setup_devices(config_lib.parse([CONFIG, *SMALL_VOCAB, *FAMILIES[request.param]]))
-  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
-  model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
-
-  def scale(path, x):
-    return x * 3.0 if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x
-
-  nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
-  engine = embedded.EmbeddedRollout(
-      rollout_actor=model, tokenizer=tok, mesh=mesh, **run_engine.embedded_arguments(model.base.config, mesh)
-  )
-  gdef, _ = nnx.split(model)
+  rs, model, tok, _, engine, gdef = scaled_engine([CONFIG, *SMALL_VOCAB, *FAMILIES[request.param]])
 
   @jax.jit
   def ref_next(state, toks, lens):

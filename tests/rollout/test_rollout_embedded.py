@@ -33,10 +33,11 @@ REF_WIDTH = 96
 NEW = 16
 
 
-def scaled_tiny_engine():
-  """The tiny CPU model with its decoder weights x3 (so greedy output depends on the context), its tokenizer and
-  mesh, its embedded engine, and its graph definition for a no-cache reference forward. Also used by test_agentic."""
-  rs = models.setup_devices(config_lib.parse(["configs/cpu_tiny.yml"]))
+def scaled_engine(argv):
+  """A tiny CPU model from `argv` (config file + overrides) with its decoder weights x3 (so greedy output depends on
+  the context), its tokenizer and mesh, its embedded engine, and its graph definition for a no-cache reference
+  forward: `(rs, model, tok, mesh, engine, gdef)`. Shared by the embedded, quantized and MoE engine tests."""
+  rs = models.setup_devices(config_lib.parse(list(argv)))
   tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
   model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
 
@@ -45,10 +46,16 @@ def scaled_tiny_engine():
 
   nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
   engine = embedded.EmbeddedRollout(
-      rollout_actor=model, tokenizer=tok, mesh=mesh, **run_engine.embedded_arguments(model.base.config, mesh)
+      rollout_actor=model, tokenizer=tok, mesh=mesh, **run_engine.embedded_arguments(rs.sampler_config, mesh)
   )
   gdef, _ = nnx.split(model)
-  return model, tok, mesh, engine, gdef
+  return rs, model, tok, mesh, engine, gdef
+
+
+def scaled_tiny_engine():
+  """`scaled_engine` of configs/cpu_tiny.yml without its run setup: `(model, tok, mesh, engine, gdef)`. Also used by
+  test_agentic."""
+  return scaled_engine(["configs/cpu_tiny.yml"])[1:]
 
 
 @pytest.fixture(name="setup", scope="module")

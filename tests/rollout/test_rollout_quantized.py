@@ -20,14 +20,10 @@ import pytest
 from flax import nnx
 
 from _tiny import SMALL_VOCAB
-from maxtext_rl_plugin.run import models
-from maxtext_rl_plugin.data import tokenizer as tokenizer_lib
-from maxtext_rl_plugin.config import load as config_lib
+from test_rollout_embedded import scaled_engine
 from maxtext_rl_plugin.resharding import quantize as qz
 from maxtext_rl_plugin.resharding import sync as sync_lib
 from maxtext_rl_plugin.resharding import trees
-from maxtext_rl_plugin.rollout import embedded
-from maxtext_rl_plugin.run import engine as run_engine
 
 pytestmark = pytest.mark.extended
 
@@ -48,18 +44,7 @@ def _np_fake_quantize(w, name, axes):
 @pytest.fixture(name="setup", scope="module")
 def setup_fixture():
   """The tiny model (decoder x3) with an FP8 embedded sampler, and a jitted no-cache scorer of token rows."""
-  rs = models.setup_devices(config_lib.parse(["configs/cpu_tiny.yml", *SMALL_VOCAB, "rollout_quantization=fp8"]))
-  tok = tokenizer_lib.load_tokenizer(tokenizer_lib.TokenizerSettings.from_config(rs.trainer_config))
-  model, mesh = models.build_model(rs.sampler_config, rs.sampler_devices, pad_id=tok.pad_token_id)
-
-  def scale(path, x):
-    return x * 3.0 if "decoder" in [getattr(k, "key", None) for k in path] and x.ndim >= 2 else x
-
-  nnx.update(model, jax.tree_util.tree_map_with_path(scale, nnx.state(model, nnx.Param)))
-  engine = embedded.EmbeddedRollout(
-      rollout_actor=model, tokenizer=tok, mesh=mesh, **run_engine.embedded_arguments(rs.sampler_config, mesh)
-  )
-  gdef, _ = nnx.split(model)
+  _, model, tok, _, engine, gdef = scaled_engine(["configs/cpu_tiny.yml", *SMALL_VOCAB, "rollout_quantization=fp8"])
 
   @jax.jit
   def scores(state, toks, lens):
